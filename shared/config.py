@@ -1,0 +1,201 @@
+"""weir's one config file (TOML), as typed msgspec Structs.
+
+Every component reads its settings from here -- the router, each worker, the
+launcher, and the Envoy YAML that ``deploy.envoy_config`` renders.  Unknown
+keys are errors (``forbid_unknown_fields``) so a typo cannot silently fall
+back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal, Optional
+
+import msgspec
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "weir.toml"
+
+
+class _Cfg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+def split_hostport(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class EnvoyConfig(_Cfg):
+    listen: str = "127.0.0.1:8080"
+    admin: str = "127.0.0.1:9901"
+    concurrency: int = 1  # leaves the other core to router + workers
+    max_request_bytes: int = 1 << 20  # larger bodies get 413
+    stream_idle_timeout_s: float = 300.0  # bounds SSE streams instead of a route timeout
+    health_check_interval_s: float = 1.0
+    access_log: bool = False  # ~40 us per request when on
+
+
+class RateLimitConfig(_Cfg):
+    """Envoy local rate limits: a route-wide bucket and one bucket per
+    distinct ``x-api-key`` value (refilled continuously)."""
+
+    route_rps: int = 1000
+    route_burst: int = 2000
+    per_key_rps: int = 100
+    per_key_burst: int = 200
+    max_keys: int = 10000  # Envoy's max_dynamic_descriptors
+
+
+class RouterConfig(_Cfg):
+    http: str = "127.0.0.1:8001"  # what Envoy proxies to; also /metrics, /admin
+    frontend: str = "tcp://127.0.0.1:5555"  # direct ZeroMQ clients
+    backend: str = "tcp://127.0.0.1:5556"  # engine workers connect here
+    heartbeat_interval_s: float = 1.0
+    heartbeat_liveness: int = 3  # missed intervals before a peer is dead
+    log_level: str = "info"
+
+
+class ApiKey(_Cfg):
+    key: str
+    tenant: str
+    tier: str = "normal"  # a scheduler class name
+    weight: float = 1.0  # fair-share weight inside its class
+
+
+class ModelConfig(_Cfg):
+    name: str
+    engine: Literal["vllm", "sim"] = "vllm"
+    path: Optional[str] = None  # model directory (vllm); relative to the config file
+    max_model_len: int = 512
+
+
+class SimEngineConfig(_Cfg):
+    """Parameters of the simulated continuous-batching engine (see
+    engine_worker/sim_engine.py).  Calibrated against vLLM on the tiny model:
+    see that module's docstring."""
+
+    kv_capacity_tokens: int = 65536
+    block_size: int = 16
+    step_fixed_ms: float = 2.0  # per engine step, whatever it holds
+    prefill_token_us: float = 5.0  # per prompt token in the step
+    decode_token_us: float = 50.0  # per running sequence decoded in the step
+    max_prefill_tokens: int = 2048  # chunked-prefill budget per step
+    zero_cost: bool = False  # no sleeping at all: measures pure dataplane overhead
+
+
+class WorkerConfig(_Cfg):
+    id: str
+    model: str
+    pool: Literal["any", "short", "long"] = "any"
+    max_num_seqs: int = 16
+    max_model_len: Optional[int] = None  # default: the model's
+    kv_cache_bytes: Optional[int] = 64 << 20  # vllm on CPU; None on GPU uses gpu_memory_utilization
+    gpu_index: Optional[int] = None  # None: no GPU (NVML reports absent)
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "bfloat16"
+    sim: SimEngineConfig = msgspec.field(default_factory=SimEngineConfig)
+    env: dict[str, str] = {}
+
+
+class ClassConfig(_Cfg):
+    name: str
+    max_queue: int = 1024  # queued requests of this class; beyond -> 429
+    queue_deadline_s: float = 60.0  # waited longer -> 503
+
+
+class SchedulerConfig(_Cfg):
+    policy: Literal["weir", "fifo"] = "weir"
+    classes: list[ClassConfig] = msgspec.field(
+        default_factory=lambda: [
+            ClassConfig(name=n) for n in ("critical", "high", "normal", "low", "batch")
+        ]
+    )
+    aging_bound_s: float = 60.0  # no class waits longer than this behind others
+    short_threshold_tokens: int = 1024  # estimated prompt+max_tokens
+    short_share: int = 3  # weighted share short:long when both wait
+    long_share: int = 1
+    borrow_idle_long: bool = True  # short work may use an idle long worker
+    kv_safety_margin: float = 0.0  # reserve at most capacity * (1 - margin)
+    overcommit: float = 1.0  # >1 lets reservations exceed capacity
+    gpu_free_floor_bytes: int = 0  # a GPU with less free memory gets no new work
+    max_queue_per_tenant: int = 256
+    generation_deadline_s: float = 600.0
+    backfill: bool = True
+
+
+class Config(_Cfg):
+    envoy: EnvoyConfig = msgspec.field(default_factory=EnvoyConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    rate_limit: RateLimitConfig = msgspec.field(default_factory=RateLimitConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    api_keys: list[ApiKey] = []
+    models: list[ModelConfig] = []
+    workers: list[WorkerConfig] = []
+    base_dir: str = ""  # set by load(): relative paths resolve against it
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def worker(self, worker_id: str) -> WorkerConfig:
+        for w in self.workers:
+            if w.id == worker_id:
+                return w
+        raise KeyError(worker_id)
+
+    def resolve(self, path: str) -> str:
+        return str((Path(self.base_dir) / os.path.expanduser(path)).resolve())
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _validate(cfg: Config) -> None:
+    names = [m.name for m in cfg.models]
+    if len(set(names)) != len(names):
+        raise ConfigError("duplicate model names")
+    ids = [w.id for w in cfg.workers]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("duplicate worker ids")
+    classes = {c.name for c in cfg.scheduler.classes}
+    for m in cfg.models:
+        # A simulated engine must never answer under a real model's name.
+        if m.engine == "sim" and not m.name.startswith("sim-"):
+            raise ConfigError(f"sim model {m.name!r}: simulated models must be named 'sim-...'")
+        if m.engine == "vllm" and not m.path:
+            raise ConfigError(f"vllm model {m.name!r} needs a path")
+    for w in cfg.workers:
+        if w.model not in names:
+            raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")
+    for k in cfg.api_keys:
+        if k.tier not in classes:
+            raise ConfigError(f"api key of tenant {k.tenant!r}: unknown tier {k.tier!r}")
+
+
+def load(path: str | os.PathLike | None = None) -> Config:
+    path = Path(path or os.environ.get("WEIR_CONFIG") or DEFAULT_CONFIG).resolve()
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    raw.setdefault("base_dir", str(path.parent))
+    try:
+        cfg = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    _validate(cfg)
+    return cfg
+
+
+def loads(text: str, base_dir: str = ".") -> Config:
+    raw = tomllib.loads(text)
+    raw.setdefault("base_dir", str(Path(base_dir).resolve()))
+    try:
+        cfg = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as e:
+        raise ConfigError(str(e)) from None
+    _validate(cfg)
+    return cfg
