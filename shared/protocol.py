@@ -58,11 +58,12 @@ class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Subset of OpenAI sampling parameters that every engine honours.
 
-    ``max_tokens`` is always set by the router (it defaults to whatever is left
-    of the model's context), so workers never guess it.
+    ``max_tokens`` is always set by the router before dispatch (``Submit.max_tokens``
+    wins, then this field if > 0, else whatever is left of the model's context),
+    so workers never guess it.
     """
 
-    max_tokens: int
+    max_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     seed: Optional[int] = None

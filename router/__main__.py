@@ -1,0 +1,46 @@
+"""``python -m router --config weir.toml``: the router process (uvloop)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import uvloop
+
+from router.core import RouterCore
+from router.http_server import start_http_server
+from shared.config import load, split_hostport
+
+log = logging.getLogger("weir.router")
+
+
+async def serve(config_path: str | None) -> None:
+    cfg = load(config_path)
+    logging.getLogger().setLevel(cfg.router.log_level.upper())
+    loop = asyncio.get_running_loop()
+    core = RouterCore(cfg, loop)
+    host, port = split_hostport(cfg.router.http)
+    server = await start_http_server(core, host, port, max_body_bytes=cfg.envoy.max_request_bytes)
+    log.info("router ready: http=%s frontend=%s backend=%s policy=%s",
+             cfg.router.http, cfg.router.frontend, cfg.router.backend, cfg.scheduler.policy)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("router shutting down")
+    server.close()
+    core.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m router")
+    ap.add_argument("--config", default=None, help="weir TOML config (default: deploy/weir.toml)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvloop.run(serve(args.config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Direct ZeroMQ client for weir's router frontend: the lowest-latency path.
+
+Same semantics and errors as the HTTP API: a refused request raises
+``WeirError`` whose ``error`` carries the HTTP status it maps to (and
+``retry_after`` on 429/503).  Leaving a stream early cancels the request on
+the worker.
+
+    with Client("tcp://127.0.0.1:5555") as c:
+        print(c.complete("tiny-llama", prompt="Hello", max_tokens=8).text)
+
+    async with AsyncClient("tcp://127.0.0.1:5555") as c:
+        async for delta in c.stream("tiny-llama", prompt="Hello", max_tokens=8):
+            print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
+
+import msgspec
+import zmq
+
+from shared import protocol as p
+from shared.transport import SocketPump
+
+
+class WeirError(Exception):
+    def __init__(self, error: p.ErrorInfo) -> None:
+        super().__init__(f"{error.status} {error.type}: {error.message}")
+        self.error = error
+        self.status = error.status
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _submit(request_id: str, model: str, prompt: str | None, messages, max_tokens, priority,
+            task_type, api_key, **params) -> p.Submit:
+    chat = messages is not None
+    return p.Submit(
+        request_id=request_id,
+        model=model,
+        kind=p.RequestKind.CHAT if chat else p.RequestKind.COMPLETION,
+        prompt=prompt or "",
+        messages=[m if isinstance(m, p.ChatMessage) else p.ChatMessage(m["role"], m["content"])
+                  for m in messages] if chat else [],
+        params=p.SamplingParams(**params) if params else None,
+        max_tokens=max_tokens,
+        priority=priority,
+        task_type=p.TaskType[task_type.upper()] if isinstance(task_type, str) else (task_type or p.TaskType.AUTO),
+        api_key=api_key,
+    )
+
+
+def _is_final(d: p.Delta) -> bool:
+    return d.finish_reason is not None or d.error is not None
+
+
+def _collect(deltas) -> Completion:
+    text, last = [], None
+    for d in deltas:
+        text.append(d.text)
+        last = d
+    return Completion("".join(text), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+
+class _Base:
+    def __init__(self, address: str, api_key: str | None) -> None:
+        self.address, self.api_key = address, api_key
+        self._ids = itertools.count(1)
+        self._prefix = os.urandom(3).hex()
+
+    def _new_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+
+class AsyncClient(_Base):
+    """Many concurrent requests over one DEALER socket, driven by a SocketPump."""
+
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None) -> None:
+        super().__init__(address, api_key)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._sock: zmq.Socket | None = None
+        self._pump: SocketPump | None = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.connect(self.address)
+        self._pump = SocketPump(asyncio.get_running_loop())
+        self._pump.add(self._sock, self._on_message)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            if self._streams:
+                self._send(p.Cancel(request_ids=list(self._streams)))
+            self._pump.remove(self._sock)
+            self._sock.close(linger=100)
+            self._sock = None
+
+    def _send(self, msg) -> None:
+        self._pump.send(self._sock, [p.encoder.encode(msg)])
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            msg = p.to_client_decoder.decode(frames[-1])
+        except msgspec.DecodeError:
+            return
+        for d in msg.deltas:
+            q = self._streams.get(d.request_id)
+            if q is not None:
+                q.put_nowait(d)
+
+    async def stream(self, model: str, prompt: str | None = None, messages=None,
+                     max_tokens: int | None = None, priority: str | None = None,
+                     task_type=None, **params) -> AsyncIterator[p.Delta]:
+        """Yield Deltas until the final one; raises WeirError on an error."""
+        rid = self._new_id()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        done = False
+        try:
+            self._send(_submit(rid, model, prompt, messages, max_tokens, priority, task_type,
+                               self.api_key, **params))
+            while True:
+                d = await q.get()
+                if d.error is not None:
+                    done = True
+                    raise WeirError(d.error)
+                done = _is_final(d)
+                yield d
+                if done:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not done and self._sock is not None:
+                self._send(p.Cancel(request_ids=[rid]))
+
+    async def complete(self, model: str, prompt: str | None = None, messages=None, **kw) -> Completion:
+        return _collect([d async for d in self.stream(model, prompt, messages, **kw)])
+
+
+class Client(_Base):
+    """Blocking client, one request at a time (for scripts and tests)."""
+
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None,
+                 timeout_s: float = 300.0) -> None:
+        super().__init__(address, api_key)
+        self.timeout_ms = int(timeout_s * 1000)
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close(linger=100)
+
+    def stream(self, model: str, prompt: str | None = None, messages=None,
+               max_tokens: int | None = None, priority: str | None = None, task_type=None,
+               **params) -> Iterator[p.Delta]:
+        rid = self._new_id()
+        self._sock.send(p.encoder.encode(_submit(rid, model, prompt, messages, max_tokens, priority,
+                                                 task_type, self.api_key, **params)))
+        done = False
+        try:
+            while not done:
+                if not self._sock.poll(self.timeout_ms):
+                    raise TimeoutError(f"no reply from {self.address} in {self.timeout_ms} ms")
+                try:
+                    msg = p.to_client_decoder.decode(self._sock.recv())
+                except msgspec.DecodeError:
+                    continue
+                for d in msg.deltas:
+                    if d.request_id != rid:
+                        continue  # late news of an earlier, abandoned request
+                    if d.error is not None:
+                        done = True
+                        raise WeirError(d.error)
+                    done = _is_final(d)
+                    yield d
+        finally:
+            if not done:
+                self._sock.send(p.encoder.encode(p.Cancel(request_ids=[rid])))
+
+    def complete(self, model: str, prompt: str | None = None, messages=None, **kw) -> Completion:
+        return _collect(self.stream(model, prompt, messages, **kw))
