@@ -1,0 +1,558 @@
+"""The router's HTTP/1.1 ingress: a lean asyncio.Protocol on the httptools parser.
+
+Its production peer is Envoy (keep-alive HTTP/1.1, no pipelining), but any
+well-formed HTTP/1.1 client works: keep-alive, ``Connection: close``,
+HTTP/1.0, chunked request bodies, ``Expect: 100-continue`` and even
+pipelining (requests queue behind the response in progress).
+
+Hot-path rules (see shared/reference/python-dataplane-limits.md: one socket
+write costs ~5.9 us, encoding ~0.2 us):
+  * everything one ``on_deltas`` call delivers -- response head, all SSE
+    events, chunk framing, the terminating chunk -- goes out in ONE write;
+  * a stream's head is sent with its first Delta, so a request refused while
+    queued (a final Delta carrying ``error``) still gets a real HTTP status.
+
+Entry point: ``start_http_server(core, host, port, max_body_bytes=...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import http
+import logging
+import math
+import time
+from collections import deque
+from email.utils import formatdate
+from typing import Any, Callable, Optional
+
+import httptools
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from router import openai_api as api
+from shared.protocol import Delta, ErrorInfo
+
+log = logging.getLogger("weir.http")
+
+# Headers the ingress reads; every other header is skipped while parsing.
+_WANTED_HEADERS = frozenset(
+    (b"authorization", b"x-api-key", b"x-weir-priority", b"x-weir-task-type", b"content-length", b"expect")
+)
+LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
+MAX_PIPELINED = 16  # queued requests per connection before reading pauses
+STATUS_CLIENT_GONE = 499  # metrics label for requests the client abandoned (nginx's convention)
+
+_JSON = b"application/json"
+_CHUNK_END = b"0\r\n\r\n"
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
+
+_date_second = 0
+_date_header = b""
+
+
+def _date() -> bytes:
+    """RFC 9110 Date header value, formatted at most once per second."""
+    global _date_second, _date_header
+    now = int(time.time())
+    if now != _date_second:
+        _date_second = now
+        _date_header = formatdate(now, usegmt=True).encode()
+    return _date_header
+
+
+def _head(status: int, content_type: bytes, length: Optional[int], keep_alive: bool,
+          chunked: bool = False, extra: bytes = b"") -> bytes:
+    """Status line + headers.  ``length`` None: chunked (HTTP/1.1) or, for
+    HTTP/1.0 clients, a body delimited by closing the connection."""
+    parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status,
+             b"date: ", _date(), b"\r\ncontent-type: ", content_type, b"\r\n"]
+    if length is not None:
+        parts.append(b"content-length: %d\r\n" % length)
+    elif chunked:
+        parts.append(b"transfer-encoding: chunked\r\n")
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(extra)
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def _retry_after(info: ErrorInfo) -> bytes:
+    if info.retry_after is None:
+        return b""
+    return b"retry-after: %d\r\n" % max(1, math.ceil(info.retry_after))  # as router.core does for ZeroMQ
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Request:
+    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0")
+
+    def __init__(self, method: bytes, path: bytes, headers: dict, body: bytes, keep_alive: bool, http11: bool):
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.http11 = http11
+        self.t0 = time.perf_counter()
+
+    def header(self, name: bytes) -> Optional[str]:
+        v = self.headers.get(name)
+        return None if v is None else v.decode("latin-1")
+
+
+class _ErrorReply:
+    """A queued terminal reply (malformed HTTP behind a pipelined request)."""
+
+    __slots__ = ("status", "message")
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        self.message = message
+
+
+class _Metrics:
+    """``weir_http_requests_total{path,status}`` and
+    ``weir_http_request_duration_seconds{path}``, kept as plain numbers and
+    turned into Prometheus families only when scraped: prometheus_client's own
+    Counter+Histogram cost ~3 us per request (locks, label lookups), this ~0.4."""
+
+    BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+    def __init__(self, registry: prometheus_client.CollectorRegistry):
+        self.requests: dict[tuple[str, int], int] = {}
+        self.durations: dict[str, list] = {}  # path -> [bucket counts..., +Inf count, sum]
+        registry.register(self)
+
+    def observe(self, path: str, status: int, seconds: float) -> None:
+        key = (path, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        h = self.durations.get(path)
+        if h is None:
+            h = self.durations[path] = [0] * (len(self.BUCKETS) + 1) + [0.0]
+        h[bisect.bisect_left(self.BUCKETS, seconds)] += 1
+        h[-1] += seconds
+
+    def collect(self):
+        requests = CounterMetricFamily("weir_http_requests", "HTTP requests answered by the router, by route and status",
+                                       labels=["path", "status"])
+        for (path, status), n in sorted(self.requests.items()):
+            requests.add_metric([path, str(status)], n)
+        yield requests
+        duration = HistogramMetricFamily(
+            "weir_http_request_duration_seconds",
+            "Time from a request's last byte to its response's last byte (whole stream for SSE)", labels=["path"])
+        for path, h in sorted(self.durations.items()):
+            cumulative, buckets = 0, []
+            for bound, n in zip(self.BUCKETS + (float("inf"),), h):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            duration.add_metric([path], buckets, h[-1])
+        yield duration
+
+
+class _Ingress:
+    """State shared by every connection of one server."""
+
+    def __init__(self, core: Any, max_body_bytes: int, max_buffered_bytes: int):
+        self.core = core
+        self.max_body_bytes = max_body_bytes
+        self.max_buffered_bytes = max_buffered_bytes
+        self.metrics = _Metrics(core.registry)
+        self.started = int(time.time())
+        # path -> (allowed method, handler name)
+        self.routes: dict[bytes, tuple[bytes, str]] = {
+            b"/v1/completions": (b"POST", "_completions"),
+            b"/v1/chat/completions": (b"POST", "_chat"),
+            b"/v1/models": (b"GET", "_models"),
+            b"/health": (b"GET", "_health"),
+            b"/metrics": (b"GET", "_metrics"),
+            b"/admin/workers": (b"GET", "_admin_workers"),
+            b"/admin/queues": (b"GET", "_admin_queues"),
+        }
+
+
+class Exchange:
+    """One generation request in flight: the ``RequestSink`` the core feeds."""
+
+    __slots__ = ("conn", "req", "ctx", "label", "handle", "done", "started", "renderer", "texts", "counts")
+
+    def __init__(self, conn: "HttpConnection", req: _Request, ctx: api.ResponseContext, label: str):
+        self.conn = conn
+        self.req = req
+        self.ctx = ctx
+        self.label = label
+        self.handle: Optional[int] = None
+        self.done = False
+        self.started = False  # stream: head already sent
+        if ctx.stream:
+            self.renderer = api.StreamRenderer(ctx)
+        else:
+            self.renderer = None
+            self.texts: list[str] = []
+            self.counts = api.TokenCounts()
+
+    def on_deltas(self, deltas: list[Delta]) -> None:
+        if self.done or self.conn.closed or not deltas:
+            return
+        try:
+            if self.renderer is not None:
+                self._stream(deltas)
+            else:
+                self._accumulate(deltas)
+        except Exception:  # a bug here must not escape into the core's loop
+            log.exception("rendering deltas failed; dropping connection")
+            self.conn.abort(self, STATUS_CLIENT_GONE if self.started else 500)
+
+    def _accumulate(self, deltas: list[Delta]) -> None:
+        counts = self.counts
+        texts = self.texts
+        for d in deltas:
+            counts.add(d)
+            if d.text:
+                texts.append(d.text)
+        last = deltas[-1]
+        if last.error is not None:
+            self.done = True
+            self.conn.respond_error(self.req, last.error, self.label)
+        elif last.finish_reason is not None:
+            self.done = True
+            body = api.render_completion(self.ctx, "".join(texts), last.finish_reason,
+                                         counts.prompt, counts.completion_total)
+            self.conn.respond(self.req, 200, _JSON, body, self.label)
+
+    def _stream(self, deltas: list[Delta]) -> None:
+        conn = self.conn
+        req = self.req
+        if not self.started:
+            last = deltas[-1]
+            if last.error is not None and not any(d.text for d in deltas):
+                # Refused before any output (e.g. queue deadline): a real status.
+                self.done = True
+                conn.respond_error(req, last.error, self.label)
+                return
+            self.started = True
+            head = _head(200, b"text/event-stream", None, req.keep_alive and req.http11, chunked=req.http11,
+                         extra=b"cache-control: no-cache\r\n")
+        else:
+            head = b""
+        payload = self.renderer.render(deltas)
+        finished = self.renderer.finished
+        if req.http11:
+            if payload:
+                data = b"%b%x\r\n%b\r\n" % (head, len(payload), payload)
+            else:  # an empty chunk would end the body
+                data = head
+            if finished:
+                data += _CHUNK_END
+        else:
+            data = head + payload
+        if data:
+            conn.transport.write(data)
+        if finished:
+            self.done = True
+            conn.response_complete(req, 200, self.label, req.keep_alive and req.http11)
+        elif conn.write_paused and conn.transport.get_write_buffer_size() > conn.ingress.max_buffered_bytes:
+            log.warning("client too slow for its stream (%d bytes unsent); cancelling %s",
+                        conn.transport.get_write_buffer_size(), self.ctx.id)
+            conn.abort(self, STATUS_CLIENT_GONE)
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection.  httptools calls the ``on_*`` methods while
+    ``data_received`` feeds it; a complete request is answered at once, or
+    queued behind the response in progress (pipelining)."""
+
+    def __init__(self, ingress: _Ingress):
+        self.ingress = ingress
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: Optional[asyncio.Transport] = None
+        self.closed = False  # closing or closed: write nothing more
+        self.dead_input = False  # parse error seen: ignore further bytes
+        self.write_paused = False
+        self.reading_paused = False
+        self.current: Optional[Exchange] = None  # generation whose response is in progress
+        self.busy = False  # a response is in progress (generation or not)
+        self.pending: deque = deque()
+        self._url = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._body: list[bytes] = []
+        self._body_len = 0
+        self._keep_alive = True
+        self._http11 = True
+        self._upgrade = False
+
+    # ---------------------------------------------------------- asyncio
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.dead_input or self.closed:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            if isinstance(e.__context__, _BodyTooLarge):
+                self._input_error(413, f"Request body exceeds the limit of {self.ingress.max_body_bytes} bytes",
+                                  code="request_too_large")
+            else:
+                log.error("HTTP request handling failed", exc_info=e.__context__ or e)
+                self._input_error(500, "Internal error while handling the request", type_="server_error")
+        except httptools.HttpParserUpgrade as e:
+            # We never switch protocols (e.g. curl's h2c upgrade): the request
+            # was answered as plain HTTP/1.1 (bodiless ones only, see
+            # on_message_complete); carry on with a fresh parser.
+            if not self.dead_input:
+                self.parser = httptools.HttpRequestParser(self)
+                rest = data[e.args[0]:]
+                if rest:
+                    self.data_received(rest)
+        except httptools.HttpParserError as e:
+            self._input_error(400, f"Malformed HTTP request: {e}")
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.closed = True
+        self.pending.clear()
+        ex = self.current
+        if ex is not None and not ex.done:
+            ex.done = True
+            self.current = None
+            if ex.handle is not None:
+                self.ingress.core.cancel(ex.handle)
+            self.ingress.metrics.observe(ex.label, STATUS_CLIENT_GONE, time.perf_counter() - ex.req.t0)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+
+    # ---------------------------------------------------------- httptools
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = {}
+        self._body = []
+        self._body_len = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in _WANTED_HEADERS:
+            self._headers[name] = value
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        self._http11 = parser.get_http_version() == "1.1"
+        # HTTP/1.0 keep-alive is rare and needs extra response headers: close instead.
+        self._keep_alive = self._http11 and parser.should_keep_alive()
+        self._upgrade = parser.should_upgrade()
+        length = self._headers.get(b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.ingress.max_body_bytes:
+            raise _BodyTooLarge()
+        expect = self._headers.get(b"expect")
+        if expect is not None and expect.lower() == b"100-continue" and not self.busy and self._http11:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_len += len(body)
+        if self._body_len > self.ingress.max_body_bytes:
+            raise _BodyTooLarge()
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.closed:
+            return
+        if self._upgrade and self.parser.get_method() != b"GET":
+            # llhttp hands a request's body to the upgraded protocol: it is lost.
+            return self._input_error(400, "HTTP protocol upgrade is not supported; send the request without Upgrade")
+        path = self._url.split(b"?", 1)[0]
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11)
+        if self.busy or self.pending:
+            self.pending.append(req)
+            if len(self.pending) >= MAX_PIPELINED and not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()
+        else:
+            self._start(req)
+
+    # ---------------------------------------------------------- requests
+
+    def _start(self, req: _Request) -> None:
+        ingress = self.ingress
+        route = ingress.routes.get(req.path)
+        if route is None:
+            if req.path.startswith(b"/v1/models/") and req.method == b"GET":
+                return self._model(req)
+            return self.respond_error(req, ErrorInfo(404, f"No route for {req.path.decode('latin-1')!r}",
+                                                     code="not_found"), "other")
+        method, handler = route
+        label = req.path.decode()
+        if req.method != method:
+            return self.respond_error(
+                req, ErrorInfo(405, f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}",
+                               code="method_not_allowed"),
+                label, extra=b"allow: " + method + b"\r\n")
+        try:
+            getattr(self, handler)(req, label)
+        except Exception:
+            log.exception("handler for %s failed", label)
+            if not self.busy and not self.closed:
+                self.respond_error(req, ErrorInfo(500, "Internal error", type="server_error"), label)
+
+    def _generate(self, req: _Request, label: str, parse: Callable) -> None:
+        meta = api.meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"),
+                                     req.header(b"x-weir-priority"), req.header(b"x-weir-task-type"))
+        try:
+            sub, ctx = parse(req.body, meta, api.new_request_id())
+        except api.RequestError as e:
+            return self.respond_error(req, e.info, label)
+        req.body = b""  # a stream may live for minutes; its body is not needed
+        ex = Exchange(self, req, ctx, label)
+        self.current = ex
+        self.busy = True
+        try:
+            result = self.ingress.core.submit(sub, ex)
+        except Exception:
+            self.current = None
+            self.busy = False
+            raise
+        if isinstance(result, ErrorInfo):
+            ex.done = True
+            self.current = None
+            self.busy = False
+            return self.respond_error(req, result, label)
+        ex.handle = result
+
+    def _completions(self, req: _Request, label: str) -> None:
+        self._generate(req, label, api.parse_completion)
+
+    def _chat(self, req: _Request, label: str) -> None:
+        self._generate(req, label, api.parse_chat)
+
+    def _models(self, req: _Request, label: str) -> None:
+        self.respond(req, 200, _JSON, api.render_models(self.ingress.core.models(), self.ingress.started), label)
+
+    def _model(self, req: _Request) -> None:
+        name = req.path[len(b"/v1/models/"):].decode("utf-8", "replace")
+        for model, max_len in self.ingress.core.models():
+            if model == name:
+                body = api.encode({"id": model, "object": "model", "created": self.ingress.started,
+                                   "owned_by": "weir", "max_model_len": max_len})
+                return self.respond(req, 200, _JSON, body, "/v1/models/{model}")
+        self.respond_error(req, ErrorInfo(404, f"The model {name!r} does not exist", code="model_not_found",
+                                          param="model"), "/v1/models/{model}")
+
+    def _health(self, req: _Request, label: str) -> None:
+        self.respond(req, 200, _JSON, api.encode(self.ingress.core.health()), label)
+
+    def _metrics(self, req: _Request, label: str) -> None:
+        body, content_type = self.ingress.core.metrics_payload()
+        self.respond(req, 200, content_type.encode(), body, label)
+
+    def _admin_workers(self, req: _Request, label: str) -> None:
+        self.respond(req, 200, _JSON, api.encode(self.ingress.core.admin_workers()), label)
+
+    def _admin_queues(self, req: _Request, label: str) -> None:
+        self.respond(req, 200, _JSON, api.encode(self.ingress.core.admin_queues()), label)
+
+    # ---------------------------------------------------------- responses
+
+    def respond(self, req: _Request, status: int, content_type: bytes, body: bytes, label: str,
+                extra: bytes = b"") -> None:
+        """A whole response (head + body) in one write."""
+        if self.closed:
+            return
+        self.transport.write(_head(status, content_type, len(body), req.keep_alive, extra=extra) + body)
+        self.response_complete(req, status, label, req.keep_alive)
+
+    def respond_error(self, req: _Request, info: ErrorInfo, label: str, extra: bytes = b"") -> None:
+        self.respond(req, info.status, _JSON, api.error_body(info), label, extra + _retry_after(info))
+
+    def response_complete(self, req: _Request, status: int, label: str, keep_alive: bool) -> None:
+        self.ingress.metrics.observe(label, status, time.perf_counter() - req.t0)
+        self.current = None
+        self.busy = False
+        if not keep_alive:
+            self._close()
+        elif self.pending:
+            # Not re-entrantly: we may be inside the core's delivery loop.
+            asyncio.get_running_loop().call_soon(self._drain_pending)
+
+    def _drain_pending(self) -> None:
+        while self.pending and not self.busy and not self.closed:
+            item = self.pending.popleft()
+            if isinstance(item, _ErrorReply):
+                self._reply_and_close(item.status, item.message)
+            else:
+                self._start(item)
+        if self.reading_paused and not self.closed and len(self.pending) < MAX_PIPELINED // 2:
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+    def _input_error(self, status: int, message: str, code: Optional[str] = None,
+                     type_: str = "invalid_request_error") -> None:
+        """Unusable input: answer (after any response in progress) and close."""
+        self.dead_input = True
+        if self.busy or self.pending:
+            self.pending.append(_ErrorReply(status, message))
+        else:
+            self._reply_and_close(status, message, code, type_)
+
+    def _reply_and_close(self, status: int, message: str, code: Optional[str] = None,
+                         type_: str = "invalid_request_error") -> None:
+        """Error reply, then a lingering close: half-close and discard input
+        for a moment, so a client still sending its (e.g. too large) body
+        reads the reply instead of a connection reset."""
+        if self.closed:
+            return
+        body = api.error_body(ErrorInfo(status, message, type=type_, code=code))
+        transport = self.transport
+        transport.write(_head(status, _JSON, len(body), keep_alive=False) + body)
+        self.ingress.metrics.observe("other", status, 0.0)
+        self.closed = True
+        self.dead_input = True
+        self.pending.clear()
+        if transport.can_write_eof():
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
+
+    def abort(self, ex: Exchange, status: int) -> None:
+        """Give up on a generation mid-response: cancel it and drop the connection."""
+        ex.done = True
+        self.current = None
+        if ex.handle is not None:
+            self.ingress.core.cancel(ex.handle)
+        self.ingress.metrics.observe(ex.label, status, time.perf_counter() - ex.req.t0)
+        self.closed = True
+        self.pending.clear()
+        self.transport.abort()
+
+    def _close(self) -> None:
+        self.closed = True
+        self.pending.clear()
+        self.transport.close()  # flushes what is buffered first
+
+
+async def start_http_server(core: Any, host: str, port: int, *, max_body_bytes: int = 1 << 20,
+                            max_buffered_bytes: int = 4 << 20) -> asyncio.AbstractServer:
+    """Serve the OpenAI-compatible API, health, metrics and admin for ``core``.
+
+    ``max_buffered_bytes``: a stream whose unsent output exceeds this while
+    the client is not reading is cancelled and its connection dropped.
+    """
+    ingress = _Ingress(core, max_body_bytes, max_buffered_bytes)
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)

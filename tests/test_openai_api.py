@@ -1,0 +1,354 @@
+"""router.openai_api: request validation -> Submit, and response rendering as
+the openai SDK parses it (its own SSE decoder and pydantic response types)."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import given, settings, strategies as st
+from openai._streaming import SSEDecoder
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from router import openai_api as api
+from shared.protocol import Delta, ErrorInfo, RequestKind, TaskType
+
+NO_META = api.RequestMeta()
+
+
+def _completion(**fields) -> bytes:
+    return json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
+
+
+def _chat(**fields) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def _refusal(parse, body: bytes, meta=NO_META) -> ErrorInfo:
+    with pytest.raises(api.RequestError) as e:
+        parse(body, meta, "r1")
+    return e.value.info
+
+
+# ------------------------------------------------------------------ validation
+
+BAD_COMPLETIONS = [
+    # (body, param, code)
+    (b"", None, None),
+    (b"{not json", None, None),
+    (b"[1, 2]", None, None),
+    (b'{"prompt": "hi"}', "model", None),
+    (b'{"model": "m"}', "prompt", None),
+    (_completion(model=3), "model", None),
+    (_completion(prompt=None), "prompt", None),
+    (_completion(prompt=[1, 2, 3]), "prompt", "unsupported_value"),
+    (_completion(prompt=[[1, 2]]), "prompt", "unsupported_value"),
+    (_completion(prompt=["a", "b"]), "prompt", "unsupported_value"),
+    (_completion(prompt=[]), "prompt", "unsupported_value"),
+    (_completion(max_tokens=0), "max_tokens", None),
+    (_completion(max_tokens=-5), "max_tokens", None),
+    (_completion(max_tokens="10"), "max_tokens", None),
+    (_completion(max_tokens=1.5), "max_tokens", None),
+    (_completion(temperature=2.5), "temperature", None),
+    (_completion(temperature=-0.1), "temperature", None),
+    (_completion(temperature="hot"), "temperature", None),
+    (_completion(top_p=0), "top_p", None),
+    (_completion(top_p=1.01), "top_p", None),
+    (_completion(n=2), "n", "unsupported_value"),
+    (_completion(n="1"), "n", None),
+    (_completion(stream="yes"), "stream", None),
+    (_completion(stream_options={"include_usage": True}), "stream_options", None),
+    (_completion(stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage", None),
+    (_completion(stop=["a", "b", "c", "d", "e"]), "stop", None),
+    (_completion(stop=7), "stop", None),
+    (_completion(stop=["a", 1]), "stop[1]", None),
+    (_completion(seed="x"), "seed", None),
+    (_completion(user=5), "user", None),
+    (_completion(priority=1), "priority", None),
+    (_completion(task_type="medium"), "task_type", None),
+    (_completion(echo=True), "echo", "unsupported_value"),
+    (_completion(best_of=3), "best_of", "unsupported_value"),
+    (_completion(suffix="tail"), "suffix", "unsupported_value"),
+    (_completion(logprobs=3), "logprobs", "unsupported_value"),
+    (_completion(presence_penalty=0.5), "presence_penalty", "unsupported_value"),
+    (_completion(frequency_penalty=-1), "frequency_penalty", "unsupported_value"),
+]
+
+
+@pytest.mark.parametrize("body,param,code", BAD_COMPLETIONS)
+def test_completion_validation_errors(body, param, code):
+    info = _refusal(api.parse_completion, body)
+    assert info.status == 400
+    assert info.type == "invalid_request_error"
+    assert info.param == param
+    assert info.code == code
+    assert info.message
+
+
+BAD_CHATS = [
+    (b'{"model": "m"}', "messages", None),
+    (_chat(messages=[]), "messages", None),
+    (_chat(messages="hi"), "messages", None),
+    (_chat(messages=[{"content": "x"}]), "messages[0].role", None),
+    (_chat(messages=[{"role": "user", "content": "a"}, {"role": "robot", "content": "x"}]), "messages[1].role", None),
+    (_chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", None),
+    (_chat(messages=[{"role": "user"}]), "messages[0].content", None),
+    (_chat(messages=[{"role": "user", "content": None}]), "messages[0].content", None),
+    (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]", "unsupported_value"),
+    (_chat(messages=[{"role": "user", "content": [{"text": "no type"}]}]), "messages[0].content[0].type", None),
+    (_chat(max_completion_tokens=0), "max_completion_tokens", None),
+    (_chat(max_tokens=0), "max_tokens", None),
+    (_chat(temperature=3), "temperature", None),
+    (_chat(n=3), "n", "unsupported_value"),
+    (_chat(logprobs=True), "logprobs", "unsupported_value"),
+    (_chat(top_logprobs=2), "top_logprobs", "unsupported_value"),
+    (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_value"),
+    (_chat(response_format={"type": "json_object"}), "response_format", "unsupported_value"),
+    (_chat(stream_options={"include_usage": True}), "stream_options", None),
+]
+
+
+@pytest.mark.parametrize("body,param,code", BAD_CHATS)
+def test_chat_validation_errors(body, param, code):
+    info = _refusal(api.parse_chat, body)
+    assert (info.status, info.type, info.param, info.code) == (400, "invalid_request_error", param, code)
+
+
+def test_malformed_json_says_so():
+    info = _refusal(api.parse_completion, b'{"model": "m", "prompt": ')
+    assert info.message.startswith("Malformed JSON")
+    assert "type" in api.encode(api.ErrorEnvelope(api.ErrorBody("x", "t", None, None))).decode()
+
+
+def test_bad_task_type_header_names_the_header():
+    meta = api.meta_from_headers(None, None, None, "huge")
+    assert _refusal(api.parse_completion, _completion(), meta).param == "x-weir-task-type"
+
+
+# ------------------------------------------------------------------ conversion to Submit
+
+
+def test_completion_to_submit_defaults():
+    sub, ctx = api.parse_completion(_completion(), NO_META, "abc")
+    assert sub.request_id == "abc" and sub.model == "m" and sub.prompt == "hi"
+    assert sub.kind == RequestKind.COMPLETION and sub.messages == []
+    assert sub.max_tokens == api.DEFAULT_COMPLETION_MAX_TOKENS  # OpenAI's legacy default
+    assert sub.params is None  # no sampling field given: the engine's defaults
+    assert sub.task_type == TaskType.AUTO and sub.priority is None and sub.api_key is None
+    assert (ctx.id, ctx.kind, ctx.model, ctx.stream, ctx.include_usage) == ("cmpl-abc", RequestKind.COMPLETION,
+                                                                           "m", False, False)
+
+
+def test_completion_sampling_fields_and_extensions():
+    body = _completion(prompt=["only one"], max_tokens=7, temperature=0, top_p=0.5, seed=42, stop="\n",
+                       stream=True, stream_options={"include_usage": True}, priority="low", task_type="long",
+                       user="u1", logit_bias={}, some_future_field={"x": 1}, n=1, best_of=1, echo=False)
+    sub, ctx = api.parse_completion(body, NO_META, "r")
+    assert sub.prompt == "only one" and sub.max_tokens == 7
+    p = sub.params
+    assert (p.temperature, p.top_p, p.seed, p.stop) == (0.0, 0.5, 42, ["\n"])
+    assert sub.priority == "low" and sub.task_type == TaskType.LONG
+    assert ctx.stream and ctx.include_usage
+
+
+def test_stop_list_and_partial_sampling_defaults():
+    sub, _ = api.parse_completion(_completion(stop=["a", "b", "c", "d"], temperature=None), NO_META, "r")
+    assert sub.params.stop == ["a", "b", "c", "d"]
+    assert (sub.params.temperature, sub.params.top_p, sub.params.seed) == (1.0, 1.0, None)
+
+
+def test_chat_to_submit():
+    body = _chat(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "tool", "content": "42", "tool_call_id": "t1"},
+    ], max_tokens=9, max_completion_tokens=5)
+    sub, ctx = api.parse_chat(body, NO_META, "q")
+    assert sub.kind == RequestKind.CHAT and sub.prompt == ""
+    assert [(m.role, m.content) for m in sub.messages] == [
+        ("system", "be brief"), ("user", "a\nb"), ("assistant", "ok"), ("tool", "42")]
+    assert sub.max_tokens == 5  # max_completion_tokens wins
+    assert ctx.id == "chatcmpl-q" and ctx.kind == RequestKind.CHAT
+
+
+def test_chat_max_tokens_default_is_rest_of_context():
+    sub, _ = api.parse_chat(_chat(), NO_META, "q")
+    assert sub.max_tokens is None
+    sub, _ = api.parse_chat(_chat(max_tokens=3), NO_META, "q")
+    assert sub.max_tokens == 3
+
+
+@pytest.mark.parametrize("auth,xkey,expected", [
+    ("Bearer sk-1", None, "sk-1"),
+    ("bearer  sk-2 ", None, "sk-2"),
+    ("Basic abc", None, None),
+    ("Bearer ", None, None),
+    (None, "k-3", "k-3"),
+    ("Bearer sk-1", "k-3", "k-3"),  # the header Envoy rate-limits on wins
+    (None, None, None),
+])
+def test_api_key_from_headers(auth, xkey, expected):
+    sub, _ = api.parse_completion(_completion(), api.meta_from_headers(auth, xkey), "r")
+    assert sub.api_key == expected
+
+
+def test_priority_and_task_type_headers_with_body_precedence():
+    meta = api.meta_from_headers(None, None, "batch", "Short")
+    sub, _ = api.parse_chat(_chat(), meta, "r")
+    assert sub.priority == "batch" and sub.task_type == TaskType.SHORT
+    sub, _ = api.parse_chat(_chat(priority="low", task_type="long"), meta, "r")
+    assert sub.priority == "low" and sub.task_type == TaskType.LONG
+
+
+def test_request_ids_are_unique():
+    ids = {api.new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def _ctx(kind=RequestKind.COMPLETION, stream=True, include_usage=False, model="tiny"):
+    prefix = "cmpl-" if kind == RequestKind.COMPLETION else "chatcmpl-"
+    return api.ResponseContext(prefix + "x1", kind, model, 1700000000, stream, include_usage)
+
+
+def _sse(data: bytes) -> list[str]:
+    """Events as the openai SDK's own decoder yields them, fed in awkward pieces."""
+    pieces = [data[i:i + 7] for i in range(0, len(data), 7)]
+    return [e.data for e in SSEDecoder().iter_bytes(iter(pieces))]
+
+
+def _choice_text(event: str) -> str:
+    choice = json.loads(event)["choices"][0]
+    return choice["text"] if "text" in choice else (choice["delta"].get("content") or "")
+
+
+def test_non_stream_completion_shape():
+    body = api.render_completion(_ctx(stream=False), "hello world", "length", 3, 2)
+    obj = json.loads(body)
+    assert obj == {
+        "id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
+        "choices": [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+    parsed = Completion.model_validate(obj)
+    assert parsed.choices[0].text == "hello world" and parsed.usage.total_tokens == 5
+
+
+def test_non_stream_chat_shape():
+    body = api.render_completion(_ctx(RequestKind.CHAT, stream=False), "hi", "stop", 10, 1)
+    obj = json.loads(body)
+    assert obj["object"] == "chat.completion" and obj["id"] == "chatcmpl-x1"
+    assert obj["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                               "logprobs": None, "finish_reason": "stop"}]
+    assert obj["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}
+    parsed = ChatCompletion.model_validate(obj)
+    assert parsed.choices[0].message.content == "hi"
+
+
+def test_completion_stream_events():
+    r = api.StreamRenderer(_ctx())
+    first = r.render([Delta("x1", "Hel", 1, prompt_tokens=4, completion_tokens=1),
+                      Delta("x1", "lo", 1, completion_tokens=2)])
+    assert not r.finished
+    last = r.render([Delta("x1", "!", 1, finish_reason="stop", prompt_tokens=4, completion_tokens=3)])
+    assert r.finished
+    events = _sse(first + last)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks == [
+        {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
+         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None}]},
+        {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
+         "choices": [{"index": 0, "text": "!", "logprobs": None, "finish_reason": "stop"}]},
+    ]
+    # The SDK builds stream chunks without validation (its Completion type insists on a
+    # finish_reason, which OpenAI's own mid-stream chunks lack); the final one validates.
+    assert Completion.model_validate(chunks[-1]).choices[0].finish_reason == "stop"
+    assert first.count(b"\n\n") == 1 and first.startswith(b"data: {")  # one batch -> one event
+
+
+def test_chat_stream_events_with_usage():
+    r = api.StreamRenderer(_ctx(RequestKind.CHAT, include_usage=True))
+    out = r.render([Delta("x1", "", 0, prompt_tokens=5)])
+    out += r.render([Delta("x1", "Hi", 1, completion_tokens=1), Delta("x1", " there", 1, completion_tokens=2)])
+    out += r.render([Delta("x1", "", 0, finish_reason="length", prompt_tokens=5, completion_tokens=2)])
+    events = _sse(out)
+    assert events[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate(json.loads(e)) for e in events[:-1]]
+    assert [c.object for c in chunks] == ["chat.completion.chunk"] * 4
+    role, content, finish, usage = chunks
+    assert role.choices[0].delta.role == "assistant" and role.choices[0].delta.content == ""
+    assert content.choices[0].delta.content == "Hi there" and content.choices[0].finish_reason is None
+    assert finish.choices[0].finish_reason == "length" and finish.choices[0].delta.content is None
+    assert usage.choices == [] and usage.usage.model_dump() == {
+        "prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+        "completion_tokens_details": None, "prompt_tokens_details": None}
+    # include_usage: every other chunk says "usage": null, as OpenAI does
+    assert all(json.loads(e)["usage"] is None for e in events[:3])
+
+
+def test_stream_batch_without_news_renders_nothing():
+    r = api.StreamRenderer(_ctx())
+    assert r.render([Delta("x1", "", 0, prompt_tokens=3)]) == b""
+    r = api.StreamRenderer(_ctx(RequestKind.CHAT))
+    assert r.render([Delta("x1", "a", 1)]) != b""
+    assert r.render([Delta("x1", "", 0)]) == b""
+
+
+@pytest.mark.parametrize("kind", [RequestKind.COMPLETION, RequestKind.CHAT])
+def test_stream_error_after_start_is_an_sse_error_event(kind):
+    r = api.StreamRenderer(_ctx(kind, include_usage=True))
+    out = r.render([Delta("x1", "partial", 1)])
+    err = ErrorInfo(503, "worker lost", type="server_error", code="worker_lost")
+    out += r.render([Delta("x1", " more", 1), Delta("x1", error=err)])
+    assert r.finished
+    events = _sse(out)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2]) == {"error": {"message": "worker lost", "type": "server_error",
+                                                "param": None, "code": "worker_lost"}}
+    assert "".join(_choice_text(e) for e in events[:-2]) == "partial more"
+    # no usage chunk and no finish_reason after an error
+    assert all(json.loads(e).get("choices") and json.loads(e)["choices"][0]["finish_reason"] is None
+               for e in events[:-2])
+
+
+def test_usage_falls_back_to_counting_num_tokens():
+    r = api.StreamRenderer(_ctx(include_usage=True))
+    out = r.render([Delta("x1", "a", 2), Delta("x1", "b", 3, finish_reason="stop", prompt_tokens=7)])
+    usage = json.loads(_sse(out)[-2])["usage"]
+    assert usage == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+
+
+def test_error_body_shape():
+    info = ErrorInfo(429, "queue full", type="rate_limit_error", code="queue_full", retry_after=1.2)
+    assert json.loads(api.error_body(info)) == {
+        "error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": "queue_full"}}
+
+
+def test_models_listing():
+    obj = json.loads(api.render_models([("tiny", 512), ("sim-a", 4096)], 5))
+    assert obj["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in obj["data"]] == [
+        ("tiny", "model", 512), ("sim-a", "model", 4096)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(), model=st.text(min_size=1), kind=st.sampled_from(list(RequestKind)))
+def test_template_events_roundtrip_any_text(text, model, kind):
+    """The byte templates are JSON-safe for any text and model name, and equal
+    what a plain JSON encoder produces."""
+    r = api.StreamRenderer(_ctx(kind, model=model))
+    out = r.render([Delta("x1", text, 1, finish_reason="stop")])
+    events = _sse(out)
+    assert events[-1] == "[DONE]"
+    assert "".join(_choice_text(e) for e in events[:-1]) == text
+    assert all(json.loads(e)["model"] == model for e in events[:-1])
+    # byte-identical to encoding the same object with msgspec (no stray spaces/escapes)
+    for e in events[:-1]:
+        assert e.encode() == msgspec.json.encode(json.loads(e))
