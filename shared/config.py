@@ -35,6 +35,9 @@ class EnvoyConfig(_Cfg):
     stream_idle_timeout_s: float = 300.0  # bounds SSE streams instead of a route timeout
     health_check_interval_s: float = 1.0
     access_log: bool = False  # ~40 us per request when on
+    # Concurrent client connections, and concurrent requests to the router
+    # (HTTP/1.1: one upstream connection each); beyond -> 503 overflow.
+    max_connections: int = 8192
 
 
 class RateLimitConfig(_Cfg):
@@ -62,6 +65,9 @@ class ApiKey(_Cfg):
     tenant: str
     tier: str = "normal"  # a scheduler class name
     weight: float = 1.0  # fair-share weight inside its class
+    # Envoy per-key bucket for this key only (default: rate_limit.per_key_*).
+    rate_limit_rps: Optional[int] = None
+    rate_limit_burst: Optional[int] = None
 
 
 class ModelConfig(_Cfg):
@@ -123,6 +129,10 @@ class SchedulerConfig(_Cfg):
     max_queue_per_tenant: int = 256
     generation_deadline_s: float = 600.0
     backfill: bool = True
+    # Class headroom: class rank r of K may fill a worker's KV budget and seq
+    # slots only up to 1 - priority_headroom * r/(K-1) (the top class: all of
+    # it), so higher classes start at once under overload (router/policy.py).
+    priority_headroom: float = 0.2
 
 
 class Config(_Cfg):

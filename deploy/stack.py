@@ -1,0 +1,344 @@
+"""Start and stop the whole weir stack: router, engine workers, Envoy.
+
+Each component is a child process in its own session / process group (so a
+terminal's Ctrl-C reaches only the launcher, and stopping a component can
+signal everything it spawned -- vLLM starts an EngineCore process and more).
+Output goes to ``<run_dir>/<component>.log``.  ``weir up`` and the tests
+both use this.
+
+    with Stack("deploy/weir.toml") as stack:
+        print(stack.envoy_url)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Optional
+
+from deploy import envoy_config
+from shared.config import DEFAULT_CONFIG, Config, load, split_hostport
+
+ROUTER_READY_S = 30.0
+ENVOY_READY_S = 15.0
+WORKER_READY_S = {"sim": 30.0, "vllm": 300.0}  # vLLM takes ~16-25 s on an idle CPU
+STOP_GRACE_S = 10.0
+POLL_S = 0.1
+
+
+class StackError(RuntimeError):
+    """A component failed to start or become ready (message names it and
+    carries the tail of its log)."""
+
+
+def _set_parent_death_signal() -> None:
+    # Runs in the child before exec: if the launcher dies without stopping
+    # us (SIGKILL, a crashed test run), the kernel sends SIGTERM.  Linux only.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid`` (via /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the ")" that closes the command name: state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+class Component:
+    """One child process (the leader of its own process group) and its log."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str], cwd: str):
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.env = env
+        self.cwd = cwd
+        self.proc: Optional[subprocess.Popen] = None
+        self.stopping = False
+
+    def start(self) -> None:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,  # own session and process group: pgid == pid
+                preexec_fn=_set_parent_death_signal,
+            )
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    def exited(self) -> Optional[int]:
+        """Exit status if the process has ended, else None."""
+        return self.proc.poll() if self.proc else None
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # group already empty
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def failure(self, what: str) -> StackError:
+        status = self.exited()
+        state = f"exited with status {status}" if status is not None else "still running"
+        return StackError(
+            f"{self.name}: {what} ({state}); log {self.log_path}, last lines:\n{self.tail()}"
+        )
+
+
+def _client_host(host: str) -> str:
+    """Where a local client connects for a server bound to ``host``."""
+    if host in ("0.0.0.0", "*", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def _http_url(addr: str) -> str:
+    host, port = split_hostport(addr)
+    host = _client_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _zmq_connect_addr(bind_addr: str) -> str:
+    scheme, _, rest = bind_addr.partition("://")
+    if scheme != "tcp":
+        return bind_addr
+    host, port = split_hostport(rest)
+    host = _client_host(host)
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
+    """GET without proxies (loopback; a proxy env var must not interfere)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class Stack:
+    """Router + workers + Envoy as child processes; a context manager.
+
+    Attributes once started: ``envoy_url``, ``router_url``, ``zmq_frontend``
+    (a connect address), ``admin_url`` (Envoy admin), ``metrics_url``,
+    ``cfg``, ``cfg_path``, ``run_dir``, ``components`` (name -> Component;
+    names are ``router``, ``worker:<id>``, ``envoy``).
+    """
+
+    def __init__(
+        self,
+        cfg_path: str | os.PathLike | None = None,
+        run_dir: str | os.PathLike | None = None,
+        *,
+        workers: Optional[list[str]] = None,
+        progress: Optional[Callable[[str], None]] = None,
+        worker_ready_s: Optional[float] = None,
+        envoy_log_level: str = "warning",
+    ):
+        self.cfg_path = Path(cfg_path or os.environ.get("WEIR_CONFIG") or DEFAULT_CONFIG).resolve()
+        self.cfg: Config = load(self.cfg_path)
+        envoy_config.check(self.cfg)  # config errors before any process or directory
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="weir-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.worker_ids = workers if workers is not None else [w.id for w in self.cfg.workers]
+        self.progress = progress or (lambda msg: None)
+        self.worker_ready_s = worker_ready_s
+        self.envoy_log_level = envoy_log_level
+        self.envoy_url = _http_url(self.cfg.envoy.listen)
+        self.admin_url = _http_url(self.cfg.envoy.admin)
+        self.router_url = _http_url(self.cfg.router.http)
+        self.metrics_url = self.router_url + "/metrics"
+        self.zmq_frontend = _zmq_connect_addr(self.cfg.router.frontend)
+        self.envoy_yaml = self.run_dir / "envoy.yaml"
+        self.components: dict[str, Component] = {}
+        self._started: list[Component] = []
+
+    # -------------------------------------------------------------- start
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WEIR_CONFIG": str(self.cfg_path)})
+        env.update(extra or {})
+        return env
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Component:
+        log = self.run_dir / (name.replace(":", "-") + ".log")
+        comp = Component(name, argv, log, self._env(env), cwd=str(self.run_dir))
+        self.components[name] = comp
+        self._started.append(comp)
+        comp.start()
+        self.progress(f"started {name} (pid {comp.pid}), log {log}")
+        return comp
+
+    def start(self) -> "Stack":
+        """Start everything and wait until all of it is ready; on any failure
+        (or Ctrl-C meanwhile) stop what was started and raise."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
+        yaml_text = envoy_config.render(self.cfg)
+        envoy_config.validate(yaml_text)
+        self.envoy_yaml.write_text(yaml_text)
+
+        py = sys.executable
+        cfg = str(self.cfg_path)
+        router = self._spawn("router", [py, "-m", "router", "--config", cfg])
+        self._wait(router, ROUTER_READY_S, "not healthy at " + self.router_url + "/health",
+                   lambda: _get(self.router_url + "/health")[0] == 200)
+        self.progress(f"router ready ({time.monotonic() - t0:.1f} s)")
+
+        workers = []
+        for wid in self.worker_ids:
+            w = self.cfg.worker(wid)
+            argv = [py, "-m", "engine_worker", "--config", cfg, "--worker-id", wid]
+            workers.append(self._spawn(f"worker:{wid}", argv, w.env))
+
+        envoy = self._spawn("envoy", [
+            envoy_config.envoy_binary(), "-c", str(self.envoy_yaml), "--disable-hot-restart",
+            "--concurrency", str(self.cfg.envoy.concurrency), "-l", self.envoy_log_level,
+        ])
+        self._wait(envoy, ENVOY_READY_S, "not ready (admin /ready, then /health through Envoy)",
+                   self._envoy_ready)
+        self.progress(f"envoy ready ({time.monotonic() - t0:.1f} s)")
+
+        self._wait_for_workers(workers, t0, also_alive=[router, envoy])
+
+    def _wait_for_workers(self, workers: list[Component], t0: float, also_alive: list[Component]) -> None:
+        """Until each worker's id shows up in the router's /admin/workers."""
+        pending = {c.name.partition(":")[2]: c for c in workers}
+        deadlines = {wid: time.monotonic() + self._worker_timeout(wid) for wid in pending}
+        while pending:
+            registered = self._registered_workers()
+            for wid in [w for w in pending if w in registered]:
+                self.progress(f"worker {wid} registered ({time.monotonic() - t0:.1f} s)")
+                del pending[wid]
+            for comp in also_alive:
+                if comp.exited() is not None:
+                    raise comp.failure("exited while the workers were starting")
+            for wid, comp in pending.items():
+                if comp.exited() is not None:
+                    raise comp.failure("exited before registering with the router")
+                if time.monotonic() > deadlines[wid]:
+                    raise comp.failure(f"did not register with the router in {self._worker_timeout(wid):.0f} s")
+            if pending:
+                time.sleep(POLL_S * 2)
+
+    def _worker_timeout(self, wid: str) -> float:
+        if self.worker_ready_s is not None:
+            return self.worker_ready_s
+        engine = self.cfg.model(self.cfg.worker(wid).model).engine
+        return WORKER_READY_S[engine]
+
+    def _wait(self, comp: Component, timeout_s: float, what: str, ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if comp.exited() is not None:
+                raise comp.failure("exited while starting")
+            try:
+                if ready():
+                    return
+            except (OSError, ValueError):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise comp.failure(f"{what} after {timeout_s:.0f} s")
+            time.sleep(POLL_S)
+
+    def _envoy_ready(self) -> bool:
+        status, body = _get(self.admin_url + "/ready")
+        # LIVE first, then the router cluster must have passed a health check.
+        return status == 200 and body.strip() == b"LIVE" and _get(self.envoy_url + "/health")[0] == 200
+
+    def _registered_workers(self) -> set[str]:
+        try:
+            status, body = _get(self.router_url + "/admin/workers")
+            return {w["id"] for w in json.loads(body)} if status == 200 else set()
+        except (OSError, ValueError, KeyError, TypeError):
+            return set()  # busy or restarting: ask again
+
+    # -------------------------------------------------------------- run / stop
+
+    def dead(self) -> list[Component]:
+        """Components that exited without being asked to."""
+        return [c for c in self._started if not c.stopping and c.exited() is not None]
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every process group (Envoy first), wait up to ``grace_s``,
+        then SIGKILL each whole group, which also sweeps any grandchild left
+        behind.  Idempotent."""
+        comps = list(reversed(self._started))
+        for c in comps:
+            c.stopping = True
+            c.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in comps:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.progress(f"{c.name} ignored SIGTERM for {grace_s:.0f} s: SIGKILL")
+        for c in comps:
+            c.signal_group(signal.SIGKILL)
+            if c.proc is not None:
+                c.proc.wait()
+        # Grandchildren are reaped by init; give it a moment so callers can
+        # rely on "no process left in any of our groups" when stop() returns.
+        deadline = time.monotonic() + 5.0
+        while any(c.pid and group_members(c.pid) for c in comps) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def process_groups(self) -> list[int]:
+        return [c.pid for c in self._started if c.pid]
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

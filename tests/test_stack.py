@@ -1,0 +1,188 @@
+"""`weir up` and deploy.stack: start, serve, stop with no process left behind;
+Envoy's 503 when the router is gone; start-up failures that say what failed."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from deploy.stack import Stack, StackError, group_members
+from shared.config import load
+from stackutil import SIM_MODEL, alive, sim_worker, start_stack, write_config
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+class _Lines:
+    """Reads a child's stdout on a thread so the test can wait with a timeout."""
+
+    def __init__(self, stream):
+        self.q: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream):
+        for line in stream:
+            self.q.put(line)
+        self.q.put(None)
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.seen):
+            try:
+                line = self.q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if line is None or time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} in output:\n{''.join(self.seen)}")
+            self.seen.append(line)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_weir_up_serves_then_stops_every_child(tmp_path, sig):
+    cfg_path = write_config(tmp_path, workers=[sim_worker("sim-0"), sim_worker("sim-1")])
+    cfg = load(cfg_path)
+    weir = Path(sys.executable).parent / "weir"
+    proc = subprocess.Popen(
+        [str(weir), "up", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        out = _Lines(proc.stdout)
+        out.wait_for("Ctrl-C (or SIGTERM) stops everything.", 60)
+        text = "".join(out.seen)
+        envoy_url = f"http://{cfg.envoy.listen}"
+        assert f"OpenAI API (via Envoy):  {envoy_url}/v1" in text
+        assert cfg.router.frontend in text and f"curl -N {envoy_url}/v1/chat/completions" in text
+
+        r = requests.post(envoy_url + "/v1/completions", timeout=30,
+                          json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+        children = _children_of(proc.pid)
+        assert len(children) == 4  # router, two workers, envoy
+        for pid in children:
+            assert os.getpgid(pid) == pid  # each leads its own process group
+
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        out.wait_for("[weir] stopped", 5)
+        assert not alive(set(children))
+        assert not any(group_members(pgid) for pgid in children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_envoy_answers_503_json_with_retry_after_when_router_is_down(tmp_path):
+    cfg_path = write_config(tmp_path)
+    with start_stack(cfg_path, tmp_path / "run") as stack:
+        url = stack.envoy_url + "/v1/completions"
+        body = {"model": SIM_MODEL, "prompt": "hi", "max_tokens": 1}
+        assert requests.post(url, json=body, timeout=30).status_code == 200
+
+        router = stack.components["router"]
+        router.signal_group(signal.SIGKILL)
+        router.proc.wait(timeout=10)
+        assert [c.name for c in stack.dead()] == ["router"]
+
+        # Connect failure at first, then "no healthy upstream" once the
+        # health check notices: both are Envoy's own 503, with a JSON body.
+        messages = []
+        deadline = time.monotonic() + 10
+        while not messages or "no healthy upstream" not in messages[-1]:
+            assert time.monotonic() < deadline, messages
+            r = requests.post(url, json=body, timeout=10)
+            assert r.status_code == 503
+            assert r.headers["content-type"] == "application/json"
+            assert r.headers["retry-after"] == "1"
+            err = r.json()["error"]
+            assert (err["type"], err["code"], err["param"]) == ("server_error", "service_unavailable", None)
+            messages.append(err["message"])
+            time.sleep(0.1)
+        assert "connection failure" in messages[0]
+        clusters = requests.get(stack.admin_url + "/clusters", timeout=5).text
+        assert "router::" in clusters and "/failed_active_hc" in clusters
+        pgids = stack.process_groups()
+    assert not any(group_members(pgid) for pgid in pgids)
+
+
+def test_start_failure_names_the_component_and_cleans_up(tmp_path):
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    try:
+        taken = f"127.0.0.1:{blocker.getsockname()[1]}"
+        cfg_path = write_config(tmp_path, envoy={"listen": taken})
+        stack = Stack(cfg_path, tmp_path / "run")
+        with pytest.raises(StackError) as info:
+            stack.start()
+    finally:
+        blocker.close()
+    msg = str(info.value)
+    assert msg.startswith("envoy: exited while starting")
+    assert str(tmp_path / "run" / "envoy.log") in msg
+    assert "ddress already in use" in msg  # the tail of Envoy's own log
+    assert {"router", "worker:sim-0", "envoy"} <= set(stack.components)
+    assert not any(group_members(pgid) for pgid in stack.process_groups())
+
+
+def test_worker_that_dies_at_start_is_reported(tmp_path):
+    # A worker whose interpreter cannot even start (its `env` breaks Python).
+    broken = sim_worker("sim-broken", env={"PYTHONHOME": str(tmp_path / "nowhere")})
+    cfg_path = write_config(tmp_path, workers=[sim_worker("sim-0"), broken])
+    stack = Stack(cfg_path, tmp_path / "run")
+    with pytest.raises(StackError, match=r"^worker:sim-broken: exited before registering") as info:
+        stack.start()
+    msg = str(info.value)
+    assert "exited with status 1" in msg and "worker-sim-broken.log" in msg
+    assert "Fatal Python error" in msg  # the tail of the worker's own log
+    assert not any(group_members(pgid) for pgid in stack.process_groups())
+
+
+def test_weir_up_interrupted_while_starting_leaves_nothing(tmp_path):
+    cfg_path = write_config(tmp_path)
+    weir = Path(sys.executable).parent / "weir"
+    proc = subprocess.Popen(
+        [str(weir), "up", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        out = _Lines(proc.stdout)
+        out.wait_for("started router (pid ", 30)
+        router_pid = int(out.seen[-1].split("(pid ")[1].split(")")[0])
+        proc.send_signal(signal.SIGINT)  # before the stack is ready
+        assert proc.wait(timeout=30) == 0
+        out.wait_for("[weir] stopped", 5)
+        text = "".join(out.seen)
+        assert "weir is up." not in text
+        started = {int(p.split(")")[0]) for p in text.split("(pid ")[1:]}
+        assert router_pid in started
+        assert not alive(started) and not any(group_members(pgid) for pgid in started)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
