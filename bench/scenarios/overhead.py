@@ -1,0 +1,126 @@
+"""Overhead: what each path adds to a request that costs the engine nothing.
+
+1-token completions, sequential (one in flight), on a zero-cost sim engine,
+so every microsecond measured is dataplane: client, transport, router,
+worker.  Paths: ZeroMQ direct to the router, HTTP straight to the router,
+HTTP through Envoy -- plus two floors, the same client against canned-reply
+servers (``bench.echo``) over ZeroMQ and HTTP, which is what the client and
+loopback cost by themselves.  The paths take turns in rounds so that noise
+from anything else on the machine lands on all of them alike.
+
+    python -m bench.scenarios.overhead [-n 2000] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import spec
+from bench.arrivals import Arrivals
+from bench.metrics import summarise
+from bench.plots import latency_cdf
+from bench.runner import Limits
+from bench.scenarios import common
+
+PATHS = ("floor-zmq", "zmq", "floor-http", "router", "envoy")
+KIND = {"floor-zmq": "zmq", "zmq": "zmq", "floor-http": "openai", "router": "router", "envoy": "envoy"}
+# What each path is compared with to say what it adds.
+BASE = {"zmq": "floor-zmq", "router": "floor-http", "envoy": "router"}
+DESCRIBE = {
+    "floor-zmq": "bench client ↔ canned ZeroMQ ROUTER (floor)",
+    "zmq": "ZeroMQ direct → router → sim worker",
+    "floor-http": "bench client ↔ canned HTTP server (floor)",
+    "router": "HTTP → router → sim worker",
+    "envoy": "HTTP → Envoy → router → sim worker",
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.scenarios.overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", "--num-requests", type=int, default=2000, help="per path (default 2000)")
+    ap.add_argument("--rounds", type=int, default=4, help="the paths alternate this many times")
+    ap.add_argument("--warmup", type=int, default=200, help="per path, before the first round")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    out = args.out or common.results_dir("overhead")
+    workload = spec.load("one-token")
+    per_round = max(1, args.num_requests // args.rounds)
+    cfg = common.write_config(out / "stack", workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)])
+    echo_http, echo_zmq = f"127.0.0.1:{common.free_port()}", f"tcp://127.0.0.1:{common.free_port()}"
+    echo = subprocess.Popen([sys.executable, "-m", "bench.echo", "--http", echo_http, "--zmq", echo_zmq],
+                            cwd=common.REPO)
+    records = {p: [] for p in PATHS}
+    try:
+        with common.stack(cfg, out / "stack" / "run") as st:
+            urls = {"floor-zmq": echo_zmq, "zmq": st.zmq_frontend, "floor-http": f"http://{echo_http}",
+                    "router": st.router_url, "envoy": st.envoy_url}
+            _wait_listening(echo_http)
+            for p in PATHS:
+                common.bench(workload, KIND[p], urls[p], Arrivals(concurrency=1), Limits(args.warmup, 120, 10),
+                             label=f"warm-up {p}", progress=False)
+            for r in range(args.rounds):
+                for p in PATHS:
+                    res = common.bench(workload, KIND[p], urls[p], Arrivals(concurrency=1),
+                                       Limits(per_round, 600, 30), label=f"{p} round {r + 1}/{args.rounds}")
+                    records[p] += res.records
+    finally:
+        echo.terminate()
+        echo.wait()
+    summaries = {p: summarise(records[p], None, sum(x.e2e for x in records[p]), 0) for p in PATHS}
+    _report(out, summaries, records, args, argv if argv is not None else sys.argv[1:])
+    return 0 if all(s["ok"] == s["sent"] for s in summaries.values()) else 1
+
+
+def _wait_listening(hostport: str, timeout_s: float = 10.0) -> None:
+    import socket
+
+    host, _, port = hostport.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _us(x) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}"
+
+
+def _report(out: Path, summaries: dict, records: dict, args, argv) -> None:
+    e = {p: summaries[p]["e2e_ms"] for p in PATHS}
+    rows = ["| path | what | ok / sent | E2E p50 (µs) | p90 | p99 | adds over | p50 added (µs) | p99 added (µs) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for p in PATHS:
+        s, b = summaries[p], BASE.get(p)
+        ep = e[p] or {}
+        add50 = add99 = "-"
+        if b and e[p] and e[b]:
+            add50 = f"{1000 * (e[p]['p50'] - e[b]['p50']):+.0f}"
+            add99 = f"{1000 * (e[p]['p99'] - e[b]['p99']):+.0f}"
+        rows.append(f"| {p} | {DESCRIBE[p]} | {s['ok']} / {s['sent']} | {_us(ep.get('p50'))} | {_us(ep.get('p90'))} | "
+                    f"{_us(ep.get('p99'))} | {b or '-'} | {add50} | {add99} |")
+    table = "\n".join(rows)
+    latency_cdf({p: records[p] for p in PATHS}, out / "overhead_cdf.png",
+                "1-token requests, sequential, zero-cost sim engine", metrics=("e2e_ms",))
+    md = (common.header("Overhead: 1-token requests on a zero-cost sim engine",
+                        ["bench.scenarios.overhead", *argv])
+          + f"\n{args.num_requests} requests per path in {args.rounds} alternating rounds, one in flight, "
+          "after a warm-up; E2E as the client sees it (so it includes the client's own work: see the floors).\n\n"
+          + table + "\n\n![CDF](overhead_cdf.png)\n")
+    (out / "summary.md").write_text(md)
+    common.save(out, "overhead.json", {"summaries": summaries})
+    print(md)
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
