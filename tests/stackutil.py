@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from deploy import localconfig
+from deploy.localconfig import REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, sim_worker  # noqa: F401
 from deploy.stack import Stack, group_members
-from shared.config import load
-
-REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL_DIR = REPO / "models" / "tiny-llama"
-VLLM_MODEL = "tiny-llama"
-SIM_MODEL = "sim-tiny"
 
 # API keys of the shared `stack` fixture (tests/conftest.py).
 KEY_ALPHA = "sk-alpha"  # tenant alpha, tier high
@@ -42,81 +37,21 @@ API_KEYS = [
         "rate_limit_burst": LIMITED_BURST,
     },
 ]
-
-
-def free_port() -> int:
-    """A loopback port free right now (the OS picks it; tiny race accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# 16 MiB = 32k tokens of the tiny model: admission limits are reachable in tests.
+TEST_KV_CACHE_BYTES = 16 << 20
 
 
 def vllm_worker(worker_id: str = "vllm-0", **overrides: Any) -> dict:
-    """A real vLLM worker on the tiny model, with a small KV budget (16 MiB =
-    32k tokens of this model) so admission limits are reachable in tests."""
-    w = {
-        "id": worker_id,
-        "model": VLLM_MODEL,
-        "max_num_seqs": 16,
-        "kv_cache_bytes": 16 << 20,
-        "dtype": "bfloat16",
-    }
-    w.update(overrides)
-    return w
-
-
-def sim_worker(worker_id: str = "sim-0", model: str = SIM_MODEL, **overrides: Any) -> dict:
-    """A simulated-engine worker; ``sim={...}`` sets SimEngineConfig fields."""
-    w = {"id": worker_id, "model": model, "max_num_seqs": 64}
-    w.update(overrides)
-    return w
-
-
-def _models() -> list[dict]:
-    return [
-        {"name": VLLM_MODEL, "engine": "vllm", "path": str(TINY_MODEL_DIR), "max_model_len": 512},
-        {"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
-    ]
-
-
-def base_config() -> dict:
-    """Everything on free loopback ports; no workers, no keys."""
-    return {
-        "envoy": {
-            "listen": f"127.0.0.1:{free_port()}",
-            "admin": f"127.0.0.1:{free_port()}",
-            "concurrency": 1,
-            "health_check_interval_s": 0.5,
-        },
-        "router": {
-            "http": f"127.0.0.1:{free_port()}",
-            "frontend": f"tcp://127.0.0.1:{free_port()}",
-            "backend": f"tcp://127.0.0.1:{free_port()}",
-            "heartbeat_interval_s": 0.5,
-        },
-        "rate_limit": {"per_key_rps": PER_KEY_RPS, "per_key_burst": PER_KEY_BURST},
-        "models": _models(),
-        "workers": [sim_worker()],
-    }
+    """A real vLLM worker on the tiny model with the tests' small KV budget."""
+    return localconfig.vllm_worker(worker_id, **{"kv_cache_bytes": TEST_KV_CACHE_BYTES, **overrides})
 
 
 def write_config(tmp_path: os.PathLike, name: str = "weir.toml", **overrides: Any) -> Path:
-    """Write a test config and return its path (validated by loading it).
-
-    Table sections (``envoy``, ``router``, ``rate_limit``, ``scheduler``) are
-    merged key by key into the defaults of ``base_config()``; anything else
-    (``workers``, ``api_keys``, ``models``...) replaces the default.
-    """
-    cfg = base_config()
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            cfg[key] = {**cfg[key], **value}
-        else:
-            cfg[key] = value
-    path = Path(tmp_path) / name
-    path.write_text(to_toml(cfg))
-    load(path)  # fail here, with the config's own error, not in a child process
-    return path
+    """Write a test config (free loopback ports, one sim worker, the tests'
+    per-key rate limit) and return its path; see deploy.localconfig.merge
+    for how ``overrides`` apply."""
+    defaults = {"rate_limit": {"per_key_rps": PER_KEY_RPS, "per_key_burst": PER_KEY_BURST}}
+    return localconfig.write_config(tmp_path, name, defaults=defaults, **overrides)
 
 
 @contextlib.contextmanager
@@ -169,60 +104,3 @@ def alive(pids: set[int]) -> set[int]:
         if stat[stat.rfind(")") + 2] not in "ZX":
             left.add(pid)
     return left
-
-
-# ---------------------------------------------------------------- tiny TOML writer
-# (the venv has tomllib to read TOML but nothing to write it)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _is_table_list(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
-
-
-def _table(name: str, d: dict, out: list[str], header: str) -> None:
-    out.append(header)
-    subtables = []
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            subtables.append((k, v))
-        elif _is_table_list(v):
-            subtables.append((k, v))
-        elif isinstance(v, dict):
-            out.append(f"{k} = {{}}")
-        else:
-            out.append(f"{k} = {_toml_value(v)}")
-    for k, v in subtables:
-        if isinstance(v, dict):
-            _table(f"{name}.{k}", v, out, f"[{name}.{k}]")
-        else:
-            for item in v:
-                _table(f"{name}.{k}", item, out, f"[[{name}.{k}]]")
-
-
-def to_toml(cfg: dict) -> str:
-    out: list[str] = []
-    for k, v in cfg.items():
-        if isinstance(v, dict):
-            _table(k, v, out, f"[{k}]")
-        elif _is_table_list(v):
-            for item in v:
-                _table(k, item, out, f"[[{k}]]")
-        elif isinstance(v, list):  # empty list of tables
-            out.insert(0, f"{k} = []")
-        else:
-            out.insert(0, f"{k} = {_toml_value(v)}")
-    return "\n".join(out) + "\n"

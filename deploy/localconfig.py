@@ -1,0 +1,112 @@
+"""Weir configs for a stack on this machine: every listener on a free
+loopback port, both local models, and the workers the caller asks for.
+The tests and the benchmarks both build their stacks from here.
+
+    path = write_config(tmp_dir, workers=[sim_worker("sim-0"), sim_worker("sim-1")],
+                        scheduler={"policy": "fifo"})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import tomli_w
+
+from shared.config import load
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL_DIR = REPO / "models" / "tiny-llama"  # built by `weir make-model`
+VLLM_MODEL = "tiny-llama"
+SIM_MODEL = "sim-tiny"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free right now (the OS picks them; the
+    race until a child binds them is accepted). All are held at once so the
+    OS cannot hand out the same port twice."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def free_port() -> int:
+    """One loopback port free right now."""
+    return free_ports(1)[0]
+
+
+def sim_worker(worker_id: str = "sim-0", model: str = SIM_MODEL, max_num_seqs: int = 64, **fields: Any) -> dict:
+    """A simulated-engine worker; ``sim={...}`` sets SimEngineConfig fields,
+    other keywords set WorkerConfig fields."""
+    return {"id": worker_id, "model": model, "max_num_seqs": max_num_seqs, **fields}
+
+
+def vllm_worker(worker_id: str = "vllm-0", max_num_seqs: int = 16, kv_cache_bytes: int = 64 << 20,
+                **fields: Any) -> dict:
+    """A real vLLM worker on the tiny model; keywords set WorkerConfig fields."""
+    return {"id": worker_id, "model": VLLM_MODEL, "max_num_seqs": max_num_seqs,
+            "kv_cache_bytes": kv_cache_bytes, **fields}
+
+
+def models() -> list[dict]:
+    """The tiny real model (vLLM) and a simulated one."""
+    return [
+        {"name": VLLM_MODEL, "engine": "vllm", "path": str(TINY_MODEL_DIR), "max_model_len": 512},
+        {"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
+    ]
+
+
+def merge(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
+    """``cfg`` with ``overrides`` applied: a table section (``envoy``,
+    ``router``, ``rate_limit``, ``scheduler``...) is merged key by key into
+    the one already there; anything else (``workers``, ``api_keys``,
+    ``models``...) replaces it."""
+    out = dict(cfg)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def base_config(**overrides: Any) -> dict:
+    """Every listener on a free loopback port, short health/heartbeat
+    intervals, both models and one sim worker; then ``overrides`` (see merge)."""
+    listen, admin, http, frontend, backend = free_ports(5)
+    cfg = {
+        "envoy": {
+            "listen": f"127.0.0.1:{listen}",
+            "admin": f"127.0.0.1:{admin}",
+            "concurrency": 1,
+            "health_check_interval_s": 0.5,
+        },
+        "router": {
+            "http": f"127.0.0.1:{http}",
+            "frontend": f"tcp://127.0.0.1:{frontend}",
+            "backend": f"tcp://127.0.0.1:{backend}",
+            "heartbeat_interval_s": 0.5,
+        },
+        "models": models(),
+        "workers": [sim_worker()],
+    }
+    return merge(cfg, overrides)
+
+
+def write_config(directory: os.PathLike, name: str = "weir.toml", *,
+                 defaults: Optional[Mapping[str, Any]] = None, **overrides: Any) -> Path:
+    """Write ``base_config()`` with the caller's ``defaults`` and then its
+    ``overrides`` merged in (see merge) to ``directory/name`` (created if
+    needed) and return the path, validated by loading it."""
+    cfg = merge(base_config(**(defaults or {})), overrides)
+    path = Path(directory) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        tomli_w.dump(cfg, f)
+    load(path)  # fail here, with the config's own error, not later in a child process
+    return path
