@@ -79,16 +79,17 @@ class ModelConfig(_Cfg):
 
 class SimEngineConfig(_Cfg):
     """Parameters of the simulated continuous-batching engine (see
-    engine_worker/sim_engine.py).  Calibrated against vLLM on the tiny model:
+    engine_worker/sim_core.py).  Calibrated against vLLM on the tiny model:
     see that module's docstring."""
 
     kv_capacity_tokens: int = 65536
     block_size: int = 16
-    step_fixed_ms: float = 2.0  # per engine step, whatever it holds
+    step_fixed_ms: float = 2.3  # per engine step, whatever it holds
     prefill_token_us: float = 5.0  # per prompt token in the step
-    decode_token_us: float = 50.0  # per running sequence decoded in the step
+    decode_token_us: float = 60.0  # per running sequence decoded in the step
     max_prefill_tokens: int = 2048  # chunked-prefill budget per step
     zero_cost: bool = False  # no sleeping at all: measures pure dataplane overhead
+    admit_request_us: float = 1100.0  # per request newly admitted in the step (frontend/tokenizer work)
 
 
 class WorkerConfig(_Cfg):
@@ -130,8 +131,9 @@ class SchedulerConfig(_Cfg):
     generation_deadline_s: float = 600.0
     backfill: bool = True
     # Class headroom: class rank r of K may fill a worker's KV budget and seq
-    # slots only up to 1 - priority_headroom * r/(K-1) (the top class: all of
-    # it), so higher classes start at once under overload (router/policy.py).
+    # slots only up to 1 - priority_headroom * (r - top)/(K-1), top = highest
+    # class active within aging_bound_s, so higher classes start at once under
+    # overload (router/policy.py).  0.2: measured in router/des.py.
     priority_headroom: float = 0.2
 
 

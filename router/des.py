@@ -1,0 +1,353 @@
+"""Deterministic discrete-event simulation of the scheduler: ``Policy`` + simulated
+engines (``engine_worker.sim_core.SimCore``) + seeded arrivals, in virtual time.
+
+No processes, no sleeping, no sockets: the same arrivals can be replayed
+under different policies (``policy="weir"`` vs ``"fifo"``, ledger on vs off)
+and compared.  Router and network latency are taken as zero, and the router's
+prompt estimate as exact, so differences come from scheduling alone.
+
+    python -m router.des            # the three comparisons the tests assert, as a table
+
+Engine steps are modelled as vLLM runs them: ``SimCore.step()`` decides what a
+step does when it starts, its outputs appear when it ends, and requests
+dispatched meanwhile join the next step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgspec
+
+from engine_worker.sim_core import SimCore
+from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
+from shared.config import SchedulerConfig, SimEngineConfig
+from shared.protocol import Pool, TaskType
+
+MODEL = "sim-des"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One slice of a workload mix."""
+
+    name: str
+    share: float  # relative arrival share
+    prompt: tuple[int, int]  # uniform range, tokens
+    max_tokens: tuple[int, int]
+    klass: str = "normal"
+    tenants: tuple[str, ...] = ("t0",)
+    task_type: TaskType = TaskType.AUTO
+
+
+@dataclass(frozen=True)
+class Workload:
+    mix: tuple[Kind, ...]
+    rate: float  # arrivals per second (Poisson)
+    duration_s: float  # arrivals stop after this
+    seed: int = 1
+
+
+@dataclass(frozen=True)
+class SimWorker:
+    worker_id: str
+    pool: Pool = Pool.ANY
+    max_num_seqs: int = 32
+    max_model_len: int = 4096
+    engine: SimEngineConfig = field(default_factory=SimEngineConfig)
+
+
+@dataclass
+class Record:
+    job_id: str
+    kind: str
+    klass: str
+    tenant: str
+    prompt: int
+    max_tokens: int
+    arrival: float
+    dispatched: Optional[float] = None
+    first_token: Optional[float] = None
+    finished: Optional[float] = None
+    outcome: str = ""  # "ok" | refusal code | "generation_deadline"
+
+
+@dataclass
+class Result:
+    records: list[Record]
+    preemptions: int
+    sim_time_s: float
+    wall_s: float
+    counters: dict
+
+    def done(self, **match) -> list[Record]:
+        return [r for r in self.records if r.outcome == "ok" and _match(r, match)]
+
+    def rejections(self) -> Counter:
+        return Counter(r.outcome for r in self.records if r.outcome != "ok")
+
+    def p(self, q: float, metric: str = "e2e", **match) -> float:
+        """Percentile ``q`` (0..100) of ``e2e`` or ``ttft`` seconds over completed jobs."""
+        vals = sorted((r.finished if metric == "e2e" else r.first_token) - r.arrival
+                      for r in self.done(**match))
+        return percentile(vals, q)
+
+
+def _match(r: Record, match: dict) -> bool:
+    return all(getattr(r, k) == v for k, v in match.items())
+
+
+def percentile(sorted_vals: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (nan when empty)."""
+    if not sorted_vals:
+        return math.nan
+    k = max(0, min(len(sorted_vals) - 1, math.ceil(q / 100.0 * len(sorted_vals)) - 1))
+    return sorted_vals[k]
+
+
+def arrivals(w: Workload) -> list[tuple[float, Kind, str, int, int]]:
+    """Seeded Poisson arrivals: (time, kind, tenant, prompt, max_tokens)."""
+    rng = random.Random(w.seed)
+    total = sum(k.share for k in w.mix)
+    out = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(w.rate)
+        if t >= w.duration_s:
+            return out
+        x = rng.random() * total
+        for k in w.mix:
+            x -= k.share
+            if x < 0:
+                break
+        out.append((t, k, rng.choice(k.tenants), rng.randint(*k.prompt), rng.randint(*k.max_tokens)))
+
+
+class _Engine:
+    __slots__ = ("spec", "core", "busy", "pending")
+
+    def __init__(self, w: SimWorker) -> None:
+        self.core = SimCore(w.engine, w.max_num_seqs, w.max_model_len)
+        self.spec = WorkerSpec(worker_id=w.worker_id, model=MODEL, pool=w.pool,
+                               capacity_tokens=self.core.kv_capacity_tokens,
+                               block_size=self.core.block_size, max_num_seqs=w.max_num_seqs,
+                               max_model_len=w.max_model_len)
+        self.busy = False
+        self.pending = None
+
+
+_ARRIVE, _STEP, _WAKE = 0, 1, 2
+
+
+def simulate(cfg: SchedulerConfig, workers: list[SimWorker], workload: Workload,
+             drain_s: float = 600.0) -> Result:
+    """Run ``workload`` through a Policy(cfg) and simulated engines until every
+    job has ended (or ``drain_s`` after the last arrival)."""
+    wall0 = time.perf_counter()
+    policy = Policy(cfg)
+    engines = {w.worker_id: _Engine(w) for w in workers}
+    for e in engines.values():
+        policy.add_worker(e.spec, 0.0)
+    records: dict[str, Record] = {}
+    ev: list = []
+    seq = 0
+    for i, (t, k, tenant, prompt, max_tokens) in enumerate(arrivals(workload)):
+        ev.append((t, seq, _ARRIVE, (f"j{i}", k, tenant, prompt, max_tokens)))
+        seq += 1
+    heapq.heapify(ev)
+    arrivals_left = len(ev)
+    live = 0
+    wake_at = math.inf
+    end = workload.duration_s + drain_s
+    now = 0.0
+    while ev:
+        if ev[0][0] > end:
+            now = end
+            break
+        now = ev[0][0]
+        while ev and ev[0][0] == now:  # everything at this instant, then one policy pass
+            _, _, kind, data = heapq.heappop(ev)
+            if kind == _ARRIVE:
+                job_id, k, tenant, prompt, max_tokens = data
+                arrivals_left -= 1
+                rec = records[job_id] = Record(job_id, k.name, k.klass, tenant, prompt, max_tokens, now)
+                err = policy.submit(Job(job_id, MODEL, tenant, k.klass, prompt, max_tokens,
+                                        k.task_type, now), now)
+                if err is not None:
+                    rec.outcome = err.code or str(err.status)
+                else:
+                    live += 1
+            elif kind == _STEP:
+                eng = engines[data]
+                eng.busy = False
+                for rid, n, fin in eng.pending.outputs:
+                    rec = records[rid]
+                    if rec.first_token is None:
+                        rec.first_token = now
+                    if fin is not None:
+                        rec.finished = now
+                        rec.outcome = "ok"
+                        policy.finish(rid, now)
+                        live -= 1
+                eng.pending = None
+            elif kind == _WAKE:
+                wake_at = math.inf
+        for a in policy.schedule(now):
+            rec = records[a.job_id]
+            if isinstance(a, DispatchJob):
+                rec.dispatched = now
+                engines[a.worker_id].core.add(a.job_id, rec.prompt, rec.max_tokens, a.priority)
+            elif isinstance(a, RejectJob):
+                rec.outcome = a.error.code or str(a.error.status)
+                live -= 1
+            elif isinstance(a, AbortJob):
+                engines[a.worker_id].core.abort(a.job_id)
+                rec.outcome = a.error.code or str(a.error.status)
+                live -= 1
+        for wid, eng in engines.items():
+            if not eng.busy and eng.core.has_work:
+                res = eng.core.step()
+                eng.busy = True
+                eng.pending = res
+                heapq.heappush(ev, (now + max(res.duration_s, 1e-6), seq, _STEP, wid))
+                seq += 1
+        nxt = policy.next_wakeup(now)
+        if nxt is not None and now < nxt < wake_at:
+            wake_at = nxt
+            heapq.heappush(ev, (nxt, seq, _WAKE, None))
+            seq += 1
+        if live == 0 and arrivals_left == 0 and not any(e.core.has_work for e in engines.values()):
+            break
+    for rec in records.values():
+        if not rec.outcome:
+            rec.outcome = "unfinished"
+    return Result(list(records.values()), sum(e.core.preemptions_total for e in engines.values()),
+                  now, time.perf_counter() - wall0, policy.snapshot(now)["counters"])
+
+
+# ------------------------------------------------------------------ scenarios
+# Shared by tests/test_des.py and ``python -m router.des``.
+
+SHORT = Kind("short", 0.8, prompt=(32, 256), max_tokens=(8, 64))
+LONG = Kind("long", 0.2, prompt=(1024, 3072), max_tokens=(128, 512))
+
+
+def weir_cfg(**kw) -> SchedulerConfig:
+    return msgspec.structs.replace(SchedulerConfig(), **kw)
+
+
+def fifo_cfg(**kw) -> SchedulerConfig:
+    return msgspec.structs.replace(SchedulerConfig(policy="fifo"), **kw)
+
+
+def fleet(n: int = 2, max_num_seqs: int = 32, kv_tokens: int = 65536) -> list[SimWorker]:
+    eng = SimEngineConfig(kv_capacity_tokens=kv_tokens)
+    return [SimWorker(f"w{i}", max_num_seqs=max_num_seqs, engine=eng) for i in range(n)]
+
+
+def saturation_rate(workers: list[SimWorker], mix: tuple[Kind, ...], seed: int = 7,
+                    probe_rate: float = 400.0, duration_s: float = 20.0) -> float:
+    """Jobs/s the fleet completes when always backlogged (FIFO, ledger on):
+    the 100 % mark that utilisation figures refer to."""
+    res = simulate(fifo_cfg(), workers, Workload(mix, probe_rate, duration_s, seed), drain_s=0.0)
+    half = duration_s / 2
+    done = [r for r in res.records if r.outcome == "ok" and r.finished >= half]
+    return len(done) / (res.sim_time_s - half)
+
+
+def scenario_mixed(util: float = 0.9, duration_s: float = 120.0, seed: int = 1,
+                   workers: Optional[list[SimWorker]] = None):
+    """(a) 80 % short / 20 % long at ``util`` of saturation: weir vs FIFO.
+
+    Default fleet: KV is the scarce resource (16k tokens per worker: a handful
+    of long requests fill it), which is the case weir exists for.  Returns
+    (rate, weir, fifo)."""
+    workers = workers or fleet(kv_tokens=16384)
+    mix = (SHORT, LONG)
+    rate = util * saturation_rate(workers, mix)
+    wl = Workload(mix, rate, duration_s, seed)
+    return rate, simulate(weir_cfg(), workers, wl), simulate(fifo_cfg(), workers, wl)
+
+
+HIGH = Kind("high", 0.1, prompt=(32, 256), max_tokens=(8, 64), klass="high")
+NORMAL = Kind("normal", 0.9, prompt=(32, 256), max_tokens=(8, 64), klass="normal",
+              tenants=("a", "b", "c"))
+
+
+def scenario_overload(load: float = 2.0, duration_s: float = 60.0, seed: int = 2):
+    """(b) 10 % high-priority traffic: unloaded (10 % of saturation) vs ``load``x
+    saturation, weir and FIFO.  Returns (rate, unloaded, weir, fifo)."""
+    workers = fleet()
+    mix = (HIGH, NORMAL)
+    sat = saturation_rate(workers, mix)
+    # unloaded: 10 % of saturation, run 4x longer so that its p99 rests on enough samples
+    unloaded = simulate(weir_cfg(), workers, Workload(mix, 0.1 * sat, 4 * duration_s, seed))
+    wl = Workload(mix, load * sat, duration_s, seed)
+    return load * sat, unloaded, simulate(weir_cfg(), workers, wl), simulate(fifo_cfg(), workers, wl)
+
+
+def scenario_ledger(duration_s: float = 30.0, seed: int = 3):
+    """(c) long-prompt traffic whose max_num_seqs x size exceeds KV: ledger on
+    (overcommit 1) vs off (overcommit 1000).  Returns (on, off)."""
+    workers = fleet(max_num_seqs=64, kv_tokens=32768)
+    mix = (SHORT, LONG)
+    rate = 1.2 * saturation_rate(workers, mix)
+    wl = Workload(mix, rate, duration_s, seed)
+    return simulate(weir_cfg(), workers, wl), simulate(weir_cfg(overcommit=1000.0), workers, wl)
+
+
+def _ms(x: float) -> str:
+    return "   -   " if math.isnan(x) else f"{x * 1e3:8.1f}"
+
+
+def _table(title: str, results: dict[str, Result], kinds: list[str]) -> None:
+    print(f"\n{title}")
+    print(f"{'run':<11}{'kind':<8}{'done':>6}{'e2e p50':>10}{'e2e p99':>10}{'ttft p50':>10}"
+          f"{'ttft p99':>10}  (ms)  preempt  refused")
+    for name, res in results.items():
+        for k in kinds:
+            print(f"{name:<11}{k:<8}{len(res.done(kind=k)):>6}{_ms(res.p(50, 'e2e', kind=k)):>10}"
+                  f"{_ms(res.p(99, 'e2e', kind=k)):>10}{_ms(res.p(50, 'ttft', kind=k)):>10}"
+                  f"{_ms(res.p(99, 'ttft', kind=k)):>10}        {res.preemptions:>5}  "
+                  f"{dict(res.rejections())}")
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    rate, weir, fifo = scenario_mixed()
+    _table(f"(a) 80 % short / 20 % long at 90 % utilisation ({rate:.1f} jobs/s)",
+           {"weir": weir, "fifo": fifo}, ["short", "long"])
+    print(f"short p99 e2e: fifo/weir = {fifo.p(99, kind='short') / weir.p(99, kind='short'):.1f}x")
+    ratios = []
+    for seed in (2, 3, 4):
+        _, w, f = scenario_mixed(seed=seed)
+        ratios.append(f"{f.p(99, kind='short') / w.p(99, kind='short'):.1f}x")
+    print(f"  other seeds (2, 3, 4): {', '.join(ratios)}")
+    rate, weir, fifo = scenario_mixed(workers=fleet(max_num_seqs=16, kv_tokens=32768))
+    _table(f"(a') the same, fleet bound by seq slots rather than KV "
+           f"(16 seqs, 32k KV tokens per worker; {rate:.1f} jobs/s)",
+           {"weir": weir, "fifo": fifo}, ["short", "long"])
+    print(f"short p99 e2e: fifo/weir = {fifo.p(99, kind='short') / weir.p(99, kind='short'):.1f}x")
+    rate, unloaded, weir, fifo = scenario_overload()
+    _table(f"(b) 2x overload ({rate:.1f} jobs/s), 10 % high priority",
+           {"unloaded": unloaded, "weir": weir, "fifo": fifo}, ["high", "normal"])
+    print(f"high p99 ttft: weir overload/unloaded = "
+          f"{weir.p(99, 'ttft', kind='high') / unloaded.p(99, 'ttft', kind='high'):.2f}x, "
+          f"fifo overload/unloaded = "
+          f"{fifo.p(99, 'ttft', kind='high') / unloaded.p(99, 'ttft', kind='high'):.2f}x")
+    on, off = scenario_ledger()
+    _table("(c) KV ledger on vs off (overcommit 1 vs 1000), 120 % load",
+           {"ledger on": on, "ledger off": off}, ["short", "long"])
+    print(f"\ntotal wall time {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

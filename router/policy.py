@@ -1,0 +1,851 @@
+"""The scheduling policy: who waits, who runs where, who is refused.
+
+Pure: no I/O, no asyncio, no clock reads.  The router's event loop (or the
+discrete-event simulation in ``router.des``) passes ``now`` in, feeds events
+(submit / finish / worker changes) and carries out the returned actions.
+
+Model of the world
+------------------
+* **Ledger.**  Each worker has a KV budget ``capacity x (1 - kv_safety_margin)
+  x overcommit``.  A job reserves ``kv_cost(prompt, max_tokens, block)`` (its
+  worst case, rounded to the worker's block size) at dispatch and releases it
+  exactly once: on finish/abort/error/cancel (``finish``), generation deadline
+  (``AbortJob``) or worker loss (``remove_worker``/re-register).  With
+  overcommit 1.0 the engine can never run out of KV, so it never preempts.
+  At most ``max_num_seqs`` jobs run per worker, so all waiting -- and all its
+  priorities -- happens here, not in an engine's FIFO.  A worker whose GPU
+  free memory is under ``gpu_free_floor_bytes`` or that is unhealthy gets no
+  new work.
+* **Queues.**  Per model, one queue per (class, size) where size is short or
+  long (``task_type``, or prompt+max_tokens against ``short_threshold_tokens``).
+  Inside a queue, tenants share by deficit round robin weighted by tokens
+  (quantum ``short_threshold_tokens x weight``); each tenant's jobs are FIFO.
+  So FIFO holds within (class, tenant, size).
+* **Order across queues.**  Strict by class rank (the order of
+  ``SchedulerConfig.classes``; it is also the priority passed to vLLM), except
+  that a queue that has made no progress for ``aging_bound_s / 2`` (no
+  dispatch since its oldest job arrived or since its last dispatch) is *due*:
+  due queues go before everything, oldest first, without class headroom.  Half
+  the bound is left to drain a worker for the due head, so no class waits
+  longer than the bound behind a stream of higher-class work, provided single
+  jobs run well under half the bound.  Short and long queues of one class
+  share the *tokens* dispatched ``short_share : long_share`` while both wait
+  (by tokens, not requests: a long request holds KV and a slot many times
+  longer than a short one).
+* **Backfill.**  A head that fits no worker now is skipped and what is behind
+  it in the order may go (other queues; FIFO inside a queue is kept).  Once the
+  head is due, the worker closest to fitting it is reserved for it: nothing
+  else is dispatched there until the head goes.
+* **Class headroom** (``priority_headroom`` h): class rank r may fill a
+  worker's KV budget and seq slots only up to ``1 - h x (r - top)/(K-1)``,
+  where ``top`` is the highest class that submitted work within the aging
+  bound.  Room is kept for higher classes only while they are active, so under
+  overload a high-priority request starts at once instead of waiting for a
+  running job to end, and a deployment that uses one class wastes nothing.  An
+  empty worker takes any job that fits its budget.
+* **Placement score** among workers that can take the job now: first pool
+  preference (a short job prefers a short worker, then "any", then a
+  borrowed idle long worker; a long job prefers long, then "any"), then the
+  highest sum of three fractions, each 0..1: KV budget left after placing the
+  job, seq slots left, GPU memory free (0 without a GPU) -- i.e. least loaded
+  first, which keeps batches (and so step times) even.  Ties go to the lowest
+  worker id, which keeps runs deterministic.
+* **Pools.**  Long work never lands on a short-only worker.  Short work may
+  borrow a long-pool worker when ``borrow_idle_long`` and no long work of that
+  model is queued (the long worker is idle as far as long work goes).
+* **Refusals.**  400 when no registered worker of the job's pool could ever
+  hold it (context length or KV budget); 503 when no worker of that
+  model/pool is registered; 429 when the class queue (per model) or the
+  tenant's queued total is full; 503 when a job waited past its class
+  ``queue_deadline_s``.  429/503 carry Retry-After = the estimated drain time
+  of the queue ahead of the job: queued tokens of its class and higher ones
+  (plus its own) over the model's measured token release rate (exponentially
+  weighted, 30 s; before any job finished: a full KV budget per 10 s).
+* ``policy="fifo"``: one FIFO per model with the same ledger, limits and pool
+  rules (short work may use any worker), no priorities, no backfill (the head
+  blocks), priority 0 to vLLM: the baseline the DES compares against.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Union
+
+from router.estimate import kv_cost
+from shared.config import SchedulerConfig
+from shared.protocol import ErrorInfo, Pool, TaskType
+
+__all__ = ["WorkerSpec", "Job", "DispatchJob", "RejectJob", "AbortJob", "Action", "Policy"]
+
+POOL_NAMES = {Pool.ANY: "any", Pool.SHORT: "short", Pool.LONG: "long"}
+SHORT, LONG = 0, 1
+SIZE_NAMES = ("short", "long")
+
+NO_WORKER_RETRY_S = 2.0  # nothing to drain: a worker registering is what is awaited
+RATE_TAU_S = 30.0  # memory of the token release-rate estimate
+COLD_TURNOVER_S = 10.0  # before any job finished: assume a full KV budget turns over this fast
+MIN_RETRY_S, MAX_RETRY_S = 1.0, 3600.0
+
+_QUEUED, _RUNNING, _DONE = 0, 1, 2
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker registered with."""
+
+    worker_id: str
+    model: str
+    pool: Pool
+    capacity_tokens: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    gpu_total_bytes: int = 0  # 0 = no GPU / unknown
+
+
+@dataclass(slots=True)
+class Job:
+    job_id: str
+    model: str
+    tenant: str
+    klass: str  # a class name from config
+    prompt_tokens: int  # estimate (router.estimate); corrected by correct_prompt_tokens
+    max_tokens: int
+    task_type: TaskType
+    arrival: float
+    weight: float = 1.0  # tenant's fair-share weight inside its class
+
+
+class DispatchJob(NamedTuple):
+    job_id: str
+    worker_id: str
+    priority: int  # for vLLM: lower runs first
+
+
+class RejectJob(NamedTuple):
+    job_id: str
+    error: ErrorInfo  # left the queue (queue deadline); nothing was reserved
+
+
+class AbortJob(NamedTuple):
+    job_id: str
+    worker_id: str
+    error: ErrorInfo  # ran past the generation deadline; ledger already released
+
+
+Action = Union[DispatchJob, RejectJob, AbortJob]
+
+
+# ----------------------------------------------------------------- internals
+
+
+class _Entry:
+    """A job inside the policy (queued or running)."""
+
+    __slots__ = ("job", "rank", "size", "tokens", "state", "worker", "cost", "dispatched_at",
+                 "seq", "queue")
+
+    def __init__(self, job: Job, rank: int, size: int, seq: int) -> None:
+        self.job = job
+        self.rank = rank
+        self.size = size
+        self.tokens = max(1, job.prompt_tokens) + max(0, job.max_tokens)
+        self.state = _QUEUED
+        self.worker: Optional[str] = None
+        self.cost = 0  # KV tokens reserved on self.worker
+        self.dispatched_at = 0.0
+        self.seq = seq
+        self.queue: Optional[_Queue] = None
+
+
+class _Worker:
+    __slots__ = ("spec", "healthy", "gpu_used", "reserved", "running", "budget")
+
+    def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
+        self.spec = spec
+        self.healthy = True
+        self.gpu_used: Optional[int] = None
+        self.reserved = 0
+        self.running: dict[str, int] = {}  # job id -> reserved KV tokens
+        self.budget = int(spec.capacity_tokens * (1.0 - cfg.kv_safety_margin) * cfg.overcommit)
+
+
+class _Queue:
+    """One (model, class, size) queue: FIFO per tenant, deficit round robin
+    by tokens across tenants.  Entries that left (finish) are skipped lazily."""
+
+    __slots__ = ("rank", "size", "quantum", "by_tenant", "tenants", "active", "deficit", "weight",
+                 "visited", "count", "tokens", "last_dispatch")
+
+    def __init__(self, rank: int, size: int, quantum: int, by_tenant: bool = True) -> None:
+        self.rank = rank
+        self.size = size
+        self.quantum = max(1, quantum)
+        self.by_tenant = by_tenant  # False: one FIFO for everyone (policy="fifo")
+        self.tenants: dict[str, deque[_Entry]] = {}
+        self.active: deque[str] = deque()  # round-robin order of tenants with work
+        self.deficit: dict[str, float] = {}
+        self.weight: dict[str, float] = {}
+        self.visited = False  # the front tenant got its quantum for this visit
+        self.count = 0  # live queued entries
+        self.tokens = 0  # their prompt+max_tokens, for drain estimates
+        self.last_dispatch = -math.inf
+
+    def push(self, e: _Entry) -> None:
+        t = e.job.tenant if self.by_tenant else ""
+        dq = self.tenants.get(t)
+        if dq is None:
+            dq = self.tenants[t] = deque()
+        if not dq:
+            if t not in self.deficit:
+                self.active.append(t)
+                self.deficit[t] = 0.0
+        self.weight[t] = max(1e-3, e.job.weight)
+        _insert_by_arrival(dq, e)
+        e.queue = self
+        self.count += 1
+        self.tokens += e.tokens
+
+    def forget(self, e: _Entry) -> None:
+        """Bookkeeping for an entry that left without being dispatched."""
+        self.count -= 1
+        self.tokens -= e.tokens
+        e.queue = None
+
+    def _head(self, t: str) -> Optional[_Entry]:
+        dq = self.tenants[t]
+        while dq and dq[0].state != _QUEUED:
+            dq.popleft()
+        return dq[0] if dq else None
+
+    def _deactivate_front(self) -> None:
+        t = self.active.popleft()
+        del self.deficit[t]
+        del self.tenants[t]
+        self.weight.pop(t, None)
+        self.visited = False
+
+    def peek(self) -> Optional[_Entry]:
+        """The entry DRR serves next (advances round state; idempotent until pop)."""
+        misses = 0
+        while self.active:
+            t = self.active[0]
+            head = self._head(t)
+            if head is None:
+                self._deactivate_front()
+                continue
+            if not self.visited:
+                self.deficit[t] += self.quantum * self.weight[t]
+                self.visited = True
+            if head.tokens <= self.deficit[t]:
+                return head
+            self.visited = False
+            self.active.rotate(-1)
+            misses += 1
+            if misses >= len(self.active):
+                # A whole round served nobody: grant the rounds the closest
+                # tenant still needs in one go (exact DRR, bounded work).
+                need = [math.ceil((h.tokens - self.deficit[u]) / (self.quantum * self.weight[u]))
+                        for u in self.active if (h := self._head(u)) is not None]
+                rounds = min(need) if need else 0
+                if rounds > 1:
+                    for u in self.active:
+                        self.deficit[u] += (rounds - 1) * self.quantum * self.weight[u]
+                misses = 0
+        return None
+
+    def pop(self, e: _Entry) -> None:
+        """``e`` (the last peek) was dispatched."""
+        t = self.active[0]
+        dq = self.tenants[t]
+        assert dq[0] is e
+        dq.popleft()
+        self.deficit[t] -= e.tokens
+        self.count -= 1
+        self.tokens -= e.tokens
+        e.queue = None
+        if self._head(t) is None:
+            self._deactivate_front()
+
+
+class _RateMeter:
+    """Exponentially weighted token release rate (tokens/s)."""
+
+    __slots__ = ("tau", "value", "t", "t0")
+
+    def __init__(self, tau: float) -> None:
+        self.tau = tau
+        self.value = 0.0
+        self.t: Optional[float] = None
+        self.t0: Optional[float] = None
+
+    def add(self, now: float, tokens: float) -> None:
+        if self.t is None:
+            self.t = self.t0 = now
+        self.value = self._decayed(now) + tokens
+        self.t = max(self.t, now)
+
+    def _decayed(self, now: float) -> float:
+        if self.t is None:
+            return 0.0
+        return self.value * math.exp(-max(0.0, now - self.t) / self.tau)
+
+    def rate(self, now: float) -> Optional[float]:
+        if self.t0 is None:
+            return None
+        # integral of the decay kernel over the time observed so far
+        window = self.tau * (1.0 - math.exp(-max(0.0, now - self.t0) / self.tau))
+        window = max(window, 1.0)  # one early finish must not look like a huge rate
+        return self._decayed(now) / window
+
+
+class _Model:
+    __slots__ = ("name", "workers", "queues", "class_count", "wrr", "meter", "by_arrival", "last_seen")
+
+    def __init__(self, name: str, n_classes: int) -> None:
+        self.name = name
+        self.workers: dict[str, _Worker] = {}
+        self.queues: dict[tuple[int, int], _Queue] = {}
+        self.class_count = [0] * n_classes
+        # per class: tokens dispatched (short, long) while both waited
+        self.wrr = [[0, 0] for _ in range(n_classes)]
+        self.meter = _RateMeter(RATE_TAU_S)
+        # per (class, size): queued entries by arrival, lazily pruned -- queue
+        # deadlines and the oldest wait in O(1) whatever the number of tenants
+        self.by_arrival: dict[tuple[int, int], deque[_Entry]] = {
+            (r, s): deque() for r in range(n_classes) for s in (SHORT, LONG)}
+        self.last_seen = [-math.inf] * n_classes  # last submit per class: which classes are active
+
+    def long_queued(self) -> int:
+        return sum(q.count for (_, size), q in self.queues.items() if size == LONG)
+
+    def oldest(self, rank: int, size: int) -> Optional[_Entry]:
+        """The longest-waiting queued entry of (class, size)."""
+        index = self.by_arrival[(rank, size)]
+        while index and index[0].state != _QUEUED:
+            index.popleft()  # dispatched or ended since
+        return index[0] if index else None
+
+
+def _insert_by_arrival(index: deque, e: _Entry) -> None:
+    if not index or index[-1].job.arrival <= e.job.arrival:
+        index.append(e)
+        return
+    i = len(index)  # a requeued job (its worker was lost): back to its place
+    while i > 0 and index[i - 1].job.arrival > e.job.arrival:
+        i -= 1
+    index.insert(i, e)
+
+
+def _err(status: int, message: str, type_: str, code: str, retry_after: Optional[float] = None,
+         param: Optional[str] = None) -> ErrorInfo:
+    return ErrorInfo(status=status, message=message, type=type_, code=code, param=param,
+                     retry_after=retry_after)
+
+
+# ----------------------------------------------------------------- the policy
+
+
+class Policy:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        if not cfg.classes:
+            raise ValueError("scheduler needs at least one class")
+        self.cfg = cfg
+        self.fifo = cfg.policy == "fifo"
+        self.classes = list(cfg.classes)
+        self.rank = {c.name: i for i, c in enumerate(self.classes)}
+        self.n_classes = len(self.classes)
+        self.promote_after = cfg.aging_bound_s / 2.0
+        self.headroom = 0.0 if self.fifo else max(0.0, min(0.9, cfg.priority_headroom))
+        self.models: dict[str, _Model] = {}
+        self.workers: dict[str, _Worker] = {}
+        self.entries: dict[str, _Entry] = {}
+        self.tenant_count: dict[str, int] = {}
+        self._deadlines: list[tuple[float, int, str]] = []  # generation deadlines (lazy heap)
+        self._seq = 0
+        self.counters: dict[str, int] = {
+            "submitted": 0, "dispatched": 0, "finished": 0, "released": 0,
+            "rejected_no_worker": 0, "rejected_context_length": 0, "rejected_queue_full": 0,
+            "rejected_tenant_queue_full": 0, "expired_queue_deadline": 0,
+            "aborted_generation_deadline": 0, "lost_with_worker": 0, "backfilled": 0,
+            "aged_dispatches": 0,
+        }
+
+    # ------------------------------------------------------------ workers
+
+    def _model(self, name: str) -> _Model:
+        m = self.models.get(name)
+        if m is None:
+            m = self.models[name] = _Model(name, self.n_classes)
+        return m
+
+    def add_worker(self, spec: WorkerSpec, now: float) -> list[str]:
+        """Register or re-register.  A re-registered worker runs nothing: the
+        ids of jobs that ran there are released and returned (router fails them)."""
+        lost = self.remove_worker(spec.worker_id, now) if spec.worker_id in self.workers else []
+        w = _Worker(spec, self.cfg)
+        self.workers[spec.worker_id] = w
+        m = self._model(spec.model)
+        m.workers[spec.worker_id] = w
+        m.workers = dict(sorted(m.workers.items()))  # by id: ties in placement go to the lowest
+        return lost
+
+    def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
+                      gpu_used_bytes: Optional[int] = None) -> None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        w.healthy = healthy
+        if gpu_used_bytes is not None:
+            w.gpu_used = gpu_used_bytes
+
+    def remove_worker(self, worker_id: str, now: float) -> list[str]:
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return []
+        m = self.models.get(w.spec.model)
+        if m is not None:
+            m.workers.pop(worker_id, None)
+        lost = list(w.running)
+        for job_id in lost:
+            e = self.entries.pop(job_id, None)
+            if e is not None:
+                e.state = _DONE
+        w.running.clear()
+        w.reserved = 0
+        self.counters["lost_with_worker"] += len(lost)
+        self.counters["released"] += len(lost)
+        return lost
+
+    # ------------------------------------------------------------ admission
+
+    def _size(self, job: Job) -> int:
+        if job.task_type == TaskType.SHORT:
+            return SHORT
+        if job.task_type == TaskType.LONG:
+            return LONG
+        total = max(1, job.prompt_tokens) + max(0, job.max_tokens)
+        return SHORT if total <= self.cfg.short_threshold_tokens else LONG
+
+    def _pool_ok(self, w: _Worker, size: int, m: Optional[_Model]) -> bool:
+        """May a job of this size run on this worker?  ``m`` None: ever (at
+        submit), else now (the borrow condition is checked)."""
+        pool = w.spec.pool
+        if pool == Pool.ANY:
+            return True
+        if size == LONG:
+            return pool == Pool.LONG
+        if pool == Pool.SHORT or self.fifo:
+            return True
+        # a short job on a long worker: only if configured, and while no long work waits
+        return self.cfg.borrow_idle_long and (m is None or m.long_queued() == 0)
+
+    def submit(self, job: Job, now: float) -> Optional[ErrorInfo]:
+        """Queue a job, or say now why not (the ErrorInfo to send)."""
+        if job.job_id in self.entries:  # a router bug; keep the ledger exact anyway
+            self.finish(job.job_id, now)
+        self.counters["submitted"] += 1
+        rank = self.rank.get(job.klass, self.n_classes - 1)  # unknown class: the lowest
+        size = self._size(job)
+        m = self._model(job.model)
+        if not m.workers:
+            self.counters["rejected_no_worker"] += 1
+            return _err(503, f"No worker is currently serving model `{job.model}`; try again shortly.",
+                        "service_unavailable_error", "no_worker", NO_WORKER_RETRY_S)
+        eligible = [w for w in m.workers.values() if self._pool_ok(w, size, None)]
+        if not eligible:
+            self.counters["rejected_no_worker"] += 1
+            return _err(503, f"No worker of the {SIZE_NAMES[size]}-request pool is currently serving "
+                        f"model `{job.model}`; try again shortly.",
+                        "service_unavailable_error", "no_worker", NO_WORKER_RETRY_S)
+        prompt = max(1, job.prompt_tokens)
+        total = prompt + max(0, job.max_tokens)
+        if not any(total <= w.spec.max_model_len
+                   and kv_cost(prompt, job.max_tokens, w.spec.block_size) <= w.budget
+                   for w in eligible):
+            self.counters["rejected_context_length"] += 1
+            max_len = max(w.spec.max_model_len for w in eligible)
+            if total > max_len:
+                msg = (f"This model's maximum context length is {max_len} tokens. However, you "
+                       f"requested {total} tokens ({prompt} in the messages, {job.max_tokens} in the "
+                       f"completion). Please reduce the length of the messages or completion.")
+            else:
+                kv = max(w.budget for w in eligible)
+                msg = (f"This request needs {total} tokens of KV cache ({prompt} in the messages, "
+                       f"{job.max_tokens} in the completion), more than any worker of this model "
+                       f"can hold ({kv} tokens). Please reduce the length of the messages or "
+                       f"completion.")
+            return _err(400, msg, "invalid_request_error", "context_length_exceeded", param="messages")
+        if m.class_count[rank] >= self.classes[rank].max_queue:
+            self.counters["rejected_queue_full"] += 1
+            return _err(429, f"Too many requests queued in class `{self.classes[rank].name}`; "
+                        f"retry later.", "rate_limit_error", "queue_full",
+                        self._retry_after(m, rank, total, now))
+        if self.tenant_count.get(job.tenant, 0) >= self.cfg.max_queue_per_tenant:
+            self.counters["rejected_tenant_queue_full"] += 1
+            return _err(429, f"Too many requests queued for tenant `{job.tenant}`; retry later.",
+                        "rate_limit_error", "tenant_queue_full",
+                        self._retry_after(m, rank, total, now))
+        self._seq += 1
+        e = _Entry(job, rank, size, self._seq)
+        key = (0, 0) if self.fifo else (rank, size)
+        q = m.queues.get(key)
+        if q is None:
+            q = m.queues[key] = _Queue(rank, size, self.cfg.short_threshold_tokens,
+                                       by_tenant=not self.fifo)
+        q.push(e)
+        _insert_by_arrival(m.by_arrival[(rank, size)], e)
+        m.last_seen[rank] = max(m.last_seen[rank], now)
+        self.entries[job.job_id] = e
+        m.class_count[rank] += 1
+        self.tenant_count[job.tenant] = self.tenant_count.get(job.tenant, 0) + 1
+        return None
+
+    def _retry_after(self, m: _Model, rank: int, own_tokens: int, now: float) -> float:
+        """Seconds until the work queued ahead of a job of class ``rank`` (its
+        class and higher ones) plus its own should have drained."""
+        ahead = own_tokens + sum(q.tokens for (r, _), q in m.queues.items() if self.fifo or r <= rank)
+        rate = m.meter.rate(now)
+        if not rate:
+            budget = sum(w.budget for w in m.workers.values())
+            rate = budget / COLD_TURNOVER_S if budget > 0 else None
+        if not rate:
+            return NO_WORKER_RETRY_S
+        return round(min(MAX_RETRY_S, max(MIN_RETRY_S, ahead / rate)), 1)
+
+    # ------------------------------------------------------------ scheduling
+
+    def _limit(self, m: _Model, rank: int, now: float) -> float:
+        """Fraction of a worker's KV budget and seq slots class ``rank`` may fill.
+        Only classes above it that submitted recently (within the aging bound)
+        get room kept for them, so a single-class deployment wastes nothing."""
+        if rank == 0 or self.headroom <= 0.0 or self.n_classes <= 1:
+            return 1.0
+        horizon = now - self.cfg.aging_bound_s
+        top = next((r for r in range(rank) if m.last_seen[r] >= horizon), rank)
+        return 1.0 - self.headroom * (rank - top) / (self.n_classes - 1)
+
+    def _gpu_ok(self, w: _Worker) -> bool:
+        floor = self.cfg.gpu_free_floor_bytes
+        if floor <= 0 or w.spec.gpu_total_bytes <= 0 or w.gpu_used is None:
+            return True
+        return w.spec.gpu_total_bytes - w.gpu_used >= floor
+
+    def _place(self, m: _Model, e: _Entry, exclude: set[str], due: bool,
+               now: float) -> Optional[tuple[_Worker, int]]:
+        """Best worker that can take ``e`` now and its KV cost there, or None."""
+        job = e.job
+        prompt = max(1, job.prompt_tokens)
+        total = prompt + max(0, job.max_tokens)
+        limit = 1.0 if due else self._limit(m, e.rank, now)
+        best = None
+        best_key = None
+        own_pool = Pool.SHORT if e.size == SHORT else Pool.LONG
+        for wid, w in m.workers.items():
+            if (wid in exclude or not w.healthy or not self._gpu_ok(w)
+                    or not self._pool_ok(w, e.size, m)):
+                continue
+            spec = w.spec
+            n = len(w.running)
+            if n >= spec.max_num_seqs or total > spec.max_model_len:
+                continue
+            cost = kv_cost(prompt, job.max_tokens, spec.block_size)
+            after = w.reserved + cost
+            if after > w.budget:
+                continue
+            if n > 0 and (after > w.budget * limit or n >= max(1, int(spec.max_num_seqs * limit))):
+                continue  # class headroom: the rest is kept for higher classes
+            pref = 2 if spec.pool == own_pool else (1 if spec.pool == Pool.ANY else 0)
+            score = (w.budget - after) / w.budget + (spec.max_num_seqs - n - 1) / spec.max_num_seqs
+            if spec.gpu_total_bytes > 0 and w.gpu_used is not None:
+                score += max(0, spec.gpu_total_bytes - w.gpu_used) / spec.gpu_total_bytes
+            key = (pref, score)
+            if best_key is None or key > best_key:
+                best, best_key = (w, cost), key
+        return best
+
+    def _reserve_target(self, m: _Model, e: _Entry, exclude: set[str]) -> Optional[str]:
+        """The worker a due head is waiting for: the eligible one closest to fitting it."""
+        job = e.job
+        prompt = max(1, job.prompt_tokens)
+        total = prompt + max(0, job.max_tokens)
+        best = None
+        best_key = None
+        for wid, w in m.workers.items():
+            if wid in exclude or not w.healthy or not self._pool_ok(w, e.size, m):
+                continue
+            if total > w.spec.max_model_len:
+                continue
+            cost = kv_cost(prompt, job.max_tokens, w.spec.block_size)
+            if cost > w.budget:
+                continue
+            key = (w.budget - w.reserved - cost, -len(w.running))
+            if best_key is None or key > best_key:
+                best, best_key = wid, key
+        return best
+
+    def _pick(self, m: _Model, now: float, skipped: set) -> Optional[tuple[_Queue, bool]]:
+        """The queue to serve next and whether it is due (aged)."""
+        due_best = None
+        due_start = None
+        by_rank: dict[int, list[_Queue]] = {}
+        for key, q in m.queues.items():
+            if q.count == 0 or key in skipped:
+                continue
+            if not self.fifo and now - q.last_dispatch >= self.promote_after:
+                oldest = m.oldest(q.rank, q.size)  # only looked up when the queue may be due
+                if oldest is None:
+                    continue
+                start = max(q.last_dispatch, oldest.job.arrival)
+                if now - start >= self.promote_after and (due_start is None or start < due_start):
+                    due_best, due_start = q, start
+            by_rank.setdefault(q.rank, []).append(q)
+        if due_best is not None:
+            return due_best, True
+        if not by_rank:
+            return None
+        qs = by_rank[min(by_rank)]
+        if len(qs) == 1:
+            q = qs[0]
+            other = m.queues.get((q.rank, 1 - q.size))
+            if not self.fifo and (other is None or other.count == 0):
+                m.wrr[q.rank] = [0, 0]  # nothing to share with: no credit is banked
+            return q, False
+        s, l = m.wrr[qs[0].rank]
+        short_q = qs[0] if qs[0].size == SHORT else qs[1]
+        long_q = qs[1] if short_q is qs[0] else qs[0]
+        # serve short while its dispatches/share are not ahead of long's
+        if s * self.cfg.long_share <= l * self.cfg.short_share:
+            return short_q, False
+        return long_q, False
+
+    def schedule(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        self._expire_running(now, actions)
+        for m in self.models.values():
+            self._expire_queued(m, now, actions)
+            # cheap exit for the common busy case: every worker full (or unusable)
+            if any(len(w.running) < w.spec.max_num_seqs and w.healthy for w in m.workers.values()) \
+                    and any(q.count for q in m.queues.values()):
+                self._dispatch_model(m, now, actions)
+        return actions
+
+    def _dispatch_model(self, m: _Model, now: float, actions: list[Action]) -> None:
+        skipped: set = set()
+        reserved: set[str] = set()
+        blocked_before = False
+        while True:
+            picked = self._pick(m, now, skipped)
+            if picked is None:
+                return
+            q, due = picked
+            e = q.peek()
+            if e is None:  # only dead entries were left
+                skipped.add((q.rank, q.size) if not self.fifo else (0, 0))
+                continue
+            placed = self._place(m, e, reserved, due, now)
+            if placed is not None:
+                w, cost = placed
+                both = False
+                if not self.fifo:
+                    other = m.queues.get((q.rank, 1 - q.size))
+                    both = (other is not None and other.count > 0
+                            and (q.rank, 1 - q.size) not in skipped)
+                self._dispatch(m, q, e, w, cost, now, actions)
+                if both:
+                    m.wrr[q.rank][q.size] += e.tokens
+                if due:
+                    self.counters["aged_dispatches"] += 1
+                if blocked_before:
+                    self.counters["backfilled"] += 1
+                continue
+            if self.fifo or not self.cfg.backfill:
+                return  # strict order: the head blocks everything behind it
+            skipped.add((q.rank, q.size))
+            blocked_before = True
+            if due:
+                target = self._reserve_target(m, e, reserved)
+                if target is not None:
+                    reserved.add(target)
+
+    def _dispatch(self, m: _Model, q: _Queue, e: _Entry, w: _Worker, cost: int, now: float,
+                  actions: list[Action]) -> None:
+        q.pop(e)
+        q.last_dispatch = now
+        job = e.job
+        m.class_count[e.rank] -= 1
+        self._tenant_dec(job.tenant)
+        e.state = _RUNNING
+        e.worker = w.spec.worker_id
+        e.cost = cost
+        e.dispatched_at = now
+        w.running[job.job_id] = cost
+        w.reserved += cost
+        if self.cfg.generation_deadline_s > 0:
+            h = self._deadlines
+            if len(h) > 1024 and len(h) > 4 * len(self.entries):
+                # most entries belong to jobs that already ended: drop them in one pass
+                h[:] = [x for x in h if (y := self.entries.get(x[2])) is not None and y.seq == x[1]]
+                heapq.heapify(h)
+            heapq.heappush(h, (now + self.cfg.generation_deadline_s, e.seq, job.job_id))
+        self.counters["dispatched"] += 1
+        actions.append(DispatchJob(job.job_id, w.spec.worker_id, 0 if self.fifo else e.rank))
+
+    def _tenant_dec(self, tenant: str) -> None:
+        n = self.tenant_count.get(tenant, 0) - 1
+        if n > 0:
+            self.tenant_count[tenant] = n
+        else:
+            self.tenant_count.pop(tenant, None)
+
+    def _expire_queued(self, m: _Model, now: float, actions: list[Action]) -> None:
+        for (rank, size), index in m.by_arrival.items():
+            d = self.classes[rank].queue_deadline_s
+            if d <= 0:
+                continue
+            while (e := m.oldest(rank, size)) is not None and now - e.job.arrival >= d:
+                index.popleft()
+                self._reject_expired(m, e, now, actions)
+
+    def _reject_expired(self, m: _Model, e: _Entry, now: float, actions: list[Action]) -> None:
+        job = e.job
+        e.state = _DONE
+        if e.queue is not None:
+            e.queue.forget(e)
+        self.entries.pop(job.job_id, None)
+        m.class_count[e.rank] -= 1
+        self._tenant_dec(job.tenant)
+        self.counters["expired_queue_deadline"] += 1
+        retry = self._retry_after(m, e.rank, 0, now)
+        actions.append(RejectJob(job.job_id, _err(
+            503, f"Request waited {now - job.arrival:.1f} s in the `{self.classes[e.rank].name}` queue, "
+                 f"past its deadline of {self.classes[e.rank].queue_deadline_s:g} s; the service is "
+                 f"overloaded, retry later.", "service_unavailable_error", "queue_deadline", retry)))
+
+    def _expire_running(self, now: float, actions: list[Action]) -> None:
+        h = self._deadlines
+        while h and h[0][0] <= now:
+            _, seq, job_id = heapq.heappop(h)
+            e = self.entries.get(job_id)
+            if e is None or e.state != _RUNNING or e.seq != seq:
+                continue
+            wid = e.worker
+            self._release(e, now, count_rate=False)
+            self.counters["aborted_generation_deadline"] += 1
+            actions.append(AbortJob(job_id, wid or "", _err(
+                504, f"Request ran past the generation deadline of "
+                     f"{self.cfg.generation_deadline_s:g} s and was aborted.",
+                "timeout_error", "generation_deadline")))
+
+    # ------------------------------------------------------------ completion
+
+    def _release(self, e: _Entry, now: float, count_rate: bool) -> None:
+        self.entries.pop(e.job.job_id, None)
+        e.state = _DONE
+        w = self.workers.get(e.worker) if e.worker else None
+        if w is not None and w.running.pop(e.job.job_id, None) is not None:
+            w.reserved -= e.cost
+            if count_rate:
+                self._model(w.spec.model).meter.add(now, e.tokens)
+        self.counters["released"] += 1
+
+    def finish(self, job_id: str, now: float) -> bool:
+        """A job ended (done, aborted, errored, cancelled; queued or running).
+        Releases exactly once; True iff this call released or removed something."""
+        e = self.entries.get(job_id)
+        if e is None:
+            return False
+        if e.state == _QUEUED:
+            self.entries.pop(job_id, None)
+            e.state = _DONE
+            if e.queue is not None:
+                e.queue.forget(e)
+            m = self.models.get(e.job.model)
+            if m is not None:
+                m.class_count[e.rank] -= 1
+            self._tenant_dec(e.job.tenant)
+            return True
+        self._release(e, now, count_rate=True)
+        self.counters["finished"] += 1
+        return True
+
+    def correct_prompt_tokens(self, job_id: str, actual: int) -> None:
+        """The engine's exact prompt count: re-price the reservation.  Upward
+        corrections are kept even past the budget (that is what the engine
+        really holds); new work then waits until it drains."""
+        e = self.entries.get(job_id)
+        if e is None or actual < 1:
+            return
+        job = e.job
+        if e.state == _QUEUED and e.queue is not None:
+            e.queue.tokens += (actual + job.max_tokens) - e.tokens
+        job.prompt_tokens = actual
+        e.tokens = actual + max(0, job.max_tokens)
+        if e.state == _RUNNING:
+            w = self.workers.get(e.worker) if e.worker else None
+            if w is None or job_id not in w.running:
+                return
+            new = kv_cost(actual, job.max_tokens, w.spec.block_size)
+            w.reserved += new - e.cost
+            w.running[job_id] = new
+            e.cost = new
+
+    # ------------------------------------------------------------ timing / views
+
+    def next_wakeup(self, now: float) -> Optional[float]:
+        t: Optional[float] = None
+
+        def consider(x: float) -> None:
+            nonlocal t
+            if t is None or x < t:
+                t = x
+
+        h = self._deadlines
+        while h:
+            _, seq, job_id = h[0]
+            e = self.entries.get(job_id)
+            if e is None or e.state != _RUNNING or e.seq != seq:
+                heapq.heappop(h)
+                continue
+            consider(h[0][0])
+            break
+        for m in self.models.values():
+            for (rank, size) in m.by_arrival:
+                e = m.oldest(rank, size)
+                if e is None:
+                    continue
+                d = self.classes[rank].queue_deadline_s
+                if d > 0:
+                    consider(e.job.arrival + d)
+                q = m.queues.get((rank, size))
+                if not self.fifo and q is not None:
+                    due_at = max(q.last_dispatch, e.job.arrival) + self.promote_after
+                    if due_at > now:
+                        consider(due_at)
+        return t
+
+    def snapshot(self, now: float) -> dict:
+        workers = [{
+            "id": w.spec.worker_id, "model": w.spec.model, "pool": POOL_NAMES.get(w.spec.pool, "any"),
+            "healthy": w.healthy and self._gpu_ok(w), "capacity_tokens": w.spec.capacity_tokens,
+            "budget_tokens": w.budget, "reserved_tokens": w.reserved, "running": len(w.running),
+            "max_num_seqs": w.spec.max_num_seqs,
+        } for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)]
+        agg: dict[tuple[int, int], list] = {
+            (r, s): [0, None] for r in range(self.n_classes) for s in (SHORT, LONG)}
+        for e in self.entries.values():
+            if e.state != _QUEUED:
+                continue
+            a = agg[(e.rank, e.size)]
+            a[0] += 1
+            if a[1] is None or e.job.arrival < a[1]:
+                a[1] = e.job.arrival
+        queues = [{
+            "class": self.classes[r].name, "pool": SIZE_NAMES[s], "queued": n,
+            "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
+        } for (r, s), (n, oldest) in sorted(agg.items())]
+        return {"workers": workers, "queues": queues, "counters": dict(self.counters),
+                "policy": self.cfg.policy}
