@@ -110,6 +110,7 @@ class RouterCore:
     def _router_socket(self, addr: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # tell us when a peer is gone instead of dropping
+        s.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting worker reuses its identity
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 100_000)
         s.setsockopt(zmq.RCVHWM, 100_000)

@@ -1,0 +1,199 @@
+"""VllmEngine on the real vLLM (CPU build) with the tiny local model.
+
+One engine for the whole module (start-up ~16 s), on one uvloop loop that each
+test drives with run_until_complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
+KV_BYTES = 1 << 20  # tiny-llama: 512 B of KV per token -> 2048 tokens: preemption is reachable
+
+pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="models/tiny-llama not built")
+
+from shared.protocol import (ChatMessage, Delta, GenerateRequest, RequestKind,  # noqa: E402
+                             SamplingParams)
+
+
+@pytest.fixture(scope="module")
+def env():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import uvloop
+
+    from engine_worker.vllm_engine import VllmEngine
+
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    engine = VllmEngine(str(MODEL), "tiny-llama", max_model_len=512, max_num_seqs=8, dtype="bfloat16",
+                        kv_cache_bytes=KV_BYTES, gpu_memory_utilization=0.9)
+    info = loop.run_until_complete(engine.start())
+    try:
+        yield loop, engine, info
+    finally:
+        loop.run_until_complete(engine.shutdown())
+        loop.close()
+        asyncio.set_event_loop(None)
+
+
+def completion(rid, prompt="The quick brown fox", max_tokens=8, **kw):
+    return GenerateRequest(rid, RequestKind.COMPLETION, prompt, [],
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+
+
+class Collector:
+    """Gathers Deltas per request; ``wait()`` returns once every request has its final one."""
+
+    def __init__(self):
+        self.deltas: dict[str, list[Delta]] = {}
+        self.open: set[str] = set()
+        self.event = asyncio.Event()
+
+    def submit(self, engine, req):
+        self.deltas[req.request_id] = []
+        self.open.add(req.request_id)
+        engine.submit(req, self.emit)
+
+    def emit(self, d: Delta):
+        self.deltas[d.request_id].append(d)
+        if d.finish_reason or d.error:
+            assert d.request_id in self.open, f"second final Delta for {d.request_id}"
+            self.open.discard(d.request_id)
+            if not self.open:
+                self.event.set()
+
+    async def wait(self, timeout=30.0):
+        if self.open:
+            await asyncio.wait_for(self.event.wait(), timeout)
+        return self.deltas
+
+
+def check_stream(ds: list[Delta], prompt_tokens: int, completion_tokens: int, finish: str):
+    finals = [d for d in ds if d.finish_reason or d.error]
+    assert finals == [ds[-1]], "exactly one final Delta, and it is the last"
+    assert ds[-1].finish_reason == finish and ds[-1].error is None
+    assert ds[0].prompt_tokens == prompt_tokens == ds[-1].prompt_tokens
+    assert sum(d.num_tokens for d in ds) == completion_tokens == ds[-1].completion_tokens
+    running = 0
+    for d in ds:
+        running += d.num_tokens
+        assert d.completion_tokens == running
+
+
+def test_capacity_is_read_from_the_engine(env):
+    _, engine, info = env
+    cache = engine.engine.vllm_config.cache_config
+    assert info.engine == "vllm" and info.max_model_len == 512 and info.max_num_seqs == 8
+    assert info.block_size == cache.block_size
+    assert info.kv_capacity_tokens == (cache.num_gpu_blocks - 1) * cache.block_size  # less the null block
+    assert 0 < info.kv_capacity_tokens <= KV_BYTES // 512
+
+
+def test_completion_streams_exact_counts(env):
+    loop, engine, _ = env
+    prompt = "The quick brown fox jumps over the lazy dog"
+    c = Collector()
+    c.submit(engine, completion("cmpl-1", prompt, max_tokens=12))
+    ds = loop.run_until_complete(c.wait())["cmpl-1"]
+    n_prompt = len(engine.engine.tokenizer.encode(prompt))
+    check_stream(ds, n_prompt, 12, "length")
+    assert len(ds) >= 2  # streamed, not one blob
+    s = engine.stats()
+    assert s.finished_total >= 1 and s.running == 0 and s.waiting == 0
+
+
+def test_chat_uses_the_models_template(env):
+    loop, engine, _ = env
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hello there")]
+    c = Collector()
+    c.submit(engine, GenerateRequest("chat-1", RequestKind.CHAT, "", messages,
+                                     SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)))
+    ds = loop.run_until_complete(c.wait())["chat-1"]
+    tok = engine.engine.tokenizer
+    expected = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                       add_generation_prompt=True, tokenize=True)
+    if hasattr(expected, "keys"):  # transformers >= 5 returns a BatchEncoding
+        expected = expected["input_ids"]
+    check_stream(ds, len(expected), 6, "length")
+
+
+def test_many_concurrent_and_stats(env):
+    loop, engine, _ = env
+    c = Collector()
+    for i in range(12):  # more than max_num_seqs=8: some wait
+        c.submit(engine, completion(f"conc-{i}", max_tokens=40))
+
+    async def watch():
+        seen = []
+        while c.open:
+            seen.append(engine.stats())
+            await asyncio.sleep(0.005)
+        return seen
+
+    seen, deltas = loop.run_until_complete(asyncio.gather(watch(), c.wait()))
+    for ds in deltas.values():
+        check_stream(ds, ds[0].prompt_tokens, 40, "length")
+    assert max(s.running for s in seen) == 8
+    assert max(s.waiting for s in seen) >= 1
+    assert max(s.kv_usage for s in seen) > 0
+    end = engine.stats()
+    assert (end.running, end.waiting, end.kv_usage) == (0, 0, 0.0)
+
+
+def test_kv_oversubscription_preempts_and_stats_count_it(env):
+    loop, engine, info = env
+    before = engine.stats().preemptions_total
+    n = 8
+    max_tokens = 400  # 8 x ~404 tokens: about 1.6x the 2048 tokens of KV
+    c = Collector()
+    for i in range(n):
+        c.submit(engine, completion(f"pre-{i}", max_tokens=max_tokens))
+    deltas = loop.run_until_complete(c.wait(timeout=120))
+    for ds in deltas.values():  # preempted requests are recomputed, never repeated
+        check_stream(ds, ds[0].prompt_tokens, max_tokens, "length")
+    assert engine.stats().preemptions_total > before
+
+
+def test_abort_ends_with_abort(env):
+    loop, engine, _ = env
+    aborts_before = engine.stats().aborts_total
+    c = Collector()
+    c.submit(engine, completion("long-1", max_tokens=400))
+    c.submit(engine, completion("short-1", max_tokens=4))
+
+    async def scenario():
+        while len(c.deltas["long-1"]) < 3:
+            await asyncio.sleep(0.002)
+        engine.abort(["long-1", "unknown-id"])
+        await c.wait()
+        await asyncio.sleep(0.2)  # anything vLLM still had for it must not surface
+
+    loop.run_until_complete(scenario())
+    ds = c.deltas["long-1"]
+    assert ds[-1].finish_reason == "abort" and ds[-1].completion_tokens < 400
+    assert [d for d in ds if d.finish_reason] == [ds[-1]]
+    check_stream(c.deltas["short-1"], ds[0].prompt_tokens, 4, "length")
+    assert engine.stats().aborts_total == aborts_before + 1
+    engine.abort(["long-1"])  # already over: no second final
+    loop.run_until_complete(asyncio.sleep(0.05))
+    assert c.deltas["long-1"][-1] is ds[-1]
+
+
+def test_too_long_prompt_is_a_400_and_engine_keeps_working(env):
+    loop, engine, _ = env
+    c = Collector()
+    c.submit(engine, completion("huge", prompt="word " * 2000, max_tokens=4))
+    ds = loop.run_until_complete(c.wait())["huge"]
+    assert len(ds) == 1 and ds[0].error is not None
+    assert ds[0].error.status == 400 and ds[0].error.type == "invalid_request_error"
+    assert "maximum context length is 512 tokens" in ds[0].error.message
+    c2 = Collector()
+    c2.submit(engine, completion("after", max_tokens=3))
+    check_stream(loop.run_until_complete(c2.wait())["after"],
+                 len(engine.engine.tokenizer.encode("The quick brown fox")), 3, "length")
+    assert engine.fatal_error is None
