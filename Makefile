@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -e '.[$(ENGINE),test]'
+ifeq ($(ENGINE),cpu)
 	# PyPI's torchvision breaks beside the CPU torch and nothing here needs it.
 	$(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+endif
 	touch $@
 
 $(MODEL): | $(STAMP)
