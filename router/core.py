@@ -53,10 +53,23 @@ class _Job:
     job: Job
     sub: p.Submit
     sink: RequestSink
+    mx: "_JobMetrics"
     worker: bytes | None = None  # identity of the worker running it
     dispatched_at: float = 0.0
     first_token_at: float = 0.0
     completion_tokens: int = 0
+
+
+class _JobMetrics:
+    """The metric children every request of one (model, class) touches,
+    looked up once per pair instead of four times per request."""
+
+    __slots__ = ("ttft", "tokens", "e2e")
+
+    def __init__(self, m: RouterMetrics, model: str, klass: str) -> None:
+        self.ttft = m.child(m.ttft, model, klass)
+        self.tokens = m.child(m.tokens, model)
+        self.e2e = m.child(m.e2e, model, klass)
 
 
 @dataclass(slots=True, eq=False)
@@ -87,11 +100,13 @@ class RouterCore:
         self.default_tier = DEFAULT_TIER if DEFAULT_TIER in self.class_rank else cfg.scheduler.classes[0].name
 
         self.jobs: dict[str, _Job] = {}
+        self._job_metrics: dict[tuple[str, str], _JobMetrics] = {}
         self.workers: dict[str, _Worker] = {}  # by worker id (== DEALER identity)
         self.clients: dict[bytes, dict[str, int]] = {}  # ZeroMQ client identity -> its request ids -> handle
         self._next_handle = 1
         self._policy_pending = False
         self._wakeup: asyncio.TimerHandle | None = None
+        self._wakeup_at: float | None = None  # when self._wakeup fires (policy clock)
         self._hb_interval = cfg.router.heartbeat_interval_s
 
         self.ctx = zmq.Context.instance()
@@ -146,18 +161,21 @@ class RouterCore:
                 klass, "context_length")
         handle = self._next_handle
         self._next_handle += 1
-        job_id = format(handle, "x")
+        job_id = "%x" % handle
         params = sub.params or p.SamplingParams(max_tokens=max_tokens)
         params.max_tokens = max_tokens
         sub.params = params
         key = self.keys.get(sub.api_key) if sub.api_key else None
-        job = Job(job_id=job_id, model=sub.model, tenant=tenant, klass=klass,
-                  prompt_tokens=prompt_tokens, max_tokens=max_tokens, task_type=sub.task_type,
-                  arrival=now, weight=key.weight if key else 1.0)
+        # positional: (job_id, model, tenant, klass, prompt_tokens, max_tokens, task_type, arrival, weight)
+        job = Job(job_id, sub.model, tenant, klass, prompt_tokens, max_tokens, sub.task_type, now,
+                  key.weight if key else 1.0)
         refusal = self.policy.submit(job, now)
         if refusal is not None:
             return self._refused(refusal, klass, _reason(refusal))
-        self.jobs[job_id] = _Job(job=job, sub=sub, sink=sink)
+        mx = self._job_metrics.get((sub.model, klass))
+        if mx is None:
+            mx = self._job_metrics[(sub.model, klass)] = _JobMetrics(self.metrics, sub.model, klass)
+        self.jobs[job_id] = _Job(job, sub, sink, mx)
         self._schedule_policy()
         return handle
 
@@ -234,6 +252,12 @@ class RouterCore:
             self._policy_pending = True
             self.loop.call_soon(self._run_policy)
 
+    def _schedule_policy_if_queued(self) -> None:
+        """After a job ended: only queued work can use what it freed (expiries
+        of running jobs are on the wake-up timer), so skip a pointless pass."""
+        if self.policy.has_queued():
+            self._schedule_policy()
+
     def _run_policy(self) -> None:
         self._policy_pending = False
         now = time.monotonic()
@@ -249,12 +273,22 @@ class RouterCore:
             elif isinstance(action, AbortJob):
                 self._end_job(j, outcome="generation_deadline", abort_on_worker=True,
                               notify=action.error, released=True)
-        if self._wakeup is not None:
-            self._wakeup.cancel()
-            self._wakeup = None
+        # Dispatches leave now rather than one loop turn later (still one
+        # message per worker: everything this pass decided is in the outbox).
+        self.to_workers.flush()
+        # A timer that fires early is harmless (the pass re-arms it for the
+        # next event), so it is only moved earlier: no cancel/re-arm per request.
         at = self.policy.next_wakeup(now)
-        if at is not None:
-            self._wakeup = self.loop.call_later(max(0.0, at - now), self._schedule_policy)
+        if at is not None and (self._wakeup_at is None or at < self._wakeup_at):
+            if self._wakeup is not None:
+                self._wakeup.cancel()
+            self._wakeup_at = at
+            self._wakeup = self.loop.call_later(max(0.0, at - now), self._on_wakeup)
+
+    def _on_wakeup(self) -> None:
+        self._wakeup = None
+        self._wakeup_at = None
+        self._schedule_policy()
 
     def _dispatch(self, j: _Job, action: DispatchJob, now: float) -> None:
         w = self.workers.get(action.worker_id)
@@ -300,13 +334,14 @@ class RouterCore:
             j.sink.on_deltas([p.Delta(request_id=job_id, error=notify,
                                       completion_tokens=j.completion_tokens)])
         self.metrics.child(self.metrics.requests, j.job.model, j.job.klass, outcome).inc()
-        self._schedule_policy()
+        self._schedule_policy_if_queued()
 
     # ------------------------------------------------------------ worker link
 
     def _flush_to_worker(self, identity: bytes, items: list) -> None:
-        reqs = [i for i in items if not isinstance(i, str)]
-        aborts = [i for i in items if isinstance(i, str)]
+        reqs, aborts = [], []
+        for i in items:
+            (aborts if i.__class__ is str else reqs).append(i)
         if reqs:
             self._send_worker(identity, p.Dispatch(requests=reqs))
         if aborts:
@@ -380,6 +415,9 @@ class RouterCore:
         self._schedule_policy()
 
     def _on_outputs(self, deltas: list[p.Delta], now: float) -> None:
+        if len(deltas) == 1:  # the usual message at low load: one request, one engine step
+            self._job_news(deltas[0].request_id, deltas, now)
+            return
         # Usually one delta per job per message (one per engine step); a worker that
         # batched several steps sends more: group them so each sink gets one call.
         by_job: dict[str, list[p.Delta]] = {}
@@ -389,37 +427,44 @@ class RouterCore:
                 by_job[d.request_id] = [d]
             else:
                 group.append(d)
-        m = self.metrics
         for job_id, group in by_job.items():
-            j = self.jobs.get(job_id)
-            if j is None:
-                continue  # cancelled or already ended; the worker has been told to abort
-            job = j.job
-            d = group[-1]
-            new_tokens = sum(x.num_tokens for x in group) if len(group) > 1 else d.num_tokens
-            prompt_tokens = max(x.prompt_tokens for x in group) if len(group) > 1 else d.prompt_tokens
-            if new_tokens:
-                if not j.first_token_at:
-                    j.first_token_at = now
-                    m.child(m.ttft, job.model, job.klass).observe(now - job.arrival)
-                j.completion_tokens += new_tokens
-                m.child(m.tokens, job.model).inc(new_tokens)
-            if prompt_tokens and prompt_tokens != job.prompt_tokens:
-                self.policy.correct_prompt_tokens(job_id, prompt_tokens)
-                job.prompt_tokens = prompt_tokens
-            if d.error is not None or d.finish_reason is not None:
-                del self.jobs[job.job_id]
-                self.policy.finish(job.job_id, now)
-                w = self.workers.get(j.worker.decode()) if j.worker else None
-                if w is not None:
-                    w.jobs.discard(job.job_id)
-                j.sink.on_deltas(group)
-                outcome = d.finish_reason or _reason(d.error)
-                m.child(m.requests, job.model, job.klass, outcome).inc()
-                m.child(m.e2e, job.model, job.klass).observe(now - job.arrival)
-                self._schedule_policy()
-            else:
-                j.sink.on_deltas(group)
+            self._job_news(job_id, group, now)
+
+    def _job_news(self, job_id: str, group: list[p.Delta], now: float) -> None:
+        """One job's deltas from one worker message, oldest first."""
+        j = self.jobs.get(job_id)
+        if j is None:
+            return  # cancelled or already ended; the worker has been told to abort
+        job = j.job
+        m = self.metrics
+        d = group[-1]
+        if len(group) > 1:
+            new_tokens = sum(x.num_tokens for x in group)
+            prompt_tokens = max(x.prompt_tokens for x in group)
+        else:
+            new_tokens, prompt_tokens = d.num_tokens, d.prompt_tokens
+        if new_tokens:
+            if not j.first_token_at:
+                j.first_token_at = now
+                j.mx.ttft.observe(now - job.arrival)
+            j.completion_tokens += new_tokens
+            j.mx.tokens.inc(new_tokens)
+        if prompt_tokens and prompt_tokens != job.prompt_tokens:
+            self.policy.correct_prompt_tokens(job_id, prompt_tokens)
+            job.prompt_tokens = prompt_tokens
+        if d.error is None and d.finish_reason is None:
+            j.sink.on_deltas(group)
+            return
+        del self.jobs[job_id]
+        self.policy.finish(job_id, now)
+        w = self.workers.get(j.worker.decode()) if j.worker else None
+        if w is not None:
+            w.jobs.discard(job_id)
+        j.sink.on_deltas(group)
+        outcome = d.finish_reason or _reason(d.error)
+        m.child(m.requests, job.model, job.klass, outcome).inc()
+        j.mx.e2e.observe(now - job.arrival)
+        self._schedule_policy_if_queued()
 
     def _lose_worker(self, w: _Worker, why: str) -> None:
         worker_id = w.reg.worker_id

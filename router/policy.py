@@ -90,6 +90,8 @@ COLD_TURNOVER_S = 10.0  # before any job finished: assume a full KV budget turns
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 3600.0
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
+# Plain ints for the hot loops (an IntEnum attribute lookup costs more than the compare).
+_POOL_ANY, _POOL_SHORT, _POOL_LONG = int(Pool.ANY), int(Pool.SHORT), int(Pool.LONG)
 
 
 @dataclass(slots=True)
@@ -152,7 +154,8 @@ class _Entry:
         self.job = job
         self.rank = rank
         self.size = size
-        self.tokens = max(1, job.prompt_tokens) + max(0, job.max_tokens)
+        p, mt = job.prompt_tokens, job.max_tokens
+        self.tokens = (p if p > 1 else 1) + (mt if mt > 0 else 0)  # max(1, p) + max(0, mt)
         self.state = _QUEUED
         self.worker: Optional[str] = None
         self.cost = 0  # KV tokens reserved on self.worker
@@ -303,7 +306,8 @@ class _RateMeter:
 
 
 class _Model:
-    __slots__ = ("name", "workers", "queues", "class_count", "wrr", "meter", "by_arrival", "last_seen")
+    __slots__ = ("name", "workers", "queues", "class_count", "wrr", "meter", "by_arrival", "last_seen",
+                 "eligible")
 
     def __init__(self, name: str, n_classes: int) -> None:
         self.name = name
@@ -318,6 +322,18 @@ class _Model:
         self.by_arrival: dict[tuple[int, int], deque[_Entry]] = {
             (r, s): deque() for r in range(n_classes) for s in (SHORT, LONG)}
         self.last_seen = [-math.inf] * n_classes  # last submit per class: which classes are active
+        # per size: the workers a job of that size may ever use (submit's checks);
+        # None after a worker came or went
+        self.eligible: Optional[dict[int, list[_Worker]]] = None
+
+    def dequeued(self, rank: int) -> None:
+        """One entry of class ``rank`` left the queued state (``class_count``
+        already lowered).  When none is left, the arrival indexes of that
+        class hold only dead entries: drop them now, so that the hot paths
+        may skip empty classes without leaving their indexes to grow."""
+        if self.class_count[rank] == 0:
+            self.by_arrival[(rank, SHORT)].clear()
+            self.by_arrival[(rank, LONG)].clear()
 
     def long_queued(self) -> int:
         return sum(q.count for (_, size), q in self.queues.items() if size == LONG)
@@ -391,6 +407,7 @@ class Policy:
         m = self._model(spec.model)
         m.workers[spec.worker_id] = w
         m.workers = dict(sorted(m.workers.items()))  # by id: ties in placement go to the lowest
+        m.eligible = None
         return lost
 
     def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
@@ -409,6 +426,7 @@ class Policy:
         m = self.models.get(w.spec.model)
         if m is not None:
             m.workers.pop(worker_id, None)
+            m.eligible = None
         lost = list(w.running)
         for job_id in lost:
             e = self.entries.pop(job_id, None)
@@ -450,12 +468,15 @@ class Policy:
         self.counters["submitted"] += 1
         rank = self.rank.get(job.klass, self.n_classes - 1)  # unknown class: the lowest
         size = self._size(job)
-        m = self._model(job.model)
+        m = self.models.get(job.model) or self._model(job.model)
         if not m.workers:
             self.counters["rejected_no_worker"] += 1
             return _err(503, f"No worker is currently serving model `{job.model}`; try again shortly.",
                         "service_unavailable_error", "no_worker", NO_WORKER_RETRY_S)
-        eligible = [w for w in m.workers.values() if self._pool_ok(w, size, None)]
+        if m.eligible is None:
+            m.eligible = {sz: [w for w in m.workers.values() if self._pool_ok(w, sz, None)]
+                          for sz in (SHORT, LONG)}
+        eligible = m.eligible[size]
         if not eligible:
             self.counters["rejected_no_worker"] += 1
             return _err(503, f"No worker of the {SIZE_NAMES[size]}-request pool is currently serving "
@@ -463,9 +484,11 @@ class Policy:
                         "service_unavailable_error", "no_worker", NO_WORKER_RETRY_S)
         prompt = max(1, job.prompt_tokens)
         total = prompt + max(0, job.max_tokens)
-        if not any(total <= w.spec.max_model_len
-                   and kv_cost(prompt, job.max_tokens, w.spec.block_size) <= w.budget
-                   for w in eligible):
+        for w in eligible:  # can any worker ever hold it? (usually the first one says yes)
+            spec = w.spec
+            if total <= spec.max_model_len and kv_cost(prompt, job.max_tokens, spec.block_size) <= w.budget:
+                break
+        else:
             self.counters["rejected_context_length"] += 1
             max_len = max(w.spec.max_model_len for w in eligible)
             if total > max_len:
@@ -525,7 +548,12 @@ class Policy:
         if rank == 0 or self.headroom <= 0.0 or self.n_classes <= 1:
             return 1.0
         horizon = now - self.cfg.aging_bound_s
-        top = next((r for r in range(rank) if m.last_seen[r] >= horizon), rank)
+        last_seen = m.last_seen
+        top = rank
+        for r in range(rank):
+            if last_seen[r] >= horizon:
+                top = r
+                break
         return 1.0 - self.headroom * (rank - top) / (self.n_classes - 1)
 
     def _gpu_ok(self, w: _Worker) -> bool:
@@ -536,35 +564,65 @@ class Policy:
 
     def _place(self, m: _Model, e: _Entry, exclude: set[str], due: bool,
                now: float) -> Optional[tuple[_Worker, int]]:
-        """Best worker that can take ``e`` now and its KV cost there, or None."""
+        """Best worker that can take ``e`` now and its KV cost there, or None.
+
+        Runs once per dispatch and per worker, so the checks of ``_gpu_ok``
+        and ``_pool_ok`` are inlined and KV costs computed once per block size."""
         job = e.job
         prompt = max(1, job.prompt_tokens)
-        total = prompt + max(0, job.max_tokens)
+        max_tokens = job.max_tokens
+        total = prompt + max(0, max_tokens)
         limit = 1.0 if due else self._limit(m, e.rank, now)
+        size = e.size
+        own_pool = _POOL_SHORT if size == SHORT else _POOL_LONG
+        floor = self.cfg.gpu_free_floor_bytes
+        may_borrow = self.cfg.borrow_idle_long
+        long_idle = None  # m.long_queued() == 0, looked up only if a borrow is considered
+        cost_bs = cost = -1
         best = None
-        best_key = None
-        own_pool = Pool.SHORT if e.size == SHORT else Pool.LONG
+        best_pref = -1
+        best_score = 0.0
         for wid, w in m.workers.items():
-            if (wid in exclude or not w.healthy or not self._gpu_ok(w)
-                    or not self._pool_ok(w, e.size, m)):
+            if not w.healthy or wid in exclude:
                 continue
             spec = w.spec
+            gpu_total = spec.gpu_total_bytes
+            if floor > 0 and gpu_total > 0 and w.gpu_used is not None and gpu_total - w.gpu_used < floor:
+                continue  # _gpu_ok
+            pool = spec.pool
+            if pool != _POOL_ANY:  # _pool_ok
+                if size == LONG:
+                    if pool != _POOL_LONG:
+                        continue
+                elif pool != _POOL_SHORT and not self.fifo:
+                    if not may_borrow:
+                        continue
+                    if long_idle is None:
+                        long_idle = m.long_queued() == 0
+                    if not long_idle:
+                        continue
             n = len(w.running)
-            if n >= spec.max_num_seqs or total > spec.max_model_len:
+            max_seqs = spec.max_num_seqs
+            if n >= max_seqs or total > spec.max_model_len:
                 continue
-            cost = kv_cost(prompt, job.max_tokens, spec.block_size)
+            if spec.block_size != cost_bs:
+                cost_bs = spec.block_size
+                cost = kv_cost(prompt, max_tokens, cost_bs)
+            budget = w.budget
             after = w.reserved + cost
-            if after > w.budget:
+            if after > budget:
                 continue
-            if n > 0 and (after > w.budget * limit or n >= max(1, int(spec.max_num_seqs * limit))):
+            if n > 0 and (after > budget * limit or n >= max(1, int(max_seqs * limit))):
                 continue  # class headroom: the rest is kept for higher classes
-            pref = 2 if spec.pool == own_pool else (1 if spec.pool == Pool.ANY else 0)
-            score = (w.budget - after) / w.budget + (spec.max_num_seqs - n - 1) / spec.max_num_seqs
-            if spec.gpu_total_bytes > 0 and w.gpu_used is not None:
-                score += max(0, spec.gpu_total_bytes - w.gpu_used) / spec.gpu_total_bytes
-            key = (pref, score)
-            if best_key is None or key > best_key:
-                best, best_key = (w, cost), key
+            pref = 2 if pool == own_pool else (1 if pool == _POOL_ANY else 0)
+            if pref < best_pref:
+                continue
+            score = (budget - after) / budget + (max_seqs - n - 1) / max_seqs
+            if gpu_total > 0 and w.gpu_used is not None:
+                score += max(0, gpu_total - w.gpu_used) / gpu_total
+            # (pref, score) beats the best so far; ties keep the lower worker id
+            if best is None or pref > best_pref or score > best_score:
+                best, best_pref, best_score = (w, cost), pref, score
         return best
 
     def _reserve_target(self, m: _Model, e: _Entry, exclude: set[str]) -> Optional[str]:
@@ -589,47 +647,66 @@ class Policy:
 
     def _pick(self, m: _Model, now: float, skipped: set) -> Optional[tuple[_Queue, bool]]:
         """The queue to serve next and whether it is due (aged)."""
+        fifo = self.fifo
+        promote_after = self.promote_after
         due_best = None
-        due_start = None
-        by_rank: dict[int, list[_Queue]] = {}
+        due_start = 0.0
+        best_rank = -1
+        first = second = None  # the (at most two) queues of the best class, in queue order
         for key, q in m.queues.items():
             if q.count == 0 or key in skipped:
                 continue
-            if not self.fifo and now - q.last_dispatch >= self.promote_after:
+            if not fifo and now - q.last_dispatch >= promote_after:
                 oldest = m.oldest(q.rank, q.size)  # only looked up when the queue may be due
                 if oldest is None:
                     continue
                 start = max(q.last_dispatch, oldest.job.arrival)
-                if now - start >= self.promote_after and (due_start is None or start < due_start):
+                if now - start >= promote_after and (due_best is None or start < due_start):
                     due_best, due_start = q, start
-            by_rank.setdefault(q.rank, []).append(q)
+            r = q.rank
+            if first is None or r < best_rank:
+                best_rank, first, second = r, q, None
+            elif r == best_rank:
+                second = q
         if due_best is not None:
             return due_best, True
-        if not by_rank:
+        if first is None:
             return None
-        qs = by_rank[min(by_rank)]
-        if len(qs) == 1:
-            q = qs[0]
-            other = m.queues.get((q.rank, 1 - q.size))
-            if not self.fifo and (other is None or other.count == 0):
-                m.wrr[q.rank] = [0, 0]  # nothing to share with: no credit is banked
+        if second is None:
+            q = first
+            if not fifo:
+                other = m.queues.get((q.rank, 1 - q.size))
+                if other is None or other.count == 0:
+                    shares = m.wrr[q.rank]  # nothing to share with: no credit is banked
+                    shares[0] = shares[1] = 0
             return q, False
-        s, l = m.wrr[qs[0].rank]
-        short_q = qs[0] if qs[0].size == SHORT else qs[1]
-        long_q = qs[1] if short_q is qs[0] else qs[0]
+        s, l = m.wrr[first.rank]
+        short_q = first if first.size == SHORT else second
+        long_q = second if short_q is first else first
         # serve short while its dispatches/share are not ahead of long's
         if s * self.cfg.long_share <= l * self.cfg.short_share:
             return short_q, False
         return long_q, False
 
+    def has_queued(self) -> bool:
+        """Is any job waiting?  If not, ``schedule`` can only expire running
+        jobs, which ``next_wakeup`` already times: callers may skip it."""
+        for m in self.models.values():
+            if any(m.class_count):
+                return True
+        return False
+
     def schedule(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        self._expire_running(now, actions)
+        if self._deadlines:
+            self._expire_running(now, actions)
         for m in self.models.values():
+            if not any(m.class_count):
+                continue  # nothing queued: nothing to expire or dispatch
             self._expire_queued(m, now, actions)
             # cheap exit for the common busy case: every worker full (or unusable)
-            if any(len(w.running) < w.spec.max_num_seqs and w.healthy for w in m.workers.values()) \
-                    and any(q.count for q in m.queues.values()):
+            if any(m.class_count) and any(len(w.running) < w.spec.max_num_seqs and w.healthy
+                                          for w in m.workers.values()):
                 self._dispatch_model(m, now, actions)
         return actions
 
@@ -677,6 +754,7 @@ class Policy:
         q.last_dispatch = now
         job = e.job
         m.class_count[e.rank] -= 1
+        m.dequeued(e.rank)
         self._tenant_dec(job.tenant)
         e.state = _RUNNING
         e.worker = w.spec.worker_id
@@ -702,13 +780,17 @@ class Policy:
             self.tenant_count.pop(tenant, None)
 
     def _expire_queued(self, m: _Model, now: float, actions: list[Action]) -> None:
-        for (rank, size), index in m.by_arrival.items():
+        for rank, n in enumerate(m.class_count):
+            if n == 0:
+                continue  # nothing of this class queued (and its indexes are empty)
             d = self.classes[rank].queue_deadline_s
             if d <= 0:
                 continue
-            while (e := m.oldest(rank, size)) is not None and now - e.job.arrival >= d:
-                index.popleft()
-                self._reject_expired(m, e, now, actions)
+            for size in (SHORT, LONG):
+                index = m.by_arrival[(rank, size)]
+                while (e := m.oldest(rank, size)) is not None and now - e.job.arrival >= d:
+                    index.popleft()
+                    self._reject_expired(m, e, now, actions)
 
     def _reject_expired(self, m: _Model, e: _Entry, now: float, actions: list[Action]) -> None:
         job = e.job
@@ -717,6 +799,7 @@ class Policy:
             e.queue.forget(e)
         self.entries.pop(job.job_id, None)
         m.class_count[e.rank] -= 1
+        m.dequeued(e.rank)
         self._tenant_dec(job.tenant)
         self.counters["expired_queue_deadline"] += 1
         retry = self._retry_after(m, e.rank, 0, now)
@@ -766,6 +849,7 @@ class Policy:
             m = self.models.get(e.job.model)
             if m is not None:
                 m.class_count[e.rank] -= 1
+                m.dequeued(e.rank)
             self._tenant_dec(e.job.tenant)
             return True
         self._release(e, now, count_rate=True)
@@ -797,34 +881,34 @@ class Policy:
 
     def next_wakeup(self, now: float) -> Optional[float]:
         t: Optional[float] = None
-
-        def consider(x: float) -> None:
-            nonlocal t
-            if t is None or x < t:
-                t = x
-
         h = self._deadlines
         while h:
-            _, seq, job_id = h[0]
+            deadline, seq, job_id = h[0]
             e = self.entries.get(job_id)
             if e is None or e.state != _RUNNING or e.seq != seq:
                 heapq.heappop(h)
                 continue
-            consider(h[0][0])
+            t = deadline
             break
+        fifo = self.fifo
+        promote_after = self.promote_after
         for m in self.models.values():
-            for (rank, size) in m.by_arrival:
-                e = m.oldest(rank, size)
-                if e is None:
-                    continue
+            for rank, n in enumerate(m.class_count):
+                if n == 0:
+                    continue  # nothing of this class queued: no deadline, nothing to age
                 d = self.classes[rank].queue_deadline_s
-                if d > 0:
-                    consider(e.job.arrival + d)
-                q = m.queues.get((rank, size))
-                if not self.fifo and q is not None:
-                    due_at = max(q.last_dispatch, e.job.arrival) + self.promote_after
-                    if due_at > now:
-                        consider(due_at)
+                for size in (SHORT, LONG):
+                    e = m.oldest(rank, size)
+                    if e is None:
+                        continue
+                    arrival = e.job.arrival
+                    if d > 0 and (t is None or arrival + d < t):
+                        t = arrival + d
+                    q = m.queues.get((rank, size))
+                    if not fifo and q is not None:
+                        due_at = max(q.last_dispatch, arrival) + promote_after
+                        if due_at > now and (t is None or due_at < t):
+                            t = due_at
         return t
 
     def snapshot(self, now: float) -> dict:
