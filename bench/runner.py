@@ -26,6 +26,7 @@ from .spec import Workload
 from .targets import Planned
 
 _clock = time.perf_counter
+_MIN_SLEEP_S = 0.001  # the event loop's timer resolution
 
 
 @dataclass
@@ -157,8 +158,11 @@ async def run_bench(
                 tasks.append(asyncio.ensure_future(one(planned[i], times[i])))
                 i += 1
             if i < n:
-                wait = times[i] - _clock()
-                await asyncio.sleep(wait if wait > 0.0005 else 0)
+                # Never spin on sleep(0) until the next arrival: on a small
+                # machine the generator would take a whole core from the
+                # servers it measures (it did, above ~2,000 req/s).  uvloop
+                # truncates timers to whole milliseconds, so wait at least one.
+                await asyncio.sleep(max(times[i] - _clock(), _MIN_SLEEP_S))
     else:
         it = iter(planned)
 
