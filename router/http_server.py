@@ -7,8 +7,11 @@ pipelining (requests queue behind the response in progress).
 
 Hot-path rules (see shared/reference/python-dataplane-limits.md: one socket
 write costs ~5.9 us, encoding ~0.2 us):
-  * everything one ``on_deltas`` call delivers -- response head, all SSE
-    events, chunk framing, the terminating chunk -- goes out in ONE write;
+  * everything a stream receives in one event-loop turn -- response head, all
+    SSE events of every ``on_deltas`` call, chunk framing, the terminating
+    chunk -- goes out in ONE write at the end of the turn: a router that falls
+    behind drains several engine steps per turn and then writes each stream
+    once for all of them, so its streaming ceiling rises with the load;
   * a stream's head is sent with its first Delta, so a request refused while
     queued (a final Delta carrying ``error``) still gets a real HTTP status.
 
@@ -44,6 +47,10 @@ _WANTED_HEADERS = frozenset(
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
 STATUS_CLIENT_GONE = 499  # metrics label for requests the client abandoned (nginx's convention)
+# A stream's output waits for the end of the loop turn, unless this much is
+# pending: when the router lags, one turn can drain hundreds of engine steps,
+# and their tokens should not all wait for the last one.
+STREAM_FLUSH_BYTES = 8192
 
 _JSON = b"application/json"
 _CHUNK_END = b"0\r\n\r\n"
@@ -166,6 +173,8 @@ class _Ingress:
         self.max_buffered_bytes = max_buffered_bytes
         self.metrics = _Metrics(core.registry)
         self.started = int(time.time())
+        self.loop = asyncio.get_running_loop()
+        self._unflushed: list[Exchange] = []  # streams with output waiting for the end of this turn
         # path -> (allowed method, handler name)
         self.routes: dict[bytes, tuple[bytes, str]] = {
             b"/v1/completions": (b"POST", "_completions"),
@@ -177,11 +186,22 @@ class _Ingress:
             b"/admin/queues": (b"GET", "_admin_queues"),
         }
 
+    def flush_later(self, ex: "Exchange") -> None:
+        if not self._unflushed:
+            self.loop.call_soon(self._flush)
+        self._unflushed.append(ex)
+
+    def _flush(self) -> None:
+        exchanges, self._unflushed = self._unflushed, []
+        for ex in exchanges:
+            ex.flush()
+
 
 class Exchange:
     """One generation request in flight: the ``RequestSink`` the core feeds."""
 
-    __slots__ = ("conn", "req", "ctx", "label", "handle", "done", "started", "renderer", "texts", "counts")
+    __slots__ = ("conn", "req", "ctx", "label", "handle", "done", "started", "renderer", "texts", "counts",
+                 "out", "out_bytes", "head_unsent", "queued", "ended")
 
     def __init__(self, conn: "HttpConnection", req: _Request, ctx: api.ResponseContext, label: str):
         self.conn = conn
@@ -190,9 +210,14 @@ class Exchange:
         self.label = label
         self.handle: Optional[int] = None
         self.done = False
-        self.started = False  # stream: head already sent
+        self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
         if ctx.stream:
             self.renderer = api.StreamRenderer(ctx)
+            self.out: list[bytes] = []  # SSE bytes of this turn, written by flush()
+            self.out_bytes = 0
+            self.head_unsent = True
+            self.queued = False  # flush() is scheduled
+            self.ended = False  # the end of the stream is written
         else:
             self.renderer = None
             self.texts: list[str] = []
@@ -228,39 +253,65 @@ class Exchange:
             self.conn.respond(self.req, 200, _JSON, body, self.label)
 
     def _stream(self, deltas: list[Delta]) -> None:
-        conn = self.conn
-        req = self.req
         if not self.started:
             last = deltas[-1]
             if last.error is not None and not any(d.text for d in deltas):
                 # Refused before any output (e.g. queue deadline): a real status.
                 self.done = True
-                conn.respond_error(req, last.error, self.label)
+                self.conn.respond_error(self.req, last.error, self.label)
                 return
             self.started = True
-            head = _head(200, b"text/event-stream", None, req.keep_alive and req.http11, chunked=req.http11,
-                         extra=b"cache-control: no-cache\r\n")
-        else:
-            head = b""
         payload = self.renderer.render(deltas)
-        finished = self.renderer.finished
-        if req.http11:
-            if payload:
-                data = b"%b%x\r\n%b\r\n" % (head, len(payload), payload)
-            else:  # an empty chunk would end the body
-                data = head
-            if finished:
-                data += _CHUNK_END
-        else:
-            data = head + payload
-        if data:
-            conn.transport.write(data)
-        if finished:
+        if payload:
+            self.out.append(payload)
+            self.out_bytes += len(payload)
+        if self.renderer.finished:
             self.done = True
-            conn.response_complete(req, 200, self.label, req.keep_alive and req.http11)
-        elif conn.write_paused and conn.transport.get_write_buffer_size() > conn.ingress.max_buffered_bytes:
-            log.warning("client too slow for its stream (%d bytes unsent); cancelling %s",
-                        conn.transport.get_write_buffer_size(), self.ctx.id)
+        if self.out_bytes >= STREAM_FLUSH_BYTES:
+            self.flush()
+        elif not self.queued:
+            self.queued = True
+            self.conn.ingress.flush_later(self)
+
+    def flush(self) -> None:
+        """Write what this turn produced (head, events, terminator) at once."""
+        self.queued = False
+        conn = self.conn
+        if conn.closed or self.ended:
+            return  # gone or aborted (the core was told already), or already complete
+        try:
+            req = self.req
+            out = self.out
+            payload = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+            self.out_bytes = 0
+            finished = self.renderer.finished
+            self.ended = finished
+            if self.head_unsent:
+                self.head_unsent = False
+                head = _head(200, b"text/event-stream", None, req.keep_alive and req.http11, chunked=req.http11,
+                             extra=b"cache-control: no-cache\r\n")
+            else:
+                head = b""
+            if req.http11:
+                if payload:
+                    data = b"%b%x\r\n%b\r\n" % (head, len(payload), payload)
+                else:  # an empty chunk would end the body
+                    data = head
+                if finished:
+                    data += _CHUNK_END
+            else:
+                data = head + payload
+            if data:
+                conn.transport.write(data)
+            if finished:
+                conn.response_complete(req, 200, self.label, req.keep_alive and req.http11)
+            elif conn.write_paused and conn.transport.get_write_buffer_size() > conn.ingress.max_buffered_bytes:
+                log.warning("client too slow for its stream (%d bytes unsent); cancelling %s",
+                            conn.transport.get_write_buffer_size(), self.ctx.id)
+                conn.abort(self, STATUS_CLIENT_GONE)
+        except Exception:  # a bug here must not escape into the loop
+            log.exception("writing a stream failed; dropping connection")
             conn.abort(self, STATUS_CLIENT_GONE)
 
 
@@ -321,11 +372,14 @@ class HttpConnection(asyncio.Protocol):
         self.closed = True
         self.pending.clear()
         ex = self.current
-        if ex is not None and not ex.done:
-            ex.done = True
+        # A stream whose end is rendered but not yet written (flush pending) is
+        # finished for the core, yet its client never got it: count it as gone too.
+        if ex is not None and (not ex.done or (ex.renderer is not None and ex.queued)):
             self.current = None
-            if ex.handle is not None:
-                self.ingress.core.cancel(ex.handle)
+            if not ex.done:
+                ex.done = True
+                if ex.handle is not None:
+                    self.ingress.core.cancel(ex.handle)
             self.ingress.metrics.observe(ex.label, STATUS_CLIENT_GONE, time.perf_counter() - ex.req.t0)
 
     def pause_writing(self) -> None:

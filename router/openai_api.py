@@ -426,8 +426,10 @@ class StreamRenderer:
         with the usage chunk (if asked for) or an error event, then [DONE]."""
         counts = self.counts
         texts = []
+        tokens = 0
         for d in deltas:
             counts.add(d)
+            tokens += d.num_tokens
             if d.text:
                 texts.append(d.text)
         last = deltas[-1]
@@ -435,13 +437,16 @@ class StreamRenderer:
         error = last.error
         text = "".join(texts)
         out = []
+        # A batch that carries tokens gets an event even when their text is
+        # still empty (a byte-level BPE token can end mid-character): as vLLM's
+        # server does, so a client sees the first token when it is made.
         if self.ctx.kind == RequestKind.COMPLETION:
-            if text or (finish and error is None):
+            if text or tokens or (finish and error is None):
                 out.append(self._choice_event(b'"text":' + encode(text), None if error else finish))
         else:
             if not self._started:
                 out.append(self._choice_event(b'"delta":{"role":"assistant","content":""}', None))
-            if text:
+            if text or tokens:
                 out.append(self._choice_event(b'"delta":{"content":' + encode(text) + b"}", None))
             if finish and error is None:
                 out.append(self._choice_event(b'"delta":{}', finish))

@@ -55,6 +55,7 @@ class ScriptedCore:
       never               no output at all until cancelled (queued)
       big                 64 KiB deltas, one per loop turn, until cancelled
       count-writes        6 deltas in ONE on_deltas call; counts socket writes
+      count-turns         3 on_deltas calls in one loop turn, the final one in the next; counts writes
       anything else       sub.max_tokens tokens " t0", " t1", ... two per loop turn
     """
 
@@ -114,6 +115,12 @@ class ScriptedCore:
             while True:
                 sink.on_deltas([Delta(rid, "x" * 65536, 1)])
                 await asyncio.sleep(0)
+        elif text == "count-turns":
+            sink.conn.transport = _CountingTransport(sink.conn.transport, self.writes)
+            for i in range(3):
+                sink.on_deltas([Delta(rid, f" c{i}", 1, completion_tokens=i + 1)])
+            await asyncio.sleep(0)
+            sink.on_deltas([Delta(rid, " end", 1, "stop", prompt_tokens=prompt_tokens, completion_tokens=4)])
         elif text == "count-writes":
             sink.conn.transport = _CountingTransport(sink.conn.transport, self.writes)
             deltas = [Delta(rid, f" w{i}", 1, completion_tokens=i + 1) for i in range(6)]
@@ -648,6 +655,20 @@ def test_one_write_per_delta_batch(server):
     assert len(events) == 5  # role, content, finish, usage, [DONE]
     assert json.loads(events[1])["choices"][0]["delta"]["content"] == " w0 w1 w2 w3 w4 w5"
     assert len(server.core.writes) == 1
+    s.close()
+
+
+def test_one_write_per_stream_per_loop_turn(server):
+    """Deltas delivered by several on_deltas calls in one loop turn (a router
+    draining several engine steps at once) leave in one write."""
+    server.core.writes.clear()
+    s = server.connect()
+    s.sendall(post("/v1/completions", {"model": "tiny", "stream": True, "prompt": "count-turns"}))
+    r = ResponseReader(s).read()
+    events = sse_events(r.body)
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == [" c0", " c1", " c2", " end"]
+    assert events[-1] == "[DONE]"
+    assert len(server.core.writes) == 2  # turn 1: head + c0..c2; turn 2: end + [DONE] + terminator
     s.close()
 
 
