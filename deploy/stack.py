@@ -179,7 +179,8 @@ class Stack:
         self.cfg_path = Path(cfg_path or os.environ.get("WEIR_CONFIG") or DEFAULT_CONFIG).resolve()
         self.cfg: Config = load(self.cfg_path)
         envoy_config.check(self.cfg)  # config errors before any process or directory
-        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="weir-run-"))
+        # Absolute: children run with the run dir as their working directory.
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="weir-run-")).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.worker_ids = workers if workers is not None else [w.id for w in self.cfg.workers]
         self.progress = progress or (lambda msg: None)
