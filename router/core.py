@@ -350,18 +350,26 @@ class RouterCore:
     def _send_worker(self, identity: bytes, msg) -> None:
         self.pump.send(self.backend, [identity, p.encoder.encode(msg)])
 
-    def _on_backend(self, frames: list[bytes]) -> None:
+    def _decode(self, frames: list[bytes], decoder: msgspec.msgpack.Decoder, side: str):
+        """(identity, message) of a ROUTER socket's [identity, payload], or None:
+        malformed input is counted, logged and dropped, never raised."""
         if len(frames) != 2:
-            self.metrics.child(self.metrics.bad_frames, "backend").inc()
-            log.warning("backend: dropped message with %d frames", len(frames))
-            return
+            self.metrics.child(self.metrics.bad_frames, side).inc()
+            log.warning("%s: dropped message with %d frames", side, len(frames))
+            return None
         identity, payload = frames
         try:
-            msg = p.worker_decoder.decode(payload)
+            return identity, decoder.decode(payload)
         except msgspec.DecodeError as e:
-            self.metrics.child(self.metrics.bad_frames, "backend").inc()
-            log.warning("backend: dropped undecodable message from %r: %s", identity[:32], e)
+            self.metrics.child(self.metrics.bad_frames, side).inc()
+            log.warning("%s: dropped undecodable message from %r: %s", side, bytes(identity[:32]), e)
+            return None
+
+    def _on_backend(self, frames: list[bytes]) -> None:
+        decoded = self._decode(frames, p.worker_decoder, "backend")
+        if decoded is None:
             return
+        identity, msg = decoded
         now = time.monotonic()
         worker_id = identity.decode(errors="replace")
         w = self.workers.get(worker_id)
@@ -511,17 +519,10 @@ class RouterCore:
     # ------------------------------------------------------------ direct ZeroMQ clients
 
     def _on_frontend(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            self.metrics.child(self.metrics.bad_frames, "frontend").inc()
-            log.warning("frontend: dropped message with %d frames", len(frames))
+        decoded = self._decode(frames, p.client_decoder, "frontend")
+        if decoded is None:
             return
-        identity, payload = frames
-        try:
-            msg = p.client_decoder.decode(payload)
-        except msgspec.DecodeError as e:
-            self.metrics.child(self.metrics.bad_frames, "frontend").inc()
-            log.warning("frontend: dropped undecodable message: %s", e)
-            return
+        identity, msg = decoded
         identity = bytes(identity)
         if isinstance(msg, p.Submit):
             self._client_submit(identity, msg)
