@@ -47,6 +47,17 @@ class Record(msgspec.Struct, kw_only=True):
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     retry_after: Optional[float] = None
+    last_output: float = 0.0  # clock time of the latest output-carrying event
+
+    def output_event(self, t: float) -> None:
+        """An output-carrying event arrived at clock time ``t``: the first sets
+        TTFT, each later one adds an inter-token gap."""
+        if self.ttft is None:
+            self.ttft = t - self.start
+        else:
+            self.itl.append(t - self.last_output)
+        self.last_output = t
+        self.events += 1
 
     @property
     def e2e(self) -> float:

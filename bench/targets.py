@@ -134,10 +134,8 @@ class HttpTarget:
 
     async def send(self, p: Planned, rec: Record) -> None:
         path, body, headers = p.wire
-        last = 0.0
 
         def on_event(data: bytes, t: float) -> None:
-            nonlocal last
             if data == b"[DONE]":
                 return
             try:
@@ -155,12 +153,7 @@ class HttpTarget:
                 if c.finish_reason:
                     rec.finish_reason = c.finish_reason
                 if _carries_output(c):
-                    if rec.ttft is None:
-                        rec.ttft = t - rec.start
-                    else:
-                        rec.itl.append(t - last)
-                    last = t
-                    rec.events += 1
+                    rec.output_event(t)
 
         rec.start = _clock()
         try:
@@ -252,18 +245,12 @@ class ZmqTarget:
 
         key, kw = p.wire
         client = await self._client(key)
-        last = 0.0
         rec.start = _clock()
         try:
             async for d in client.stream(p.model, **kw):
                 t = _clock()
                 if d.num_tokens or d.text:
-                    if rec.ttft is None:
-                        rec.ttft = t - rec.start
-                    else:
-                        rec.itl.append(t - last)
-                    last = t
-                    rec.events += 1
+                    rec.output_event(t)
                 if d.prompt_tokens:
                     rec.prompt_tokens = d.prompt_tokens
                 if d.completion_tokens:
