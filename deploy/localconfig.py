@@ -53,10 +53,11 @@ def vllm_worker(worker_id: str = "vllm-0", max_num_seqs: int = 16, kv_cache_byte
             "kv_cache_bytes": kv_cache_bytes, **fields}
 
 
-def models() -> list[dict]:
+def models(vllm_max_model_len: int = 512) -> list[dict]:
     """The tiny real model (vLLM) and a simulated one."""
     return [
-        {"name": VLLM_MODEL, "engine": "vllm", "path": str(TINY_MODEL_DIR), "max_model_len": 512},
+        {"name": VLLM_MODEL, "engine": "vllm", "path": str(TINY_MODEL_DIR),
+         "max_model_len": vllm_max_model_len},
         {"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
     ]
 

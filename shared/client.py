@@ -29,6 +29,12 @@ from shared import protocol as p
 from shared.transport import SocketPump
 
 
+# A Cancel queued just before close() must still reach the router, even if
+# this process is descheduled for a while. close() returns at once; only a
+# context shutdown with the router unreachable waits up to this long.
+CLOSE_LINGER_MS = 2000
+
+
 class WeirError(Exception):
     def __init__(self, error: p.ErrorInfo) -> None:
         super().__init__(f"{error.status} {error.type}: {error.message}")
@@ -126,7 +132,7 @@ class AsyncClient(_Base):
             if self._streams:
                 self._send(p.Cancel(request_ids=list(self._streams)))
             self._pump.remove(self._sock)
-            self._sock.close(linger=100)
+            self._sock.close(linger=CLOSE_LINGER_MS)
             self._sock = None
 
     def _send(self, msg) -> None:
@@ -199,7 +205,7 @@ class Client(_Base):
         self.close()
 
     def close(self) -> None:
-        self._sock.close(linger=100)
+        self._sock.close(linger=CLOSE_LINGER_MS)
 
     def stream(self, model: str, prompt: str | None = None, messages=None,
                max_tokens: int | None = None, priority: str | None = None, task_type=None,

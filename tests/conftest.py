@@ -38,6 +38,7 @@ def stack(tmp_path_factory):
     cfg_path = stackutil.write_config(
         d,
         envoy={"max_request_bytes": stackutil.STACK_MAX_REQUEST_BYTES},
+        models=stackutil.localconfig.models(vllm_max_model_len=stackutil.STACK_VLLM_MAX_LEN),
         workers=[stackutil.vllm_worker("vllm-0"), stackutil.sim_worker("sim-0")],
         api_keys=stackutil.API_KEYS,
     )

@@ -39,6 +39,12 @@ API_KEYS = [
 ]
 # 16 MiB = 32k tokens of the tiny model: admission limits are reachable in tests.
 TEST_KV_CACHE_BYTES = 16 << 20
+# The shared stack's vLLM context: long enough that a stream a test walks away
+# from runs for seconds (~2.5 ms a token), so its cancel cannot lose a race
+# with the stream finishing on a slow or stalled CI machine.
+STACK_VLLM_MAX_LEN = 2048
+LONG_STREAM_TOKENS = STACK_VLLM_MAX_LEN - 64
+TOO_LONG_PROMPT = "word " * (STACK_VLLM_MAX_LEN + 500)
 
 
 def vllm_worker(worker_id: str = "vllm-0", **overrides: Any) -> dict:

@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 
 from shared import protocol as p
 from shared.client import AsyncClient, Client, WeirError
-from stackutil import KEY_ALPHA, KEY_BETA, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL
+from stackutil import (KEY_ALPHA, KEY_BETA, LONG_STREAM_TOKENS, SIM_MODEL, TINY_MODEL_DIR, TOO_LONG_PROMPT,
+                       VLLM_MODEL)
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -133,7 +134,7 @@ BAD_INPUTS = [
     ({"model": VLLM_MODEL, "prompt": "hi", "n": 3}, {}, 400, "n"),
     ({"model": "no-such-model", "prompt": "hi"}, {}, 404, "model"),
     ({"model": VLLM_MODEL, "prompt": "hi", "max_tokens": 100000}, {}, 400, "max_tokens"),
-    ({"model": VLLM_MODEL, "prompt": "word " * 2000, "max_tokens": 4}, {}, 400, None),
+    ({"model": VLLM_MODEL, "prompt": TOO_LONG_PROMPT, "max_tokens": 4}, {}, 400, None),
     ({"model": VLLM_MODEL, "prompt": "hi", "priority": "ultra"}, {}, 400, "priority"),
     ({"model": VLLM_MODEL, "prompt": "hi"}, {"Authorization": "Bearer sk-wrong"}, 401, None),
 ]
@@ -162,7 +163,7 @@ def test_same_errors_reach_zeromq_clients(stack):
             c.complete("no-such-model", prompt="hi")
         assert e.value.status == 404 and e.value.error.param == "model"
         with pytest.raises(WeirError) as e:
-            c.complete(VLLM_MODEL, prompt="word " * 2000, max_tokens=4)
+            c.complete(VLLM_MODEL, prompt=TOO_LONG_PROMPT, max_tokens=4)
         assert e.value.status == 400 and "maximum context length" in e.value.error.message
         assert c.complete(VLLM_MODEL, prompt="hi", max_tokens=2).completion_tokens >= 1
     with Client(stack.zmq_frontend, api_key="sk-wrong") as c:
@@ -191,7 +192,7 @@ def test_malformed_frames_are_dropped_and_router_survives(stack):
 
 def test_client_disconnect_mid_stream_aborts_on_worker(stack):
     before = worker_row(stack, "vllm-0")["aborts"]
-    body = json.dumps({"model": VLLM_MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+    body = json.dumps({"model": VLLM_MODEL, "prompt": PROMPT, "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True,
                        "stream": True}).encode()
     host, port = stack.envoy_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
@@ -210,7 +211,7 @@ def test_client_disconnect_mid_stream_aborts_on_worker(stack):
 def test_zeromq_client_leaving_a_stream_cancels_it(stack):
     before = worker_row(stack, "vllm-0")["aborts"]
     with Client(stack.zmq_frontend, api_key=KEY_BETA) as c:
-        it = c.stream(VLLM_MODEL, prompt=PROMPT, max_tokens=400, ignore_eos=True)
+        it = c.stream(VLLM_MODEL, prompt=PROMPT, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True)
         next(it), next(it)
         it.close()  # sends Cancel
     assert wait_until(lambda: worker_row(stack, "vllm-0")["aborts"] > before, timeout=15)
