@@ -144,9 +144,15 @@ def summarise(records: list[Record], slo: Optional[Slo], elapsed_s: float, issue
     return s
 
 
-def summarise_run(records: list[Record], workload: Workload, issue_s: float) -> dict:
-    """Overall and per-class summaries; throughput is over the run's span."""
-    if records:
+def summarise_run(records: list[Record], workload: Workload, issue_s: float,
+                  elapsed_s: Optional[float] = None) -> dict:
+    """Overall and per-class summaries; throughput is over the run's span.
+
+    Records merged from several runs (times relative to each run's start)
+    need the runs' summed ``elapsed_s`` and ``issue_s`` passed in."""
+    if elapsed_s is not None:
+        elapsed = elapsed_s
+    elif records:
         elapsed = max(r.end or r.start for r in records) - min(r.start for r in records)
     else:
         elapsed = 0.0
@@ -162,4 +168,4 @@ def summarise_run(records: list[Record], workload: Workload, issue_s: float) -> 
         good = sum(1 for r in records if meets(r, slos[r.cls]))
         overall["goodput_rps"] = good / max(elapsed, 1e-9)
         overall["goodput_fraction"] = good / len(records) if records else None
-    return {"elapsed_s": elapsed, "overall": overall, "classes": classes}
+    return {"elapsed_s": elapsed, "issue_s": issue_s, "overall": overall, "classes": classes}

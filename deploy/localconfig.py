@@ -22,6 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / "models" / "tiny-llama"  # built by `weir make-model`
 VLLM_MODEL = "tiny-llama"
 SIM_MODEL = "sim-tiny"
+# vLLM on a small CPU host shared with the dataplane (deploy/weir.toml has the
+# same): one OpenMP thread the kernel may move, not one pinned to a core the
+# router and Envoy also need.  bench/README.md has the measurements.
+CPU_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 def free_ports(n: int) -> list[int]:
@@ -48,9 +52,10 @@ def sim_worker(worker_id: str = "sim-0", model: str = SIM_MODEL, max_num_seqs: i
 
 def vllm_worker(worker_id: str = "vllm-0", max_num_seqs: int = 16, kv_cache_bytes: int = 64 << 20,
                 **fields: Any) -> dict:
-    """A real vLLM worker on the tiny model; keywords set WorkerConfig fields."""
+    """A real vLLM worker on the tiny model, with CPU_ENGINE_ENV; keywords set
+    WorkerConfig fields."""
     return {"id": worker_id, "model": VLLM_MODEL, "max_num_seqs": max_num_seqs,
-            "kv_cache_bytes": kv_cache_bytes, **fields}
+            "kv_cache_bytes": kv_cache_bytes, "env": dict(CPU_ENGINE_ENV), **fields}
 
 
 def models(vllm_max_model_len: int = 512) -> list[dict]:

@@ -103,7 +103,7 @@ class WorkerConfig(_Cfg):
     gpu_memory_utilization: float = 0.9
     dtype: str = "bfloat16"
     sim: SimEngineConfig = msgspec.field(default_factory=SimEngineConfig)
-    env: dict[str, str] = {}
+    env: dict[str, str] = {}  # extra environment for the worker and its engine processes
 
 
 class ClassConfig(_Cfg):

@@ -4,7 +4,9 @@ same engine settings, run alternately in one session.
 * vllm: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``);
 * weir: Envoy -> router -> vLLM engine worker (AsyncLLM in the worker process).
 
-Both engines get the same max_num_seqs, KV budget, dtype and eager mode.
+Both engines get the same max_num_seqs, KV budget, dtype, eager mode,
+and engine environment (default: weir's CPU engine environment, one
+unbound OpenMP thread).
 Per round, each server gets a 1-token probe (sequential, not streamed) and
 the ``tiny-llama`` workload (80 % short / 20 % long, streamed) at each rate;
 which server goes first alternates by round.  Reported: median and p99 TTFT
@@ -85,12 +87,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     ap.add_argument("--weir-path", choices=("envoy", "router"), default="envoy")
-    ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="environment for both engines, e.g. VLLM_CPU_OMP_THREADS_BIND=nobind")
+    ap.add_argument("--engine-env", action="append", default=None, metavar="KEY=VALUE",
+                    help="environment for both engines (repeat; replaces the default "
+                         f"{' '.join(f'{k}={v}' for k, v in common.CPU_ENGINE_ENV.items())})")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    args.engine_env = dict(kv.split("=", 1) for kv in args.engine_env)
+    args.engine_env = (dict(kv.split("=", 1) for kv in args.engine_env) if args.engine_env is not None
+                       else dict(common.CPU_ENGINE_ENV))
 
     out = args.out or common.results_dir("versus-vllm")
     workload = spec.load("tiny-llama")
@@ -103,6 +107,7 @@ def main(argv=None) -> int:
     vllm_url = f"http://127.0.0.1:{port}/v1"
     vllm_log = out / "vllm-server.log"
     runs: dict[tuple[str, str], list] = {}
+    spans: dict[tuple[str, str], list[float]] = {}  # (server, rate) -> [elapsed_s, issue_s] summed over rounds
     proc = start_vllm_server(port, args, vllm_log)
     try:
         with common.stack(cfg, out / "stack" / "run") as st:
@@ -128,9 +133,12 @@ def main(argv=None) -> int:
                                            Limits(args.num_requests, 600, 120),
                                            label=f"{s} @ {rate:g} req/s, round {rnd + 1}", tokenizer=tok)
                         runs.setdefault((s, f"{rate:g}"), []).extend(res.records)
+                        span = spans.setdefault((s, f"{rate:g}"), [0.0, 0.0])
+                        span[0] += res.summary["elapsed_s"]
+                        span[1] += res.summary["issue_s"]
     finally:
         stop_group(proc)
-    _report(out, args, argv if argv is not None else sys.argv[1:], runs, rates, workload)
+    _report(out, args, argv if argv is not None else sys.argv[1:], runs, spans, rates, workload)
     return 0
 
 
@@ -144,7 +152,7 @@ def _ms(s, key, pct) -> str:
     return "-" if not s or not s.get(key) else f"{s[key][pct]:.2f}"
 
 
-def _report(out: Path, args, argv, runs, rates, workload) -> None:
+def _report(out: Path, args, argv, runs, spans, rates, workload) -> None:
     md = [common.header("weir vs vLLM's own server (tiny-llama on CPU)", ["bench.scenarios.versus_vllm", *argv]), "",
           f"max_num_seqs {args.max_num_seqs}, KV {args.kv_cache_bytes >> 20} MiB, bfloat16, eager, both engines; "
           f"engine env {args.engine_env or '(vLLM defaults)'}; "
@@ -168,9 +176,8 @@ def _report(out: Path, args, argv, runs, rates, workload) -> None:
         key = f"{rate:g}"
         per = {}
         for s in SERVERS:
-            recs = runs[(s, key)]
-            span = max(r.end for r in recs) - min(r.start for r in recs) if recs else 0
-            per[s] = summarise_run(recs, workload, span)
+            elapsed, issued = spans[(s, key)]  # rounds' records are each relative to their run
+            per[s] = summarise_run(runs[(s, key)], workload, issued, elapsed_s=elapsed)
         summaries[key] = per
         groups = ["overall"] + [c.name for c in workload.classes]
         for g in groups:
