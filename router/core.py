@@ -82,6 +82,9 @@ class _Worker:
 
 
 _POOL_NAMES = {p.Pool.ANY: "any", p.Pool.SHORT: "short", p.Pool.LONG: "long"}
+# Sent to a direct client whose requests have produced nothing yet: a send to a
+# peer that has gone fails (ROUTER_MANDATORY), and its requests are cancelled.
+_CLIENT_PROBE = p.encoder.encode(p.Outputs(deltas=[]))
 
 
 class RouterCore:
@@ -506,7 +509,21 @@ class RouterCore:
                 self._lose_worker(w, "heartbeat_timeout")
             else:
                 self._send_worker(w.identity, p.Heartbeat())
+        self._probe_waiting_clients()
         self._hb_timer = self.loop.call_later(self._hb_interval, self._heartbeat_tick)
+
+    def _probe_waiting_clients(self) -> None:
+        """A direct client hears nothing while its requests queue or prefill, so
+        one that died meanwhile (no Cancel) would keep its place and, later, a
+        worker busy: once per heartbeat, probe each such client.  Clients with
+        output flowing need no probe: that output finds out."""
+        jobs = self.jobs
+        for identity, live in list(self.clients.items()):
+            for handle in live.values():
+                j = jobs.get(format(handle, "x"))
+                if j is not None and not j.first_token_at:
+                    self.pump.send(self.frontend, [identity, _CLIENT_PROBE])
+                    break
 
     def _on_unreachable(self, sock: zmq.Socket, identity: bytes) -> None:
         if sock is self.frontend:

@@ -125,7 +125,8 @@ class Cancel(_Msg, tag=2):
 
 class Outputs(_Msg, tag=3):
     """Deltas for one destination (a client, or the router from a worker),
-    batched: every request's news from one engine step / one router turn."""
+    batched: every request's news from one engine step / one router turn.
+    An empty one to a client is the router checking that it is still there."""
 
     deltas: list[Delta]
 
