@@ -44,13 +44,16 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--num-requests", type=int, default=2000, help="per path (default 2000)")
     ap.add_argument("--rounds", type=int, default=4, help="the paths alternate this many times")
     ap.add_argument("--warmup", type=int, default=200, help="per path, before the first round")
+    ap.add_argument("--backend", help="router<->worker endpoint (default: a free tcp://127.0.0.1 port), "
+                                       "e.g. ipc:///tmp/weir-backend.sock")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
     out = args.out or common.results_dir("overhead")
     workload = spec.load("one-token")
     per_round = max(1, args.num_requests // args.rounds)
-    cfg = common.write_config(out / "stack", workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)])
+    cfg = common.write_config(out / "stack", workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)],
+                              router={"backend": args.backend} if args.backend else None)
     echo_http, echo_zmq = f"127.0.0.1:{common.free_port()}", f"tcp://127.0.0.1:{common.free_port()}"
     echo = subprocess.Popen([sys.executable, "-m", "bench.echo", "--http", echo_http, "--zmq", echo_zmq],
                             cwd=common.REPO)
