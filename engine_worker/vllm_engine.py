@@ -182,6 +182,7 @@ class VllmEngine:
             params = VllmSamplingParams(
                 max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                 stop=list(p.stop) or None, ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA,
+                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             )
             outputs = self.engine.generate(engine_input, params, rid, priority=req.priority)
             try:

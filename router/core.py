@@ -628,6 +628,9 @@ def _validate_submit(sub: p.Submit) -> p.ErrorInfo | None:
             return error(400, "temperature must be between 0 and 2", param="temperature")
         if not 0.0 < sp.top_p <= 1.0:
             return error(400, "top_p must be in (0, 1]", param="top_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(sp, name) <= 2.0:
+                return error(400, f"{name} must be between -2 and 2", param=name)
     return None
 
 

@@ -56,6 +56,7 @@ def invalid(message: str, param: Optional[str] = None, code: Optional[str] = Non
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 StopList = Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)]
 
 
@@ -77,8 +78,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop: Union[str, StopList, None] = None
     seed: Optional[int] = None
     user: Optional[str] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
     logprobs: Any = None  # int for completions, bool for chat: refused if set
     ignore_eos: Optional[bool] = False  # vLLM's extension: generate exactly max_tokens
     # weir extensions
@@ -175,9 +176,6 @@ def _check_common(req: _Sampling, meta: RequestMeta) -> tuple[Optional[SamplingP
         raise invalid("Only n=1 is supported", param="n", code="unsupported_value")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", param="stream_options")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise invalid(f"{name} is not supported", param=name, code="unsupported_value")
     if req.logprobs not in (None, False):
         raise invalid("logprobs are not supported", param="logprobs", code="unsupported_value")
     if req.stop is None:
@@ -187,7 +185,8 @@ def _check_common(req: _Sampling, meta: RequestMeta) -> tuple[Optional[SamplingP
     else:
         stop = req.stop
     params = None
-    if req.temperature is not None or req.top_p is not None or req.seed is not None or stop or req.ignore_eos:
+    if (req.temperature is not None or req.top_p is not None or req.seed is not None or stop or req.ignore_eos
+            or req.presence_penalty or req.frequency_penalty):
         params = SamplingParams(
             max_tokens=0,  # the router sets it from Submit.max_tokens / the context
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -195,6 +194,8 @@ def _check_common(req: _Sampling, meta: RequestMeta) -> tuple[Optional[SamplingP
             seed=req.seed,
             stop=stop,
             ignore_eos=bool(req.ignore_eos),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
         )
     if req.task_type is not None:
         task_type = _TASK_TYPES[req.task_type]

@@ -69,6 +69,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     seed: Optional[int] = None
     stop: list[str] = []
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI's range, -2..2
+    frequency_penalty: float = 0.0
 
 
 class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -62,6 +62,14 @@ def test_models_lists_configured_models(stack):
     assert {VLLM_MODEL, SIM_MODEL} <= ids
 
 
+def test_frequency_penalty_reaches_vllm(stack):
+    # Greedy decoding of the random tiny model repeats one token; a strong
+    # frequency penalty (applied by vLLM, not the router) must break that up.
+    c = sdk(stack)
+    texts = [c.completions.create(model=VLLM_MODEL, prompt=PROMPT, max_tokens=48, temperature=0,
+                                  frequency_penalty=fp).choices[0].text for fp in (0.0, 2.0)]
+    assert len(set(texts[1])) > len(set(texts[0])), texts
+
 def test_openai_sdk_completion_and_streamed_chat_on_vllm(stack):
     client = sdk(stack)
     tok = Tokenizer.from_file(str(TINY_MODEL_DIR / "tokenizer.json"))

@@ -72,8 +72,9 @@ BAD_COMPLETIONS = [
     (_completion(best_of=3), "best_of", "unsupported_value"),
     (_completion(suffix="tail"), "suffix", "unsupported_value"),
     (_completion(logprobs=3), "logprobs", "unsupported_value"),
-    (_completion(presence_penalty=0.5), "presence_penalty", "unsupported_value"),
-    (_completion(frequency_penalty=-1), "frequency_penalty", "unsupported_value"),
+    (_completion(presence_penalty=2.5), "presence_penalty", None),
+    (_completion(frequency_penalty=-3), "frequency_penalty", None),
+    (_completion(frequency_penalty="high"), "frequency_penalty", None),
 ]
 
 
@@ -152,6 +153,14 @@ def test_completion_sampling_fields_and_extensions():
     assert (p.temperature, p.top_p, p.seed, p.stop) == (0.0, 0.5, 42, ["\n"])
     assert sub.priority == "low" and sub.task_type == TaskType.LONG
     assert ctx.stream and ctx.include_usage
+
+
+def test_penalties_pass_through_and_zero_means_default():
+    sub, _ = api.parse_completion(_completion(presence_penalty=0.5, frequency_penalty=-2), NO_META, "r")
+    assert (sub.params.presence_penalty, sub.params.frequency_penalty) == (0.5, -2.0)
+    assert sub.params.temperature == 1.0  # the rest stays at the engine's defaults
+    sub, _ = api.parse_completion(_completion(presence_penalty=0, frequency_penalty=0.0), NO_META, "r")
+    assert sub.params is None  # what SDKs send by default changes nothing
 
 
 def test_stop_list_and_partial_sampling_defaults():
