@@ -12,8 +12,9 @@ Model of the world
   exactly once: on finish/abort/error/cancel (``finish``), generation deadline
   (``AbortJob``) or worker loss (``remove_worker``/re-register).  With
   overcommit 1.0 the engine can never run out of KV, so it never preempts.
-  At most ``max_num_seqs`` jobs run per worker, so all waiting -- and all its
-  priorities -- happens here, not in an engine's FIFO.  A worker whose GPU
+  At most ``max_num_seqs`` jobs run per worker (plus ``dispatch_lookahead``,
+  default 0), so all waiting -- and all its priorities -- happens here, not
+  in an engine's FIFO.  A worker whose GPU
   free memory is under ``gpu_free_floor_bytes`` or that is unhealthy gets no
   new work.
 * **Queues.**  Per model, one queue per (class, size) where size is short or
@@ -165,7 +166,7 @@ class _Entry:
 
 
 class _Worker:
-    __slots__ = ("spec", "healthy", "gpu_used", "reserved", "running", "budget")
+    __slots__ = ("spec", "healthy", "gpu_used", "reserved", "running", "budget", "slots")
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
         self.spec = spec
@@ -174,6 +175,7 @@ class _Worker:
         self.reserved = 0
         self.running: dict[str, int] = {}  # job id -> reserved KV tokens
         self.budget = int(spec.capacity_tokens * (1.0 - cfg.kv_safety_margin) * cfg.overcommit)
+        self.slots = spec.max_num_seqs + max(0, cfg.dispatch_lookahead)  # jobs it may hold at once
 
 
 class _Queue:
@@ -602,7 +604,7 @@ class Policy:
                     if not long_idle:
                         continue
             n = len(w.running)
-            max_seqs = spec.max_num_seqs
+            max_seqs = w.slots
             if n >= max_seqs or total > spec.max_model_len:
                 continue
             if spec.block_size != cost_bs:
@@ -705,7 +707,7 @@ class Policy:
                 continue  # nothing queued: nothing to expire or dispatch
             self._expire_queued(m, now, actions)
             # cheap exit for the common busy case: every worker full (or unusable)
-            if any(m.class_count) and any(len(w.running) < w.spec.max_num_seqs and w.healthy
+            if any(m.class_count) and any(len(w.running) < w.slots and w.healthy
                                           for w in m.workers.values()):
                 self._dispatch_model(m, now, actions)
         return actions

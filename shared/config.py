@@ -135,6 +135,13 @@ class SchedulerConfig(_Cfg):
     # class active within aging_bound_s, so higher classes start at once under
     # overload (router/policy.py).  0.2: measured in router/des.py.
     priority_headroom: float = 0.2
+    # Jobs a worker may hold beyond its engine's max_num_seqs.  0: every
+    # waiting job waits here, under this policy.  k > 0: up to k wait inside
+    # the engine (vLLM orders them by the priority passed on), so a finished
+    # sequence's slot is refilled at the engine's next step rather than after
+    # a worker -> router -> worker round trip; their KV is reserved all the
+    # same.  Worth it where a hop is long next to an engine step (bench/README.md).
+    dispatch_lookahead: int = 0
 
 
 class Config(_Cfg):

@@ -139,6 +139,20 @@ def test_at_most_max_num_seqs_running_per_worker():
     assert p.snapshot(0)["workers"][0]["running"] == 3
 
 
+def test_dispatch_lookahead_lets_a_worker_hold_k_more_and_still_bounds_kv():
+    p = Policy(cfg(dispatch_lookahead=2))
+    p.add_worker(spec(cap=1 << 20, seqs=3), 0.0)
+    for _ in range(8):
+        p.submit(job(), 0.0)
+    assert len(ids(p.schedule(0.0))) == 5  # 3 run in the engine, 2 wait there
+    assert p.schedule(0.0) == []
+    tight = Policy(cfg(dispatch_lookahead=2))
+    tight.add_worker(spec(cap=4 * kv_cost(100, 28, 16), seqs=3), 0.0)  # KV for 4 jobs
+    for _ in range(8):
+        tight.submit(job(), 0.0)
+    assert len(ids(tight.schedule(0.0))) == 4  # the ledger still decides
+
+
 def test_gpu_free_floor_and_health_gate_new_work():
     p = Policy(cfg(gpu_free_floor_bytes=1000))
     p.add_worker(spec(gpu=10_000), 0.0)

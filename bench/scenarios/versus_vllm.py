@@ -5,8 +5,10 @@ same engine settings, run alternately in one session.
 * weir: Envoy -> router -> vLLM engine worker (AsyncLLM in the worker process).
 
 Both engines get the same max_num_seqs, KV budget, dtype, eager mode,
-and engine environment (default: weir's CPU engine environment, one
-unbound OpenMP thread).
+engine environment (default: weir's CPU engine environment, one unbound
+OpenMP thread) and per-step stats (vLLM's default, on: weir's worker needs
+them for its heartbeats, so ``vllm serve`` is not run with
+``--disable-log-stats``).
 Per round, each server gets a 1-token probe (sequential, not streamed) and
 the ``tiny-llama`` workload (80 % short / 20 % long, streamed) at each rate;
 which server goes first alternates by round.  Reported: median and p99 TTFT
@@ -42,7 +44,7 @@ def start_vllm_server(port: int, args, log: Path) -> subprocess.Popen:
             "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", "512", "--max-num-seqs", str(args.max_num_seqs),
             "--kv-cache-memory-bytes", str(args.kv_cache_bytes), "--dtype", "bfloat16",
-            "--enforce-eager", "--disable-log-stats"]
+            "--enforce-eager"]  # stats stay on, vLLM's default: weir's worker computes them too (heartbeats)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **args.engine_env}
     with open(log, "wb") as f:
         # Own process group: vLLM spawns an EngineCore (and more); stop them all.
@@ -90,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-env", action="append", default=None, metavar="KEY=VALUE",
                     help="environment for both engines (repeat; replaces the default "
                          f"{' '.join(f'{k}={v}' for k, v in common.CPU_ENGINE_ENV.items())})")
+    ap.add_argument("--dispatch-lookahead", type=int, default=0,
+                    help="weir's scheduler.dispatch_lookahead (jobs a worker may hold beyond max_num_seqs)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
     tok = str(common.TINY_MODEL_DIR)
     cfg = common.write_config(out / "stack", workers=[
         common.vllm_worker(max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes,
-                           env=args.engine_env)])
+                           env=args.engine_env)],
+        scheduler={"dispatch_lookahead": args.dispatch_lookahead})
     port = common.free_port()
     vllm_url = f"http://127.0.0.1:{port}/v1"
     vllm_log = out / "vllm-server.log"
@@ -156,7 +161,8 @@ def _report(out: Path, args, argv, runs, spans, rates, workload) -> None:
     md = [common.header("weir vs vLLM's own server (tiny-llama on CPU)", ["bench.scenarios.versus_vllm", *argv]), "",
           f"max_num_seqs {args.max_num_seqs}, KV {args.kv_cache_bytes >> 20} MiB, bfloat16, eager, both engines; "
           f"engine env {args.engine_env or '(vLLM defaults)'}; "
-          f"weir path: {args.weir_path} → router → vLLM worker.  {args.rounds} alternating rounds.  "
+          f"weir path: {args.weir_path} → router → vLLM worker, dispatch_lookahead {args.dispatch_lookahead}.  "
+          f"{args.rounds} alternating rounds.  "
           "Ratios are weir / vllm (< 1 means weir is faster).\n"]
     summaries = {}
     # 1-token probe
