@@ -142,6 +142,8 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
         raise _from_validation_error(e) from None
     except msgspec.DecodeError as e:
         raise invalid(f"Malformed JSON body: {e}") from None
+    except RecursionError:  # msgspec's answer to absurdly deep nesting
+        raise invalid("Malformed JSON body: nested too deeply") from None
 
 
 class RequestMeta(msgspec.Struct, gc=False):
@@ -248,6 +250,8 @@ def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[S
         else:
             raise invalid("prompt must be a string (token-id prompts are not supported)", param="prompt",
                           code="unsupported_value")
+    if not prompt:  # as for ZeroMQ clients; vLLM would refuse it only after dispatch
+        raise invalid("prompt must be a non-empty string", param="prompt")
     if req.echo:
         raise invalid("echo is not supported", param="echo", code="unsupported_value")
     if req.best_of not in (None, 1):

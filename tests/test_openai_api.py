@@ -72,6 +72,8 @@ BAD_COMPLETIONS = [
     (_completion(best_of=3), "best_of", "unsupported_value"),
     (_completion(suffix="tail"), "suffix", "unsupported_value"),
     (_completion(logprobs=3), "logprobs", "unsupported_value"),
+    (_completion(prompt=""), "prompt", None),
+    (_completion(prompt=[""]), "prompt", None),
     (_completion(presence_penalty=2.5), "presence_penalty", None),
     (_completion(frequency_penalty=-3), "frequency_penalty", None),
     (_completion(frequency_penalty="high"), "frequency_penalty", None),
@@ -153,6 +155,14 @@ def test_completion_sampling_fields_and_extensions():
     assert (p.temperature, p.top_p, p.seed, p.stop) == (0.0, 0.5, 42, ["\n"])
     assert sub.priority == "low" and sub.task_type == TaskType.LONG
     assert ctx.stream and ctx.include_usage
+
+
+def test_deeply_nested_json_is_a_400_not_a_crash():
+    body = b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    info = _refusal(api.parse_completion, body)
+    assert info.status == 400 and "nested too deeply" in info.message
+    info = _refusal(api.parse_chat, body)
+    assert info.status == 400
 
 
 def test_penalties_pass_through_and_zero_means_default():
