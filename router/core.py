@@ -115,12 +115,13 @@ class RouterCore:
         self.ctx = zmq.Context.instance()
         self.pump = SocketPump(self.loop)
         self.pump.on_unreachable = self._on_unreachable
+        self.pump.on_full = self._on_client_full
         self.backend = self._router_socket(cfg.router.backend)
         self.frontend = self._router_socket(cfg.router.frontend)
         self.to_workers = Outbox(self.loop, self._flush_to_worker)
         self.to_clients = Outbox(self.loop, self._flush_to_client)
         self.pump.add(self.backend, self._on_backend)
-        self.pump.add(self.frontend, self._on_frontend)
+        self.pump.add(self.frontend, self._on_frontend, drop_when_full=True)
         self.metrics.add_state_collector(self._state_snapshot)
         self._hb_timer = self.loop.call_later(self._hb_interval, self._heartbeat_tick)
         self.started_at = time.monotonic()
@@ -524,6 +525,13 @@ class RouterCore:
                 if j is not None and not j.first_token_at:
                     self.pump.send(self.frontend, [identity, _CLIENT_PROBE])
                     break
+
+    def _on_client_full(self, sock: zmq.Socket, identity: bytes) -> None:
+        # SNDHWM messages unread: the client has stopped reading.  Holding its
+        # output would hold every other direct client's behind it; end its work.
+        if identity in self.clients:
+            log.warning("client %r stopped reading (send queue full): cancelling its requests", identity[:16])
+            self._lose_client(identity)
 
     def _on_unreachable(self, sock: zmq.Socket, identity: bytes) -> None:
         if sock is self.frontend:

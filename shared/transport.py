@@ -49,10 +49,19 @@ class SocketPump:
         self._handlers: dict[zmq.Socket, Callable[[list[bytes]], None]] = {}
         self._backlog: dict[zmq.Socket, collections.deque] = {}
         self._drain_scheduled: set[zmq.Socket] = set()
+        self._drop_when_full: set[zmq.Socket] = set()
         self.on_unreachable: Callable[[zmq.Socket, bytes], None] | None = None
+        self.on_full: Callable[[zmq.Socket, bytes], None] | None = None
 
-    def add(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None]) -> None:
+    def add(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], *,
+            drop_when_full: bool = False) -> None:
+        """Own ``sock``.  ``drop_when_full`` (ROUTER sockets): a message for a
+        peer whose queue is at the high-water mark is dropped and ``on_full``
+        told, instead of queueing in the pump -- where it would hold up every
+        other peer's messages behind one that stopped reading."""
         self._handlers[sock] = on_message
+        if drop_when_full:
+            self._drop_when_full.add(sock)
         self._backlog[sock] = collections.deque()
         self.loop.add_reader(sock.getsockopt(zmq.FD), self._on_fd, sock)
         self._schedule_drain(sock)  # messages may have queued before we watched the FD
@@ -62,6 +71,7 @@ class SocketPump:
             self.loop.remove_reader(sock.getsockopt(zmq.FD))
             del self._handlers[sock]
             del self._backlog[sock]
+            self._drop_when_full.discard(sock)
 
     def send(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         """Send now if the socket takes it, else queue until it does (order kept)."""
@@ -86,6 +96,10 @@ class SocketPump:
                     sock.send(f, _NOBLOCK if i == last else _NOBLOCK | _SNDMORE)
             return True
         except zmq.Again:
+            if sock in self._drop_when_full and len(frames) > 1:
+                if self.on_full is not None:
+                    self.on_full(sock, bytes(frames[0]))
+                return True
             self._backlog[sock].append(frames)
             return False
         except zmq.ZMQError as e:

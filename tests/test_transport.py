@@ -140,6 +140,37 @@ def test_router_reports_an_unknown_peer_instead_of_dropping():
     _run(main())
 
 
+def test_a_peer_that_stops_reading_is_dropped_not_queued_ahead_of_others():
+    """On a drop_when_full ROUTER, a peer at its high-water mark has its
+    messages dropped (and reported), so the next peer's go out at once; with
+    the default backlog they would wait behind the stuck peer's forever."""
+
+    async def main():
+        ctx = zmq.Context()
+        router, stuck = _pair(ctx, {"SNDHWM": 10, "SNDBUF": 4096}, RCVHWM=1, RCVBUF=4096, IDENTITY=b"stuck")
+        reader = ctx.socket(zmq.DEALER)
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.setsockopt(zmq.IDENTITY, b"reader")
+        reader.connect(router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        for d in (stuck, reader):  # the ROUTER learns both identities
+            d.send(b"hello")
+            router.recv_multipart()
+        pump = SocketPump(asyncio.get_running_loop())
+        full = []
+        pump.on_full = lambda sock, identity: full.append(identity)
+        pump.add(router, lambda frames: None, drop_when_full=True)
+        for i in range(1000):
+            pump.send(router, [b"stuck", b"x" * 4096])
+        assert full and set(full) == {b"stuck"}
+        assert not pump._backlog[router]
+        pump.send(router, [b"reader", b"still served"])
+        assert reader.poll(5000) and reader.recv() == b"still served"
+        pump.remove(router)
+        ctx.destroy(linger=0)
+
+    _run(main())
+
+
 def test_outbox_flushes_each_destination_once_per_turn():
     async def main():
         loop = asyncio.get_running_loop()
