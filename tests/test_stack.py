@@ -59,15 +59,18 @@ class _Lines:
             self.seen.append(line)
 
 
+def _weir_up(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
+    """``weir up`` as a user runs it (the installed console script), output piped."""
+    weir = Path(sys.executable).parent / "weir"
+    return subprocess.Popen([str(weir), "up", "--config", str(cfg_path), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_weir_up_serves_then_stops_every_child(tmp_path, sig):
     cfg_path = write_config(tmp_path, workers=[sim_worker("sim-0"), sim_worker("sim-1")])
     cfg = load(cfg_path)
-    weir = Path(sys.executable).parent / "weir"
-    proc = subprocess.Popen(
-        [str(weir), "up", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = _weir_up(cfg_path, tmp_path / "run")
     try:
         out = _Lines(proc.stdout)
         out.wait_for("Ctrl-C (or SIGTERM) stops everything.", 60)
@@ -165,11 +168,7 @@ def test_worker_that_dies_at_start_is_reported(tmp_path):
 
 def test_weir_up_interrupted_while_starting_leaves_nothing(tmp_path):
     cfg_path = write_config(tmp_path)
-    weir = Path(sys.executable).parent / "weir"
-    proc = subprocess.Popen(
-        [str(weir), "up", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = _weir_up(cfg_path, tmp_path / "run")
     try:
         out = _Lines(proc.stdout)
         out.wait_for("started router (pid ", 30)
