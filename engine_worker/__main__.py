@@ -4,12 +4,12 @@ Environment is settled before vLLM is imported: HF_HUB_OFFLINE=1 (models are
 local), CUDA_VISIBLE_DEVICES from ``gpu_index``, then the worker's ``env``
 table from the config (it wins).
 
-VLLM_CPU_OMP_THREADS_BIND is left at vLLM's default "auto": on the 2-vCPU dev
-VM that reserves one core for the EngineCore/frontend and binds one OpenMP
-thread to the other.  Measured with ``python -m engine_worker.calibrate``
-(tiny-llama, medians, busy host): auto gave TPOT 1.9-3.1 ms at 1 request and
-2.7-2.9 ms at 16; "nobind" (OpenMP threads on every core, contending with the
-frontend) gave 3.3-7.0 ms and 3.2-10.3 ms.  Override per worker via ``env``.
+vLLM's CPU threading comes from the worker's ``env`` too: deploy/weir.toml
+and the test/bench configs set ``VLLM_CPU_OMP_THREADS_BIND=nobind
+OMP_NUM_THREADS=1`` -- one OpenMP thread the kernel may move, instead of
+vLLM's default of one pinned to a core that Envoy and the router also need
+(weir's median TTFT at 20 req/s: 52 ms pinned, 11-16 ms unpinned;
+bench/README.md, Versus).
 """
 
 from __future__ import annotations

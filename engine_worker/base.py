@@ -1,13 +1,27 @@
-"""The one interface the worker process drives: a real vLLM engine or the simulated one."""
+"""The one interface the worker process drives, and the live-request table both engines share.
+
+``EngineBase`` owns the worker process's only table of live requests (after
+vLLM's ``output_processor``: one table of request state) and is the only
+place a Delta leaves an engine, so every request gets exactly one final
+Delta -- finished, errored or aborted -- however its end races: an abort
+after the last step, an output after an abort, a duplicate dispatch.
+Engines implement ``_start`` (begin generating) and ``_stop`` (drop a
+request inside the engine) and report through ``_output``.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
+from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, GenerateRequest, WorkerStats
 
+log = logging.getLogger(__name__)
+
 Emit = Callable[[Delta], None]
+_FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True)
@@ -21,28 +35,109 @@ class EngineInfo:
     max_num_seqs: int
 
 
-class Engine(Protocol):
-    # Set when the engine can no longer serve (e.g. vLLM's EngineCore died); the
-    # worker then says Goodbye and exits non-zero so its supervisor restarts it.
-    fatal_error: Optional[BaseException]
+class Live:
+    """One live request: where its Deltas go and what it has produced."""
 
-    async def start(self) -> EngineInfo: ...
+    __slots__ = ("emit", "prompt_tokens", "completion_tokens", "sent", "handle")
+
+    def __init__(self, emit: Emit, prompt_tokens: int) -> None:
+        self.emit = emit
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.sent = False  # a Delta went out (the first carries prompt_tokens)
+        self.handle = None  # the engine's own (vLLM: its task)
+
+
+class EngineBase:
+    name = "engine"
+
+    def __init__(self) -> None:
+        # Set when the engine can no longer serve (e.g. vLLM's EngineCore died);
+        # the worker then says Goodbye and exits non-zero so it is restarted.
+        self.fatal_error: Optional[BaseException] = None
+        self._live: dict[str, Live] = {}
+        self.aborts_total = 0
+        self.finished_total = 0
+
+    # -- what the worker calls ---------------------------------------------------
+
+    async def start(self) -> EngineInfo:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> WorkerStats:
+        raise NotImplementedError
 
     def submit(self, req: GenerateRequest, emit: Emit) -> None:
         """Non-blocking.  ``emit`` gets the request's Deltas as they come, the
-        last one with ``finish_reason`` or ``error`` set -- exactly one such."""
+        last one ``finished`` -- exactly one such.  A duplicate id is ignored."""
+        rid = req.request_id
+        if rid in self._live:
+            log.warning("duplicate request id %s ignored", rid)
+            return
+        live = self._live[rid] = Live(emit, req.prompt_tokens)
+        self._start(req, live)
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Requests still live end with a final Delta ``finish_reason="abort"``."""
+    def abort(self, request_ids: list[str], *, tell: bool = True) -> None:
+        """Live requests end now with a final Delta ``finish_reason="abort"``
+        (``tell=False``: silently, for requests nobody waits for any more)."""
+        for rid in request_ids:
+            live = self._live.pop(rid, None)
+            if live is None:
+                continue
+            self.aborts_total += 1
+            self._stop(rid, live)
+            if tell:
+                live.emit(Delta(rid, finish_reason="abort", prompt_tokens=live.prompt_tokens,
+                                completion_tokens=live.completion_tokens))
 
-    def stats(self) -> WorkerStats: ...
+    def live_ids(self) -> list[str]:
+        return list(self._live)
 
-    async def shutdown(self) -> None: ...
+    # -- what engines implement / call ---------------------------------------------
+
+    def _start(self, req: GenerateRequest, live: Live) -> None:
+        raise NotImplementedError
+
+    def _stop(self, rid: str, live: Live) -> None:
+        """Drop ``rid`` inside the engine (it has left the table already)."""
+
+    def _is_live(self, rid: str, live: Live) -> bool:
+        return self._live.get(rid) is live
+
+    def _output(self, rid: str, live: Live, text: str, token_ids: list[int],
+                finish_reason: Optional[str] = None, prompt_tokens: int = 0) -> None:
+        """New tokens of a live request; ``finish_reason`` ends it."""
+        if self._live.get(rid) is not live:
+            return  # aborted (or failed) meanwhile: its final Delta went already
+        if prompt_tokens:
+            live.prompt_tokens = prompt_tokens
+        n = len(token_ids)
+        live.completion_tokens += n
+        d = Delta(rid, text, n, completion_tokens=live.completion_tokens, token_ids=token_ids)
+        if finish_reason is not None:
+            del self._live[rid]
+            self.finished_total += 1
+            d.finish_reason = finish_reason if finish_reason in _FINISH_REASONS else "stop"
+            d.prompt_tokens = live.prompt_tokens
+        elif not live.sent:
+            d.prompt_tokens = live.prompt_tokens
+        live.sent = True
+        live.emit(d)
+
+    def _fail(self, rid: str, live: Live, err: ErrorInfo) -> None:
+        """End a live request with an error instead of output."""
+        if self._live.get(rid) is live:
+            del self._live[rid]
+            live.emit(Delta(rid, error=err, prompt_tokens=live.prompt_tokens,
+                            completion_tokens=live.completion_tokens))
 
 
-def bad_request(request_id: str, message: str, param: Optional[str] = None) -> Delta:
-    return Delta(request_id, error=ErrorInfo(400, message, "invalid_request_error", None, param))
+def bad_request(message: str, param: Optional[str] = None) -> ErrorInfo:
+    return error(Code.BAD_REQUEST, message, param=param)
 
 
-def server_error(request_id: str, message: str, status: int = 500) -> Delta:
-    return Delta(request_id, error=ErrorInfo(status, message, "server_error"))
+def engine_error(message: str, *, unavailable: bool = False) -> ErrorInfo:
+    return error(Code.ENGINE_UNAVAILABLE if unavailable else Code.ENGINE_ERROR, message)

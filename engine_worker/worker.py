@@ -4,8 +4,10 @@ Link protocol (Paranoid Pirate, after the ZeroMQ guide): after the engine is up
 the worker sends Register, then a Heartbeat with its stats every interval.
 Anything heard from the router proves it alive; if nothing is heard for
 ``heartbeat_liveness`` intervals the worker assumes the router lost it: it
-aborts everything in flight (the router has failed those requests), opens a
-new socket after an exponential back-off and registers again.
+silently aborts everything live in its engine (the router has written those
+requests off), opens a new socket after an exponential back-off and
+registers again.  The engine's table (engine_worker.base) is the process's
+only record of live requests.
 
 Output batching: engines emit Deltas one at a time; they go through an Outbox
 that flushes once per event-loop turn, so one engine step becomes one Outputs
@@ -27,7 +29,7 @@ from shared.protocol import (Abort, Delta, Dispatch, Goodbye, Heartbeat, Outputs
                              WorkerStats, encoder, to_worker_decoder)
 from shared.transport import Outbox, SocketPump
 
-from .base import Engine
+from .base import EngineBase
 from .gpu import read_gpu
 
 log = logging.getLogger("engine_worker")
@@ -39,7 +41,7 @@ GOODBYE_LINGER_MS = 1000  # time the last Goodbye gets to leave before the socke
 _POOLS = {"any": Pool.ANY, "short": Pool.SHORT, "long": Pool.LONG}
 
 
-def make_engine(cfg: Config, wcfg: WorkerConfig) -> Engine:
+def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
     model = cfg.model(wcfg.model)
     max_model_len = wcfg.max_model_len or model.max_model_len
     if model.engine == "sim":
@@ -54,7 +56,7 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> Engine:
 
 
 class Worker:
-    def __init__(self, cfg: Config, wcfg: WorkerConfig, engine: Engine) -> None:
+    def __init__(self, cfg: Config, wcfg: WorkerConfig, engine: EngineBase) -> None:
         self.cfg = cfg
         self.wcfg = wcfg
         self.engine = engine
@@ -67,7 +69,6 @@ class Worker:
         self.sock: Optional[zmq.Socket] = None
         self.register_msg: Optional[Register] = None
         self.exit_code = 0
-        self._inflight: set[str] = set()
         self._last_heard = 0.0
         self._backoff = BACKOFF_INITIAL_S
         self._stop = asyncio.Event()
@@ -95,7 +96,6 @@ class Worker:
             worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],
             max_model_len=info.max_model_len, kv_capacity_tokens=info.kv_capacity_tokens,
             block_size=info.block_size, max_num_seqs=info.max_num_seqs, engine=info.engine, gpu=gpu,
-            heartbeat_interval_s=self.interval,
         )
         if not self._stop.is_set():
             self._connect()
@@ -168,12 +168,11 @@ class Worker:
             self._connect()
 
     def _forget_inflight(self) -> None:
-        """The router no longer knows our requests: stop them and drop their output."""
-        ids = list(self._inflight)
-        self._inflight.clear()  # their final abort Deltas are dropped in _emit
+        """The router no longer knows our requests: stop them, telling nobody."""
+        ids = self.engine.live_ids()
         if ids:
             log.warning("worker %s: aborting %d in-flight requests", self.wcfg.id, len(ids))
-            self.engine.abort(ids)
+            self.engine.abort(ids, tell=False)
 
     def stats(self) -> WorkerStats:
         s = self.engine.stats()
@@ -198,11 +197,7 @@ class Worker:
         self._backoff = BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
             for req in msg.requests:
-                if req.request_id in self._inflight:
-                    log.warning("worker %s: duplicate dispatch of %s ignored", self.wcfg.id, req.request_id)
-                    continue
-                self._inflight.add(req.request_id)
-                self.engine.submit(req, self._emit)
+                self.engine.submit(req, self.outbox_put)
         elif isinstance(msg, Abort):
             self.engine.abort(msg.request_ids)
         elif isinstance(msg, Goodbye):
@@ -212,9 +207,5 @@ class Worker:
             self._send(self.register_msg)
         # Heartbeat: liveness only, recorded above.
 
-    def _emit(self, delta: Delta) -> None:
-        if delta.request_id not in self._inflight:
-            return  # output of a request the router has already written off
-        if delta.finish_reason is not None or delta.error is not None:
-            self._inflight.discard(delta.request_id)
+    def outbox_put(self, delta: Delta) -> None:
         self.outbox.put(None, delta)

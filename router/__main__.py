@@ -1,4 +1,9 @@
-"""``python -m router --config weir.toml``: the router process (uvloop)."""
+"""``python -m router --config weir.toml``: the router process (uvloop).
+
+Wires the socket-free lifecycle (router.core) to its adapters: the worker
+link (backend socket), the direct-client frontend (frontend socket) and the
+HTTP ingress, all on one event loop and one SocketPump.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,14 @@ import signal
 
 import uvloop
 
+from router.client_frontend import ClientFrontend
 from router.core import RouterCore
 from router.http_server import start_http_server
+from router.metrics import RouterMetrics
+from router.views import RouterViews
+from router.worker_link import WorkerLink
 from shared.config import load, split_hostport
+from shared.transport import SocketPump
 
 log = logging.getLogger("weir.router")
 
@@ -20,9 +30,17 @@ async def serve(config_path: str | None) -> None:
     cfg = load(config_path)
     logging.getLogger().setLevel(cfg.router.log_level.upper())
     loop = asyncio.get_running_loop()
-    core = RouterCore(cfg, loop)
+    metrics = RouterMetrics()
+    pump = SocketPump(loop)
+    link = WorkerLink(cfg.router, loop, pump, metrics)
+    core = RouterCore(cfg, loop, link, metrics=metrics)
+    frontend = ClientFrontend(cfg.router, loop, pump, metrics)
+    views = RouterViews(core, link)
+    link.serve(core)
+    frontend.serve(core)
     host, port = split_hostport(cfg.router.http)
-    server = await start_http_server(core, host, port, max_body_bytes=cfg.envoy.max_request_bytes)
+    server = await start_http_server(core, views, metrics, host, port,
+                                     max_body_bytes=cfg.envoy.max_request_bytes)
     log.info("router ready: http=%s frontend=%s backend=%s policy=%s",
              cfg.router.http, cfg.router.frontend, cfg.router.backend, cfg.scheduler.policy)
     stop = asyncio.Event()
@@ -31,6 +49,8 @@ async def serve(config_path: str | None) -> None:
     await stop.wait()
     log.info("router shutting down")
     server.close()
+    frontend.close()
+    link.close()
     core.close()
 
 

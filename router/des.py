@@ -1,5 +1,5 @@
 """Deterministic discrete-event simulation of the scheduler: ``Policy`` + simulated
-engines (``engine_worker.sim_core.SimCore``) + seeded arrivals, in virtual time.
+engines (``simulation.core.SimCore``) + seeded arrivals, in virtual time.
 
 No processes, no sleeping, no sockets: the same arrivals can be replayed
 under different policies (``policy="weir"`` vs ``"fifo"``, ledger on vs off)
@@ -26,7 +26,7 @@ from typing import Optional
 
 import msgspec
 
-from engine_worker.sim_core import SimCore
+from simulation.core import SimCore
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
 from shared.config import SchedulerConfig, SimEngineConfig
 from shared.protocol import Pool, TaskType

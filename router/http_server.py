@@ -15,28 +15,28 @@ write costs ~5.9 us, encoding ~0.2 us):
   * a stream's head is sent with its first Delta, so a request refused while
     queued (a final Delta carrying ``error``) still gets a real HTTP status.
 
-Entry point: ``start_http_server(core, host, port, max_body_bytes=...)``.
+Entry point: ``start_http_server(core, views, metrics, host, port, ...)``:
+``core`` is what generation needs (``Generation``: the lifecycle in
+router.core), ``views`` what the read-only routes show (``Views``:
+router.views), each a Protocol declared here by this consumer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import http
 import logging
-import math
 import time
 from collections import deque
 from email.utils import formatdate
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import httptools
-import prometheus_client
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 
 from router import openai_api as api
-from shared.protocol import Delta, ErrorInfo
+from router.metrics import RouterMetrics
+from shared.errors import Code, error, retry_after_header
+from shared.protocol import Delta, ErrorInfo, Submit
 
 log = logging.getLogger("weir.http")
 
@@ -88,9 +88,30 @@ def _head(status: int, content_type: bytes, length: Optional[int], keep_alive: b
 
 
 def _retry_after(info: ErrorInfo) -> bytes:
-    if info.retry_after is None:
-        return b""
-    return b"retry-after: %d\r\n" % max(1, math.ceil(info.retry_after))  # as router.core does for ZeroMQ
+    seconds = retry_after_header(info)
+    return b"" if seconds is None else b"retry-after: %d\r\n" % seconds
+
+
+class Generation(Protocol):
+    """What generation requests need of the router (router.core.RouterCore)."""
+
+    def submit(self, sub: Submit, sink: "Exchange") -> int | ErrorInfo: ...
+
+    def cancel(self, handle: int) -> None: ...
+
+
+class Views(Protocol):
+    """What the read-only routes show (router.views.RouterViews)."""
+
+    def models(self) -> list[tuple[str, int]]: ...
+
+    def health(self) -> dict: ...
+
+    def admin_workers(self) -> list[dict]: ...
+
+    def admin_queues(self) -> list[dict]: ...
+
+    def metrics_payload(self) -> tuple[bytes, str]: ...
 
 
 class _BodyTooLarge(Exception):
@@ -114,64 +135,16 @@ class _Request:
         return None if v is None else v.decode("latin-1")
 
 
-class _ErrorReply:
-    """A queued terminal reply (malformed HTTP behind a pipelined request)."""
-
-    __slots__ = ("status", "message")
-
-    def __init__(self, status: int, message: str):
-        self.status = status
-        self.message = message
-
-
-class _Metrics:
-    """``weir_http_requests_total{path,status}`` and
-    ``weir_http_request_duration_seconds{path}``, kept as plain numbers and
-    turned into Prometheus families only when scraped: prometheus_client's own
-    Counter+Histogram cost ~3 us per request (locks, label lookups), this ~0.4."""
-
-    BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-    def __init__(self, registry: prometheus_client.CollectorRegistry):
-        self.requests: dict[tuple[str, int], int] = {}
-        self.durations: dict[str, list] = {}  # path -> [bucket counts..., +Inf count, sum]
-        registry.register(self)
-
-    def observe(self, path: str, status: int, seconds: float) -> None:
-        key = (path, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        h = self.durations.get(path)
-        if h is None:
-            h = self.durations[path] = [0] * (len(self.BUCKETS) + 1) + [0.0]
-        h[bisect.bisect_left(self.BUCKETS, seconds)] += 1
-        h[-1] += seconds
-
-    def collect(self):
-        requests = CounterMetricFamily("weir_http_requests", "HTTP requests answered by the router, by route and status",
-                                       labels=["path", "status"])
-        for (path, status), n in sorted(self.requests.items()):
-            requests.add_metric([path, str(status)], n)
-        yield requests
-        duration = HistogramMetricFamily(
-            "weir_http_request_duration_seconds",
-            "Time from a request's last byte to its response's last byte (whole stream for SSE)", labels=["path"])
-        for path, h in sorted(self.durations.items()):
-            cumulative, buckets = 0, []
-            for bound, n in zip(self.BUCKETS + (float("inf"),), h):
-                cumulative += n
-                buckets.append((floatToGoString(bound), cumulative))
-            duration.add_metric([path], buckets, h[-1])
-        yield duration
-
-
 class _Ingress:
     """State shared by every connection of one server."""
 
-    def __init__(self, core: Any, max_body_bytes: int, max_buffered_bytes: int):
+    def __init__(self, core: Generation, views: Views, metrics: RouterMetrics, max_body_bytes: int,
+                 max_buffered_bytes: int):
         self.core = core
+        self.views = views
+        self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
-        self.metrics = _Metrics(core.registry)
         self.started = int(time.time())
         self.loop = asyncio.get_running_loop()
         self._unflushed: list[Exchange] = []  # streams with output waiting for the end of this turn
@@ -351,11 +324,11 @@ class HttpConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
             if isinstance(e.__context__, _BodyTooLarge):
-                self._input_error(413, f"Request body exceeds the limit of {self.ingress.max_body_bytes} bytes",
-                                  code="request_too_large")
+                self._input_error(Code.REQUEST_TOO_LARGE,
+                                  f"Request body exceeds the limit of {self.ingress.max_body_bytes} bytes")
             else:
                 log.error("HTTP request handling failed", exc_info=e.__context__ or e)
-                self._input_error(500, "Internal error while handling the request", type_="server_error")
+                self._input_error(Code.INTERNAL, "Internal error while handling the request")
         except httptools.HttpParserUpgrade as e:
             # We never switch protocols (e.g. curl's h2c upgrade): the request
             # was answered as plain HTTP/1.1 (bodiless ones only, see
@@ -366,7 +339,7 @@ class HttpConnection(asyncio.Protocol):
                 if rest:
                     self.data_received(rest)
         except httptools.HttpParserError as e:
-            self._input_error(400, f"Malformed HTTP request: {e}")
+            self._input_error(Code.BAD_REQUEST, f"Malformed HTTP request: {e}")
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self.closed = True
@@ -380,7 +353,7 @@ class HttpConnection(asyncio.Protocol):
                 ex.done = True
                 if ex.handle is not None:
                     self.ingress.core.cancel(ex.handle)
-            self.ingress.metrics.observe(ex.label, STATUS_CLIENT_GONE, time.perf_counter() - ex.req.t0)
+            self.ingress.metrics.observe_http(ex.label, STATUS_CLIENT_GONE, time.perf_counter() - ex.req.t0)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -428,7 +401,8 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._upgrade and self.parser.get_method() != b"GET":
             # llhttp hands a request's body to the upgraded protocol: it is lost.
-            return self._input_error(400, "HTTP protocol upgrade is not supported; send the request without Upgrade")
+            return self._input_error(Code.BAD_REQUEST,
+                                     "HTTP protocol upgrade is not supported; send the request without Upgrade")
         path = self._url.split(b"?", 1)[0]
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11)
@@ -448,21 +422,21 @@ class HttpConnection(asyncio.Protocol):
         if route is None:
             if req.path.startswith(b"/v1/models/") and req.method == b"GET":
                 return self._model(req)
-            return self.respond_error(req, ErrorInfo(404, f"No route for {req.path.decode('latin-1')!r}",
-                                                     code="not_found"), "other")
+            return self.respond_error(req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"),
+                                      "other")
         method, handler = route
         label = req.path.decode()
         if req.method != method:
             return self.respond_error(
-                req, ErrorInfo(405, f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}",
-                               code="method_not_allowed"),
+                req, error(Code.METHOD_NOT_ALLOWED,
+                           f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}"),
                 label, extra=b"allow: " + method + b"\r\n")
         try:
             getattr(self, handler)(req, label)
         except Exception:
             log.exception("handler for %s failed", label)
             if not self.busy and not self.closed:
-                self.respond_error(req, ErrorInfo(500, "Internal error", type="server_error"), label)
+                self.respond_error(req, error(Code.INTERNAL, "Internal error"), label)
 
     def _generate(self, req: _Request, label: str, parse: Callable) -> None:
         meta = api.meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"),
@@ -495,30 +469,30 @@ class HttpConnection(asyncio.Protocol):
         self._generate(req, label, api.parse_chat)
 
     def _models(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.render_models(self.ingress.core.models(), self.ingress.started), label)
+        self.respond(req, 200, _JSON, api.render_models(self.ingress.views.models(), self.ingress.started), label)
 
     def _model(self, req: _Request) -> None:
         name = req.path[len(b"/v1/models/"):].decode("utf-8", "replace")
-        for model, max_len in self.ingress.core.models():
+        for model, max_len in self.ingress.views.models():
             if model == name:
                 body = api.encode({"id": model, "object": "model", "created": self.ingress.started,
                                    "owned_by": "weir", "max_model_len": max_len})
                 return self.respond(req, 200, _JSON, body, "/v1/models/{model}")
-        self.respond_error(req, ErrorInfo(404, f"The model {name!r} does not exist", code="model_not_found",
-                                          param="model"), "/v1/models/{model}")
+        self.respond_error(req, error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"),
+                           "/v1/models/{model}")
 
     def _health(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.encode(self.ingress.core.health()), label)
+        self.respond(req, 200, _JSON, api.encode(self.ingress.views.health()), label)
 
     def _metrics(self, req: _Request, label: str) -> None:
-        body, content_type = self.ingress.core.metrics_payload()
+        body, content_type = self.ingress.views.metrics_payload()
         self.respond(req, 200, content_type.encode(), body, label)
 
     def _admin_workers(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.encode(self.ingress.core.admin_workers()), label)
+        self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_workers()), label)
 
     def _admin_queues(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.encode(self.ingress.core.admin_queues()), label)
+        self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_queues()), label)
 
     # ---------------------------------------------------------- responses
 
@@ -534,7 +508,7 @@ class HttpConnection(asyncio.Protocol):
         self.respond(req, info.status, _JSON, api.error_body(info), label, extra + _retry_after(info))
 
     def response_complete(self, req: _Request, status: int, label: str, keep_alive: bool) -> None:
-        self.ingress.metrics.observe(label, status, time.perf_counter() - req.t0)
+        self.ingress.metrics.observe_http(label, status, time.perf_counter() - req.t0)
         self.current = None
         self.busy = False
         if not keep_alive:
@@ -546,34 +520,33 @@ class HttpConnection(asyncio.Protocol):
     def _drain_pending(self) -> None:
         while self.pending and not self.busy and not self.closed:
             item = self.pending.popleft()
-            if isinstance(item, _ErrorReply):
-                self._reply_and_close(item.status, item.message)
+            if isinstance(item, ErrorInfo):  # malformed input behind a pipelined request
+                self._reply_and_close(item)
             else:
                 self._start(item)
         if self.reading_paused and not self.closed and len(self.pending) < MAX_PIPELINED // 2:
             self.reading_paused = False
             self.transport.resume_reading()
 
-    def _input_error(self, status: int, message: str, code: Optional[str] = None,
-                     type_: str = "invalid_request_error") -> None:
+    def _input_error(self, code: Code, message: str) -> None:
         """Unusable input: answer (after any response in progress) and close."""
         self.dead_input = True
+        info = error(code, message)
         if self.busy or self.pending:
-            self.pending.append(_ErrorReply(status, message))
+            self.pending.append(info)
         else:
-            self._reply_and_close(status, message, code, type_)
+            self._reply_and_close(info)
 
-    def _reply_and_close(self, status: int, message: str, code: Optional[str] = None,
-                         type_: str = "invalid_request_error") -> None:
+    def _reply_and_close(self, info: ErrorInfo) -> None:
         """Error reply, then a lingering close: half-close and discard input
         for a moment, so a client still sending its (e.g. too large) body
         reads the reply instead of a connection reset."""
         if self.closed:
             return
-        body = api.error_body(ErrorInfo(status, message, type=type_, code=code))
+        body = api.error_body(info)
         transport = self.transport
-        transport.write(_head(status, _JSON, len(body), keep_alive=False) + body)
-        self.ingress.metrics.observe("other", status, 0.0)
+        transport.write(_head(info.status, _JSON, len(body), keep_alive=False) + body)
+        self.ingress.metrics.observe_http("other", info.status, 0.0)
         self.closed = True
         self.dead_input = True
         self.pending.clear()
@@ -589,7 +562,7 @@ class HttpConnection(asyncio.Protocol):
         self.current = None
         if ex.handle is not None:
             self.ingress.core.cancel(ex.handle)
-        self.ingress.metrics.observe(ex.label, status, time.perf_counter() - ex.req.t0)
+        self.ingress.metrics.observe_http(ex.label, status, time.perf_counter() - ex.req.t0)
         self.closed = True
         self.pending.clear()
         self.transport.abort()
@@ -600,13 +573,14 @@ class HttpConnection(asyncio.Protocol):
         self.transport.close()  # flushes what is buffered first
 
 
-async def start_http_server(core: Any, host: str, port: int, *, max_body_bytes: int = 1 << 20,
+async def start_http_server(core: Generation, views: Views, metrics: RouterMetrics, host: str, port: int, *,
+                            max_body_bytes: int = 1 << 20,
                             max_buffered_bytes: int = 4 << 20) -> asyncio.AbstractServer:
-    """Serve the OpenAI-compatible API, health, metrics and admin for ``core``.
+    """Serve the OpenAI-compatible API (``core``), health, metrics and admin (``views``).
 
     ``max_buffered_bytes``: a stream whose unsent output exceeds this while
     the client is not reading is cancelled and its connection dropped.
     """
-    ingress = _Ingress(core, max_body_bytes, max_buffered_bytes)
+    ingress = _Ingress(core, views, metrics, max_body_bytes, max_buffered_bytes)
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)

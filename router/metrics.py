@@ -126,8 +126,16 @@ class RouterMetrics:
                                      ["worker", "event"])
         self.bad_frames = _Family("weir_malformed_frames", "ZeroMQ frames dropped as undecodable",
                                   ["socket"])
+        # The HTTP ingress's (router.http_server); the path label is its route.
+        self.http_requests = _Family("weir_http_requests", "HTTP requests answered by the router, by route and status",
+                                     ["path", "status"])
+        self.http_duration = _Family(
+            "weir_http_request_duration_seconds",
+            "Time from a request's last byte to its response's last byte (whole stream for SSE)", ["path"],
+            _LATENCY_BUCKETS)
         self._families = [self.requests, self.rejected, self.tokens, self.ttft, self.e2e,
-                          self.queue_wait, self.worker_events, self.bad_frames]
+                          self.queue_wait, self.worker_events, self.bad_frames, self.http_requests,
+                          self.http_duration]
         self.registry.register(self)
 
     @staticmethod
@@ -142,6 +150,10 @@ class RouterMetrics:
     def collect(self):
         for f in self._families:
             yield f.collect()
+
+    def observe_http(self, path: str, status: int, seconds: float) -> None:
+        self.child(self.http_requests, path, status).inc()
+        self.child(self.http_duration, path).observe(seconds)
 
     def add_state_collector(self, snapshot: Callable[[], dict]) -> None:
         self.registry.register(_StateCollector(snapshot))

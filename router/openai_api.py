@@ -18,25 +18,30 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import msgspec
-from msgspec import Meta
 
+from router.admission import check_shape
+from shared.errors import Code, error
 from shared.protocol import (
     ChatMessage,
     Delta,
     ErrorInfo,
+    Penalty,
+    PositiveInt,
     RequestKind,
     SamplingParams,
+    StopList,
     Submit,
     TaskType,
+    Temperature,
+    TopP,
 )
 
 # OpenAI's documented default for the legacy completions endpoint (vLLM uses
 # it too); chat leaves max_tokens unset = the rest of the model's context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-MAX_STOP_SEQUENCES = 4
 
 
 class RequestError(Exception):
@@ -47,17 +52,12 @@ class RequestError(Exception):
         self.info = info
 
 
-def invalid(message: str, param: Optional[str] = None, code: Optional[str] = None) -> RequestError:
-    return RequestError(ErrorInfo(status=400, message=message, param=param, code=code))
+def invalid(message: str, param: Optional[str] = None, code: Code = Code.BAD_REQUEST) -> RequestError:
+    return RequestError(error(code, message, param=param))
 
 
 # ------------------------------------------------------------ request bodies
-
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-StopList = Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)]
+# Ranges are the wire protocol's own types (shared.protocol): declared once.
 
 
 class StreamOptions(msgspec.Struct):
@@ -175,11 +175,11 @@ _TASK_TYPES = {"short": TaskType.SHORT, "long": TaskType.LONG}
 
 def _check_common(req: _Sampling, meta: RequestMeta) -> tuple[Optional[SamplingParams], TaskType, Optional[str]]:
     if req.n is not None and req.n != 1:
-        raise invalid("Only n=1 is supported", param="n", code="unsupported_value")
+        raise invalid("Only n=1 is supported", param="n", code=Code.UNSUPPORTED_VALUE)
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", param="stream_options")
     if req.logprobs not in (None, False):
-        raise invalid("logprobs are not supported", param="logprobs", code="unsupported_value")
+        raise invalid("logprobs are not supported", param="logprobs", code=Code.UNSUPPORTED_VALUE)
     if req.stop is None:
         stop: list[str] = []
     elif isinstance(req.stop, str):
@@ -246,25 +246,31 @@ def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[S
         if len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         elif prompt and all(isinstance(p, str) for p in prompt):
-            raise invalid("Only one prompt per request is supported", param="prompt", code="unsupported_value")
+            raise invalid("Only one prompt per request is supported", param="prompt", code=Code.UNSUPPORTED_VALUE)
         else:
             raise invalid("prompt must be a string (token-id prompts are not supported)", param="prompt",
-                          code="unsupported_value")
-    if not prompt:  # as for ZeroMQ clients; vLLM would refuse it only after dispatch
-        raise invalid("prompt must be a non-empty string", param="prompt")
+                          code=Code.UNSUPPORTED_VALUE)
     if req.echo:
-        raise invalid("echo is not supported", param="echo", code="unsupported_value")
+        raise invalid("echo is not supported", param="echo", code=Code.UNSUPPORTED_VALUE)
     if req.best_of not in (None, 1):
-        raise invalid("best_of is not supported", param="best_of", code="unsupported_value")
+        raise invalid("best_of is not supported", param="best_of", code=Code.UNSUPPORTED_VALUE)
     if req.suffix:
-        raise invalid("suffix is not supported", param="suffix", code="unsupported_value")
+        raise invalid("suffix is not supported", param="suffix", code=Code.UNSUPPORTED_VALUE)
     params, task_type, priority = _check_common(req, meta)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     sub = Submit(
         request_id=request_id, model=req.model, kind=RequestKind.COMPLETION, prompt=prompt,
         params=params, max_tokens=max_tokens, priority=priority, task_type=task_type, api_key=meta.api_key,
     )
+    _check_shape(sub)
     return sub, _context(req, RequestKind.COMPLETION, request_id)
+
+
+def _check_shape(sub: Submit) -> None:
+    """The same shape rules as for ZeroMQ submissions (router.admission), at once."""
+    err = check_shape(sub)
+    if err is not None:
+        raise RequestError(err)
 
 
 def _message_text(m: Message, i: int) -> str:
@@ -277,29 +283,28 @@ def _message_text(m: Message, i: int) -> str:
     for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
             raise invalid(f"Content part type {part.type!r} is not supported (only 'text')",
-                          param=f"messages[{i}].content[{j}]", code="unsupported_value")
+                          param=f"messages[{i}].content[{j}]", code=Code.UNSUPPORTED_VALUE)
         texts.append(part.text)
     return "\n".join(texts)  # vLLM joins text parts the same way
 
 
 def parse_chat(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit, ResponseContext]:
     req = _decode(_chat_decoder, body)
-    if not req.messages:
-        raise invalid("messages must not be empty", param="messages")
     messages = [ChatMessage(m.role, _message_text(m, i)) for i, m in enumerate(req.messages)]
     if req.top_logprobs:
-        raise invalid("logprobs are not supported", param="top_logprobs", code="unsupported_value")
+        raise invalid("logprobs are not supported", param="top_logprobs", code=Code.UNSUPPORTED_VALUE)
     if req.tools:
-        raise invalid("tools are not supported", param="tools", code="unsupported_value")
+        raise invalid("tools are not supported", param="tools", code=Code.UNSUPPORTED_VALUE)
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise invalid("response_format other than text is not supported", param="response_format",
-                      code="unsupported_value")
+                      code=Code.UNSUPPORTED_VALUE)
     params, task_type, priority = _check_common(req, meta)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sub = Submit(
         request_id=request_id, model=req.model, kind=RequestKind.CHAT, messages=messages,
         params=params, max_tokens=max_tokens, priority=priority, task_type=task_type, api_key=meta.api_key,
     )
+    _check_shape(sub)
     return sub, _context(req, RequestKind.CHAT, request_id)
 
 
@@ -471,11 +476,6 @@ class StreamRenderer:
         c = self.counts
         usage = Usage(c.prompt, c.completion_total, c.prompt + c.completion_total)
         return self._pre + b'[],"usage":' + encode(usage) + b"}\n\n"
-
-    def error_events(self, info: ErrorInfo) -> bytes:
-        """For an error the server itself raises after the stream started."""
-        self.finished = True
-        return b"data: " + error_body(info) + b"\n\n" + SSE_DONE
 
 
 def render_models(models: list[tuple[str, int]], created: int) -> bytes:

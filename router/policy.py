@@ -879,6 +879,17 @@ class Policy:
             w.running[job_id] = new
             e.cost = new
 
+    # ------------------------------------------------------------ lookups
+
+    def worker_of(self, job_id: str) -> Optional[str]:
+        """The worker a job runs on (None: queued, ended or unknown)."""
+        e = self.entries.get(job_id)
+        return e.worker if e is not None and e.state == _RUNNING else None
+
+    def pool_of(self, worker_id: str) -> str:
+        w = self.workers.get(worker_id)
+        return POOL_NAMES.get(w.spec.pool, "any") if w is not None else "-"
+
     # ------------------------------------------------------------ timing / views
 
     def next_wakeup(self, now: float) -> Optional[float]:

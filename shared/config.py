@@ -79,7 +79,7 @@ class ModelConfig(_Cfg):
 
 class SimEngineConfig(_Cfg):
     """Parameters of the simulated continuous-batching engine (see
-    engine_worker/sim_core.py).  Calibrated against vLLM on the tiny model:
+    simulation/core.py).  Calibrated against vLLM on the tiny model:
     see that module's docstring."""
 
     kv_capacity_tokens: int = 65536

@@ -19,14 +19,22 @@ Conventions (after vLLM's engine boundary):
   * Batching: a Dispatch/Abort/Outputs message carries *lists* so that one
     message per destination per event-loop turn (or per engine step) is
     enough.  Per-message cost (~5 us) dwarfs encoding (~0.1 us).
+  * Ranges are declared here, once (``Temperature``, ``TopP``...): decoding
+    a message enforces them, and the HTTP decoder uses the same types.
+  * Tokens are computed once, in the router: a worker gets the prompt's token
+    ids (models with a tokenizer) or its token count (the simulated engine),
+    never text to tokenize again; its Deltas carry the generated token ids,
+    so prompt + output ids of any request are known outside the engine.
+  * Errors are ``ErrorInfo`` made by ``shared.errors.error`` (one catalogue).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import msgspec
+from msgspec import Meta
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="t"):
@@ -55,22 +63,32 @@ class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     content: str
 
 
+# OpenAI's ranges, declared once for the HTTP decoder and ZeroMQ submissions alike.
+MAX_STOP_SEQUENCES = 4
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+StopList = Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)]
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Subset of OpenAI sampling parameters that every engine honours.
 
-    ``max_tokens`` is always set by the router before dispatch (``Submit.max_tokens``
-    wins, then this field if > 0, else whatever is left of the model's context),
+    ``max_tokens``: ignored in a Submit (``Submit.max_tokens`` says it); in a
+    GenerateRequest always the router's resolution (``router.admission``),
     so workers never guess it.
     """
 
-    max_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: NonNegativeInt = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     seed: Optional[int] = None
-    stop: list[str] = []
+    stop: StopList = []
     ignore_eos: bool = False
-    presence_penalty: float = 0.0  # OpenAI's range, -2..2
-    frequency_penalty: float = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
 
 
 class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -95,11 +113,17 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
     request_id: str
     text: str = ""
-    num_tokens: int = 0  # new tokens in this delta
+    num_tokens: int = 0  # new tokens in this delta (== len(token_ids) where ids are known)
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: Optional[ErrorInfo] = None
+    token_ids: list[int] = []  # the new tokens' ids (the simulated engine's are placeholders)
+
+    @property
+    def finished(self) -> bool:
+        """The request's last Delta (as vLLM's ``EngineCoreOutput.finished``)."""
+        return self.finish_reason is not None or self.error is not None
 
 
 # ---------------------------------------------------------------- client link
@@ -115,7 +139,7 @@ class Submit(_Msg, tag=1):
     prompt: str = ""
     messages: list[ChatMessage] = []
     params: Optional[SamplingParams] = None  # None: all defaults
-    max_tokens: Optional[int] = None  # None: rest of the context
+    max_tokens: Optional[PositiveInt] = None  # None: rest of the context
     priority: Optional[str] = None  # may only lower the key's class
     task_type: TaskType = TaskType.AUTO
     api_key: Optional[str] = None
@@ -162,7 +186,6 @@ class Register(_Msg, tag=10):
     max_num_seqs: int
     engine: str  # "vllm" | "sim"
     gpu: GpuInfo = msgspec.field(default_factory=GpuInfo)
-    heartbeat_interval_s: float = 1.0
 
 
 class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -189,10 +212,13 @@ class Goodbye(_Msg, tag=12):
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request for an engine, already tokenized by the router (chat
+    template applied): ``prompt_token_ids`` for a model with a tokenizer,
+    else empty and ``prompt_tokens`` is the router's count (simulated engine)."""
+
     request_id: str  # router-assigned, unique per router lifetime
-    kind: RequestKind
-    prompt: str
-    messages: list[ChatMessage]
+    prompt_token_ids: list[int]
+    prompt_tokens: int
     params: SamplingParams
     priority: int = 0  # lower runs first (vLLM's convention)
 

@@ -40,6 +40,8 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _EHOSTUNREACH = zmq.EHOSTUNREACH
 
+PeerCallback = Callable[[bytes], None]  # called with a ROUTER peer's identity
+
 
 class SocketPump:
     """Owns zmq sockets on one asyncio loop; the only code that touches them."""
@@ -49,19 +51,25 @@ class SocketPump:
         self._handlers: dict[zmq.Socket, Callable[[list[bytes]], None]] = {}
         self._backlog: dict[zmq.Socket, collections.deque] = {}
         self._drain_scheduled: set[zmq.Socket] = set()
-        self._drop_when_full: set[zmq.Socket] = set()
-        self.on_unreachable: Callable[[zmq.Socket, bytes], None] | None = None
-        self.on_full: Callable[[zmq.Socket, bytes], None] | None = None
+        # per socket: what to call with a ROUTER peer's identity when it is gone / full
+        self._on_unreachable: dict[zmq.Socket, PeerCallback] = {}
+        self._on_full: dict[zmq.Socket, PeerCallback] = {}
 
     def add(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], *,
-            drop_when_full: bool = False) -> None:
-        """Own ``sock``.  ``drop_when_full`` (ROUTER sockets): a message for a
-        peer whose queue is at the high-water mark is dropped and ``on_full``
-        told, instead of queueing in the pump -- where it would hold up every
-        other peer's messages behind one that stopped reading."""
+            on_unreachable: PeerCallback | None = None, on_full: PeerCallback | None = None) -> None:
+        """Own ``sock``; its owner's callbacks say what each event means for it.
+
+        ``on_unreachable(identity)`` (ROUTER with ROUTER_MANDATORY): a send
+        found that peer gone.  ``on_full(identity)`` (ROUTER): a message for a
+        peer whose queue is at the high-water mark is dropped and this called,
+        instead of queueing in the pump -- where it would hold up every other
+        peer's messages behind one that stopped reading.  Without ``on_full``
+        such messages wait in order (a peer with liveness of its own)."""
         self._handlers[sock] = on_message
-        if drop_when_full:
-            self._drop_when_full.add(sock)
+        if on_unreachable is not None:
+            self._on_unreachable[sock] = on_unreachable
+        if on_full is not None:
+            self._on_full[sock] = on_full
         self._backlog[sock] = collections.deque()
         self.loop.add_reader(sock.getsockopt(zmq.FD), self._on_fd, sock)
         self._schedule_drain(sock)  # messages may have queued before we watched the FD
@@ -71,7 +79,8 @@ class SocketPump:
             self.loop.remove_reader(sock.getsockopt(zmq.FD))
             del self._handlers[sock]
             del self._backlog[sock]
-            self._drop_when_full.discard(sock)
+            self._on_unreachable.pop(sock, None)
+            self._on_full.pop(sock, None)
 
     def send(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         """Send now if the socket takes it, else queue until it does (order kept)."""
@@ -96,16 +105,17 @@ class SocketPump:
                     sock.send(f, _NOBLOCK if i == last else _NOBLOCK | _SNDMORE)
             return True
         except zmq.Again:
-            if sock in self._drop_when_full and len(frames) > 1:
-                if self.on_full is not None:
-                    self.on_full(sock, bytes(frames[0]))
+            on_full = self._on_full.get(sock)
+            if on_full is not None and len(frames) > 1:
+                on_full(bytes(frames[0]))
                 return True
             self._backlog[sock].append(frames)
             return False
         except zmq.ZMQError as e:
             if e.errno == _EHOSTUNREACH:  # ROUTER_MANDATORY: that peer is gone
-                if self.on_unreachable is not None:
-                    self.on_unreachable(sock, bytes(frames[0]))
+                on_unreachable = self._on_unreachable.get(sock)
+                if on_unreachable is not None:
+                    on_unreachable(bytes(frames[0]))
                 return True
             raise
 
@@ -198,3 +208,24 @@ class Outbox:
                 self.flush_fn(dest, items)
             except Exception:
                 log.exception("flush to %r failed", dest)
+
+
+def bind_router(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    """A ROUTER socket as the router's two planes use it, bound to ``addr``."""
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # tell us when a peer is gone instead of dropping
+    s.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer reuses its identity
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 100_000)
+    s.setsockopt(zmq.RCVHWM, 100_000)
+    s.bind(addr)
+    return s
+
+
+def split_routed(frames: list[bytes], decoder) -> tuple[bytes, object]:
+    """(identity, message) of a ROUTER socket's ``[identity, payload]``;
+    ValueError / msgspec.DecodeError for anything else."""
+    if len(frames) != 2:
+        raise ValueError(f"{len(frames)} frames")
+    identity, payload = frames
+    return bytes(identity), decoder.decode(payload)

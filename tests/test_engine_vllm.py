@@ -17,8 +17,11 @@ KV_BYTES = 1 << 20  # tiny-llama: 512 B of KV per token -> 2048 tokens: preempti
 
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="models/tiny-llama not built")
 
+from router.prompts import ModelPrompts  # noqa: E402
 from shared.protocol import (ChatMessage, Delta, GenerateRequest, RequestKind,  # noqa: E402
-                             SamplingParams)
+                             SamplingParams, Submit)
+
+PROMPTS = ModelPrompts(str(MODEL))  # the router's tokenizing, as the worker receives it
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,8 @@ def env():
 
 
 def completion(rid, prompt="The quick brown fox", max_tokens=8, **kw):
-    return GenerateRequest(rid, RequestKind.COMPLETION, prompt, [],
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+    tokens = PROMPTS.tokenize(Submit(rid, "tiny-llama", prompt=prompt))
+    return GenerateRequest(rid, tokens.ids, tokens.count, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
 
 
 class Collector:
@@ -107,19 +110,46 @@ def test_completion_streams_exact_counts(env):
     assert s.finished_total >= 1 and s.running == 0 and s.waiting == 0
 
 
-def test_chat_uses_the_models_template(env):
+CHATS = [
+    [ChatMessage("user", "Hello there")],
+    [ChatMessage("system", "Be brief."), ChatMessage("user", "Hello there")],
+    [ChatMessage("system", "You route tokens."), ChatMessage("user", "hi " * 120),
+     ChatMessage("assistant", "Sure: ünïcødé ✓ 日本語"), ChatMessage("user", "again")],
+]
+
+
+@pytest.mark.parametrize("messages", CHATS, ids=["one", "system", "multi-turn-long"])
+def test_router_renders_and_tokenizes_chat_exactly_as_vllm(env, messages):
+    """The router's ids (rendered with the model's template, then tokenized)
+    equal vLLM's own rendering of the same chat, as its OpenAI server does it."""
+    from vllm.renderers.params import ChatParams
+
+    loop, engine, _ = env
+    ours = PROMPTS.tokenize(Submit("c", "tiny-llama", RequestKind.CHAT, messages=messages))
+    conv = [{"role": m.role, "content": m.content} for m in messages]
+    _, (theirs,) = loop.run_until_complete(engine.engine.renderer.render_chat_async(
+        [conv], ChatParams(chat_template_kwargs={"add_generation_prompt": True})))
+    assert ours.ids == list(theirs["prompt_token_ids"]) and ours.count == len(ours.ids)
+
+
+@pytest.mark.parametrize("text", ["The quick brown fox", "ünïcødé ✓ 日本語 " * 8, "word " * 200])
+def test_router_tokenizes_completions_exactly_as_vllm(env, text):
+    loop, engine, _ = env
+    ours = PROMPTS.tokenize(Submit("c", "tiny-llama", prompt=text))
+    (theirs,) = loop.run_until_complete(engine.engine.renderer.render_cmpl_async([{"prompt": text}]))
+    assert ours.ids == list(theirs["prompt_token_ids"])
+
+
+def test_chat_generates_from_the_routers_ids(env):
     loop, engine, _ = env
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hello there")]
+    tokens = PROMPTS.tokenize(Submit("chat-1", "tiny-llama", RequestKind.CHAT, messages=messages))
     c = Collector()
-    c.submit(engine, GenerateRequest("chat-1", RequestKind.CHAT, "", messages,
+    c.submit(engine, GenerateRequest("chat-1", tokens.ids, tokens.count,
                                      SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)))
     ds = loop.run_until_complete(c.wait())["chat-1"]
-    tok = engine.engine.tokenizer
-    expected = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                       add_generation_prompt=True, tokenize=True)
-    if hasattr(expected, "keys"):  # transformers >= 5 returns a BatchEncoding
-        expected = expected["input_ids"]
-    check_stream(ds, len(expected), 6, "length")
+    check_stream(ds, tokens.count, 6, "length")
+    assert sum(len(d.token_ids) for d in ds) == 6  # generated ids travel in the Deltas
 
 
 def test_many_concurrent_and_stats(env):
@@ -188,10 +218,13 @@ def test_too_long_prompt_is_a_400_and_engine_keeps_working(env):
     loop, engine, _ = env
     c = Collector()
     c.submit(engine, completion("huge", prompt="word " * 2000, max_tokens=4))
-    ds = loop.run_until_complete(c.wait())["huge"]
+    c.submit(engine, GenerateRequest("no-ids", [], 5, SamplingParams(max_tokens=4)))
+    deltas = loop.run_until_complete(c.wait())
+    ds = deltas["huge"]
     assert len(ds) == 1 and ds[0].error is not None
     assert ds[0].error.status == 400 and ds[0].error.type == "invalid_request_error"
-    assert "maximum context length is 512 tokens" in ds[0].error.message
+    assert "maximum context length is 512" in ds[0].error.message
+    assert [d.error.status for d in deltas["no-ids"]] == [400]
     c2 = Collector()
     c2.submit(engine, completion("after", max_tokens=3))
     check_stream(loop.run_until_complete(c2.wait())["after"],

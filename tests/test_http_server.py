@@ -2,7 +2,7 @@
 `requests` and raw sockets.
 
 The router core is replaced by ``ScriptedCore``, a test double of the
-RouterCore *interface only* (submit/cancel/models/health/admin/metrics) whose
+router's *interfaces only* (submit/cancel/models/health/admin/metrics) whose
 behaviour is chosen by the prompt text.  The real end-to-end path (Envoy,
 router core, workers) is tested elsewhere.
 """
@@ -23,6 +23,7 @@ import requests
 import uvloop
 
 from router.http_server import start_http_server
+from router.metrics import RouterMetrics
 from shared.protocol import Delta, ErrorInfo, RequestKind, Submit
 
 MAX_BODY = 64 * 1024
@@ -187,8 +188,8 @@ def server():
     core = ScriptedCore()
 
     async def start():
-        return await start_http_server(core, "127.0.0.1", 0, max_body_bytes=MAX_BODY,
-                                       max_buffered_bytes=MAX_BUFFERED)
+        return await start_http_server(core, core, RouterMetrics(core.registry), "127.0.0.1", 0,
+                                       max_body_bytes=MAX_BODY, max_buffered_bytes=MAX_BUFFERED)
 
     srv = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     yield Server(core, srv.sockets[0].getsockname()[1], loop)

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from router.estimate import PromptEstimator, kv_cost
+from router.estimate import kv_cost
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
 from shared.config import ClassConfig, SchedulerConfig
 from shared.protocol import ChatMessage, Pool, RequestKind, Submit, TaskType
@@ -56,27 +56,6 @@ def test_kv_cost_rounds_up_to_blocks():
     assert kv_cost(100, 29, 16) == 144
     assert kv_cost(1, 0, 128) == 128
     assert kv_cost(0, 0, 16) == 16  # at least one token
-
-
-def test_estimator_uses_tokenizer_when_present():
-    est = PromptEstimator(str(TINY))
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
-    text = "The quick brown fox jumps over the lazy dog. " * 5
-    assert est.exact
-    assert est.count(Submit(request_id="r", model="m", prompt=text)) == len(tok.encode(text).ids)
-
-
-def test_estimator_fallback_is_bytes_over_4_and_chat_adds_overhead():
-    est = PromptEstimator(None)
-    assert not est.exact
-    assert est.count(Submit(request_id="r", model="m", prompt="x" * 40)) == 10
-    assert est.count(Submit(request_id="r", model="m", prompt="")) == 1
-    msgs = [ChatMessage(role="user", content="x" * 40), ChatMessage(role="assistant", content="y" * 8)]
-    n = est.count(Submit(request_id="r", model="m", kind=RequestKind.CHAT, messages=msgs))
-    assert n > 10 + 2  # contents plus per-message and reply-primer overhead
-    assert n < 10 + 2 + 20
 
 
 # ------------------------------------------------------------------ admission

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_worker.sim_core import SimCore
+from simulation.core import SimCore
 from shared.config import SimEngineConfig
 
 

@@ -130,10 +130,9 @@ def test_router_reports_an_unknown_peer_instead_of_dropping():
         router, dealer = _pair(ctx)
         pump = SocketPump(asyncio.get_running_loop())
         gone = []
-        pump.on_unreachable = lambda sock, identity: gone.append((sock, identity))
-        pump.add(router, lambda frames: None)
+        pump.add(router, lambda frames: None, on_unreachable=gone.append)
         pump.send(router, [b"nobody", b"hello"])
-        assert gone == [(router, b"nobody")]
+        assert gone == [b"nobody"]
         pump.remove(router)
         ctx.destroy(linger=0)
 
@@ -141,7 +140,7 @@ def test_router_reports_an_unknown_peer_instead_of_dropping():
 
 
 def test_a_peer_that_stops_reading_is_dropped_not_queued_ahead_of_others():
-    """On a drop_when_full ROUTER, a peer at its high-water mark has its
+    """On a ROUTER with an ``on_full`` callback, a peer at its high-water mark has its
     messages dropped (and reported), so the next peer's go out at once; with
     the default backlog they would wait behind the stuck peer's forever."""
 
@@ -157,8 +156,7 @@ def test_a_peer_that_stops_reading_is_dropped_not_queued_ahead_of_others():
             router.recv_multipart()
         pump = SocketPump(asyncio.get_running_loop())
         full = []
-        pump.on_full = lambda sock, identity: full.append(identity)
-        pump.add(router, lambda frames: None, drop_when_full=True)
+        pump.add(router, lambda frames: None, on_full=full.append)
         for i in range(1000):
             pump.send(router, [b"stuck", b"x" * 4096])
         assert full and set(full) == {b"stuck"}

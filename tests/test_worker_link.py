@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from shared.protocol import (Abort, ChatMessage, Delta, Dispatch, GenerateRequest, Goodbye, Heartbeat,
-                             Outputs, Pool, Register, RequestKind, SamplingParams, encoder,
+from shared.protocol import (Abort, Delta, Dispatch, GenerateRequest, Goodbye, Heartbeat,
+                             Outputs, Pool, Register, SamplingParams, encoder,
                              to_worker_decoder, worker_decoder)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,8 +117,9 @@ def link(tmp_path):
         router.close()
 
 
-def req(rid: str, max_tokens: int = 6, prompt: str = "hello there, worker", **kw) -> GenerateRequest:
-    return GenerateRequest(rid, RequestKind.COMPLETION, prompt, [], SamplingParams(max_tokens=max_tokens), **kw)
+def req(rid: str, max_tokens: int = 6, prompt_tokens: int = 5, **kw) -> GenerateRequest:
+    """A request as the router sends a simulated engine: its prompt's length, no ids."""
+    return GenerateRequest(rid, [], prompt_tokens, SamplingParams(max_tokens=max_tokens), **kw)
 
 
 def collect(router: RouterEnd, ids: set[str], timeout: float = 10.0):
@@ -144,7 +145,7 @@ def test_register_then_heartbeats_with_stats(link):
     assert router.identity == WORKER_ID.encode()
     assert (reg.worker_id, reg.model, reg.pool, reg.engine) == (WORKER_ID, "sim-link", Pool.SHORT, "sim")
     assert (reg.max_model_len, reg.kv_capacity_tokens, reg.block_size, reg.max_num_seqs) == (1024, 8192, 16, 8)
-    assert reg.heartbeat_interval_s == HB_S and reg.gpu.present is False
+    assert reg.gpu.present is False
     t0 = time.monotonic()
     hb = router.recv(timeout=2)
     assert isinstance(hb, Heartbeat) and hb.stats is not None
@@ -158,8 +159,7 @@ def test_dispatch_streams_batched_outputs(link):
     router.recv_type(Register, timeout=20)
     n, max_tokens = 8, 6
     ids = {f"r{i}" for i in range(n)}
-    chat = GenerateRequest("r0", RequestKind.CHAT, "", [ChatMessage("user", "hi")], SamplingParams(max_tokens=max_tokens))
-    router.send(Dispatch([chat] + [req(i, max_tokens) for i in sorted(ids - {"r0"})]))
+    router.send(Dispatch([req(i, max_tokens, prompt_tokens=3 + len(i)) for i in sorted(ids)]))
     messages, by_id = collect(router, ids)
     deltas = sum(len(v) for v in by_id.values())
     assert deltas == n * max_tokens
@@ -167,7 +167,8 @@ def test_dispatch_streams_batched_outputs(link):
     for rid, ds in by_id.items():
         assert [d.completion_tokens for d in ds] == list(range(1, max_tokens + 1))
         assert all(d.num_tokens == 1 and d.text for d in ds)
-        assert ds[0].prompt_tokens > 0 and ds[-1].prompt_tokens == ds[0].prompt_tokens
+        assert ds[0].prompt_tokens == 3 + len(rid) == ds[-1].prompt_tokens  # the router's count, kept
+        assert [len(d.token_ids) for d in ds] == [1] * max_tokens
         assert [d.finish_reason for d in ds] == [None] * (max_tokens - 1) + ["length"]
     # stats catch up on the next heartbeat
     deadline = time.monotonic() + 2
@@ -179,7 +180,7 @@ def test_dispatch_streams_batched_outputs(link):
 def test_abort_and_bad_request(link):
     router, proc = link
     router.recv_type(Register, timeout=20)
-    router.send(Dispatch([req("long", max_tokens=1000), req("huge", prompt="x" * 4 * 2000)]))
+    router.send(Dispatch([req("long", max_tokens=1000), req("huge", prompt_tokens=2000)]))
     first: dict[str, Delta] = {}
     while len(first) < 2:
         for d in router.recv_type(Outputs).deltas:

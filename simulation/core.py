@@ -28,7 +28,7 @@ Model (after vLLM v1's scheduler, ``scheduling_policy="priority"``):
     + decode_token_us * sequences decoded in the step + admit_request_us * requests
     admitted for the first time in the step (0 when ``zero_cost``).
 
-Calibration: ``python -m engine_worker.calibrate --repeats 5`` (real vLLM 0.32 CPU
+Calibration: ``python -m bench.calibrate --repeats 5`` (real vLLM 0.32 CPU
 build, tiny-llama, bfloat16, enforce_eager, 64 MiB KV, max_num_seqs 16, default
 OpenMP binding, on the shared 2-vCPU dev VM; medians; 64-token outputs) and
 ``--engine sim`` for the sim with the shared/config.py defaults:

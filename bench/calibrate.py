@@ -1,12 +1,12 @@
 """Measure an engine's timing the way SimEngineConfig models it, and suggest sim parameters.
 
-    python -m engine_worker.calibrate                  # real vLLM on models/tiny-llama
-    python -m engine_worker.calibrate --engine sim     # the simulated engine with its defaults
+    python -m bench.calibrate                  # real vLLM on models/tiny-llama
+    python -m bench.calibrate --engine sim     # the simulated engine with its defaults
 
 Drives the Engine interface directly (no router, no sockets): TTFT and
 per-output-token time (TPOT) at 1 and 16 concurrent requests with ~32-token
 prompts, and TTFT of a ~256-token prompt alone (prefill cost per token).
-Results for the defaults are in engine_worker/sim_core.py's docstring.
+Results for the defaults are in simulation/core.py's docstring.
 """
 
 from __future__ import annotations
@@ -17,17 +17,20 @@ import os
 import statistics
 import time
 
+from router.prompts import ModelPrompts, PromptTokens
 from shared.config import SimEngineConfig
-from shared.protocol import GenerateRequest, RequestKind, SamplingParams
+from shared.protocol import GenerateRequest, SamplingParams, Submit
 
 WORDS = "the quick brown fox jumps over a lazy dog while weir routes tokens".split()
 
 
-def _prompt(approx_tokens: int) -> str:
-    return " ".join(WORDS[i % len(WORDS)] for i in range(approx_tokens))
+def _prompt(prompts: ModelPrompts, approx_tokens: int) -> PromptTokens:
+    """A prompt tokenized as the router would (exact where the model has a tokenizer)."""
+    text = " ".join(WORDS[i % len(WORDS)] for i in range(approx_tokens))
+    return prompts.tokenize(Submit("calibrate", "", prompt=text))
 
 
-async def _round(engine, n: int, prompt: str, max_tokens: int, tag: str) -> tuple[float, float, int]:
+async def _round(engine, n: int, prompt: PromptTokens, max_tokens: int, tag: str) -> tuple[float, float, int]:
     """n concurrent requests; returns (median TTFT s, median TPOT s, prompt tokens)."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
@@ -51,7 +54,7 @@ async def _round(engine, n: int, prompt: str, max_tokens: int, tag: str) -> tupl
 
     t0 = time.perf_counter()
     for i in range(n):
-        engine.submit(GenerateRequest(f"{tag}-{i}", RequestKind.COMPLETION, prompt, [],
+        engine.submit(GenerateRequest(f"{tag}-{i}", prompt.ids, prompt.count,
                                       SamplingParams(max_tokens=max_tokens, ignore_eos=True)), emit)
     await done
     ttft = statistics.median(first[k] - t0 for k in first)
@@ -59,18 +62,19 @@ async def _round(engine, n: int, prompt: str, max_tokens: int, tag: str) -> tupl
     return ttft, tpot, prompt_tokens[0]
 
 
-async def measure(engine, repeats: int = 3) -> dict[str, float]:
+async def measure(engine, prompts: ModelPrompts, repeats: int = 3) -> dict[str, float]:
     await engine.start()
+    short, long = _prompt(prompts, 32), _prompt(prompts, 256)
     try:
-        await _round(engine, 4, _prompt(32), 8, "warmup")
+        await _round(engine, 4, short, 8, "warmup")
         res: dict[str, list[float]] = {}
         for r in range(repeats):
             for n in (1, 16):
-                ttft, tpot, pt = await _round(engine, n, _prompt(32), 64, f"c{n}-{r}")
+                ttft, tpot, pt = await _round(engine, n, short, 64, f"c{n}-{r}")
                 res.setdefault(f"ttft_{n}_ms", []).append(ttft * 1e3)
                 res.setdefault(f"tpot_{n}_ms", []).append(tpot * 1e3)
                 res["prompt_tokens_short"] = [pt]
-            ttft, _, pt = await _round(engine, 1, _prompt(256), 2, f"long-{r}")
+            ttft, _, pt = await _round(engine, 1, long, 2, f"long-{r}")
             res.setdefault("ttft_long_ms", []).append(ttft * 1e3)
             res["prompt_tokens_long"] = [pt]
         return {k: statistics.median(v) for k, v in res.items()}
@@ -90,15 +94,17 @@ def suggest(m: dict[str, float]) -> dict[str, float]:
 
 async def _main(args) -> None:
     if args.engine == "sim":
-        from .sim_engine import SimEngine
+        from engine_worker.sim_engine import SimEngine
 
         engine = SimEngine(SimEngineConfig(), max_num_seqs=16, max_model_len=args.max_model_len)
+        prompts = ModelPrompts(None)
     else:
-        from .vllm_engine import VllmEngine
+        from engine_worker.vllm_engine import VllmEngine
 
         engine = VllmEngine(args.model, "calibration", max_model_len=args.max_model_len, max_num_seqs=16,
                             dtype="bfloat16", kv_cache_bytes=64 << 20, gpu_memory_utilization=0.9)
-    m = await measure(engine, args.repeats)
+        prompts = ModelPrompts(args.model)
+    m = await measure(engine, prompts, args.repeats)
     for k, v in m.items():
         print(f"{k:22s} {v:9.2f}")
     print("suggested SimEngineConfig:", suggest(m))

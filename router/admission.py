@@ -1,0 +1,72 @@
+"""What a request must satisfy before it may queue: shape, key, priority, length.
+
+Pure functions, the same for HTTP and direct ZeroMQ clients: the HTTP
+decoder (router.openai_api) only turns JSON into a ``Submit``; ranges are
+enforced by the wire types themselves (shared.protocol) and everything else
+here, once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from shared import protocol as p
+from shared.config import ApiKey, Config
+from shared.errors import Code, context_length, error
+
+ANONYMOUS_TENANT = "anonymous"
+DEFAULT_TIER = "normal"
+
+
+def check_shape(sub: p.Submit) -> Optional[p.ErrorInfo]:
+    """What the wire types cannot say: the prompt a kind needs."""
+    if sub.kind == p.RequestKind.CHAT and not sub.messages:
+        return error(Code.BAD_REQUEST, "messages must be a non-empty list", param="messages")
+    if sub.kind == p.RequestKind.COMPLETION and not sub.prompt:
+        return error(Code.BAD_REQUEST, "prompt must be a non-empty string", param="prompt")
+    return None
+
+
+class Identity(NamedTuple):
+    tenant: str
+    klass: str  # the scheduler class the request runs in
+    weight: float  # its tenant's fair-share weight
+
+
+class Keys:
+    """API keys -> tenant and tier; a client may lower its priority, never raise it."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.by_key: dict[str, ApiKey] = {k.key: k for k in cfg.api_keys}
+        self.rank = {c.name: i for i, c in enumerate(cfg.scheduler.classes)}
+        self.default_tier = DEFAULT_TIER if DEFAULT_TIER in self.rank else cfg.scheduler.classes[0].name
+
+    def identify(self, sub: p.Submit) -> Identity | p.ErrorInfo:
+        if self.by_key:
+            key = self.by_key.get(sub.api_key or "")
+            if key is None:
+                return error(Code.INVALID_API_KEY, "Incorrect API key provided.")
+            tenant, tier, weight = key.tenant, key.tier, key.weight
+        else:
+            tenant, tier, weight = ANONYMOUS_TENANT, self.default_tier, 1.0
+        klass = tier
+        if sub.priority is not None:
+            rank = self.rank.get(sub.priority)
+            if rank is None:
+                return error(Code.BAD_REQUEST, f"Unknown priority {sub.priority!r}; one of "
+                             f"{', '.join(self.rank)}.", param="priority")
+            if rank > self.rank[tier]:
+                klass = sub.priority
+        return Identity(tenant, klass, weight)
+
+
+def resolve_max_tokens(sub: p.Submit, prompt_tokens: int, max_model_len: int) -> int | p.ErrorInfo:
+    """The one resolution of how many tokens a request may generate:
+    ``Submit.max_tokens``, else the rest of the context.  The prompt plus
+    that must fit the context (the error names the numbers)."""
+    max_tokens = sub.max_tokens
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_tokens
+    if max_tokens < 1 or prompt_tokens + max_tokens > max_model_len:
+        return context_length(max_model_len, prompt_tokens, max(max_tokens, 1))
+    return max_tokens

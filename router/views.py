@@ -1,0 +1,52 @@
+"""Read-only views of the router for operators: health, models, admin, metrics.
+
+Built from the state's owners -- the lifecycle's job table, the policy's
+ledger and queues, the worker link's engine stats -- at the moment they
+are asked for, so nothing is mirrored on the hot path.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.core import RouterCore
+from router.worker_link import WorkerLink
+
+
+class RouterViews:
+    def __init__(self, core: RouterCore, link: WorkerLink) -> None:
+        self.core = core
+        self.link = link
+        core.metrics.add_state_collector(self.state)
+
+    def models(self) -> list[tuple[str, int]]:
+        return [(m.name, m.max_model_len) for m in self.core.cfg.models]
+
+    def health(self) -> dict:
+        core = self.core
+        return {"status": "ok", "workers": len(self.link.workers),
+                "uptime_s": round(core.clock() - core.started_at, 3), "jobs": len(core.jobs)}
+
+    def admin_workers(self) -> list[dict]:
+        return self.state()["workers"]
+
+    def admin_queues(self) -> list[dict]:
+        return self.core.policy.snapshot(self.core.clock())["queues"]
+
+    def metrics_payload(self) -> tuple[bytes, str]:
+        return generate_latest(self.core.metrics.registry), CONTENT_TYPE_LATEST
+
+    def state(self) -> dict:
+        """The policy's snapshot, each worker joined with its engine's own report."""
+        snap = self.core.policy.snapshot(self.core.clock())
+        linked = self.link.workers
+        for w in snap["workers"]:
+            live = linked.get(w["id"])
+            if live is not None:
+                s = live.stats
+                w.update(engine=live.reg.engine, engine_running=s.running, engine_waiting=s.waiting,
+                         kv_usage=s.kv_usage, preemptions=s.preemptions_total,
+                         aborts=s.aborts_total, finished=s.finished_total,
+                         gpu_used_bytes=s.gpu_used_bytes, gpu_total_bytes=s.gpu_total_bytes,
+                         gpu=live.reg.gpu.name if live.reg.gpu.present else None)
+        return snap

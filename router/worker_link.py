@@ -1,0 +1,196 @@
+"""The router's end of the engine workers' link: the backend ROUTER socket.
+
+Majordomo / Paranoid Pirate (the ZeroMQ guide): a worker's first message is
+Register (READY); both sides heartbeat every ``heartbeat_interval_s`` and a
+peer silent for ``heartbeat_liveness`` intervals is dead; Goodbye is an
+orderly disconnect either way.  Anything heard from a worker proves it
+alive.  A worker we do not know that heartbeats (say, after a router
+restart) is told Goodbye, which makes it register again.
+
+This adapter owns the socket, the table of linked workers (identity,
+liveness, last engine stats) and its timer; it is the lifecycle's
+``WorkerPort`` and tells it of every worker event through ``WorkerEvents``.
+A worker leaves through one path, ``_remove``, whatever the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+import msgspec
+import zmq
+
+from router.metrics import RouterMetrics
+from shared import protocol as p
+from shared.config import RouterConfig
+from shared.transport import Outbox, SocketPump, bind_router, split_routed
+
+log = logging.getLogger("weir.router.workers")
+
+POOL_NAMES = {p.Pool.ANY: "any", p.Pool.SHORT: "short", p.Pool.LONG: "long"}
+
+
+class WorkerEvents(Protocol):
+    """What the link tells the lifecycle (router.core.RouterCore)."""
+
+    def serves(self, model: str) -> bool: ...
+
+    def worker_joined(self, reg: p.Register) -> None: ...
+
+    def worker_stats(self, worker_id: str, stats: p.WorkerStats) -> None: ...
+
+    def worker_left(self, worker_id: str, why: str) -> None: ...
+
+    def on_outputs(self, deltas: list[p.Delta]) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class LinkedWorker:
+    reg: p.Register
+    identity: bytes
+    last_seen: float
+    stats: p.WorkerStats = field(default_factory=p.WorkerStats)
+
+
+class WorkerLink:
+    def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
+                 metrics: RouterMetrics, ctx: Optional[zmq.Context] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.loop = loop
+        self.pump = pump
+        self.metrics = metrics
+        self.ctx = ctx or zmq.Context.instance()
+        self.clock = clock
+        self.workers: dict[str, LinkedWorker] = {}  # by worker id (== DEALER identity)
+        self.events: Optional[WorkerEvents] = None
+        self.sock: Optional[zmq.Socket] = None
+        self._outbox = Outbox(loop, self._flush_to)
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def serve(self, events: WorkerEvents) -> None:
+        """Bind the backend and start heartbeating; events go to ``events``."""
+        self.events = events
+        self.sock = bind_router(self.ctx, self.cfg.backend)
+        self.pump.add(self.sock, self._on_message, on_unreachable=self._on_unreachable)
+        self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._heartbeat_tick)
+
+    def close(self) -> None:
+        if self.sock is None:
+            return
+        for w in list(self.workers.values()):
+            self._send(w.identity, p.Goodbye(reason="router shutting down"))
+        if self._timer is not None:
+            self._timer.cancel()
+        self.pump.remove(self.sock)
+        self.sock.close(linger=200)
+        self.sock = None
+
+    # ------------------------------------------------------------ WorkerPort
+
+    def dispatch(self, worker_id: str, req: p.GenerateRequest) -> bool:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return False
+        self._outbox.put(w.identity, req)
+        return True
+
+    def abort(self, worker_id: str, job_id: str) -> None:
+        w = self.workers.get(worker_id)
+        if w is not None:
+            self._outbox.put(w.identity, job_id)  # a str in the outbox means Abort
+
+    def flush(self) -> None:
+        self._outbox.flush()
+
+    # ------------------------------------------------------------ the socket
+
+    def _flush_to(self, identity: bytes, items: list) -> None:
+        reqs, aborts = [], []
+        for i in items:
+            (aborts if i.__class__ is str else reqs).append(i)
+        if reqs:
+            self._send(identity, p.Dispatch(requests=reqs))
+        if aborts:
+            self._send(identity, p.Abort(request_ids=aborts))
+
+    def _send(self, identity: bytes, msg) -> None:
+        if self.sock is not None:
+            self.pump.send(self.sock, [identity, p.encoder.encode(msg)])
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            identity, msg = split_routed(frames, p.worker_decoder)
+        except (ValueError, msgspec.DecodeError) as e:
+            self.metrics.child(self.metrics.bad_frames, "backend").inc()
+            log.warning("backend: dropped malformed message: %s", e)
+            return
+        now = self.clock()
+        worker_id = identity.decode(errors="replace")
+        w = self.workers.get(worker_id)
+        if msg.__class__ is p.Outputs:
+            if w is not None:  # else: outputs of a worker we already declared lost
+                w.last_seen = now
+                self.events.on_outputs(msg.deltas)
+        elif isinstance(msg, p.Heartbeat):
+            if w is None:
+                self._send(identity, p.Goodbye(reason="unknown worker: register again"))
+                return
+            w.last_seen = now
+            if msg.stats is not None:
+                w.stats = msg.stats
+                self.events.worker_stats(worker_id, msg.stats)
+        elif isinstance(msg, p.Register):
+            self._on_register(identity, worker_id, msg, now)
+        elif isinstance(msg, p.Goodbye):
+            if w is not None:
+                log.info("worker %s said goodbye: %s", worker_id, msg.reason)
+                self._remove(w, "goodbye")
+
+    def _on_register(self, identity: bytes, worker_id: str, reg: p.Register, now: float) -> None:
+        if reg.worker_id != worker_id:
+            log.warning("worker registered as %r over identity %r: dropped", reg.worker_id, worker_id)
+            return
+        if not self.events.serves(reg.model):
+            log.error("worker %s serves unknown model %r: refused", worker_id, reg.model)
+            self._send(identity, p.Goodbye(reason=f"unknown model {reg.model!r}"))
+            return
+        # A known worker registering again restarted: the lifecycle learns
+        # it in worker_joined (what it ran there is gone), not as a loss.
+        self.workers[worker_id] = LinkedWorker(reg, identity, now)
+        self.events.worker_joined(reg)
+        self.metrics.child(self.metrics.worker_events, worker_id, "registered").inc()
+        log.info("worker %s registered: model=%s pool=%s engine=%s kv=%d tokens (block %d) "
+                 "max_num_seqs=%d gpu=%s", worker_id, reg.model, POOL_NAMES[reg.pool], reg.engine,
+                 reg.kv_capacity_tokens, reg.block_size, reg.max_num_seqs,
+                 reg.gpu.name if reg.gpu.present else "none")
+        self._send(identity, p.Heartbeat())
+
+    def _on_unreachable(self, identity: bytes) -> None:
+        w = self.workers.get(identity.decode(errors="replace"))
+        if w is not None:
+            self._remove(w, "unreachable")
+
+    def _heartbeat_tick(self) -> None:
+        now = self.clock()
+        deadline = self.cfg.heartbeat_interval_s * self.cfg.heartbeat_liveness
+        for w in list(self.workers.values()):
+            if now - w.last_seen > deadline:
+                self._remove(w, "heartbeat_timeout")
+            else:
+                self._send(w.identity, p.Heartbeat())
+        self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._heartbeat_tick)
+
+    def _remove(self, w: LinkedWorker, why: str) -> None:
+        """The one way a worker leaves: from the table, then the lifecycle."""
+        worker_id = w.reg.worker_id
+        if self.workers.get(worker_id) is not w:
+            return
+        del self.workers[worker_id]
+        self.metrics.child(self.metrics.worker_events, worker_id, why).inc()
+        log.warning("worker %s lost (%s)", worker_id, why)
+        self.events.worker_left(worker_id, why)

@@ -1,0 +1,136 @@
+"""weir's one error vocabulary: every refusal any component makes.
+
+A closed set of codes, each with its HTTP status and OpenAI error ``type``;
+``error()`` is the one constructor of the wire's ``ErrorInfo`` and
+``retry_after_header()`` the one rendering of Retry-After.  The router, the
+policy (which returns a code and facts, not prose: ``Refusal``), the workers
+and Envoy's local replies (deploy/envoy_config.py) all speak it, and metric
+labels are the codes' ``label`` -- so a dashboard can list every reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any, NamedTuple, Optional
+
+from shared.protocol import ErrorInfo
+
+_INVALID = "invalid_request_error"
+_SERVER = "server_error"
+_UNAVAILABLE = "service_unavailable_error"
+_RATE = "rate_limit_error"
+
+
+class Code(enum.Enum):
+    """(HTTP status, OpenAI ``type``, OpenAI ``code`` on the wire)."""
+
+    # 4xx: the request, or its client's standing
+    BAD_REQUEST = (400, _INVALID, None)  # OpenAI sends code null for plain validation errors
+    UNSUPPORTED_VALUE = (400, _INVALID, "unsupported_value")
+    CONTEXT_LENGTH = (400, _INVALID, "context_length_exceeded")
+    INVALID_API_KEY = (401, "authentication_error", "invalid_api_key")
+    MODEL_NOT_FOUND = (404, _INVALID, "model_not_found")
+    NOT_FOUND = (404, _INVALID, "not_found")
+    METHOD_NOT_ALLOWED = (405, _INVALID, "method_not_allowed")
+    REQUEST_TOO_LARGE = (413, _INVALID, "request_too_large")
+    RATE_LIMITED = (429, _RATE, "rate_limit_exceeded")  # Envoy's request buckets
+    QUEUE_FULL = (429, _RATE, "queue_full")
+    TENANT_QUEUE_FULL = (429, _RATE, "tenant_queue_full")
+    # 5xx: the service
+    INTERNAL = (500, _SERVER, "internal_error")
+    ENGINE_ERROR = (500, _SERVER, "engine_error")
+    ENGINE_UNAVAILABLE = (503, _SERVER, "engine_unavailable")
+    NO_WORKER = (503, _UNAVAILABLE, "no_worker")
+    QUEUE_DEADLINE = (503, _UNAVAILABLE, "queue_deadline")
+    WORKER_LOST = (503, _SERVER, "worker_lost")
+    SERVICE_UNAVAILABLE = (503, _SERVER, "service_unavailable")  # Envoy: no healthy router
+    GENERATION_DEADLINE = (504, "timeout_error", "generation_deadline")
+
+    def __init__(self, status: int, type_: str, wire: Optional[str]) -> None:
+        self.status = status
+        self.type = type_
+        self.wire = wire
+
+    @property
+    def label(self) -> str:
+        """Metric label: always a string, one per code."""
+        return self.name.lower()
+
+
+_BY_WIRE = {c.wire: c for c in Code if c.wire is not None}
+
+
+def error(code: Code, message: str, *, param: Optional[str] = None,
+          retry_after: Optional[float] = None) -> ErrorInfo:
+    """The wire error for ``code`` (the only place an ErrorInfo is made)."""
+    return ErrorInfo(code.status, message, code.type, code.wire, param, retry_after)
+
+
+def code_of(info: ErrorInfo) -> Code:
+    """The catalogue code of a wire error (a peer's unknown code: by status)."""
+    c = _BY_WIRE.get(info.code) if info.code else None
+    if c is not None:
+        return c
+    if info.status < 500:
+        return Code.BAD_REQUEST
+    return Code.INTERNAL
+
+
+def label(info: ErrorInfo) -> str:
+    return code_of(info).label
+
+
+def retry_after_header(info: ErrorInfo) -> Optional[int]:
+    """Whole seconds for a Retry-After header (at least 1), or None."""
+    if info.retry_after is None:
+        return None
+    return max(1, math.ceil(info.retry_after))
+
+
+def context_length(max_len: int, prompt: int, completion: int, param: str = "max_tokens") -> ErrorInfo:
+    """The one wording of "prompt + completion does not fit the context"."""
+    return error(Code.CONTEXT_LENGTH,
+                 f"This model's maximum context length is {max_len} tokens. However, you requested "
+                 f"{prompt + completion} tokens ({prompt} in the prompt, {completion} in the "
+                 f"completion). Please reduce the length of the prompt or completion.", param=param)
+
+
+# ----------------------------------------------------------------- refusals by the policy
+
+
+class Refusal(NamedTuple):
+    """A decision of the (pure) policy: a code and the facts that explain it;
+    ``render`` turns it into words once, at the edge."""
+
+    code: Code
+    retry_after: Optional[float] = None
+    facts: dict[str, Any] = {}
+    param: Optional[str] = None
+
+    def render(self) -> ErrorInfo:
+        f = self.facts
+        c = self.code
+        if c is Code.NO_WORKER:
+            pool = f" of the {f['pool']}-request pool" if f.get("pool") else ""
+            msg = f"No worker{pool} is currently serving model `{f['model']}`; try again shortly."
+        elif c is Code.CONTEXT_LENGTH and "kv_tokens" in f:
+            msg = (f"This request needs {f['prompt'] + f['completion']} tokens of KV cache "
+                   f"({f['prompt']} in the prompt, {f['completion']} in the completion), more than "
+                   f"any worker of this model can hold ({f['kv_tokens']} tokens). Please reduce the "
+                   f"length of the prompt or completion.")
+        elif c is Code.CONTEXT_LENGTH:
+            return context_length(f["max_len"], f["prompt"], f["completion"], self.param or "messages")
+        elif c is Code.QUEUE_FULL:
+            msg = f"Too many requests queued in class `{f['klass']}`; retry later."
+        elif c is Code.TENANT_QUEUE_FULL:
+            msg = f"Too many requests queued for tenant `{f['tenant']}`; retry later."
+        elif c is Code.QUEUE_DEADLINE:
+            msg = (f"Request waited {f['waited']:.1f} s in the `{f['klass']}` queue, past its "
+                   f"deadline of {f['deadline']:g} s; the service is overloaded, retry later.")
+        elif c is Code.GENERATION_DEADLINE:
+            msg = (f"Request ran past the generation deadline of {f['deadline']:g} s and was "
+                   f"aborted.")
+        else:
+            msg = f.get("message") or c.name.replace("_", " ").capitalize()
+        return error(c, msg, param=self.param, retry_after=self.retry_after)

@@ -1,0 +1,366 @@
+"""The router's request lifecycle (router.core) in-process: no sockets, no processes.
+
+A fake worker port records dispatches and aborts, fake sinks record what
+each request's client would see, and a fake clock drives deadlines (after
+vLLM's MockEngineCore pattern).  Every test checks the two promises every
+exit must keep: the client hears exactly one final Delta, and the KV
+ledger is back to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from router.core import RouterCore
+from router.prompts import ModelPrompts
+from shared import protocol as p
+from shared.config import Config
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
+
+
+class FakeWorkers:
+    """The WorkerPort: which worker got which request, and the aborts."""
+
+    def __init__(self) -> None:
+        self.linked: set[str] = set()
+        self.dispatched: dict[str, list[p.GenerateRequest]] = {}
+        self.aborted: list[tuple[str, str]] = []
+        self.refuse_next = False  # the next dispatch finds the worker unlinked
+
+    def dispatch(self, worker_id: str, req: p.GenerateRequest) -> bool:
+        if self.refuse_next or worker_id not in self.linked:
+            self.refuse_next = False
+            return False
+        self.dispatched.setdefault(worker_id, []).append(req)
+        return True
+
+    def abort(self, worker_id: str, job_id: str) -> None:
+        self.aborted.append((worker_id, job_id))
+
+    def flush(self) -> None:
+        pass
+
+    def where(self, job_id: str) -> str | None:
+        for wid, reqs in self.dispatched.items():
+            if any(r.request_id == job_id for r in reqs):
+                return wid
+        return None
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.deltas: list[p.Delta] = []
+
+    def on_deltas(self, deltas: list[p.Delta]) -> None:
+        assert not self.finals, "news after the final Delta"
+        assert deltas and all(not d.finished for d in deltas[:-1])
+        self.deltas.extend(deltas)
+
+    @property
+    def finals(self) -> list[p.Delta]:
+        return [d for d in self.deltas if d.finished]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def config(**scheduler) -> Config:
+    return msgspec.convert({
+        "router": {"heartbeat_interval_s": 0.5},
+        "scheduler": {"generation_deadline_s": 30.0, **scheduler},
+        "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096}],
+    }, Config)
+
+
+def register(worker_id: str, seqs: int = 4, kv: int = 8192) -> p.Register:
+    return p.Register(worker_id=worker_id, model="sim-m", pool=p.Pool.ANY, max_model_len=4096,
+                      kv_capacity_tokens=kv, block_size=16, max_num_seqs=seqs, engine="sim")
+
+
+class Harness:
+    def __init__(self, cfg: Config | None = None, prompts=None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.clock = Clock()
+        self.workers = FakeWorkers()
+        self.core = RouterCore(cfg or config(), self.loop, self.workers, clock=self.clock, prompts=prompts)
+        self.sinks: dict[int, Sink] = {}
+
+    def close(self) -> None:
+        self.core.close()
+        self.loop.close()
+
+    def settle(self) -> None:
+        """Run what the lifecycle scheduled (policy passes, tokenizer callbacks)."""
+        for _ in range(3):
+            self.loop.run_until_complete(asyncio.sleep(0))
+
+    def join(self, worker_id: str, **kw) -> None:
+        self.workers.linked.add(worker_id)
+        self.core.worker_joined(register(worker_id, **kw))
+
+    def leave(self, worker_id: str, why: str = "heartbeat_timeout") -> None:
+        self.workers.linked.discard(worker_id)
+        self.core.worker_left(worker_id, why)
+
+    def submit(self, prompt: str = "hello", max_tokens: int = 8, model: str = "sim-m") -> int:
+        sink = Sink()
+        handle = self.core.submit(p.Submit("c", model, prompt=prompt, max_tokens=max_tokens), sink)
+        assert isinstance(handle, int), handle
+        self.sinks[handle] = sink
+        return handle
+
+    def tokens(self, handle: int, n: int = 1, finish: str | None = None) -> None:
+        job_id = "%x" % handle
+        self.core.on_outputs([p.Delta(job_id, " t" * n, n, finish, token_ids=[7] * n)])
+
+    def reserved(self) -> int:
+        return sum(w.reserved for w in self.core.policy.workers.values())
+
+
+@pytest.fixture
+def h():
+    harness = Harness()
+    yield harness
+    harness.close()
+
+
+def test_a_request_runs_and_ends_once_with_its_ledger_released(h):
+    h.join("w0")
+    a = h.submit(max_tokens=3)
+    h.settle()
+    req = h.workers.dispatched["w0"][0]
+    assert req.request_id == "%x" % a and req.params.max_tokens == 3 and req.prompt_tokens == 2
+    assert h.reserved() > 0
+    h.tokens(a, 2)
+    h.tokens(a, 1, "length")
+    assert [d.num_tokens for d in h.sinks[a].deltas] == [2, 1] and h.sinks[a].finals[0].finish_reason == "length"
+    assert h.reserved() == 0 and not h.core.jobs
+    h.tokens(a, 1, "stop")  # a late duplicate from the engine: nobody hears it
+    assert len(h.sinks[a].deltas) == 2
+
+
+def test_the_clients_message_is_not_changed_by_admission(h):
+    h.join("w0")
+    sub = p.Submit("c", "sim-m", prompt="hello", params=p.SamplingParams(temperature=0.5))
+    assert isinstance(h.core.submit(sub, Sink()), int)
+    h.settle()
+    assert sub.params.max_tokens == 0 and sub.max_tokens is None  # resolved for the worker only
+    assert h.workers.dispatched["w0"][0].params.max_tokens == 4096 - 2
+
+
+def test_worker_loss_requeues_what_had_not_started_and_fails_what_had(h):
+    h.join("w0", seqs=2)
+    started, waiting = h.submit(), h.submit()
+    h.settle()
+    h.join("w1")
+    h.tokens(started, 1)
+    h.leave("w0")
+    assert h.sinks[started].finals[0].error.code == "worker_lost"
+    assert h.sinks[waiting].deltas == []  # nothing streamed: nobody can tell it moved
+    h.settle()
+    assert h.workers.where("%x" % waiting) in ("w0", "w1") and h.workers.dispatched["w1"][-1].request_id == "%x" % waiting
+    h.tokens(waiting, 1, "stop")
+    assert h.sinks[waiting].finals[0].finish_reason == "stop" and h.reserved() == 0
+    lone = h.submit()
+    h.settle()
+    h.leave("w1")  # the last worker of the model: refused for now (503, Retry-After)
+    err = h.sinks[lone].finals[0].error
+    assert err.code == "no_worker" and err.retry_after and h.reserved() == 0
+
+
+def test_reregistration_is_a_loss_of_what_ran_there(h):
+    h.join("w0")
+    a = h.submit()
+    h.settle()
+    h.tokens(a, 1)
+    h.join("w0")  # the same id registers again: it restarted
+    assert h.sinks[a].finals[0].error.code == "worker_lost" and h.reserved() == 0
+
+
+def test_cancel_then_a_late_final_delta_is_one_end(h):
+    h.join("w0")
+    a = h.submit()
+    h.settle()
+    h.core.cancel(a)
+    assert h.workers.aborted == [("w0", "%x" % a)] and h.reserved() == 0
+    h.tokens(a, 1, "abort")  # the engine's answer to the abort
+    h.core.cancel(a)  # and a second cancel
+    assert h.sinks[a].deltas == [] and h.workers.aborted == [("w0", "%x" % a)]
+    m = h.core.metrics
+    assert m.child(m.requests, "sim-m", "normal", "cancelled").value == 1
+
+
+def test_final_delta_then_a_late_cancel_is_one_end(h):
+    h.join("w0")
+    a = h.submit()
+    h.settle()
+    h.tokens(a, 1, "stop")
+    h.core.cancel(a)
+    assert len(h.sinks[a].finals) == 1 and h.workers.aborted == [] and h.reserved() == 0
+
+
+def test_generation_deadline_aborts_then_the_finish_is_ignored(h):
+    h.join("w0")
+    a = h.submit()
+    h.settle()
+    h.tokens(a, 1)
+    h.clock.t += 31  # past generation_deadline_s
+    h.core.run_policy()
+    assert h.sinks[a].finals[0].error.code == "generation_deadline"
+    assert h.workers.aborted == [("w0", "%x" % a)] and h.reserved() == 0
+    h.tokens(a, 1, "length")  # finished "just then" on the worker
+    assert len(h.sinks[a].finals) == 1
+
+
+def test_queue_deadline_refuses_with_retry_after(h):
+    h.join("w0", seqs=1)
+    a, b = h.submit(), h.submit()
+    h.settle()
+    h.clock.t += 61  # the default class's queue_deadline_s is 60
+    h.core.run_policy()
+    err = h.sinks[b].finals[0].error
+    assert err.status == 503 and err.code == "queue_deadline" and err.retry_after >= 1
+    h.tokens(a, 1, "stop")
+    assert h.reserved() == 0 and not h.core.jobs
+
+
+def test_a_dispatch_to_an_unlinked_worker_is_requeued_not_lost(h):
+    h.join("w0")
+    h.workers.refuse_next = True
+    a = h.submit()
+    h.settle()  # first placement fails, the job goes back and is placed again
+    assert h.workers.where("%x" % a) == "w0" and h.sinks[a].deltas == []
+    h.tokens(a, 1, "stop")
+    assert h.reserved() == 0
+
+
+def test_refusals_before_queueing_are_returned_not_sunk(h):
+    assert h.core.submit(p.Submit("c", "sim-m", prompt="x"), Sink()).code == "no_worker"
+    h.join("w0")
+    assert h.core.submit(p.Submit("c", "nope", prompt="x"), Sink()).code == "model_not_found"
+    assert h.core.submit(p.Submit("c", "sim-m", prompt=""), Sink()).param == "prompt"
+    too_long = h.core.submit(p.Submit("c", "sim-m", prompt="x" * 8000, max_tokens=3000), Sink())
+    assert too_long.code == "context_length_exceeded"
+    assert "maximum context length is 4096" in too_long.message
+    assert not h.core.jobs and h.reserved() == 0
+
+
+@pytest.mark.skipif(not (TINY / "tokenizer.json").exists(), reason="models/tiny-llama not built")
+def test_a_long_prompt_is_tokenized_off_the_loop_and_can_be_cancelled_meanwhile():
+    cfg = msgspec.convert({"models": [{"name": "tiny", "engine": "vllm", "path": str(TINY),
+                                       "max_model_len": 100000}]}, Config)
+    h = Harness(cfg, prompts={"tiny": ModelPrompts(str(TINY))})
+    try:
+        h.workers.linked.add("w0")
+        h.core.worker_joined(msgspec.structs.replace(register("w0", kv=1 << 20), model="tiny",
+                                                     max_model_len=100000))
+        text = "word " * 1000  # > INLINE_MAX_CHARS
+        kept = h.submit(text, model="tiny")
+        dropped = h.submit(text, model="tiny")
+        assert "%x" % kept in h.core.jobs and not h.workers.dispatched  # tokenizing, not yet queued
+        h.core.cancel(dropped)
+        for _ in range(1000):  # the thread may first load the chat-template engine (~1 s)
+            h.loop.run_until_complete(asyncio.sleep(0.01))
+            if h.workers.dispatched:
+                break
+        (req,) = h.workers.dispatched["w0"]
+        assert req.request_id == "%x" % kept and req.prompt_tokens == len(req.prompt_token_ids) > 1000
+        h.tokens(kept, 1, "stop")
+        assert h.reserved() == 0 and not h.core.jobs and h.sinks[dropped].deltas == []
+    finally:
+        h.close()
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """Any interleaving of submits, cancels, engine news, deadlines, worker
+    losses and re-registrations: one final Delta per request, a ledger that
+    never exceeds a budget, and zero reserved once everything has ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Harness(config(generation_deadline_s=5.0))
+        self.handles: list[int] = []
+
+    def teardown(self) -> None:
+        self.h.close()
+
+    @rule(w=st.sampled_from(["w0", "w1"]))
+    def join(self, w):
+        self.h.join(w, seqs=2, kv=1024)
+        self.h.settle()
+
+    @rule(w=st.sampled_from(["w0", "w1"]), why=st.sampled_from(["goodbye", "heartbeat_timeout"]))
+    def leave(self, w, why):
+        if w in self.h.workers.linked:
+            self.h.leave(w, why)
+            self.h.settle()
+
+    @rule(max_tokens=st.integers(1, 200))
+    def submit(self, max_tokens):
+        result = self.h.core.submit(p.Submit("c", "sim-m", prompt="x" * 40, max_tokens=max_tokens), sink := Sink())
+        if isinstance(result, int):
+            self.h.sinks[result] = sink
+            self.handles.append(result)
+        self.h.settle()
+
+    @precondition(lambda self: self.handles)
+    @rule(i=st.integers(0, 1000), n=st.integers(0, 3),
+          finish=st.sampled_from([None, None, "stop", "length", "abort", "error"]))
+    def news(self, i, n, finish):
+        handle = self.handles[i % len(self.handles)]
+        if finish == "error":
+            d = p.Delta("%x" % handle, error=p.ErrorInfo(500, "boom", "server_error", "engine_error"))
+        else:
+            d = p.Delta("%x" % handle, " t" * n, n, finish)
+        self.h.core.on_outputs([d])
+        self.h.settle()
+
+    @precondition(lambda self: self.handles)
+    @rule(i=st.integers(0, 1000))
+    def cancel(self, i):
+        self.h.core.cancel(self.handles[i % len(self.handles)])
+        self.h.settle()
+
+    @rule(dt=st.sampled_from([0.5, 3.0, 70.0]))
+    def time_passes(self, dt):
+        self.h.clock.t += dt
+        self.h.core.run_policy()
+        self.h.settle()
+
+    @invariant()
+    def one_final_and_a_bounded_ledger(self):
+        for sink in self.h.sinks.values():
+            assert len(sink.finals) <= 1
+        for w in self.h.core.policy.workers.values():
+            assert 0 <= w.reserved <= w.budget and len(w.running) <= w.slots
+        for handle, sink in self.h.sinks.items():
+            if sink.finals:  # ended: gone from the table and from the ledger
+                assert "%x" % handle not in self.h.core.jobs
+                assert self.h.core.policy.worker_of("%x" % handle) is None
+
+    def end_everything(self):
+        for handle in self.handles:
+            self.h.core.cancel(handle)
+        self.h.settle()
+        assert not self.h.core.jobs and self.h.reserved() == 0
+
+    @rule()
+    def all_cancelled_leaves_nothing(self):
+        self.end_everything()
+
+
+LifecycleMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_lifecycle_state_machine = LifecycleMachine.TestCase
