@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from shared.config import Config, ConfigError, split_hostport
+from shared.errors import Code
 
 HEADER = (
     "# Rendered from weir's config by `weir render-envoy` (deploy/envoy_config.py).\n"
@@ -115,11 +116,12 @@ def _bucket(rps: int, burst: int) -> dict:
     return {"max_tokens": burst, "tokens_per_fill": rps, "fill_interval": "1s"}
 
 
-def _error_body(message: str, type_: str, code: str | None) -> dict:
-    """OpenAI's error shape, as an Envoy JSON format (values may hold %COMMANDS%)."""
+def _error_body(message: str, code: Code, wire_code: str | None = None) -> dict:
+    """OpenAI's error shape for a catalogue code (shared.errors), as an Envoy
+    JSON format (values may hold %COMMANDS%; ``wire_code`` overrides the code)."""
     return {
         "json_format": {
-            "error": {"message": message, "type": type_, "param": None, "code": code},
+            "error": {"message": message, "type": code.type, "param": None, "code": wire_code or code.wire},
         },
         "content_type": "application/json",
     }
@@ -159,24 +161,21 @@ def _local_reply_config(cfg: Config) -> dict:
             "body_format_override": _error_body(
                 "Rate limit exceeded: too many requests for this API key (or for the service "
                 "as a whole). Retry after the number of seconds in the Retry-After header.",
-                "rate_limit_error",
-                "rate_limit_exceeded",
+                Code.RATE_LIMITED,
             ),
         },
         {
             "filter": _status_filter("EQ", 413),
             "body_format_override": _error_body(
                 f"Request body too large: the limit is {limit} bytes.",
-                "invalid_request_error",
-                "request_too_large",
+                Code.REQUEST_TOO_LARGE,
             ),
         },
         {
             "filter": _status_filter("EQ", 404),
             "body_format_override": _error_body(
                 "Not found: %REQ(:METHOD)% %REQ(:PATH)% (only /v1/... and /health are served).",
-                "invalid_request_error",
-                "not_found",
+                Code.NOT_FOUND,
             ),
         },
         {
@@ -185,15 +184,14 @@ def _local_reply_config(cfg: Config) -> dict:
             "body_format_override": _error_body(
                 "The inference service is unavailable (%LOCAL_REPLY_BODY%). Retry after the "
                 "number of seconds in the Retry-After header.",
-                "server_error",
-                "service_unavailable",
+                Code.SERVICE_UNAVAILABLE,
             ),
         },
         {
             "filter": _status_filter("GE", 500),
             "body_format_override": _error_body(
                 "Gateway error: %RESPONSE_CODE% %RESPONSE_CODE_DETAILS% %LOCAL_REPLY_BODY%",
-                "server_error",
+                Code.INTERNAL,
                 "%RESPONSE_CODE_DETAILS%",
             ),
         },
@@ -203,7 +201,7 @@ def _local_reply_config(cfg: Config) -> dict:
         # Anything else Envoy answers itself (4xx) ends up here.
         "body_format": _error_body(
             "Refused by the gateway: %RESPONSE_CODE% %RESPONSE_CODE_DETAILS% %LOCAL_REPLY_BODY%",
-            "invalid_request_error",
+            Code.BAD_REQUEST,
             "%RESPONSE_CODE_DETAILS%",
         ),
     }

@@ -196,6 +196,11 @@ class _StateCollector:
             for name, g in gauges.items():
                 if name in w:
                     g.add_metric(labels, float(w[name]))
+        decisions = CounterMetricFamily("weir_policy_decisions", "Scheduling policy decisions, by kind "
+                                        "(router/policy.py Policy.counters)", labels=["decision"])
+        for name, n in sorted(snap.get("counters", {}).items()):
+            decisions.add_metric([name], n)
         yield depth
         yield oldest
+        yield decisions
         yield from gauges.values()

@@ -180,6 +180,19 @@ def test_same_errors_reach_zeromq_clients(stack):
         assert e.value.status == 401
 
 
+def test_an_invalid_zeromq_submit_gets_a_400_naming_the_field(stack):
+    """Ranges are the wire types' own: decoding refuses temperature 3, and a
+    Submit that still names its request id is answered, not dropped."""
+    with Client(stack.zmq_frontend, api_key=KEY_BETA) as c:
+        with pytest.raises(WeirError) as e:
+            c.complete(SIM_MODEL, prompt="hi", max_tokens=2, temperature=3.0)
+        assert e.value.status == 400 and e.value.error.param == "params.temperature"
+        with pytest.raises(WeirError) as e:
+            c.complete(SIM_MODEL, prompt="hi", max_tokens=0)
+        assert e.value.status == 400 and e.value.error.param == "max_tokens"
+        assert c.complete(SIM_MODEL, prompt="hi", max_tokens=2).completion_tokens == 2
+
+
 def test_malformed_frames_are_dropped_and_router_survives(stack):
     ctx = zmq.Context.instance()
     before = metric(stack, "weir_malformed_frames_total")
