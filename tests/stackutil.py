@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from deploy import localconfig
-from deploy.localconfig import REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, sim_worker  # noqa: F401
+from bench import localconfig
+from bench.localconfig import REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, sim_worker  # noqa: F401
 from deploy.stack import Stack, group_members
 
 # API keys of the shared `stack` fixture (tests/conftest.py).
@@ -54,7 +54,7 @@ def vllm_worker(worker_id: str = "vllm-0", **overrides: Any) -> dict:
 
 def write_config(tmp_path: os.PathLike, name: str = "weir.toml", **overrides: Any) -> Path:
     """Write a test config (free loopback ports, one sim worker, the tests'
-    per-key rate limit) and return its path; see deploy.localconfig.merge
+    per-key rate limit) and return its path; see bench.localconfig.merge
     for how ``overrides`` apply."""
     defaults = {"rate_limit": {"per_key_rps": PER_KEY_RPS, "per_key_burst": PER_KEY_BURST}}
     return localconfig.write_config(tmp_path, name, defaults=defaults, **overrides)

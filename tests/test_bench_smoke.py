@@ -14,7 +14,7 @@ from bench.arrivals import Arrivals
 from bench.cli import main as bench_main
 from bench.prompts import PromptMaker
 from bench.runner import plan
-from deploy.cli import main as weir_main
+from weir.cli import main as weir_main
 
 from stackutil import free_port
 

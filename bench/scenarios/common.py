@@ -16,8 +16,8 @@ from bench.arrivals import Arrivals
 from bench.runner import Limits, RunResult, machine, run_bench
 from bench.spec import Workload
 from bench.targets import make_target
-from deploy import localconfig
-from deploy.localconfig import CPU_ENGINE_ENV, REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, vllm_worker  # noqa: F401
+from bench import localconfig
+from bench.localconfig import CPU_ENGINE_ENV, REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, vllm_worker  # noqa: F401
 
 RESULTS = REPO / "bench" / "results"
 CLASSES = ("critical", "high", "normal", "low", "batch")  # the scheduler's default classes
@@ -35,7 +35,7 @@ def sim_worker(worker_id: str = "sim-0", max_num_seqs: int = 64, **sim: Any) -> 
 def write_config(directory: Path, **overrides: Any) -> Path:
     """A weir config with every listener on a free loopback port, rate limits
     out of the way and quiet router logs; ``overrides`` (``workers``,
-    ``scheduler``, ``api_keys``...; None = not given) as deploy.localconfig.merge."""
+    ``scheduler``, ``api_keys``...; None = not given) as bench.localconfig.merge."""
     defaults = {"router": {"log_level": "warning"}, "rate_limit": NO_RATE_LIMIT}
     return localconfig.write_config(directory, defaults=defaults,
                                     **{k: v for k, v in overrides.items() if v is not None})
