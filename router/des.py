@@ -203,7 +203,8 @@ def simulate(cfg: SchedulerConfig, workers: list[SimWorker], workload: Workload,
                         arrivals_left += 1
                 else:
                     rec.outcome = ""
-                    rec.predicted = policy.entries[job_id].predicted
+                    predicted = policy.entries[job_id].predicted
+                    rec.predicted = predicted if predicted >= 0.0 else None
                     live += 1
             elif kind == _STEP:
                 eng = engines[data]

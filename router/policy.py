@@ -99,6 +99,10 @@ PRIOR_JOBS = 8.0
 DEFAULT_STEP_FIXED_S = SimEngineConfig().step_fixed_ms / 1e3
 DEFAULT_STEP_PER_SEQ_S = SimEngineConfig().decode_token_us / 1e6
 DEFAULT_PREFILL_TOKEN_S = SimEngineConfig().prefill_token_us / 1e6
+# ... and each new request costs the engine 1.1 ms of serial work (vLLM's
+# frontend tokenizes and ships it to its EngineCore), which every running
+# sequence waits for.
+DEFAULT_REQUEST_S = SimEngineConfig().admit_request_us / 1e6
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 3600.0
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
@@ -122,6 +126,12 @@ class WorkerSpec:
     # the wait prediction before anything was measured.  None: the sim
     # calibration, DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S x max_num_seqs.
     step_time_s: Optional[float] = None
+    request_overhead_s: Optional[float] = None  # engine time per new request; None: DEFAULT_REQUEST_S
+
+    def request_s(self) -> float:
+        if self.request_overhead_s is not None and self.request_overhead_s >= 0:
+            return self.request_overhead_s
+        return DEFAULT_REQUEST_S
 
     def step_s(self) -> float:
         if self.step_time_s is not None and self.step_time_s > 0:
@@ -183,7 +193,7 @@ class _Entry:
         self.dispatched_at = 0.0
         self.seq = seq
         self.queue: Optional[_Queue] = None
-        self.predicted = 0.0  # queue wait predicted at admission (s)
+        self.predicted = -1.0  # queue wait predicted at admission (s); -1: none (no bound)
 
 
 class _Worker:
@@ -375,7 +385,7 @@ class _Flow:
 class _Model:
     __slots__ = ("name", "workers", "queues", "class_count", "wrr", "meter", "by_arrival", "last_seen",
                  "eligible", "queued", "tokens", "decode", "tenants", "wsum", "fronts", "fronts_cap",
-                 "inflow")
+                 "inflow", "size_count")
 
     def __init__(self, name: str, n_classes: int) -> None:
         self.name = name
@@ -405,6 +415,7 @@ class _Model:
         self.fronts: dict[tuple[int, str], float] = {}
         self.fronts_cap = 1024
         self.inflow = [_Flow() for _ in range(n_classes)]  # per class: admitted tokens/s
+        self.size_count = [[0, 0] for _ in range(n_classes)]  # per class and size: queued entries
 
     def dequeued(self, rank: int) -> None:
         """One entry of class ``rank`` left the queued state (``class_count``
@@ -448,6 +459,12 @@ def _remeasure(m: _Model, now: float) -> None:
     m.meter.set_busy(now, m.queued > 0)
 
 
+def _pct(sorted_vals: list[float], q: float) -> Optional[float]:
+    if not sorted_vals:
+        return None
+    return round(sorted_vals[min(len(sorted_vals) - 1, int(q / 100.0 * len(sorted_vals)))], 4)
+
+
 def _err(status: int, message: str, type_: str, code: str, retry_after: Optional[float] = None,
          param: Optional[str] = None) -> ErrorInfo:
     return ErrorInfo(status=status, message=message, type=type_, code=code, param=param,
@@ -470,6 +487,8 @@ class Policy:
         self.headroom = 0.0 if self.fifo else max(0.0, min(0.9, cfg.priority_headroom))
         # per class: the predicted queue wait beyond which a job is refused at once
         self.wait_bound = [_wait_bound(c) for c in self.classes]
+        # per class: (predicted, actual) queue wait of the last dispatches, for /admin/queues
+        self.wait_samples: list[deque] = [deque(maxlen=2048) for _ in self.classes]
         self.models: dict[str, _Model] = {}
         self.workers: dict[str, _Worker] = {}
         self.entries: dict[str, _Entry] = {}
@@ -721,16 +740,15 @@ class Policy:
     def _capacity_rate(m: _Model, tokens: int, decode: int, n: int) -> float:
         """Tokens/s the workers release on ``n`` jobs of these totals, from what
         they registered with: each runs min(max_num_seqs, as many of the mean
-        job as its KV budget holds) at once, and a job holds its place for a
-        step per output token plus one, plus its prompt's prefill.  Leaves
-        out per-request admission work in the engine (~1 ms a request on the
-        CPU build), so it errs fast for floods of tiny requests."""
+        job as its KV budget holds) at once; a job holds its place for a step
+        per output token plus one, plus its prompt's prefill; and each job
+        costs the engine its per-request work, serially."""
         rate = 0.0
         prefill = (tokens - decode) * DEFAULT_PREFILL_TOKEN_S
         for w in m.workers.values():
             spec = w.spec
             at_once = max(1.0, min(spec.max_num_seqs, w.budget * n / tokens))
-            rate += at_once * tokens / ((decode + n) * spec.step_s() + prefill)
+            rate += tokens / (((decode + n) * spec.step_s() + prefill) / at_once + n * spec.request_s())
         return rate
 
     def _account(self, m: _Model, e: _Entry, sign: int, now: Optional[float]) -> None:
@@ -738,6 +756,7 @@ class Policy:
         totals, and whether the model is backlogged (None: a re-pricing)."""
         r = e.rank
         m.queued += sign
+        m.size_count[r][e.size] += sign
         if now is not None:
             m.meter.set_busy(now, m.queued > 0)
         m.tokens[r] += sign * e.tokens
@@ -991,6 +1010,8 @@ class Policy:
         self._account(m, e, -1, now)
         self._tenant_dec(job.tenant)
         e.state = _RUNNING
+        if e.predicted >= 0.0:
+            self.wait_samples[e.rank].append((e.predicted, now - job.arrival))
         e.worker = w.spec.worker_id
         e.cost = cost
         e.dispatched_at = now
@@ -1162,18 +1183,23 @@ class Policy:
             "budget_tokens": w.budget, "reserved_tokens": w.reserved, "running": len(w.running),
             "max_num_seqs": w.spec.max_num_seqs,
         } for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)]
-        agg: dict[tuple[int, int], list] = {
-            (r, s): [0, None] for r in range(self.n_classes) for s in (SHORT, LONG)}
-        for e in self.entries.values():
-            if e.state != _QUEUED:
-                continue
-            a = agg[(e.rank, e.size)]
-            a[0] += 1
-            if a[1] is None or e.job.arrival < a[1]:
-                a[1] = e.job.arrival
-        queues = [{
-            "class": self.classes[r].name, "pool": SIZE_NAMES[s], "queued": n,
-            "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
-        } for (r, s), (n, oldest) in sorted(agg.items())]
+        # O(classes x models): /metrics reads this at every scrape, also with 100,000 queued
+        queues = []
+        for r in range(self.n_classes):
+            samples = sorted(abs(a - p) for p, a in self.wait_samples[r])
+            for size in (SHORT, LONG):
+                n, oldest = 0, None
+                for m in self.models.values():
+                    n += m.size_count[r][size]
+                    e = m.oldest(r, size)
+                    if e is not None and (oldest is None or e.job.arrival < oldest):
+                        oldest = e.job.arrival
+                queues.append({
+                    "class": self.classes[r].name, "pool": SIZE_NAMES[size], "queued": n,
+                    "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
+                    # |actual - predicted| queue wait of the class's last dispatches
+                    "wait_error_p50_s": _pct(samples, 50), "wait_error_p90_s": _pct(samples, 90),
+                    "wait_samples": len(samples),
+                })
         return {"workers": workers, "queues": queues, "counters": dict(self.counters),
                 "policy": self.cfg.policy}
