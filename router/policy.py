@@ -56,12 +56,20 @@ Model of the world
   model is queued (the long worker is idle as far as long work goes).
 * **Refusals.**  400 when no registered worker of the job's pool could ever
   hold it (context length or KV budget); 503 when no worker of that
-  model/pool is registered; 429 when the class queue (per model) or the
-  tenant's queued total is full; 503 when a job waited past its class
-  ``queue_deadline_s``.  429/503 carry Retry-After = the estimated drain time
-  of the queue ahead of the job: queued tokens of its class and higher ones
-  (plus its own) over the model's measured token release rate (exponentially
-  weighted, 30 s; before any job finished: a full KV budget per 10 s).
+  model/pool is registered; 429 when its predicted queue wait is over its
+  class's bound (``max_predicted_wait_s``, default ``queue_deadline_s``):
+  ``queue_wait_exceeded``, or ``tenant_share_exceeded`` when its tenant alone
+  is over its weighted share (see ``_ahead``); 429 when a count bound --
+  memory protection only -- is hit (class queue per model, tenant's queued
+  total); 503 when a job waited past its class ``queue_deadline_s``.
+* **Predicted wait** = reserved tokens ahead (``_ahead``) / drain rate
+  (``_drain_rate``): tokens released per second of backlog (exponentially
+  weighted, 30 s of backlog), blended with a capacity model of the
+  registered engines (``_capacity_rate``) that alone decides on a cold
+  fleet, less the inflow of higher classes.  Retry-After of a wait refusal:
+  when the job's place in line, behind earlier refusals of its tenant and
+  class, is half a bound away; of the others: the drain time of the queue
+  ahead.
 * ``policy="fifo"``: one FIFO per model with the same ledger, limits and pool
   rules (short work may use any worker), no priorities, no backfill (the head
   blocks), priority 0 to vLLM: the baseline the DES compares against.
