@@ -33,6 +33,8 @@ class EngineInfo:
     kv_capacity_tokens: int
     block_size: int
     max_num_seqs: int
+    step_time_s: float = 0.0  # a full batch's step (0: unknown)
+    request_overhead_s: float = 0.0  # per newly admitted request (0: unknown)
 
 
 class Live:

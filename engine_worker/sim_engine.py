@@ -30,6 +30,7 @@ class SimEngine(EngineBase):
 
     def __init__(self, cfg: SimEngineConfig, max_num_seqs: int, max_model_len: int) -> None:
         super().__init__()
+        self.cfg = cfg
         self.core = SimCore(cfg, max_num_seqs, max_model_len)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -42,8 +43,15 @@ class SimEngine(EngineBase):
 
     async def start(self) -> EngineInfo:
         self._loop = asyncio.get_running_loop()
+        c = self.cfg
+        if c.zero_cost:  # only the dataplane's own cost is left (~10 us a step, bench/README.md)
+            step_s, request_s = 1e-5, 1e-6
+        else:
+            step_s = (c.step_fixed_ms * 1e3 + c.decode_token_us * self.max_num_seqs) / 1e6
+            request_s = c.admit_request_us / 1e6
         return EngineInfo(self.name, self.max_model_len, self.core.kv_capacity_tokens,
-                          self.core.block_size, self.max_num_seqs)
+                          self.core.block_size, self.max_num_seqs, step_time_s=step_s,
+                          request_overhead_s=request_s)
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
         rid = req.request_id

@@ -192,7 +192,7 @@ class RouterCore:
                   j.arrival, who.weight)
         refusal = self.policy.submit(job, now)
         if refusal is not None:
-            return refusal
+            return refusal.render()
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
         j.job = job
@@ -252,9 +252,9 @@ class RouterCore:
             if isinstance(action, DispatchJob):
                 self._dispatch(j, action, now)
             elif isinstance(action, RejectJob):
-                self._end(j, label(action.error), error=action.error)
+                self._end(j, action.error.label, error=action.error.render())
             elif isinstance(action, AbortJob):
-                self._end(j, "generation_deadline", error=action.error, abort_worker=action.worker_id)
+                self._end(j, action.error.label, error=action.error.render(), abort_worker=action.worker_id)
         self.workers.flush()
         # A timer that fires early is harmless (the pass re-arms it for the
         # next event), so it is only moved earlier: no cancel/re-arm per request.
@@ -287,7 +287,7 @@ class RouterCore:
         """Another chance for a job that produced nothing yet (its worker went)."""
         refusal = self.policy.submit(j.job, now)
         if refusal is not None:
-            self._end(j, label(refusal), error=refusal)
+            self._end(j, refusal.label, error=refusal.render())
         else:
             self._schedule_policy()
 
@@ -302,7 +302,8 @@ class RouterCore:
             worker_id=reg.worker_id, model=reg.model, pool=reg.pool,
             capacity_tokens=reg.kv_capacity_tokens, block_size=reg.block_size,
             max_num_seqs=reg.max_num_seqs, max_model_len=reg.max_model_len,
-            gpu_total_bytes=reg.gpu.total_bytes if reg.gpu.present else 0), now)
+            gpu_total_bytes=reg.gpu.total_bytes if reg.gpu.present else 0,
+            step_time_s=reg.step_time_s or None, request_overhead_s=reg.request_overhead_s or None), now)
         self._after_loss(lost, "reregistered", now)  # a restarted worker runs nothing of before
         self._schedule_policy()
 

@@ -1,7 +1,7 @@
 """The scheduling policy: who waits, who runs where, who is refused.
 
 Pure: no I/O, no asyncio, no clock reads.  The router's event loop (or the
-discrete-event simulation in ``router.des``) passes ``now`` in, feeds events
+discrete-event simulation in ``simulation.des``) passes ``now`` in, feeds events
 (submit / finish / worker changes) and carries out the returned actions.
 
 Model of the world
@@ -56,12 +56,20 @@ Model of the world
   model is queued (the long worker is idle as far as long work goes).
 * **Refusals.**  400 when no registered worker of the job's pool could ever
   hold it (context length or KV budget); 503 when no worker of that
-  model/pool is registered; 429 when the class queue (per model) or the
-  tenant's queued total is full; 503 when a job waited past its class
-  ``queue_deadline_s``.  429/503 carry Retry-After = the estimated drain time
-  of the queue ahead of the job: queued tokens of its class and higher ones
-  (plus its own) over the model's measured token release rate (exponentially
-  weighted, 30 s; before any job finished: a full KV budget per 10 s).
+  model/pool is registered; 429 when its predicted queue wait is over its
+  class's bound (``max_predicted_wait_s``, default ``queue_deadline_s``):
+  ``queue_wait_exceeded``, or ``tenant_share_exceeded`` when its tenant alone
+  is over its weighted share (see ``_ahead``); 429 when a count bound --
+  memory protection only -- is hit (class queue per model, tenant's queued
+  total); 503 when a job waited past its class ``queue_deadline_s``.
+* **Predicted wait** = reserved tokens ahead (``_ahead``) / drain rate
+  (``_drain_rate``): tokens released per second of backlog (exponentially
+  weighted, 30 s of backlog), blended with a capacity model of the
+  registered engines (``_capacity_rate``) that alone decides on a cold
+  fleet, less the inflow of higher classes.  Retry-After of a wait refusal:
+  when the job's place in line, behind earlier refusals of its tenant and
+  class, is half a bound away; of the others: the drain time of the queue
+  ahead.
 * ``policy="fifo"``: one FIFO per model with the same ledger, limits and pool
   rules (short work may use any worker), no priorities, no backfill (the head
   blocks), priority 0 to vLLM: the baseline the DES compares against.
@@ -76,8 +84,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
 from router.estimate import kv_cost
-from shared.config import SchedulerConfig
-from shared.protocol import ErrorInfo, Pool, TaskType
+from shared.config import ClassConfig, SchedulerConfig, SimEngineConfig
+from shared.errors import Code, Refusal
+from shared.protocol import Pool, TaskType
 
 __all__ = ["WorkerSpec", "Job", "DispatchJob", "RejectJob", "AbortJob", "Action", "Policy"]
 
@@ -86,8 +95,23 @@ SHORT, LONG = 0, 1
 SIZE_NAMES = ("short", "long")
 
 NO_WORKER_RETRY_S = 2.0  # nothing to drain: a worker registering is what is awaited
-RATE_TAU_S = 30.0  # memory of the token release-rate estimate
-COLD_TURNOVER_S = 10.0  # before any job finished: assume a full KV budget turns over this fast
+RATE_TAU_S = 30.0  # memory of the drain-rate estimate, in seconds of backlog
+# The capacity model (from what engines registered with) counts as PRIOR_S
+# seconds of measured backlog, fading as releases are seen (_RateMeter): it
+# decides a burst on a cold fleet alone.
+PRIOR_S = 5.0
+PRIOR_JOBS = 8.0
+# Engine step time when a worker does not report one: the sim engine's
+# calibration on the tiny model (shared/config.py SimEngineConfig, measured
+# against vLLM's CPU build): 2.3 ms a step + 60 us per running sequence, i.e.
+# 3.3 ms at 16 sequences (vLLM measured 3.30 ms).
+DEFAULT_STEP_FIXED_S = SimEngineConfig().step_fixed_ms / 1e3
+DEFAULT_STEP_PER_SEQ_S = SimEngineConfig().decode_token_us / 1e6
+DEFAULT_PREFILL_TOKEN_S = SimEngineConfig().prefill_token_us / 1e6
+# ... and each new request costs the engine 1.1 ms of serial work (vLLM's
+# frontend tokenizes and ships it to its EngineCore), which every running
+# sequence waits for.
+DEFAULT_REQUEST_S = SimEngineConfig().admit_request_us / 1e6
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 3600.0
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
@@ -107,6 +131,21 @@ class WorkerSpec:
     max_num_seqs: int
     max_model_len: int
     gpu_total_bytes: int = 0  # 0 = no GPU / unknown
+    # Seconds of one engine step with a full batch (max_num_seqs running), for
+    # the wait prediction before anything was measured.  None: the sim
+    # calibration, DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S x max_num_seqs.
+    step_time_s: Optional[float] = None
+    request_overhead_s: Optional[float] = None  # engine time per new request; None: DEFAULT_REQUEST_S
+
+    def request_s(self) -> float:
+        if self.request_overhead_s is not None and self.request_overhead_s >= 0:
+            return self.request_overhead_s
+        return DEFAULT_REQUEST_S
+
+    def step_s(self) -> float:
+        if self.step_time_s is not None and self.step_time_s > 0:
+            return self.step_time_s
+        return DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S * max(1, self.max_num_seqs)
 
 
 @dataclass(slots=True)
@@ -130,13 +169,13 @@ class DispatchJob(NamedTuple):
 
 class RejectJob(NamedTuple):
     job_id: str
-    error: ErrorInfo  # left the queue (queue deadline); nothing was reserved
+    error: Refusal  # left the queue (queue deadline); nothing was reserved
 
 
 class AbortJob(NamedTuple):
     job_id: str
     worker_id: str
-    error: ErrorInfo  # ran past the generation deadline; ledger already released
+    error: Refusal  # ran past the generation deadline; ledger already released
 
 
 Action = Union[DispatchJob, RejectJob, AbortJob]
@@ -149,7 +188,7 @@ class _Entry:
     """A job inside the policy (queued or running)."""
 
     __slots__ = ("job", "rank", "size", "tokens", "state", "worker", "cost", "dispatched_at",
-                 "seq", "queue")
+                 "seq", "queue", "predicted")
 
     def __init__(self, job: Job, rank: int, size: int, seq: int) -> None:
         self.job = job
@@ -163,6 +202,7 @@ class _Entry:
         self.dispatched_at = 0.0
         self.seq = seq
         self.queue: Optional[_Queue] = None
+        self.predicted = -1.0  # queue wait predicted at admission (s); -1: none (no bound)
 
 
 class _Worker:
@@ -277,12 +317,61 @@ class _Queue:
 
 
 class _RateMeter:
-    """Exponentially weighted token release rate (tokens/s)."""
+    """Drain rate: reserved tokens (prompt + max_tokens) released per second
+    *of backlog*, exponentially weighted over ``tau`` seconds of backlog.
 
-    __slots__ = ("tau", "value", "t", "t0")
+    Only time during which work was queued counts, and only releases then:
+    an idle or lightly loaded fleet releases what it is offered, not what it
+    can do, and a burst after a quiet hour must not be judged by the quiet
+    hour.  ``rate`` blends in a prior (the capacity model) worth ``PRIOR_S``
+    seconds of backlog until ``PRIOR_JOBS`` releases were seen, then less and
+    less: how much a measurement says depends on how many releases it saw."""
+
+    __slots__ = ("tau", "tokens", "jobs", "window", "t", "busy")
 
     def __init__(self, tau: float) -> None:
         self.tau = tau
+        self.tokens = 0.0  # decayed tokens released while backlogged
+        self.jobs = 0.0  # decayed count of those releases
+        self.window = 0.0  # decayed seconds of backlog
+        self.t: Optional[float] = None
+        self.busy = False
+
+    def _decay(self, now: float) -> tuple[float, float, float]:
+        t = self.t
+        if t is None or now <= t or not self.busy:
+            return self.tokens, self.jobs, self.window
+        d = math.exp(-(now - t) / self.tau)
+        return self.tokens * d, self.jobs * d, self.window * d + self.tau * (1.0 - d)
+
+    def _advance(self, now: float) -> None:
+        self.tokens, self.jobs, self.window = self._decay(now)
+        if self.t is None or now > self.t:
+            self.t = now
+
+    def set_busy(self, now: float, busy: bool) -> None:
+        if busy != self.busy:
+            self._advance(now)
+            self.busy = busy
+
+    def add(self, now: float, tokens: float) -> None:
+        if self.busy:
+            self._advance(now)
+            self.tokens += tokens
+            self.jobs += 1.0
+
+    def rate(self, now: float, prior: float) -> float:
+        tokens, jobs, window = self._decay(now)
+        weight = PRIOR_S * PRIOR_JOBS / (PRIOR_JOBS + jobs)
+        return (tokens + prior * weight) / (window + weight)
+
+
+class _Flow:
+    """Exponentially weighted rate (tokens/s) of admitted work, over wall time."""
+
+    __slots__ = ("value", "t", "t0")
+
+    def __init__(self) -> None:
         self.value = 0.0
         self.t: Optional[float] = None
         self.t0: Optional[float] = None
@@ -290,26 +379,22 @@ class _RateMeter:
     def add(self, now: float, tokens: float) -> None:
         if self.t is None:
             self.t = self.t0 = now
-        self.value = self._decayed(now) + tokens
-        self.t = max(self.t, now)
+        elif now > self.t:
+            self.value *= math.exp(-(now - self.t) / RATE_TAU_S)
+            self.t = now
+        self.value += tokens
 
-    def _decayed(self, now: float) -> float:
+    def rate(self, now: float) -> float:
         if self.t is None:
             return 0.0
-        return self.value * math.exp(-max(0.0, now - self.t) / self.tau)
-
-    def rate(self, now: float) -> Optional[float]:
-        if self.t0 is None:
-            return None
-        # integral of the decay kernel over the time observed so far
-        window = self.tau * (1.0 - math.exp(-max(0.0, now - self.t0) / self.tau))
-        window = max(window, 1.0)  # one early finish must not look like a huge rate
-        return self._decayed(now) / window
+        window = max(1.0, RATE_TAU_S * (1.0 - math.exp(-max(0.0, now - self.t0) / RATE_TAU_S)))
+        return self.value * math.exp(-max(0.0, now - self.t) / RATE_TAU_S) / window
 
 
 class _Model:
     __slots__ = ("name", "workers", "queues", "class_count", "wrr", "meter", "by_arrival", "last_seen",
-                 "eligible")
+                 "eligible", "queued", "tokens", "decode", "tenants", "wsum", "fronts", "fronts_cap",
+                 "inflow", "size_count")
 
     def __init__(self, name: str, n_classes: int) -> None:
         self.name = name
@@ -327,6 +412,19 @@ class _Model:
         # per size: the workers a job of that size may ever use (submit's checks);
         # None after a worker came or went
         self.eligible: Optional[dict[int, list[_Worker]]] = None
+        # What admission predicts from, kept up to date in O(1) per event (Policy._account):
+        self.queued = 0  # queued entries, all classes
+        self.tokens = [0] * n_classes  # per class: queued prompt+max_tokens
+        self.decode = [0] * n_classes  # per class: queued max_tokens (engine steps)
+        # per class: tenant -> [queued tokens, queued entries, weight]; wsum: their weights' sum
+        self.tenants: list[dict[str, list]] = [{} for _ in range(n_classes)]
+        self.wsum = [0.0] * n_classes
+        # (class, tenant) -> when the work of everyone refused so far (and told
+        # when to come back) will have drained: Retry-After spreads retries
+        self.fronts: dict[tuple[int, str], float] = {}
+        self.fronts_cap = 1024
+        self.inflow = [_Flow() for _ in range(n_classes)]  # per class: admitted tokens/s
+        self.size_count = [[0, 0] for _ in range(n_classes)]  # per class and size: queued entries
 
     def dequeued(self, rank: int) -> None:
         """One entry of class ``rank`` left the queued state (``class_count``
@@ -358,10 +456,22 @@ def _insert_by_arrival(index: deque, e: _Entry) -> None:
     index.insert(i, e)
 
 
-def _err(status: int, message: str, type_: str, code: str, retry_after: Optional[float] = None,
-         param: Optional[str] = None) -> ErrorInfo:
-    return ErrorInfo(status=status, message=message, type=type_, code=code, param=param,
-                     retry_after=retry_after)
+def _wait_bound(c: ClassConfig) -> float:
+    b = c.max_predicted_wait_s if c.max_predicted_wait_s is not None else c.queue_deadline_s
+    return b if b > 0 else math.inf
+
+
+def _remeasure(m: _Model, now: float) -> None:
+    """The fleet changed: what was measured no longer says what it drains;
+    predict from the capacity model again until the new fleet is measured."""
+    m.meter = _RateMeter(RATE_TAU_S)
+    m.meter.set_busy(now, m.queued > 0)
+
+
+def _pct(sorted_vals: list[float], q: float) -> Optional[float]:
+    if not sorted_vals:
+        return None
+    return round(sorted_vals[min(len(sorted_vals) - 1, int(q / 100.0 * len(sorted_vals)))], 4)
 
 
 # ----------------------------------------------------------------- the policy
@@ -378,6 +488,10 @@ class Policy:
         self.n_classes = len(self.classes)
         self.promote_after = cfg.aging_bound_s / 2.0
         self.headroom = 0.0 if self.fifo else max(0.0, min(0.9, cfg.priority_headroom))
+        # per class: the predicted queue wait beyond which a job is refused at once
+        self.wait_bound = [_wait_bound(c) for c in self.classes]
+        # per class: (predicted, actual) queue wait of the last dispatches, for /admin/queues
+        self.wait_samples: list[deque] = [deque(maxlen=2048) for _ in self.classes]
         self.models: dict[str, _Model] = {}
         self.workers: dict[str, _Worker] = {}
         self.entries: dict[str, _Entry] = {}
@@ -387,7 +501,8 @@ class Policy:
         self.counters: dict[str, int] = {
             "submitted": 0, "dispatched": 0, "finished": 0, "released": 0,
             "rejected_no_worker": 0, "rejected_context_length": 0, "rejected_queue_full": 0,
-            "rejected_tenant_queue_full": 0, "expired_queue_deadline": 0,
+            "rejected_tenant_queue_full": 0, "rejected_predicted_wait": 0,
+            "rejected_tenant_share": 0, "expired_queue_deadline": 0,
             "aborted_generation_deadline": 0, "lost_with_worker": 0, "backfilled": 0,
             "aged_dispatches": 0,
         }
@@ -410,6 +525,7 @@ class Policy:
         m.workers[spec.worker_id] = w
         m.workers = dict(sorted(m.workers.items()))  # by id: ties in placement go to the lowest
         m.eligible = None
+        _remeasure(m, now)
         return lost
 
     def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
@@ -429,6 +545,7 @@ class Policy:
         if m is not None:
             m.workers.pop(worker_id, None)
             m.eligible = None
+            _remeasure(m, now)
         lost = list(w.running)
         for job_id in lost:
             e = self.entries.pop(job_id, None)
@@ -463,8 +580,8 @@ class Policy:
         # a short job on a long worker: only if configured, and while no long work waits
         return self.cfg.borrow_idle_long and (m is None or m.long_queued() == 0)
 
-    def submit(self, job: Job, now: float) -> Optional[ErrorInfo]:
-        """Queue a job, or say now why not (the ErrorInfo to send)."""
+    def submit(self, job: Job, now: float) -> Optional[Refusal]:
+        """Queue a job, or say now why not (a code and its facts)."""
         if job.job_id in self.entries:  # a router bug; keep the ledger exact anyway
             self.finish(job.job_id, now)
         self.counters["submitted"] += 1
@@ -473,17 +590,14 @@ class Policy:
         m = self.models.get(job.model) or self._model(job.model)
         if not m.workers:
             self.counters["rejected_no_worker"] += 1
-            return _err(503, f"No worker is currently serving model `{job.model}`; try again shortly.",
-                        "service_unavailable_error", "no_worker", NO_WORKER_RETRY_S)
+            return Refusal(Code.NO_WORKER, NO_WORKER_RETRY_S, {"model": job.model})
         if m.eligible is None:
             m.eligible = {sz: [w for w in m.workers.values() if self._pool_ok(w, sz, None)]
                           for sz in (SHORT, LONG)}
         eligible = m.eligible[size]
         if not eligible:
             self.counters["rejected_no_worker"] += 1
-            return _err(503, f"No worker of the {SIZE_NAMES[size]}-request pool is currently serving "
-                        f"model `{job.model}`; try again shortly.",
-                        "service_unavailable_error", "no_worker", NO_WORKER_RETRY_S)
+            return Refusal(Code.NO_WORKER, NO_WORKER_RETRY_S, {"model": job.model, "pool": SIZE_NAMES[size]})
         prompt = max(1, job.prompt_tokens)
         total = prompt + max(0, job.max_tokens)
         for w in eligible:  # can any worker ever hold it? (usually the first one says yes)
@@ -493,29 +607,27 @@ class Policy:
         else:
             self.counters["rejected_context_length"] += 1
             max_len = max(w.spec.max_model_len for w in eligible)
-            if total > max_len:
-                msg = (f"This model's maximum context length is {max_len} tokens. However, you "
-                       f"requested {total} tokens ({prompt} in the messages, {job.max_tokens} in the "
-                       f"completion). Please reduce the length of the messages or completion.")
-            else:
-                kv = max(w.budget for w in eligible)
-                msg = (f"This request needs {total} tokens of KV cache ({prompt} in the messages, "
-                       f"{job.max_tokens} in the completion), more than any worker of this model "
-                       f"can hold ({kv} tokens). Please reduce the length of the messages or "
-                       f"completion.")
-            return _err(400, msg, "invalid_request_error", "context_length_exceeded", param="messages")
+            facts = {"prompt": prompt, "completion": job.max_tokens, "max_len": max_len}
+            if total <= max_len:  # fits the context, not any worker's KV budget
+                facts["kv_tokens"] = max(w.budget for w in eligible)
+            return Refusal(Code.CONTEXT_LENGTH, None, facts, "messages")
+        # Hard count bounds: memory protection only (a queued request costs
+        # the router ~1 KB, bench/README.md), far above what the wait bound admits.
         if m.class_count[rank] >= self.classes[rank].max_queue:
             self.counters["rejected_queue_full"] += 1
-            return _err(429, f"Too many requests queued in class `{self.classes[rank].name}`; "
-                        f"retry later.", "rate_limit_error", "queue_full",
-                        self._retry_after(m, rank, total, now))
+            return Refusal(Code.QUEUE_FULL, self._retry_after(m, rank, total, now),
+                           {"klass": self.classes[rank].name})
         if self.tenant_count.get(job.tenant, 0) >= self.cfg.max_queue_per_tenant:
             self.counters["rejected_tenant_queue_full"] += 1
-            return _err(429, f"Too many requests queued for tenant `{job.tenant}`; retry later.",
-                        "rate_limit_error", "tenant_queue_full",
-                        self._retry_after(m, rank, total, now))
+            return Refusal(Code.TENANT_QUEUE_FULL, self._retry_after(m, rank, total, now),
+                           {"tenant": job.tenant})
         self._seq += 1
         e = _Entry(job, rank, size, self._seq)
+        bound = self.wait_bound[rank]
+        if bound < math.inf:
+            refusal = self._admit_by_wait(m, e, bound, now)
+            if refusal is not None:
+                return refusal
         key = (0, 0) if self.fifo else (rank, size)
         q = m.queues.get(key)
         if q is None:
@@ -526,18 +638,144 @@ class Policy:
         m.last_seen[rank] = max(m.last_seen[rank], now)
         self.entries[job.job_id] = e
         m.class_count[rank] += 1
+        self._account(m, e, 1, now)
+        m.inflow[rank].add(now, e.tokens)
         self.tenant_count[job.tenant] = self.tenant_count.get(job.tenant, 0) + 1
         return None
+
+    # Predicted wait.  The work a new job waits for, in reserved tokens: all
+    # that is queued in higher classes, plus -- in its own class, where
+    # tenants share by weighted DRR -- its tenant's own queued tokens and, of
+    # every other tenant's, at most what DRR serves them meanwhile:
+    #     own + min(others, (own + job) x W_others / w)
+    # (W_others: the summed weights of the other tenants queued in the class).
+    # So a tenant whose own work is within its weighted share of the bound,
+    # (own + job) <= w / (w + W_others) x bound x rate, always fits (unless
+    # higher classes fill the bound), a flooder is refused once the whole
+    # class is full, and a tenant alone may fill all of it.  Over the drain
+    # rate (_drain_rate) that is seconds.  O(classes): no scan of the queue.
+
+    def _ahead(self, m: _Model, e: _Entry) -> tuple[float, float, float]:
+        """(tokens ahead of ``e``, its tenant's queued tokens + its own, the
+        other tenants' summed weight in its class)."""
+        rank = e.rank
+        if self.fifo:
+            return float(sum(m.tokens)), float(e.tokens), 0.0
+        row = m.tenants[rank].get(e.job.tenant)
+        own = row[0] if row is not None else 0
+        w_others = max(0.0, m.wsum[rank] - (row[2] if row is not None else 0.0))
+        others = m.tokens[rank] - own
+        w = max(1e-3, e.job.weight)
+        ahead = sum(m.tokens[:rank]) + own + min(others, (own + e.tokens) * w_others / w)
+        return float(ahead), float(own + e.tokens), w_others
+
+    def _admit_by_wait(self, m: _Model, e: _Entry, bound: float, now: float) -> Optional[Refusal]:
+        job = e.job
+        ahead, mine, w_others = self._ahead(m, e)
+        rate = self._drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
+        if rate <= 0.0:
+            return None  # nothing to predict from (no capacity known): the deadline still bounds
+        if not self.fifo and e.rank > 0:
+            # Higher classes that keep arriving go ahead of this job while it
+            # waits: it drains at what they leave, W = ahead / (rate - inflow).
+            # (At least 5 % of the rate: aging keeps every class moving.)
+            inflow = sum(f.rate(now) for f in m.inflow[:e.rank])
+            rate = max(0.05 * rate, rate - inflow)
+        wait = ahead / rate
+        if wait <= bound:
+            e.predicted = wait
+            return None
+        # Refused.  Retry-After: when this job's place in line -- behind what
+        # is queued and behind everyone of its tenant and class refused before
+        # it, each booked at its tenant's share of the drain rate -- will be
+        # half the bound away.  A burst refused at once is thus told to come
+        # back spread out over the time the fleet needs for it, not all at the
+        # same moment (where most would be refused again).
+        w = max(1e-3, job.weight)
+        share = w / (w + w_others)
+        key = (e.rank, job.tenant)
+        front = max(m.fronts.get(key, -math.inf), now + wait) + e.tokens / (rate * share)
+        front = min(front, now + bound + MAX_RETRY_S)
+        if len(m.fronts) >= m.fronts_cap:  # drop fronts in the past: bounded by recent refusals
+            m.fronts = {k: f for k, f in m.fronts.items() if f > now}
+            m.fronts_cap = max(1024, 2 * len(m.fronts))
+        m.fronts[key] = front
+        retry = round(min(MAX_RETRY_S, max(MIN_RETRY_S, front - now - bound / 2)), 1)
+        name = self.classes[e.rank].name
+        fits = bound * rate  # tokens the bound admits
+        others = m.tokens[e.rank] - (mine - e.tokens)
+        if w_others > 0 and mine > share * fits and others < (1.0 - share) * fits:
+            # over its share while the others are not: this tenant, not the class, is full
+            self.counters["rejected_tenant_share"] += 1
+            return Refusal(Code.TENANT_SHARE_EXCEEDED, retry,
+                           {"tenant": job.tenant, "klass": name, "wait": wait, "bound": bound})
+        self.counters["rejected_predicted_wait"] += 1
+        return Refusal(Code.QUEUE_WAIT_EXCEEDED, retry, {"klass": name, "wait": wait, "bound": bound})
+
+    def _drain_rate(self, m: _Model, rank: int, tokens: int, decode: int, now: float) -> float:
+        """Reserved tokens/s released by the model's workers: measured while
+        work was queued, blended with the capacity model of the work queued
+        in class ``rank`` and above plus a job of ``tokens`` (``decode`` of
+        them max_tokens)."""
+        k = self.n_classes if self.fifo else rank + 1
+        n = sum(m.class_count[:k]) + (1 if tokens else 0)
+        prior = 0.0
+        if n:
+            prior = self._capacity_rate(m, tokens + sum(m.tokens[:k]), decode + sum(m.decode[:k]), n)
+        return m.meter.rate(now, prior)
+
+    @staticmethod
+    def _capacity_rate(m: _Model, tokens: int, decode: int, n: int) -> float:
+        """Tokens/s the workers release on ``n`` jobs of these totals, from what
+        they registered with: each runs min(max_num_seqs, as many of the mean
+        job as its KV budget holds) at once; a job holds its place for a step
+        per output token plus one, plus its prompt's prefill; and each job
+        costs the engine its per-request work, serially."""
+        rate = 0.0
+        prefill = (tokens - decode) * DEFAULT_PREFILL_TOKEN_S
+        for w in m.workers.values():
+            spec = w.spec
+            at_once = max(1.0, min(spec.max_num_seqs, w.budget * n / tokens))
+            rate += tokens / (((decode + n) * spec.step_s() + prefill) / at_once + n * spec.request_s())
+        return rate
+
+    def _account(self, m: _Model, e: _Entry, sign: int, now: Optional[float]) -> None:
+        """``e`` entered (+1) or left (-1) the queued state: the admission
+        totals, and whether the model is backlogged (None: a re-pricing)."""
+        r = e.rank
+        m.queued += sign
+        m.size_count[r][e.size] += sign
+        if now is not None:
+            m.meter.set_busy(now, m.queued > 0)
+        m.tokens[r] += sign * e.tokens
+        m.decode[r] += sign * max(0, e.job.max_tokens)
+        tab = m.tenants[r]
+        t = e.job.tenant
+        row = tab.get(t)
+        if sign > 0:
+            w = max(1e-3, e.job.weight)
+            if row is None:
+                row = tab[t] = [0, 0, w]
+                m.wsum[r] += w
+            elif row[2] != w:
+                m.wsum[r] += w - row[2]
+                row[2] = w
+            row[0] += e.tokens
+            row[1] += 1
+        elif row is not None:
+            row[0] -= e.tokens
+            row[1] -= 1
+            if row[1] <= 0:
+                del tab[t]
+                m.wsum[r] = m.wsum[r] - row[2] if tab else 0.0
 
     def _retry_after(self, m: _Model, rank: int, own_tokens: int, now: float) -> float:
         """Seconds until the work queued ahead of a job of class ``rank`` (its
         class and higher ones) plus its own should have drained."""
-        ahead = own_tokens + sum(q.tokens for (r, _), q in m.queues.items() if self.fifo or r <= rank)
-        rate = m.meter.rate(now)
-        if not rate:
-            budget = sum(w.budget for w in m.workers.values())
-            rate = budget / COLD_TURNOVER_S if budget > 0 else None
-        if not rate:
+        k = self.n_classes if self.fifo else rank + 1
+        ahead = own_tokens + sum(m.tokens[:k])
+        rate = self._drain_rate(m, rank, own_tokens, 0, now)
+        if rate <= 0.0:
             return NO_WORKER_RETRY_S
         return round(min(MAX_RETRY_S, max(MIN_RETRY_S, ahead / rate)), 1)
 
@@ -757,8 +995,11 @@ class Policy:
         job = e.job
         m.class_count[e.rank] -= 1
         m.dequeued(e.rank)
+        self._account(m, e, -1, now)
         self._tenant_dec(job.tenant)
         e.state = _RUNNING
+        if e.predicted >= 0.0:
+            self.wait_samples[e.rank].append((e.predicted, now - job.arrival))
         e.worker = w.spec.worker_id
         e.cost = cost
         e.dispatched_at = now
@@ -802,13 +1043,13 @@ class Policy:
         self.entries.pop(job.job_id, None)
         m.class_count[e.rank] -= 1
         m.dequeued(e.rank)
+        self._account(m, e, -1, now)
         self._tenant_dec(job.tenant)
         self.counters["expired_queue_deadline"] += 1
         retry = self._retry_after(m, e.rank, 0, now)
-        actions.append(RejectJob(job.job_id, _err(
-            503, f"Request waited {now - job.arrival:.1f} s in the `{self.classes[e.rank].name}` queue, "
-                 f"past its deadline of {self.classes[e.rank].queue_deadline_s:g} s; the service is "
-                 f"overloaded, retry later.", "service_unavailable_error", "queue_deadline", retry)))
+        actions.append(RejectJob(job.job_id, Refusal(Code.QUEUE_DEADLINE, retry, {
+            "waited": now - job.arrival, "klass": self.classes[e.rank].name,
+            "deadline": self.classes[e.rank].queue_deadline_s})))
 
     def _expire_running(self, now: float, actions: list[Action]) -> None:
         h = self._deadlines
@@ -820,10 +1061,8 @@ class Policy:
             wid = e.worker
             self._release(e, now, count_rate=False)
             self.counters["aborted_generation_deadline"] += 1
-            actions.append(AbortJob(job_id, wid or "", _err(
-                504, f"Request ran past the generation deadline of "
-                     f"{self.cfg.generation_deadline_s:g} s and was aborted.",
-                "timeout_error", "generation_deadline")))
+            actions.append(AbortJob(job_id, wid or "", Refusal(
+                Code.GENERATION_DEADLINE, None, {"deadline": self.cfg.generation_deadline_s})))
 
     # ------------------------------------------------------------ completion
 
@@ -852,6 +1091,7 @@ class Policy:
             if m is not None:
                 m.class_count[e.rank] -= 1
                 m.dequeued(e.rank)
+                self._account(m, e, -1, now)
             self._tenant_dec(e.job.tenant)
             return True
         self._release(e, now, count_rate=True)
@@ -866,10 +1106,18 @@ class Policy:
         if e is None or actual < 1:
             return
         job = e.job
-        if e.state == _QUEUED and e.queue is not None:
-            e.queue.tokens += (actual + job.max_tokens) - e.tokens
+        queued = e.state == _QUEUED and e.queue is not None
+        m = self.models.get(job.model)
+        if queued:
+            e.queue.tokens -= e.tokens
+            if m is not None:
+                self._account(m, e, -1, None)
         job.prompt_tokens = actual
         e.tokens = actual + max(0, job.max_tokens)
+        if queued:
+            e.queue.tokens += e.tokens
+            if m is not None:
+                self._account(m, e, 1, None)
         if e.state == _RUNNING:
             w = self.workers.get(e.worker) if e.worker else None
             if w is None or job_id not in w.running:
@@ -931,18 +1179,23 @@ class Policy:
             "budget_tokens": w.budget, "reserved_tokens": w.reserved, "running": len(w.running),
             "max_num_seqs": w.spec.max_num_seqs,
         } for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)]
-        agg: dict[tuple[int, int], list] = {
-            (r, s): [0, None] for r in range(self.n_classes) for s in (SHORT, LONG)}
-        for e in self.entries.values():
-            if e.state != _QUEUED:
-                continue
-            a = agg[(e.rank, e.size)]
-            a[0] += 1
-            if a[1] is None or e.job.arrival < a[1]:
-                a[1] = e.job.arrival
-        queues = [{
-            "class": self.classes[r].name, "pool": SIZE_NAMES[s], "queued": n,
-            "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
-        } for (r, s), (n, oldest) in sorted(agg.items())]
+        # O(classes x models): /metrics reads this at every scrape, also with 100,000 queued
+        queues = []
+        for r in range(self.n_classes):
+            samples = sorted(abs(a - p) for p, a in self.wait_samples[r])
+            for size in (SHORT, LONG):
+                n, oldest = 0, None
+                for m in self.models.values():
+                    n += m.size_count[r][size]
+                    e = m.oldest(r, size)
+                    if e is not None and (oldest is None or e.job.arrival < oldest):
+                        oldest = e.job.arrival
+                queues.append({
+                    "class": self.classes[r].name, "pool": SIZE_NAMES[size], "queued": n,
+                    "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
+                    # |actual - predicted| queue wait of the class's last dispatches
+                    "wait_error_p50_s": _pct(samples, 50), "wait_error_p90_s": _pct(samples, 90),
+                    "wait_samples": len(samples),
+                })
         return {"workers": workers, "queues": queues, "counters": dict(self.counters),
                 "policy": self.cfg.policy}

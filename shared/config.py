@@ -108,8 +108,16 @@ class WorkerConfig(_Cfg):
 
 class ClassConfig(_Cfg):
     name: str
-    max_queue: int = 1024  # queued requests of this class; beyond -> 429
+    # A request is queued only if its predicted queue wait (work queued ahead
+    # of it over the measured drain rate: router/policy.py) is within this
+    # bound; else 429 at once, Retry-After = when to come back.  None: the
+    # class's queue_deadline_s.  <= 0 (or no deadline): no wait bound.
+    max_predicted_wait_s: Optional[float] = None
     queue_deadline_s: float = 60.0  # waited longer -> 503
+    # Queued requests of this class per model; beyond -> 429 queue_full.
+    # Memory protection only (~1 KB a queued request in the router), far
+    # above what the wait bound admits on a fleet of any size.
+    max_queue: int = 200_000
 
 
 class SchedulerConfig(_Cfg):
@@ -127,13 +135,16 @@ class SchedulerConfig(_Cfg):
     kv_safety_margin: float = 0.0  # reserve at most capacity * (1 - margin)
     overcommit: float = 1.0  # >1 lets reservations exceed capacity
     gpu_free_floor_bytes: int = 0  # a GPU with less free memory gets no new work
-    max_queue_per_tenant: int = 256
+    # Queued requests per tenant, all classes; beyond -> 429 tenant_queue_full.
+    # Memory protection only: fairness between tenants is the wait bound's
+    # weighted share (router/policy.py), and a tenant alone may use all of it.
+    max_queue_per_tenant: int = 200_000
     generation_deadline_s: float = 600.0
     backfill: bool = True
     # Class headroom: class rank r of K may fill a worker's KV budget and seq
     # slots only up to 1 - priority_headroom * (r - top)/(K-1), top = highest
     # class active within aging_bound_s, so higher classes start at once under
-    # overload (router/policy.py).  0.2: measured in router/des.py.
+    # overload (router/policy.py).  0.2: measured in simulation/des.py.
     priority_headroom: float = 0.2
     # Jobs a worker may hold beyond its engine's max_num_seqs.  0: every
     # waiting job waits here, under this policy.  k > 0: up to k wait inside

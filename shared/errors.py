@@ -35,8 +35,10 @@ class Code(enum.Enum):
     METHOD_NOT_ALLOWED = (405, _INVALID, "method_not_allowed")
     REQUEST_TOO_LARGE = (413, _INVALID, "request_too_large")
     RATE_LIMITED = (429, _RATE, "rate_limit_exceeded")  # Envoy's request buckets
-    QUEUE_FULL = (429, _RATE, "queue_full")
+    QUEUE_FULL = (429, _RATE, "queue_full")  # memory protection: a count bound
     TENANT_QUEUE_FULL = (429, _RATE, "tenant_queue_full")
+    QUEUE_WAIT_EXCEEDED = (429, _RATE, "queue_wait_exceeded")  # predicted wait over the class's bound
+    TENANT_SHARE_EXCEEDED = (429, _RATE, "tenant_share_exceeded")  # ... and the tenant over its share
     # 5xx: the service
     INTERNAL = (500, _SERVER, "internal_error")
     ENGINE_ERROR = (500, _SERVER, "engine_error")
@@ -100,17 +102,34 @@ def context_length(max_len: int, prompt: int, completion: int, param: str = "max
 
 
 class Refusal(NamedTuple):
-    """A decision of the (pure) policy: a code and the facts that explain it;
-    ``render`` turns it into words once, at the edge."""
+    """A decision of the (pure) policy: a code and the facts that explain it.
+    Words are made once, at the edge (``render``); ``status``, ``code`` and
+    ``message`` read like an ErrorInfo's."""
 
-    code: Code
+    kind: Code
     retry_after: Optional[float] = None
     facts: dict[str, Any] = {}
     param: Optional[str] = None
 
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+    @property
+    def code(self) -> Optional[str]:
+        return self.kind.wire
+
+    @property
+    def label(self) -> str:
+        return self.kind.label
+
+    @property
+    def message(self) -> str:
+        return self.render().message
+
     def render(self) -> ErrorInfo:
         f = self.facts
-        c = self.code
+        c = self.kind
         if c is Code.NO_WORKER:
             pool = f" of the {f['pool']}-request pool" if f.get("pool") else ""
             msg = f"No worker{pool} is currently serving model `{f['model']}`; try again shortly."
@@ -125,6 +144,12 @@ class Refusal(NamedTuple):
             msg = f"Too many requests queued in class `{f['klass']}`; retry later."
         elif c is Code.TENANT_QUEUE_FULL:
             msg = f"Too many requests queued for tenant `{f['tenant']}`; retry later."
+        elif c is Code.TENANT_SHARE_EXCEEDED:
+            msg = (f"Tenant `{f['tenant']}` has more than its share of the `{f['klass']}` queue waiting "
+                   f"(predicted wait {f['wait']:.1f} s, bound {f['bound']:g} s); retry later.")
+        elif c is Code.QUEUE_WAIT_EXCEEDED:
+            msg = (f"The `{f['klass']}` queue is full: this request's predicted wait is {f['wait']:.1f} s, "
+                   f"over the bound of {f['bound']:g} s; retry later.")
         elif c is Code.QUEUE_DEADLINE:
             msg = (f"Request waited {f['waited']:.1f} s in the `{f['klass']}` queue, past its "
                    f"deadline of {f['deadline']:g} s; the service is overloaded, retry later.")

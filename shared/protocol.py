@@ -186,6 +186,10 @@ class Register(_Msg, tag=10):
     max_num_seqs: int
     engine: str  # "vllm" | "sim"
     gpu: GpuInfo = msgspec.field(default_factory=GpuInfo)
+    # The engine's own timing, for the router's wait prediction before it has
+    # measured anything (0: unknown, the router assumes its default).
+    step_time_s: float = 0.0  # one step with a full batch
+    request_overhead_s: float = 0.0  # engine work per newly admitted request
 
 
 class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -8,7 +8,12 @@
   re-registration;
 * FIFO within (class, tenant, size) -- and globally in ``policy="fifo"``;
 * no class waits past the aging bound behind a stream of higher-class work;
-* a flooding tenant gets no more than its weighted share of its class.
+* a flooding tenant gets no more than its weighted share of its class;
+* admission by predicted wait: an admitted job's predicted wait is within
+  its class's bound, a refused one's is not, and a tenant within its
+  weighted share of the bound is never refused for its wait (top class);
+* the admission totals (queued tokens per class and tenant, their weights)
+  always equal what is queued.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import msgspec
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
+from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec, _Entry
 from shared.config import ClassConfig, SchedulerConfig
 from shared.protocol import Pool, TaskType
 
@@ -91,6 +96,7 @@ def test_ledger_bounds_and_exactly_once_release(policy, overcommit, margin, back
             assert w.budget <= w.spec.capacity_tokens * (1 + cfg.overcommit)
             assert len(w.running) <= w.spec.max_num_seqs
         assert all(n == 1 for n in released.values())
+        check_totals(p)
 
     def take(actions):
         for a in actions:
@@ -176,6 +182,90 @@ def test_ledger_bounds_and_exactly_once_release(policy, overcommit, margin, back
         assert all(n == 0 for n in m.class_count)
         assert all(q.count == 0 and q.tokens == 0 for q in m.queues.values())
     assert p.next_wakeup(now) is None
+
+
+def check_totals(p: Policy) -> None:
+    """The O(1) admission totals equal a recount of the queued entries."""
+    queued = [e for e in p.entries.values() if e.state == 0]
+    for name, m in p.models.items():
+        mine = [e for e in queued if e.job.model == name]
+        assert m.queued == len(mine) == sum(m.class_count)
+        for r in range(p.n_classes):
+            of = [e for e in mine if e.rank == r]
+            assert m.tokens[r] == sum(e.tokens for e in of)
+            assert m.decode[r] == sum(max(0, e.job.max_tokens) for e in of)
+            assert set(m.tenants[r]) == {e.job.tenant for e in of}
+            for t, (tok, n, w) in m.tenants[r].items():
+                assert tok == sum(e.tokens for e in of if e.job.tenant == t)
+                assert n == sum(1 for e in of if e.job.tenant == t)
+            assert abs(m.wsum[r] - sum(w for _, _, w in m.tenants[r].values())) < 1e-6
+
+
+# ------------------------------------------------------------------ admission by predicted wait
+
+WAIT_CODES = ("queue_wait_exceeded", "tenant_share_exceeded")
+
+
+@settings(SETTINGS, max_examples=150)
+@given(
+    bounds=st.tuples(st.floats(0.5, 20.0), st.floats(0.5, 20.0)),
+    weights=st.lists(st.floats(0.25, 4.0), min_size=3, max_size=3),
+    seqs=st.integers(1, 16),
+    step=st.one_of(st.none(), st.floats(0.001, 0.5)),
+    ops=st.lists(st.one_of(
+        st.tuples(st.just("submit"), st.integers(0, 1), st.integers(0, 2), st.integers(1, 2000),
+                  st.integers(0, 500)),
+        st.tuples(st.just("submit"), st.integers(0, 1), st.integers(0, 2), st.integers(1, 2000),
+                  st.integers(0, 500)),
+        st.tuples(st.just("finish"), st.integers(0, 10_000)),
+        st.tuples(st.just("advance"), st.floats(0.0, 5.0)),
+        st.tuples(st.just("schedule"))), min_size=20, max_size=250),
+)
+def test_admission_by_predicted_wait(bounds, weights, seqs, step, ops):
+    classes = [ClassConfig(name="high", queue_deadline_s=bounds[0]),
+               ClassConfig(name="normal", max_predicted_wait_s=bounds[1], queue_deadline_s=1e9)]
+    p = Policy(msgspec.structs.replace(SchedulerConfig(), classes=classes, aging_bound_s=1e9))
+    p.add_worker(WorkerSpec(worker_id="w0", model="m", pool=Pool.ANY, capacity_tokens=1 << 16,
+                            block_size=16, max_num_seqs=seqs, max_model_len=4096, step_time_s=step), 0.0)
+    m = p.models["m"]
+    now = 0.0
+    live: list[str] = []
+    n = 0
+    for o in ops:
+        if o[0] == "submit":
+            _, c, t, prompt, max_tokens = o
+            n += 1
+            job = Job(f"j{n}", "m", f"t{t}", classes[c].name, prompt, max_tokens, TaskType.AUTO, now,
+                      weights[t])
+            probe = _Entry(job, c, 0, 0)
+            ahead, mine, w_others = p._ahead(m, probe)
+            rate = p._drain_rate(m, c, probe.tokens, max_tokens, now)
+            if c > 0:
+                rate = max(0.05 * rate, rate - sum(f.rate(now) for f in m.inflow[:c]))
+            share = job.weight / (job.weight + w_others)
+            err = p.submit(job, now)
+            event(err.code if err is not None else "admitted")
+            bound = bounds[c]
+            if err is None:
+                live.append(job.job_id)
+                assert p.entries[job.job_id].predicted <= bound + 1e-9
+                assert abs(p.entries[job.job_id].predicted - ahead / rate) < 1e-6 * (1 + ahead / rate)
+            else:
+                assert err.status == 429 and err.code in WAIT_CODES
+                assert ahead / rate > bound
+                assert err.retry_after >= bound / 2 - 0.1  # come back once the line is half a bound away
+                if err.code == "tenant_share_exceeded":
+                    assert w_others > 0 and mine > share * bound * rate
+            # fairness: in the top class, a tenant within its weighted share of the bound fits
+            if c == 0 and mine <= share * bound * rate * (1 - 1e-9):
+                assert err is None
+        elif o[0] == "finish" and live:
+            p.finish(live.pop(o[1] % len(live)), now)
+        elif o[0] == "advance":
+            now += o[1]
+        else:
+            p.schedule(now)
+        check_totals(p)
 
 
 # ------------------------------------------------------------------ aging bound

@@ -8,7 +8,7 @@ mode, on the same seeded arrivals, through Envoy, on sim workers.
     saturation).  Target: high-priority p99 TTFT overloaded <= 2x unloaded.
 
 The fleets are those of the scheduler's discrete-event simulation
-(router/des.py): two sim workers, 32 seqs each, 16k KV tokens per worker for
+(simulation/des.py): two sim workers, 32 seqs each, 16k KV tokens per worker for
 (a) -- KV is the scarce resource -- and 64k for (b).  Saturation is measured
 here, end to end: completions/s of the FIFO stack when always backlogged.
 
