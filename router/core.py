@@ -107,9 +107,6 @@ class RouterCore:
             m.name: ModelPrompts(cfg.resolve(m.path) if m.path else None) for m in cfg.models}
         # One thread: long prompts are tokenized in arrival order, with the GIL released.
         self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        for mp in self.prompts.values():
-            if mp.exact:
-                self.executor.submit(mp.warm)  # the chat-template engine loads off the loop
         self.jobs: dict[str, _Job] = {}
         self._job_metrics: dict[tuple[str, str], _JobMetrics] = {}
         self._next_handle = 1

@@ -272,7 +272,7 @@ def test_a_long_prompt_is_tokenized_off_the_loop_and_can_be_cancelled_meanwhile(
         dropped = h.submit(text, model="tiny")
         assert "%x" % kept in h.core.jobs and not h.workers.dispatched  # tokenizing, not yet queued
         h.core.cancel(dropped)
-        for _ in range(1000):  # the thread may first load the chat-template engine (~1 s)
+        for _ in range(1000):  # (real time: the thread tokenizes meanwhile)
             h.loop.run_until_complete(asyncio.sleep(0.01))
             if h.workers.dispatched:
                 break

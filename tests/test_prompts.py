@@ -44,6 +44,5 @@ def test_only_short_prompts_are_tokenized_on_the_loop():
     long = Submit("r", "m", prompt="x" * (INLINE_MAX_CHARS + 1))
     assert prompts.inline(short) and not prompts.inline(long)
     chat = Submit("r", "m", RequestKind.CHAT, messages=[ChatMessage("user", "hi")])
-    prompts.warm()
     assert prompts.inline(chat)
     assert ModelPrompts(None).inline(long)  # an estimate is arithmetic: always inline
