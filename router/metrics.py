@@ -124,6 +124,8 @@ class RouterMetrics:
                                   ["klass", "pool"], _LATENCY_BUCKETS)
         self.worker_events = _Family("weir_worker_events", "Worker registrations and losses",
                                      ["worker", "event"])
+        self.resumed = _Family("weir_resumed", "Requests continued on another worker after output streamed, "
+                               "by model and why", ["model", "why"])
         self.bad_frames = _Family("weir_malformed_frames", "ZeroMQ frames dropped as undecodable",
                                   ["socket"])
         # The HTTP ingress's (router.http_server); the path label is its route.
@@ -134,7 +136,7 @@ class RouterMetrics:
             "Time from a request's last byte to its response's last byte (whole stream for SSE)", ["path"],
             _LATENCY_BUCKETS)
         self._families = [self.requests, self.rejected, self.tokens, self.ttft, self.e2e,
-                          self.queue_wait, self.worker_events, self.bad_frames, self.http_requests,
+                          self.queue_wait, self.worker_events, self.resumed, self.bad_frames, self.http_requests,
                           self.http_duration]
         self.registry.register(self)
 

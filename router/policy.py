@@ -499,7 +499,7 @@ class Policy:
         self._deadlines: list[tuple[float, int, str]] = []  # generation deadlines (lazy heap)
         self._seq = 0
         self.counters: dict[str, int] = {
-            "submitted": 0, "dispatched": 0, "finished": 0, "released": 0,
+            "submitted": 0, "requeued": 0, "dispatched": 0, "finished": 0, "released": 0,
             "rejected_no_worker": 0, "rejected_context_length": 0, "rejected_queue_full": 0,
             "rejected_tenant_queue_full": 0, "rejected_predicted_wait": 0,
             "rejected_tenant_share": 0, "expired_queue_deadline": 0,
@@ -580,22 +580,28 @@ class Policy:
         # a short job on a long worker: only if configured, and while no long work waits
         return self.cfg.borrow_idle_long and (m is None or m.long_queued() == 0)
 
-    def submit(self, job: Job, now: float) -> Optional[Refusal]:
-        """Queue a job, or say now why not (a code and its facts)."""
+    def submit(self, job: Job, now: float, *, requeue: bool = False) -> Optional[Refusal]:
+        """Queue a job, or say now why not (a code and its facts).
+
+        ``requeue``: a job admitted before whose worker went (it may have
+        streamed output: a continuation).  It is queued even while no worker
+        of its model is left -- it waits, up to its queue deadline, for one
+        to come back -- and is not measured against the predicted-wait bound
+        again; it keeps its place by ``job.arrival``."""
         if job.job_id in self.entries:  # a router bug; keep the ledger exact anyway
             self.finish(job.job_id, now)
-        self.counters["submitted"] += 1
+        self.counters["requeued" if requeue else "submitted"] += 1
         rank = self.rank.get(job.klass, self.n_classes - 1)  # unknown class: the lowest
         size = self._size(job)
         m = self.models.get(job.model) or self._model(job.model)
-        if not m.workers:
+        if not m.workers and not requeue:
             self.counters["rejected_no_worker"] += 1
             return Refusal(Code.NO_WORKER, NO_WORKER_RETRY_S, {"model": job.model})
         if m.eligible is None:
             m.eligible = {sz: [w for w in m.workers.values() if self._pool_ok(w, sz, None)]
                           for sz in (SHORT, LONG)}
         eligible = m.eligible[size]
-        if not eligible:
+        if not eligible and not requeue:
             self.counters["rejected_no_worker"] += 1
             return Refusal(Code.NO_WORKER, NO_WORKER_RETRY_S, {"model": job.model, "pool": SIZE_NAMES[size]})
         prompt = max(1, job.prompt_tokens)
@@ -605,12 +611,13 @@ class Policy:
             if total <= spec.max_model_len and kv_cost(prompt, job.max_tokens, spec.block_size) <= w.budget:
                 break
         else:
-            self.counters["rejected_context_length"] += 1
-            max_len = max(w.spec.max_model_len for w in eligible)
-            facts = {"prompt": prompt, "completion": job.max_tokens, "max_len": max_len}
-            if total <= max_len:  # fits the context, not any worker's KV budget
-                facts["kv_tokens"] = max(w.budget for w in eligible)
-            return Refusal(Code.CONTEXT_LENGTH, None, facts, "messages")
+            if eligible:  # (a requeued job may wait for a worker that can)
+                self.counters["rejected_context_length"] += 1
+                max_len = max(w.spec.max_model_len for w in eligible)
+                facts = {"prompt": prompt, "completion": job.max_tokens, "max_len": max_len}
+                if total <= max_len:  # fits the context, not any worker's KV budget
+                    facts["kv_tokens"] = max(w.budget for w in eligible)
+                return Refusal(Code.CONTEXT_LENGTH, None, facts, "messages")
         # Hard count bounds: memory protection only (a queued request costs
         # the router ~1 KB, bench/README.md), far above what the wait bound admits.
         if m.class_count[rank] >= self.classes[rank].max_queue:
@@ -624,7 +631,7 @@ class Policy:
         self._seq += 1
         e = _Entry(job, rank, size, self._seq)
         bound = self.wait_bound[rank]
-        if bound < math.inf:
+        if bound < math.inf and not requeue:
             refusal = self._admit_by_wait(m, e, bound, now)
             if refusal is not None:
                 return refusal
@@ -1133,6 +1140,10 @@ class Policy:
         """The worker a job runs on (None: queued, ended or unknown)."""
         e = self.entries.get(job_id)
         return e.worker if e is not None and e.state == _RUNNING else None
+
+    def running_on(self, worker_id: str) -> list[str]:
+        w = self.workers.get(worker_id)
+        return list(w.running) if w is not None else []
 
     def pool_of(self, worker_id: str) -> str:
         w = self.workers.get(worker_id)

@@ -45,7 +45,7 @@ class WorkerEvents(Protocol):
 
     def worker_left(self, worker_id: str, why: str) -> None: ...
 
-    def on_outputs(self, deltas: list[p.Delta]) -> None: ...
+    def on_outputs(self, worker_id: str, deltas: list[p.Delta]) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -135,7 +135,7 @@ class WorkerLink:
         if msg.__class__ is p.Outputs:
             if w is not None:  # else: outputs of a worker we already declared lost
                 w.last_seen = now
-                self.events.on_outputs(msg.deltas)
+                self.events.on_outputs(worker_id, msg.deltas)
         elif isinstance(msg, p.Heartbeat):
             if w is None:
                 self._send(identity, p.Goodbye(reason="unknown worker: register again"))

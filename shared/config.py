@@ -58,6 +58,16 @@ class RouterConfig(_Cfg):
     heartbeat_interval_s: float = 1.0
     heartbeat_liveness: int = 3  # missed intervals before a peer is dead
     log_level: str = "info"
+    # A request whose worker is lost after it streamed output continues on
+    # another worker (prompt + the tokens so far), at most this many times.
+    max_resumes: int = 2
+    # A worker told to stop (SIGTERM) or drained by an operator takes no new
+    # work and has this long to finish what it runs; the rest then resumes elsewhere.
+    drain_timeout_s: float = 30.0
+    # A dispatched request that hears nothing from its (heartbeating) worker
+    # for this long is aborted there and resumed elsewhere.  0: off.  The
+    # tiny model's longest step here is ~50 ms, a 2k-token prefill ~0.3 s.
+    stall_timeout_s: float = 10.0
 
 
 class ApiKey(_Cfg):

@@ -32,6 +32,7 @@ class FakeWorkers:
     def __init__(self) -> None:
         self.linked: set[str] = set()
         self.dispatched: dict[str, list[p.GenerateRequest]] = {}
+        self.current: dict[str, str] = {}  # job id -> the worker it was dispatched to last
         self.aborted: list[tuple[str, str]] = []
         self.refuse_next = False  # the next dispatch finds the worker unlinked
 
@@ -40,6 +41,7 @@ class FakeWorkers:
             self.refuse_next = False
             return False
         self.dispatched.setdefault(worker_id, []).append(req)
+        self.current[req.request_id] = worker_id
         return True
 
     def abort(self, worker_id: str, job_id: str) -> None:
@@ -49,10 +51,7 @@ class FakeWorkers:
         pass
 
     def where(self, job_id: str) -> str | None:
-        for wid, reqs in self.dispatched.items():
-            if any(r.request_id == job_id for r in reqs):
-                return wid
-        return None
+        return self.current.get(job_id)
 
 
 class Sink:
@@ -97,6 +96,7 @@ class Harness:
         self.workers = FakeWorkers()
         self.core = RouterCore(cfg or config(), self.loop, self.workers, clock=self.clock, prompts=prompts)
         self.sinks: dict[int, Sink] = {}
+        self.attempt_tokens: dict[tuple[str, str], int] = {}
 
     def close(self) -> None:
         self.core.close()
@@ -122,9 +122,16 @@ class Harness:
         self.sinks[handle] = sink
         return handle
 
-    def tokens(self, handle: int, n: int = 1, finish: str | None = None) -> None:
+    def tokens(self, handle: int, n: int = 1, finish: str | None = None, worker: str | None = None,
+               **fields) -> None:
+        """Engine news for a job, from the worker it runs on (or ``worker``);
+        ``completion_tokens`` counts as an engine does: within its attempt."""
         job_id = "%x" % handle
-        self.core.on_outputs([p.Delta(job_id, " t" * n, n, finish, token_ids=[7] * n)])
+        wid = worker or self.workers.where(job_id) or "nobody"
+        done = self.attempt_tokens.get((job_id, wid), 0) + n
+        self.attempt_tokens[(job_id, wid)] = done
+        self.core.on_outputs(wid, [p.Delta(job_id, " t" * n, n, finish, completion_tokens=done,
+                                           token_ids=[7] * n, **fields)])
 
     def reserved(self) -> int:
         return sum(w.reserved for w in self.core.policy.workers.values())
@@ -161,24 +168,85 @@ def test_the_clients_message_is_not_changed_by_admission(h):
     assert h.workers.dispatched["w0"][0].params.max_tokens == 4096 - 2
 
 
-def test_worker_loss_requeues_what_had_not_started_and_fails_what_had(h):
+def test_worker_loss_requeues_what_had_not_started_and_resumes_what_had(h):
     h.join("w0", seqs=2)
-    started, waiting = h.submit(), h.submit()
+    started, waiting = h.submit(max_tokens=5), h.submit()
     h.settle()
     h.join("w1")
-    h.tokens(started, 1)
+    h.tokens(started, 2)
     h.leave("w0")
-    assert h.sinks[started].finals[0].error.code == "worker_lost"
-    assert h.sinks[waiting].deltas == []  # nothing streamed: nobody can tell it moved
+    assert h.sinks[waiting].deltas == [] and h.reserved() == 0
     h.settle()
-    assert h.workers.where("%x" % waiting) in ("w0", "w1") and h.workers.dispatched["w1"][-1].request_id == "%x" % waiting
+    cont = h.workers.dispatched["w1"][-2:]
+    assert {r.request_id for r in cont} == {"%x" % started, "%x" % waiting}
+    (resumed,) = [r for r in cont if r.request_id == "%x" % started]
+    assert (resumed.prompt_tokens, resumed.params.max_tokens) == (2 + 2, 3)  # prompt + 2 generated; 3 to go
+    h.tokens(started, 1, prompt_tokens=4)  # the engine counts the continuation's prompt
+    h.tokens(started, 2, "length", prompt_tokens=4)
+    ds = h.sinks[started].deltas
+    assert [d.completion_tokens for d in ds] == [2, 3, 5]  # one stream, cumulative counts
+    assert ds[-1].finish_reason == "length" and ds[-1].prompt_tokens == 2  # the client's prompt
+    assert h.reserved() > 0
     h.tokens(waiting, 1, "stop")
-    assert h.sinks[waiting].finals[0].finish_reason == "stop" and h.reserved() == 0
-    lone = h.submit()
+    assert h.reserved() == 0 and not h.core.jobs
+    m = h.core.metrics
+    assert m.child(m.resumed, "sim-m", "heartbeat_timeout").value == 1
+
+
+def test_late_news_from_a_lost_attempt_is_ignored(h):
+    h.join("w0")
+    h.join("w1")
+    a = h.submit(max_tokens=10)
     h.settle()
-    h.leave("w1")  # the last worker of the model: refused for now (503, Retry-After)
-    err = h.sinks[lone].finals[0].error
-    assert err.code == "no_worker" and err.retry_after and h.reserved() == 0
+    first = h.workers.where("%x" % a)
+    other = "w1" if first == "w0" else "w0"
+    h.tokens(a, 3)
+    h.workers.linked.discard(first)
+    h.core.worker_left(first, "unreachable")
+    h.settle()
+    assert h.workers.where("%x" % a) == other
+    h.tokens(a, 4, "stop", worker=first)  # the old worker was not dead after all
+    assert len(h.sinks[a].deltas) == 1 and not h.sinks[a].finals
+    h.tokens(a, 7, "length")
+    assert [d.completion_tokens for d in h.sinks[a].deltas] == [3, 10] and h.reserved() == 0
+
+
+def test_resumes_are_bounded_then_a_clear_error(h):
+    h.join("w0")
+    a = h.submit(max_tokens=50)
+    h.settle()
+    for _ in range(2):  # max_resumes = 2: two continuations...
+        h.tokens(a, 1)
+        h.join("w0")  # restarted under it
+        h.settle()
+    h.tokens(a, 1)
+    h.join("w0")  # ...and a third loss ends it
+    err = h.sinks[a].finals[0].error
+    assert err.code == "worker_lost" and "after 2 resumes" in err.message
+    assert h.sinks[a].finals[0].completion_tokens == 3 and h.reserved() == 0
+
+
+def test_with_no_worker_left_the_lost_work_waits_for_one(h):
+    h.join("w0")
+    a, b = h.submit(max_tokens=6), h.submit(max_tokens=6)
+    h.settle()
+    h.tokens(a, 2)
+    h.leave("w0")  # the model's last worker
+    assert h.sinks[a].finals == [] and h.sinks[b].deltas == []
+    h.clock.t += 5
+    h.join("w1")
+    h.settle()
+    assert {r.request_id for r in h.workers.dispatched["w1"]} == {"%x" % a, "%x" % b}
+    h.tokens(a, 4, "length")
+    h.tokens(b, 6, "length")
+    assert [d.completion_tokens for d in h.sinks[a].deltas] == [2, 6]
+    assert h.reserved() == 0 and not h.core.jobs
+    c = h.submit()
+    h.settle()
+    h.leave("w1")
+    h.clock.t += 61  # nobody came back within its queue deadline
+    h.core.run_policy()
+    assert h.sinks[c].finals[0].error.code == "queue_deadline" and h.reserved() == 0
 
 
 def test_reregistration_is_a_loss_of_what_ran_there(h):
@@ -186,8 +254,10 @@ def test_reregistration_is_a_loss_of_what_ran_there(h):
     a = h.submit()
     h.settle()
     h.tokens(a, 1)
-    h.join("w0")  # the same id registers again: it restarted
-    assert h.sinks[a].finals[0].error.code == "worker_lost" and h.reserved() == 0
+    h.join("w0")  # the same id registers again: it restarted, and the job resumes there
+    h.settle()
+    assert [r.prompt_tokens for r in h.workers.dispatched["w0"]] == [2, 3]
+    assert h.workers.aborted == []  # (nothing to abort: the restarted worker runs nothing)
 
 
 def test_cancel_then_a_late_final_delta_is_one_end(h):
@@ -321,12 +391,23 @@ class LifecycleMachine(RuleBasedStateMachine):
           finish=st.sampled_from([None, None, "stop", "length", "abort", "error"]))
     def news(self, i, n, finish):
         handle = self.handles[i % len(self.handles)]
+        wid = self.h.workers.where("%x" % handle) or "w0"
         if finish == "error":
             d = p.Delta("%x" % handle, error=p.ErrorInfo(500, "boom", "server_error", "engine_error"))
+            self.h.core.on_outputs(wid, [d])
         else:
-            d = p.Delta("%x" % handle, " t" * n, n, finish)
-        self.h.core.on_outputs([d])
+            self.h.tokens(handle, n, finish)
         self.h.settle()
+
+    @precondition(lambda self: self.handles)
+    @rule(i=st.integers(0, 1000), w=st.sampled_from(["w0", "w1"]))
+    def stale_news(self, i, w):
+        """Output claimed by a worker that does not run the job: ignored."""
+        handle = self.handles[i % len(self.handles)]
+        if self.h.core.policy.worker_of("%x" % handle) != w:
+            before = len(self.h.sinks[handle].deltas)
+            self.h.core.on_outputs(w, [p.Delta("%x" % handle, " x", 1, "stop")])
+            assert len(self.h.sinks[handle].deltas) == before
 
     @precondition(lambda self: self.handles)
     @rule(i=st.integers(0, 1000))
@@ -350,6 +431,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             if sink.finals:  # ended: gone from the table and from the ledger
                 assert "%x" % handle not in self.h.core.jobs
                 assert self.h.core.policy.worker_of("%x" % handle) is None
+            counts = [d.completion_tokens for d in sink.deltas if d.error is None]
+            assert counts == sorted(counts)  # one stream, however many attempts
 
     def end_everything(self):
         for handle in self.handles:
