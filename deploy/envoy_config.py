@@ -346,7 +346,8 @@ def _router_cluster(cfg: Config) -> dict:
                 "no_traffic_interval": interval,  # default 60 s would hide an outage while idle
                 "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
-                "http_health_check": {"path": "/health"},
+                # readiness: a router with no worker taking work gets no traffic
+                "http_health_check": {"path": "/health/ready"},
             }
         ],
         # One router: when it is down, fail fast with 503 instead of trying it anyway.

@@ -245,11 +245,12 @@ class Stack:
             envoy_config.envoy_binary(), "-c", str(self.envoy_yaml), "--disable-hot-restart",
             "--concurrency", str(self.cfg.envoy.concurrency), "-l", self.envoy_log_level,
         ])
-        self._wait(envoy, ENVOY_READY_S, "not ready (admin /ready, then /health through Envoy)",
-                   self._envoy_ready)
-        self.progress(f"envoy ready ({time.monotonic() - t0:.1f} s)")
-
+        self._wait(envoy, ENVOY_READY_S, "not live (admin /ready)", self._envoy_live)
         self._wait_for_workers(workers, t0, also_alive=[router, envoy])
+        # Envoy's health check asks the router's readiness: it passes once a worker is in.
+        self._wait(envoy, ENVOY_READY_S, "not ready (/health through Envoy)",
+                   lambda: _get(self.envoy_url + "/health")[0] == 200)
+        self.progress(f"envoy ready ({time.monotonic() - t0:.1f} s)")
 
     def _wait_for_workers(self, workers: list[Component], t0: float, also_alive: list[Component]) -> None:
         """Until each worker's id shows up in the router's /admin/workers."""
@@ -291,10 +292,9 @@ class Stack:
                 raise comp.failure(f"{what} after {timeout_s:.0f} s")
             time.sleep(POLL_S)
 
-    def _envoy_ready(self) -> bool:
+    def _envoy_live(self) -> bool:
         status, body = _get(self.admin_url + "/ready")
-        # LIVE first, then the router cluster must have passed a health check.
-        return status == 200 and body.strip() == b"LIVE" and _get(self.envoy_url + "/health")[0] == 200
+        return status == 200 and body.strip() == b"LIVE"
 
     def _registered_workers(self) -> set[str]:
         try:
@@ -316,7 +316,9 @@ class Stack:
         comps = list(reversed(self._started))
         for c in comps:
             c.stopping = True
-            c.signal_group(signal.SIGTERM)
+            # A worker drains on SIGTERM (finishes its requests); with the
+            # whole stack going there is nobody to finish them for: SIGINT.
+            c.signal_group(signal.SIGINT if c.name.startswith("worker:") else signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for c in comps:
             if c.proc is None:

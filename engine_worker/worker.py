@@ -9,6 +9,11 @@ requests off), opens a new socket after an exponential back-off and
 registers again.  The engine's table (engine_worker.base) is the process's
 only record of live requests.
 
+Stopping: SIGTERM drains -- the worker tells the router (Drain), which sends
+it nothing new; it finishes what it runs within the router's
+``drain_timeout_s``, then says Goodbye and exits 0 (what was still running
+resumes on another worker).  SIGINT stops at once.
+
 Output batching: engines emit Deltas one at a time; they go through an Outbox
 that flushes once per event-loop turn, so one engine step becomes one Outputs
 message, whatever the number of requests in it.
@@ -25,7 +30,7 @@ import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Goodbye, Heartbeat, Outputs, Pool, Register,
+from shared.protocol import (Abort, Delta, Dispatch, Drain, Goodbye, Heartbeat, Outputs, Pool, Register,
                              WorkerStats, encoder, to_worker_decoder)
 from shared.transport import Outbox, SocketPump
 
@@ -73,6 +78,7 @@ class Worker:
         self._backoff = BACKOFF_INITIAL_S
         self._stop = asyncio.Event()
         self._stop_reason = "shutdown"
+        self._draining: Optional[asyncio.Task] = None
         self._malformed = 0
 
     # -- lifecycle -----------------------------------------------------------
@@ -83,9 +89,26 @@ class Worker:
             self.exit_code = exit_code
             self._stop.set()
 
+    def drain(self) -> None:
+        """Take no new work, finish what runs (up to the drain timeout), then stop."""
+        if self._draining is None and not self._stop.is_set():
+            log.info("worker %s draining: %d requests running", self.wcfg.id, len(self.engine.live_ids()))
+            self._send(Drain("SIGTERM"))
+            self._draining = self.loop.create_task(self._drain_then_stop())
+
+    async def _drain_then_stop(self) -> None:
+        deadline = self.loop.time() + self.cfg.router.drain_timeout_s
+        while self.engine.live_ids() and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.engine.live_ids()
+        if left:  # the router resumes them elsewhere once it has our Goodbye
+            log.warning("worker %s: drain timeout with %d requests running", self.wcfg.id, len(left))
+            self.engine.abort(left, tell=False)
+        self.stop("drained")
+
     async def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.loop.add_signal_handler(sig, self.stop, signal.Signals(sig).name)
+        self.loop.add_signal_handler(signal.SIGTERM, self.drain)
+        self.loop.add_signal_handler(signal.SIGINT, self.stop, "SIGINT")
         try:
             info = await self.engine.start()
         except Exception:
@@ -132,6 +155,8 @@ class Worker:
         self.pump.add(sock, self._on_message)
         self._last_heard = self.loop.time()
         self._send(self.register_msg)
+        if self._draining is not None:  # a new router link while draining: still draining
+            self._send(Drain("SIGTERM"))
 
     def _close_socket(self, linger_ms: int = 0) -> None:
         sock, self.sock = self.sock, None
@@ -206,6 +231,8 @@ class Worker:
             log.warning("worker %s: router said goodbye (%s); registering again", self.wcfg.id, msg.reason)
             self._forget_inflight()
             self._send(self.register_msg)
+            if self._draining is not None:
+                self._send(Drain("SIGTERM"))
         # Heartbeat: liveness only, recorded above.
 
     def outbox_put(self, delta: Delta) -> None:

@@ -103,9 +103,13 @@ class Generation(Protocol):
 class Views(Protocol):
     """What the read-only routes show (router.views.RouterViews)."""
 
-    def models(self) -> list[tuple[str, int]]: ...
+    def models(self) -> list[tuple[str, int, int]]: ...
 
     def health(self) -> dict: ...
+
+    def readiness(self) -> tuple[bool, dict]: ...
+
+    def drain(self, worker_id: str, on: bool) -> bool: ...
 
     def admin_workers(self) -> list[dict]: ...
 
@@ -154,6 +158,8 @@ class _Ingress:
             b"/v1/chat/completions": (b"POST", "_chat"),
             b"/v1/models": (b"GET", "_models"),
             b"/health": (b"GET", "_health"),
+            b"/health/live": (b"GET", "_health"),
+            b"/health/ready": (b"GET", "_ready"),
             b"/metrics": (b"GET", "_metrics"),
             b"/admin/workers": (b"GET", "_admin_workers"),
             b"/admin/queues": (b"GET", "_admin_queues"),
@@ -422,6 +428,8 @@ class HttpConnection(asyncio.Protocol):
         if route is None:
             if req.path.startswith(b"/v1/models/") and req.method == b"GET":
                 return self._model(req)
+            if req.path.startswith(b"/admin/workers/") and req.path.endswith((b"/drain", b"/undrain")):
+                return self._drain(req)
             return self.respond_error(req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"),
                                       "other")
         method, handler = route
@@ -473,16 +481,33 @@ class HttpConnection(asyncio.Protocol):
 
     def _model(self, req: _Request) -> None:
         name = req.path[len(b"/v1/models/"):].decode("utf-8", "replace")
-        for model, max_len in self.ingress.views.models():
+        for model, max_len, ready in self.ingress.views.models():
             if model == name:
                 body = api.encode({"id": model, "object": "model", "created": self.ingress.started,
-                                   "owned_by": "weir", "max_model_len": max_len})
+                                   "owned_by": "weir", "max_model_len": max_len, "ready_workers": ready})
                 return self.respond(req, 200, _JSON, body, "/v1/models/{model}")
         self.respond_error(req, error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"),
                            "/v1/models/{model}")
 
     def _health(self, req: _Request, label: str) -> None:
         self.respond(req, 200, _JSON, api.encode(self.ingress.views.health()), label)
+
+    def _ready(self, req: _Request, label: str) -> None:
+        ready, body = self.ingress.views.readiness()
+        extra = b"" if ready else b"retry-after: 1\r\n"
+        self.respond(req, 200 if ready else 503, _JSON, api.encode(body), label, extra)
+
+    def _drain(self, req: _Request) -> None:
+        """POST /admin/workers/{id}/drain (or /undrain)."""
+        label = "/admin/workers/{id}/drain"
+        if req.method != b"POST":
+            return self.respond_error(req, error(Code.METHOD_NOT_ALLOWED, "use POST"), label,
+                                      extra=b"allow: POST\r\n")
+        worker_id, _, action = req.path[len(b"/admin/workers/"):].rpartition(b"/")
+        wid = worker_id.decode("utf-8", "replace")
+        if not self.ingress.views.drain(wid, action == b"drain"):
+            return self.respond_error(req, error(Code.NOT_FOUND, f"No worker {wid!r} is registered"), label)
+        self.respond(req, 200, _JSON, api.encode({"worker": wid, "draining": action == b"drain"}), label)
 
     def _metrics(self, req: _Request, label: str) -> None:
         body, content_type = self.ingress.views.metrics_payload()

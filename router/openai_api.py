@@ -478,11 +478,13 @@ class StreamRenderer:
         return self._pre + b'[],"usage":' + encode(usage) + b"}\n\n"
 
 
-def render_models(models: list[tuple[str, int]], created: int) -> bytes:
+def render_models(models: list[tuple[str, int, int]], created: int) -> bytes:
+    """OpenAI's model list; weir adds each model's context and its workers ready now."""
     return encode({
         "object": "list",
         "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "weir", "max_model_len": max_len}
-            for name, max_len in models
+            {"id": name, "object": "model", "created": created, "owned_by": "weir", "max_model_len": max_len,
+             "ready_workers": ready}
+            for name, max_len, ready in models
         ],
     })

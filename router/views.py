@@ -19,13 +19,33 @@ class RouterViews:
         self.link = link
         core.metrics.add_state_collector(self.state)
 
-    def models(self) -> list[tuple[str, int]]:
-        return [(m.name, m.max_model_len) for m in self.core.cfg.models]
+    def models(self) -> list[tuple[str, int, int]]:
+        """(name, max_model_len, workers ready) per configured model."""
+        ready = self.ready_workers()
+        return [(m.name, m.max_model_len, ready[m.name]) for m in self.core.cfg.models]
 
     def health(self) -> dict:
+        """Liveness: the process answers (``/health``, ``/health/live``)."""
         core = self.core
         return {"status": "ok", "workers": len(self.link.workers),
                 "uptime_s": round(core.clock() - core.started_at, 3), "jobs": len(core.jobs)}
+
+    def ready_workers(self) -> dict[str, int]:
+        """Per configured model: linked workers that take new work."""
+        counts = {m.name: 0 for m in self.core.cfg.models}
+        for w in self.link.workers.values():
+            if w.drain_deadline is None and w.reg.model in counts:
+                counts[w.reg.model] += 1
+        return counts
+
+    def readiness(self) -> tuple[bool, dict]:
+        """Ready to serve: at least one worker (of any model) takes new work."""
+        models = self.ready_workers()
+        ready = any(models.values())
+        return ready, {"status": "ready" if ready else "not_ready", "models": models}
+
+    def drain(self, worker_id: str, on: bool) -> bool:
+        return self.link.drain(worker_id) if on else self.link.undrain(worker_id)
 
     def admin_workers(self) -> list[dict]:
         return self.state()["workers"]
@@ -38,12 +58,18 @@ class RouterViews:
 
     def state(self) -> dict:
         """The policy's snapshot, each worker joined with its engine's own report."""
-        snap = self.core.policy.snapshot(self.core.clock())
+        now = self.core.clock()
+        snap = self.core.policy.snapshot(now)
         linked = self.link.workers
         for w in snap["workers"]:
             live = linked.get(w["id"])
             if live is not None:
                 s = live.stats
+                if live.drain_deadline is None:
+                    w["state"] = "ready"
+                else:
+                    w["state"] = "draining"
+                    w["drain_left_s"] = round(max(0.0, live.drain_deadline - now), 3)
                 w.update(engine=live.reg.engine, engine_running=s.running, engine_waiting=s.waiting,
                          kv_usage=s.kv_usage, preemptions=s.preemptions_total,
                          aborts=s.aborts_total, finished=s.finished_total,

@@ -11,6 +11,10 @@ This adapter owns the socket, the table of linked workers (identity,
 liveness, last engine stats) and its timer; it is the lifecycle's
 ``WorkerPort`` and tells it of every worker event through ``WorkerEvents``.
 A worker leaves through one path, ``_remove``, whatever the reason.
+
+Draining (the worker's Drain on SIGTERM, or an operator's ``drain``): the
+worker gets no new work; what it runs may finish until ``drain_timeout_s``,
+then moves to other workers (resumed where it streamed output).
 """
 
 from __future__ import annotations
@@ -41,7 +45,11 @@ class WorkerEvents(Protocol):
 
     def worker_joined(self, reg: p.Register) -> None: ...
 
-    def worker_stats(self, worker_id: str, stats: p.WorkerStats) -> None: ...
+    def worker_stats(self, worker_id: str, stats: p.WorkerStats, accepting: bool = True) -> None: ...
+
+    def running_on(self, worker_id: str) -> list[str]: ...
+
+    def move(self, job_id: str, why: str) -> None: ...
 
     def worker_left(self, worker_id: str, why: str) -> None: ...
 
@@ -54,6 +62,7 @@ class LinkedWorker:
     identity: bytes
     last_seen: float
     stats: p.WorkerStats = field(default_factory=p.WorkerStats)
+    drain_deadline: Optional[float] = None  # draining until then (None: accepting work)
 
 
 class WorkerLink:
@@ -143,7 +152,11 @@ class WorkerLink:
             w.last_seen = now
             if msg.stats is not None:
                 w.stats = msg.stats
-                self.events.worker_stats(worker_id, msg.stats)
+                self.events.worker_stats(worker_id, msg.stats, accepting=w.drain_deadline is None)
+        elif isinstance(msg, p.Drain):
+            if w is not None:
+                log.info("worker %s is draining (%s)", worker_id, msg.reason)
+                self.drain(worker_id)
         elif isinstance(msg, p.Register):
             self._on_register(identity, worker_id, msg, now)
         elif isinstance(msg, p.Goodbye):
@@ -175,14 +188,39 @@ class WorkerLink:
         if w is not None:
             self._remove(w, "unreachable")
 
+    # ------------------------------------------------------------ operators
+
+    def drain(self, worker_id: str) -> bool:
+        """No new work for this worker; what it runs moves at the drain timeout."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            return False
+        if w.drain_deadline is None:
+            w.drain_deadline = self.clock() + self.cfg.drain_timeout_s
+            self.metrics.child(self.metrics.worker_events, worker_id, "draining").inc()
+            self.events.worker_stats(worker_id, w.stats, accepting=False)
+        return True
+
+    def undrain(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return False
+        if w.drain_deadline is not None:
+            w.drain_deadline = None
+            self.events.worker_stats(worker_id, w.stats, accepting=True)
+        return True
+
     def _heartbeat_tick(self) -> None:
         now = self.clock()
         deadline = self.cfg.heartbeat_interval_s * self.cfg.heartbeat_liveness
         for w in list(self.workers.values()):
             if now - w.last_seen > deadline:
                 self._remove(w, "heartbeat_timeout")
-            else:
-                self._send(w.identity, p.Heartbeat())
+                continue
+            self._send(w.identity, p.Heartbeat())
+            if w.drain_deadline is not None and now >= w.drain_deadline:
+                for job_id in self.events.running_on(w.reg.worker_id):
+                    self.events.move(job_id, "drain_timeout")
         self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._heartbeat_tick)
 
     def _remove(self, w: LinkedWorker, why: str) -> None:

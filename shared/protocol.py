@@ -8,7 +8,7 @@ Two links:
       client -> router:  Submit, Cancel
       router -> client:  Outputs              (one message per client per flush)
   worker (DEALER)  <->  router backend (ROUTER)
-      worker -> router:  Register, Heartbeat, Outputs, Goodbye
+      worker -> router:  Register, Heartbeat, Outputs, Drain, Goodbye
       router -> worker:  Dispatch, Abort, Heartbeat, Goodbye
 
 Conventions (after vLLM's engine boundary):
@@ -235,9 +235,17 @@ class Abort(_Msg, tag=14):
     request_ids: list[str]
 
 
+class Drain(_Msg, tag=15):
+    """Worker -> router: stopping (SIGTERM).  Send nothing new; the requests
+    it runs finish there, or move elsewhere at the drain timeout; a Goodbye
+    follows once it has nothing left."""
+
+    reason: str = ""
+
+
 ClientToRouter = Union[Submit, Cancel]
 RouterToClient = Outputs
-WorkerToRouter = Union[Register, Heartbeat, Outputs, Goodbye]
+WorkerToRouter = Union[Register, Heartbeat, Outputs, Drain, Goodbye]
 RouterToWorker = Union[Dispatch, Abort, Heartbeat, Goodbye]
 
 encoder = msgspec.msgpack.Encoder()

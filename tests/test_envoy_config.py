@@ -83,7 +83,7 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
     buffer = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.buffer")
     assert buffer["typed_config"]["max_request_bytes"] == cfg.envoy.max_request_bytes
     hc = d["static_resources"]["clusters"][0]["health_checks"][0]
-    assert hc["http_health_check"]["path"] == "/health"
+    assert hc["http_health_check"]["path"] == "/health/ready"  # readiness, not liveness
     assert hc["interval"] == hc["no_traffic_interval"] == "0.5s"
     statuses = [m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
                 for m in hcm["local_reply_config"]["mappers"]]

@@ -116,3 +116,66 @@ def test_a_stopped_worker_is_found_by_heartbeat_and_its_streams_resume(tmp_path)
             victim.signal_group(signal.SIGCONT)
         _assert_complete(results)
         assert _drained(stack)
+
+
+def _resumed(stack) -> float:
+    metrics = requests.get(stack.metrics_url, timeout=5).text
+    return sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith("weir_resumed_total{"))
+
+
+@pytest.mark.parametrize("drain_timeout_s,resumes", [(30.0, False), (0.3, True)],
+                         ids=["finishes-in-place", "timeout-moves-the-rest"])
+def test_sigterm_drains_a_worker_and_loses_no_stream(tmp_path, drain_timeout_s, resumes):
+    with _two_worker_stack(tmp_path, drain_timeout_s=drain_timeout_s) as stack:
+        victim = stack.components["worker:sim-a"]
+        results = asyncio.run(_streams(stack.envoy_url, 20, lambda: victim.signal_group(signal.SIGTERM)))
+        _assert_complete(results)
+        assert victim.proc.wait(timeout=10) == 0  # a drained worker exits cleanly
+        assert (_resumed(stack) > 0) == resumes
+        assert _drained(stack) and set(_workers(stack)) == {"sim-b"}
+
+
+def test_admin_drain_moves_new_work_away_until_undrained(tmp_path):
+    with _two_worker_stack(tmp_path) as stack:
+        url = stack.router_url + "/admin/workers/sim-a/"
+        assert requests.post(url + "drain", timeout=5).json() == {"worker": "sim-a", "draining": True}
+        w = _workers(stack)["sim-a"]
+        assert w["state"] == "draining" and 0 < w["drain_left_s"] <= 30
+        ready = requests.get(stack.router_url + "/health/ready", timeout=5).json()
+        assert ready == {"status": "ready", "models": {"tiny-llama": 0, SIM_MODEL: 1}}
+        models = requests.get(stack.envoy_url + "/v1/models", timeout=5).json()["data"]
+        assert {m["id"]: m["ready_workers"] for m in models} == {"tiny-llama": 0, SIM_MODEL: 1}
+        before = _workers(stack)["sim-a"]["aborts"], _workers(stack)["sim-a"].get("finished", 0)
+        for _ in range(10):
+            r = requests.post(stack.envoy_url + "/v1/completions", timeout=30,
+                              json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200
+        assert _workers(stack)["sim-a"].get("finished", 0) == before[1]  # none went to the drained one
+        assert requests.post(url + "undrain", timeout=5).json()["draining"] is False
+        assert _workers(stack)["sim-a"]["state"] == "ready"
+        assert requests.post(stack.router_url + "/admin/workers/nope/drain", timeout=5).status_code == 404
+        assert requests.get(url + "drain", timeout=5).status_code == 405
+
+
+def _status_soon(url: str, status: int, timeout: float = 20.0) -> requests.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = requests.get(url, timeout=5)
+        if r.status_code == status or time.monotonic() > deadline:
+            assert r.status_code == status, (r.status_code, r.text)
+            return r
+        time.sleep(0.05)
+
+
+def test_readiness_follows_the_workers(tmp_path):
+    cfg = write_config(tmp_path, workers=[sim_worker("sim-a")], router={"heartbeat_interval_s": 0.25})
+    with start_stack(cfg, tmp_path / "run") as stack:
+        assert requests.get(stack.router_url + "/health/ready", timeout=5).status_code == 200
+        stack.components["worker:sim-a"].signal_group(signal.SIGKILL)
+        r = _status_soon(stack.router_url + "/health/ready", 503)
+        assert r.json()["status"] == "not_ready" and r.headers["retry-after"] == "1"
+        live = requests.get(stack.router_url + "/health/live", timeout=5)
+        assert live.status_code == 200  # the process itself is fine
+        # Envoy's health check uses readiness: it stops sending traffic, and says so.
+        r = _status_soon(stack.envoy_url + "/v1/models", 503)
+        assert r.json()["error"]["code"] == "service_unavailable" and "retry-after" in r.headers

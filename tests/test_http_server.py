@@ -142,10 +142,16 @@ class ScriptedCore:
         self.tasks.pop(handle, None)
 
     def models(self):
-        return [("tiny", 512), ("sim-tiny", 2048)]
+        return [("tiny", 512, 1), ("sim-tiny", 2048, 0)]
 
     def health(self):
         return {"status": "ok", "workers": 1}
+
+    def readiness(self):
+        return True, {"status": "ready", "models": {"tiny": 1, "sim-tiny": 0}}
+
+    def drain(self, worker_id, on):
+        return worker_id == "w0"
 
     def admin_workers(self):
         return [{"id": "w0", "model": "tiny", "running": len(self.tasks)}]

@@ -351,10 +351,11 @@ def test_error_body_shape():
 
 
 def test_models_listing():
-    obj = json.loads(api.render_models([("tiny", 512), ("sim-a", 4096)], 5))
+    obj = json.loads(api.render_models([("tiny", 512, 0), ("sim-a", 4096, 2)], 5))
     assert obj["object"] == "list"
     assert [(m["id"], m["object"], m["max_model_len"]) for m in obj["data"]] == [
         ("tiny", "model", 512), ("sim-a", "model", 4096)]
+    assert [m["ready_workers"] for m in obj["data"]] == [0, 2]
 
 
 @settings(max_examples=200, deadline=None)
