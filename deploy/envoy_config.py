@@ -243,10 +243,20 @@ def _rate_limit(cfg: Config) -> dict:
     }
 
 
-def _route(match: dict, idle: str) -> dict:
+def _route(match: dict, idle: str, cfg: Config) -> dict:
     # timeout 0s: a stream may last as long as it keeps sending (the idle
     # timeout bounds it); Envoy's default 15 s would cut long generations.
-    return {"match": match, "route": {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}}
+    route = {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}
+    if cfg.envoy.retries > 0:
+        # Only failures before the request reached a router are retried (it
+        # cannot have started there): a router restarting or being replaced.
+        route["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "num_retries": cfg.envoy.retries,
+            "retry_back_off": {"base_interval": _seconds(cfg.envoy.retry_base_s),
+                               "max_interval": _seconds(cfg.envoy.retry_max_s)},
+        }
+    return {"match": match, "route": route}
 
 
 def _http_connection_manager(cfg: Config) -> dict:
@@ -269,8 +279,8 @@ def _http_connection_manager(cfg: Config) -> dict:
                     "domains": ["*"],
                     # No other route: /admin, /metrics and the rest get 404 NR.
                     "routes": [
-                        _route({"prefix": "/v1/"}, idle),
-                        _route({"path": "/health"}, idle),
+                        _route({"prefix": "/v1/"}, idle, cfg),
+                        _route({"path": "/health"}, idle, cfg),
                     ],
                     # One instance for the virtual host: both routes share its buckets.
                     "typed_per_filter_config": {_RL_FILTER: _rate_limit(cfg)},

@@ -3,8 +3,15 @@
 Each component is a child process in its own session / process group (so a
 terminal's Ctrl-C reaches only the launcher, and stopping a component can
 signal everything it spawned -- vLLM starts an EngineCore process and more).
-Output goes to ``<run_dir>/<component>.log``.  ``weir up`` and the tests
-both use this.
+Output goes to ``<run_dir>/<component>.log`` (appended across restarts).
+``weir up`` and the tests both use this.
+
+Supervision (``supervise=True``, as ``weir up`` runs it): a component that
+exits without being asked -- crash, SIGKILL, a drained worker -- is started
+again after a back-off that doubles from ``RESTART_BACKOFF_S`` to
+``RESTART_BACKOFF_MAX_S``; more than ``CRASH_LOOP_RESTARTS`` restarts within
+``CRASH_LOOP_WINDOW_S`` is a crash loop, and that component is left down
+(``Stack.failed``).  Restarts are counted in ``Stack.restarts``.
 
     with Stack("deploy/weir.toml") as stack:
         print(stack.envoy_url)
@@ -19,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +41,10 @@ ENVOY_READY_S = 15.0
 WORKER_READY_S = {"sim": 30.0, "vllm": 300.0}  # vLLM takes ~16-25 s on an idle CPU
 STOP_GRACE_S = 10.0
 POLL_S = 0.1
+RESTART_BACKOFF_S = 0.2  # a router back in ~1 s: workers re-register within a heartbeat
+RESTART_BACKOFF_MAX_S = 30.0
+CRASH_LOOP_RESTARTS = 5
+CRASH_LOOP_WINDOW_S = 60.0
 
 
 class StackError(RuntimeError):
@@ -80,7 +92,7 @@ class Component:
         self.stopping = False
 
     def start(self) -> None:
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
@@ -175,6 +187,7 @@ class Stack:
         progress: Optional[Callable[[str], None]] = None,
         worker_ready_s: Optional[float] = None,
         envoy_log_level: str = "warning",
+        supervise: bool = False,
     ):
         self.cfg_path = Path(cfg_path or os.environ.get("WEIR_CONFIG") or DEFAULT_CONFIG).resolve()
         self.cfg: Config = load(self.cfg_path)
@@ -194,6 +207,13 @@ class Stack:
         self.envoy_yaml = self.run_dir / "envoy.yaml"
         self.components: dict[str, Component] = {}
         self._started: list[Component] = []
+        self.supervising = supervise
+        self.restarts: dict[str, int] = {}  # component name -> restarts so far
+        self.failed: set[str] = set()  # left down after a crash loop
+        self._deaths: dict[str, list[float]] = {}  # restart times, for the crash-loop window
+        self._down_since: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._supervisor: Optional[threading.Thread] = None
 
     # -------------------------------------------------------------- start
 
@@ -220,6 +240,9 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+        if self.supervising:
+            self._supervisor = threading.Thread(target=self._supervise_loop, name="weir-supervisor", daemon=True)
+            self._supervisor.start()
         return self
 
     def _start(self) -> None:
@@ -309,10 +332,50 @@ class Stack:
         """Components that exited without being asked to."""
         return [c for c in self._started if not c.stopping and c.exited() is not None]
 
+    def _supervise_loop(self) -> None:
+        while self.supervising:
+            for msg in self.supervise():
+                self.progress(msg)
+            time.sleep(POLL_S)
+
+    def supervise(self) -> list[str]:
+        """One pass: restart what died (after its back-off); what it did, in words."""
+        said = []
+        now = time.monotonic()
+        with self._lock:
+            if not self.supervising:
+                return said
+            for comp in self.dead():
+                name = comp.name
+                if name in self.failed:
+                    continue
+                if name not in self._down_since:
+                    self._down_since[name] = now
+                    said.append(f"{name} exited with status {comp.exited()}")
+                recent = [t for t in self._deaths.get(name, []) if now - t < CRASH_LOOP_WINDOW_S]
+                if len(recent) >= CRASH_LOOP_RESTARTS:
+                    self.failed.add(name)
+                    said.append(f"{name}: {len(recent)} restarts in {CRASH_LOOP_WINDOW_S:.0f} s, a crash "
+                                f"loop: left down; log {comp.log_path}")
+                    continue
+                backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(recent))
+                if now - self._down_since[name] < backoff:
+                    continue
+                del self._down_since[name]
+                self._deaths[name] = recent + [now]
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                comp.start()
+                said.append(f"restarted {name} (pid {comp.pid}; restart {self.restarts[name]})")
+        return said
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every process group (Envoy first), wait up to ``grace_s``,
         then SIGKILL each whole group, which also sweeps any grandchild left
         behind.  Idempotent."""
+        with self._lock:
+            self.supervising = False  # nothing is restarted from here on
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=5)
         comps = list(reversed(self._started))
         for c in comps:
             c.stopping = True

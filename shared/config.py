@@ -35,6 +35,12 @@ class EnvoyConfig(_Cfg):
     stream_idle_timeout_s: float = 300.0  # bounds SSE streams instead of a route timeout
     health_check_interval_s: float = 1.0
     access_log: bool = False  # ~40 us per request when on
+    # Requests that could not reach a router (connect failure, reset before
+    # it got the request) are retried this often with back-off, so one sent
+    # during a router restart is served late rather than refused.
+    retries: int = 3
+    retry_base_s: float = 0.25
+    retry_max_s: float = 1.0
     # Concurrent client connections, and concurrent requests to the router
     # (HTTP/1.1: one upstream connection each); beyond -> 503 overflow.
     max_connections: int = 8192

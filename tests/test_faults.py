@@ -179,3 +179,49 @@ def test_readiness_follows_the_workers(tmp_path):
         # Envoy's health check uses readiness: it stops sending traffic, and says so.
         r = _status_soon(stack.envoy_url + "/v1/models", 503)
         assert r.json()["error"]["code"] == "service_unavailable" and "retry-after" in r.headers
+
+
+def test_supervision_restarts_a_killed_router_and_workers_register_again(tmp_path):
+    cfg = write_config(tmp_path, workers=[sim_worker("sim-a"), sim_worker("sim-b")],
+                       router={"heartbeat_interval_s": 0.25})
+    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
+        body = {"model": SIM_MODEL, "prompt": "hi", "max_tokens": 2}
+        assert requests.post(stack.envoy_url + "/v1/completions", json=body, timeout=30).status_code == 200
+        router = stack.components["router"]
+        old_pid = router.pid
+        router.signal_group(signal.SIGKILL)
+        t_kill = time.monotonic()
+        # During the gap: served late (Envoy retries the connection) or a JSON 503 with Retry-After.
+        during = requests.post(stack.envoy_url + "/v1/completions", json=body, timeout=30)
+        assert during.status_code in (200, 503)
+        if during.status_code == 503:
+            assert during.json()["error"]["type"] == "server_error" and "retry-after" in during.headers
+        healthy = _wait(lambda: router.pid != old_pid and _get_ok(stack.router_url + "/health"), timeout=20)
+        t_up = time.monotonic()
+        assert healthy and stack.restarts == {"router": 1}
+        both = _wait(lambda: set(_workers(stack)) == {"sim-a", "sim-b"}, timeout=10)
+        t_registered = time.monotonic()
+        assert both, _workers(stack)
+        assert t_registered - t_up < 2.0, f"workers re-registered {t_registered - t_up:.2f} s after the router"
+        print(f"router back {t_up - t_kill:.2f} s after SIGKILL, workers {t_registered - t_up:.2f} s later")
+        r = _wait(lambda: requests.post(stack.envoy_url + "/v1/completions", json=body, timeout=30).status_code == 200)
+        assert r
+
+
+def test_supervision_brings_a_drained_worker_back(tmp_path):
+    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)],
+                       router={"heartbeat_interval_s": 0.25})
+    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
+        victim = stack.components["worker:sim-a"]
+        old_pid = victim.pid
+        results = asyncio.run(_streams(stack.envoy_url, 20, lambda: victim.signal_group(signal.SIGTERM)))
+        _assert_complete(results)
+        assert _wait(lambda: victim.pid != old_pid and "sim-a" in _workers(stack), timeout=20)
+        assert stack.restarts == {"worker:sim-a": 1} and _drained(stack)
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=1).status_code == 200
+    except requests.RequestException:
+        return False

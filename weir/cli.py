@@ -70,7 +70,7 @@ def cmd_up(args) -> int:
     def say(msg: str) -> None:
         print(f"[weir] {msg}", flush=True)
 
-    stack = Stack(args.config, args.run_dir, progress=say)
+    stack = Stack(args.config, args.run_dir, progress=say, supervise=True)
     # Ctrl-C / SIGTERM / SIGHUP interrupt whatever we are doing (start-up
     # included); Stack.start and the finally below stop every child.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -82,20 +82,14 @@ def cmd_up(args) -> int:
         stack.start()
         say(f"everything ready in {time.monotonic() - t0:.1f} s")
         print(_banner(stack), flush=True)
-        reported: set[str] = set()
+        # The supervisor restarts whatever exits (it says so); a crash loop of
+        # the router or Envoy ends the stack, a worker's leaves it down.
         while True:
             time.sleep(0.5)
-            for comp in stack.dead():
-                if comp.name in reported:
-                    continue
-                reported.add(comp.name)
-                err = comp.failure("exited unexpectedly")
-                if comp.name.startswith("worker:"):
-                    say(f"warning: {err}")  # the router carries on with the others
-                else:
-                    say(f"error: {err}")
-                    rc = 1
-            if rc:
+            down = stack.failed & {"router", "envoy"}
+            if down:
+                say(f"error: {', '.join(sorted(down))} in a crash loop: stopping")
+                rc = 1
                 break
     except _Shutdown as sig:
         say(f"{sig}: stopping")
