@@ -96,6 +96,7 @@ class Worker:
             worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],
             max_model_len=info.max_model_len, kv_capacity_tokens=info.kv_capacity_tokens,
             block_size=info.block_size, max_num_seqs=info.max_num_seqs, engine=info.engine, gpu=gpu,
+            prefix_caching=info.prefix_caching,
         )
         if not self._stop.is_set():
             self._connect()

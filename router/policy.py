@@ -107,6 +107,7 @@ class WorkerSpec:
     max_num_seqs: int
     max_model_len: int
     gpu_total_bytes: int = 0  # 0 = no GPU / unknown
+    shares_prompt: bool = False  # prefix caching: n sequences hold one prompt (estimate.kv_cost)
 
 
 @dataclass(slots=True)
@@ -120,6 +121,7 @@ class Job:
     task_type: TaskType
     arrival: float
     weight: float = 1.0  # tenant's fair-share weight inside its class
+    n: int = 1  # sequences (OpenAI's n): KV and token budgets count all of them
 
 
 class DispatchJob(NamedTuple):
@@ -156,7 +158,7 @@ class _Entry:
         self.rank = rank
         self.size = size
         p, mt = job.prompt_tokens, job.max_tokens
-        self.tokens = (p if p > 1 else 1) + (mt if mt > 0 else 0)  # max(1, p) + max(0, mt)
+        self.tokens = (p if p > 1 else 1) + (mt if mt > 0 else 0) * job.n  # max(1, p) + n * max(0, mt)
         self.state = _QUEUED
         self.worker: Optional[str] = None
         self.cost = 0  # KV tokens reserved on self.worker
@@ -488,7 +490,8 @@ class Policy:
         total = prompt + max(0, job.max_tokens)
         for w in eligible:  # can any worker ever hold it? (usually the first one says yes)
             spec = w.spec
-            if total <= spec.max_model_len and kv_cost(prompt, job.max_tokens, spec.block_size) <= w.budget:
+            if total <= spec.max_model_len and kv_cost(prompt, job.max_tokens, spec.block_size, job.n,
+                                                       spec.shares_prompt) <= w.budget:
                 break
         else:
             self.counters["rejected_context_length"] += 1
@@ -499,11 +502,13 @@ class Policy:
                        f"completion). Please reduce the length of the messages or completion.")
             else:
                 kv = max(w.budget for w in eligible)
-                msg = (f"This request needs {total} tokens of KV cache ({prompt} in the messages, "
+                seqs = f" for each of {job.n} choices" if job.n > 1 else ""
+                msg = (f"This request needs {total} tokens of KV cache{seqs} ({prompt} in the messages, "
                        f"{job.max_tokens} in the completion), more than any worker of this model "
                        f"can hold ({kv} tokens). Please reduce the length of the messages or "
-                       f"completion.")
-            return _err(400, msg, "invalid_request_error", "context_length_exceeded", param="messages")
+                       f"completion{' or n' if job.n > 1 else ''}.")
+            return _err(400, msg, "invalid_request_error", "context_length_exceeded",
+                        param="n" if job.n > 1 and total <= max_len else "messages")
         if m.class_count[rank] >= self.classes[rank].max_queue:
             self.counters["rejected_queue_full"] += 1
             return _err(429, f"Too many requests queued in class `{self.classes[rank].name}`; "
@@ -581,6 +586,8 @@ class Policy:
         may_borrow = self.cfg.borrow_idle_long
         long_idle = None  # m.long_queued() == 0, looked up only if a borrow is considered
         cost_bs = cost = -1
+        seqs = job.n
+        cost_shared = False
         best = None
         best_pref = -1
         best_score = 0.0
@@ -607,9 +614,9 @@ class Policy:
             max_seqs = w.slots
             if n >= max_seqs or total > spec.max_model_len:
                 continue
-            if spec.block_size != cost_bs:
-                cost_bs = spec.block_size
-                cost = kv_cost(prompt, max_tokens, cost_bs)
+            if spec.block_size != cost_bs or (seqs > 1 and spec.shares_prompt != cost_shared):
+                cost_bs, cost_shared = spec.block_size, spec.shares_prompt
+                cost = kv_cost(prompt, max_tokens, cost_bs, seqs, cost_shared)
             budget = w.budget
             after = w.reserved + cost
             if after > budget:
@@ -639,7 +646,7 @@ class Policy:
                 continue
             if total > w.spec.max_model_len:
                 continue
-            cost = kv_cost(prompt, job.max_tokens, w.spec.block_size)
+            cost = kv_cost(prompt, job.max_tokens, w.spec.block_size, job.n, w.spec.shares_prompt)
             if cost > w.budget:
                 continue
             key = (w.budget - w.reserved - cost, -len(w.running))
@@ -867,14 +874,14 @@ class Policy:
             return
         job = e.job
         if e.state == _QUEUED and e.queue is not None:
-            e.queue.tokens += (actual + job.max_tokens) - e.tokens
+            e.queue.tokens += (actual + job.max_tokens * job.n) - e.tokens
         job.prompt_tokens = actual
-        e.tokens = actual + max(0, job.max_tokens)
+        e.tokens = actual + max(0, job.max_tokens) * job.n
         if e.state == _RUNNING:
             w = self.workers.get(e.worker) if e.worker else None
             if w is None or job_id not in w.running:
                 return
-            new = kv_cost(actual, job.max_tokens, w.spec.block_size)
+            new = kv_cost(actual, job.max_tokens, w.spec.block_size, job.n, w.spec.shares_prompt)
             w.reserved += new - e.cost
             w.running[job_id] = new
             e.cost = new
