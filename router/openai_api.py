@@ -85,7 +85,7 @@ class StreamOptions(msgspec.Struct):
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
     name: Optional[str] = None
     description: Optional[str] = None
-    schema: Optional[msgspec.Raw] = None  # kept as the client's JSON text
+    schema: msgspec.Raw = msgspec.Raw()  # kept as the client's JSON text (msgspec: Raw is never Optional)
     strict: Optional[bool] = None
 
 
@@ -97,7 +97,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 class StructuredOutputsBody(msgspec.Struct, kw_only=True):
     """vLLM's ``structured_outputs`` field (its other options are ignored)."""
 
-    json: Optional[msgspec.Raw] = None
+    json: msgspec.Raw = msgspec.Raw()
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
@@ -130,7 +130,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     min_tokens: Optional[NonNegativeInt] = None
     stop_token_ids: Optional[StopTokenIds] = None
     structured_outputs: Optional[StructuredOutputsBody] = None
-    guided_json: Optional[msgspec.Raw] = None  # vLLM's older names for structured_outputs
+    guided_json: msgspec.Raw = msgspec.Raw()  # vLLM's older names for structured_outputs
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
@@ -226,6 +226,10 @@ def meta_from_headers(
 _TASK_TYPES = {"short": TaskType.SHORT, "long": TaskType.LONG}
 
 
+def _given(raw: msgspec.Raw) -> bool:
+    return len(raw) > 0 and bytes(raw) != b"null"
+
+
 def _raw_text(raw: msgspec.Raw) -> str:
     """A JSON schema as text: an object as the client wrote it, a string's content."""
     data = bytes(raw)
@@ -243,7 +247,7 @@ def _structured(req: _Sampling) -> Optional[StructuredOutput]:
         if rf.type == "json_object":
             found.append(("response_format", StructuredOutput(json_object=True)))
         elif rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.schema is None:
+            if rf.json_schema is None or not _given(rf.json_schema.schema):
                 raise invalid("response_format of type json_schema needs json_schema.schema",
                               param="response_format.json_schema")
             found.append(("response_format", StructuredOutput(json=_raw_text(rf.json_schema.schema))))
@@ -253,9 +257,10 @@ def _structured(req: _Sampling) -> Optional[StructuredOutput]:
     so = req.structured_outputs
     if so is not None:
         found.append(("structured_outputs", StructuredOutput(
-            json=_raw_text(so.json) if so.json is not None else None, json_object=bool(so.json_object),
+            json=_raw_text(so.json) if _given(so.json) else None, json_object=bool(so.json_object),
             regex=so.regex, choice=so.choice or [], grammar=so.grammar)))
-    for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
+    for name, value in (("guided_json", req.guided_json if _given(req.guided_json) else None),
+                        ("guided_regex", req.guided_regex),
                         ("guided_choice", req.guided_choice), ("guided_grammar", req.guided_grammar)):
         if value is not None:
             if name == "guided_json":

@@ -197,7 +197,8 @@ class ModelPrompts:
     def inline(self, sub: Submit) -> bool:
         """Cheap enough to tokenize (and check) on the event loop?"""
         so = sub.params.structured if sub.params is not None else None
-        if so is not None and (_xgr is None or _grammar_chars(so) > INLINE_MAX_GRAMMAR_CHARS):
+        if (so is not None and (so.json is not None or so.regex is not None or so.grammar is not None)
+                and (_xgr is None or _grammar_chars(so) > INLINE_MAX_GRAMMAR_CHARS)):
             return False  # compiling it imports xgrammar, or takes milliseconds
         if self.tokenizer is None:
             return True  # an estimate is arithmetic
