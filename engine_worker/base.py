@@ -7,6 +7,11 @@ Delta -- finished, errored or aborted -- however its end races: an abort
 after the last step, an output after an abort, a duplicate dispatch.
 Engines implement ``_start`` (begin generating) and ``_stop`` (drop a
 request inside the engine) and report through ``_output``.
+
+A request with n > 1 choices reports each choice's tokens with its
+``index``; a choice that ends while others go on says so in
+``choice_finish``, and the last choice to end carries the request's one
+final Delta -- so "exactly one final Delta" holds for any n.
 """
 
 from __future__ import annotations
@@ -35,17 +40,19 @@ class EngineInfo:
     max_num_seqs: int
     step_time_s: float = 0.0  # a full batch's step (0: unknown)
     request_overhead_s: float = 0.0  # per newly admitted request (0: unknown)
+    prefix_caching: bool = False  # n sequences share their prompt's KV blocks
 
 
 class Live:
     """One live request: where its Deltas go and what it has produced."""
 
-    __slots__ = ("emit", "prompt_tokens", "completion_tokens", "sent", "handle")
+    __slots__ = ("emit", "prompt_tokens", "completion_tokens", "sent", "handle", "open")
 
-    def __init__(self, emit: Emit, prompt_tokens: int) -> None:
+    def __init__(self, emit: Emit, prompt_tokens: int, n: int = 1) -> None:
         self.emit = emit
         self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
+        self.completion_tokens = 0  # all choices together
+        self.open = n  # choices not ended yet
         self.sent = False  # a Delta went out (the first carries prompt_tokens)
         self.handle = None  # the engine's own (vLLM: its task)
 
@@ -79,7 +86,7 @@ class EngineBase:
         if rid in self._live:
             log.warning("duplicate request id %s ignored", rid)
             return
-        live = self._live[rid] = Live(emit, req.prompt_tokens)
+        live = self._live[rid] = Live(emit, req.prompt_tokens, req.params.n)
         self._start(req, live)
 
     def abort(self, request_ids: list[str], *, tell: bool = True) -> None:
@@ -110,8 +117,10 @@ class EngineBase:
         return self._live.get(rid) is live
 
     def _output(self, rid: str, live: Live, text: str, token_ids: list[int],
-                finish_reason: Optional[str] = None, prompt_tokens: int = 0) -> None:
-        """New tokens of a live request; ``finish_reason`` ends it."""
+                finish_reason: Optional[str] = None, prompt_tokens: int = 0, index: int = 0,
+                logprobs: bytes = b"", top_ids: Optional[list[int]] = None) -> None:
+        """New tokens of a live request's choice ``index``; ``finish_reason``
+        ends that choice (and the request with its last open choice)."""
         if self._live.get(rid) is not live:
             return  # aborted (or failed) meanwhile: its final Delta went already
         if prompt_tokens:
@@ -119,10 +128,25 @@ class EngineBase:
         n = len(token_ids)
         live.completion_tokens += n
         d = Delta(rid, text, n, completion_tokens=live.completion_tokens, token_ids=token_ids)
+        if index:
+            d.index = index
+        if logprobs:
+            d.logprobs = logprobs
+            if top_ids:
+                d.top_ids = top_ids
         if finish_reason is not None:
+            reason = finish_reason if finish_reason in _FINISH_REASONS else "stop"
+            live.open -= 1
+            if live.open > 0:  # this choice ended; others go on
+                d.choice_finish = reason
+                if not live.sent:
+                    d.prompt_tokens = live.prompt_tokens
+                live.sent = True
+                live.emit(d)
+                return
             del self._live[rid]
             self.finished_total += 1
-            d.finish_reason = finish_reason if finish_reason in _FINISH_REASONS else "stop"
+            d.finish_reason = reason
             d.prompt_tokens = live.prompt_tokens
         elif not live.sent:
             d.prompt_tokens = live.prompt_tokens

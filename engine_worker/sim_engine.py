@@ -5,6 +5,13 @@ No model runs: every token's text is the placeholder " tok" (id
 (``GenerateRequest.prompt_tokens``: the same estimate admission priced, so
 nothing is corrected).  It exists to load-test the dataplane without an
 accelerator; it registers as engine "sim" and serves only "sim-..." models.
+
+It refuses (400) what it cannot honour rather than fake it: structured
+output, logprobs, logit_bias, stop_token_ids and n > 1 (``refusal``).
+Parameters that only choose *which* token comes (temperature, top_p,
+top_k, min_p, penalties, seed) do not change its output's length or cost
+and are accepted, as temperature always was; min_tokens holds trivially
+(it always generates max_tokens).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import asyncio
 import logging
 
 from shared.config import SimEngineConfig
-from shared.protocol import GenerateRequest, WorkerStats
+from shared.protocol import GenerateRequest, SamplingParams, WorkerStats
 
 from .base import EngineBase, EngineInfo, Live, bad_request
 from simulation.core import SimCore
@@ -23,6 +30,25 @@ log = logging.getLogger(__name__)
 SIM_TOKEN_TEXT = " tok"
 SIM_TOKEN_ID = 0
 _MAX_LAG_S = 0.02
+
+
+def refusal(p: SamplingParams):
+    """The 400 for a parameter the simulated engine cannot honour, or None."""
+    what = None
+    if p.structured is not None:
+        what, param = "structured output (response_format / structured_outputs)", "response_format"
+    elif p.logprobs is not None:
+        what, param = "logprobs", "logprobs"
+    elif p.logit_bias:
+        what, param = "logit_bias", "logit_bias"
+    elif p.stop_token_ids:
+        what, param = "stop_token_ids", "stop_token_ids"
+    elif p.n > 1:
+        what, param = "n > 1", "n"
+    if what is None:
+        return None
+    return bad_request(f"The simulated engine cannot honour {what}: it generates placeholder tokens, "
+                       f"not a model's. Use a real model for this request.", param)
 
 
 class SimEngine(EngineBase):
@@ -55,6 +81,10 @@ class SimEngine(EngineBase):
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
         rid = req.request_id
+        refused = refusal(req.params)
+        if refused is not None:
+            self._fail(rid, live, refused)
+            return
         try:
             self.core.add(rid, max(1, req.prompt_tokens), req.params.max_tokens, req.priority)
         except ValueError as e:

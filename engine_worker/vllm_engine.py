@@ -4,6 +4,12 @@ Prompts arrive as token ids (the router rendered and tokenized them once)
 and go in through vLLM's own token-prompt path, which still checks them
 against the context; output ids come back in every Delta.
 
+weir's SamplingParams map 1:1 onto vLLM's (n, logprobs, top_k, min_p,
+repetition_penalty, min_tokens, stop_token_ids, logit_bias, structured
+outputs with vLLM's default backend).  n > 1 is vLLM's own fan-out (one
+parent request, n children): each child's output goes out with its index.
+Logprobs leave as ``Delta.logprobs`` / ``top_ids`` (shared.protocol).
+
 Imported only by workers that serve a vLLM model: importing vLLM takes seconds.
 Set environment (HF_HUB_OFFLINE, VLLM_*) before importing this module.
 """
@@ -17,12 +23,12 @@ from typing import Optional
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError, VLLMValidationError
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from shared.protocol import GenerateRequest, WorkerStats
+from shared.protocol import GenerateRequest, SamplingParams, WorkerStats, pack_logprobs
 
 from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
 
@@ -92,7 +98,8 @@ class VllmEngine(EngineBase):
         # vLLM's BlockPool keeps one block as its "null block": usable KV is one block less.
         usable_tokens = (cache.num_gpu_blocks - 1) * cache.block_size
         return EngineInfo(self.name, vc.model_config.max_model_len, usable_tokens,
-                          cache.block_size, vc.scheduler_config.max_num_seqs)
+                          cache.block_size, vc.scheduler_config.max_num_seqs,
+                          prefix_caching=bool(cache.enable_prefix_caching))
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
         live.handle = self._loop.create_task(self._generate(req, live))
@@ -155,25 +162,32 @@ class VllmEngine(EngineBase):
                 [{"prompt_token_ids": req.prompt_token_ids}])
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
-            params = VllmSamplingParams(
-                max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                stop=list(p.stop) or None, ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA,
-                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            )
+            params = vllm_params(p)
+            k = p.logprobs
             outputs = self.engine.generate(engine_input, params, rid, priority=req.priority)
             try:
                 async for out in outputs:
                     if not self._is_live(rid, live):
                         break  # aborted: closing the generator aborts it inside vLLM too
-                    c = out.outputs[0]
-                    if out.finished and c.finish_reason == "error":
-                        self._fail(rid, live, engine_error("The engine failed this request; please retry.",
-                                                           unavailable=True))
-                        return
-                    self._output(rid, live, c.text, list(c.token_ids),
-                                 (c.finish_reason or "stop") if out.finished else None,
-                                 len(out.prompt_token_ids or ()))
+                    prompt_tokens = len(out.prompt_token_ids or ())
+                    for c in out.outputs:
+                        if c.finish_reason == "error":
+                            self._fail(rid, live, engine_error("The engine failed this request; please retry.",
+                                                               unavailable=True))
+                            return
+                        finish = c.finish_reason
+                        if finish is None and out.finished and p.n == 1:
+                            finish = "stop"
+                        ids = list(c.token_ids)
+                        if k is None or not ids:
+                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index)
+                        else:
+                            values, top = _pack(c.logprobs, ids, k)
+                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index, values, top)
                     if out.finished:
+                        if self._is_live(rid, live):  # a choice vLLM never ended (should not happen)
+                            self._fail(rid, live, engine_error("The engine ended the request without "
+                                                               "ending all of its choices."))
                         return
             finally:
                 await outputs.aclose()
@@ -192,6 +206,41 @@ class VllmEngine(EngineBase):
         else:
             # Stream ended without a finished output (should not happen): still end it once.
             self._fail(rid, live, engine_error("The engine ended the request without a result."))
+
+
+def vllm_params(p: SamplingParams) -> VllmSamplingParams:
+    so = p.structured
+    structured = None
+    if so is not None:
+        structured = StructuredOutputsParams(json=so.json, regex=so.regex, choice=list(so.choice) or None,
+                                             grammar=so.grammar, json_object=True if so.json_object else None)
+    return VllmSamplingParams(
+        n=p.n, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+        stop=list(p.stop) or None, ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        top_k=p.top_k, min_p=p.min_p, repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids) or None, logit_bias=dict(p.logit_bias) or None,
+        logprobs=p.logprobs, structured_outputs=structured,
+    )
+
+
+def _pack(logprobs, ids: list[int], k: int) -> tuple[bytes, list[int]]:
+    """vLLM's per-token {id: Logprob} (the sampled token plus the top k, by
+    rank) -> Delta.logprobs ([sampled, top-1..top-k] per token) and top_ids."""
+    values: list[float] = []
+    top: list[int] = []
+    for tid, pos in zip(ids, logprobs or ()):
+        chosen = pos.get(tid)
+        values.append(chosen.logprob if chosen is not None else float("-inf"))
+        if k:
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in pos.items() if lp.rank is not None and lp.rank <= k)
+            ranked = ranked[:k]
+            while len(ranked) < k:  # never seen: vLLM returns exactly k; keep rows aligned anyway
+                ranked.append((k, tid, values[-1]))
+            for _, t, lp in ranked:
+                top.append(t)
+                values.append(lp)
+    return pack_logprobs(values), top
 
 
 def _message(e: BaseException) -> str:

@@ -120,6 +120,7 @@ class Worker:
             max_model_len=info.max_model_len, kv_capacity_tokens=info.kv_capacity_tokens,
             block_size=info.block_size, max_num_seqs=info.max_num_seqs, engine=info.engine, gpu=gpu,
             step_time_s=info.step_time_s, request_overhead_s=info.request_overhead_s,
+            prefix_caching=info.prefix_caching,
         )
         if not self._stop.is_set():
             self._connect()

@@ -18,12 +18,24 @@ ANONYMOUS_TENANT = "anonymous"
 DEFAULT_TIER = "normal"
 
 
+# vLLM's threshold below which sampling is greedy (vllm.sampling_params._SAMPLING_EPS)
+GREEDY_TEMPERATURE = 1e-5
+
+
 def check_shape(sub: p.Submit) -> Optional[p.ErrorInfo]:
-    """What the wire types cannot say: the prompt a kind needs."""
+    """What the wire types cannot say: the prompt a kind needs, fields that
+    conflict.  (What depends on the model -- token ids, grammars -- is
+    router.prompts' ``check``; min_tokens against max_tokens is
+    ``resolve_max_tokens``'.)"""
     if sub.kind == p.RequestKind.CHAT and not sub.messages:
         return error(Code.BAD_REQUEST, "messages must be a non-empty list", param="messages")
     if sub.kind == p.RequestKind.COMPLETION and not sub.prompt:
         return error(Code.BAD_REQUEST, "prompt must be a non-empty string", param="prompt")
+    params = sub.params
+    if params is not None and params.n > 1 and params.temperature < GREEDY_TEMPERATURE:
+        # vLLM refuses it too ("n must be 1 when using greedy sampling"): n copies of one answer
+        return error(Code.BAD_REQUEST, f"n must be 1 when using greedy sampling (temperature 0); got n={params.n}",
+                     param="n")
     return None
 
 
@@ -69,4 +81,7 @@ def resolve_max_tokens(sub: p.Submit, prompt_tokens: int, max_model_len: int) ->
         max_tokens = max_model_len - prompt_tokens
     if max_tokens < 1 or prompt_tokens + max_tokens > max_model_len:
         return context_length(max_model_len, prompt_tokens, max(max_tokens, 1))
+    if sub.params is not None and sub.params.min_tokens > max_tokens:
+        return error(Code.BAD_REQUEST, f"min_tokens ({sub.params.min_tokens}) must be at most max_tokens "
+                     f"({max_tokens})", param="min_tokens")
     return max_tokens

@@ -147,6 +147,8 @@ class RouterCore:
             err = error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
         if err is not None:
             return self._rejected(err, who.klass)
+        if sub.user:
+            self.metrics.saw_user(who.tenant, sub.user)
         handle = self._next_handle
         self._next_handle += 1
         j = _Job("%x" % handle, sub, sink, who, now)
@@ -154,8 +156,9 @@ class RouterCore:
         if prompts.inline(sub):
             try:
                 tokens = prompts.tokenize(sub)
-            except ValueError as e:
-                return self._rejected(error(Code.BAD_REQUEST, str(e)), who.klass)
+            except ValueError as e:  # router.prompts.BadInput names the field
+                return self._rejected(error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)),
+                                      who.klass)
             err = self._admit(j, tokens, now)
             return handle if err is None else self._rejected(err, who.klass)
         self.jobs[j.job_id] = j  # tokenizing: cancellable like any other job
@@ -168,6 +171,11 @@ class RouterCore:
         j = self.jobs.get("%x" % handle)
         if j is not None:
             self._end(j, "cancelled", abort_worker=self.policy.worker_of(j.job_id))
+
+    def token_text(self, model: str):
+        """Token id -> text for rendering logprobs (None: unknown model or no tokenizer)."""
+        prompts = self.prompts.get(model)
+        return prompts.token_text() if prompts is not None else None
 
     def awaiting_output(self, handle: int) -> bool:
         """Live and nothing generated yet (queued, tokenizing or prefilling)."""
@@ -188,7 +196,8 @@ class RouterCore:
         try:
             tokens = fut.result()
         except ValueError as e:
-            return self._end(j, "bad_request", error=error(Code.BAD_REQUEST, str(e)))
+            return self._end(j, "bad_request", error=error(Code.BAD_REQUEST, str(e),
+                                                           param=getattr(e, "param", None)))
         except Exception:
             log.exception("tokenizing request %s failed", job_id)
             return self._end(j, "internal", error=error(Code.INTERNAL, "Tokenizing the prompt failed."))
@@ -204,7 +213,7 @@ class RouterCore:
             return max_tokens
         who = j.who
         job = Job(j.job_id, sub.model, who.tenant, who.klass, tokens.count, max_tokens, sub.task_type,
-                  j.arrival, who.weight)
+                  j.arrival, who.weight, sub.params.n if sub.params is not None else 1)
         refusal = self.policy.submit(job, now)
         if refusal is not None:
             return refusal.render()
@@ -317,7 +326,10 @@ class RouterCore:
             self._end(j, "length", deltas=[p.Delta(j.job_id, finish_reason="length",
                                                    prompt_tokens=j.prompt_tokens, completion_tokens=n)])
             return
-        if j.prompt_ids and len(j.generated) != n:  # ids missing: a continuation would not be exact
+        sp = j.request.params
+        if sp.n > 1 or sp.structured is not None or (j.prompt_ids and len(j.generated) != n):
+            # Not continued: n choices interleave in one stream, a grammar's
+            # state is not in the tokens, ids missing would not be exact.
             self._end(j, "worker_lost", error=self._lost_error(why))
             return
         job = j.job
@@ -325,7 +337,7 @@ class RouterCore:
         job.max_tokens = remaining
         job.arrival = now  # its queue deadline counts from now
         ids = j.prompt_ids + j.generated if j.prompt_ids else []
-        params = msgspec.structs.replace(j.request.params, max_tokens=remaining)
+        params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
         j.request = p.GenerateRequest(j.job_id, ids, job.prompt_tokens, params)
         j.done_before = n
         j.resumes += 1
@@ -362,7 +374,8 @@ class RouterCore:
             capacity_tokens=reg.kv_capacity_tokens, block_size=reg.block_size,
             max_num_seqs=reg.max_num_seqs, max_model_len=reg.max_model_len,
             gpu_total_bytes=reg.gpu.total_bytes if reg.gpu.present else 0,
-            step_time_s=reg.step_time_s or None, request_overhead_s=reg.request_overhead_s or None), now)
+            step_time_s=reg.step_time_s or None, request_overhead_s=reg.request_overhead_s or None,
+            shares_prompt=reg.prefix_caching), now)
         self._after_loss(lost, "reregistered", now)  # a restarted worker runs nothing of before
         self._schedule_policy()
 

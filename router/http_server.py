@@ -99,6 +99,8 @@ class Generation(Protocol):
 
     def cancel(self, handle: int) -> None: ...
 
+    def token_text(self, model: str): ...
+
 
 class Views(Protocol):
     """What the read-only routes show (router.views.RouterViews)."""
@@ -200,7 +202,8 @@ class Exchange:
         else:
             self.renderer = None
             self.texts: list[str] = []
-            self.counts = api.TokenCounts()
+            # n > 1, logprobs, echo: the general accumulator; else the plain one below
+            self.counts = api.Accumulator(ctx) if ctx.rich else api.TokenCounts()
 
     def on_deltas(self, deltas: list[Delta]) -> None:
         if self.done or self.conn.closed or not deltas:
@@ -216,6 +219,16 @@ class Exchange:
 
     def _accumulate(self, deltas: list[Delta]) -> None:
         counts = self.counts
+        if type(counts) is api.Accumulator:
+            counts.add(deltas)
+            last = deltas[-1]
+            if last.error is not None:
+                self.done = True
+                self.conn.respond_error(self.req, last.error, self.label)
+            elif last.finish_reason is not None:
+                self.done = True
+                self.conn.respond(self.req, 200, _JSON, counts.render(), self.label)
+            return
         texts = self.texts
         for d in deltas:
             counts.add(d)
@@ -454,6 +467,11 @@ class HttpConnection(asyncio.Protocol):
         except api.RequestError as e:
             return self.respond_error(req, e.info, label)
         req.body = b""  # a stream may live for minutes; its body is not needed
+        if ctx.logprobs is not None:
+            # (None: an unknown model, refused by submit, or one without a tokenizer --
+            # the simulated engine, which refuses logprobs -- so ids as vLLM's
+            # return_tokens_as_token_ids would show them)
+            ctx.token_text = self.ingress.core.token_text(sub.model) or api.token_id_text
         ex = Exchange(self, req, ctx, label)
         self.current = ex
         self.busy = True

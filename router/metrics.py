@@ -108,6 +108,9 @@ class _Family:
                 yield [str(v) for v in values], child
 
 
+MAX_USERS_PER_TENANT = 10_000
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -135,10 +138,23 @@ class RouterMetrics:
             "weir_http_request_duration_seconds",
             "Time from a request's last byte to its response's last byte (whole stream for SSE)", ["path"],
             _LATENCY_BUCKETS)
+        # OpenAI's ``user`` field: recorded under the tenant the API key says,
+        # never used as an identity; distinct ids are counted up to a bound.
+        self.user_requests = _Family("weir_user_field_requests", "Requests that named an end user "
+                                     "(OpenAI's `user` field), by tenant", ["tenant"])
+        self.users: dict[str, set[str]] = {}
         self._families = [self.requests, self.rejected, self.tokens, self.ttft, self.e2e,
                           self.queue_wait, self.worker_events, self.resumed, self.bad_frames, self.http_requests,
-                          self.http_duration]
+                          self.http_duration, self.user_requests]
         self.registry.register(self)
+
+    def saw_user(self, tenant: str, user: str) -> None:
+        self.child(self.user_requests, tenant).inc()
+        seen = self.users.get(tenant)
+        if seen is None:
+            seen = self.users[tenant] = set()
+        if len(seen) < MAX_USERS_PER_TENANT:
+            seen.add(user)
 
     @staticmethod
     def child(metric: _Family, *labels):
@@ -152,6 +168,11 @@ class RouterMetrics:
     def collect(self):
         for f in self._families:
             yield f.collect()
+        users = GaugeMetricFamily("weir_tenant_distinct_users", "Distinct `user` values seen per tenant "
+                                  f"(counted up to {MAX_USERS_PER_TENANT})", labels=["tenant"])
+        for tenant, seen in sorted(self.users.items()):
+            users.add_metric([tenant], len(seen))
+        yield users
 
     def observe_http(self, path: str, status: int, seconds: float) -> None:
         self.child(self.http_requests, path, status).inc()

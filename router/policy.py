@@ -146,6 +146,7 @@ class WorkerSpec:
         if self.step_time_s is not None and self.step_time_s > 0:
             return self.step_time_s
         return DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S * max(1, self.max_num_seqs)
+    shares_prompt: bool = False  # prefix caching: n sequences hold one prompt (estimate.kv_cost)
 
 
 @dataclass(slots=True)
@@ -159,6 +160,7 @@ class Job:
     task_type: TaskType
     arrival: float
     weight: float = 1.0  # tenant's fair-share weight inside its class
+    n: int = 1  # sequences (OpenAI's n): KV and token budgets count all of them
 
 
 class DispatchJob(NamedTuple):
@@ -195,7 +197,7 @@ class _Entry:
         self.rank = rank
         self.size = size
         p, mt = job.prompt_tokens, job.max_tokens
-        self.tokens = (p if p > 1 else 1) + (mt if mt > 0 else 0)  # max(1, p) + max(0, mt)
+        self.tokens = (p if p > 1 else 1) + (mt if mt > 0 else 0) * job.n  # max(1, p) + n * max(0, mt)
         self.state = _QUEUED
         self.worker: Optional[str] = None
         self.cost = 0  # KV tokens reserved on self.worker
@@ -608,16 +610,18 @@ class Policy:
         total = prompt + max(0, job.max_tokens)
         for w in eligible:  # can any worker ever hold it? (usually the first one says yes)
             spec = w.spec
-            if total <= spec.max_model_len and kv_cost(prompt, job.max_tokens, spec.block_size) <= w.budget:
+            if total <= spec.max_model_len and kv_cost(prompt, job.max_tokens, spec.block_size, job.n,
+                                                       spec.shares_prompt) <= w.budget:
                 break
         else:
             if eligible:  # (a requeued job may wait for a worker that can)
                 self.counters["rejected_context_length"] += 1
                 max_len = max(w.spec.max_model_len for w in eligible)
-                facts = {"prompt": prompt, "completion": job.max_tokens, "max_len": max_len}
+                facts = {"prompt": prompt, "completion": job.max_tokens, "max_len": max_len, "n": job.n}
                 if total <= max_len:  # fits the context, not any worker's KV budget
                     facts["kv_tokens"] = max(w.budget for w in eligible)
-                return Refusal(Code.CONTEXT_LENGTH, None, facts, "messages")
+                return Refusal(Code.CONTEXT_LENGTH, None, facts,
+                               "n" if job.n > 1 and total <= max_len else "messages")
         # Hard count bounds: memory protection only (a queued request costs
         # the router ~1 KB, bench/README.md), far above what the wait bound admits.
         if m.class_count[rank] >= self.classes[rank].max_queue:
@@ -826,6 +830,8 @@ class Policy:
         may_borrow = self.cfg.borrow_idle_long
         long_idle = None  # m.long_queued() == 0, looked up only if a borrow is considered
         cost_bs = cost = -1
+        seqs = job.n
+        cost_shared = False
         best = None
         best_pref = -1
         best_score = 0.0
@@ -852,9 +858,9 @@ class Policy:
             max_seqs = w.slots
             if n >= max_seqs or total > spec.max_model_len:
                 continue
-            if spec.block_size != cost_bs:
-                cost_bs = spec.block_size
-                cost = kv_cost(prompt, max_tokens, cost_bs)
+            if spec.block_size != cost_bs or (seqs > 1 and spec.shares_prompt != cost_shared):
+                cost_bs, cost_shared = spec.block_size, spec.shares_prompt
+                cost = kv_cost(prompt, max_tokens, cost_bs, seqs, cost_shared)
             budget = w.budget
             after = w.reserved + cost
             if after > budget:
@@ -884,7 +890,7 @@ class Policy:
                 continue
             if total > w.spec.max_model_len:
                 continue
-            cost = kv_cost(prompt, job.max_tokens, w.spec.block_size)
+            cost = kv_cost(prompt, job.max_tokens, w.spec.block_size, job.n, w.spec.shares_prompt)
             if cost > w.budget:
                 continue
             key = (w.budget - w.reserved - cost, -len(w.running))
@@ -1120,7 +1126,7 @@ class Policy:
             if m is not None:
                 self._account(m, e, -1, None)
         job.prompt_tokens = actual
-        e.tokens = actual + max(0, job.max_tokens)
+        e.tokens = actual + max(0, job.max_tokens) * job.n
         if queued:
             e.queue.tokens += e.tokens
             if m is not None:
@@ -1129,7 +1135,7 @@ class Policy:
             w = self.workers.get(e.worker) if e.worker else None
             if w is None or job_id not in w.running:
                 return
-            new = kv_cost(actual, job.max_tokens, w.spec.block_size)
+            new = kv_cost(actual, job.max_tokens, w.spec.block_size, job.n, w.spec.shares_prompt)
             w.reserved += new - e.cost
             w.running[job_id] = new
             e.cost = new

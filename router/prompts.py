@@ -22,21 +22,144 @@ in which every stream on the loop would stall.  So prompts longer than
 releases the GIL (a spinning thread kept 95 % of its speed beside it;
 ``encode`` keeps the GIL and left it 7 %).  Short ones stay inline: a
 thread hop costs more than they do.
+
+The same pass checks what only the model can judge, before anything is
+reserved: token ids (``logit_bias``, ``stop_token_ids``) against the
+vocabulary, and a structured-output constraint by compiling it with
+xgrammar (vLLM's default backend) -- a JSON schema ~0.1 ms when small, 12 ms
+for a 35 kB one, so large ones go to the thread; importing xgrammar takes
+~2.8 s, so the first one always does.  ``BadInput`` names the field.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from datetime import datetime
 from typing import NamedTuple, Optional
 
 from router.estimate import estimate_chat, estimate_text
-from shared.protocol import ChatMessage, RequestKind, Submit
+from shared.protocol import ChatMessage, RequestKind, StructuredOutput, Submit
 
 # ~256 tokens, ~0.3 ms of tokenizing inline: below the 1 ms loop-stall budget
 # even with a few such requests in one loop turn.
 INLINE_MAX_CHARS = 1024
+
+
+# A constraint up to this size compiles in well under a millisecond (measured
+# ~0.1-0.4 ms for small JSON schemas): inline; larger ones on the thread.
+INLINE_MAX_GRAMMAR_CHARS = 2048
+
+_xgr = None  # xgrammar, imported on the tokenizing thread by the first structured request
+_xgr_lock = threading.Lock()
+
+
+class BadInput(ValueError):
+    """A request the model cannot take; ``param`` is the offending field."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _grammar_chars(so: StructuredOutput) -> int:
+    return len(so.json or "") + len(so.regex or "") + len(so.grammar or "") + sum(len(c) for c in so.choice)
+
+
+def _xgrammar():
+    global _xgr
+    if _xgr is None:
+        with _xgr_lock:
+            if _xgr is None:
+                import xgrammar
+
+                _xgr = xgrammar
+    return _xgr
+
+
+def check_structured(so: StructuredOutput) -> None:
+    """Compile the constraint as vLLM's xgrammar backend would, or BadInput."""
+    kinds = so.kinds()
+    if len(kinds) != 1:
+        raise BadInput("structured output needs exactly one of json, json_object, regex, choice, grammar; "
+                       f"got {', '.join(kinds) or 'none'}", param="structured_outputs")
+    kind = kinds[0]
+    if kind == "json_object":
+        return
+    if kind == "choice":
+        if any(not c for c in so.choice):
+            raise BadInput("structured output choices must be non-empty strings", param="structured_outputs.choice")
+        return
+    xgr = _xgrammar()
+    if kind == "json":
+        try:
+            schema = json.loads(so.json)
+        except ValueError as e:
+            raise BadInput(f"The JSON schema is not valid JSON: {e}", param="response_format") from None
+        if not isinstance(schema, (dict, bool)):
+            raise BadInput("The JSON schema must be an object", param="response_format")
+        try:
+            xgr.Grammar.from_json_schema(so.json)
+        except Exception as e:
+            raise BadInput(f"The JSON schema does not compile: {_xgr_message(e)}", param="response_format") from None
+    elif kind == "regex":
+        if "\x00" in so.regex:
+            raise BadInput("The regex must not contain a NUL character", param="structured_outputs.regex")
+        try:
+            xgr.Grammar.from_regex(so.regex)
+        except Exception as e:
+            raise BadInput(f"The regex does not compile: {_xgr_message(e)}", param="structured_outputs.regex") from None
+    else:
+        try:
+            xgr.Grammar.from_ebnf(so.grammar)
+        except Exception as e:
+            raise BadInput(f"The grammar does not compile: {_xgr_message(e)}",
+                           param="structured_outputs.grammar") from None
+
+
+def _xgr_message(e: Exception) -> str:
+    # "[08:35:00] /project/cpp/json_schema_converter.cc:4944: Unsupported type ..." -> the reason
+    text = str(e).strip()
+    head, sep, tail = text.partition(": ")
+    if sep and head.startswith("["):
+        text = tail.split(": ", 1)[-1] if ".cc:" in tail.split(": ", 1)[0] else tail
+    return text.strip()
+
+
+class TokenText:
+    """Token id -> its text as vLLM's logprobs show it: the token decoded
+    alone (special tokens included), with a SentencePiece leading space that
+    decoding strips restored (vllm.tokenizers.detokenizer_utils).  Cached:
+    the vocabulary is finite and rendering logprobs asks for the same ids."""
+
+    __slots__ = ("_tok", "_cache", "_marker")
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+        self._marker = None
+        try:
+            pre = json.loads(tokenizer.to_str()).get("pre_tokenizer") or {}
+            for step in [pre] + list(pre.get("pretokenizers") or ()):
+                if step.get("type") == "Metaspace":
+                    self._marker = step.get("replacement", "\u2581")
+        except Exception:
+            pass
+
+    def __call__(self, tid: int) -> str:
+        s = self._cache.get(tid)
+        if s is None:
+            s = self._tok.decode([tid], skip_special_tokens=False) or ""
+            marker = self._marker
+            if marker is not None:
+                raw = self._tok.id_to_token(tid) or ""
+                lead = len(raw) - len(raw.lstrip(marker))
+                missing = lead - (len(s) - len(s.lstrip(" ")))
+                if missing > 0:
+                    s = " " * missing + s
+            self._cache[tid] = s
+        return s
 
 
 class PromptTokens(NamedTuple):
@@ -57,12 +180,15 @@ class ModelPrompts:
         self.tokenizer = None
         self._template = None  # the compiled chat template
         self._special: dict[str, str] = {}
+        self.vocab_size = 0
+        self._token_text: Optional[TokenText] = None
         if model_dir:
             path = os.path.join(model_dir, "tokenizer.json")
             if os.path.isfile(path):
                 from tokenizers import Tokenizer  # only models with a tokenizer need it
 
                 self.tokenizer = Tokenizer.from_file(path)
+                self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
                 source, self._special = _chat_template(model_dir)
                 if source is not None:
                     self._template = _compile_template(source)
@@ -71,13 +197,41 @@ class ModelPrompts:
     def exact(self) -> bool:
         return self.tokenizer is not None
 
+    def token_text(self) -> Optional[TokenText]:
+        if self._token_text is None and self.tokenizer is not None:
+            self._token_text = TokenText(self.tokenizer)
+        return self._token_text
+
     def inline(self, sub: Submit) -> bool:
-        """Cheap enough to tokenize on the event loop?"""
+        """Cheap enough to tokenize (and check) on the event loop?"""
+        so = sub.params.structured if sub.params is not None else None
+        if (so is not None and (so.json is not None or so.regex is not None or so.grammar is not None)
+                and (_xgr is None or _grammar_chars(so) > INLINE_MAX_GRAMMAR_CHARS)):
+            return False  # compiling it imports xgrammar, or takes milliseconds
         if self.tokenizer is None:
             return True  # an estimate is arithmetic
         return prompt_chars(sub) <= INLINE_MAX_CHARS
 
+    def check(self, sub: Submit) -> None:
+        """What the model decides about a request's parameters (BadInput)."""
+        params = sub.params
+        if params is None:
+            return
+        vocab = self.vocab_size
+        if vocab:
+            bad = [t for t in params.logit_bias if t >= vocab]
+            if bad:
+                raise BadInput(f"logit_bias has token ids outside the vocabulary (size {vocab}): "
+                               f"{', '.join(map(str, sorted(bad)[:8]))}", param="logit_bias")
+            bad = [t for t in params.stop_token_ids if t >= vocab]
+            if bad:
+                raise BadInput(f"stop_token_ids has token ids outside the vocabulary (size {vocab}): "
+                               f"{', '.join(map(str, sorted(bad)[:8]))}", param="stop_token_ids")
+        if params.structured is not None:
+            check_structured(params.structured)
+
     def tokenize(self, sub: Submit) -> PromptTokens:
+        self.check(sub)
         tok = self.tokenizer
         if tok is None:
             n = estimate_chat(sub.messages) if sub.kind == RequestKind.CHAT else estimate_text(sub.prompt)

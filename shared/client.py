@@ -11,6 +11,15 @@ the worker.
     async with AsyncClient("tcp://127.0.0.1:5555") as c:
         async for delta in c.stream("tiny-llama", prompt="Hello", max_tokens=8):
             print(delta.text, end="")
+
+Every sampling field of the HTTP API works here too, under vLLM's names:
+``n``, ``logprobs`` (k), ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``, ``logit_bias`` ({token id: bias}),
+``structured`` (a ``StructuredOutput`` or a dict of vLLM's
+``structured_outputs`` fields; ``json`` may be a schema dict), ``user``;
+``complete(..., echo=True)`` prepends the prompt as the HTTP API's echo does.
+Deltas carry their choice's ``index``; ``token_logprobs(delta, k)`` unpacks
+a Delta's logprobs into (token id, logprob, [(top id, logprob)...]).
 """
 
 from __future__ import annotations
@@ -18,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import os
-from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Optional
 
 import msgspec
 import zmq
@@ -42,16 +52,46 @@ class WeirError(Exception):
         self.status = error.status
 
 
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # id, logprob, top k (id, logprob)
+
+
 @dataclass
 class Completion:
-    text: str
-    finish_reason: str | None
+    text: str  # choice 0's
+    finish_reason: str | None  # the request's (its last choice's)
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # all choices together
+    texts: list[str] = field(default_factory=list)  # every choice's, by index
+    finish_reasons: list[Optional[str]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # by index, when asked for
+
+
+def token_logprobs(d: p.Delta, k: int) -> list[TokenLogprob]:
+    """A Delta's logprobs (requested with ``logprobs=k``), one entry per token."""
+    if not d.logprobs:
+        return []
+    vals = p.unpack_logprobs(d.logprobs)
+    row = k + 1
+    return [(tid, vals[t * row], [(d.top_ids[t * k + j], vals[t * row + 1 + j]) for j in range(k)])
+            for t, tid in enumerate(d.token_ids)]
+
+
+def _params(params: dict) -> dict:
+    """OpenAI-style spellings a caller may use -> the wire's types."""
+    lb = params.get("logit_bias")
+    if lb:
+        params["logit_bias"] = {int(k): float(v) for k, v in lb.items()}
+    so = params.get("structured")
+    if isinstance(so, dict):
+        so = dict(so)
+        if isinstance(so.get("json"), (dict, bool)):
+            so["json"] = json.dumps(so["json"])
+        params["structured"] = p.StructuredOutput(**so)
+    return params
 
 
 def _submit(request_id: str, model: str, prompt: str | None, messages, max_tokens, priority,
-            task_type, api_key, **params) -> p.Submit:
+            task_type, api_key, user=None, **params) -> p.Submit:
     chat = messages is not None
     return p.Submit(
         request_id=request_id,
@@ -60,11 +100,12 @@ def _submit(request_id: str, model: str, prompt: str | None, messages, max_token
         prompt=prompt or "",
         messages=[m if isinstance(m, p.ChatMessage) else p.ChatMessage(m["role"], m["content"])
                   for m in messages] if chat else [],
-        params=p.SamplingParams(**params) if params else None,
+        params=p.SamplingParams(**_params(params)) if params else None,
         max_tokens=max_tokens,
         priority=priority,
         task_type=p.TaskType[task_type.upper()] if isinstance(task_type, str) else (task_type or p.TaskType.AUTO),
         api_key=api_key,
+        user=user,
     )
 
 
@@ -72,12 +113,23 @@ def _is_final(d: p.Delta) -> bool:
     return d.finish_reason is not None or d.error is not None
 
 
-def _collect(deltas) -> Completion:
-    text, last = [], None
+def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Completion:
+    texts: list[list[str]] = [[] for _ in range(n)]
+    finish: list[Optional[str]] = [None] * n
+    lps: list[list[TokenLogprob]] = [[] for _ in range(n)] if k is not None else []
+    last = None
     for d in deltas:
-        text.append(d.text)
+        texts[d.index].append(d.text)
+        if d.choice_finish is not None:
+            finish[d.index] = d.choice_finish
+        if k is not None:
+            lps[d.index].extend(token_logprobs(d, k))
         last = d
-    return Completion("".join(text), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+    for i in range(n):
+        if finish[i] is None:
+            finish[i] = last.finish_reason
+    out = [echo + "".join(t) for t in texts]
+    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps)
 
 
 class _Base:
@@ -183,8 +235,10 @@ class AsyncClient(_Base):
             if not done and self._sock is not None:
                 self._send(p.Cancel(request_ids=[rid]))
 
-    async def complete(self, model: str, prompt: str | None = None, messages=None, **kw) -> Completion:
-        return _collect([d async for d in self.stream(model, prompt, messages, **kw)])
+    async def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False,
+                       **kw) -> Completion:
+        return _collect([d async for d in self.stream(model, prompt, messages, **kw)], kw.get("n", 1),
+                        kw.get("logprobs"), (prompt or "") if echo else "")
 
 
 class Client(_Base):
@@ -234,5 +288,7 @@ class Client(_Base):
             if not done:
                 self._sock.send(p.encoder.encode(p.Cancel(request_ids=[rid])))
 
-    def complete(self, model: str, prompt: str | None = None, messages=None, **kw) -> Completion:
-        return _collect(self.stream(model, prompt, messages, **kw))
+    def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False,
+                 **kw) -> Completion:
+        return _collect(self.stream(model, prompt, messages, **kw), kw.get("n", 1), kw.get("logprobs"),
+                        (prompt or "") if echo else "")

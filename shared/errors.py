@@ -134,10 +134,12 @@ class Refusal(NamedTuple):
             pool = f" of the {f['pool']}-request pool" if f.get("pool") else ""
             msg = f"No worker{pool} is currently serving model `{f['model']}`; try again shortly."
         elif c is Code.CONTEXT_LENGTH and "kv_tokens" in f:
-            msg = (f"This request needs {f['prompt'] + f['completion']} tokens of KV cache "
+            n = f.get("n", 1)
+            seqs = f" for each of {n} choices" if n > 1 else ""
+            msg = (f"This request needs {f['prompt'] + f['completion']} tokens of KV cache{seqs} "
                    f"({f['prompt']} in the prompt, {f['completion']} in the completion), more than "
                    f"any worker of this model can hold ({f['kv_tokens']} tokens). Please reduce the "
-                   f"length of the prompt or completion.")
+                   f"length of the prompt or completion{' or n' if n > 1 else ''}.")
         elif c is Code.CONTEXT_LENGTH:
             return context_length(f["max_len"], f["prompt"], f["completion"], self.param or "messages")
         elif c is Code.QUEUE_FULL:

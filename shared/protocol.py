@@ -30,7 +30,9 @@ Conventions (after vLLM's engine boundary):
 
 from __future__ import annotations
 
+import array
 import enum
+import sys
 from typing import Annotated, Optional, Union
 
 import msgspec
@@ -71,6 +73,39 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 StopList = Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)]
+# n, logprobs and vLLM's sampling extras (vLLM's names and ranges; OpenAI's where it has one).
+MAX_N = 128  # OpenAI's bound on n
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (and vLLM's default max_logprobs)
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries; each id is checked against the model's vocabulary by the router
+N = Annotated[int, Meta(ge=1, le=MAX_N)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TopK = Annotated[int, Meta(ge=-1)]  # 0 or -1: off
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0)]
+TokenId = Annotated[int, Meta(ge=0)]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+LogitBias = Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)]  # JSON: string keys
+User = Annotated[str, Meta(max_length=256)]
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A constraint for the engine's structured-output backend (vLLM's
+    ``StructuredOutputsParams``): exactly one of ``json`` (a JSON schema, as
+    JSON text), ``json_object``, ``regex``, ``choice``, ``grammar`` (EBNF).
+    The router compiles it before anything is reserved (router.prompts)."""
+
+    json: Optional[str] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: list[str] = []
+    grammar: Optional[str] = None
+
+    def kinds(self) -> list[str]:
+        return [k for k, v in (("json", self.json is not None), ("json_object", self.json_object),
+                               ("regex", self.regex is not None), ("choice", bool(self.choice)),
+                               ("grammar", self.grammar is not None)) if v]
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -89,6 +124,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     ignore_eos: bool = False
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    n: N = 1  # choices; Deltas carry their ``index``
+    logprobs: Optional[TopLogprobs] = None  # k: each token's logprob and the top k (Delta.logprobs)
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_tokens: NonNegativeInt = 0  # at most max_tokens (router.admission)
+    stop_token_ids: StopTokenIds = []
+    logit_bias: LogitBias = {}
+    structured: Optional[StructuredOutput] = None
 
 
 class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -119,11 +163,41 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     completion_tokens: int = 0
     error: Optional[ErrorInfo] = None
     token_ids: list[int] = []  # the new tokens' ids (the simulated engine's are placeholders)
+    # n > 1: the choice these tokens belong to; a choice that ends before the
+    # request does says so in ``choice_finish`` (the request's last Delta uses
+    # ``finish_reason``, for its own index, as for n = 1).
+    index: int = 0
+    choice_finish: Optional[str] = None
+    # SamplingParams.logprobs = k: per new token, [its logprob, top-1 .. top-k
+    # logprobs] as float32 little-endian (``pack_logprobs``; vLLM computes them
+    # in float32, so nothing is lost), and the top-k token ids, k per token.
+    # Token strings are not sent: the router has the tokenizer.
+    logprobs: bytes = b""
+    top_ids: list[int] = []
 
     @property
     def finished(self) -> bool:
         """The request's last Delta (as vLLM's ``EngineCoreOutput.finished``)."""
         return self.finish_reason is not None or self.error is not None
+
+
+_SWAP = sys.byteorder != "little"
+
+
+def pack_logprobs(values: list[float]) -> bytes:
+    """``Delta.logprobs`` from floats (4 bytes each instead of msgpack's 9)."""
+    a = array.array("f", values)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_logprobs(data: bytes) -> array.array:
+    a = array.array("f")
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return a
 
 
 # ---------------------------------------------------------------- client link
@@ -143,6 +217,7 @@ class Submit(_Msg, tag=1):
     priority: Optional[str] = None  # may only lower the key's class
     task_type: TaskType = TaskType.AUTO
     api_key: Optional[str] = None
+    user: Optional[User] = None  # OpenAI's end-user id: recorded per tenant, never an identity
 
 
 class Cancel(_Msg, tag=2):
@@ -190,6 +265,9 @@ class Register(_Msg, tag=10):
     # measured anything (0: unknown, the router assumes its default).
     step_time_s: float = 0.0  # one step with a full batch
     request_overhead_s: float = 0.0  # engine work per newly admitted request
+    # The engine shares the KV blocks of a common prompt prefix (vLLM's prefix
+    # caching): the n sequences of one request then hold its prompt once.
+    prefix_caching: bool = False
 
 
 class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

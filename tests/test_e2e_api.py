@@ -139,7 +139,7 @@ BAD_INPUTS = [
     ({"model": VLLM_MODEL, "prompt": 42}, {}, 400, "prompt"),
     ({"model": VLLM_MODEL, "prompt": "hi", "temperature": 7}, {}, 400, "temperature"),
     ({"model": VLLM_MODEL, "prompt": "hi", "max_tokens": 0}, {}, 400, "max_tokens"),
-    ({"model": VLLM_MODEL, "prompt": "hi", "n": 3}, {}, 400, "n"),
+    ({"model": VLLM_MODEL, "prompt": "hi", "n": 3, "temperature": 0}, {}, 400, "n"),
     ({"model": "no-such-model", "prompt": "hi"}, {}, 404, "model"),
     ({"model": VLLM_MODEL, "prompt": "hi", "max_tokens": 100000}, {}, 400, "max_tokens"),
     ({"model": VLLM_MODEL, "prompt": TOO_LONG_PROMPT, "max_tokens": 4}, {}, 400, None),

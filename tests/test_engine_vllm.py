@@ -230,3 +230,137 @@ def test_too_long_prompt_is_a_400_and_engine_keeps_working(env):
     check_stream(loop.run_until_complete(c2.wait())["after"],
                  len(engine.engine.tokenizer.encode("The quick brown fox")), 3, "length")
     assert engine.fatal_error is None
+
+
+# ------------------------------------------------------------------ issue 13: n, logprobs, structured, extras
+
+import json  # noqa: E402
+
+from router.estimate import kv_cost  # noqa: E402
+from shared.protocol import StructuredOutput, unpack_logprobs  # noqa: E402
+
+
+def run_one(env, req, timeout=60):
+    loop, engine, _ = env
+    c = Collector()
+    c.submit(engine, req)
+    return loop.run_until_complete(c.wait(timeout))[req.request_id]
+
+
+def gen(rid, prompt="The quick brown fox", **kw):
+    tokens = PROMPTS.tokenize(Submit(rid, "tiny-llama", prompt=prompt))
+    return GenerateRequest(rid, tokens.ids, tokens.count, SamplingParams(**kw))
+
+
+def ids_of(ds, index=0):
+    return [t for d in ds if d.index == index for t in d.token_ids]
+
+
+def test_n_choices_have_indices_one_final_delta_and_summed_counts(env):
+    ds = run_one(env, gen("n2", n=3, max_tokens=5, ignore_eos=True, temperature=1.0, seed=7))
+    assert [d for d in ds if d.finished] == [ds[-1]]  # one final Delta for the request
+    assert {d.index for d in ds} == {0, 1, 2}
+    for i in range(3):
+        assert len(ids_of(ds, i)) == 5
+    ended = [d.index for d in ds if d.choice_finish] + [ds[-1].index]
+    assert sorted(ended) == [0, 1, 2]  # each choice ended exactly once
+    assert all(d.choice_finish in (None, "length") for d in ds) and ds[-1].finish_reason == "length"
+    assert ds[-1].completion_tokens == 15 and sum(d.num_tokens for d in ds) == 15
+
+
+def test_logprobs_are_compact_rows_in_rank_order(env):
+    k = 3
+    ds = run_one(env, gen("lp", max_tokens=6, ignore_eos=True, logprobs=k))
+    n = 0
+    for d in ds:
+        if not d.token_ids:
+            continue
+        vals = unpack_logprobs(d.logprobs)
+        assert len(vals) == len(d.token_ids) * (1 + k) and len(d.top_ids) == len(d.token_ids) * k
+        for t, tid in enumerate(d.token_ids):
+            row = vals[t * (1 + k):(t + 1) * (1 + k)]
+            tops = list(row[1:])
+            assert all(v <= 0 for v in row) and tops == sorted(tops, reverse=True)
+            ids = d.top_ids[t * k:(t + 1) * k]
+            if tid in ids:
+                assert row[0] == tops[ids.index(tid)]
+            else:
+                assert row[0] <= tops[-1]
+            n += 1
+    assert n == 6
+
+
+def test_logprobs_zero_sends_the_tokens_own_only(env):
+    ds = run_one(env, gen("lp0", max_tokens=4, ignore_eos=True, logprobs=0))
+    assert sum(len(unpack_logprobs(d.logprobs)) for d in ds) == 4 and not any(d.top_ids for d in ds)
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def test_json_schema_output_parses_and_validates(env):
+    import jsonschema
+
+    so = StructuredOutput(json=json.dumps(SCHEMA))
+    for seed in (1, 2):
+        ds = run_one(env, gen(f"js{seed}", max_tokens=200, seed=seed, structured=so))
+        assert ds[-1].finish_reason == "stop", "the grammar ended it, not max_tokens"
+        jsonschema.validate(json.loads("".join(d.text for d in ds)), SCHEMA)
+
+
+def test_choice_and_regex_constraints(env):
+    ds = run_one(env, gen("ch", max_tokens=20, structured=StructuredOutput(choice=["alpha", "beta"])))
+    assert "".join(d.text for d in ds) in ("alpha", "beta")
+    ds = run_one(env, gen("re", max_tokens=20, structured=StructuredOutput(regex="[0-9]{4}")))
+    text = "".join(d.text for d in ds)
+    assert len(text) == 4 and text.isdigit()
+
+
+def test_sampling_extras_reach_the_engine(env):
+    greedy = ids_of(run_one(env, gen("g", max_tokens=8, ignore_eos=True, temperature=0.0)))
+    # logit_bias -100 bans the greedy first token
+    banned = ids_of(run_one(env, gen("ban", max_tokens=8, ignore_eos=True, temperature=0.0,
+                                     logit_bias={greedy[0]: -100.0})))
+    assert banned[0] != greedy[0] and greedy[0] not in banned
+    # +100 forces a token; stop_token_ids on it stops at once
+    forced = 7
+    ds = run_one(env, gen("force", max_tokens=8, ignore_eos=True, logit_bias={forced: 100.0}))
+    assert set(ids_of(ds)) == {forced}
+    ds = run_one(env, gen("stopid", max_tokens=8, logit_bias={forced: 100.0}, stop_token_ids=[forced]))
+    assert ds[-1].finish_reason == "stop" and ds[-1].completion_tokens == 1
+    # min_tokens holds the stop back
+    ds = run_one(env, gen("mint", max_tokens=8, logit_bias={forced: 100.0}, stop_token_ids=[forced], min_tokens=5))
+    assert ds[-1].finish_reason == "stop" and ds[-1].completion_tokens == 6
+    # top_k=1 and min_p=1 sample the greedy token at any temperature
+    assert ids_of(run_one(env, gen("tk", max_tokens=8, ignore_eos=True, temperature=1.5, top_k=1, seed=3))) == greedy
+    assert ids_of(run_one(env, gen("mp", max_tokens=8, ignore_eos=True, temperature=1.5, min_p=1.0, seed=3))) == greedy
+    # a huge repetition penalty: no generated token repeats (greedy alone loops)
+    long_greedy = ids_of(run_one(env, gen("g30", max_tokens=30, ignore_eos=True, temperature=0.0)))
+    assert len(set(long_greedy)) < 30
+    rp = ids_of(run_one(env, gen("rp", max_tokens=30, ignore_eos=True, temperature=0.0, repetition_penalty=1e6)))
+    assert len(set(rp)) == 30
+
+
+def test_n_sequences_share_the_prompts_full_blocks_as_kv_cost_says(env):
+    """The ledger's n > 1 price (estimate.kv_cost, shared_prompt) equals vLLM's
+    own peak KV usage: prefix caching holds the prompt's full blocks once."""
+    loop, engine, info = env
+    assert info.prefix_caching  # vLLM's default, and what the worker registers
+    bs = info.block_size
+    blocks = info.kv_capacity_tokens // bs
+    req = gen("kvn", prompt="word " * 150, n=4, max_tokens=30, ignore_eos=True, temperature=1.0)
+    c = Collector()
+    c.submit(engine, req)
+
+    async def watch():
+        peak = 0.0
+        while c.open:
+            peak = max(peak, engine.stats().kv_usage)
+            await asyncio.sleep(0.002)
+        return peak
+
+    peak, _ = loop.run_until_complete(asyncio.gather(watch(), c.wait()))
+    used = round(peak * blocks)
+    assert used * bs == kv_cost(req.prompt_tokens, 30, bs, 4, shared_prompt=True)
+    assert used * bs < kv_cost(req.prompt_tokens, 30, bs, 4, shared_prompt=False)

@@ -447,3 +447,108 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 LifecycleMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_lifecycle_state_machine = LifecycleMachine.TestCase
+
+
+# ------------------------------------------------------------------ issue 13: n, structured output, bad input
+
+
+def submit_params(h: Harness, model: str = "sim-m", prompt: str = "hello", max_tokens: int = 8, **params):
+    sink = Sink()
+    handle = h.core.submit(p.Submit("c", model, prompt=prompt, max_tokens=max_tokens,
+                                    params=p.SamplingParams(**params)), sink)
+    if isinstance(handle, int):
+        h.sinks[handle] = sink
+    return handle
+
+
+def test_n_choices_reserve_every_sequence_and_release_once(h):
+    from router.estimate import kv_cost
+
+    h.workers.linked.add("w0")
+    h.core.worker_joined(msgspec.structs.replace(register("w0"), prefix_caching=True))
+    prompt = "x" * 200  # 50 tokens by the sim estimate: 3 full blocks of 16 shared
+    a = submit_params(h, prompt=prompt, max_tokens=20, n=3)
+    h.settle()
+    req = h.workers.dispatched["w0"][0]
+    assert req.params.n == 3
+    assert h.reserved() == kv_cost(req.prompt_tokens, 20, 16, 3, shared_prompt=True) == 48 + 3 * 32
+    assert h.reserved() < kv_cost(req.prompt_tokens, 20, 16, 3)
+    job_id = "%x" % a
+    h.core.on_outputs("w0", [p.Delta(job_id, " a", 1, token_ids=[1]), p.Delta(job_id, " b", 1, token_ids=[2], index=1),
+                       p.Delta(job_id, " c", 1, token_ids=[3], index=2, choice_finish="stop")])
+    assert h.reserved() > 0 and len(h.sinks[a].deltas) == 3 and not h.sinks[a].finals
+    h.core.on_outputs("w0", [p.Delta(job_id, "", 0, index=0, choice_finish="length"),
+                       p.Delta(job_id, "", 0, "length", index=1, completion_tokens=3)])
+    assert h.sinks[a].finals[0].finish_reason == "length" and h.reserved() == 0 and not h.core.jobs
+    b = submit_params(h, prompt=prompt, max_tokens=20, n=4)  # and a cancelled one
+    h.settle()
+    h.core.on_outputs("w0", [p.Delta("%x" % b, " a", 1, token_ids=[1], index=3)])
+    h.core.cancel(b)
+    assert h.reserved() == 0 and not h.core.jobs
+
+
+def test_n_beyond_any_workers_kv_is_a_400_naming_n(h):
+    h.join("w0", kv=4096)
+    err = submit_params(h, max_tokens=1000, n=8)  # each sequence fits the context; eight do not fit the KV
+    assert err.status == 400 and err.param == "n" and "each of 8 choices" in err.message
+    err = submit_params(h, max_tokens=8, n=2, temperature=0.0)
+    assert err.status == 400 and err.param == "n" and "greedy" in err.message
+    err = submit_params(h, max_tokens=8, min_tokens=9)
+    assert err.status == 400 and err.param == "min_tokens"
+    assert not h.core.jobs and h.reserved() == 0 and not h.workers.dispatched
+
+
+def test_a_structured_request_requeues_if_nothing_streamed_and_ends_worker_lost_if_it_had(h):
+    """No resume today (issue 8): a structured-output request whose worker is
+    lost after output ends with the clear worker_lost error; one that had not
+    produced anything is dispatched again, constraint and all."""
+    so = p.StructuredOutput(json_object=True)
+    h.join("w0", seqs=1)
+    started = submit_params(h, structured=so)
+    waiting = submit_params(h, structured=so)
+    h.settle()
+    h.join("w1")
+    h.tokens(started, 2)
+    h.leave("w0")
+    err = h.sinks[started].finals[0].error
+    assert err.code == "worker_lost" and err.status == 503 and err.retry_after
+    h.settle()
+    (again,) = [r for r in h.workers.dispatched["w1"] if r.request_id == "%x" % waiting]
+    assert again.params.structured == so
+    h.tokens(waiting, 1, "stop")
+    assert h.reserved() == 0 and not h.core.jobs
+
+
+@pytest.mark.skipif(not (TINY / "tokenizer.json").exists(), reason="models/tiny-llama not built")
+def test_model_checks_refuse_before_anything_is_reserved():
+    cfg = msgspec.convert({"models": [{"name": "tiny", "engine": "vllm", "path": str(TINY),
+                                       "max_model_len": 512}]}, Config)
+    prompts = ModelPrompts(str(TINY))
+    h = Harness(cfg, prompts={"tiny": prompts})
+    try:
+        h.workers.linked.add("w0")
+        h.core.worker_joined(msgspec.structs.replace(register("w0", kv=1 << 16), model="tiny", max_model_len=512))
+        vocab = prompts.vocab_size
+        err = submit_params(h, "tiny", logit_bias={vocab: 1.0})
+        assert err.status == 400 and err.param == "logit_bias" and str(vocab) in err.message
+        err = submit_params(h, "tiny", stop_token_ids=[1, vocab + 5])
+        assert err.status == 400 and err.param == "stop_token_ids"
+        # A schema is compiled before queueing: the first one on the tokenizing thread (xgrammar loads)
+        bad = submit_params(h, "tiny", structured=p.StructuredOutput(json='{"type": "objectx"}'))
+        good = submit_params(h, "tiny", structured=p.StructuredOutput(json='{"type": "object"}'))
+        for _ in range(1000):
+            h.loop.run_until_complete(asyncio.sleep(0.01))
+            if h.sinks[bad].finals and h.workers.dispatched:
+                break
+        err = h.sinks[bad].finals[0].error
+        assert err.status == 400 and err.param == "response_format" and "objectx" in err.message
+        assert [r.request_id for r in h.workers.dispatched["w0"]] == ["%x" % good]
+        # once loaded, a small schema compiles inline: refused at submit
+        err = submit_params(h, "tiny", structured=p.StructuredOutput(regex="[a-"))
+        assert err.status == 400 and err.param == "structured_outputs.regex"
+        err = submit_params(h, "tiny", structured=p.StructuredOutput(json="{}", regex="a"))
+        assert err.status == 400 and err.param == "structured_outputs"
+        h.tokens(good, 1, "stop")
+        assert h.reserved() == 0 and not h.core.jobs
+    finally:
+        h.close()

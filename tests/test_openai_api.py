@@ -56,7 +56,9 @@ BAD_COMPLETIONS = [
     (_completion(temperature="hot"), "temperature", None),
     (_completion(top_p=0), "top_p", None),
     (_completion(top_p=1.01), "top_p", None),
-    (_completion(n=2), "n", "unsupported_value"),
+    (_completion(n=0), "n", None),
+    (_completion(n=129), "n", None),
+    (_completion(n=2, temperature=0), "n", None),  # vLLM: "n must be 1 when using greedy sampling"
     (_completion(n="1"), "n", None),
     (_completion(stream="yes"), "stream", None),
     (_completion(stream_options={"include_usage": True}), "stream_options", None),
@@ -68,10 +70,24 @@ BAD_COMPLETIONS = [
     (_completion(user=5), "user", None),
     (_completion(priority=1), "priority", None),
     (_completion(task_type="medium"), "task_type", None),
-    (_completion(echo=True), "echo", "unsupported_value"),
+    (_completion(echo=True, logprobs=1), "echo", "unsupported_value"),  # would need prompt logprobs
     (_completion(best_of=3), "best_of", "unsupported_value"),
     (_completion(suffix="tail"), "suffix", "unsupported_value"),
-    (_completion(logprobs=3), "logprobs", "unsupported_value"),
+    (_completion(logprobs=21), "logprobs", None),
+    (_completion(logprobs=-1), "logprobs", None),
+    (_completion(top_k=-2), "top_k", None),
+    (_completion(min_p=1.5), "min_p", None),
+    (_completion(repetition_penalty=0), "repetition_penalty", None),
+    (_completion(min_tokens=-1), "min_tokens", None),
+    (_completion(stop_token_ids=[-1]), "stop_token_ids[0]", None),
+    (_completion(stop_token_ids=list(range(65))), "stop_token_ids", None),
+    (_completion(logit_bias={"5": 101}), "logit_bias", None),
+    (_completion(logit_bias={"x": 1}), "logit_bias", None),
+    (_completion(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", None),
+    (_completion(user="u" * 257), "user", None),
+    (_completion(response_format={"type": "json_schema"}), "response_format.json_schema", None),
+    (_completion(response_format={"type": "structural_tag"}), "response_format.type", "unsupported_value"),
+    (_completion(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex", None),
     (_completion(prompt=""), "prompt", None),
     (_completion(prompt=[""]), "prompt", None),
     (_completion(presence_penalty=2.5), "presence_penalty", None),
@@ -105,11 +121,13 @@ BAD_CHATS = [
     (_chat(max_completion_tokens=0), "max_completion_tokens", None),
     (_chat(max_tokens=0), "max_tokens", None),
     (_chat(temperature=3), "temperature", None),
-    (_chat(n=3), "n", "unsupported_value"),
-    (_chat(logprobs=True), "logprobs", "unsupported_value"),
-    (_chat(top_logprobs=2), "top_logprobs", "unsupported_value"),
+    (_chat(n=3, temperature=0.0), "n", None),
+    (_chat(top_logprobs=2), "top_logprobs", None),  # needs logprobs: true
+    (_chat(logprobs=True, top_logprobs=21), "top_logprobs", None),
+    (_chat(logprobs=3), "logprobs", None),
     (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_value"),
-    (_chat(response_format={"type": "json_object"}), "response_format", "unsupported_value"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema",
+     None),
     (_chat(stream_options={"include_usage": True}), "stream_options", None),
 ]
 
@@ -372,3 +390,147 @@ def test_template_events_roundtrip_any_text(text, model, kind):
     # byte-identical to encoding the same object with msgspec (no stray spaces/escapes)
     for e in events[:-1]:
         assert e.encode() == msgspec.json.encode(json.loads(e))
+
+
+# ------------------------------------------------------------------ issue 13: n, logprobs, structured, extras
+
+from openai.types.chat import ChatCompletionChunk as _Chunk  # noqa: E402
+
+from shared.protocol import StructuredOutput, pack_logprobs  # noqa: E402
+
+
+def test_extras_become_wire_params():
+    sub, ctx = api.parse_completion(_completion(
+        n=2, logprobs=3, top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[3, 4],
+        logit_bias={"7": -100, "9": 2.5}, user="alice", seed=1), NO_META, "r")
+    p = sub.params
+    assert (p.n, p.logprobs, p.top_k, p.min_p, p.repetition_penalty, p.min_tokens) == (2, 3, 5, 0.1, 1.2, 2)
+    assert p.stop_token_ids == [3, 4] and p.logit_bias == {7: -100.0, 9: 2.5} and sub.user == "alice"
+    assert (ctx.n, ctx.logprobs, ctx.echo, ctx.rich) == (2, 3, "", True)
+    assert api.parse_completion(_completion(echo=True), NO_META, "r")[1].echo == "hi"
+    sub, ctx = api.parse_chat(_chat(logprobs=True, top_logprobs=2), NO_META, "r")
+    assert sub.params.logprobs == 2 and ctx.logprobs == 2
+    sub, ctx = api.parse_chat(_chat(logprobs=True), NO_META, "r")
+    assert sub.params.logprobs == 0
+    sub, ctx = api.parse_chat(_chat(), NO_META, "r")
+    assert sub.params is None and not ctx.rich  # the plain path stays plain
+    sub, _ = api.parse_completion(_completion(top_k=-1, repetition_penalty=1.0, logit_bias={}), NO_META, "r")
+    assert sub.params is None  # "off" values are the wire's defaults
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields,expected", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     StructuredOutput(json=json.dumps(SCHEMA))),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutput(regex="[0-9]+")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput(choice=["a", "b"])),
+    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput(json=json.dumps(SCHEMA))),
+    ({"guided_grammar": "root ::= \"x\""}, StructuredOutput(grammar="root ::= \"x\"")),
+])
+def test_structured_output_fields_map_to_one_constraint(fields, expected):
+    sub, _ = api.parse_chat(_chat(**fields), NO_META, "r")
+    got = sub.params.structured if sub.params is not None else None
+    if expected is not None and expected.json is not None:
+        assert json.loads(got.json) == json.loads(expected.json)
+    else:
+        assert got == expected
+
+
+class _Vocab:
+    def __call__(self, tid):
+        return {1: "a", 2: "b", 3: " c", 4: "ü"}.get(tid, f"<{tid}>")
+
+
+def _lp_delta(ids, k, index=0, **kw):
+    vals, tops = [], []
+    for t in ids:
+        vals.append(-0.5 * t)
+        for j in range(k):
+            tops.append(j + 1)
+            vals.append(-0.1 * (j + 1))
+    return Delta("x1", "".join(_Vocab()(t) for t in ids), len(ids), token_ids=ids, index=index,
+                 logprobs=pack_logprobs(vals), top_ids=tops, **kw)
+
+
+def _rich_ctx(kind, n=1, logprobs=None, echo="", stream=True, include_usage=False):
+    ctx = _ctx(kind, stream=stream, include_usage=include_usage)
+    ctx.n, ctx.logprobs, ctx.echo, ctx.token_text = n, logprobs, echo, _Vocab()
+    return ctx
+
+
+def test_non_stream_n_and_logprobs_completion_parse_with_the_sdk():
+    acc = api.Accumulator(_rich_ctx(RequestKind.COMPLETION, n=2, logprobs=2, stream=False))
+    acc.add([_lp_delta([1, 2], 2, prompt_tokens=5, completion_tokens=2),
+             _lp_delta([3], 2, index=1, completion_tokens=3, choice_finish="stop")])
+    acc.add([_lp_delta([4], 2, completion_tokens=4, finish_reason="length")])
+    obj = json.loads(acc.render())
+    parsed = Completion.model_validate(obj)
+    assert [c.index for c in parsed.choices] == [0, 1]
+    assert [c.finish_reason for c in parsed.choices] == ["length", "stop"]
+    assert parsed.choices[0].text == "abü" and parsed.usage.completion_tokens == 4
+    lp = parsed.choices[0].logprobs
+    assert lp.tokens == ["a", "b", "ü"] and lp.token_logprobs == [-0.5, -1.0, -2.0]
+    assert lp.text_offset == [0, 1, 2]
+    assert lp.top_logprobs[0] == {"a": -0.5, "b": pytest.approx(-0.2)}  # sampled + top 2 (one shared)
+    assert len(parsed.choices[1].logprobs.tokens) == 1
+
+
+def test_non_stream_chat_logprobs_shape():
+    acc = api.Accumulator(_rich_ctx(RequestKind.CHAT, logprobs=1, stream=False))
+    acc.add([_lp_delta([4, 3], 1, prompt_tokens=5, completion_tokens=2, finish_reason="stop")])
+    parsed = ChatCompletion.model_validate(json.loads(acc.render()))
+    content = parsed.choices[0].logprobs.content
+    assert [c.token for c in content] == ["ü", " c"] and content[0].bytes == list("ü".encode())
+    assert [len(c.top_logprobs) for c in content] == [1, 1] and content[0].top_logprobs[0].token == "a"
+
+
+def test_streamed_n_choices_and_logprobs_chat():
+    r = api.StreamRenderer(_rich_ctx(RequestKind.CHAT, n=2, logprobs=0, include_usage=True))
+    out = r.render([_lp_delta([1], 0, prompt_tokens=3, completion_tokens=1),
+                    _lp_delta([2], 0, index=1, completion_tokens=2)])
+    out += r.render([_lp_delta([3], 0, index=1, completion_tokens=3, choice_finish="length")])
+    out += r.render([_lp_delta([4], 0, completion_tokens=4, finish_reason="stop")])
+    assert r.finished
+    events = _sse(out)
+    assert events[-1] == "[DONE]"
+    chunks = [_Chunk.model_validate(json.loads(e)) for e in events[:-1]]
+    text = {0: "", 1: ""}
+    finish = {}
+    tokens = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        text[ch.index] += ch.delta.content or ""
+        if ch.logprobs is not None:
+            tokens[ch.index] += [t.token for t in ch.logprobs.content]
+        if ch.finish_reason:
+            finish[ch.index] = ch.finish_reason
+    assert text == {0: "aü", 1: "b c"} and tokens == {0: ["a", "ü"], 1: ["b", " c"]}
+    assert finish == {0: "stop", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens == 3
+
+
+def test_streamed_completion_echo_and_logprobs_offsets():
+    r = api.StreamRenderer(_rich_ctx(RequestKind.COMPLETION, echo="Say: "))
+    out = r.render([Delta("x1", "hi", 1, prompt_tokens=3, completion_tokens=1)])
+    out += r.render([Delta("x1", "!", 1, completion_tokens=2, finish_reason="stop")])
+    texts = [json.loads(e)["choices"][0]["text"] for e in _sse(out)[:-1]]
+    assert "".join(texts) == "Say: hi!" and texts[0].startswith("Say: ")
+    r = api.StreamRenderer(_rich_ctx(RequestKind.COMPLETION, logprobs=1))
+    out = r.render([_lp_delta([3, 1], 1, prompt_tokens=3, completion_tokens=2)])
+    out += r.render([_lp_delta([2], 1, completion_tokens=3, finish_reason="length")])
+    lps = [json.loads(e)["choices"][0]["logprobs"] for e in _sse(out)[:-1]]
+    assert [lp["text_offset"] for lp in lps] == [[0, 2], [3]]  # offsets run on across events
+    assert [lp["tokens"] for lp in lps] == [[" c", "a"], ["b"]]
+
+
+def test_plain_stream_is_unchanged_by_the_rich_path():
+    """The hot path renders exactly what it did (index 0, logprobs null)."""
+    r = api.StreamRenderer(_ctx())
+    assert r._choices is None
+    out = r.render([Delta("x1", "a", 1, prompt_tokens=1, completion_tokens=1)])
+    assert out == (b'data: {"id":"cmpl-x1","object":"text_completion","created":1700000000,"model":"tiny",'
+                   b'"choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null}]}\n\n')

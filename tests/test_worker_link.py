@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from shared.protocol import (Abort, Delta, Dispatch, GenerateRequest, Goodbye, Heartbeat,
+from shared.protocol import (Abort, Delta, Dispatch, Drain, GenerateRequest, Goodbye, Heartbeat,
                              Outputs, Pool, Register, SamplingParams, encoder,
                              to_worker_decoder, worker_decoder)
 
@@ -213,12 +213,32 @@ def test_garbage_frames_are_dropped(link):
     assert "malformed" in proc.log_path.read_text()
 
 
-def test_sigterm_sends_goodbye_and_exits_zero(link):
+def test_sigterm_drains_then_says_goodbye_and_exits_zero(link):
+    """SIGTERM: Drain first; the request in flight runs to its end; then Goodbye, exit 0."""
+    router, proc = link
+    router.recv_type(Register, timeout=20)
+    router.send(Dispatch([req("inflight", max_tokens=300)]))
+    router.recv_type(Outputs)
+    proc.send_signal(signal.SIGTERM)
+    seen, last = [], None
+    deadline = time.monotonic() + 10
+    while not seen or not isinstance(seen[-1], Goodbye):
+        msg = router.recv(max(0.01, deadline - time.monotonic()))
+        if isinstance(msg, Outputs):
+            last = msg.deltas[-1]
+        elif not isinstance(msg, Heartbeat):
+            seen.append(msg)
+    assert isinstance(seen[0], Drain) and seen[0].reason == "SIGTERM"
+    assert last.finish_reason == "length" and last.completion_tokens == 300  # finished, not cut off
+    assert seen[-1].reason == "drained" and proc.wait(10) == 0
+
+
+def test_sigint_says_goodbye_at_once_and_exits_zero(link):
     router, proc = link
     router.recv_type(Register, timeout=20)
     router.send(Dispatch([req("inflight", max_tokens=1000)]))
     router.recv_type(Outputs)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     bye = None
     deadline = time.monotonic() + 5
     while bye is None:
@@ -226,7 +246,7 @@ def test_sigterm_sends_goodbye_and_exits_zero(link):
         if isinstance(msg, Goodbye):
             bye = msg
     assert proc.wait(10) == 0
-    assert bye.reason == "SIGTERM"
+    assert bye.reason == "SIGINT"
 
 
 def test_silent_router_triggers_reconnect_and_reregister(link):
