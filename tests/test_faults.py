@@ -225,3 +225,32 @@ def _get_ok(url: str) -> bool:
         return requests.get(url, timeout=1).status_code == 200
     except requests.RequestException:
         return False
+
+
+@pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
+def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupted_run(tmp_path):
+    """Greedy decoding on vLLM: a stream whose only worker is SIGKILLed waits
+    (its model has no worker), the supervisor restarts the worker, and the
+    stream continues there from the tokens it had -- the client's text is
+    the text of a run that was never interrupted."""
+    from shared.client import Client
+
+    cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
+                       workers=[stackutil.vllm_worker("vllm-0")])
+    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
+        args = dict(prompt="The history of the river begins", max_tokens=400, temperature=0.0, ignore_eos=True)
+        with Client(stack.zmq_frontend) as c:
+            reference = c.complete(stackutil.VLLM_MODEL, **args)
+            victim = stack.components["worker:vllm-0"]
+            text, n, last = [], 0, None
+            for d in c.stream(stackutil.VLLM_MODEL, **args):
+                text.append(d.text)
+                n += d.num_tokens
+                last = d
+                if n >= 60 and victim.exited() is None and not stack.restarts:
+                    victim.signal_group(signal.SIGKILL)
+        assert stack.restarts.get("worker:vllm-0") == 1, "the stream ended before the kill?"
+        assert (last.finish_reason, last.completion_tokens) == ("length", 400)
+        assert last.prompt_tokens == reference.prompt_tokens
+        assert "".join(text) == reference.text
+        assert _drained(stack)
