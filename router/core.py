@@ -132,6 +132,8 @@ class RouterCore:
         self._wakeup: Optional[asyncio.TimerHandle] = None
         self._wakeup_at: Optional[float] = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
+        stall = cfg.router.stall_timeout_s
+        self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
     # ------------------------------------------------------------ the frontends' API
 
@@ -185,6 +187,8 @@ class RouterCore:
     def close(self) -> None:
         if self._wakeup is not None:
             self._wakeup.cancel()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ admission
@@ -348,6 +352,25 @@ class RouterCore:
     def _lost_error(self, why: str) -> p.ErrorInfo:
         return error(Code.WORKER_LOST, f"The worker serving this request was lost ({why}) and it could "
                      f"not be resumed.", retry_after=self.cfg.router.heartbeat_interval_s)
+
+    def check_stalls(self) -> list[str]:
+        """The hang watchdog: a running job that heard nothing from its worker
+        for ``stall_timeout_s`` is taken off it and resumed elsewhere.  (A
+        worker silent as a whole is lost by its missed heartbeats first.)"""
+        bound = self.cfg.router.stall_timeout_s
+        now = self.clock()
+        worker_of = self.policy.worker_of
+        stalled = [job_id for job_id, j in self.jobs.items()
+                   if j.last_news and now - j.last_news > bound and worker_of(job_id) is not None]
+        for job_id in stalled:
+            log.warning("job %s: nothing from worker %s for %.1f s: moving it", job_id, worker_of(job_id),
+                        now - self.jobs[job_id].last_news)
+            self.move(job_id, "stalled")
+        return stalled
+
+    def _stall_tick(self) -> None:
+        self.check_stalls()
+        self._stall_timer = self.loop.call_later(self.cfg.router.stall_timeout_s / 4, self._stall_tick)
 
     def move(self, job_id: str, why: str) -> None:
         """Take a running job off its worker (stalled, drain timed out) and

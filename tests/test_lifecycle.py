@@ -33,6 +33,7 @@ class FakeWorkers:
         self.linked: set[str] = set()
         self.dispatched: dict[str, list[p.GenerateRequest]] = {}
         self.current: dict[str, str] = {}  # job id -> the worker it was dispatched to last
+        self.attempts: dict[str, int] = {}  # job id -> dispatches so far
         self.aborted: list[tuple[str, str]] = []
         self.refuse_next = False  # the next dispatch finds the worker unlinked
 
@@ -42,6 +43,7 @@ class FakeWorkers:
             return False
         self.dispatched.setdefault(worker_id, []).append(req)
         self.current[req.request_id] = worker_id
+        self.attempts[req.request_id] = self.attempts.get(req.request_id, 0) + 1
         return True
 
     def abort(self, worker_id: str, job_id: str) -> None:
@@ -96,7 +98,7 @@ class Harness:
         self.workers = FakeWorkers()
         self.core = RouterCore(cfg or config(), self.loop, self.workers, clock=self.clock, prompts=prompts)
         self.sinks: dict[int, Sink] = {}
-        self.attempt_tokens: dict[tuple[str, str], int] = {}
+        self.attempt_tokens: dict[tuple[str, str, int], int] = {}
 
     def close(self) -> None:
         self.core.close()
@@ -128,8 +130,9 @@ class Harness:
         ``completion_tokens`` counts as an engine does: within its attempt."""
         job_id = "%x" % handle
         wid = worker or self.workers.where(job_id) or "nobody"
-        done = self.attempt_tokens.get((job_id, wid), 0) + n
-        self.attempt_tokens[(job_id, wid)] = done
+        attempt = (job_id, wid, self.workers.attempts.get(job_id, 0))
+        done = self.attempt_tokens.get(attempt, 0) + n
+        self.attempt_tokens[attempt] = done
         self.core.on_outputs(wid, [p.Delta(job_id, " t" * n, n, finish, completion_tokens=done,
                                            token_ids=[7] * n, **fields)])
 
@@ -258,6 +261,27 @@ def test_reregistration_is_a_loss_of_what_ran_there(h):
     h.settle()
     assert [r.prompt_tokens for r in h.workers.dispatched["w0"]] == [2, 3]
     assert h.workers.aborted == []  # (nothing to abort: the restarted worker runs nothing)
+
+
+def test_the_watchdog_moves_a_job_its_worker_stopped_talking_about(h):
+    h.join("w0")
+    h.join("w1")
+    quiet, chatty = h.submit(max_tokens=20), h.submit(max_tokens=20)
+    h.settle()
+    first = h.workers.where("%x" % quiet)
+    h.tokens(quiet, 2)
+    for _ in range(4):  # the other keeps streaming, and worker heartbeats would go on
+        h.clock.t += 3
+        h.tokens(chatty, 1)
+        h.core.check_stalls()
+    assert h.workers.aborted == [(first, "%x" % quiet)]  # after stall_timeout_s (10 s) of silence
+    h.settle()
+    again = h.workers.dispatched[h.workers.where("%x" % quiet)][-1]
+    assert again.prompt_tokens == 2 + 2 and again.params.max_tokens == 18  # resumed where it was
+    h.tokens(quiet, 18, "length", prompt_tokens=4)
+    assert [d.completion_tokens for d in h.sinks[quiet].deltas] == [2, 20]
+    h.tokens(chatty, 16, "length")
+    assert h.reserved() == 0 and not h.core.jobs
 
 
 def test_cancel_then_a_late_final_delta_is_one_end(h):
