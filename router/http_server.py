@@ -42,7 +42,8 @@ log = logging.getLogger("weir.http")
 
 # Headers the ingress reads; every other header is skipped while parsing.
 _WANTED_HEADERS = frozenset(
-    (b"authorization", b"x-api-key", b"x-weir-priority", b"x-weir-task-type", b"content-length", b"expect")
+    (b"authorization", b"x-api-key", b"x-weir-priority", b"x-weir-task-type", b"x-weir-allow-fallback",
+     b"content-length", b"expect")
 )
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
@@ -182,7 +183,7 @@ class Exchange:
     """One generation request in flight: the ``RequestSink`` the core feeds."""
 
     __slots__ = ("conn", "req", "ctx", "label", "handle", "done", "started", "renderer", "texts", "counts",
-                 "out", "out_bytes", "head_unsent", "queued", "ended")
+                 "out", "out_bytes", "head_unsent", "queued", "ended", "extra")
 
     def __init__(self, conn: "HttpConnection", req: _Request, ctx: api.ResponseContext, label: str):
         self.conn = conn
@@ -192,6 +193,7 @@ class Exchange:
         self.handle: Optional[int] = None
         self.done = False
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
+        self.extra = b""  # response headers learnt from the core (x-weir-model)
         if ctx.stream:
             self.renderer = api.StreamRenderer(ctx)
             self.out: list[bytes] = []  # SSE bytes of this turn, written by flush()
@@ -208,6 +210,8 @@ class Exchange:
     def on_deltas(self, deltas: list[Delta]) -> None:
         if self.done or self.conn.closed or not deltas:
             return
+        if deltas[0].model and not self.started:
+            self._answered_by(deltas[0].model)
         try:
             if self.renderer is not None:
                 self._stream(deltas)
@@ -216,6 +220,15 @@ class Exchange:
         except Exception:  # a bug here must not escape into the core's loop
             log.exception("rendering deltas failed; dropping connection")
             self.conn.abort(self, STATUS_CLIENT_GONE if self.started else 500)
+
+    def _answered_by(self, model: str) -> None:
+        """A fallback model answers: the body's ``model`` and a header say so."""
+        self.ctx.model = model
+        self.extra = b"x-weir-model: " + model.encode("latin-1", "replace") + b"\r\n"
+        if self.renderer is not None:
+            self.renderer = api.StreamRenderer(self.ctx)  # nothing rendered yet
+        elif type(self.counts) is api.Accumulator:
+            self.counts = api.Accumulator(self.ctx)
 
     def _accumulate(self, deltas: list[Delta]) -> None:
         counts = self.counts
@@ -227,7 +240,7 @@ class Exchange:
                 self.conn.respond_error(self.req, last.error, self.label)
             elif last.finish_reason is not None:
                 self.done = True
-                self.conn.respond(self.req, 200, _JSON, counts.render(), self.label)
+                self.conn.respond(self.req, 200, _JSON, counts.render(), self.label, self.extra)
             return
         texts = self.texts
         for d in deltas:
@@ -242,7 +255,7 @@ class Exchange:
             self.done = True
             body = api.render_completion(self.ctx, "".join(texts), last.finish_reason,
                                          counts.prompt, counts.completion_total)
-            self.conn.respond(self.req, 200, _JSON, body, self.label)
+            self.conn.respond(self.req, 200, _JSON, body, self.label, self.extra)
 
     def _stream(self, deltas: list[Delta]) -> None:
         if not self.started:
@@ -282,7 +295,7 @@ class Exchange:
             if self.head_unsent:
                 self.head_unsent = False
                 head = _head(200, b"text/event-stream", None, req.keep_alive and req.http11, chunked=req.http11,
-                             extra=b"cache-control: no-cache\r\n")
+                             extra=b"cache-control: no-cache\r\n" + self.extra)
             else:
                 head = b""
             if req.http11:
@@ -461,7 +474,8 @@ class HttpConnection(asyncio.Protocol):
 
     def _generate(self, req: _Request, label: str, parse: Callable) -> None:
         meta = api.meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"),
-                                     req.header(b"x-weir-priority"), req.header(b"x-weir-task-type"))
+                                     req.header(b"x-weir-priority"), req.header(b"x-weir-task-type"),
+                                     req.header(b"x-weir-allow-fallback"))
         try:
             sub, ctx = parse(req.body, meta, api.new_request_id())
         except api.RequestError as e:

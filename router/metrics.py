@@ -127,6 +127,8 @@ class RouterMetrics:
                                   ["klass", "pool"], _LATENCY_BUCKETS)
         self.worker_events = _Family("weir_worker_events", "Worker registrations and losses",
                                      ["worker", "event"])
+        self.fallbacks = _Family("weir_fallbacks", "Requests answered by a fallback model, by the model asked "
+                                 "for and the one that answered", ["model", "fallback"])
         self.resumed = _Family("weir_resumed", "Requests continued on another worker after output streamed, "
                                "by model and why", ["model", "why"])
         self.bad_frames = _Family("weir_malformed_frames", "ZeroMQ frames dropped as undecodable",
@@ -144,7 +146,7 @@ class RouterMetrics:
                                      "(OpenAI's `user` field), by tenant", ["tenant"])
         self.users: dict[str, set[str]] = {}
         self._families = [self.requests, self.rejected, self.tokens, self.ttft, self.e2e,
-                          self.queue_wait, self.worker_events, self.resumed, self.bad_frames, self.http_requests,
+                          self.queue_wait, self.worker_events, self.resumed, self.fallbacks, self.bad_frames, self.http_requests,
                           self.http_duration, self.user_requests]
         self.registry.register(self)
 

@@ -137,6 +137,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     # weir extensions
     priority: Optional[str] = None  # a scheduler class; may only lower the key's
     task_type: Optional[Literal["short", "long"]] = None
+    fallback: Optional[bool] = None  # another configured model may answer (or header x-weir-allow-fallback)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -205,6 +206,7 @@ class RequestMeta(msgspec.Struct, gc=False):
     api_key: Optional[str] = None
     priority: Optional[str] = None
     task_type: Optional[str] = None
+    allow_fallback: bool = False
 
 
 def meta_from_headers(
@@ -212,6 +214,7 @@ def meta_from_headers(
     x_api_key: Optional[str],
     x_weir_priority: Optional[str] = None,
     x_weir_task_type: Optional[str] = None,
+    x_weir_allow_fallback: Optional[str] = None,
 ) -> RequestMeta:
     """``x-api-key`` wins over ``Authorization: Bearer`` because it is the
     header Envoy's per-key rate limit counts."""
@@ -220,7 +223,8 @@ def meta_from_headers(
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() == "bearer":
             key = token.strip() or None
-    return RequestMeta(key or None, x_weir_priority or None, x_weir_task_type or None)
+    allow = (x_weir_allow_fallback or "").strip().lower() in ("1", "true", "yes")
+    return RequestMeta(key or None, x_weir_priority or None, x_weir_task_type or None, allow)
 
 
 _TASK_TYPES = {"short": TaskType.SHORT, "long": TaskType.LONG}
@@ -400,7 +404,7 @@ def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[S
     sub = Submit(
         request_id=request_id, model=req.model, kind=RequestKind.COMPLETION, prompt=prompt,
         params=params, max_tokens=max_tokens, priority=priority, task_type=task_type, api_key=meta.api_key,
-        user=req.user,
+        user=req.user, allow_fallback=bool(req.fallback) or meta.allow_fallback,
     )
     _check_shape(sub)
     return sub, _context(req, RequestKind.COMPLETION, request_id, req.logprobs, prompt if req.echo else "")
@@ -441,7 +445,7 @@ def parse_chat(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit,
     sub = Submit(
         request_id=request_id, model=req.model, kind=RequestKind.CHAT, messages=messages,
         params=params, max_tokens=max_tokens, priority=priority, task_type=task_type, api_key=meta.api_key,
-        user=req.user,
+        user=req.user, allow_fallback=bool(req.fallback) or meta.allow_fallback,
     )
     _check_shape(sub)
     return sub, _context(req, RequestKind.CHAT, request_id, logprobs)

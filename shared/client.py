@@ -64,6 +64,7 @@ class Completion:
     texts: list[str] = field(default_factory=list)  # every choice's, by index
     finish_reasons: list[Optional[str]] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # by index, when asked for
+    model: str = ""  # the fallback model that answered (asked with fallback=True); "": the one asked for
 
 
 def token_logprobs(d: p.Delta, k: int) -> list[TokenLogprob]:
@@ -91,7 +92,7 @@ def _params(params: dict) -> dict:
 
 
 def _submit(request_id: str, model: str, prompt: str | None, messages, max_tokens, priority,
-            task_type, api_key, user=None, **params) -> p.Submit:
+            task_type, api_key, user=None, fallback=False, **params) -> p.Submit:
     chat = messages is not None
     return p.Submit(
         request_id=request_id,
@@ -106,6 +107,7 @@ def _submit(request_id: str, model: str, prompt: str | None, messages, max_token
         task_type=p.TaskType[task_type.upper()] if isinstance(task_type, str) else (task_type or p.TaskType.AUTO),
         api_key=api_key,
         user=user,
+        allow_fallback=bool(fallback),
     )
 
 
@@ -118,7 +120,9 @@ def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Com
     finish: list[Optional[str]] = [None] * n
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)] if k is not None else []
     last = None
+    model = ""
     for d in deltas:
+        model = model or d.model
         texts[d.index].append(d.text)
         if d.choice_finish is not None:
             finish[d.index] = d.choice_finish
@@ -129,7 +133,7 @@ def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Com
         if finish[i] is None:
             finish[i] = last.finish_reason
     out = [echo + "".join(t) for t in texts]
-    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps)
+    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps, model)
 
 
 class _Base:

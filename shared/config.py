@@ -91,6 +91,10 @@ class ModelConfig(_Cfg):
     engine: Literal["vllm", "sim"] = "vllm"
     path: Optional[str] = None  # model directory (vllm); relative to the config file
     max_model_len: int = 512
+    # Models that may answer instead when this one has no worker or no room
+    # (no worker, queue full, predicted wait over the bound, queue deadline),
+    # in order -- only for requests that allow it (``fallback``).
+    fallbacks: list[str] = []
 
 
 class SimEngineConfig(_Cfg):
@@ -215,6 +219,10 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"sim model {m.name!r}: simulated models must be named 'sim-...'")
         if m.engine == "vllm" and not m.path:
             raise ConfigError(f"vllm model {m.name!r} needs a path")
+    for m in cfg.models:
+        for fb in m.fallbacks:
+            if fb not in names or fb == m.name:
+                raise ConfigError(f"model {m.name!r}: fallback {fb!r} is not another configured model")
     for w in cfg.workers:
         if w.model not in names:
             raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")

@@ -174,6 +174,7 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # Token strings are not sent: the router has the tokenizer.
     logprobs: bytes = b""
     top_ids: list[int] = []
+    model: str = ""  # set on a request's first Delta when a fallback model answers it
 
     @property
     def finished(self) -> bool:
@@ -218,6 +219,7 @@ class Submit(_Msg, tag=1):
     task_type: TaskType = TaskType.AUTO
     api_key: Optional[str] = None
     user: Optional[User] = None  # OpenAI's end-user id: recorded per tenant, never an identity
+    allow_fallback: bool = False  # another model (the config's fallbacks) may answer instead
 
 
 class Cancel(_Msg, tag=2):

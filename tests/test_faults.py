@@ -254,3 +254,41 @@ def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupte
         assert last.prompt_tokens == reference.prompt_tokens
         assert "".join(text) == reference.text
         assert _drained(stack)
+
+
+def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked(tmp_path):
+    models = [{"name": "sim-primary", "engine": "sim", "max_model_len": 4096, "fallbacks": ["sim-backup"]},
+              {"name": "sim-backup", "engine": "sim", "max_model_len": 4096}]
+    cfg = write_config(tmp_path, models=models, router={"heartbeat_interval_s": 0.25},
+                       workers=[sim_worker("prim-0", model="sim-primary"), sim_worker("back-0", model="sim-backup")])
+    with start_stack(cfg, tmp_path / "run") as stack:
+        from shared.client import Client
+
+        body = {"model": "sim-primary", "prompt": "hi", "max_tokens": 3}
+        ok = requests.post(stack.envoy_url + "/v1/completions", json=body, timeout=30)
+        assert ok.json()["model"] == "sim-primary" and "x-weir-model" not in ok.headers
+        stack.components["worker:prim-0"].signal_group(signal.SIGKILL)
+        assert _wait(lambda: "prim-0" not in _workers(stack))
+        # Not asked for: the primary's own refusal, as before.
+        r = requests.post(stack.router_url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker"
+        # Asked for (body field): the backup answers, and says so.
+        r = requests.post(stack.envoy_url + "/v1/completions", json={**body, "fallback": True}, timeout=30)
+        assert r.status_code == 200 and r.json()["model"] == "sim-backup" and r.headers["x-weir-model"] == "sim-backup"
+        assert r.json()["usage"]["completion_tokens"] == 3
+        # Asked for by header, streamed: every chunk names the model that answered.
+        with requests.post(stack.envoy_url + "/v1/chat/completions", stream=True, timeout=30,
+                           headers={"x-weir-allow-fallback": "true"},
+                           json={"model": "sim-primary", "messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 3, "stream": True}) as s:
+            assert s.status_code == 200 and s.headers["x-weir-model"] == "sim-backup"
+            chunks = [l for l in s.iter_lines() if l.startswith(b"data: {")]
+            assert chunks and all(b'"model":"sim-backup"' in c for c in chunks)
+        with Client(stack.zmq_frontend) as c:
+            out = c.complete("sim-primary", prompt="hi", max_tokens=3, fallback=True)
+            assert out.model == "sim-backup" and out.completion_tokens == 3
+        metrics = requests.get(stack.metrics_url, timeout=5).text
+        (line,) = [l for l in metrics.splitlines() if l.startswith("weir_fallbacks_total{")]
+        assert 'model="sim-primary"' in line and 'fallback="sim-backup"' in line, line
+        assert float(line.rsplit(" ", 1)[1]) == 3, line
+        assert _drained(stack)
