@@ -394,6 +394,12 @@ class RouterCore:
         return error(Code.WORKER_LOST, f"The worker serving this request was lost ({why}) and it could "
                      f"not be resumed.", retry_after=self.cfg.router.heartbeat_interval_s)
 
+    def undeliverable(self, job_id: str, err: p.ErrorInfo) -> None:
+        """The link could not send a job to its worker: end it, not leave it waiting."""
+        j = self.jobs.get(job_id)
+        if j is not None:
+            self._end(j, label(err), error=err)
+
     def check_stalls(self) -> list[str]:
         """The hang watchdog: a running job that heard nothing from its worker
         for ``stall_timeout_s`` is taken off it and resumed elsewhere.  (A

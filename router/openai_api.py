@@ -44,6 +44,7 @@ from shared.protocol import (
     RepetitionPenalty,
     RequestKind,
     SamplingParams,
+    Seed,
     StopList,
     StopTokenIds,
     StructuredOutput,
@@ -116,7 +117,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, StopList, None] = None
-    seed: Optional[int] = None
+    seed: Optional[Seed] = None
     user: Optional[User] = None
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None

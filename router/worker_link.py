@@ -31,6 +31,7 @@ import zmq
 from router.metrics import RouterMetrics
 from shared import protocol as p
 from shared.config import RouterConfig
+from shared.errors import Code, error
 from shared.transport import Outbox, SocketPump, bind_router, split_routed
 
 log = logging.getLogger("weir.router.workers")
@@ -50,6 +51,8 @@ class WorkerEvents(Protocol):
     def running_on(self, worker_id: str) -> list[str]: ...
 
     def move(self, job_id: str, why: str) -> None: ...
+
+    def undeliverable(self, job_id: str, err: p.ErrorInfo) -> None: ...
 
     def worker_left(self, worker_id: str, why: str) -> None: ...
 
@@ -123,9 +126,28 @@ class WorkerLink:
         for i in items:
             (aborts if i.__class__ is str else reqs).append(i)
         if reqs:
-            self._send(identity, p.Dispatch(requests=reqs))
+            try:
+                payload = p.encoder.encode(p.Dispatch(requests=reqs))
+            except (OverflowError, TypeError, ValueError):
+                payload = self._without_unencodable(reqs)
+            if self.sock is not None:
+                self.pump.send(self.sock, [identity, payload])
         if aborts:
             self._send(identity, p.Abort(request_ids=aborts))
+
+    def _without_unencodable(self, reqs: list[p.GenerateRequest]) -> bytes:
+        """A batch that would not encode: the others go; each culprit ends with
+        an error (not lost in a failed flush, with its batch-mates)."""
+        ok = []
+        for r in reqs:
+            try:
+                p.encoder.encode(r)
+                ok.append(r)
+            except (OverflowError, TypeError, ValueError) as e:
+                log.error("request %s cannot be encoded for its worker: %s", r.request_id, e)
+                self.events.undeliverable(r.request_id, error(Code.INTERNAL, f"The request could not be sent to "
+                                                                  f"a worker ({e}); this is a router bug."))
+        return p.encoder.encode(p.Dispatch(requests=ok))
 
     def _send(self, identity: bytes, msg) -> None:
         if self.sock is not None:

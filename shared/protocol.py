@@ -70,8 +70,12 @@ MAX_STOP_SEQUENCES = 4
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
+# Every integer fits msgpack's 64 bits (and vLLM's int64): a larger one in a
+# request is a 400, never a message that cannot be encoded on its way on.
+INT64_MAX = 2**63 - 1
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=INT64_MAX)]
 StopList = Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)]
 # n, logprobs and vLLM's sampling extras (vLLM's names and ranges; OpenAI's where it has one).
 MAX_N = 128  # OpenAI's bound on n
@@ -80,10 +84,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries; each id is checked against the model's vocabulary by the router
 N = Annotated[int, Meta(ge=1, le=MAX_N)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-TopK = Annotated[int, Meta(ge=-1)]  # 0 or -1: off
+TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]  # 0 or -1: off
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0)]
-TokenId = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 LogitBias = Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)]  # JSON: string keys
@@ -119,7 +123,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     max_tokens: NonNegativeInt = 0
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    seed: Optional[int] = None
+    seed: Optional[Seed] = None
     stop: StopList = []
     ignore_eos: bool = False
     presence_penalty: Penalty = 0.0

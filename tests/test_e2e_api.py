@@ -144,6 +144,8 @@ BAD_INPUTS = [
     ({"model": VLLM_MODEL, "prompt": "hi", "max_tokens": 100000}, {}, 400, "max_tokens"),
     ({"model": VLLM_MODEL, "prompt": TOO_LONG_PROMPT, "max_tokens": 4}, {}, 400, None),
     ({"model": VLLM_MODEL, "prompt": "hi", "priority": "ultra"}, {}, 400, "priority"),
+    # beyond 64 bits: once it was accepted, then could not be encoded for the worker (found by fuzzing)
+    ({"model": VLLM_MODEL, "prompt": "hi", "seed": 10**30}, {}, 400, "seed"),
     ({"model": VLLM_MODEL, "prompt": "hi"}, {"Authorization": "Bearer sk-wrong"}, 401, None),
 ]
 

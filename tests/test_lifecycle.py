@@ -284,6 +284,14 @@ def test_the_watchdog_moves_a_job_its_worker_stopped_talking_about(h):
     assert h.reserved() == 0 and not h.core.jobs
 
 
+def test_a_job_the_link_cannot_send_ends_with_an_error_not_a_wait(h):
+    h.join("w0")
+    a = h.submit()
+    h.settle()
+    h.core.undeliverable("%x" % a, p.ErrorInfo(500, "cannot encode", "server_error", "internal_error"))
+    assert h.sinks[a].finals[0].error.status == 500 and h.reserved() == 0 and not h.core.jobs
+
+
 def test_cancel_then_a_late_final_delta_is_one_end(h):
     h.join("w0")
     a = h.submit()
