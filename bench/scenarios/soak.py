@@ -86,9 +86,9 @@ def main(argv=None) -> int:
         next_kill, kills, router_killed = args.kill_every, 0, False
         while runner.is_alive():
             now = time.monotonic() - t0
-            for name, comp in st.components.items():
+            for name, comp in st.components.items():  # per process: a restart is a new one
                 if comp.pid and (mb := _rss_mb(comp.pid)) is not None:
-                    rss.setdefault(name, []).append((now, mb))
+                    rss.setdefault(f"{name} (pid {comp.pid})", []).append((now, mb))
             r = _resumed(st.metrics_url)
             if r >= 0:
                 if r < resumed_lives[-1]:
@@ -125,12 +125,13 @@ def main(argv=None) -> int:
              "| ok | refused (429/503 + Retry-After) | lost (admitted, then an error) | resumed streams |",
              "|---|---|---|---|",
              f"| {len(ok)} | {len(refused)} | {len(lost)} | {int(sum(resumed_lives))} |", "",
-             "| process | RSS start (MB) | RSS end (MB) | slope (MB/min, fit) |", "|---|---|---|---|"]
+             "| process | RSS first seen (MB) | RSS last seen (MB) | slope (MB/min, fit) | seen for (s) |",
+             "|---|---|---|---|---|"]
     for name, pts in sorted(rss.items()):
         if len(pts) >= 3:
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             slope = statistics.linear_regression(xs, ys).slope * 60
-            lines.append(f"| {name} | {ys[0]:.1f} | {ys[-1]:.1f} | {slope:+.2f} |")
+            lines.append(f"| {name} | {ys[0]:.1f} | {ys[-1]:.1f} | {slope:+.2f} | {xs[-1] - xs[0]:.0f} |")
     lines.append(f"\nReserved tokens at the end: {sum(w['reserved_tokens'] for w in workers_end)}; "
                  f"running: {sum(w['running'] for w in workers_end)}.")
     if lost:
