@@ -24,6 +24,7 @@ import yaml
 
 from shared.config import Config, ConfigError, split_hostport
 from shared.errors import Code
+from shared.keys import config_digest
 
 HEADER = (
     "# Rendered from weir's config by `weir render-envoy` (deploy/envoy_config.py).\n"
@@ -89,11 +90,12 @@ def check(cfg: Config) -> None:
     seen: set[str] = set()
     for k in cfg.api_keys:
         where = f"api key of tenant {k.tenant!r}"
-        if not k.key or not k.key.isprintable() or k.key != k.key.strip():
+        if k.key is not None and (not k.key or not k.key.isprintable() or k.key != k.key.strip()):
             raise ConfigError(f"{where}: a key must be non-empty printable text without surrounding spaces")
-        if k.key in seen:
+        h = config_digest(k)
+        if h in seen:
             raise ConfigError(f"{where}: duplicate key")
-        seen.add(k.key)
+        seen.add(h)
         if k.rate_limit_rps is not None:
             _positive(f"{where}: rate_limit_rps", k.rate_limit_rps)
         if k.rate_limit_burst is not None:

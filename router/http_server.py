@@ -36,7 +36,7 @@ import httptools
 from router import openai_api as api
 from router.metrics import RouterMetrics
 from shared.errors import Code, error, retry_after_header
-from shared.protocol import Delta, ErrorInfo, Submit
+from shared.protocol import Delta, ErrorInfo, RateLimit, Submit
 
 log = logging.getLogger("weir.http")
 
@@ -89,7 +89,35 @@ def _head(status: int, content_type: bytes, length: Optional[int], keep_alive: b
 
 def _retry_after(info: ErrorInfo) -> bytes:
     seconds = retry_after_header(info)
-    return b"" if seconds is None else b"retry-after: %d\r\n" % seconds
+    head = b"" if seconds is None else b"retry-after: %d\r\n" % seconds
+    return head if info.ratelimit is None else head + ratelimit_headers(info.ratelimit)
+
+
+def _duration(s: float) -> bytes:
+    """OpenAI's reset format: 20ms, 1.5s, 6m0s, 1h2m3s."""
+    if s < 1.0:
+        return b"%dms" % round(s * 1000)
+    if s < 60.0:
+        return (b"%.3f" % s).rstrip(b"0").rstrip(b".") + b"s"
+    m, sec = divmod(round(s), 60)
+    if m < 60:
+        return b"%dm%ds" % (m, sec)
+    h, m = divmod(m, 60)
+    return b"%dh%dm%ds" % (h, m, sec)
+
+
+def ratelimit_headers(rl: RateLimit) -> bytes:
+    """OpenAI's x-ratelimit-* headers for a key's budgets (router/quota.py)."""
+    out = b""
+    if rl.limit_requests:
+        out += (b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
+                b"x-ratelimit-reset-requests: %b\r\n"
+                % (rl.limit_requests, rl.remaining_requests, _duration(rl.reset_requests_s)))
+    if rl.limit_tokens:
+        out += (b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"
+                b"x-ratelimit-reset-tokens: %b\r\n"
+                % (rl.limit_tokens, rl.remaining_tokens, _duration(rl.reset_tokens_s)))
+    return out
 
 
 class Generation(Protocol):
@@ -174,7 +202,7 @@ class Exchange:
     """One generation request in flight: the ``RequestSink`` the core feeds."""
 
     __slots__ = ("conn", "req", "ctx", "label", "handle", "done", "started", "renderer", "texts", "counts",
-                 "out", "out_bytes", "head_unsent", "queued", "ended")
+                 "out", "out_bytes", "head_unsent", "queued", "ended", "rl")
 
     def __init__(self, conn: "HttpConnection", req: _Request, ctx: api.ResponseContext, label: str):
         self.conn = conn
@@ -183,6 +211,7 @@ class Exchange:
         self.label = label
         self.handle: Optional[int] = None
         self.done = False
+        self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/quota.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
         if ctx.stream:
             self.renderer = api.StreamRenderer(ctx)
@@ -199,6 +228,8 @@ class Exchange:
     def on_deltas(self, deltas: list[Delta]) -> None:
         if self.done or self.conn.closed or not deltas:
             return
+        if deltas[0].ratelimit is not None:
+            self.rl = ratelimit_headers(deltas[0].ratelimit)
         try:
             if self.renderer is not None:
                 self._stream(deltas)
@@ -218,12 +249,12 @@ class Exchange:
         last = deltas[-1]
         if last.error is not None:
             self.done = True
-            self.conn.respond_error(self.req, last.error, self.label)
+            self.conn.respond_error(self.req, last.error, self.label, self.rl if last.error.ratelimit is None else b"")
         elif last.finish_reason is not None:
             self.done = True
             body = api.render_completion(self.ctx, "".join(texts), last.finish_reason,
                                          counts.prompt, counts.completion_total)
-            self.conn.respond(self.req, 200, _JSON, body, self.label)
+            self.conn.respond(self.req, 200, _JSON, body, self.label, self.rl)
 
     def _stream(self, deltas: list[Delta]) -> None:
         if not self.started:
@@ -231,7 +262,8 @@ class Exchange:
             if last.error is not None and not any(d.text for d in deltas):
                 # Refused before any output (e.g. queue deadline): a real status.
                 self.done = True
-                self.conn.respond_error(self.req, last.error, self.label)
+                self.conn.respond_error(self.req, last.error, self.label,
+                                        self.rl if last.error.ratelimit is None else b"")
                 return
             self.started = True
         payload = self.renderer.render(deltas)
@@ -263,7 +295,7 @@ class Exchange:
             if self.head_unsent:
                 self.head_unsent = False
                 head = _head(200, b"text/event-stream", None, req.keep_alive and req.http11, chunked=req.http11,
-                             extra=b"cache-control: no-cache\r\n")
+                             extra=b"cache-control: no-cache\r\n" + self.rl)
             else:
                 head = b""
             if req.http11:

@@ -48,6 +48,7 @@ class Completion:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    ratelimit: p.RateLimit | None = None  # the key's budgets, where it has any (the x-ratelimit-* figures)
 
 
 def _submit(request_id: str, model: str, prompt: str | None, messages, max_tokens, priority,
@@ -73,11 +74,12 @@ def _is_final(d: p.Delta) -> bool:
 
 
 def _collect(deltas) -> Completion:
-    text, last = [], None
+    text, last, rl = [], None, None
     for d in deltas:
         text.append(d.text)
         last = d
-    return Completion("".join(text), last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        rl = rl or d.ratelimit
+    return Completion("".join(text), last.finish_reason, last.prompt_tokens, last.completion_tokens, rl)
 
 
 class _Base:
