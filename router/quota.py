@@ -229,7 +229,8 @@ class RedisStore:
 
     def submit(self, op: str, buckets: tuple[Bucket, ...], amounts: list[int],
                callback: Optional[Callable]) -> None:
-        """``callback(result | exception)``: result is the reserve's (ok, why, levels)."""
+        """``callback(result | exception)``: result is the reserve's (ok, why, levels).
+        Never called before this returns (the lifecycle relies on it)."""
         self._queue.append((op, buckets, amounts, callback))
         if not self._busy:
             self._busy = True
