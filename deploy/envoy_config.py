@@ -366,8 +366,35 @@ def _router_cluster(cfg: Config) -> dict:
     }
 
 
+def _tls(cfg: Config) -> dict:
+    """Listener TLS (``envoy.tls_cert_file`` / ``tls_key_file``, PEM)."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": f"{_TYPES}.transport_sockets.tls.v3.DownstreamTlsContext",
+            "common_tls_context": {
+                "tls_certificates": [{
+                    "certificate_chain": {"filename": cfg.resolve(cfg.envoy.tls_cert_file)},
+                    "private_key": {"filename": cfg.resolve(cfg.envoy.tls_key_file)},
+                }],
+                "alpn_protocols": ["h2", "http/1.1"],
+            },
+        },
+    }
+
+
 def render_dict(cfg: Config) -> dict:
     check(cfg)
+    chain: dict[str, Any] = {
+        "filters": [
+            {
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": _http_connection_manager(cfg),
+            }
+        ]
+    }
+    if cfg.envoy.tls_cert_file:
+        chain["transport_socket"] = _tls(cfg)
     listen_host, listen_port = split_hostport(cfg.envoy.listen)
     admin_host, admin_port = split_hostport(cfg.envoy.admin)
     return {
@@ -377,16 +404,7 @@ def render_dict(cfg: Config) -> dict:
                 {
                     "name": "weir_http",
                     "address": _address(listen_host, listen_port),
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": _http_connection_manager(cfg),
-                                }
-                            ]
-                        }
-                    ],
+                    "filter_chains": [chain],
                 }
             ],
             "clusters": [_router_cluster(cfg)],

@@ -139,6 +139,10 @@ class Views(Protocol):
 
     def admin_queues(self) -> list[dict]: ...
 
+    def admin_tenants(self) -> dict: ...
+
+    def reload(self) -> dict: ...
+
     def metrics_payload(self) -> tuple[bytes, str]: ...
 
 
@@ -185,6 +189,8 @@ class _Ingress:
             b"/metrics": (b"GET", "_metrics"),
             b"/admin/workers": (b"GET", "_admin_workers"),
             b"/admin/queues": (b"GET", "_admin_queues"),
+            b"/admin/tenants": (b"GET", "_admin_tenants"),
+            b"/admin/reload": (b"POST", "_admin_reload"),
         }
 
     def flush_later(self, ex: "Exchange") -> None:
@@ -525,6 +531,13 @@ class HttpConnection(asyncio.Protocol):
 
     def _admin_queues(self, req: _Request, label: str) -> None:
         self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_queues()), label)
+
+    def _admin_tenants(self, req: _Request, label: str) -> None:
+        self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_tenants()), label)
+
+    def _admin_reload(self, req: _Request, label: str) -> None:
+        result = self.ingress.views.reload()
+        self.respond(req, 200 if result.get("ok") else 400, _JSON, api.encode(result), label)
 
     # ---------------------------------------------------------- responses
 

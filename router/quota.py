@@ -224,8 +224,7 @@ class RedisStore:
         self._client = aioredis.from_url(self.url, socket_timeout=self.timeout_s,
                                          socket_connect_timeout=self.timeout_s,
                                          retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
-        self._reserve = self._client.register_script(_RESERVE_LUA)
-        self._credit = self._client.register_script(_CREDIT_LUA)
+        self._reserve = self._credit = None  # SHA1s, loaded on first use (and after a Redis restart)
 
     def submit(self, op: str, buckets: tuple[Bucket, ...], amounts: list[int],
                callback: Optional[Callable]) -> None:
@@ -254,16 +253,27 @@ class RedisStore:
             self._busy = False
 
     async def _send(self, batch) -> list:
+        from redis.exceptions import NoScriptError
+
         if self._client is None:
             self._connect()
-        pipe = self._client.pipeline(transaction=False)
-        for op, buckets, amounts, _cb in batch:
-            keys = [self.prefix + b.key for b in buckets]
-            args = []
-            for b, a in zip(buckets, amounts):
-                args += [b.cap, b.period, a]
-            (self._reserve if op == "reserve" else self._credit)(keys=keys, args=args, client=pipe)
-        raw = await pipe.execute(raise_on_error=False)
+        for attempt in (0, 1):
+            if self._reserve is None:
+                self._reserve = await self._client.script_load(_RESERVE_LUA)
+                self._credit = await self._client.script_load(_CREDIT_LUA)
+            pipe = self._client.pipeline(transaction=False)
+            for op, buckets, amounts, _cb in batch:
+                args = [self.prefix + b.key for b in buckets]
+                for b, a in zip(buckets, amounts):
+                    args += [b.cap, b.period, a]
+                pipe.evalsha(self._reserve if op == "reserve" else self._credit, len(buckets), *args)
+            raw = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in raw):
+                self._reserve = None  # Redis restarted and forgot them: load again, once
+                continue
+            break
+        if len(raw) != len(batch):
+            raise RuntimeError(f"redis answered {len(raw)} of {len(batch)} calls")
         out = []
         for (op, _b, _a, _cb), r in zip(batch, raw):
             if isinstance(r, Exception) or op != "reserve":
@@ -296,7 +306,7 @@ class Quota:
         self.store = store
         self._down_until = 0.0
         self._unsent: list[tuple[tuple[Bucket, ...], list[int]]] = []  # credits to retry
-        self._warned_at = -1e9
+        self._warned: dict[tuple[str, str], float] = {}
         self.usage: dict[str, list[int]] = {}  # tenant -> [requests, prompt, completion]
         self.refusals: dict[tuple[str, str], int] = {}  # (tenant, budget) -> count
         self.store_errors: dict[str, int] = {}  # op -> count
@@ -306,7 +316,10 @@ class Quota:
 
     def reload(self, cfg: Config) -> None:
         """New keys and budgets (SIGHUP, POST /admin/reload); holds already
-        made settle against the buckets they were taken from."""
+        made settle against the buckets they were taken from.  The store
+        itself is kept (a new ``store`` takes a restart); ``on_store_error``
+        applies at once."""
+        self.qcfg = cfg.quota
         self.by_key: dict[str, tuple[Bucket, ...]] = {}
         self.by_tenant: dict[str, tuple[Bucket, ...]] = {}
         for t in cfg.tenants:
@@ -383,19 +396,23 @@ class Quota:
         now = self.clock()
         if exc is not None:
             self._down_until = now + STORE_RETRY_S
-            self._store_error("reserve", exc)
+        self._store_error("reserve", exc)
         if self.qcfg.on_store_error == "closed":
             self._refused(who.tenant, "store_unavailable")
             return error(Code.QUOTA_UNAVAILABLE, "The budget store is unreachable; retry shortly.",
                          retry_after=STORE_RETRY_S)
         return Hold(buckets, tokens, who.tenant, enforced=False)
 
-    def _store_error(self, op: str, exc: BaseException) -> None:
-        self.store_errors[op] = self.store_errors.get(op, 0) + 1
+    def _store_error(self, op: str, exc: Optional[BaseException]) -> None:
+        """Count a failed call (``exc``; None: not asked, it failed just before) and warn now and then."""
+        if exc is not None:
+            self.store_errors[op] = self.store_errors.get(op, 0) + 1
         now = time.monotonic()
-        if now - self._warned_at > 10.0:  # a down store must not flood the log
-            self._warned_at = now
-            log.warning("quota store %s failed (%s: %s); %s", op, type(exc).__name__, exc,
+        what = (op, self.qcfg.on_store_error)
+        if now - self._warned.get(what, -1e9) > 10.0:  # a down store must not flood the log
+            self._warned[what] = now
+            log.warning("quota store %s failed (%s); %s", op, "it failed within the last second" if exc is None
+                        else f"{type(exc).__name__}: {exc}",
                         "failing open: requests admitted unmetered" if self.qcfg.on_store_error == "open"
                         else "failing closed: requests refused with 503")
 
@@ -444,6 +461,10 @@ class Quota:
             self._down_until = self.clock() + STORE_RETRY_S
             if len(self._unsent) < MAX_PENDING_CREDITS:
                 self._unsent.append((buckets, amounts))  # sent again with the next store call
+
+    async def close(self) -> None:
+        if not self.store.sync:
+            await self.store.close()
 
     # -------------------------------------------------------------- views
 
