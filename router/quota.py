@@ -83,6 +83,7 @@ class Hold:
 
 
 Answer = Union[Hold, p.ErrorInfo]
+_NO_HOLD = Hold((), 0, "", enforced=False)  # a key without budgets: nothing taken, nothing to return
 
 
 def ratelimit(buckets: tuple[Bucket, ...], levels: list[float]) -> p.RateLimit:
@@ -352,7 +353,7 @@ class Quota:
         (a store with I/O).  No budget for this key: a Hold that takes nothing."""
         buckets = self.buckets(who)
         if not buckets:
-            return Hold((), 0, who.tenant, enforced=False)
+            return _NO_HOLD
         for b in buckets:
             if b.tokens and tokens > b.cap:
                 self._refused(who.tenant, "too_large")
