@@ -103,7 +103,7 @@ def cpu_per_request(out: Path, n: int, redis_url: str, redis_pid: int) -> list[t
                 passes.append(((r1 - r0) / n * 1e6, (t1 - t0) / n * 1e6, ok))
         us, rus, ok = min(passes)
         rows.append((name, us, rus if "quota" in extra else None, ok))
-        print(f"{name}: router {rows[-1][1]:.1f} us/request" + (f", redis {redis_us:.1f}" if redis_us else ""),
+        print(f"{name}: router {rows[-1][1]:.1f} us/request" + (f", redis {rows[-1][2]:.1f}" if rows[-1][2] else ""),
               flush=True)
     return rows
 
