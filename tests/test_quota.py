@@ -400,3 +400,22 @@ QuotaMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=3
 DeferredQuotaMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_quota_state_machine = QuotaMachine.TestCase
 test_quota_state_machine_with_a_store_that_answers_later = DeferredQuotaMachine.TestCase
+
+
+def test_weir_keys_new_prints_a_key_once_and_an_entry_that_loads(capsys, tmp_path):
+    from shared.config import loads
+    from weir.cli import main
+
+    assert main(["keys", "new", "--tenant", "team-a", "--tier", "high", "--tokens-per-minute", "5000"]) == 0
+    out = capsys.readouterr().out
+    key = next(line for line in out.splitlines() if line.startswith("sk-weir-"))
+    entry = out[out.index("[[api_keys]]"):]
+    assert key not in entry and digest(key) in entry
+    cfg = loads(entry, str(tmp_path))
+    (k,) = cfg.api_keys
+    assert (k.tenant, k.tier, k.tokens_per_minute, k.key) == ("team-a", "high", 5000, None)
+    assert main(["keys", "curve", str(tmp_path / "curve"), "--workers", "w0,w1", "--clients", "app"]) == 0
+    names = sorted(p.relative_to(tmp_path / "curve").as_posix() for p in (tmp_path / "curve").rglob("*.key*"))
+    assert names == ["clients/app.key", "clients/app.key_secret", "router.key", "router.key_secret",
+                     "workers/w0.key", "workers/w0.key_secret", "workers/w1.key", "workers/w1.key_secret"]
+    assert (tmp_path / "curve" / "router.key_secret").stat().st_mode & 0o077 == 0
