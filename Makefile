@@ -6,7 +6,7 @@ ENGINE ?= cpu
 STAMP := $(VENV)/.weir-installed-$(ENGINE)
 MODEL := models/tiny-llama/config.json
 
-.PHONY: run test setup render-envoy
+.PHONY: run test setup render-envoy redis
 
 run: setup
 	$(VENV)/bin/weir up $(if $(CONFIG),--config $(CONFIG))
@@ -14,7 +14,15 @@ run: setup
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-setup: $(STAMP) $(MODEL)
+setup: $(STAMP) $(MODEL) redis
+
+# The Redis quota store's tests run a real redis-server on a loopback port:
+# Debian's package, installed when missing (root, or sudo).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || test -x /usr/bin/redis-server || { \
+	  echo "installing redis-server (Debian package) for the quota-store tests"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)

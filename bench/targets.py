@@ -200,9 +200,10 @@ class HttpTarget:
 class ZmqTarget:
     """weir's direct ZeroMQ client: one DEALER socket per API key."""
 
-    def __init__(self, address: str, api_key: Optional[str] = None):
+    def __init__(self, address: str, api_key: Optional[str] = None, curve: Optional[tuple[str, str]] = None):
         self.kind = "zmq"
         self.address = address
+        self.curve = curve  # (client .key_secret, router .key): shared.curve
         self.default_key = api_key
         self._clients: dict[Optional[str], object] = {}
 
@@ -214,7 +215,7 @@ class ZmqTarget:
         if c is None:
             from shared.client import AsyncClient
 
-            c = AsyncClient(self.address, api_key=key)
+            c = AsyncClient(self.address, api_key=key, curve=self.curve)
             await c.__aenter__()
             self._clients[key] = c
         return c
@@ -272,11 +273,12 @@ class ZmqTarget:
         rec.status = OK
 
 
-def make_target(kind: str, url: Optional[str] = None, api_key: Optional[str] = None, max_connections: int = 4096):
+def make_target(kind: str, url: Optional[str] = None, api_key: Optional[str] = None, max_connections: int = 4096,
+                curve: Optional[tuple[str, str]] = None):
     if kind not in KINDS:
         raise ValueError(f"unknown target {kind!r}; one of {', '.join(KINDS)}")
     if not url:
         raise ValueError(f"target {kind!r} needs --url/--address")
     if kind == "zmq":
-        return ZmqTarget(url, api_key)
+        return ZmqTarget(url, api_key, curve)
     return HttpTarget(kind, url, api_key, max_connections)

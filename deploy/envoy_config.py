@@ -24,6 +24,7 @@ import yaml
 
 from shared.config import Config, ConfigError, split_hostport
 from shared.errors import Code
+from shared.keys import config_digest
 
 HEADER = (
     "# Rendered from weir's config by `weir render-envoy` (deploy/envoy_config.py).\n"
@@ -32,7 +33,29 @@ HEADER = (
 
 ROUTER_CLUSTER = "router"
 RATE_LIMIT_STAT_PREFIX = "weir_api"  # -> weir_api.http_local_rate_limit.*
-RETRY_AFTER_S = 1  # every bucket refills >= 1 token/s (continuously)
+RETRY_AFTER_S = 1  # 503s; a 429's Retry-After is Envoy's own, computed from the bucket
+KEY_HEADER = "x-weir-rate-limit-key"  # set by the Lua filter: the request's API key, whichever header held it
+
+# One bucket per key whichever header carries it: the key the router would
+# read (x-api-key first, else an Authorization Bearer token; router/openai_api.py
+# meta_from_headers) is copied into KEY_HEADER, the one header the buckets
+# count.  A client's own KEY_HEADER is always dropped first.
+_KEY_LUA = f"""
+function envoy_on_request(h)
+  local hs = h:headers()
+  hs:remove("{KEY_HEADER}")
+  local key = hs:get("x-api-key")
+  if key ~= nil then key = key:match("^%s*(.-)%s*$") end
+  if key == nil or key == "" then
+    local auth = hs:get("authorization")
+    if auth ~= nil then
+      local scheme, token = auth:match("^%s*(%S+)%s+(.-)%s*$")
+      if scheme ~= nil and scheme:lower() == "bearer" then key = token end
+    end
+  end
+  if key ~= nil and key ~= "" then hs:add("{KEY_HEADER}", key) end
+end
+"""
 
 _TYPES = "type.googleapis.com/envoy.extensions"
 _RL_FILTER = "envoy.filters.http.local_ratelimit"
@@ -89,11 +112,12 @@ def check(cfg: Config) -> None:
     seen: set[str] = set()
     for k in cfg.api_keys:
         where = f"api key of tenant {k.tenant!r}"
-        if not k.key or not k.key.isprintable() or k.key != k.key.strip():
+        if k.key is not None and (not k.key or not k.key.isprintable() or k.key != k.key.strip()):
             raise ConfigError(f"{where}: a key must be non-empty printable text without surrounding spaces")
-        if k.key in seen:
+        h = config_digest(k)
+        if h in seen:
             raise ConfigError(f"{where}: duplicate key")
-        seen.add(k.key)
+        seen.add(h)
         if k.rate_limit_rps is not None:
             _positive(f"{where}: rate_limit_rps", k.rate_limit_rps)
         if k.rate_limit_burst is not None:
@@ -138,13 +162,8 @@ def _status_filter(op: str, status: int) -> dict:
     }
 
 
-def _retry_after() -> list[dict]:
-    return [
-        {
-            "header": {"key": "retry-after", "value": str(RETRY_AFTER_S)},
-            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-        }
-    ]
+def _retry_after(action: str = "OVERWRITE_IF_EXISTS_OR_ADD") -> list[dict]:
+    return [{"header": {"key": "retry-after", "value": str(RETRY_AFTER_S)}, "append_action": action}]
 
 
 def _local_reply_config(cfg: Config) -> dict:
@@ -157,7 +176,8 @@ def _local_reply_config(cfg: Config) -> dict:
     mappers = [
         {
             "filter": _status_filter("EQ", 429),
-            "headers_to_add": _retry_after(),
+            # Envoy's computed Retry-After (enable_retry_after_header) stays; 1 s only if absent.
+            "headers_to_add": _retry_after("ADD_IF_ABSENT"),
             "body_format_override": _error_body(
                 "Rate limit exceeded: too many requests for this API key (or for the service "
                 "as a whole). Retry after the number of seconds in the Retry-After header.",
@@ -209,23 +229,19 @@ def _local_reply_config(cfg: Config) -> dict:
 
 def _rate_limit(cfg: Config) -> dict:
     """Per-route local rate limit: the route-wide bucket is always consumed,
-    and each distinct API key value gets its own bucket.  A key can arrive as
-    ``x-api-key`` or as ``authorization: Bearer ...``: one descriptor action
-    per header (an action whose header is absent is skipped)."""
+    and each distinct API key gets its own bucket, whether it came as
+    ``x-api-key`` or ``authorization: Bearer ...`` (the Lua filter puts it
+    in KEY_HEADER).  A 429's Retry-After is computed by Envoy from the bucket."""
     rl = cfg.rate_limit
     descriptors = []
-    for k in cfg.api_keys:  # exact-value descriptors win over the wildcard ones
+    for k in cfg.api_keys:  # exact-value descriptors win over the wildcard one
         if k.rate_limit_rps is None and k.rate_limit_burst is None:
             continue
         bucket = _bucket(k.rate_limit_rps or rl.per_key_rps, k.rate_limit_burst or rl.per_key_burst)
         descriptors.append({"entries": [{"key": "api_key", "value": k.key}], "token_bucket": bucket})
-        descriptors.append(
-            {"entries": [{"key": "bearer", "value": f"Bearer {k.key}"}], "token_bucket": bucket}
-        )
-    per_key = _bucket(rl.per_key_rps, rl.per_key_burst)
-    for key in ("api_key", "bearer"):
-        # value "" = one dynamic bucket per distinct header value (LRU, max_keys)
-        descriptors.append({"entries": [{"key": key, "value": ""}], "token_bucket": per_key})
+    # value "" = one dynamic bucket per distinct key (LRU, max_keys)
+    descriptors.append({"entries": [{"key": "api_key", "value": ""}],
+                        "token_bucket": _bucket(rl.per_key_rps, rl.per_key_burst)})
     return {
         "@type": f"{_TYPES}.filters.http.local_ratelimit.v3.LocalRateLimit",
         "stat_prefix": RATE_LIMIT_STAT_PREFIX,
@@ -234,10 +250,10 @@ def _rate_limit(cfg: Config) -> dict:
         "filter_enforced": {"runtime_key": "weir.ratelimit.enforced", "default_value": _PCT_100},
         "always_consume_default_token_bucket": True,
         "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+        "enable_retry_after_header": True,
         "max_dynamic_descriptors": rl.max_keys,
         "rate_limits": [
-            {"actions": [{"request_headers": {"header_name": "x-api-key", "descriptor_key": "api_key"}}]},
-            {"actions": [{"request_headers": {"header_name": "authorization", "descriptor_key": "bearer"}}]},
+            {"actions": [{"request_headers": {"header_name": KEY_HEADER, "descriptor_key": "api_key"}}]},
         ],
         "descriptors": descriptors,
     }
@@ -288,6 +304,13 @@ def _http_connection_manager(cfg: Config) -> dict:
             ],
         },
         "http_filters": [
+            {
+                "name": "envoy.filters.http.lua",
+                "typed_config": {
+                    "@type": f"{_TYPES}.filters.http.lua.v3.Lua",
+                    "default_source_code": {"inline_string": _KEY_LUA},
+                },
+            },
             {
                 # Buckets live in the per-route config above; this only enables the filter.
                 "name": _RL_FILTER,
@@ -375,8 +398,35 @@ def _router_cluster(cfg: Config) -> dict:
     }
 
 
+def _tls(cfg: Config) -> dict:
+    """Listener TLS (``envoy.tls_cert_file`` / ``tls_key_file``, PEM)."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": f"{_TYPES}.transport_sockets.tls.v3.DownstreamTlsContext",
+            "common_tls_context": {
+                "tls_certificates": [{
+                    "certificate_chain": {"filename": cfg.resolve(cfg.envoy.tls_cert_file)},
+                    "private_key": {"filename": cfg.resolve(cfg.envoy.tls_key_file)},
+                }],
+                "alpn_protocols": ["h2", "http/1.1"],
+            },
+        },
+    }
+
+
 def render_dict(cfg: Config) -> dict:
     check(cfg)
+    chain: dict[str, Any] = {
+        "filters": [
+            {
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": _http_connection_manager(cfg),
+            }
+        ]
+    }
+    if cfg.envoy.tls_cert_file:
+        chain["transport_socket"] = _tls(cfg)
     listen_host, listen_port = split_hostport(cfg.envoy.listen)
     admin_host, admin_port = split_hostport(cfg.envoy.admin)
     return {
@@ -386,16 +436,7 @@ def render_dict(cfg: Config) -> dict:
                 {
                     "name": "weir_http",
                     "address": _address(listen_host, listen_port),
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": _http_connection_manager(cfg),
-                                }
-                            ]
-                        }
-                    ],
+                    "filter_chains": [chain],
                 }
             ],
             "clusters": [_router_cluster(cfg)],

@@ -23,6 +23,7 @@ import ctypes
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -144,10 +145,10 @@ def _client_host(host: str) -> str:
     return host
 
 
-def _http_url(addr: str) -> str:
+def _http_url(addr: str, scheme: str = "http") -> str:
     host, port = split_hostport(addr)
     host = _client_host(host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _zmq_connect_addr(bind_addr: str) -> str:
@@ -161,7 +162,10 @@ def _zmq_connect_addr(bind_addr: str) -> str:
 
 def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
     """GET without proxies (loopback; a proxy env var must not interfere)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    handlers: list = [urllib.request.ProxyHandler({})]
+    if url.startswith("https:"):  # our own listener on loopback: readiness, not identity
+        handlers.append(urllib.request.HTTPSHandler(context=ssl._create_unverified_context()))
+    opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(url, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -199,7 +203,7 @@ class Stack:
         self.progress = progress or (lambda msg: None)
         self.worker_ready_s = worker_ready_s
         self.envoy_log_level = envoy_log_level
-        self.envoy_url = _http_url(self.cfg.envoy.listen)
+        self.envoy_url = _http_url(self.cfg.envoy.listen, "https" if self.cfg.envoy.tls_cert_file else "http")
         self.admin_url = _http_url(self.cfg.envoy.admin)
         self.router_url = _http_url(self.cfg.router.http)
         self.metrics_url = self.router_url + "/metrics"

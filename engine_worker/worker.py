@@ -151,6 +151,10 @@ class Worker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.wcfg.id.encode())
         sock.setsockopt(zmq.LINGER, 0)  # a dead link's queued messages are worthless
+        if self.cfg.security.curve:  # CURVE client of the router (shared.curve)
+            from shared.curve import client_socket, worker_key_files
+
+            client_socket(sock, *worker_key_files(self.cfg, self.wcfg))
         sock.connect(self.cfg.router.backend)
         self.sock = sock
         self.pump.add(sock, self._on_message)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 import uvloop
@@ -20,7 +21,8 @@ from router.http_server import start_http_server
 from router.metrics import RouterMetrics
 from router.views import RouterViews
 from router.worker_link import WorkerLink
-from shared.config import load, split_hostport
+from shared.config import DEFAULT_CONFIG, ConfigError, load, split_hostport
+from shared.keys import secret_warnings
 from shared.transport import SocketPump
 
 log = logging.getLogger("weir.router")
@@ -32,10 +34,27 @@ async def serve(config_path: str | None) -> None:
     loop = asyncio.get_running_loop()
     metrics = RouterMetrics()
     pump = SocketPump(loop)
-    link = WorkerLink(cfg.router, loop, pump, metrics)
+    link = WorkerLink(cfg.router, loop, pump, metrics, security=cfg.security, base_dir=cfg.base_dir)
     core = RouterCore(cfg, loop, link, metrics=metrics)
-    frontend = ClientFrontend(cfg.router, loop, pump, metrics)
-    views = RouterViews(core, link)
+    frontend = ClientFrontend(cfg.router, loop, pump, metrics, security=cfg.security, base_dir=cfg.base_dir)
+    cfg_file = config_path or os.environ.get("WEIR_CONFIG") or str(DEFAULT_CONFIG)
+    for warning in secret_warnings(cfg, cfg_file):
+        log.warning(warning)
+
+    def reload() -> dict:
+        """SIGHUP or POST /admin/reload: API keys and budgets from the config file again."""
+        try:
+            new = load(config_path)
+        except (ConfigError, OSError) as e:
+            log.error("reload failed, keeping the keys and budgets in use: %s", e)
+            return {"ok": False, "error": str(e)}
+        core.reload_keys(new)
+        for warning in secret_warnings(new, cfg_file):
+            log.warning(warning)
+        log.info("reloaded %d api keys and %d tenant budgets", len(new.api_keys), len(new.tenants))
+        return {"ok": True, "api_keys": len(new.api_keys), "tenants": len(new.tenants)}
+
+    views = RouterViews(core, link, reload)
     link.serve(core)
     frontend.serve(core)
     host, port = split_hostport(cfg.router.http)
@@ -46,12 +65,18 @@ async def serve(config_path: str | None) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload)
     await stop.wait()
     log.info("router shutting down")
     server.close()
     frontend.close()
     link.close()
     core.close()
+    await core.quota.close()
+    if cfg.security.curve:
+        from shared.curve import stop_authenticators
+
+        stop_authenticators()
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 from shared import protocol as p
 from shared.config import ApiKey, Config
 from shared.errors import Code, context_length, error
+from shared.keys import config_digest, digest, key_id
 
 ANONYMOUS_TENANT = "anonymous"
 DEFAULT_TIER = "normal"
@@ -43,22 +44,27 @@ class Identity(NamedTuple):
     tenant: str
     klass: str  # the scheduler class the request runs in
     weight: float  # its tenant's fair-share weight
+    key_id: str = ""  # the API key's public name (shared.keys.key_id); "" without keys
 
 
 class Keys:
-    """API keys -> tenant and tier; a client may lower its priority, never raise it."""
+    """API keys -> tenant and tier; a client may lower its priority, never raise it.
+    Keys are looked up by their SHA-256 (the config holds only that, or a
+    plain key that is hashed here): no key text is kept."""
 
     def __init__(self, cfg: Config) -> None:
-        self.by_key: dict[str, ApiKey] = {k.key: k for k in cfg.api_keys}
+        self.by_key: dict[str, ApiKey] = {config_digest(k): k for k in cfg.api_keys}
         self.rank = {c.name: i for i, c in enumerate(cfg.scheduler.classes)}
         self.default_tier = DEFAULT_TIER if DEFAULT_TIER in self.rank else cfg.scheduler.classes[0].name
 
     def identify(self, sub: p.Submit) -> Identity | p.ErrorInfo:
+        kid = ""
         if self.by_key:
-            key = self.by_key.get(sub.api_key or "")
+            h = digest(sub.api_key) if sub.api_key else ""
+            key = self.by_key.get(h)
             if key is None:
                 return error(Code.INVALID_API_KEY, "Incorrect API key provided.")
-            tenant, tier, weight = key.tenant, key.tier, key.weight
+            tenant, tier, weight, kid = key.tenant, key.tier, key.weight, key_id(h)
         else:
             tenant, tier, weight = ANONYMOUS_TENANT, self.default_tier, 1.0
         klass = tier
@@ -69,7 +75,7 @@ class Keys:
                              f"{', '.join(self.rank)}.", param="priority")
             if rank > self.rank[tier]:
                 klass = sub.priority
-        return Identity(tenant, klass, weight)
+        return Identity(tenant, klass, weight, kid)
 
 
 def resolve_max_tokens(sub: p.Submit, prompt_tokens: int, max_model_len: int) -> int | p.ErrorInfo:

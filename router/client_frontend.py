@@ -22,7 +22,7 @@ from typing import Optional, Protocol
 import msgspec
 import zmq
 
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, plane_security
 from shared import protocol as p
 from shared.config import RouterConfig
 from shared.errors import Code, error
@@ -51,8 +51,10 @@ class Admission(Protocol):
 
 class ClientFrontend:
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: Optional[zmq.Context] = None) -> None:
+                 metrics: RouterMetrics, ctx: Optional[zmq.Context] = None, *, security=None,
+                 base_dir: str = "") -> None:
         self.cfg = cfg
+        self.security, self.base_dir = security, base_dir  # CURVE (shared.curve): [security]
         self.loop = loop
         self.pump = pump
         self.metrics = metrics
@@ -65,7 +67,8 @@ class ClientFrontend:
 
     def serve(self, core: Admission) -> None:
         self.core = core
-        self.sock = bind_router(self.ctx, self.cfg.frontend)
+        self.sock = bind_router(self.ctx, self.cfg.frontend,
+                                plane_security(self.ctx, self.security, self.base_dir, "frontend", self.metrics))
         self.pump.add(self.sock, self._on_message, on_unreachable=self._lose_client,
                       on_full=self._on_full)
         self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._probe_tick)

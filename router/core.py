@@ -47,6 +47,7 @@ from router.admission import Identity, Keys, check_shape, resolve_max_tokens
 from router.metrics import RouterMetrics
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
 from router.prompts import ModelPrompts, PromptTokens
+from router.quota import Hold, Quota
 from shared import protocol as p
 from shared.config import Config
 from shared.errors import Code, error, label
@@ -98,6 +99,9 @@ class _Job:
     resumes: int = 0
     served_by: str = ""  # the fallback model answering it ("": the one asked for)
     announced: bool = False  # the client was told served_by
+    dispatched: bool = False  # reached an engine (its prompt was processed)
+    hold: Optional[Hold] = None  # its budget reservation (router.quota), returned in _end
+    rl: Optional[p.RateLimit] = None  # budget figures for its client's first Delta
 
 
 class _JobMetrics:
@@ -124,6 +128,7 @@ class RouterCore:
         self.metrics = metrics or RouterMetrics()
         self.policy = Policy(cfg.scheduler)
         self.keys = Keys(cfg)
+        self.quota = Quota(cfg, self.metrics, clock)
         self.models_by_name = {m.name: m for m in cfg.models}
         self.prompts = prompts if prompts is not None else {
             m.name: ModelPrompts(cfg.resolve(m.path) if m.path else None) for m in cfg.models}
@@ -188,6 +193,13 @@ class RouterCore:
         j = self.jobs.get("%x" % handle)
         return j is not None and not j.first_token_at
 
+    def reload_keys(self, cfg: Config) -> None:
+        """New API keys and budgets (SIGHUP / POST /admin/reload): later
+        requests use them; admitted ones settle as they were reserved."""
+        self.keys = Keys(cfg)
+        self.quota.reload(cfg)
+        self.cfg.api_keys, self.cfg.tenants = cfg.api_keys, cfg.tenants
+
     def close(self) -> None:
         if self._wakeup is not None:
             self._wakeup.cancel()
@@ -219,6 +231,32 @@ class RouterCore:
         max_tokens = resolve_max_tokens(sub, tokens.count, self.models_by_name[sub.model].max_model_len)
         if not isinstance(max_tokens, int):
             return max_tokens
+        if self.quota.active:
+            got = self.quota.reserve(j.who, tokens.count + max_tokens,
+                                     lambda got: self._reserved(j, got, tokens, max_tokens))
+            if got is None:  # the budget store answers later: _reserved
+                self.jobs[j.job_id] = j
+                return None
+            if not isinstance(got, Hold):
+                return got
+            j.hold, j.rl = got, got.ratelimit
+        return self._enqueue(j, tokens, max_tokens, now)
+
+    def _reserved(self, j: _Job, got, tokens: PromptTokens, max_tokens: int) -> None:
+        """The budget store's answer for a job that waited for it."""
+        if self.jobs.get(j.job_id) is not j:  # ended meanwhile (cancelled): give it back at once
+            if isinstance(got, Hold):
+                self.quota.release(got, 0, refund_request=True)
+            return
+        if not isinstance(got, Hold):
+            return self._end(j, label(got), error=got)
+        j.hold, j.rl = got, got.ratelimit
+        err = self._enqueue(j, tokens, max_tokens, self.clock())
+        if err is not None:
+            self._end(j, label(err), error=err)
+
+    def _enqueue(self, j: _Job, tokens: PromptTokens, max_tokens: int, now: float) -> Optional[p.ErrorInfo]:
+        sub = j.sub
         who = j.who
         job = Job(j.job_id, sub.model, who.tenant, who.klass, tokens.count, max_tokens, sub.task_type,
                   j.arrival, who.weight, sub.params.n if sub.params is not None else 1)
@@ -226,8 +264,11 @@ class RouterCore:
         if refusal is not None:
             if sub.allow_fallback and refusal.kind in _FALLBACK_ON:
                 if self._fall_back(j, now):
-                    return None
-            return refusal.render()
+                    return None  # (its budget reservation stands: the job goes on)
+            if j.hold is not None:  # never queued: everything goes back
+                self.quota.release(j.hold, 0, refund_request=True)
+                j.hold = None
+            return refusal.render() if j.rl is None else msgspec.structs.replace(refusal.render(), ratelimit=j.rl)
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
         j.job = job
@@ -289,6 +330,13 @@ class RouterCore:
             self.policy.finish(j.job_id, now)  # a no-op where the policy released it already
         if abort_worker is not None:
             self.workers.abort(abort_worker, j.job_id)
+        if self.quota.active:  # usage counted, the unused part of its reservation returned: once
+            # (the prompt of the first attempt: a continuation's longer prompt is not charged again)
+            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.dispatched else 0, j.completion_tokens,
+                             j.job is not None)
+            j.hold = None
+            if j.rl is not None and error is not None and deltas is None:
+                error = msgspec.structs.replace(error, ratelimit=error.ratelimit or j.rl)
         if deltas is not None:
             j.sink.on_deltas(deltas)
         elif error is not None:  # (a cancelled job's client is gone: nobody to tell)
@@ -351,6 +399,7 @@ class RouterCore:
             self._requeue(j, now)
             return
         j.last_news = now
+        j.dispatched = True
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
             now - j.arrival)
 
@@ -531,6 +580,8 @@ class RouterCore:
                 x.completion_tokens += base
                 if x.prompt_tokens:
                     x.prompt_tokens = j.prompt_tokens
+        if j.rl is not None:  # the client's first news carries its budget figures
+            group[0].ratelimit, j.rl = j.rl, None
         if not d.finished:
             j.sink.on_deltas(group)
         elif d.error is not None:

@@ -36,7 +36,7 @@ import httptools
 from router import openai_api as api
 from router.metrics import RouterMetrics
 from shared.errors import Code, error, retry_after_header
-from shared.protocol import Delta, ErrorInfo, Submit
+from shared.protocol import Delta, ErrorInfo, RateLimit, Submit
 
 log = logging.getLogger("weir.http")
 
@@ -90,7 +90,35 @@ def _head(status: int, content_type: bytes, length: Optional[int], keep_alive: b
 
 def _retry_after(info: ErrorInfo) -> bytes:
     seconds = retry_after_header(info)
-    return b"" if seconds is None else b"retry-after: %d\r\n" % seconds
+    head = b"" if seconds is None else b"retry-after: %d\r\n" % seconds
+    return head if info.ratelimit is None else head + ratelimit_headers(info.ratelimit)
+
+
+def _duration(s: float) -> bytes:
+    """OpenAI's reset format: 20ms, 1.5s, 6m0s, 1h2m3s."""
+    if s < 1.0:
+        return b"%dms" % round(s * 1000)
+    if s < 60.0:
+        return (b"%.3f" % s).rstrip(b"0").rstrip(b".") + b"s"
+    m, sec = divmod(round(s), 60)
+    if m < 60:
+        return b"%dm%ds" % (m, sec)
+    h, m = divmod(m, 60)
+    return b"%dh%dm%ds" % (h, m, sec)
+
+
+def ratelimit_headers(rl: RateLimit) -> bytes:
+    """OpenAI's x-ratelimit-* headers for a key's budgets (router/quota.py)."""
+    out = b""
+    if rl.limit_requests:
+        out += (b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
+                b"x-ratelimit-reset-requests: %b\r\n"
+                % (rl.limit_requests, rl.remaining_requests, _duration(rl.reset_requests_s)))
+    if rl.limit_tokens:
+        out += (b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"
+                b"x-ratelimit-reset-tokens: %b\r\n"
+                % (rl.limit_tokens, rl.remaining_tokens, _duration(rl.reset_tokens_s)))
+    return out
 
 
 class Generation(Protocol):
@@ -117,6 +145,10 @@ class Views(Protocol):
     def admin_workers(self) -> list[dict]: ...
 
     def admin_queues(self) -> list[dict]: ...
+
+    def admin_tenants(self) -> dict: ...
+
+    def reload(self) -> dict: ...
 
     def metrics_payload(self) -> tuple[bytes, str]: ...
 
@@ -166,6 +198,8 @@ class _Ingress:
             b"/metrics": (b"GET", "_metrics"),
             b"/admin/workers": (b"GET", "_admin_workers"),
             b"/admin/queues": (b"GET", "_admin_queues"),
+            b"/admin/tenants": (b"GET", "_admin_tenants"),
+            b"/admin/reload": (b"POST", "_admin_reload"),
         }
 
     def flush_later(self, ex: "Exchange") -> None:
@@ -183,7 +217,7 @@ class Exchange:
     """One generation request in flight: the ``RequestSink`` the core feeds."""
 
     __slots__ = ("conn", "req", "ctx", "label", "handle", "done", "started", "renderer", "texts", "counts",
-                 "out", "out_bytes", "head_unsent", "queued", "ended", "extra")
+                 "out", "out_bytes", "head_unsent", "queued", "ended", "extra", "rl")
 
     def __init__(self, conn: "HttpConnection", req: _Request, ctx: api.ResponseContext, label: str):
         self.conn = conn
@@ -192,6 +226,7 @@ class Exchange:
         self.label = label
         self.handle: Optional[int] = None
         self.done = False
+        self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/quota.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
         self.extra = b""  # response headers learnt from the core (x-weir-model)
         if ctx.stream:
@@ -212,6 +247,8 @@ class Exchange:
             return
         if deltas[0].model and not self.started:
             self._answered_by(deltas[0].model)
+        if deltas[0].ratelimit is not None:
+            self.rl = ratelimit_headers(deltas[0].ratelimit)
         try:
             if self.renderer is not None:
                 self._stream(deltas)
@@ -237,10 +274,11 @@ class Exchange:
             last = deltas[-1]
             if last.error is not None:
                 self.done = True
-                self.conn.respond_error(self.req, last.error, self.label)
+                self.conn.respond_error(self.req, last.error, self.label,
+                                        self.rl if last.error.ratelimit is None else b"")
             elif last.finish_reason is not None:
                 self.done = True
-                self.conn.respond(self.req, 200, _JSON, counts.render(), self.label, self.extra)
+                self.conn.respond(self.req, 200, _JSON, counts.render(), self.label, self.extra + self.rl)
             return
         texts = self.texts
         for d in deltas:
@@ -250,12 +288,12 @@ class Exchange:
         last = deltas[-1]
         if last.error is not None:
             self.done = True
-            self.conn.respond_error(self.req, last.error, self.label)
+            self.conn.respond_error(self.req, last.error, self.label, self.rl if last.error.ratelimit is None else b"")
         elif last.finish_reason is not None:
             self.done = True
             body = api.render_completion(self.ctx, "".join(texts), last.finish_reason,
                                          counts.prompt, counts.completion_total)
-            self.conn.respond(self.req, 200, _JSON, body, self.label, self.extra)
+            self.conn.respond(self.req, 200, _JSON, body, self.label, self.extra + self.rl)
 
     def _stream(self, deltas: list[Delta]) -> None:
         if not self.started:
@@ -263,7 +301,8 @@ class Exchange:
             if last.error is not None and not any(d.text for d in deltas):
                 # Refused before any output (e.g. queue deadline): a real status.
                 self.done = True
-                self.conn.respond_error(self.req, last.error, self.label)
+                self.conn.respond_error(self.req, last.error, self.label,
+                                        self.rl if last.error.ratelimit is None else b"")
                 return
             self.started = True
         payload = self.renderer.render(deltas)
@@ -295,7 +334,7 @@ class Exchange:
             if self.head_unsent:
                 self.head_unsent = False
                 head = _head(200, b"text/event-stream", None, req.keep_alive and req.http11, chunked=req.http11,
-                             extra=b"cache-control: no-cache\r\n" + self.extra)
+                             extra=b"cache-control: no-cache\r\n" + self.extra + self.rl)
             else:
                 head = b""
             if req.http11:
@@ -550,6 +589,13 @@ class HttpConnection(asyncio.Protocol):
 
     def _admin_queues(self, req: _Request, label: str) -> None:
         self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_queues()), label)
+
+    def _admin_tenants(self, req: _Request, label: str) -> None:
+        self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_tenants()), label)
+
+    def _admin_reload(self, req: _Request, label: str) -> None:
+        result = self.ingress.views.reload()
+        self.respond(req, 200 if result.get("ok") else 400, _JSON, api.encode(result), label)
 
     # ---------------------------------------------------------- responses
 

@@ -16,6 +16,7 @@ every event.
 
 from __future__ import annotations
 
+import os
 import time
 from bisect import bisect_left
 from typing import Callable
@@ -145,9 +146,11 @@ class RouterMetrics:
         self.user_requests = _Family("weir_user_field_requests", "Requests that named an end user "
                                      "(OpenAI's `user` field), by tenant", ["tenant"])
         self.users: dict[str, set[str]] = {}
-        self._families = [self.requests, self.rejected, self.tokens, self.ttft, self.e2e,
-                          self.queue_wait, self.worker_events, self.resumed, self.fallbacks, self.bad_frames, self.http_requests,
-                          self.http_duration, self.user_requests]
+        self.auth_denied = _Family("weir_zmq_auth_denied", "ZeroMQ peers refused by CURVE (unknown key), "
+                                   "by ZAP domain (clients, workers)", ["domain"])
+        self._families = [self.auth_denied, self.requests, self.rejected, self.tokens, self.ttft, self.e2e,
+                          self.queue_wait, self.worker_events, self.resumed, self.fallbacks, self.bad_frames,
+                          self.http_requests, self.http_duration, self.user_requests]
         self.registry.register(self)
 
     def saw_user(self, tenant: str, user: str) -> None:
@@ -182,6 +185,20 @@ class RouterMetrics:
 
     def add_state_collector(self, snapshot: Callable[[], dict]) -> None:
         self.registry.register(_StateCollector(snapshot))
+
+
+def plane_security(ctx, security, base_dir: str, plane: str, metrics: RouterMetrics):
+    """CURVE set-up for one of the router's planes, or None (shared.curve)."""
+    if security is None or not security.curve:
+        return None
+    from pathlib import Path
+
+    from shared import curve
+
+    d = Path(base_dir or ".") / os.path.expanduser(security.curve_dir)
+    denied = metrics.auth_denied
+    return curve.server_configure(ctx, d.resolve(), plane,
+                                  lambda domain, _name: metrics.child(denied, domain).inc())
 
 
 class _StateCollector:

@@ -7,6 +7,8 @@ are asked for, so nothing is mirrored on the hot path.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.core import RouterCore
@@ -14,9 +16,10 @@ from router.worker_link import WorkerLink
 
 
 class RouterViews:
-    def __init__(self, core: RouterCore, link: WorkerLink) -> None:
+    def __init__(self, core: RouterCore, link: WorkerLink, reload: Optional[Callable[[], dict]] = None) -> None:
         self.core = core
         self.link = link
+        self._reload = reload
         core.metrics.add_state_collector(self.state)
 
     def models(self) -> list[tuple[str, int, int]]:
@@ -52,6 +55,15 @@ class RouterViews:
 
     def admin_queues(self) -> list[dict]:
         return self.core.policy.snapshot(self.core.clock())["queues"]
+
+    def admin_tenants(self) -> dict:
+        """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
+        return self.core.quota.snapshot()
+
+    def reload(self) -> dict:
+        if self._reload is None:
+            return {"ok": False, "error": "reload is not wired in this router"}
+        return self._reload()
 
     def metrics_payload(self) -> tuple[bytes, str]:
         return generate_latest(self.core.metrics.registry), CONTENT_TYPE_LATEST

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Protocol
 import msgspec
 import zmq
 
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, plane_security
 from shared import protocol as p
 from shared.config import RouterConfig
 from shared.errors import Code, error
@@ -71,8 +71,9 @@ class LinkedWorker:
 class WorkerLink:
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
                  metrics: RouterMetrics, ctx: Optional[zmq.Context] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, security=None, base_dir: str = "") -> None:
         self.cfg = cfg
+        self.security, self.base_dir = security, base_dir  # CURVE (shared.curve): [security]
         self.loop = loop
         self.pump = pump
         self.metrics = metrics
@@ -87,7 +88,8 @@ class WorkerLink:
     def serve(self, events: WorkerEvents) -> None:
         """Bind the backend and start heartbeating; events go to ``events``."""
         self.events = events
-        self.sock = bind_router(self.ctx, self.cfg.backend)
+        self.sock = bind_router(self.ctx, self.cfg.backend,
+                                plane_security(self.ctx, self.security, self.base_dir, "backend", self.metrics))
         self.pump.add(self.sock, self._on_message, on_unreachable=self._on_unreachable)
         self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._heartbeat_tick)
 

@@ -65,6 +65,7 @@ class Completion:
     finish_reasons: list[Optional[str]] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # by index, when asked for
     model: str = ""  # the fallback model that answered (asked with fallback=True); "": the one asked for
+    ratelimit: p.RateLimit | None = None  # the key's budgets, where it has any (the x-ratelimit-* figures)
 
 
 def token_logprobs(d: p.Delta, k: int) -> list[TokenLogprob]:
@@ -121,8 +122,10 @@ def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Com
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)] if k is not None else []
     last = None
     model = ""
+    rl = None
     for d in deltas:
         model = model or d.model
+        rl = rl or d.ratelimit
         texts[d.index].append(d.text)
         if d.choice_finish is not None:
             finish[d.index] = d.choice_finish
@@ -133,12 +136,20 @@ def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Com
         if finish[i] is None:
             finish[i] = last.finish_reason
     out = [echo + "".join(t) for t in texts]
-    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps, model)
+    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps, model, rl)
 
 
 class _Base:
-    def __init__(self, address: str, api_key: str | None) -> None:
+    def __init__(self, address: str, api_key: str | None, curve: tuple[str, str] | None = None) -> None:
         self.address, self.api_key = address, api_key
+        # CURVE (shared.curve): (this client's .key_secret file, the router's public .key file)
+        self.curve = curve
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        if self.curve is not None:
+            from shared.curve import client_socket
+
+            client_socket(sock, *self.curve)
         self._ids = itertools.count(1)
         self._prefix = os.urandom(3).hex()
 
@@ -161,8 +172,9 @@ class _Stream:
 class AsyncClient(_Base):
     """Many concurrent requests over one DEALER socket, driven by a SocketPump."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None) -> None:
-        super().__init__(address, api_key)
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None,
+                 curve: tuple[str, str] | None = None) -> None:
+        super().__init__(address, api_key, curve)
         self._streams: dict[str, _Stream] = {}
         self._sock: zmq.Socket | None = None
         self._pump: SocketPump | None = None
@@ -179,6 +191,7 @@ class AsyncClient(_Base):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._secure(self._sock)
         self._sock.connect(self.address)
         self._pump = SocketPump(asyncio.get_running_loop())
         self._pump.add(self._sock, self._on_message)
@@ -249,11 +262,12 @@ class Client(_Base):
     """Blocking client, one request at a time (for scripts and tests)."""
 
     def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None,
-                 timeout_s: float = 300.0) -> None:
-        super().__init__(address, api_key)
+                 timeout_s: float = 300.0, curve: tuple[str, str] | None = None) -> None:
+        super().__init__(address, api_key, curve)
         self.timeout_ms = int(timeout_s * 1000)
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._secure(self._sock)
         self._sock.connect(address)
 
     def __enter__(self) -> "Client":
@@ -269,6 +283,9 @@ class Client(_Base):
                max_tokens: int | None = None, priority: str | None = None, task_type=None,
                **params) -> Iterator[p.Delta]:
         rid = self._new_id()
+        # A DEALER with no live connection (router down, or CURVE refused us) blocks on send.
+        if not self._sock.poll(self.timeout_ms, zmq.POLLOUT):
+            raise TimeoutError(f"could not send to {self.address} in {self.timeout_ms} ms")
         self._sock.send(p.encoder.encode(_submit(rid, model, prompt, messages, max_tokens, priority,
                                                  task_type, self.api_key, **params)))
         done = False
@@ -290,7 +307,10 @@ class Client(_Base):
                     yield d
         finally:
             if not done:
-                self._sock.send(p.encoder.encode(p.Cancel(request_ids=[rid])))
+                try:
+                    self._sock.send(p.encoder.encode(p.Cancel(request_ids=[rid])), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # no connection to carry it: the router probes its waiting clients anyway
 
     def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False,
                  **kw) -> Completion:

@@ -29,6 +29,9 @@ def split_hostport(addr: str) -> tuple[str, int]:
 
 class EnvoyConfig(_Cfg):
     listen: str = "127.0.0.1:8080"
+    # TLS on the listener (both or neither; relative to the config file): PEM files.
+    tls_cert_file: Optional[str] = None
+    tls_key_file: Optional[str] = None
     admin: str = "127.0.0.1:9901"
     concurrency: int = 1  # leaves the other core to router + workers
     max_request_bytes: int = 1 << 20  # larger bodies get 413
@@ -76,14 +79,52 @@ class RouterConfig(_Cfg):
     stall_timeout_s: float = 10.0
 
 
-class ApiKey(_Cfg):
-    key: str
+class Budgets(_Cfg):
+    """Token and request budgets (router/quota.py): None = unlimited.  Reserved
+    at admission (prompt + max_tokens), settled on the engine's usage."""
+
+    requests_per_minute: Optional[int] = None
+    tokens_per_minute: Optional[int] = None
+    tokens_per_day: Optional[int] = None
+
+
+class ApiKey(Budgets, kw_only=True):
+    # Exactly one of the two: the key's SHA-256 (hex; `weir keys new` makes
+    # one), or the key itself in plain text (still loads, with a warning).
+    key_sha256: Optional[str] = None
+    key: Optional[str] = None
     tenant: str
     tier: str = "normal"  # a scheduler class name
     weight: float = 1.0  # fair-share weight inside its class
-    # Envoy per-key bucket for this key only (default: rate_limit.per_key_*).
+    # Envoy per-key bucket for this key only (default: rate_limit.per_key_*);
+    # needs the plain ``key`` (Envoy matches header values).
     rate_limit_rps: Optional[int] = None
     rate_limit_burst: Optional[int] = None
+
+
+class TenantConfig(Budgets, kw_only=True):
+    """Budgets shared by all of a tenant's keys (on top of each key's own)."""
+
+    name: str
+
+
+class QuotaConfig(_Cfg):
+    store: Literal["memory", "redis"] = "memory"  # memory: this router alone
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "weir:quota:"
+    redis_timeout_s: float = 0.25
+    # Budget store unreachable: "open" admits (logged, counted in
+    # weir_quota_store_errors), "closed" refuses with 503 quota_unavailable.
+    on_store_error: Literal["open", "closed"] = "open"
+
+
+class SecurityConfig(_Cfg):
+    """CURVE on the router's two ZeroMQ planes (`weir keys curve DIR` makes
+    the keys): only the public keys in ``curve_dir``/clients (frontend) and
+    ``curve_dir``/workers (backend) are let in."""
+
+    curve: bool = False
+    curve_dir: str = "curve"  # relative to the config file
 
 
 class ModelConfig(_Cfg):
@@ -124,6 +165,8 @@ class WorkerConfig(_Cfg):
     dtype: str = "bfloat16"
     sim: SimEngineConfig = msgspec.field(default_factory=SimEngineConfig)
     env: dict[str, str] = {}  # extra environment for the worker and its engine processes
+    # CURVE secret key file (default: security.curve_dir/workers/<id>.key_secret)
+    curve_secret_key: Optional[str] = None
 
 
 class ClassConfig(_Cfg):
@@ -181,6 +224,9 @@ class Config(_Cfg):
     rate_limit: RateLimitConfig = msgspec.field(default_factory=RateLimitConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     api_keys: list[ApiKey] = []
+    tenants: list[TenantConfig] = []
+    quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     models: list[ModelConfig] = []
     workers: list[WorkerConfig] = []
     base_dir: str = ""  # set by load(): relative paths resolve against it
@@ -227,8 +273,28 @@ def _validate(cfg: Config) -> None:
         if w.model not in names:
             raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")
     for k in cfg.api_keys:
+        where = f"api key of tenant {k.tenant!r}"
         if k.tier not in classes:
-            raise ConfigError(f"api key of tenant {k.tenant!r}: unknown tier {k.tier!r}")
+            raise ConfigError(f"{where}: unknown tier {k.tier!r}")
+        if (k.key is None) == (k.key_sha256 is None):
+            raise ConfigError(f"{where}: give exactly one of key_sha256 (preferred) or key")
+        if k.key_sha256 is not None:
+            h = k.key_sha256
+            if len(h) != 64 or any(c not in "0123456789abcdef" for c in h.lower()):
+                raise ConfigError(f"{where}: key_sha256 must be 64 hex digits")
+            if k.rate_limit_rps is not None or k.rate_limit_burst is not None:
+                raise ConfigError(f"{where}: rate_limit_rps/burst need the plain key (Envoy matches "
+                                  f"header values); use requests_per_minute for a hashed key")
+    tenants = [t.name for t in cfg.tenants]
+    if len(set(tenants)) != len(tenants):
+        raise ConfigError("duplicate [[tenants]] names")
+    for b in [*cfg.api_keys, *cfg.tenants]:
+        for f in ("requests_per_minute", "tokens_per_minute", "tokens_per_day"):
+            v = getattr(b, f)
+            if v is not None and v < 1:
+                raise ConfigError(f"{f} = {v}: must be >= 1 (leave it out for no limit)")
+    if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
+        raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 
 
 def load(path: str | os.PathLike | None = None) -> Config:

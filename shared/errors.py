@@ -39,6 +39,11 @@ class Code(enum.Enum):
     TENANT_QUEUE_FULL = (429, _RATE, "tenant_queue_full")
     QUEUE_WAIT_EXCEEDED = (429, _RATE, "queue_wait_exceeded")  # predicted wait over the class's bound
     TENANT_SHARE_EXCEEDED = (429, _RATE, "tenant_share_exceeded")  # ... and the tenant over its share
+    # Budgets (router/quota.py): OpenAI's own shape, code rate_limit_exceeded
+    # and ``type`` naming the budget ("requests" or "tokens").
+    REQUESTS_BUDGET = (429, "requests", "rate_limit_exceeded")
+    TOKENS_BUDGET = (429, "tokens", "rate_limit_exceeded")
+    BUDGET_TOO_SMALL = (400, _INVALID, "request_exceeds_budget")  # could never fit: no Retry-After
     # 5xx: the service
     INTERNAL = (500, _SERVER, "internal_error")
     ENGINE_ERROR = (500, _SERVER, "engine_error")
@@ -47,6 +52,7 @@ class Code(enum.Enum):
     QUEUE_DEADLINE = (503, _UNAVAILABLE, "queue_deadline")
     WORKER_LOST = (503, _SERVER, "worker_lost")
     SERVICE_UNAVAILABLE = (503, _SERVER, "service_unavailable")  # Envoy: no healthy router
+    QUOTA_UNAVAILABLE = (503, _UNAVAILABLE, "quota_unavailable")  # budget store down, fail closed
     GENERATION_DEADLINE = (504, "timeout_error", "generation_deadline")
 
     def __init__(self, status: int, type_: str, wire: Optional[str]) -> None:
@@ -60,18 +66,22 @@ class Code(enum.Enum):
         return self.name.lower()
 
 
-_BY_WIRE = {c.wire: c for c in Code if c.wire is not None}
+_BY_WIRE: dict[str, Code] = {}
+for _c in Code:  # a wire code shared by several (rate_limit_exceeded): the first, unless the type says
+    if _c.wire is not None:
+        _BY_WIRE.setdefault(_c.wire, _c)
+_BY_WIRE_TYPE = {(c.wire, c.type): c for c in Code if c.wire is not None}
 
 
 def error(code: Code, message: str, *, param: Optional[str] = None,
-          retry_after: Optional[float] = None) -> ErrorInfo:
+          retry_after: Optional[float] = None, ratelimit=None) -> ErrorInfo:
     """The wire error for ``code`` (the only place an ErrorInfo is made)."""
-    return ErrorInfo(code.status, message, code.type, code.wire, param, retry_after)
+    return ErrorInfo(code.status, message, code.type, code.wire, param, retry_after, ratelimit)
 
 
 def code_of(info: ErrorInfo) -> Code:
     """The catalogue code of a wire error (a peer's unknown code: by status)."""
-    c = _BY_WIRE.get(info.code) if info.code else None
+    c = (_BY_WIRE_TYPE.get((info.code, info.type)) or _BY_WIRE.get(info.code)) if info.code else None
     if c is not None:
         return c
     if info.status < 500:

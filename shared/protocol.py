@@ -139,6 +139,19 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     structured: Optional[StructuredOutput] = None
 
 
+class RateLimit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Where a request's API key stands against its budgets (router/quota.py):
+    the figures of OpenAI's ``x-ratelimit-*`` headers.  A limit of 0: no such
+    budget.  ``reset_*_s``: seconds until that budget is whole again."""
+
+    limit_requests: int = 0
+    remaining_requests: int = 0
+    reset_requests_s: float = 0.0
+    limit_tokens: int = 0
+    remaining_tokens: int = 0
+    reset_tokens_s: float = 0.0
+
+
 class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """An OpenAI-style error; ``status`` is the HTTP status it maps to."""
 
@@ -148,6 +161,7 @@ class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     code: Optional[str] = None
     param: Optional[str] = None
     retry_after: Optional[float] = None  # seconds; set on 429/503
+    ratelimit: Optional[RateLimit] = None  # the key's budgets, where it has any
 
 
 class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -179,6 +193,7 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     logprobs: bytes = b""
     top_ids: list[int] = []
     model: str = ""  # set on a request's first Delta when a fallback model answers it
+    ratelimit: Optional[RateLimit] = None  # router -> client, on a request's first Delta: its key's budgets
 
     @property
     def finished(self) -> bool:

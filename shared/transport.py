@@ -210,9 +210,12 @@ class Outbox:
                 log.exception("flush to %r failed", dest)
 
 
-def bind_router(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    """A ROUTER socket as the router's two planes use it, bound to ``addr``."""
+def bind_router(ctx: zmq.Context, addr: str, configure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
+    """A ROUTER socket as the router's two planes use it, bound to ``addr``;
+    ``configure`` sets options that must precede the bind (CURVE: shared.curve)."""
     s = ctx.socket(zmq.ROUTER)
+    if configure is not None:
+        configure(s)
     s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # tell us when a peer is gone instead of dropping
     s.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer reuses its identity
     s.setsockopt(zmq.LINGER, 0)

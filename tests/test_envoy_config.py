@@ -68,18 +68,18 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
     assert rl["always_consume_default_token_bucket"] is True
     assert rl["max_dynamic_descriptors"] == 77
     assert rl["enable_x_ratelimit_headers"] == "DRAFT_VERSION_03"
+    assert rl["enable_retry_after_header"] is True  # Envoy computes Retry-After from the bucket
     headers = [a["actions"][0]["request_headers"]["header_name"] for a in rl["rate_limits"]]
-    assert headers == ["x-api-key", "authorization"]
+    assert headers == ["x-weir-rate-limit-key"]  # one bucket per key, whichever header carried it
+    assert hcm["http_filters"][0]["name"] == "envoy.filters.http.lua"
     by_entry = {
         (e["entries"][0]["key"], e["entries"][0]["value"]): e["token_bucket"] for e in rl["descriptors"]
     }
     limited = next(k for k in cfg.api_keys if k.rate_limit_burst)
-    for entry in [("api_key", limited.key), ("bearer", f"Bearer {limited.key}")]:
-        assert by_entry[entry]["max_tokens"] == limited.rate_limit_burst
-        assert by_entry[entry]["tokens_per_fill"] == limited.rate_limit_rps
-    for entry in [("api_key", ""), ("bearer", "")]:  # one dynamic bucket per key value
-        assert by_entry[entry]["max_tokens"] == cfg.rate_limit.per_key_burst
-    assert len(by_entry) == 4  # keys without overrides share the wildcard descriptors
+    assert by_entry[("api_key", limited.key)]["max_tokens"] == limited.rate_limit_burst
+    assert by_entry[("api_key", limited.key)]["tokens_per_fill"] == limited.rate_limit_rps
+    assert by_entry[("api_key", "")]["max_tokens"] == cfg.rate_limit.per_key_burst  # one dynamic bucket per key
+    assert len(by_entry) == 2  # keys without overrides share the wildcard descriptor
     buffer = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.buffer")
     assert buffer["typed_config"]["max_request_bytes"] == cfg.envoy.max_request_bytes
     hc = d["static_resources"]["clusters"][0]["health_checks"][0]

@@ -4,6 +4,8 @@
     weir render-envoy [--config PATH] [-o FILE] [--validate]
     weir bench ...                            load generator (bench/cli.py)
     weir make-model [DIR]                     tiny local Llama for CPU runs
+    weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, printed once
+    weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
     weir router|worker ...                    one component (python -m router / engine_worker)
 """
 
@@ -39,7 +41,7 @@ def _banner(stack) -> str:
         for m, ids in served.items()
     )
     model = next((m for m in served if cfg.model(m).engine != "sim"), next(iter(served), "MODEL"))
-    key = f" -H 'x-api-key: {cfg.api_keys[0].key}'" if cfg.api_keys else ""
+    key = (" -H \"x-api-key: $WEIR_API_KEY\"" if cfg.api_keys else "")  # keys are never printed
     body = (
         f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
         '"max_tokens": 32, "stream": true}'
@@ -154,6 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     mm = sub.add_parser("make-model", help="build the tiny random Llama used on CPU")
     mm.add_argument("dir", nargs="?", default="models/tiny-llama")
     mm.set_defaults(func=cmd_make_model)
+    from weir import keys_cli
+
+    keys_cli.add_parser(sub)
     sub.add_parser("bench", help="load generator: weir bench --help")
     sub.add_parser("router", help="run the router alone (python -m router ...)")
     sub.add_parser("worker", help="run one engine worker (python -m engine_worker ...)")

@@ -59,12 +59,12 @@ def results_dir(name: str) -> Path:
 def bench(workload: Workload, kind: str, url: str, arrivals: Arrivals, limits: Limits, *,
           label: str, progress: bool = True, connections: Optional[int] = None,
           tokenizer: Optional[str] = None, api_key: Optional[str] = None,
-          model: Optional[str] = None, on_phase=None) -> RunResult:
+          model: Optional[str] = None, on_phase=None, curve: Optional[tuple[str, str]] = None) -> RunResult:
     """One run, synchronously (each on a fresh uvloop event loop)."""
     import uvloop
 
     async def go() -> RunResult:
-        target = make_target(kind, url, api_key)
+        target = make_target(kind, url, api_key, curve=curve)
         try:
             return await run_bench(workload, target, arrivals, limits, progress=progress,
                                    connections=connections, tokenizer=tokenizer, label=label, model=model,

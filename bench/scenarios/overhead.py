@@ -8,7 +8,11 @@ servers (``bench.echo``) over ZeroMQ and HTTP, which is what the client and
 loopback cost by themselves.  The paths take turns in rounds so that noise
 from anything else on the machine lands on all of them alike.
 
-    python -m bench.scenarios.overhead [-n 2000] [--rounds 4]
+    python -m bench.scenarios.overhead [-n 2000] [--rounds 4] [--curve]
+
+``--curve``: the router's ZeroMQ planes are CURVE servers (shared.curve) and
+the bench client and the worker authenticate: the zmq path then measures
+what encryption + authentication add (compare with a run without it).
 """
 
 from __future__ import annotations
@@ -47,13 +51,22 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", help="router<->worker endpoint (default: a free tcp://127.0.0.1 port), "
                                        "e.g. ipc:///tmp/weir-backend.sock")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--curve", action="store_true", help="CURVE on both ZeroMQ planes (keys made in OUT/stack/curve)")
     args = ap.parse_args(argv)
 
     out = args.out or common.results_dir("overhead")
     workload = spec.load("one-token")
     per_round = max(1, args.num_requests // args.rounds)
+    curve_keys, extra = None, {}
+    if args.curve:
+        from shared import curve
+
+        d = out / "stack" / "curve"
+        curve.generate(d, workers=["sim-0"], clients=["bench"])
+        curve_keys = (str(d / "clients" / "bench.key_secret"), str(d / "router.key"))
+        extra["security"] = {"curve": True, "curve_dir": str(d)}
     cfg = common.write_config(out / "stack", workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)],
-                              router={"backend": args.backend} if args.backend else None)
+                              router={"backend": args.backend} if args.backend else None, **extra)
     echo_http, echo_zmq = f"127.0.0.1:{common.free_port()}", f"tcp://127.0.0.1:{common.free_port()}"
     echo = subprocess.Popen([sys.executable, "-m", "bench.echo", "--http", echo_http, "--zmq", echo_zmq],
                             cwd=common.REPO)
@@ -65,11 +78,12 @@ def main(argv=None) -> int:
             _wait_listening(echo_http)
             for p in PATHS:
                 common.bench(workload, KIND[p], urls[p], Arrivals(concurrency=1), Limits(args.warmup, 120, 10),
-                             label=f"warm-up {p}", progress=False)
+                             label=f"warm-up {p}", progress=False, curve=curve_keys if p == "zmq" else None)
             for r in range(args.rounds):
                 for p in PATHS:
                     res = common.bench(workload, KIND[p], urls[p], Arrivals(concurrency=1),
-                                       Limits(per_round, 600, 30), label=f"{p} round {r + 1}/{args.rounds}")
+                                       Limits(per_round, 600, 30), label=f"{p} round {r + 1}/{args.rounds}",
+                                       curve=curve_keys if p == "zmq" else None)
                     records[p] += res.records
     finally:
         echo.terminate()

@@ -1,0 +1,65 @@
+"""API keys at rest: only their SHA-256 is kept (``key_sha256`` in the config).
+
+``new_key()`` makes a fresh random key (``weir keys new`` prints it once);
+``digest()`` is the one hashing of a presented key; ``key_id()`` a short,
+non-secret name for a key (a prefix of its digest) for metrics, admin views
+and logs, which never show a key itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import stat
+from typing import Optional
+
+KEY_PREFIX = "sk-weir-"
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def key_id(sha256_hex: str) -> str:
+    """A key's public name: the first 12 hex digits of its digest."""
+    return sha256_hex[:12].lower()
+
+
+def config_digest(k) -> str:
+    """The digest of a config ``[[api_keys]]`` entry (hashed or plain)."""
+    return k.key_sha256.lower() if k.key_sha256 is not None else digest(k.key)
+
+
+def world_readable(path: Optional[str]) -> bool:
+    try:
+        return bool(path) and bool(os.stat(path).st_mode & stat.S_IROTH)
+    except OSError:
+        return False
+
+
+def secret_warnings(cfg, path: Optional[str]) -> list[str]:
+    """What an operator should hear about the secrets in a config: plain
+    keys, and a world-readable file that holds any secret.  Never the
+    secret itself."""
+    out = []
+    plain = [k for k in cfg.api_keys if k.key is not None]
+    for k in plain:
+        out.append(f"api key {key_id(digest(k.key))} of tenant {k.tenant!r} is stored in plain text: "
+                   f"replace `key` with `key_sha256 = \"{digest(k.key)}\"` (or make a new one: weir keys new)")
+    has_secret = bool(plain) or "@" in cfg.quota.redis_url
+    if has_secret and world_readable(path):
+        out.append(f"config {path} holds secrets and is world-readable: chmod o-r it")
+    return out
+
+
+def redact_url(url: str) -> str:
+    """``redis://user:pass@host`` -> ``redis://***@host`` for logs."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+    return url
