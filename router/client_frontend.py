@@ -22,11 +22,12 @@ from typing import Optional, Protocol
 import msgspec
 import zmq
 
-from router.metrics import RouterMetrics, plane_security
+from router.metrics import RouterMetrics
+from router.plane import RouterPlane
 from shared import protocol as p
 from shared.config import RouterConfig
 from shared.errors import Code, error
-from shared.transport import Outbox, SocketPump, bind_router, split_routed
+from shared.transport import Outbox, SocketPump, split_routed
 
 log = logging.getLogger("weir.router.clients")
 
@@ -49,38 +50,20 @@ class Admission(Protocol):
     def awaiting_output(self, handle: int) -> bool: ...
 
 
-class ClientFrontend:
+class ClientFrontend(RouterPlane):
+    side = "frontend"
+
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
                  metrics: RouterMetrics, ctx: Optional[zmq.Context] = None, *, security=None,
                  base_dir: str = "") -> None:
-        self.cfg = cfg
-        self.security, self.base_dir = security, base_dir  # CURVE (shared.curve): [security]
-        self.loop = loop
-        self.pump = pump
-        self.metrics = metrics
-        self.ctx = ctx or zmq.Context.instance()
+        super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
         self.core: Optional[Admission] = None
-        self.sock: Optional[zmq.Socket] = None
         self.clients: dict[bytes, dict[str, int]] = {}  # identity -> client request id -> handle
         self.outbox = Outbox(loop, self._flush_to)
-        self._timer: Optional[asyncio.TimerHandle] = None
 
     def serve(self, core: Admission) -> None:
         self.core = core
-        self.sock = bind_router(self.ctx, self.cfg.frontend,
-                                plane_security(self.ctx, self.security, self.base_dir, "frontend", self.metrics))
-        self.pump.add(self.sock, self._on_message, on_unreachable=self._lose_client,
-                      on_full=self._on_full)
-        self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._probe_tick)
-
-    def close(self) -> None:
-        if self.sock is None:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self.pump.remove(self.sock)
-        self.sock.close(linger=200)
-        self.sock = None
+        self._bind(self._on_message, self._probe_tick, on_unreachable=self._lose_client, on_full=self._on_full)
 
     # ------------------------------------------------------------ input
 
@@ -146,7 +129,6 @@ class ClientFrontend:
         for identity, live in list(self.clients.items()):
             if any(awaiting(h) for h in live.values()):
                 self.pump.send(self.sock, [identity, _PROBE])
-        self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._probe_tick)
 
     def _on_full(self, identity: bytes) -> None:
         if identity in self.clients:

@@ -40,7 +40,7 @@ from datetime import datetime
 from typing import NamedTuple, Optional
 
 from router.estimate import estimate_chat, estimate_text
-from shared.protocol import ChatMessage, RequestKind, StructuredOutput, Submit
+from shared.protocol import RequestKind, StructuredOutput, Submit
 
 # ~256 tokens, ~0.3 ms of tokenizing inline: below the 1 ms loop-stall budget
 # even with a few such requests in one loop turn.

@@ -28,11 +28,12 @@ from typing import Callable, Optional, Protocol
 import msgspec
 import zmq
 
-from router.metrics import RouterMetrics, plane_security
+from router.metrics import RouterMetrics
+from router.plane import RouterPlane
 from shared import protocol as p
 from shared.config import RouterConfig
 from shared.errors import Code, error
-from shared.transport import Outbox, SocketPump, bind_router, split_routed
+from shared.transport import Outbox, SocketPump, split_routed
 
 log = logging.getLogger("weir.router.workers")
 
@@ -68,41 +69,28 @@ class LinkedWorker:
     drain_deadline: Optional[float] = None  # draining until then (None: accepting work)
 
 
-class WorkerLink:
+class WorkerLink(RouterPlane):
+    side = "backend"
+
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
                  metrics: RouterMetrics, ctx: Optional[zmq.Context] = None,
                  clock: Callable[[], float] = time.monotonic, *, security=None, base_dir: str = "") -> None:
-        self.cfg = cfg
-        self.security, self.base_dir = security, base_dir  # CURVE (shared.curve): [security]
-        self.loop = loop
-        self.pump = pump
-        self.metrics = metrics
-        self.ctx = ctx or zmq.Context.instance()
+        super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
         self.clock = clock
         self.workers: dict[str, LinkedWorker] = {}  # by worker id (== DEALER identity)
         self.events: Optional[WorkerEvents] = None
-        self.sock: Optional[zmq.Socket] = None
         self._outbox = Outbox(loop, self._flush_to)
-        self._timer: Optional[asyncio.TimerHandle] = None
 
     def serve(self, events: WorkerEvents) -> None:
         """Bind the backend and start heartbeating; events go to ``events``."""
         self.events = events
-        self.sock = bind_router(self.ctx, self.cfg.backend,
-                                plane_security(self.ctx, self.security, self.base_dir, "backend", self.metrics))
-        self.pump.add(self.sock, self._on_message, on_unreachable=self._on_unreachable)
-        self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._heartbeat_tick)
+        self._bind(self._on_message, self._heartbeat_tick, on_unreachable=self._on_unreachable)
 
     def close(self) -> None:
-        if self.sock is None:
-            return
-        for w in list(self.workers.values()):
-            self._send(w.identity, p.Goodbye(reason="router shutting down"))
-        if self._timer is not None:
-            self._timer.cancel()
-        self.pump.remove(self.sock)
-        self.sock.close(linger=200)
-        self.sock = None
+        if self.sock is not None:
+            for w in list(self.workers.values()):
+                self._send(w.identity, p.Goodbye(reason="router shutting down"))
+        super().close()
 
     # ------------------------------------------------------------ WorkerPort
 
@@ -245,7 +233,6 @@ class WorkerLink:
             if w.drain_deadline is not None and now >= w.drain_deadline:
                 for job_id in self.events.running_on(w.reg.worker_id):
                     self.events.move(job_id, "drain_timeout")
-        self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._heartbeat_tick)
 
     def _remove(self, w: LinkedWorker, why: str) -> None:
         """The one way a worker leaves: from the table, then the lifecycle."""
