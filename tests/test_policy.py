@@ -11,7 +11,7 @@ import pytest
 from router.estimate import kv_cost
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
 from shared.config import ClassConfig, SchedulerConfig
-from shared.protocol import Pool, Submit, TaskType
+from shared.protocol import Pool, TaskType
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
 
