@@ -336,6 +336,23 @@ class Stack:
         """Components that exited without being asked to."""
         return [c for c in self._started if not c.stopping and c.exited() is not None]
 
+    def rolling_restart(self, timeout_s: float = 120.0) -> list[str]:
+        """Restart every worker, one at a time, losing no request: SIGTERM
+        drains it (its requests finish, or move at the drain timeout), the
+        supervisor starts it again, and the next goes once it has registered."""
+        said = []
+        for wid in self.worker_ids:
+            comp = self.components[f"worker:{wid}"]
+            old = comp.pid
+            comp.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and not (comp.pid != old and wid in self._registered_workers()):
+                time.sleep(POLL_S)
+            ok = comp.pid != old and wid in self._registered_workers()
+            said.append(f"worker {wid} {'restarted' if ok else 'NOT back'} (pid {old} -> {comp.pid})")
+            self.progress(said[-1])
+        return said
+
     def _supervise_loop(self) -> None:
         while self.supervising:
             for msg in self.supervise():

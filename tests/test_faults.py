@@ -292,3 +292,21 @@ def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked(t
         assert 'model="sim-primary"' in line and 'fallback="sim-backup"' in line, line
         assert float(line.rsplit(" ", 1)[1]) == 3, line
         assert _drained(stack)
+
+
+def test_a_rolling_restart_of_every_worker_under_load_loses_no_stream(tmp_path):
+    """What SIGHUP to `weir up` does: each worker in turn drains, exits,
+    is started again by the supervisor and re-registers."""
+    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)],
+                       router={"heartbeat_interval_s": 0.25})
+    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
+        import threading
+
+        said = []
+        roll = threading.Thread(target=lambda: said.extend(stack.rolling_restart()))
+        results = asyncio.run(_streams(stack.envoy_url, 30, roll.start))
+        roll.join(60)
+        _assert_complete(results)
+        assert [s.split()[:3] for s in said] == [["worker", "sim-a", "restarted"], ["worker", "sim-b", "restarted"]]
+        assert stack.restarts == {"worker:sim-a": 1, "worker:sim-b": 1}
+        assert _drained(stack) and set(_workers(stack)) == {"sim-a", "sim-b"}

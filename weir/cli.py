@@ -16,6 +16,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -73,10 +74,12 @@ def cmd_up(args) -> int:
         print(f"[weir] {msg}", flush=True)
 
     stack = Stack(args.config, args.run_dir, progress=say, supervise=True)
-    # Ctrl-C / SIGTERM / SIGHUP interrupt whatever we are doing (start-up
-    # included); Stack.start and the finally below stop every child.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    # Ctrl-C / SIGTERM interrupt whatever we are doing (start-up included);
+    # Stack.start and the finally below stop every child.
+    for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_shutdown)
+    rolling = threading.Event()  # SIGHUP: restart every worker, one by one, losing no request
+    signal.signal(signal.SIGHUP, lambda *_: rolling.set())
     t0 = time.monotonic()
     say(f"config {stack.cfg_path}; run dir {stack.run_dir}")
     rc = 0
@@ -88,6 +91,13 @@ def cmd_up(args) -> int:
         # the router or Envoy ends the stack, a worker's leaves it down.
         while True:
             time.sleep(0.5)
+            if rolling.is_set():
+                rolling.clear()
+                # Apply the config again, losing no request: the router reloads
+                # keys and budgets (its own SIGHUP), the workers restart one by one.
+                say("SIGHUP: router reloads keys and budgets; rolling restart of the workers")
+                stack.components["router"].signal_group(signal.SIGHUP)
+                stack.rolling_restart()
             down = stack.failed & {"router", "envoy"}
             if down:
                 say(f"error: {', '.join(sorted(down))} in a crash loop: stopping")

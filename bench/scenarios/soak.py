@@ -112,6 +112,10 @@ def main(argv=None) -> int:
     refused = [r for r in records if r.status in (429, 503) and not r.output_tokens]
     lost = [r for r in records if r not in ok and r not in refused]
     t_first = min(r.start for r in records)
+    # Fault to next token: the longest inter-token gap of each stream that was
+    # running when a worker was killed (its tokens resumed elsewhere).
+    kill_times = [t0 + t for t, e in events if "worker" in e]
+    gaps = sorted(max(r.itl) * 1e3 for r in ok if r.itl and any(r.start < k < r.end for k in kill_times))
     buckets: dict[int, list[float]] = {}
     for r in ok:
         if r.ttft is not None:
@@ -124,6 +128,9 @@ def main(argv=None) -> int:
              "| ok | refused (429/503 + Retry-After) | lost (admitted, then an error) | resumed streams |",
              "|---|---|---|---|",
              f"| {len(ok)} | {len(refused)} | {len(lost)} | {int(sum(resumed_lives))} |", "",
+             (f"Streams running across a worker kill: {len(gaps)}; their longest inter-token gap (fault to "
+              f"next token) p50 {gaps[len(gaps) // 2]:.0f} ms, p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.0f} ms, "
+              f"max {gaps[-1]:.0f} ms.\n") if gaps else "", 
              "| process | RSS first seen (MB) | RSS last seen (MB) | slope (MB/min, fit) | seen for (s) |",
              "|---|---|---|---|---|"]
     for name, pts in sorted(rss.items()):
