@@ -636,9 +636,15 @@ class Policy:
         e = _Entry(job, rank, size, self._seq)
         bound = self.wait_bound[rank]
         if bound < math.inf and not requeue:
-            refusal = self._admit_by_wait(m, e, bound, now)
-            if refusal is not None:
-                return refusal
+            if m.queued == 0:
+                # Nothing queued: nothing is ahead of it, its predicted wait is 0
+                # -- the common case below saturation, and the prediction costs
+                # ~15 us (measured in-process: 25 -> 41 us per request without this).
+                e.predicted = 0.0
+            else:
+                refusal = self._admit_by_wait(m, e, bound, now)
+                if refusal is not None:
+                    return refusal
         key = (0, 0) if self.fifo else (rank, size)
         q = m.queues.get(key)
         if q is None:
