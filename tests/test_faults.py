@@ -53,14 +53,18 @@ async def _streams(url: str, n: int, on_started=None) -> list[tuple[str, str | N
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     started = asyncio.Event()
     count = [0]
+    gaps = LAST_GAPS
+    gaps.clear()
 
     async def one():
-        text, finish, usage = [], None, None
+        text, finish, usage, gap, last = [], None, None, 0.0, None
         stream = await client.completions.create(
             model=SIM_MODEL, prompt="tell me a long story", max_tokens=STREAM_TOKENS, stream=True,
             stream_options={"include_usage": True})
         async for chunk in stream:
             if chunk.choices:
+                now = time.monotonic()
+                gap, last = max(gap, now - last) if last else 0.0, now
                 text.append(chunk.choices[0].text)
                 finish = chunk.choices[0].finish_reason or finish
                 count[0] += 1
@@ -68,6 +72,7 @@ async def _streams(url: str, n: int, on_started=None) -> list[tuple[str, str | N
                     started.set()
             if chunk.usage:
                 usage = chunk.usage.completion_tokens
+        gaps.append(gap)
         return "".join(text), finish, usage
 
     tasks = [asyncio.ensure_future(one()) for _ in range(n)]
@@ -78,6 +83,16 @@ async def _streams(url: str, n: int, on_started=None) -> list[tuple[str, str | N
         return await asyncio.gather(*tasks)
     finally:
         await client.close()
+
+
+LAST_GAPS: list[float] = []  # each stream's longest gap between chunks, of the last _streams run
+
+
+def _report(what: str, stack) -> None:
+    """For the record (pytest -s).  Gaps are not reported here: 40 openai-SDK
+    streams in one process stall its own loop (~0.6 s, with or without a
+    fault, before this work too); bench.scenarios.soak measures them."""
+    print(f"\n{what}: {len(LAST_GAPS)} streams complete, {_resumed(stack):.0f} resumed")
 
 
 def _assert_complete(results):
@@ -91,6 +106,7 @@ def test_sigkill_of_one_of_two_workers_loses_no_stream(tmp_path):
         victim = stack.components["worker:sim-a"]
         results = asyncio.run(_streams(stack.envoy_url, 40, lambda: victim.signal_group(signal.SIGKILL)))
         _assert_complete(results)
+        _report("SIGKILL 1 of 2 workers", stack)
         metrics = requests.get(stack.metrics_url, timeout=5).text
         resumed = sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
                       if l.startswith("weir_resumed_total{"))
@@ -115,6 +131,7 @@ def test_a_stopped_worker_is_found_by_heartbeat_and_its_streams_resume(tmp_path)
         finally:
             victim.signal_group(signal.SIGCONT)
         _assert_complete(results)
+        _report("SIGSTOP 1 of 2 workers", stack)
         assert _drained(stack)
 
 
@@ -130,6 +147,7 @@ def test_sigterm_drains_a_worker_and_loses_no_stream(tmp_path, drain_timeout_s, 
         victim = stack.components["worker:sim-a"]
         results = asyncio.run(_streams(stack.envoy_url, 20, lambda: victim.signal_group(signal.SIGTERM)))
         _assert_complete(results)
+        _report(f"SIGTERM (drain timeout {drain_timeout_s:g} s)", stack)
         assert victim.proc.wait(timeout=10) == 0  # a drained worker exits cleanly
         assert (_resumed(stack) > 0) == resumes
         assert _drained(stack) and set(_workers(stack)) == {"sim-b"}
