@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     t_first = min(r.start for r in records)
     # Fault to next token: the longest inter-token gap of each stream that was
     # running when a worker was killed (its tokens resumed elsewhere).
-    kill_times = [t0 + t for t, e in events if "worker" in e]
+    kill_times = [t for t, e in events if "worker" in e]  # (records' times count from the run's start too)
     gaps = sorted(max(r.itl) * 1e3 for r in ok if r.itl and any(r.start < k < r.end for k in kill_times))
     buckets: dict[int, list[float]] = {}
     for r in ok:
