@@ -27,7 +27,7 @@ from router.plane import RouterPlane
 from shared import protocol as p
 from shared.config import RouterConfig
 from shared.errors import Code, error
-from shared.transport import Outbox, SocketPump, split_routed
+from shared.transport import Outbox, SocketPump
 
 log = logging.getLogger("weir.router.clients")
 
@@ -68,14 +68,10 @@ class ClientFrontend(RouterPlane):
     # ------------------------------------------------------------ input
 
     def _on_message(self, frames: list[bytes]) -> None:
-        try:
-            identity, msg = split_routed(frames, p.client_decoder)
-        except (ValueError, msgspec.DecodeError) as e:
-            self.metrics.child(self.metrics.bad_frames, "frontend").inc()
-            log.warning("frontend: dropped malformed message: %s", e)
-            if len(frames) == 2 and isinstance(e, msgspec.ValidationError):
-                self._answer_invalid_submit(bytes(frames[0]), frames[1], e)
+        decoded = self._decode(frames, p.client_decoder, self._answer_invalid_submit)
+        if decoded is None:
             return
+        identity, msg = decoded
         if msg.__class__ is p.Submit:
             self._submit(identity, msg)
         else:  # Cancel
@@ -102,9 +98,10 @@ class ClientFrontend(RouterPlane):
             del self.clients[identity]
         self.outbox.put(identity, p.Delta(request_id=client_rid, error=err))
 
-    def _answer_invalid_submit(self, identity: bytes, payload: bytes, e: msgspec.ValidationError) -> None:
+    def _answer_invalid_submit(self, frames: list[bytes], e: msgspec.ValidationError) -> None:
         """A Submit that fails validation (a value out of range, a wrong type)
         but still names its request id gets a 400 naming the field, not silence."""
+        identity, payload = bytes(frames[0]), frames[1]
         try:
             raw = msgspec.msgpack.decode(payload)
         except msgspec.DecodeError:

@@ -99,7 +99,6 @@ class _Job:
     resumes: int = 0
     served_by: str = ""  # the fallback model answering it ("": the one asked for)
     announced: bool = False  # the client was told served_by
-    dispatched: bool = False  # reached an engine (its prompt was processed)
     hold: Optional[Hold] = None  # its budget reservation (router.quota), returned in _end
     rl: Optional[p.RateLimit] = None  # budget figures for its client's first Delta
 
@@ -257,9 +256,7 @@ class RouterCore:
 
     def _enqueue(self, j: _Job, tokens: PromptTokens, max_tokens: int, now: float) -> Optional[p.ErrorInfo]:
         sub = j.sub
-        who = j.who
-        job = Job(j.job_id, sub.model, who.tenant, who.klass, tokens.count, max_tokens, sub.task_type,
-                  j.arrival, who.weight, sub.params.n if sub.params is not None else 1)
+        job = self._policy_job(j, sub.model, tokens, max_tokens, j.arrival)
         refusal = self.policy.submit(job, now)
         if refusal is not None:
             if sub.allow_fallback and refusal.kind in _FALLBACK_ON:
@@ -269,15 +266,25 @@ class RouterCore:
                 self.quota.release(j.hold, 0, refund_request=True)
                 j.hold = None
             return refusal.render() if j.rl is None else msgspec.structs.replace(refusal.render(), ratelimit=j.rl)
+        self._queued(j, job, tokens, max_tokens)
+        return None
+
+    @staticmethod
+    def _policy_job(j: _Job, model: str, tokens: PromptTokens, max_tokens: int, arrival: float) -> Job:
+        sub, who = j.sub, j.who
+        return Job(j.job_id, model, who.tenant, who.klass, tokens.count, max_tokens, sub.task_type, arrival,
+                   who.weight, sub.params.n if sub.params is not None else 1)
+
+    def _queued(self, j: _Job, job: Job, tokens: PromptTokens, max_tokens: int) -> None:
+        """``job`` is in the policy's queue: what its worker gets, and the job table's entry."""
         # The client's message is left as it came; the worker gets the resolution.
-        params = msgspec.structs.replace(sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
+        params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
         j.job = job
         j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params)
         j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
-        j.mx = self._metrics_for(sub.model, who.klass)
+        j.mx = self._metrics_for(job.model, j.who.klass)
         self.jobs[j.job_id] = j
         self._schedule_policy()
-        return None
 
     def _metrics_for(self, model: str, klass: str) -> _JobMetrics:
         mx = self._job_metrics.get((model, klass))
@@ -287,10 +294,9 @@ class RouterCore:
 
     def _fall_back(self, j: _Job, now: float) -> bool:
         """Queue ``j`` for the first of its model's fallbacks that takes it."""
-        asked = j.served_by or j.sub.model
-        for name in self.models_by_name[j.sub.model].fallbacks:
-            if name == asked or name == j.served_by:
-                continue
+        for name in self.models_by_name[j.sub.model].fallbacks:  # (never the model itself: config)
+            if name == j.served_by:
+                continue  # the one that just refused it
             model = self.models_by_name[name]
             try:
                 tokens = self.prompts[name].tokenize(j.sub)  # (a rare path: inline whatever its length)
@@ -299,19 +305,12 @@ class RouterCore:
             max_tokens = resolve_max_tokens(j.sub, tokens.count, model.max_model_len)
             if not isinstance(max_tokens, int):
                 continue
-            who = j.who
-            job = Job(j.job_id, name, who.tenant, who.klass, tokens.count, max_tokens, j.sub.task_type, now,
-                      who.weight, n=j.sub.params.n if j.sub.params else 1)
+            job = self._policy_job(j, name, tokens, max_tokens, now)
             if self.policy.submit(job, now) is not None:
                 continue
-            params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
-            j.job, j.served_by = job, name
-            j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params)
-            j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
-            j.mx = self._metrics_for(name, who.klass)
-            self.jobs[j.job_id] = j
+            j.served_by = name
+            self._queued(j, job, tokens, max_tokens)
             self.metrics.child(self.metrics.fallbacks, j.sub.model, name).inc()
-            self._schedule_policy()
             return True
         return False
 
@@ -332,7 +331,8 @@ class RouterCore:
             self.workers.abort(abort_worker, j.job_id)
         if self.quota.active:  # usage counted, the unused part of its reservation returned: once
             # (the prompt of the first attempt: a continuation's longer prompt is not charged again)
-            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.dispatched else 0, j.completion_tokens,
+            # (last_news is set at its first dispatch: its prompt then reached an engine)
+            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.last_news else 0, j.completion_tokens,
                              j.job is not None)
             j.hold = None
             if j.rl is not None and error is not None and deltas is None:
@@ -399,7 +399,6 @@ class RouterCore:
             self._requeue(j, now)
             return
         j.last_news = now
-        j.dispatched = True
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
             now - j.arrival)
 

@@ -16,7 +16,6 @@ every event.
 
 from __future__ import annotations
 
-import os
 import time
 from bisect import bisect_left
 from typing import Callable
@@ -185,20 +184,6 @@ class RouterMetrics:
 
     def add_state_collector(self, snapshot: Callable[[], dict]) -> None:
         self.registry.register(_StateCollector(snapshot))
-
-
-def plane_security(ctx, security, base_dir: str, plane: str, metrics: RouterMetrics):
-    """CURVE set-up for one of the router's planes, or None (shared.curve)."""
-    if security is None or not security.curve:
-        return None
-    from pathlib import Path
-
-    from shared import curve
-
-    d = Path(base_dir or ".") / os.path.expanduser(security.curve_dir)
-    denied = metrics.auth_denied
-    return curve.server_configure(ctx, d.resolve(), plane,
-                                  lambda domain, _name: metrics.child(denied, domain).inc())
 
 
 class _StateCollector:

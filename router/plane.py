@@ -3,20 +3,26 @@
 ``router.worker_link`` (the backend) and ``router.client_frontend`` (the
 frontend) each own one bound ROUTER socket -- with CURVE where ``[security]``
 turns it on -- driven by the process's one SocketPump, and one periodic
-timer (heartbeats; client probes).  This base binds, ticks and closes them.
+timer (heartbeats; client probes).  This base binds, ticks and closes them,
+and drops (counted, logged) whatever arrives that is not a message of its side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+from pathlib import Path
 from typing import Callable, Optional
 
+import msgspec
 import zmq
 
 from router.metrics import RouterMetrics
 from shared.config import RouterConfig
-from router.metrics import plane_security
-from shared.transport import SocketPump, bind_router
+from shared.transport import SocketPump, bind_router, split_routed
+
+log = logging.getLogger("weir.router")
 
 
 class RouterPlane:
@@ -37,11 +43,34 @@ class RouterPlane:
     def _bind(self, on_message: Callable[[list[bytes]], None], tick: Callable[[], None], **callbacks) -> None:
         """Bind this side's socket, let the pump drive it, start its timer."""
         addr = getattr(self.cfg, self.side)
-        self.sock = bind_router(self.ctx, addr,
-                                plane_security(self.ctx, self.security, self.base_dir, self.side, self.metrics))
+        self.sock = bind_router(self.ctx, addr, self._curve())
         self.pump.add(self.sock, on_message, **callbacks)
         self._tick = tick
         self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._on_timer)
+
+    def _curve(self):
+        """CURVE set-up for this side's socket (shared.curve), or None."""
+        if self.security is None or not self.security.curve:
+            return None
+        from shared import curve
+
+        d = Path(self.base_dir or ".") / os.path.expanduser(self.security.curve_dir)
+        denied = self.metrics.auth_denied
+        return curve.server_configure(self.ctx, d.resolve(), self.side,
+                                      lambda domain, _name: self.metrics.child(denied, domain).inc())
+
+    def _decode(self, frames: list[bytes], decoder, on_invalid=None):
+        """(identity, message) of a ROUTER socket's frames, or None: what does
+        not decode is counted, logged and dropped (``on_invalid(frames, error)``
+        may still answer a message that decodes but fails validation)."""
+        try:
+            return split_routed(frames, decoder)
+        except (ValueError, msgspec.DecodeError) as e:
+            self.metrics.child(self.metrics.bad_frames, self.side).inc()
+            log.warning("%s: dropped malformed message: %s", self.side, e)
+            if on_invalid is not None and len(frames) == 2 and isinstance(e, msgspec.ValidationError):
+                on_invalid(frames, e)
+            return None
 
     def _on_timer(self) -> None:
         self._tick()

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
-import msgspec
 import zmq
 
 from router.metrics import RouterMetrics
@@ -33,7 +32,7 @@ from router.plane import RouterPlane
 from shared import protocol as p
 from shared.config import RouterConfig
 from shared.errors import Code, error
-from shared.transport import Outbox, SocketPump, split_routed
+from shared.transport import Outbox, SocketPump
 
 log = logging.getLogger("weir.router.workers")
 
@@ -144,12 +143,10 @@ class WorkerLink(RouterPlane):
             self.pump.send(self.sock, [identity, p.encoder.encode(msg)])
 
     def _on_message(self, frames: list[bytes]) -> None:
-        try:
-            identity, msg = split_routed(frames, p.worker_decoder)
-        except (ValueError, msgspec.DecodeError) as e:
-            self.metrics.child(self.metrics.bad_frames, "backend").inc()
-            log.warning("backend: dropped malformed message: %s", e)
+        decoded = self._decode(frames, p.worker_decoder)
+        if decoded is None:
             return
+        identity, msg = decoded
         now = self.clock()
         worker_id = identity.decode(errors="replace")
         w = self.workers.get(worker_id)
