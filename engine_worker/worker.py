@@ -22,6 +22,7 @@ message, whatever the number of requests in it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from typing import Optional
@@ -71,6 +72,7 @@ class Worker:
         self.ctx = zmq.Context()
         self.pump = SocketPump(self.loop)
         self.outbox = Outbox(self.loop, self._flush_outputs)
+        self._emit = functools.partial(self.outbox.put, None)  # an engine's Deltas: one destination
         self.sock: Optional[zmq.Socket] = None
         self.register_msg: Optional[Register] = None
         self.exit_code = 0
@@ -159,8 +161,11 @@ class Worker:
         self.sock = sock
         self.pump.add(sock, self._on_message)
         self._last_heard = self.loop.time()
+        self._register()
+
+    def _register(self) -> None:
         self._send(self.register_msg)
-        if self._draining is not None:  # a new router link while draining: still draining
+        if self._draining is not None:  # a router that (re)learns of us while we drain: still draining
             self._send(Drain("SIGTERM"))
 
     def _close_socket(self, linger_ms: int = 0) -> None:
@@ -228,17 +233,12 @@ class Worker:
         self._backoff = BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
             for req in msg.requests:
-                self.engine.submit(req, self.outbox_put)
+                self.engine.submit(req, self._emit)
         elif isinstance(msg, Abort):
             self.engine.abort(msg.request_ids)
         elif isinstance(msg, Goodbye):
             # The router forgot us (restart, or it timed us out): start afresh.
             log.warning("worker %s: router said goodbye (%s); registering again", self.wcfg.id, msg.reason)
             self._forget_inflight()
-            self._send(self.register_msg)
-            if self._draining is not None:
-                self._send(Drain("SIGTERM"))
+            self._register()
         # Heartbeat: liveness only, recorded above.
-
-    def outbox_put(self, delta: Delta) -> None:
-        self.outbox.put(None, delta)
