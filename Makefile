@@ -6,7 +6,7 @@ ENGINE ?= cpu
 STAMP := $(VENV)/.weir-installed-$(ENGINE)
 MODEL := models/tiny-llama/config.json
 
-.PHONY: run test setup render-envoy redis
+.PHONY: run test setup render-envoy render-k8s redis prometheus
 
 run: setup
 	$(VENV)/bin/weir up $(if $(CONFIG),--config $(CONFIG))
@@ -39,3 +39,6 @@ $(MODEL): | $(STAMP)
 
 render-envoy: setup
 	$(VENV)/bin/weir render-envoy > envoy/envoy.yaml
+
+render-k8s: setup
+	$(VENV)/bin/weir render-k8s -o deploy/k8s

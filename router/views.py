@@ -12,6 +12,7 @@ from typing import Callable, Optional
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.core import RouterCore
+from router.ops_metrics import OpsCollector
 from router.worker_link import WorkerLink
 
 
@@ -21,6 +22,7 @@ class RouterViews:
         self.link = link
         self._reload = reload
         core.metrics.add_state_collector(self.state)
+        core.metrics.registry.register(OpsCollector(core, link))
 
     def models(self) -> list[tuple[str, int, int]]:
         """(name, max_model_len, workers ready) per configured model."""
