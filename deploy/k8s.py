@@ -21,7 +21,7 @@ host per router pod, each health-checked on /health/ready).
 Worker pods run one [[workers]] entry's settings (the first of its model and
 pool) under their pod name (``--instance-id``), so a StatefulSet scales to
 any number of workers without a config entry each.  Readiness is the
-router's own view (deploy/k8s_probe.py asks /admin/workers); preStop drains
+router's own view (deploy/k8s_probe.py asks /admin/workers/{id}); preStop drains
 there and waits, and SIGTERM then drains what is left, so
 ``terminationGracePeriodSeconds`` covers both (``worker_grace_s``).
 """
@@ -97,7 +97,6 @@ class WorkerGroup(msgspec.Struct, frozen=True):
     pool: str
     engine: str
     template: WorkerConfig  # the first entry's settings, run by every pod
-    replicas: int  # as many as the config lists
 
 
 def worker_groups(cfg: Config) -> list[WorkerGroup]:
@@ -108,7 +107,7 @@ def worker_groups(cfg: Config) -> list[WorkerGroup]:
     for (model, pool), ws in groups.items():
         suffix = "" if pool == "any" else f"-{pool}"
         out.append(WorkerGroup(f"weir-worker-{dns_name(model)}{suffix}", model, pool,
-                               cfg.model(model).engine, ws[0], len(ws)))
+                               cfg.model(model).engine, ws[0]))
     return out
 
 
@@ -346,7 +345,9 @@ def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _meta(cfg, g.name, "worker", **{MODEL_LABEL: dns_name(g.model), POOL_LABEL: g.pool}),
         "spec": {
-            "serviceName": WORKERS_SERVICE, "replicas": max(g.replicas, k.min_workers),
+            # no "replicas": the ScaledObject owns it (min_workers..max_workers), and a
+            # re-apply of these manifests must not reset what the autoscaler chose
+            "serviceName": WORKERS_SERVICE,
             "podManagementPolicy": "Parallel",  # scale-ups load models side by side
             "selector": {"matchLabels": sel},
             "template": {

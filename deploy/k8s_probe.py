@@ -1,6 +1,6 @@
 """A worker pod's probes and preStop, asked of the router (the worker has no port).
 
-    python -m deploy.k8s_probe ready   # exit 0 iff the router lists this pod's worker as ready
+    python -m deploy.k8s_probe ready   # exit 0 iff the router has this pod's worker as ready
     python -m deploy.k8s_probe drain   # POST .../drain, then wait until nothing of it runs
 
 The worker is ``$POD_NAME`` (it registers under it: --instance-id), the
@@ -38,7 +38,13 @@ def _call(url: str, method: str = "GET"):
 
 
 def _worker(base: str, worker_id: str):
-    return next((w for w in _call(f"{base}/admin/workers") if w.get("id") == worker_id), None)
+    """This worker as the router sees it (one worker: O(1) for the router), None if unknown."""
+    try:
+        return _call(f"{base}/admin/workers/{worker_id}")
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
 
 
 def ready(base: str, worker_id: str) -> bool:

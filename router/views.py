@@ -55,6 +55,19 @@ class RouterViews:
     def admin_workers(self) -> list[dict]:
         return self.state()["workers"]
 
+    def admin_worker(self, worker_id: str) -> Optional[dict]:
+        """One worker's state in O(1) (``admin_workers`` is O(workers)): what each
+        worker pod's probes ask every 10 s (deploy/k8s_probe.py)."""
+        live = self.link.workers.get(worker_id)
+        if live is None:
+            return None
+        placed = self.core.policy.workers.get(worker_id)
+        out = {"id": worker_id, "model": live.reg.model, "state": "ready" if live.drain_deadline is None else "draining",
+               "running": len(placed.running) if placed is not None else 0}
+        if live.drain_deadline is not None:
+            out["drain_left_s"] = round(max(0.0, live.drain_deadline - self.link.clock()), 3)
+        return out
+
     def admin_queues(self) -> list[dict]:
         return self.core.policy.snapshot(self.core.clock())["queues"]
 

@@ -148,6 +148,7 @@ def test_worker_statefulsets_probes_drain_and_grace(cfg):
         assert c["command"][-2:] == ["--instance-id", "$(POD_NAME)"]
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
         assert "nvidia.com/gpu" not in json.dumps(c)
+        assert "replicas" not in s["spec"]  # the ScaledObject's to set
     # every ScaledObject targets a StatefulSet that exists, windows short up / long down
     for so in _by(objs, "ScaledObject"):
         assert so["spec"]["scaleTargetRef"]["name"] in groups
@@ -247,6 +248,10 @@ def test_worker_pod_path_instance_id_probe_and_drain(sim_stack):
             assert time.monotonic() < deadline, "the worker never became ready at the router"
             assert proc.poll() is None
             time.sleep(0.2)
+        one = requests.get(sim_stack.router_url + "/admin/workers/weir-worker-sim-tiny-1", timeout=5).json()
+        assert one["state"] == "ready" and one["model"] == "sim-tiny" and one["running"] == 0
+        gone = requests.get(sim_stack.router_url + "/admin/workers/no-such-pod", timeout=5)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
         ids = {w["id"] for w in requests.get(sim_stack.router_url + "/admin/workers", timeout=5).json()}
         assert {"sim-0", "weir-worker-sim-tiny-1"} <= ids  # both registered: distinct identities
         out = subprocess.run([*probe, "drain"], env=env, capture_output=True, text=True, timeout=60)
