@@ -271,3 +271,14 @@ def test_worker_pod_path_instance_id_probe_and_drain(sim_stack):
                                                                      timeout=5).json()}:
         assert time.monotonic() < deadline, "the drained worker's Goodbye did not remove it"
         time.sleep(0.1)
+
+
+def test_containerfile_copies_every_package_the_project_installs():
+    import tomllib
+
+    includes = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {i.rstrip("*") for i in includes}
+    text = (REPO / "deploy" / "Containerfile").read_text()
+    copied = set(re.findall(r"^COPY (\S+) \1$", text, re.M))
+    assert packages <= copied, f"deploy/Containerfile does not COPY {sorted(packages - copied)}"
+    assert 'pip install ".[${ENGINE}]"' in text

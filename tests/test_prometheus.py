@@ -55,7 +55,8 @@ def rule_exprs() -> list[str]:
 def test_promtool_checks_the_rules():
     out = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 17 rules found" in out.stdout
+    n = sum(len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"])
+    assert f"SUCCESS: {n} rules found" in out.stdout
 
 
 @needs_prometheus
@@ -168,7 +169,7 @@ def test_every_dashboard_query_returns_data_from_a_live_stack(sim_stack, live_pr
     assert not pending, f"panels without data: {sorted(pending.values())}"
     # the refused share the alert rule watches is what was sent: 1 in 10 got a 503 here
     share = float(_query(live_prometheus, "weir:refused:ratio_rate5m")[0]["value"][1])
-    assert 0.02 < share < 0.4
+    assert 0.06 < share < 0.15, share
     # and the alerts the healthy stack must not raise are not firing
     firing = {a["labels"]["alertname"] for a in requests.get(live_prometheus + "/api/v1/alerts", timeout=5)
               .json()["data"]["alerts"] if a["state"] == "firing"}
