@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -282,3 +281,79 @@ def test_containerfile_copies_every_package_the_project_installs():
     copied = set(re.findall(r"^COPY (\S+) \1$", text, re.M))
     assert packages <= copied, f"deploy/Containerfile does not COPY {sorted(packages - copied)}"
     assert 'pip install ".[${ENGINE}]"' in text
+
+
+def test_pods_run_as_rendered(tmp_path):
+    """The containers' own commands, environment, probes and preStop, run as local
+    processes on the ConfigMap's files (all interfaces -> loopback, the routers'
+    Service name -> 127.0.0.1, free ports): Envoy -> router -> worker serves."""
+    from deploy.envoy_config import envoy_binary
+    from stackutil import SIM_MODEL, sim_worker, write_config
+
+    cfg_path = write_config(tmp_path, models=[{"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096}],
+                            workers=[sim_worker("sim-0")])
+    cfg = load(cfg_path)
+    objs = k8s.built(cfg)
+    etc = tmp_path / "etc-weir"
+    etc.mkdir()
+    for name, text in _by(objs, "ConfigMap")[0]["data"].items():
+        (etc / name).write_text(text.replace("0.0.0.0", "127.0.0.1").replace(k8s.routers_host(cfg), "127.0.0.1"))
+    pod_name = "weir-worker-sim-tiny-0"
+
+    def local(argv: list[str]) -> list[str]:
+        out = [a.replace(k8s.CONFIG_DIR, str(etc)).replace("$(POD_NAME)", pod_name) for a in argv]
+        return [sys.executable if out[0] == "python" else envoy_binary() if out[0] == "envoy" else out[0], *out[1:]]
+
+    def container(kind: str, name: str) -> dict:
+        return _by(objs, kind, name)[0]["spec"]["template"]["spec"]["containers"][0]
+
+    worker = container("StatefulSet", "weir-worker-sim-tiny")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.update({e["name"]: e.get("value", pod_name).replace(k8s.CONFIG_DIR, str(etc)) for e in worker["env"]})
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for key, c in (("router", container("Deployment", "weir-router")), ("worker", worker),
+                       ("envoy", container("Deployment", "weir-envoy"))):
+            procs[key] = subprocess.Popen(local(c["command"]), env=env, cwd=REPO, start_new_session=True,
+                                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{key}.log", "wb"))
+
+        def probe_ok(c: dict, kind: str) -> bool:
+            p = c[kind]
+            if "exec" in p:
+                return subprocess.run(local(p["exec"]["command"]), env=env, cwd=REPO, capture_output=True).returncode == 0
+            try:
+                return requests.get(f"http://127.0.0.1:{p['httpGet']['port']}{p['httpGet']['path']}", timeout=2).ok
+            except requests.ConnectionError:
+                return False
+
+        router, envoy = container("Deployment", "weir-router"), container("Deployment", "weir-envoy")
+        deadline = time.monotonic() + 60
+        for c, kind in ((worker, "startupProbe"), (worker, "readinessProbe"), (router, "livenessProbe"),
+                        (router, "readinessProbe"), (envoy, "readinessProbe")):
+            while not probe_ok(c, kind):
+                dead = {k: p.returncode for k, p in procs.items() if p.poll() is not None}
+                assert not dead, f"exited: {dead}; {(tmp_path / 'router.log').read_text()[-2000:]}"
+                assert time.monotonic() < deadline, f"{c['name']} {kind} never passed"
+                time.sleep(0.2)
+        port = next(p["containerPort"] for p in envoy["ports"] if p["name"] == "http")
+        r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10,
+                          json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        stop = subprocess.run(local(worker["lifecycle"]["preStop"]["exec"]["command"]), env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert stop.stdout.strip() == "drained"
+        assert not probe_ok(worker, "readinessProbe")
+        procs["worker"].send_signal(signal.SIGTERM)
+        grace = _by(objs, "StatefulSet", "weir-worker-sim-tiny")[0]["spec"]["template"]["spec"][
+            "terminationGracePeriodSeconds"]
+        assert procs["worker"].wait(timeout=grace) == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
