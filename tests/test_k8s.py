@@ -259,6 +259,12 @@ def test_worker_pod_path_instance_id_probe_and_drain(sim_stack):
         assert workers["weir-worker-sim-tiny-1"]["state"] == "draining"
         assert workers["sim-0"]["state"] == "ready"
         assert subprocess.run([*probe, "ready"], env=env, capture_output=True).returncode == 1
+        # what WeirWorkerDrainingTooLong and the dashboard read
+        metrics = requests.get(sim_stack.metrics_url, timeout=5).text
+        assert 'weir_worker_draining{model="sim-tiny",worker="weir-worker-sim-tiny-1"} 1.0' in metrics
+        assert 'weir_worker_draining{model="sim-tiny",worker="sim-0"} 0.0' in metrics
+        assert 'weir_worker_drain_left_seconds{model="sim-tiny",worker="weir-worker-sim-tiny-1"}' in metrics
+        assert 'weir_model_ready_workers{model="sim-tiny"} 1.0' in metrics
         proc.send_signal(signal.SIGTERM)  # what the kubelet sends after preStop
         assert proc.wait(timeout=30) == 0
     finally:
