@@ -46,6 +46,15 @@ def panel_queries() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in dash["panels"] if p["type"] != "row" for t in p["targets"]]
 
 
+def scaler_queries() -> list[tuple[str, str]]:
+    from deploy import k8s
+    from shared.config import DEFAULT_CONFIG, load
+
+    return [(f"ScaledObject {so['metadata']['name']} {t['name']}", t["metadata"]["query"])
+            for so in k8s.built(load(DEFAULT_CONFIG), "gpu") if so["kind"] == "ScaledObject"
+            for t in so["spec"]["triggers"]]
+
+
 def rule_exprs() -> list[str]:
     groups = yaml.safe_load(RULES.read_text())["groups"]
     return [r["expr"] for g in groups for r in g["rules"]]
@@ -153,6 +162,7 @@ def test_every_dashboard_query_returns_data_from_a_live_stack(sim_stack, live_pr
     traffic.thread.start()
     try:
         queries = [(t, e.replace("$__rate_interval", RATE_WINDOW)) for t, e in panel_queries()]
+        queries += scaler_queries()  # what KEDA will ask this Prometheus: valid PromQL with an answer
         live = [(t, e) for t, e in queries if not (_names(e) & GPU_METRICS)]
         assert len(live) >= 20
         pending = dict(enumerate(live))
@@ -177,13 +187,7 @@ def test_every_dashboard_query_returns_data_from_a_live_stack(sim_stack, live_pr
 
 
 def test_every_metric_the_rules_dashboard_and_autoscalers_name_exists(sim_stack):
-    from deploy import k8s
-    from shared.config import DEFAULT_CONFIG, load
-
-    used = _names("\n".join(rule_exprs())) | _names("\n".join(e for _, e in panel_queries()))
-    for so in k8s.built(load(DEFAULT_CONFIG), "gpu"):
-        if so["kind"] == "ScaledObject":
-            used |= _names("\n".join(t["metadata"]["query"] for t in so["spec"]["triggers"]))
+    used = _names("\n".join([*rule_exprs(), *(e for _, e in panel_queries()), *(e for _, e in scaler_queries())]))
     exposed = set()
     for url in (sim_stack.metrics_url, sim_stack.admin_url + "/stats/prometheus"):
         for line in requests.get(url, timeout=5).text.splitlines():
