@@ -144,6 +144,8 @@ class Views(Protocol):
 
     def admin_workers(self) -> list[dict]: ...
 
+    def admin_worker(self, worker_id: str) -> Optional[dict]: ...
+
     def admin_queues(self) -> list[dict]: ...
 
     def admin_tenants(self) -> dict: ...
@@ -495,6 +497,8 @@ class HttpConnection(asyncio.Protocol):
                 return self._model(req)
             if req.path.startswith(b"/admin/workers/") and req.path.endswith((b"/drain", b"/undrain")):
                 return self._drain(req)
+            if req.path.startswith(b"/admin/workers/") and req.method == b"GET":
+                return self._admin_worker(req)
             return self.respond_error(req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"),
                                       "other")
         method, handler = route
@@ -579,6 +583,15 @@ class HttpConnection(asyncio.Protocol):
         if not self.ingress.views.drain(wid, action == b"drain"):
             return self.respond_error(req, error(Code.NOT_FOUND, f"No worker {wid!r} is registered"), label)
         self.respond(req, 200, _JSON, api.encode({"worker": wid, "draining": action == b"drain"}), label)
+
+    def _admin_worker(self, req: _Request) -> None:
+        """GET /admin/workers/{id}: one worker, for its pod's probes (deploy/k8s_probe.py)."""
+        label = "/admin/workers/{id}"
+        wid = req.path[len(b"/admin/workers/"):].decode("utf-8", "replace")
+        w = self.ingress.views.admin_worker(wid)
+        if w is None:
+            return self.respond_error(req, error(Code.NOT_FOUND, f"No worker {wid!r} is registered"), label)
+        self.respond(req, 200, _JSON, api.encode(w), label)
 
     def _metrics(self, req: _Request, label: str) -> None:
         body, content_type = self.ingress.views.metrics_payload()

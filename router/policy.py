@@ -1195,6 +1195,12 @@ class Policy:
                             t = due_at
         return t
 
+    def queued_by_model(self) -> dict[tuple[str, str], int]:
+        """Queued requests per (model, pool), all classes: what an autoscaler of
+        a model's workers reads (router/ops_metrics.py)."""
+        return {(m.name, SIZE_NAMES[size]): sum(c[size] for c in m.size_count)
+                for m in self.models.values() for size in (SHORT, LONG)}
+
     def snapshot(self, now: float) -> dict:
         workers = [{
             "id": w.spec.worker_id, "model": w.spec.model, "pool": POOL_NAMES.get(w.spec.pool, "any"),

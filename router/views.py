@@ -12,6 +12,7 @@ from typing import Callable, Optional
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.core import RouterCore
+from router.ops_metrics import OpsCollector
 from router.worker_link import WorkerLink
 
 
@@ -21,6 +22,7 @@ class RouterViews:
         self.link = link
         self._reload = reload
         core.metrics.add_state_collector(self.state)
+        core.metrics.registry.register(OpsCollector(core, link))
 
     def models(self) -> list[tuple[str, int, int]]:
         """(name, max_model_len, workers ready) per configured model."""
@@ -52,6 +54,19 @@ class RouterViews:
 
     def admin_workers(self) -> list[dict]:
         return self.state()["workers"]
+
+    def admin_worker(self, worker_id: str) -> Optional[dict]:
+        """One worker's state in O(1) (``admin_workers`` is O(workers)): what each
+        worker pod's probes ask every 10 s (deploy/k8s_probe.py)."""
+        live = self.link.workers.get(worker_id)
+        if live is None:
+            return None
+        placed = self.core.policy.workers.get(worker_id)
+        out = {"id": worker_id, "model": live.reg.model, "state": "ready" if live.drain_deadline is None else "draining",
+               "running": len(placed.running) if placed is not None else 0}
+        if live.drain_deadline is not None:
+            out["drain_left_s"] = round(max(0.0, live.drain_deadline - self.link.clock()), 3)
+        return out
 
     def admin_queues(self) -> list[dict]:
         return self.core.policy.snapshot(self.core.clock())["queues"]

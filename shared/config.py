@@ -218,6 +218,36 @@ class SchedulerConfig(_Cfg):
     dispatch_lookahead: int = 0
 
 
+class KubernetesConfig(_Cfg):
+    """What ``deploy/k8s.py`` renders under deploy/k8s/ (README: Operating
+    weir): every other setting there comes from the rest of this file."""
+
+    namespace: str = "weir"
+    image: str = "weir:0.1.0"  # the Containerfile's image, ENGINE=cpu
+    gpu_image: str = "weir:0.1.0-gpu"  # ENGINE=gpu: the GPU overlay's
+    envoy_replicas: int = 2
+    router_replicas: int = 2  # >= 2: a PodDisruptionBudget keeps one
+    models_claim: str = "weir-models"  # PVC (ReadOnlyMany) with [[models]] under /models/<name>
+    # vLLM workers' startupProbe budget: model load + compile (the tiny model
+    # ~16-25 s on an idle CPU; a 70B model from network storage: minutes).
+    model_load_timeout_s: int = 900
+    # Autoscaling (KEDA ScaledObject per worker StatefulSet).  Demand is the
+    # model's queued + running requests over max_num_seqs * this fraction.
+    min_workers: int = 1
+    max_workers: int = 8
+    target_slot_utilization: float = 0.8
+    gpu_utilization_target_percent: float = 80.0  # GPU overlay: second trigger
+    scale_up_window_s: int = 30  # short: a queue building up gets capacity at once
+    scale_down_window_s: int = 600  # long: no flapping after a burst
+    polling_interval_s: int = 15
+    prometheus_url: str = "http://prometheus.monitoring.svc:9090"
+    monitoring_namespace: str = "monitoring"  # may scrape routers and Envoy
+    # Scheduled pre-scaling (CronJob patches the ScaledObjects' floor):
+    prescale_schedule: str = "30 7 * * 1-5"  # before the weekday peak
+    prescale_min_workers: int = 2
+    prescale_end_schedule: str = "0 19 * * 1-5"
+
+
 class Config(_Cfg):
     envoy: EnvoyConfig = msgspec.field(default_factory=EnvoyConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
@@ -229,6 +259,7 @@ class Config(_Cfg):
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     models: list[ModelConfig] = []
     workers: list[WorkerConfig] = []
+    kubernetes: KubernetesConfig = msgspec.field(default_factory=KubernetesConfig)
     base_dir: str = ""  # set by load(): relative paths resolve against it
 
     def model(self, name: str) -> ModelConfig:

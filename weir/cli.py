@@ -2,6 +2,7 @@
 
     weir up [--config PATH] [--run-dir DIR]   whole stack in the foreground
     weir render-envoy [--config PATH] [-o FILE] [--validate]
+    weir render-k8s [--config PATH] [-o DIR]   Kubernetes manifests (deploy/k8s/)
     weir bench ...                            load generator (bench/cli.py)
     weir make-model [DIR]                     tiny local Llama for CPU runs
     weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, printed once
@@ -130,6 +131,14 @@ def cmd_render_envoy(args) -> int:
     return 0
 
 
+def cmd_render_k8s(args) -> int:
+    from deploy import k8s
+
+    for path in k8s.write(load(args.config), args.output):
+        print(path)
+    return 0
+
+
 def cmd_make_model(args) -> int:
     from deploy.make_model import build
 
@@ -163,6 +172,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     rend.add_argument("-o", "--output", help="write to FILE instead of stdout")
     rend.add_argument("--validate", action="store_true", help="also run `envoy --mode validate`")
     rend.set_defaults(func=cmd_render_envoy)
+    rk = sub.add_parser("render-k8s", help="write the Kubernetes manifests rendered from the config")
+    rk.add_argument("--config")
+    rk.add_argument("-o", "--output", default="deploy/k8s", help="directory (default: deploy/k8s)")
+    rk.set_defaults(func=cmd_render_k8s)
     mm = sub.add_parser("make-model", help="build the tiny random Llama used on CPU")
     mm.add_argument("dir", nargs="?", default="models/tiny-llama")
     mm.set_defaults(func=cmd_make_model)
