@@ -159,7 +159,7 @@ class WorkerConfig(_Cfg):
     pool: Literal["any", "short", "long"] = "any"
     max_num_seqs: int = 16
     max_model_len: Optional[int] = None  # default: the model's
-    kv_cache_bytes: Optional[int] = 64 << 20  # vllm on CPU; None on GPU uses gpu_memory_utilization
+    kv_cache_bytes: Optional[int] = 64 << 20  # vllm on CPU; 0 on GPU: vLLM sizes KV by gpu_memory_utilization
     gpu_index: Optional[int] = None  # None: no GPU (NVML reports absent)
     gpu_memory_utilization: float = 0.9
     dtype: str = "bfloat16"
