@@ -215,6 +215,7 @@ class Worker:
         gpu = read_gpu(self.wcfg.gpu_index)
         if gpu.present:
             s.gpu_used_bytes, s.gpu_total_bytes = gpu.used_bytes, gpu.total_bytes
+        s.gpu = gpu  # every heartbeat: present=False says "no GPU" explicitly
         return s
 
     # -- router -> worker ------------------------------------------------------

@@ -500,7 +500,7 @@ class RouterCore:
     def worker_stats(self, worker_id: str, stats: p.WorkerStats, accepting: bool = True) -> None:
         """A heartbeat's news; ``accepting`` False: draining, dispatch nothing new there."""
         self.policy.update_worker(worker_id, self.clock(), healthy=accepting,
-                                  gpu_used_bytes=stats.gpu_used_bytes or None)
+                                  gpu_used_bytes=stats.gpu_used_bytes or None, gpu=stats.gpu)
         self._schedule_policy()
 
     def running_on(self, worker_id: str) -> list[str]:

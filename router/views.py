@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.core import RouterCore
 from router.worker_link import WorkerLink
+from shared.protocol import GpuInfo
 
 
 class RouterViews:
@@ -87,4 +88,16 @@ class RouterViews:
                          aborts=s.aborts_total, finished=s.finished_total,
                          gpu_used_bytes=s.gpu_used_bytes, gpu_total_bytes=s.gpu_total_bytes,
                          gpu=live.reg.gpu.name if live.reg.gpu.present else None)
+                w.update(gpu_reading(s.gpu if s.gpu is not None else live.reg.gpu))
         return snap
+
+
+def gpu_reading(g: GpuInfo) -> dict:
+    """A worker's last NVML reading for /admin/workers and /metrics;
+    ``gpu_present`` False is the explicit "no GPU" state (the rest then None)."""
+    if not g.present:
+        return {"gpu_present": False, "gpu_utilization_percent": None, "gpu_memory_used_bytes": None,
+                "gpu_memory_total_bytes": None, "gpu_temperature_celsius": None, "gpu_power_watts": None}
+    return {"gpu_present": True, "gpu_utilization_percent": g.utilization_percent,
+            "gpu_memory_used_bytes": g.used_bytes, "gpu_memory_total_bytes": g.total_bytes,
+            "gpu_temperature_celsius": g.temperature_c, "gpu_power_watts": g.power_w}

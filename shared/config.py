@@ -198,6 +198,11 @@ class SchedulerConfig(_Cfg):
     kv_safety_margin: float = 0.0  # reserve at most capacity * (1 - margin)
     overcommit: float = 1.0  # >1 lets reservations exceed capacity
     gpu_free_floor_bytes: int = 0  # a GPU with less free memory gets no new work
+    # A GPU at or over this temperature (NVML, degrees C), or with at least
+    # this fraction of its memory used, gets no new work until a heartbeat
+    # reads it under again (router/gpu_gate.py).  0: off.
+    gpu_max_temperature_c: float = 0.0
+    gpu_max_memory_fraction: float = 0.0
     # Queued requests per tenant, all classes; beyond -> 429 tenant_queue_full.
     # Memory protection only: fairness between tenants is the wait bound's
     # weighted share (router/policy.py), and a tenant alone may use all of it.

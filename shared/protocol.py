@@ -257,13 +257,18 @@ class Outputs(_Msg, tag=3):
 
 
 class GpuInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """NVML view of the worker's GPU; ``present=False`` on CPU-only hosts."""
+    """NVML view of the worker's GPU; ``present=False`` on CPU-only hosts (or
+    when NVML fails): "no GPU" is a state, not an error.  A reading the GPU
+    does not support (power on some boards) is None."""
 
     present: bool = False
     name: str = ""
     index: int = 0
     total_bytes: int = 0
     used_bytes: int = 0
+    utilization_percent: Optional[float] = None  # NVML's GPU utilisation over its last sample period
+    temperature_c: Optional[float] = None
+    power_w: Optional[float] = None
 
 
 class Register(_Msg, tag=10):
@@ -300,6 +305,7 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     finished_total: int = 0
     gpu_used_bytes: int = 0
     gpu_total_bytes: int = 0
+    gpu: Optional[GpuInfo] = None  # this heartbeat's NVML reading (None: a peer that sends none)
 
 
 class Heartbeat(_Msg, tag=11):
