@@ -145,7 +145,8 @@ def _error_body(message: str, code: Code, wire_code: str | None = None) -> dict:
     JSON format (values may hold %COMMANDS%; ``wire_code`` overrides the code)."""
     return {
         "json_format": {
-            "error": {"message": message, "type": code.type, "param": None, "code": wire_code or code.wire},
+            "error": {"message": message, "type": code.type, "param": None, "code": wire_code or code.wire,
+                      "request_id": "%REQ(X-REQUEST-ID)%"},
         },
         "content_type": "application/json",
     }
@@ -287,6 +288,11 @@ def _http_connection_manager(cfg: Config) -> dict:
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "REJECT_REQUEST",
         "use_remote_address": True,
+        # Request ids end to end: a client's own x-request-id is kept (else
+        # Envoy makes a UUID), the router and worker log it, and every
+        # response -- Envoy's own replies included -- carries it back.
+        "preserve_external_request_id": True,
+        "always_set_request_id_in_response": True,
         "route_config": {
             "name": "weir",
             "virtual_hosts": [

@@ -82,6 +82,9 @@ class Worker:
         self._stop_reason = "shutdown"
         self._draining: Optional[asyncio.Task] = None
         self._malformed = 0
+        # [logging] requests: job id -> (request id, dispatch time), for one line per finished request
+        self._log_requests = cfg.logging.requests
+        self._traces: dict[str, tuple[str, float]] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -180,6 +183,17 @@ class Worker:
 
     def _flush_outputs(self, _dest, deltas: list[Delta]) -> None:
         self._send(Outputs(deltas))
+        if self._log_requests:
+            for d in deltas:
+                if d.finished:
+                    self._log_end(d)
+
+    def _log_end(self, d: Delta) -> None:
+        rid, t0 = self._traces.pop(d.request_id, (d.request_id, self.loop.time()))
+        outcome = d.finish_reason or (d.error.code or "error" if d.error is not None else "?")
+        log.info("request %s %s job=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f", rid, outcome,
+                 d.request_id, d.prompt_tokens, d.completion_tokens, self.loop.time() - t0,
+                 extra={"request_id": rid, "outcome": outcome})
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -209,6 +223,7 @@ class Worker:
         if ids:
             log.warning("worker %s: aborting %d in-flight requests", self.wcfg.id, len(ids))
             self.engine.abort(ids, tell=False)
+        self._traces.clear()
 
     def stats(self) -> WorkerStats:
         s = self.engine.stats()
@@ -233,6 +248,10 @@ class Worker:
         self._last_heard = self.loop.time()
         self._backoff = BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
+            if self._log_requests:
+                now = self.loop.time()
+                for req in msg.requests:
+                    self._traces[req.request_id] = (req.trace_id or req.request_id, now)
             for req in msg.requests:
                 self.engine.submit(req, self._emit)
         elif isinstance(msg, Abort):

@@ -115,6 +115,11 @@ class _JobMetrics:
         self.e2e = m.child(m.e2e, model, klass)
 
 
+def _trace(j: "_Job") -> str:
+    """The request id of its log lines: the client's or Envoy's (Submit.trace_id), else the job id."""
+    return j.sub.trace_id or j.job_id
+
+
 class RouterCore:
     def __init__(self, cfg: Config, loop: asyncio.AbstractEventLoop, workers: WorkerPort, *,
                  metrics: Optional[RouterMetrics] = None, clock: Callable[[], float] = time.monotonic,
@@ -140,6 +145,7 @@ class RouterCore:
         self._wakeup: Optional[asyncio.TimerHandle] = None
         self._wakeup_at: Optional[float] = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
+        self._log_requests = cfg.logging.requests
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
@@ -218,7 +224,7 @@ class RouterCore:
             return self._end(j, "bad_request", error=error(Code.BAD_REQUEST, str(e),
                                                            param=getattr(e, "param", None)))
         except Exception:
-            log.exception("tokenizing request %s failed", job_id)
+            log.exception("tokenizing request %s (job %s) failed", _trace(j), job_id, extra={"request_id": _trace(j)})
             return self._end(j, "internal", error=error(Code.INTERNAL, "Tokenizing the prompt failed."))
         err = self._admit(j, tokens, self.clock())
         if err is not None:
@@ -280,7 +286,7 @@ class RouterCore:
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
         j.job = job
-        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params)
+        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=_trace(j))
         j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
         j.mx = self._metrics_for(job.model, j.who.klass)
         self.jobs[j.job_id] = j
@@ -348,8 +354,21 @@ class RouterCore:
             m.child(m.requests, j.job.model, j.who.klass, outcome).inc()
             if error is None:
                 j.mx.e2e.observe(now - j.arrival)
+        if self._log_requests:
+            self._log_end(j, outcome, error, now)
         if self.policy.has_queued():  # only queued work can use what this freed
             self._schedule_policy()
+
+    def _log_end(self, j: _Job, outcome: str, err: Optional[p.ErrorInfo], now: float) -> None:
+        """[logging] requests: one line per request, whatever its end."""
+        rid = _trace(j)
+        status = 200 if err is None else err.status
+        if outcome == "cancelled":
+            status = 499  # the client went away (as the HTTP ingress counts it)
+        log.info("request %s %s status=%d model=%s class=%s tenant=%s prompt_tokens=%d completion_tokens=%d "
+                 "resumes=%d seconds=%.3f", rid, outcome, status, j.served_by or j.sub.model, j.who.klass,
+                 j.who.tenant, j.prompt_tokens, j.completion_tokens, j.resumes, now - j.arrival,
+                 extra={"request_id": rid, "outcome": outcome, "status": status})
 
     # ------------------------------------------------------------ the policy
 
@@ -394,7 +413,8 @@ class RouterCore:
         if not self.workers.dispatch(action.worker_id, req):
             # The policy placed it on a worker the link no longer has: a bug
             # somewhere, but not the client's -- release and queue it again.
-            log.error("policy dispatched %s to unlinked worker %s", j.job_id, action.worker_id)
+            log.error("policy dispatched request %s (job %s) to unlinked worker %s", _trace(j), j.job_id,
+                      action.worker_id, extra={"request_id": _trace(j)})
             self.policy.finish(j.job_id, now)
             self._requeue(j, now)
             return
@@ -431,11 +451,12 @@ class RouterCore:
         job.arrival = now  # its queue deadline counts from now
         ids = j.prompt_ids + j.generated if j.prompt_ids else []
         params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
-        j.request = p.GenerateRequest(j.job_id, ids, job.prompt_tokens, params)
+        j.request = p.GenerateRequest(j.job_id, ids, job.prompt_tokens, params, trace_id=_trace(j))
         j.done_before = n
         j.resumes += 1
         self.metrics.child(self.metrics.resumed, job.model, why).inc()
-        log.info("job %s resumes after %d tokens (%s), attempt %d", j.job_id, n, why, j.resumes + 1)
+        log.info("request %s (job %s) resumes after %d tokens (%s), attempt %d", _trace(j), j.job_id, n, why,
+                 j.resumes + 1, extra={"request_id": _trace(j)})
         self._requeue(j, now)
 
     def _lost_error(self, why: str) -> p.ErrorInfo:
@@ -458,8 +479,9 @@ class RouterCore:
         stalled = [job_id for job_id, j in self.jobs.items()
                    if j.last_news and now - j.last_news > bound and worker_of(job_id) is not None]
         for job_id in stalled:
-            log.warning("job %s: nothing from worker %s for %.1f s: moving it", job_id, worker_of(job_id),
-                        now - self.jobs[job_id].last_news)
+            j = self.jobs[job_id]
+            log.warning("request %s (job %s): nothing from worker %s for %.1f s: moving it", _trace(j), job_id,
+                        worker_of(job_id), now - j.last_news, extra={"request_id": _trace(j)})
             self.move(job_id, "stalled")
         return stalled
 

@@ -36,14 +36,14 @@ import httptools
 from router import openai_api as api
 from router.metrics import RouterMetrics
 from shared.errors import Code, error, retry_after_header
-from shared.protocol import Delta, ErrorInfo, RateLimit, Submit
+from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, RateLimit, Submit
 
 log = logging.getLogger("weir.http")
 
 # Headers the ingress reads; every other header is skipped while parsing.
 _WANTED_HEADERS = frozenset(
     (b"authorization", b"x-api-key", b"x-weir-priority", b"x-weir-task-type", b"x-weir-allow-fallback",
-     b"content-length", b"expect")
+     b"content-length", b"expect", b"x-request-id")
 )
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
@@ -157,8 +157,16 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def _request_id(value: Optional[bytes]) -> Optional[str]:
+    """The client's or Envoy's x-request-id, if it is one we can log and echo
+    (printable ASCII, no spaces, at most MAX_TRACE_ID); else None (ours is used)."""
+    if value is None or not 0 < len(value) <= MAX_TRACE_ID or not all(0x21 <= c <= 0x7E for c in value):
+        return None
+    return value.decode("ascii")
+
+
 class _Request:
-    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0")
+    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid")
 
     def __init__(self, method: bytes, path: bytes, headers: dict, body: bytes, keep_alive: bool, http11: bool):
         self.method = method
@@ -168,6 +176,7 @@ class _Request:
         self.keep_alive = keep_alive
         self.http11 = http11
         self.t0 = time.perf_counter()
+        self.rid = _request_id(headers.get(b"x-request-id"))  # generation: its own id if None
 
     def header(self, name: bytes) -> Optional[str]:
         v = self.headers.get(name)
@@ -228,7 +237,7 @@ class Exchange:
         self.done = False
         self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/quota.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
-        self.extra = b""  # response headers learnt from the core (x-weir-model)
+        self.extra = b"x-request-id: %b\r\n" % req.rid.encode()  # + headers learnt from the core (x-weir-model)
         if ctx.stream:
             self.renderer = api.StreamRenderer(ctx)
             self.out: list[bytes] = []  # SSE bytes of this turn, written by flush()
@@ -261,7 +270,7 @@ class Exchange:
     def _answered_by(self, model: str) -> None:
         """A fallback model answers: the body's ``model`` and a header say so."""
         self.ctx.model = model
-        self.extra = b"x-weir-model: " + model.encode("latin-1", "replace") + b"\r\n"
+        self.extra += b"x-weir-model: " + model.encode("latin-1", "replace") + b"\r\n"
         if self.renderer is not None:
             self.renderer = api.StreamRenderer(self.ctx)  # nothing rendered yet
         elif type(self.counts) is api.Accumulator:
@@ -518,7 +527,12 @@ class HttpConnection(asyncio.Protocol):
         try:
             sub, ctx = parse(req.body, meta, api.new_request_id())
         except api.RequestError as e:
+            if req.rid is None:
+                req.rid = api.new_request_id()
             return self.respond_error(req, e.info, label)
+        if req.rid is None:
+            req.rid = ctx.id  # router-direct without x-request-id: the response's own id
+        sub.trace_id = ctx.request_id = req.rid
         req.body = b""  # a stream may live for minutes; its body is not needed
         if ctx.logprobs is not None:
             # (None: an unknown model, refused by submit, or one without a tokenizer --
@@ -608,7 +622,10 @@ class HttpConnection(asyncio.Protocol):
         self.response_complete(req, status, label, req.keep_alive)
 
     def respond_error(self, req: _Request, info: ErrorInfo, label: str, extra: bytes = b"") -> None:
-        self.respond(req, info.status, _JSON, api.error_body(info), label, extra + _retry_after(info))
+        rid = req.rid
+        if rid is not None:
+            extra += b"x-request-id: %b\r\n" % rid.encode()
+        self.respond(req, info.status, _JSON, api.error_body(info, rid), label, extra + _retry_after(info))
 
     def response_complete(self, req: _Request, status: int, label: str, keep_alive: bool) -> None:
         self.ingress.metrics.observe_http(label, status, time.perf_counter() - req.t0)

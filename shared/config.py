@@ -79,6 +79,16 @@ class RouterConfig(_Cfg):
     stall_timeout_s: float = 10.0
 
 
+class LoggingConfig(_Cfg):
+    """Log lines of the router and the workers (shared/logs.py)."""
+
+    format: Literal["text", "json"] = "text"  # json: one object per line, for log shippers
+    # One line per finished request (its request id, model, outcome, tokens,
+    # seconds) from the router, and one from the worker that ran it.  Off by
+    # default: a few microseconds per request on the router's one core.
+    requests: bool = False
+
+
 class Budgets(_Cfg):
     """Token and request budgets (router/quota.py): None = unlimited.  Reserved
     at admission (prompt + max_tokens), settled on the engine's usage."""
@@ -232,6 +242,7 @@ class Config(_Cfg):
     tenants: list[TenantConfig] = []
     quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     models: list[ModelConfig] = []
     workers: list[WorkerConfig] = []
     base_dir: str = ""  # set by load(): relative paths resolve against it
