@@ -37,6 +37,7 @@ from shared.transport import Outbox, SocketPump
 
 from .base import EngineBase
 from .gpu import read_gpu
+from .warmup import WarmupFailed, warm_up
 
 log = logging.getLogger("engine_worker")
 
@@ -119,6 +120,15 @@ class Worker:
         except Exception:
             log.exception("worker %s: engine failed to start", self.wcfg.id)
             return 1
+        if self.wcfg.warmup and not self._stop.is_set():
+            try:
+                took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
+            except WarmupFailed as e:
+                log.error("worker %s: warm-up generation failed (%s): not registering", self.wcfg.id, e)
+                await self.engine.shutdown()
+                self.ctx.term()
+                return 1
+            log.info("worker %s warmed up: one generation through the engine in %.3f s", self.wcfg.id, took)
         gpu = read_gpu(self.wcfg.gpu_index)
         self.register_msg = Register(
             worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],

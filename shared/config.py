@@ -177,6 +177,11 @@ class WorkerConfig(_Cfg):
     env: dict[str, str] = {}  # extra environment for the worker and its engine processes
     # CURVE secret key file (default: security.curve_dir/workers/<id>.key_secret)
     curve_secret_key: Optional[str] = None
+    # Before registering (so before it gets any real request) the worker runs
+    # one short generation through its engine (engine_worker/warmup.py);
+    # a warm-up that fails or outlasts warmup_timeout_s stops the worker (exit 1).
+    warmup: bool = True
+    warmup_timeout_s: float = 120.0
 
 
 class ClassConfig(_Cfg):
