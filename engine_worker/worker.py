@@ -241,6 +241,7 @@ class Worker:
         if gpu.present:
             s.gpu_used_bytes, s.gpu_total_bytes = gpu.used_bytes, gpu.total_bytes
         s.gpu = gpu  # every heartbeat: present=False says "no GPU" explicitly
+        s.tokens_total = self.engine.tokens_total
         return s
 
     # -- router -> worker ------------------------------------------------------

@@ -1214,9 +1214,12 @@ class Policy:
         for r in range(self.n_classes):
             samples = sorted(abs(a - p) for p, a in self.wait_samples[r])
             for size in (SHORT, LONG):
-                n, oldest = 0, None
-                for m in self.models.values():
-                    n += m.size_count[r][size]
+                n, oldest, by_model = 0, None, {}
+                for name, m in self.models.items():
+                    k = m.size_count[r][size]
+                    if k:
+                        n += k
+                        by_model[name] = k
                     e = m.oldest(r, size)
                     if e is not None and (oldest is None or e.job.arrival < oldest):
                         oldest = e.job.arrival
@@ -1225,7 +1228,7 @@ class Policy:
                     "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
                     # |actual - predicted| queue wait of the class's last dispatches
                     "wait_error_p50_s": _pct(samples, 50), "wait_error_p90_s": _pct(samples, 90),
-                    "wait_samples": len(samples),
+                    "wait_samples": len(samples), "by_model": by_model,
                 })
         return {"workers": workers, "queues": queues, "counters": dict(self.counters),
                 "policy": self.cfg.policy}

@@ -85,7 +85,7 @@ class RouterViews:
                     w["drain_left_s"] = round(max(0.0, live.drain_deadline - now), 3)
                 w.update(engine=live.reg.engine, engine_running=s.running, engine_waiting=s.waiting,
                          kv_usage=s.kv_usage, preemptions=s.preemptions_total,
-                         aborts=s.aborts_total, finished=s.finished_total,
+                         aborts=s.aborts_total, finished=s.finished_total, tokens_total=s.tokens_total,
                          gpu_used_bytes=s.gpu_used_bytes, gpu_total_bytes=s.gpu_total_bytes,
                          gpu=live.reg.gpu.name if live.reg.gpu.present else None)
                 w.update(gpu_reading(s.gpu if s.gpu is not None else live.reg.gpu))

@@ -312,6 +312,7 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     gpu_used_bytes: int = 0
     gpu_total_bytes: int = 0
     gpu: Optional[GpuInfo] = None  # this heartbeat's NVML reading (None: a peer that sends none)
+    tokens_total: int = 0  # tokens generated since the engine started (rates: weir stats)
 
 
 class Heartbeat(_Msg, tag=11):

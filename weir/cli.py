@@ -6,6 +6,7 @@
     weir make-model [DIR]                     tiny local Llama for CPU runs
     weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, printed once
     weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
+    weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
     weir router|worker ...                    one component (python -m router / engine_worker)
 """
 
@@ -57,6 +58,7 @@ weir is up.
   models:
 {models}
   logs:                    {stack.run_dir}
+  live view:               weir stats --config {shlex.quote(str(stack.cfg_path))}
 
 Try:
   curl -N {stack.envoy_url}/v1/chat/completions -H 'content-type: application/json'{key} \\
@@ -130,6 +132,13 @@ def cmd_render_envoy(args) -> int:
     return 0
 
 
+def cmd_stats(args) -> int:
+    from weir.stats import run
+
+    return run(load(args.config), routers=args.router, envoy_admin=args.envoy_admin, as_json=args.json,
+               interval=args.interval, count=args.count)
+
+
 def cmd_make_model(args) -> int:
     from deploy.make_model import build
 
@@ -163,6 +172,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     rend.add_argument("-o", "--output", help="write to FILE instead of stdout")
     rend.add_argument("--validate", action="store_true", help="also run `envoy --mode validate`")
     rend.set_defaults(func=cmd_render_envoy)
+    st = sub.add_parser("stats", help="live view of Envoy, routers, workers, tenants (rich); --json: one snapshot")
+    st.add_argument("--config", help="TOML config: where the router and Envoy's admin listen")
+    st.add_argument("--json", action="store_true", help="print one snapshot as JSON (rates over --interval) and exit")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between readings (default 1)")
+    st.add_argument("--router", action="append", help="a router's HTTP URL (repeatable; default: the config's)")
+    st.add_argument("--envoy-admin", help="Envoy admin URL (default: the config's)")
+    st.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # refreshes, then exit (tests)
+    st.set_defaults(func=cmd_stats)
     mm = sub.add_parser("make-model", help="build the tiny random Llama used on CPU")
     mm.add_argument("dir", nargs="?", default="models/tiny-llama")
     mm.set_defaults(func=cmd_make_model)
