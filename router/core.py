@@ -49,7 +49,7 @@ from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerS
 from router.prompts import ModelPrompts, PromptTokens
 from router.quota import Hold, Quota
 from shared import protocol as p
-from shared.config import Config
+from shared.config import Config, ModelConfig, WorkerConfig
 from shared.errors import Code, error, label
 
 log = logging.getLogger("weir.router")
@@ -145,6 +145,10 @@ class RouterCore:
         self._wakeup: Optional[asyncio.TimerHandle] = None
         self._wakeup_at: Optional[float] = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
+        # Models at run time (add_model / remove_model): the workers each added
+        # model wants (for the supervisor, deploy/stack.py), and those being removed.
+        self.runtime_workers: dict[str, list[WorkerConfig]] = {}
+        self.unloading: set[str] = set()
         self._log_requests = cfg.logging.requests
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
@@ -161,6 +165,8 @@ class RouterCore:
         err = check_shape(sub)
         if err is None and sub.model not in self.models_by_name:
             err = error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
+        if err is None and sub.model in self.unloading:
+            err = self._unloading_error(sub.model)
         if err is not None:
             return self._rejected(err, who.klass)
         if sub.user:
@@ -301,8 +307,8 @@ class RouterCore:
     def _fall_back(self, j: _Job, now: float) -> bool:
         """Queue ``j`` for the first of its model's fallbacks that takes it."""
         for name in self.models_by_name[j.sub.model].fallbacks:  # (never the model itself: config)
-            if name == j.served_by:
-                continue  # the one that just refused it
+            if name == j.served_by or name in self.unloading or name not in self.models_by_name:
+                continue  # the one that just refused it; one being (or already) removed at run time
             model = self.models_by_name[name]
             try:
                 tokens = self.prompts[name].tokenize(j.sub)  # (a rare path: inline whatever its length)
@@ -425,6 +431,8 @@ class RouterCore:
     def _requeue(self, j: _Job, now: float) -> None:
         """Queue a job again whose worker went: it waits for a worker of its
         model (even while none is left) up to its queue deadline."""
+        if j.job.model in self.unloading:  # no worker of it will come back
+            return self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(j.job.model))
         refusal = self.policy.submit(j.job, now, requeue=True)
         if refusal is not None:
             self._end(j, refusal.label, error=refusal.render())
@@ -505,7 +513,7 @@ class RouterCore:
     # ------------------------------------------------------------ worker events (router.worker_link)
 
     def serves(self, model: str) -> bool:
-        return model in self.models_by_name
+        return model in self.models_by_name and model not in self.unloading
 
     def worker_joined(self, reg: p.Register) -> None:
         now = self.clock()
@@ -532,6 +540,64 @@ class RouterCore:
         now = self.clock()
         self._after_loss(self.policy.remove_worker(worker_id, now), why, now)
         self._schedule_policy()
+        if self.unloading:
+            self._forget_unloaded()
+
+    # ------------------------------------------------------------ models at run time
+
+    def add_model(self, model: ModelConfig, workers: list[WorkerConfig]) -> Optional[str]:
+        """Serve a new model (its workers register as the supervisor starts
+        them); an error message if it cannot be added."""
+        if model.name in self.models_by_name:
+            return f"model {model.name!r} already exists" + (" (still unloading)" if model.name in self.unloading
+                                                             else "")
+        bad = [fb for fb in model.fallbacks if fb not in self.models_by_name or fb in self.unloading]
+        if bad:
+            return f"model {model.name!r}: fallbacks {bad} are not models served now"
+        self.prompts[model.name] = ModelPrompts(self.cfg.resolve(model.path) if model.path else None)
+        self.models_by_name[model.name] = model
+        self.cfg.models.append(model)
+        self.runtime_workers[model.name] = workers
+        log.info("model %s added (%s, %d workers to start)", model.name, model.engine, len(workers))
+        return None
+
+    def remove_model(self, name: str) -> Optional[str]:
+        """Unloading: new requests get 503 model_unloading, queued ones end
+        with it now, running ones finish where they run (their workers drain:
+        the caller's part); once no worker of it is left, it is forgotten (404)."""
+        if name not in self.models_by_name:
+            return f"no model {name!r}"
+        if name not in self.unloading:
+            self.unloading.add(name)
+            for j in [j for j in self.jobs.values() if (j.served_by or j.sub.model) == name]:
+                if self.policy.worker_of(j.job_id) is None:  # queued or tokenizing: nothing runs yet
+                    self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(name))
+            log.info("model %s unloading", name)
+        self._forget_unloaded()
+        return None
+
+    def _unloading_error(self, name: str) -> p.ErrorInfo:
+        return error(Code.MODEL_UNLOADING, f"The model `{name}` is being removed; it takes no new requests.",
+                     param="model", retry_after=self.cfg.router.heartbeat_interval_s)
+
+    def _forget_unloaded(self) -> None:
+        for name in list(self.unloading):
+            m = self.policy.models.get(name)
+            if (m is None or not m.workers) and not any((j.served_by or j.sub.model) == name
+                                                        for j in self.jobs.values()):
+                self.unloading.discard(name)
+                del self.models_by_name[name]
+                self.prompts.pop(name, None)
+                self.runtime_workers.pop(name, None)
+                self.cfg.models = [x for x in self.cfg.models if x.name != name]
+                log.info("model %s removed", name)
+
+    def model_state(self, name: str) -> str:
+        """loading (no worker ready yet) / ready / unloading."""
+        if name in self.unloading:
+            return "unloading"
+        m = self.policy.models.get(name)
+        return "ready" if m is not None and any(w.healthy for w in m.workers.values()) else "loading"
 
     def _after_loss(self, job_ids: list[str], why: str, now: float) -> None:
         """Jobs of a lost worker, already released by the policy."""

@@ -134,7 +134,13 @@ class Generation(Protocol):
 class Views(Protocol):
     """What the read-only routes show (router.views.RouterViews)."""
 
-    def models(self) -> list[tuple[str, int, int]]: ...
+    def models(self) -> list[tuple[str, int, int, str]]: ...
+
+    def admin_models(self) -> list[dict]: ...
+
+    def add_model(self, body: bytes) -> tuple[int, dict]: ...
+
+    def remove_model(self, name: str) -> tuple[int, dict]: ...
 
     def health(self) -> dict: ...
 
@@ -209,6 +215,7 @@ class _Ingress:
             b"/admin/queues": (b"GET", "_admin_queues"),
             b"/admin/tenants": (b"GET", "_admin_tenants"),
             b"/admin/reload": (b"POST", "_admin_reload"),
+            b"/admin/models": (b"*", "_admin_models"),
         }
 
     def flush_later(self, ex: "Exchange") -> None:
@@ -504,11 +511,13 @@ class HttpConnection(asyncio.Protocol):
                 return self._model(req)
             if req.path.startswith(b"/admin/workers/") and req.path.endswith((b"/drain", b"/undrain")):
                 return self._drain(req)
+            if req.path.startswith(b"/admin/models/") and req.path.endswith(b"/remove"):
+                return self._remove_model(req)
             return self.respond_error(req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"),
                                       "other")
         method, handler = route
         label = req.path.decode()
-        if req.method != method:
+        if req.method != method and method != b"*":
             return self.respond_error(
                 req, error(Code.METHOD_NOT_ALLOWED,
                            f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}"),
@@ -566,10 +575,11 @@ class HttpConnection(asyncio.Protocol):
 
     def _model(self, req: _Request) -> None:
         name = req.path[len(b"/v1/models/"):].decode("utf-8", "replace")
-        for model, max_len, ready in self.ingress.views.models():
+        for model, max_len, ready, state in self.ingress.views.models():
             if model == name:
                 body = api.encode({"id": model, "object": "model", "created": self.ingress.started,
-                                   "owned_by": "weir", "max_model_len": max_len, "ready_workers": ready})
+                                   "owned_by": "weir", "max_model_len": max_len, "ready_workers": ready,
+                                   "state": state})
                 return self.respond(req, 200, _JSON, body, "/v1/models/{model}")
         self.respond_error(req, error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"),
                            "/v1/models/{model}")
@@ -593,6 +603,25 @@ class HttpConnection(asyncio.Protocol):
         if not self.ingress.views.drain(wid, action == b"drain"):
             return self.respond_error(req, error(Code.NOT_FOUND, f"No worker {wid!r} is registered"), label)
         self.respond(req, 200, _JSON, api.encode({"worker": wid, "draining": action == b"drain"}), label)
+
+    def _admin_models(self, req: _Request, label: str) -> None:
+        """GET: every model and its state; POST: add one (router/views.py)."""
+        if req.method == b"GET":
+            return self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_models()), label)
+        if req.method != b"POST":
+            return self.respond_error(req, error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), label,
+                                      extra=b"allow: GET, POST\r\n")
+        status, body = self.ingress.views.add_model(req.body)
+        self.respond(req, status, _JSON, api.encode(body), label)
+
+    def _remove_model(self, req: _Request) -> None:
+        label = "/admin/models/{name}/remove"
+        if req.method != b"POST":
+            return self.respond_error(req, error(Code.METHOD_NOT_ALLOWED, "use POST"), label,
+                                      extra=b"allow: POST\r\n")
+        name = req.path[len(b"/admin/models/"):-len(b"/remove")].decode("utf-8", "replace")
+        status, body = self.ingress.views.remove_model(name)
+        self.respond(req, status, _JSON, api.encode(body), label)
 
     def _metrics(self, req: _Request, label: str) -> None:
         body, content_type = self.ingress.views.metrics_payload()

@@ -848,13 +848,14 @@ class StreamRenderer:
         return self._pre + b'[],"usage":' + encode(usage) + b"}\n\n"
 
 
-def render_models(models: list[tuple[str, int, int]], created: int) -> bytes:
-    """OpenAI's model list; weir adds each model's context and its workers ready now."""
+def render_models(models: list[tuple[str, int, int, str]], created: int) -> bytes:
+    """OpenAI's model list; weir adds each model's context, its workers ready
+    now and its state (loading / ready / unloading: models at run time)."""
     return encode({
         "object": "list",
         "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "weir", "max_model_len": max_len,
-             "ready_workers": ready}
-            for name, max_len, ready in models
+             "ready_workers": ready, "state": state}
+            for name, max_len, ready, state in models
         ],
     })

@@ -318,6 +318,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 
 
+validate = _validate  # a Config built in code (router/views.py: a model added at run time)
+
+
 def load(path: str | os.PathLike | None = None) -> Config:
     path = Path(path or os.environ.get("WEIR_CONFIG") or DEFAULT_CONFIG).resolve()
     with open(path, "rb") as f:

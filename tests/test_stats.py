@@ -68,6 +68,8 @@ def test_json_snapshot_of_a_running_stack(stats_stack):
 
     (router,) = snap["routers"]
     assert router["reachable"] and router["ready"] and router["ready_workers"]["sim-tiny"] == 1
+    states = {m["name"]: (m["state"], m["ready_workers"]) for m in router["models"]}
+    assert states == {"sim-tiny": ("ready", 1), "tiny-llama": ("loading", 0)}  # (tiny-llama: no worker here)
     assert {(q["class"], q["pool"]) for q in router["queues"]} >= {("normal", "short"), ("high", "long")}
     normal = next(q for q in router["queues"] if (q["class"], q["pool"]) == ("normal", "short"))
     assert normal["wait_p50_s"] is not None and normal["wait_p99_s"] >= normal["wait_p50_s"]

@@ -3,11 +3,11 @@ JSON snapshot (``--json``) for scripts.
 
 Everything comes from what the stack already serves -- Envoy's admin
 ``/stats?format=json``; each router's ``/admin/workers``, ``/admin/queues``,
-``/admin/tenants``, ``/health/ready`` and ``/metrics`` -- read every
-``--interval`` seconds (1 s); rates are the difference of two readings over
-the time between them, so ``--json`` reads twice, ``--interval`` apart.
-Nothing here is on a request's path: it costs the router six HTTP answers
-a second.
+``/admin/tenants``, ``/admin/models``, ``/health``, ``/health/ready`` and
+``/metrics`` -- read every ``--interval`` seconds (1 s); rates are the
+difference of two readings over the time between them, so ``--json`` reads
+twice, ``--interval`` apart.  Nothing here is on a request's path: it costs
+the router seven HTTP answers a second.
 
 A worker that a router had registered (or that the config names) and that
 is no longer registered shows as ``lost``.  A stack that does not answer at
@@ -72,7 +72,7 @@ def read_router(url: str) -> dict:
             metrics.setdefault(s.name, []).append((s.labels, s.value))
     return {"workers": _json(url + "/admin/workers"), "queues": _json(url + "/admin/queues"),
             "tenants": _json(url + "/admin/tenants"), "ready": _json(url + "/health/ready"),
-            "health": _json(url + "/health"), "metrics": metrics}
+            "health": _json(url + "/health"), "models": _json(url + "/admin/models"), "metrics": metrics}
 
 
 def read(envoy_admin: str, routers: list[str]) -> dict:
@@ -194,6 +194,8 @@ def _router_view(url: str, cur: dict, prev: Optional[dict], dt: float) -> dict:
         "url": url, "reachable": True, "ready": cur["ready"].get("status") == "ready",
         "uptime_s": cur["health"].get("uptime_s"), "jobs": cur["health"].get("jobs"),
         "ready_workers": cur["ready"].get("models", {}),
+        "models": [{"name": x["name"], "state": x["state"], "ready_workers": x["ready_workers"],
+                    "runtime": x["runtime"]} for x in cur["models"]],
         "queues": queues,
         "admissions": {"dispatched": decisions.get("dispatched", 0), "requeued": decisions.get("requeued", 0),
                        "finished": finished,
@@ -324,6 +326,8 @@ def render(snap: dict, title: str):
         head.append(f"  jobs {r['jobs']}  finished/s {_n(r['admissions']['finished_per_s'])}"
                     f"  dispatched {int(r['admissions']['dispatched'])}  tokens/s {_n(r['tokens_per_s'], '{:.0f}')}")
         parts.append(head)
+        parts.append(Text("models: " + ", ".join(f"{x['name']} {x['state']} ({x['ready_workers']} ready)"
+                                                 for x in r["models"])))
         q = Table(title="queues", title_justify="left", expand=True)
         for col in ("class", "pool", "queued", "by model", "oldest wait", "wait p50", "wait p99"):
             q.add_column(col, justify="right" if col not in ("class", "pool", "by model") else "left")
