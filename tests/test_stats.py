@@ -20,6 +20,7 @@ import requests
 import stackutil
 
 KEY = "sk-stats"
+KEY_TINY = "sk-stats-tiny"  # Envoy's own bucket for it: 1 request, then 1/s; the router's budget: 1 a minute
 TOKENS_PER_DAY = 1_000_000  # refills ~12 tokens/s: what the test used still shows
 
 
@@ -28,7 +29,9 @@ def stats_stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("stats")
     cfg = stackutil.write_config(d, workers=[stackutil.sim_worker("sim-0"), stackutil.sim_worker("sim-gone")],
                                  api_keys=[{"key": KEY, "tenant": "acme", "tier": "normal",
-                                            "requests_per_minute": 10_000}],
+                                            "requests_per_minute": 10_000},
+                                           {"key": KEY_TINY, "tenant": "tiny", "tier": "normal",
+                                            "rate_limit_rps": 1, "rate_limit_burst": 1, "requests_per_minute": 1}],
                                  tenants=[{"name": "acme", "tokens_per_day": TOKENS_PER_DAY}])
     with stackutil.start_stack(cfg, d / "run", workers=["sim-0"]) as s:
         yield s
@@ -39,11 +42,11 @@ def _weir(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def _send(url: str, n: int, **body) -> list[int]:
+def _send(url: str, n: int, key: str = KEY, **body) -> list[int]:
     codes = []
     for _ in range(n):
         payload = {"model": stackutil.SIM_MODEL, "prompt": "count to ten", "max_tokens": 16, **body}
-        r = requests.post(url + "/v1/completions", json=payload, headers={"x-api-key": KEY}, timeout=30)
+        r = requests.post(url + "/v1/completions", json=payload, headers={"x-api-key": key}, timeout=30)
         codes.append(r.status_code)
     return codes
 
@@ -52,6 +55,9 @@ def test_json_snapshot_of_a_running_stack(stats_stack):
     s = stats_stack
     assert _send(s.envoy_url, 3) == [200] * 3
     assert _send(s.envoy_url, 1, model="no-such-model") == [404]
+    assert _send(s.envoy_url, 2, key=KEY_TINY) == [200, 429]  # Envoy's bucket refuses the second ...
+    time.sleep(1.2)
+    assert _send(s.envoy_url, 1, key=KEY_TINY) == [429]  # ... the router's budget the third
     load = threading.Thread(target=_send, args=(s.envoy_url, 20))  # traffic during the reading's interval
     load.start()
     out = _weir("stats", "--config", str(s.cfg_path), "--json", "--interval", "1.0")
@@ -64,7 +70,9 @@ def test_json_snapshot_of_a_running_stack(stats_stack):
     # (its health check failed while the router had no worker yet: counted, not shown as down)
     assert envoy["reachable"] and (envoy["upstream"]["healthy"], envoy["upstream"]["total"]) == (1, 1)
     assert envoy["by_status"]["2xx"]["total"] >= 3 and envoy["by_status"]["4xx"]["total"] >= 1
-    assert envoy["requests"]["per_s"] > 0 and envoy["rate_limited_429"]["total"] == 0
+    assert envoy["requests"]["per_s"] > 0
+    limited = envoy["rate_limited_429"]
+    assert (limited["envoy"]["total"], limited["router"]["total"], limited["total"]) == (1, 1, 2)
 
     (router,) = snap["routers"]
     assert router["reachable"] and router["ready"] and router["ready_workers"]["sim-tiny"] == 1
@@ -89,8 +97,11 @@ def test_json_snapshot_of_a_running_stack(stats_stack):
     assert acme["requests"] >= 3 and acme["completion_tokens"] >= 3 * 16
     budget = acme["budgets"]["tokens_per_day"]
     assert budget["limit"] == TOKENS_PER_DAY and budget["remaining"] < TOKENS_PER_DAY - 200
-    (key,) = [t for t in snap["tenants"] if t["tenant"].startswith("key ")]  # the key's own budget, by id
-    assert key["budgets"]["requests_per_minute"]["limit"] == 10_000 and KEY not in json.dumps(snap)
+    keys = sorted((t["budgets"]["requests_per_minute"]["limit"], t["budgets"]["requests_per_minute"]["remaining"])
+                  for t in snap["tenants"] if t["tenant"].startswith("key "))  # keys' own budgets, by key id
+    assert keys[0] == (1, 0) and keys[1][0] == 10_000 and KEY not in json.dumps(snap)
+    (tiny,) = [t for t in snap["tenants"] if t["tenant"] == "tiny"]
+    assert tiny["requests"] == 1 and tiny["refusals"] == {"requests": 1}
 
 
 def test_clear_message_when_the_stack_is_not_running(tmp_path):
