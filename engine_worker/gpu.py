@@ -6,7 +6,7 @@ MIG) is None; the others are still reported.
 
 ``python -m engine_worker.gpu --probe [--index N]`` prints every GPU's reading
 as JSON, with what one ``read_gpu`` took (the worker reads once per heartbeat,
-on its event loop), so a GPU host can be checked without starting a stack.
+on a thread off its event loop), so a GPU host can be checked without starting a stack.
 """
 
 from __future__ import annotations

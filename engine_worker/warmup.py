@@ -40,6 +40,7 @@ async def warm_up(engine: EngineBase, info: EngineInfo, timeout_s: float) -> flo
     # Small ids exist in every vocabulary; the simulated engine reads only the count.
     req = GenerateRequest(WARMUP_ID, [1 + i % 64 for i in range(n)], n,
                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    counted = engine.finished_total, engine.aborts_total, engine.tokens_total
     t0 = time.perf_counter()
     engine.submit(req, emit)
     try:
@@ -47,6 +48,8 @@ async def warm_up(engine: EngineBase, info: EngineInfo, timeout_s: float) -> flo
     except asyncio.TimeoutError:
         engine.abort([WARMUP_ID], tell=False)
         raise WarmupFailed(f"no result in {timeout_s:g} s") from None
+    finally:  # not a request: the heartbeat's counters start from zero
+        engine.finished_total, engine.aborts_total, engine.tokens_total = counted
     if final.error is not None:
         raise WarmupFailed(final.error.message)
     return time.perf_counter() - t0

@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Drain, Goodbye, Heartbeat, Outputs, Pool, Register,
+from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, Register,
                              WorkerStats, encoder, to_worker_decoder)
 from shared.transport import Outbox, SocketPump
 
@@ -215,7 +215,7 @@ class Worker:
             if self.loop.time() - self._last_heard > self.interval * self.liveness:
                 await self._reconnect()
                 continue
-            self._send(Heartbeat(self.stats()))
+            self._send(Heartbeat(self.stats(await self._read_gpu())))
 
     async def _reconnect(self) -> None:
         delay, self._backoff = self._backoff, min(self._backoff * 2, BACKOFF_MAX_S)
@@ -235,9 +235,17 @@ class Worker:
             self.engine.abort(ids, tell=False)
         self._traces.clear()
 
-    def stats(self) -> WorkerStats:
+    async def _read_gpu(self) -> GpuInfo:
+        """NVML off the event loop (five calls a heartbeat: ~ms on some boards,
+        while this loop streams every engine step's tokens)."""
+        if self.wcfg.gpu_index is None:
+            return GpuInfo(present=False)
+        return await self.loop.run_in_executor(None, read_gpu, self.wcfg.gpu_index)
+
+    def stats(self, gpu: Optional[GpuInfo] = None) -> WorkerStats:
         s = self.engine.stats()
-        gpu = read_gpu(self.wcfg.gpu_index)
+        if gpu is None:
+            gpu = read_gpu(self.wcfg.gpu_index)
         if gpu.present:
             s.gpu_used_bytes, s.gpu_total_bytes = gpu.used_bytes, gpu.total_bytes
         s.gpu = gpu  # every heartbeat: present=False says "no GPU" explicitly
