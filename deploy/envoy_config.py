@@ -346,7 +346,7 @@ def _http_connection_manager(cfg: Config) -> dict:
                 "name": "envoy.access_loggers.stdout",
                 "typed_config": {
                     "@type": f"{_TYPES}.access_loggers.stream.v3.StdoutAccessLog",
-                    "log_format": {
+                    "log_format": _ACCESS_LOG_JSON if cfg.logging.format == "json" else {
                         "text_format_source": {
                             "inline_string": '[%START_TIME%] "%REQ(:METHOD)% %REQ(:PATH)%" '
                             "%RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% "
@@ -358,6 +358,16 @@ def _http_connection_manager(cfg: Config) -> dict:
             }
         ]
     return hcm
+
+
+# [logging] format = "json": Envoy's access log as JSON lines too, with the
+# field names of the router's and workers' (shared/logs.py).
+_ACCESS_LOG_JSON = {"json_format": {
+    "ts": "%START_TIME%", "component": "envoy", "method": "%REQ(:METHOD)%", "path": "%REQ(:PATH)%",
+    "status": "%RESPONSE_CODE%", "flags": "%RESPONSE_FLAGS%", "bytes_in": "%BYTES_RECEIVED%",
+    "bytes_out": "%BYTES_SENT%", "duration_ms": "%DURATION%",
+    "upstream_ms": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%", "request_id": "%REQ(X-REQUEST-ID)%",
+}}
 
 
 def _router_cluster(cfg: Config) -> dict:

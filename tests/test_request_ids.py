@@ -22,7 +22,7 @@ UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 @pytest.fixture(scope="module")
 def logged_stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("request_ids")
-    cfg = stackutil.write_config(d, workers=[stackutil.sim_worker("sim-0")],
+    cfg = stackutil.write_config(d, workers=[stackutil.sim_worker("sim-0")], envoy={"access_log": True},
                                  logging={"format": "json", "requests": True})
     with stackutil.start_stack(cfg, d / "run") as s:
         yield s
@@ -108,3 +108,10 @@ def test_zeromq_clients_trace_id(logged_stack):
     assert out.completion_tokens == 3
     assert _lines_with(logged_stack, "router", "zmq-trace-7")
     assert _lines_with(logged_stack, "worker:sim-0", "zmq-trace-7")
+
+
+def test_envoy_access_log_is_json_too(logged_stack):
+    """Last in this module: Envoy flushes its log every 10 s (--file-flush-interval-msec)."""
+    (envoy,) = _lines_with(logged_stack, "envoy", "err-404-a", timeout=15)
+    assert envoy["component"] == "envoy" and envoy["status"] == 404 and envoy["path"] == "/v1/completions"
+    assert envoy["method"] == "POST" and envoy["duration_ms"] >= 0
