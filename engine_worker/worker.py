@@ -1,7 +1,8 @@
 """The engine worker process: one engine, one DEALER link to the router.
 
 Link protocol (Paranoid Pirate, after the ZeroMQ guide): after the engine is up
-the worker sends Register, then a Heartbeat with its stats every interval.
+and has run its warm-up generation (engine_worker/warmup.py; ``warmup``) the
+worker sends Register, then a Heartbeat with its stats every interval.
 Anything heard from the router proves it alive; if nothing is heard for
 ``heartbeat_liveness`` intervals the worker assumes the router lost it: it
 silently aborts everything live in its engine (the router has written those

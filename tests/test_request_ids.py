@@ -103,9 +103,14 @@ def test_router_direct_ids_and_unusable_ones(logged_stack):
 def test_zeromq_clients_trace_id(logged_stack):
     from shared.client import Client
 
+    from shared.client import WeirError
+
     with Client(logged_stack.zmq_frontend) as c:
         out = c.complete(stackutil.SIM_MODEL, "hello", max_tokens=3, trace_id="zmq-trace-7")
+        with pytest.raises(WeirError) as bad:  # not one to log or echo: a 400 naming it
+            c.complete(stackutil.SIM_MODEL, "hello", max_tokens=3, trace_id="two words")
     assert out.completion_tokens == 3
+    assert bad.value.error.status == 400 and "trace_id" in bad.value.error.message
     assert _lines_with(logged_stack, "router", "zmq-trace-7")
     assert _lines_with(logged_stack, "worker:sim-0", "zmq-trace-7")
 
