@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s worker[{wcfg.id}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if cfg.logging.format == "json":
+        from shared.logs import use_json
+
+        use_json(f"worker[{wcfg.id}]")
 
     import uvloop
 

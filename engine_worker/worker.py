@@ -1,7 +1,8 @@
 """The engine worker process: one engine, one DEALER link to the router.
 
 Link protocol (Paranoid Pirate, after the ZeroMQ guide): after the engine is up
-the worker sends Register, then a Heartbeat with its stats every interval.
+and has run its warm-up generation (engine_worker/warmup.py; ``warmup``) the
+worker sends Register, then a Heartbeat with its stats every interval.
 Anything heard from the router proves it alive; if nothing is heard for
 ``heartbeat_liveness`` intervals the worker assumes the router lost it: it
 silently aborts everything live in its engine (the router has written those
@@ -31,12 +32,13 @@ import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Drain, Goodbye, Heartbeat, Outputs, Pool, Register,
+from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, Register,
                              WorkerStats, encoder, to_worker_decoder)
 from shared.transport import Outbox, SocketPump
 
 from .base import EngineBase
 from .gpu import read_gpu
+from .warmup import WarmupFailed, warm_up
 
 log = logging.getLogger("engine_worker")
 
@@ -82,6 +84,9 @@ class Worker:
         self._stop_reason = "shutdown"
         self._draining: Optional[asyncio.Task] = None
         self._malformed = 0
+        # [logging] requests: job id -> (request id, dispatch time), for one line per finished request
+        self._log_requests = cfg.logging.requests
+        self._traces: dict[str, tuple[str, float]] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -116,6 +121,15 @@ class Worker:
         except Exception:
             log.exception("worker %s: engine failed to start", self.wcfg.id)
             return 1
+        if self.wcfg.warmup and not self._stop.is_set():
+            try:
+                took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
+            except WarmupFailed as e:
+                log.error("worker %s: warm-up generation failed (%s): not registering", self.wcfg.id, e)
+                await self.engine.shutdown()
+                self.ctx.term()
+                return 1
+            log.info("worker %s warmed up: one generation through the engine in %.3f s", self.wcfg.id, took)
         gpu = read_gpu(self.wcfg.gpu_index)
         self.register_msg = Register(
             worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],
@@ -180,6 +194,17 @@ class Worker:
 
     def _flush_outputs(self, _dest, deltas: list[Delta]) -> None:
         self._send(Outputs(deltas))
+        if self._log_requests:
+            for d in deltas:
+                if d.finished:
+                    self._log_end(d)
+
+    def _log_end(self, d: Delta) -> None:
+        rid, t0 = self._traces.pop(d.request_id, (d.request_id, self.loop.time()))
+        outcome = d.finish_reason or (d.error.code or "error" if d.error is not None else "?")
+        log.info("request %s %s job=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f", rid, outcome,
+                 d.request_id, d.prompt_tokens, d.completion_tokens, self.loop.time() - t0,
+                 extra={"request_id": rid, "outcome": outcome})
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -191,7 +216,7 @@ class Worker:
             if self.loop.time() - self._last_heard > self.interval * self.liveness:
                 await self._reconnect()
                 continue
-            self._send(Heartbeat(self.stats()))
+            self._send(Heartbeat(self.stats(await self._read_gpu())))
 
     async def _reconnect(self) -> None:
         delay, self._backoff = self._backoff, min(self._backoff * 2, BACKOFF_MAX_S)
@@ -209,12 +234,23 @@ class Worker:
         if ids:
             log.warning("worker %s: aborting %d in-flight requests", self.wcfg.id, len(ids))
             self.engine.abort(ids, tell=False)
+        self._traces.clear()
 
-    def stats(self) -> WorkerStats:
+    async def _read_gpu(self) -> GpuInfo:
+        """NVML off the event loop (five calls a heartbeat: ~ms on some boards,
+        while this loop streams every engine step's tokens)."""
+        if self.wcfg.gpu_index is None:
+            return GpuInfo(present=False)
+        return await self.loop.run_in_executor(None, read_gpu, self.wcfg.gpu_index)
+
+    def stats(self, gpu: Optional[GpuInfo] = None) -> WorkerStats:
         s = self.engine.stats()
-        gpu = read_gpu(self.wcfg.gpu_index)
+        if gpu is None:
+            gpu = read_gpu(self.wcfg.gpu_index)
         if gpu.present:
             s.gpu_used_bytes, s.gpu_total_bytes = gpu.used_bytes, gpu.total_bytes
+        s.gpu = gpu  # every heartbeat: present=False says "no GPU" explicitly
+        s.tokens_total = self.engine.tokens_total
         return s
 
     # -- router -> worker ------------------------------------------------------
@@ -232,6 +268,10 @@ class Worker:
         self._last_heard = self.loop.time()
         self._backoff = BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
+            if self._log_requests:
+                now = self.loop.time()
+                for req in msg.requests:
+                    self._traces[req.request_id] = (req.trace_id or req.request_id, now)
             for req in msg.requests:
                 self.engine.submit(req, self._emit)
         elif isinstance(msg, Abort):
