@@ -58,10 +58,19 @@ def test_json_snapshot_of_a_running_stack(stats_stack):
     assert _send(s.envoy_url, 2, key=KEY_TINY) == [200, 429]  # Envoy's bucket refuses the second ...
     time.sleep(1.2)
     assert _send(s.envoy_url, 1, key=KEY_TINY) == [429]  # ... the router's budget the third
-    load = threading.Thread(target=_send, args=(s.envoy_url, 20))  # traffic during the reading's interval
-    load.start()
-    out = _weir("stats", "--config", str(s.cfg_path), "--json", "--interval", "1.0")
-    load.join()
+    done = threading.Event()
+
+    def load():  # traffic during the reading's interval, however long `weir stats` takes to start
+        while not done.is_set():
+            _send(s.envoy_url, 1)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        out = _weir("stats", "--config", str(s.cfg_path), "--json", "--interval", "1.0")
+    finally:
+        done.set()
+        loader.join()
     assert out.returncode == 0, out.stderr
     snap = json.loads(out.stdout)
     assert snap["interval_s"] >= 0.9
