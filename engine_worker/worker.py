@@ -129,7 +129,7 @@ class Worker:
                 await self.engine.shutdown()
                 self.ctx.term()
                 return 1
-            log.info("worker %s warmed up: one generation through the engine in %.3f s", self.wcfg.id, took)
+            log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
         gpu = read_gpu(self.wcfg.gpu_index)
         self.register_msg = Register(
             worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],

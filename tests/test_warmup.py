@@ -1,5 +1,5 @@
-"""Warm-up (engine_worker/warmup.py): one generation through the engine
-before the worker registers; on by default, ``warmup = false`` skips it, a
+"""Warm-up (engine_worker/warmup.py): a short generation through the engine
+(on vLLM a sampled one with logprobs beside it) before the worker registers; on by default, ``warmup = false`` skips it, a
 failed warm-up keeps the worker from registering.  The first request's
 latency with and without is a benchmark (bench/scenarios/warmup.py)."""
 
@@ -23,12 +23,12 @@ def _before(text: str, first: str, then: str) -> bool:
 
 def test_worker_warms_up_before_it_registers(sim_stack):
     text = _log(sim_stack, "sim-0")
-    assert _before(text, "worker sim-0 warmed up: one generation through the engine", "worker sim-0 registered")
+    assert _before(text, "worker sim-0 warmed up: generated through the engine", "worker sim-0 registered")
 
 
 def test_real_vllm_worker_warms_up_before_it_registers(stack):
     text = _log(stack, "vllm-0")
-    assert _before(text, "worker vllm-0 warmed up: one generation through the engine", "worker vllm-0 registered")
+    assert _before(text, "worker vllm-0 warmed up: generated through the engine", "worker vllm-0 registered")
 
 
 def test_warmup_off_and_a_failed_warmup(tmp_path):
