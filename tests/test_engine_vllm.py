@@ -60,6 +60,7 @@ class Collector:
     def submit(self, engine, req):
         self.deltas[req.request_id] = []
         self.open.add(req.request_id)
+        self.event.clear()  # open again: wait() waits for this one too
         engine.submit(req, self.emit)
 
     def emit(self, d: Delta):
