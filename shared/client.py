@@ -29,6 +29,7 @@ import collections
 import itertools
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Optional
 
@@ -280,15 +281,27 @@ class Client(_Base):
     def close(self) -> None:
         self._sock.close(linger=CLOSE_LINGER_MS)
 
+    def _send_within_timeout(self, payload: bytes) -> None:
+        """A DEALER with no live connection (router down, or CURVE refused us)
+        blocks on send -- even after a poll said writable, when the pipe went
+        with a failed handshake in between (a test hung there): never block."""
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while True:
+            left = int((deadline - time.monotonic()) * 1000)
+            if left <= 0 or not self._sock.poll(left, zmq.POLLOUT):
+                raise TimeoutError(f"could not send to {self.address} in {self.timeout_ms} ms")
+            try:
+                self._sock.send(payload, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                continue
+
     def stream(self, model: str, prompt: str | None = None, messages=None,
                max_tokens: int | None = None, priority: str | None = None, task_type=None,
                **params) -> Iterator[p.Delta]:
         rid = self._new_id()
-        # A DEALER with no live connection (router down, or CURVE refused us) blocks on send.
-        if not self._sock.poll(self.timeout_ms, zmq.POLLOUT):
-            raise TimeoutError(f"could not send to {self.address} in {self.timeout_ms} ms")
-        self._sock.send(p.encoder.encode(_submit(rid, model, prompt, messages, max_tokens, priority,
-                                                 task_type, self.api_key, **params)))
+        self._send_within_timeout(p.encoder.encode(_submit(rid, model, prompt, messages, max_tokens, priority,
+                                                           task_type, self.api_key, **params)))
         done = False
         try:
             while not done:
