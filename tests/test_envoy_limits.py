@@ -20,7 +20,8 @@ def _assert_openai_error(resp: requests.Response, status: int, type_: str, code:
     assert resp.status_code == status, resp.text
     assert resp.headers["content-type"] == "application/json"
     err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
+    assert set(err) == {"message", "type", "param", "code", "request_id"}
+    assert err["request_id"] and err["request_id"] == resp.headers["x-request-id"]
     assert (err["type"], err["code"], err["param"]) == (type_, code, None)
     assert err["message"]
     return err
