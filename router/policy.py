@@ -208,7 +208,8 @@ class _Entry:
 
 
 class _Worker:
-    __slots__ = ("spec", "healthy", "gpu_used", "reserved", "running", "budget", "slots")
+    __slots__ = ("spec", "healthy", "gpu_used", "reserved", "running", "budget", "slots", "other_tokens",
+                 "other_seqs")
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
         self.spec = spec
@@ -216,8 +217,12 @@ class _Worker:
         self.gpu_used: Optional[int] = None
         self.reserved = 0
         self.running: dict[str, int] = {}  # job id -> reserved KV tokens
-        self.budget = int(spec.capacity_tokens * (1.0 - cfg.kv_safety_margin) * cfg.overcommit)
-        self.slots = spec.max_num_seqs + max(0, cfg.dispatch_lookahead)  # jobs it may hold at once
+        self.budget = cfg.kv_budget(spec.capacity_tokens)
+        self.slots = cfg.seq_slots(spec.max_num_seqs)  # jobs it may hold at once
+        # Held there for other routers, as the worker last said (heartbeat or
+        # refusal; engine_worker.ledger): counted as taken in placement.
+        self.other_tokens = 0
+        self.other_seqs = 0
 
 
 class _Queue:
@@ -506,7 +511,7 @@ class Policy:
             "rejected_tenant_queue_full": 0, "rejected_predicted_wait": 0,
             "rejected_tenant_share": 0, "expired_queue_deadline": 0,
             "aborted_generation_deadline": 0, "lost_with_worker": 0, "backfilled": 0,
-            "aged_dispatches": 0,
+            "aged_dispatches": 0, "refused_by_worker": 0,
         }
 
     # ------------------------------------------------------------ workers
@@ -531,13 +536,29 @@ class Policy:
         return lost
 
     def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
-                      gpu_used_bytes: Optional[int] = None) -> None:
+                      gpu_used_bytes: Optional[int] = None, other_tokens: Optional[int] = None,
+                      other_seqs: Optional[int] = None) -> None:
+        """A worker's news.  ``other_*``: KV tokens and sequences it holds for
+        other routers (several routers over one fleet: README, Scaling out)."""
         w = self.workers.get(worker_id)
         if w is None:
             return
         w.healthy = healthy
         if gpu_used_bytes is not None:
             w.gpu_used = gpu_used_bytes
+        if other_tokens is not None:
+            w.other_tokens = max(0, other_tokens)
+        if other_seqs is not None:
+            w.other_seqs = max(0, other_seqs)
+
+    def is_healthy(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        return w is not None and w.healthy
+
+    def cost_of(self, job_id: str) -> int:
+        """KV tokens reserved for a running job on its worker (0: not running)."""
+        e = self.entries.get(job_id)
+        return e.cost if e is not None and e.state == _RUNNING else 0
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
         w = self.workers.pop(worker_id, None)
@@ -860,7 +881,7 @@ class Policy:
                         long_idle = m.long_queued() == 0
                     if not long_idle:
                         continue
-            n = len(w.running)
+            n = len(w.running) + w.other_seqs
             max_seqs = w.slots
             if n >= max_seqs or total > spec.max_model_len:
                 continue
@@ -868,7 +889,7 @@ class Policy:
                 cost_bs, cost_shared = spec.block_size, spec.shares_prompt
                 cost = kv_cost(prompt, max_tokens, cost_bs, seqs, cost_shared)
             budget = w.budget
-            after = w.reserved + cost
+            after = w.reserved + w.other_tokens + cost
             if after > budget:
                 continue
             if n > 0 and (after > budget * limit or n >= max(1, int(max_seqs * limit))):
@@ -899,7 +920,7 @@ class Policy:
             cost = kv_cost(prompt, job.max_tokens, w.spec.block_size, job.n, w.spec.shares_prompt)
             if cost > w.budget:
                 continue
-            key = (w.budget - w.reserved - cost, -len(w.running))
+            key = (w.budget - w.reserved - w.other_tokens - cost, -len(w.running) - w.other_seqs)
             if best_key is None or key > best_key:
                 best, best_key = wid, key
         return best
@@ -964,7 +985,7 @@ class Policy:
                 continue  # nothing queued: nothing to expire or dispatch
             self._expire_queued(m, now, actions)
             # cheap exit for the common busy case: every worker full (or unusable)
-            if any(m.class_count) and any(len(w.running) < w.slots and w.healthy
+            if any(m.class_count) and any(len(w.running) + w.other_seqs < w.slots and w.healthy
                                           for w in m.workers.values()):
                 self._dispatch_model(m, now, actions)
         return actions
@@ -1117,6 +1138,17 @@ class Policy:
         self.counters["finished"] += 1
         return True
 
+    def refused(self, job_id: str, now: float) -> bool:
+        """Its worker refused the dispatch (its own ledger: other routers hold
+        the room): release without counting a completion (no drain-rate
+        sample); the caller queues it again (``submit(requeue=True)``)."""
+        e = self.entries.get(job_id)
+        if e is None or e.state != _RUNNING:
+            return False
+        self._release(e, now, count_rate=False)
+        self.counters["refused_by_worker"] += 1
+        return True
+
     def correct_prompt_tokens(self, job_id: str, actual: int) -> None:
         """The engine's exact prompt count: re-price the reservation.  Upward
         corrections are kept even past the budget (that is what the engine
@@ -1201,6 +1233,7 @@ class Policy:
             "healthy": w.healthy and self._gpu_ok(w), "capacity_tokens": w.spec.capacity_tokens,
             "budget_tokens": w.budget, "reserved_tokens": w.reserved, "running": len(w.running),
             "max_num_seqs": w.spec.max_num_seqs,
+            "other_routers_tokens": w.other_tokens, "other_routers_seqs": w.other_seqs,
         } for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)]
         # O(classes x models): /metrics reads this at every scrape, also with 100,000 queued
         queues = []
