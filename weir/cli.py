@@ -88,7 +88,7 @@ def cmd_up(args) -> int:
         say(f"everything ready in {time.monotonic() - t0:.1f} s")
         print(_banner(stack), flush=True)
         # The supervisor restarts whatever exits (it says so); a crash loop of
-        # the router or Envoy ends the stack, a worker's leaves it down.
+        # Envoy or of every router ends the stack, a worker's leaves it down.
         while True:
             time.sleep(0.5)
             if rolling.is_set():
@@ -96,10 +96,11 @@ def cmd_up(args) -> int:
                 # Apply the config again, losing no request: the router reloads
                 # keys and budgets (its own SIGHUP), the workers restart one by one.
                 say("SIGHUP: router reloads keys and budgets; rolling restart of the workers")
-                stack.components["router"].signal_group(signal.SIGHUP)
+                for name in stack.router_names:
+                    stack.components[name].signal_group(signal.SIGHUP)
                 stack.rolling_restart()
-            down = stack.failed & {"router", "envoy"}
-            if down:
+            down = stack.failed & {"envoy", *stack.router_names}
+            if "envoy" in down or set(stack.router_names) <= down:  # (while a router is left, it serves)
                 say(f"error: {', '.join(sorted(down))} in a crash loop: stopping")
                 rc = 1
                 break
