@@ -46,7 +46,7 @@ class EngineInfo:
 class Live:
     """One live request: where its Deltas go and what it has produced."""
 
-    __slots__ = ("emit", "prompt_tokens", "completion_tokens", "sent", "handle", "open")
+    __slots__ = ("emit", "prompt_tokens", "completion_tokens", "sent", "handle", "open", "engine_id")
 
     def __init__(self, emit: Emit, prompt_tokens: int, n: int = 1) -> None:
         self.emit = emit
@@ -55,6 +55,7 @@ class Live:
         self.open = n  # choices not ended yet
         self.sent = False  # a Delta went out (the first carries prompt_tokens)
         self.handle = None  # the engine's own (vLLM: its task)
+        self.engine_id = ""  # the engine's id for this attempt (vLLM: unique per dispatch)
 
 
 class EngineBase:

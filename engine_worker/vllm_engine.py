@@ -86,7 +86,8 @@ class VllmEngine(EngineBase):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task] = set()  # keeps abort tasks referenced until done
         self._sched = _SchedulerStats()
-        self._aborted: list[str] = []  # to abort inside vLLM, batched per loop turn
+        self._aborted: list[str] = []  # engine ids to abort inside vLLM, batched per loop turn
+        self._attempts = 0  # numbers each dispatch's engine id
 
     async def start(self) -> EngineInfo:
         # Blocks the loop while the EngineCore loads (~16 s for the tiny model on
@@ -102,12 +103,18 @@ class VllmEngine(EngineBase):
                           prefix_caching=bool(cache.enable_prefix_caching))
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
+        # The router may send a request id again to this worker right after
+        # aborting it (a stalled job moved, and this is the only worker of its
+        # model): vLLM aborts by id, so the earlier attempt's abort -- batched,
+        # or from its cancelled generator -- must not hit the new attempt.
+        self._attempts += 1
+        live.engine_id = f"{req.request_id}#{self._attempts}"
         live.handle = self._loop.create_task(self._generate(req, live))
 
     def _stop(self, rid: str, live: Live) -> None:
         # Its final Delta goes out now (EngineBase.abort); whatever vLLM still
         # yields for this id is dropped by _generate (it is no longer live).
-        self._aborted.append(rid)
+        self._aborted.append(live.engine_id)
         if len(self._aborted) == 1 and self.engine is not None:
             self._loop.call_soon(self._abort_in_engine)
 
@@ -164,16 +171,18 @@ class VllmEngine(EngineBase):
                 return  # aborted meanwhile
             params = vllm_params(p)
             k = p.logprobs
-            outputs = self.engine.generate(engine_input, params, rid, priority=req.priority)
+            outputs = self.engine.generate(engine_input, params, live.engine_id, priority=req.priority)
             try:
                 async for out in outputs:
                     if not self._is_live(rid, live):
                         break  # aborted: closing the generator aborts it inside vLLM too
                     prompt_tokens = len(out.prompt_token_ids or ())
                     for c in out.outputs:
-                        if c.finish_reason == "error":
-                            self._fail(rid, live, engine_error("The engine failed this request; please retry.",
-                                                               unavailable=True))
+                        if c.finish_reason in ("error", "abort"):
+                            # Not our abort (that one left the live table): vLLM
+                            # gave up on it -- an error, never an empty "stop".
+                            self._fail(rid, live, engine_error(f"The engine {_GAVE_UP[c.finish_reason]} this "
+                                                               "request; please retry.", unavailable=True))
                             return
                         finish = c.finish_reason
                         if finish is None and out.finished and p.n == 1:
@@ -206,6 +215,9 @@ class VllmEngine(EngineBase):
         else:
             # Stream ended without a finished output (should not happen): still end it once.
             self._fail(rid, live, engine_error("The engine ended the request without a result."))
+
+
+_GAVE_UP = {"error": "failed", "abort": "aborted"}
 
 
 def vllm_params(p: SamplingParams) -> VllmSamplingParams:

@@ -113,18 +113,27 @@ class WorkerLink(RouterPlane):
     # ------------------------------------------------------------ the socket
 
     def _flush_to(self, identity: bytes, items: list) -> None:
-        reqs, aborts = [], []
-        for i in items:
-            (aborts if i.__class__ is str else reqs).append(i)
-        if reqs:
-            try:
-                payload = p.encoder.encode(p.Dispatch(requests=reqs))
-            except (OverflowError, TypeError, ValueError):
-                payload = self._without_unencodable(reqs)
-            if self.sock is not None:
-                self.pump.send(self.sock, [identity, payload])
-        if aborts:
-            self._send(identity, p.Abort(request_ids=aborts))
+        # In the order queued: a job moved off a stalled worker onto the same
+        # one is Abort(id) then a dispatch of that id (reversed, the worker
+        # ignored the dispatch as a duplicate and aborted the job -- seen in
+        # CI as an empty 200); a job dispatched then cancelled within one
+        # turn must not run after its Abort.  One message per run of a kind.
+        start = 0
+        for i in range(1, len(items) + 1):
+            if i == len(items) or (items[i].__class__ is str) != (items[start].__class__ is str):
+                self._send_run(identity, items[start:i])
+                start = i
+
+    def _send_run(self, identity: bytes, run: list) -> None:
+        if run[0].__class__ is str:
+            self._send(identity, p.Abort(request_ids=run))
+            return
+        try:
+            payload = p.encoder.encode(p.Dispatch(requests=run))
+        except (OverflowError, TypeError, ValueError):
+            payload = self._without_unencodable(run)
+        if self.sock is not None:
+            self.pump.send(self.sock, [identity, payload])
 
     def _without_unencodable(self, reqs: list[p.GenerateRequest]) -> bytes:
         """A batch that would not encode: the others go; each culprit ends with

@@ -214,6 +214,34 @@ def test_abort_ends_with_abort(env):
     assert c.deltas["long-1"][-1] is ds[-1]
 
 
+def test_same_id_dispatched_again_right_after_its_abort_runs_whole(env):
+    """The worker's end of a job moved off a stalled worker onto the same one
+    (the only worker of its model): Abort (silent), then the same request id
+    again.  The second attempt runs whole, logprobs and all: vLLM aborts by
+    id, and each attempt has its own engine id, so nothing of the first
+    attempt's abort can end the second."""
+    loop, engine, _ = env
+    c = Collector()
+
+    async def scenario():
+        for attempt in range(3):
+            rid = f"again-{attempt}"
+            c.submit(engine, completion(rid, max_tokens=300))
+            while len(c.deltas[rid]) < 2 * attempt:  # abort at varying points, even before any output
+                await asyncio.sleep(0.002)
+            c.open.discard(rid)
+            engine.abort([rid], tell=False)
+            c.submit(engine, completion(rid, max_tokens=6, logprobs=1))
+            await c.wait()
+            await asyncio.sleep(0.1)  # a late abort of the first attempt would surface here
+
+    loop.run_until_complete(scenario())
+    for attempt in range(3):
+        ds = c.deltas[f"again-{attempt}"]
+        check_stream(ds, ds[0].prompt_tokens, 6, "length")
+        assert sum(len(d.logprobs) for d in ds) == 6 * 2 * 4  # [sampled, top-1] float32 per token
+
+
 def test_too_long_prompt_is_a_400_and_engine_keeps_working(env):
     loop, engine, _ = env
     c = Collector()
