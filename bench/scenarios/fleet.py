@@ -40,7 +40,8 @@ class FleetSim:
 
     def __init__(self, backend: str, n: int, interval_s: float, max_num_seqs: int = 256) -> None:
         self.loop = asyncio.get_running_loop()
-        self.ctx = zmq.Context.instance()
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, n + 64)  # (libzmq's default is 1,024 sockets a context)
         self.pump = SocketPump(self.loop)
         self.interval_s = interval_s
         self.socks = []
@@ -80,6 +81,7 @@ class FleetSim:
         for sock in self.socks:
             self.pump.remove(sock)
             sock.close(linger=0)
+        self.ctx.term()
 
 
 def _registered(url: str) -> int:
