@@ -50,8 +50,8 @@ def _banner(stack) -> str:
     return f"""
 weir is up.
   OpenAI API (via Envoy):  {stack.envoy_url}/v1
-  router direct (HTTP):    {stack.router_url}   (/v1, /admin/workers)
-  ZeroMQ frontend:         {stack.zmq_frontend}   (shared.client)
+  router direct (HTTP):    {"  ".join(stack.router_urls)}   (/v1, /admin/workers)
+  ZeroMQ frontend:         {"  ".join(stack.zmq_frontends)}   (shared.client)
   Envoy admin:             {stack.admin_url}   (/stats, /stats/prometheus, /clusters)
   metrics (Prometheus):    {stack.metrics_url}
   models:
