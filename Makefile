@@ -6,7 +6,7 @@ ENGINE ?= cpu
 STAMP := $(VENV)/.weir-installed-$(ENGINE)
 MODEL := models/tiny-llama/config.json
 
-.PHONY: run test setup render-envoy redis
+.PHONY: run test setup render-envoy render-k8s redis prometheus tmux
 
 run: setup
 	$(VENV)/bin/weir up $(if $(CONFIG),--config $(CONFIG))
@@ -14,7 +14,7 @@ run: setup
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-setup: $(STAMP) $(MODEL) redis
+setup: $(STAMP) $(MODEL) redis prometheus tmux
 
 # The Redis quota store's tests run a real redis-server on a loopback port:
 # Debian's package, installed when missing (root, or sudo).
@@ -23,6 +23,22 @@ redis:
 	  echo "installing redis-server (Debian package) for the quota-store tests"; \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
+
+# The alert-rule and dashboard tests run promtool and a real Prometheus server:
+# Debian's package (2.42) ships both, installed when missing.  It would start a
+# system service where systemd runs; the tests start their own on a free port.
+prometheus:
+	@command -v promtool >/dev/null 2>&1 || test -x /usr/bin/promtool || { \
+	  echo "installing prometheus (Debian package) for the alert-rule and dashboard tests"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+
+# `weir stats` is tested once under a real terminal: tmux (Debian's package), installed when missing.
+tmux:
+	@command -v tmux >/dev/null 2>&1 || { \
+	  echo "installing tmux (Debian package) for the weir stats terminal test"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq tmux; }
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,3 +55,6 @@ $(MODEL): | $(STAMP)
 
 render-envoy: setup
 	$(VENV)/bin/weir render-envoy > envoy/envoy.yaml
+
+render-k8s: setup
+	$(VENV)/bin/weir render-k8s -o deploy/k8s

@@ -147,7 +147,8 @@ def _error_body(message: str, code: Code, wire_code: str | None = None) -> dict:
     JSON format (values may hold %COMMANDS%; ``wire_code`` overrides the code)."""
     return {
         "json_format": {
-            "error": {"message": message, "type": code.type, "param": None, "code": wire_code or code.wire},
+            "error": {"message": message, "type": code.type, "param": None, "code": wire_code or code.wire,
+                      "request_id": "%REQ(X-REQUEST-ID)%"},
         },
         "content_type": "application/json",
     }
@@ -294,6 +295,11 @@ def _http_connection_manager(cfg: Config) -> dict:
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "REJECT_REQUEST",
         "use_remote_address": True,
+        # Request ids end to end: a client's own x-request-id is kept (else
+        # Envoy makes a UUID), the router and worker log it, and every
+        # response -- Envoy's own replies included -- carries it back.
+        "preserve_external_request_id": True,
+        "always_set_request_id_in_response": True,
         "route_config": {
             "name": "weir",
             "virtual_hosts": [
@@ -347,7 +353,7 @@ def _http_connection_manager(cfg: Config) -> dict:
                 "name": "envoy.access_loggers.stdout",
                 "typed_config": {
                     "@type": f"{_TYPES}.access_loggers.stream.v3.StdoutAccessLog",
-                    "log_format": {
+                    "log_format": _ACCESS_LOG_JSON if cfg.logging.format == "json" else {
                         "text_format_source": {
                             "inline_string": '[%START_TIME%] "%REQ(:METHOD)% %REQ(:PATH)%" '
                             "%RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% "
@@ -359,6 +365,16 @@ def _http_connection_manager(cfg: Config) -> dict:
             }
         ]
     return hcm
+
+
+# [logging] format = "json": Envoy's access log as JSON lines too, with the
+# field names of the router's and workers' (shared/logs.py).
+_ACCESS_LOG_JSON = {"json_format": {
+    "ts": "%START_TIME%", "component": "envoy", "method": "%REQ(:METHOD)%", "path": "%REQ(:PATH)%",
+    "status": "%RESPONSE_CODE%", "flags": "%RESPONSE_FLAGS%", "bytes_in": "%BYTES_RECEIVED%",
+    "bytes_out": "%BYTES_SENT%", "duration_ms": "%DURATION%",
+    "upstream_ms": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%", "request_id": "%REQ(X-REQUEST-ID)%",
+}}
 
 
 def _router_cluster(cfg: Config) -> dict:

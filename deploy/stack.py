@@ -378,9 +378,19 @@ class Stack:
         return said
 
     def _supervise_loop(self) -> None:
+        from deploy.runtime_models import RECONCILE_S, ModelReconciler
+
+        models = ModelReconciler(self)  # models added / removed at run time (router's /admin/models)
+        next_reconcile = 0.0
         while self.supervising:
             for msg in self.supervise():
                 self.progress(msg)
+            if time.monotonic() >= next_reconcile:
+                next_reconcile = time.monotonic() + RECONCILE_S
+                with self._lock:
+                    if self.supervising:
+                        for msg in models.step():
+                            self.progress(msg)
             time.sleep(POLL_S)
 
     def supervise(self) -> list[str]:

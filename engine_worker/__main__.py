@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="weir TOML config (default: $WEIR_CONFIG or deploy/weir.toml)")
     ap.add_argument("--worker-id", required=True, help="a [[workers]] id from the config")
+    # Kubernetes: every pod of a StatefulSet runs one [[workers]] entry's
+    # settings under its own pod name (deploy/k8s.py), so replicas differ.
+    ap.add_argument("--instance-id", help="register under this id instead (default: --worker-id)")
     args = ap.parse_args(argv)
 
     from shared.config import load
@@ -33,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         wcfg = cfg.worker(args.worker_id)
     except KeyError:
         ap.error(f"no worker {args.worker_id!r} in the config")
+    if args.instance_id:
+        import msgspec
+
+        wcfg = msgspec.structs.replace(wcfg, id=args.instance_id)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if wcfg.gpu_index is not None:
@@ -44,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s worker[{wcfg.id}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if cfg.logging.format == "json":
+        from shared.logs import use_json
+
+        use_json(f"worker[{wcfg.id}]")
 
     import uvloop
 

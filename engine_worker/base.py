@@ -68,6 +68,7 @@ class EngineBase:
         self._live: dict[str, Live] = {}
         self.aborts_total = 0
         self.finished_total = 0
+        self.tokens_total = 0  # generated, all requests (the heartbeat's WorkerStats.tokens_total)
 
     # -- what the worker calls ---------------------------------------------------
 
@@ -128,6 +129,7 @@ class EngineBase:
             live.prompt_tokens = prompt_tokens
         n = len(token_ids)
         live.completion_tokens += n
+        self.tokens_total += n
         d = Delta(rid, text, n, completion_tokens=live.completion_tokens, token_ids=token_ids)
         if index:
             d.index = index

@@ -1,7 +1,8 @@
 """The engine worker process: one engine, one DEALER link to the router.
 
 Link protocol (Paranoid Pirate, after the ZeroMQ guide): after the engine is up
-the worker sends Register, then a Heartbeat with its stats every interval.
+and has run its warm-up generation (engine_worker/warmup.py; ``warmup``) the
+worker sends Register, then a Heartbeat with its stats every interval.
 Anything heard from the router proves it alive; if nothing is heard for
 ``heartbeat_liveness`` intervals the worker assumes the router lost it: it
 silently aborts everything live in its engine (the router has written those
@@ -40,13 +41,14 @@ import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Drain, Goodbye, Heartbeat, Outputs, Pool, Refuse,
+from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, Refuse,
                              Register, WorkerStats, encoder, to_worker_decoder)
 from shared.transport import Outbox, SocketPump
 
 from .base import EngineBase
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
+from .warmup import WarmupFailed, warm_up
 
 log = logging.getLogger("engine_worker")
 
@@ -108,6 +110,9 @@ class Worker:
         self._stop_reason = "shutdown"
         self._draining: Optional[asyncio.Task] = None
         self._malformed = 0
+        # [logging] requests: engine id -> (request id, dispatch time), for one line per finished request
+        self._log_requests = cfg.logging.requests
+        self._traces: dict[str, tuple[str, float]] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -143,6 +148,15 @@ class Worker:
         except Exception:
             log.exception("worker %s: engine failed to start", self.wcfg.id)
             return 1
+        if self.wcfg.warmup and not self._stop.is_set():
+            try:
+                took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
+            except WarmupFailed as e:
+                log.error("worker %s: warm-up generation failed (%s): not registering", self.wcfg.id, e)
+                await self.engine.shutdown()
+                self.ctx.term()
+                return 1
+            log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
         gpu = read_gpu(self.wcfg.gpu_index)
         self.register_msg = Register(
             worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],
@@ -220,7 +234,19 @@ class Worker:
         self.outbox.put(link.index, d)
 
     def _flush_outputs(self, index: int, deltas: list[Delta]) -> None:
-        self._send(self.links[index], Outputs(deltas))
+        link = self.links[index]
+        self._send(link, Outputs(deltas))
+        if self._log_requests:
+            for d in deltas:
+                if d.finished:
+                    self._log_end(link, d)
+
+    def _log_end(self, link: _Link, d: Delta) -> None:
+        rid, t0 = self._traces.pop(link.prefix + d.request_id, (d.request_id, self.loop.time()))
+        outcome = d.finish_reason or (d.error.code or "error" if d.error is not None else "?")
+        log.info("request %s %s job=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f", rid, outcome,
+                 d.request_id, d.prompt_tokens, d.completion_tokens, self.loop.time() - t0,
+                 extra={"request_id": rid, "outcome": outcome})
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -230,6 +256,7 @@ class Worker:
                 self.stop("engine failed", exit_code=1)
                 return
             stats = None
+            gpu = await self._read_gpu()
             for link in self.links:
                 if link.reconnecting:
                     continue
@@ -238,7 +265,7 @@ class Worker:
                     self.loop.create_task(self._reconnect(link))
                     continue
                 if stats is None:
-                    stats = self.stats()
+                    stats = self.stats(gpu)
                 stats.other_tokens, stats.other_seqs = self.ledger.others(link.index)
                 self._send(link, Heartbeat(stats))
 
@@ -262,12 +289,24 @@ class Worker:
             log.warning("worker %s: aborting %d in-flight requests of router %s", self.wcfg.id, len(ids),
                         link.address)
             self.engine.abort([link.prefix + rid for rid in ids], tell=False)
+            for rid in ids:
+                self._traces.pop(link.prefix + rid, None)
 
-    def stats(self) -> WorkerStats:
+    async def _read_gpu(self) -> GpuInfo:
+        """NVML off the event loop (five calls a heartbeat: ~ms on some boards,
+        while this loop streams every engine step's tokens)."""
+        if self.wcfg.gpu_index is None:
+            return GpuInfo(present=False)
+        return await self.loop.run_in_executor(None, read_gpu, self.wcfg.gpu_index)
+
+    def stats(self, gpu: Optional[GpuInfo] = None) -> WorkerStats:
         s = self.engine.stats()
-        gpu = read_gpu(self.wcfg.gpu_index)
+        if gpu is None:
+            gpu = read_gpu(self.wcfg.gpu_index)
         if gpu.present:
             s.gpu_used_bytes, s.gpu_total_bytes = gpu.used_bytes, gpu.total_bytes
+        s.gpu = gpu  # every heartbeat: present=False says "no GPU" explicitly
+        s.tokens_total = self.engine.tokens_total
         return s
 
     # -- router -> worker ------------------------------------------------------
@@ -300,6 +339,10 @@ class Worker:
         ledger, prefix, index = self.ledger, link.prefix, link.index
         block = self.register_msg.block_size
         refused = []
+        if self._log_requests:
+            now = self.loop.time()
+            for req in requests:
+                self._traces[prefix + req.request_id] = (req.trace_id or req.request_id, now)
         for req in requests:
             rid = req.request_id
             tokens = req.kv_tokens or kv_tokens_of(req.prompt_tokens, req.params.max_tokens, req.params.n, block)

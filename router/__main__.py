@@ -23,6 +23,7 @@ from router.views import RouterViews
 from router.worker_link import WorkerLink
 from shared.config import DEFAULT_CONFIG, ConfigError, load, split_hostport
 from shared.keys import secret_warnings
+from shared.logs import use_json
 from shared.transport import SocketPump
 
 log = logging.getLogger("weir.router")
@@ -31,6 +32,8 @@ log = logging.getLogger("weir.router")
 async def serve(config_path: str | None, index: int = 0) -> None:
     cfg = load(config_path).for_router(index)  # router `index` of [[routers]]: its own three addresses
     logging.getLogger().setLevel(cfg.router.log_level.upper())
+    if cfg.logging.format == "json":
+        use_json("router")
     loop = asyncio.get_running_loop()
     metrics = RouterMetrics()
     pump = SocketPump(loop)

@@ -49,7 +49,7 @@ from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerS
 from router.prompts import ModelPrompts, PromptTokens
 from router.quota import Hold, Quota
 from shared import protocol as p
-from shared.config import Config
+from shared.config import Config, ModelConfig, WorkerConfig
 from shared.errors import Code, error, label
 
 log = logging.getLogger("weir.router")
@@ -115,6 +115,11 @@ class _JobMetrics:
         self.e2e = m.child(m.e2e, model, klass)
 
 
+def _trace(j: "_Job") -> str:
+    """The request id of its log lines: the client's or Envoy's (Submit.trace_id), else the job id."""
+    return j.sub.trace_id or j.job_id
+
+
 class RouterCore:
     def __init__(self, cfg: Config, loop: asyncio.AbstractEventLoop, workers: WorkerPort, *,
                  metrics: Optional[RouterMetrics] = None, clock: Callable[[], float] = time.monotonic,
@@ -140,6 +145,11 @@ class RouterCore:
         self._wakeup: Optional[asyncio.TimerHandle] = None
         self._wakeup_at: Optional[float] = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
+        # Models at run time (add_model / remove_model): the workers each added
+        # model wants (for the supervisor, deploy/stack.py), and those being removed.
+        self.runtime_workers: dict[str, list[WorkerConfig]] = {}
+        self.unloading: set[str] = set()
+        self._log_requests = cfg.logging.requests
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
@@ -155,6 +165,8 @@ class RouterCore:
         err = check_shape(sub)
         if err is None and sub.model not in self.models_by_name:
             err = error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
+        if err is None and sub.model in self.unloading:
+            err = self._unloading_error(sub.model)
         if err is not None:
             return self._rejected(err, who.klass)
         if sub.user:
@@ -218,7 +230,7 @@ class RouterCore:
             return self._end(j, "bad_request", error=error(Code.BAD_REQUEST, str(e),
                                                            param=getattr(e, "param", None)))
         except Exception:
-            log.exception("tokenizing request %s failed", job_id)
+            log.exception("tokenizing request %s (job %s) failed", _trace(j), job_id, extra={"request_id": _trace(j)})
             return self._end(j, "internal", error=error(Code.INTERNAL, "Tokenizing the prompt failed."))
         err = self._admit(j, tokens, self.clock())
         if err is not None:
@@ -280,7 +292,7 @@ class RouterCore:
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
         j.job = job
-        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params)
+        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=_trace(j))
         j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
         j.mx = self._metrics_for(job.model, j.who.klass)
         self.jobs[j.job_id] = j
@@ -295,8 +307,8 @@ class RouterCore:
     def _fall_back(self, j: _Job, now: float) -> bool:
         """Queue ``j`` for the first of its model's fallbacks that takes it."""
         for name in self.models_by_name[j.sub.model].fallbacks:  # (never the model itself: config)
-            if name == j.served_by:
-                continue  # the one that just refused it
+            if name == j.served_by or name in self.unloading or name not in self.models_by_name:
+                continue  # the one that just refused it; one being (or already) removed at run time
             model = self.models_by_name[name]
             try:
                 tokens = self.prompts[name].tokenize(j.sub)  # (a rare path: inline whatever its length)
@@ -348,8 +360,21 @@ class RouterCore:
             m.child(m.requests, j.job.model, j.who.klass, outcome).inc()
             if error is None:
                 j.mx.e2e.observe(now - j.arrival)
+        if self._log_requests:
+            self._log_end(j, outcome, error, now)
         if self.policy.has_queued():  # only queued work can use what this freed
             self._schedule_policy()
+
+    def _log_end(self, j: _Job, outcome: str, err: Optional[p.ErrorInfo], now: float) -> None:
+        """[logging] requests: one line per request, whatever its end."""
+        rid = _trace(j)
+        status = 200 if err is None else err.status
+        if outcome == "cancelled":
+            status = 499  # the client went away (as the HTTP ingress counts it)
+        log.info("request %s %s status=%d model=%s class=%s tenant=%s prompt_tokens=%d completion_tokens=%d "
+                 "resumes=%d seconds=%.3f", rid, outcome, status, j.served_by or j.sub.model, j.who.klass,
+                 j.who.tenant, j.prompt_tokens, j.completion_tokens, j.resumes, now - j.arrival,
+                 extra={"request_id": rid, "outcome": outcome, "status": status})
 
     # ------------------------------------------------------------ the policy
 
@@ -395,7 +420,8 @@ class RouterCore:
         if not self.workers.dispatch(action.worker_id, req):
             # The policy placed it on a worker the link no longer has: a bug
             # somewhere, but not the client's -- release and queue it again.
-            log.error("policy dispatched %s to unlinked worker %s", j.job_id, action.worker_id)
+            log.error("policy dispatched request %s (job %s) to unlinked worker %s", _trace(j), j.job_id,
+                      action.worker_id, extra={"request_id": _trace(j)})
             self.policy.finish(j.job_id, now)
             self._requeue(j, now)
             return
@@ -406,6 +432,8 @@ class RouterCore:
     def _requeue(self, j: _Job, now: float) -> None:
         """Queue a job again whose worker went: it waits for a worker of its
         model (even while none is left) up to its queue deadline."""
+        if j.job.model in self.unloading:  # no worker of it will come back
+            return self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(j.job.model))
         refusal = self.policy.submit(j.job, now, requeue=True)
         if refusal is not None:
             self._end(j, refusal.label, error=refusal.render())
@@ -432,11 +460,12 @@ class RouterCore:
         job.arrival = now  # its queue deadline counts from now
         ids = j.prompt_ids + j.generated if j.prompt_ids else []
         params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
-        j.request = p.GenerateRequest(j.job_id, ids, job.prompt_tokens, params)
+        j.request = p.GenerateRequest(j.job_id, ids, job.prompt_tokens, params, trace_id=_trace(j))
         j.done_before = n
         j.resumes += 1
         self.metrics.child(self.metrics.resumed, job.model, why).inc()
-        log.info("job %s resumes after %d tokens (%s), attempt %d", j.job_id, n, why, j.resumes + 1)
+        log.info("request %s (job %s) resumes after %d tokens (%s), attempt %d", _trace(j), j.job_id, n, why,
+                 j.resumes + 1, extra={"request_id": _trace(j)})
         self._requeue(j, now)
 
     def _lost_error(self, why: str) -> p.ErrorInfo:
@@ -459,8 +488,9 @@ class RouterCore:
         stalled = [job_id for job_id, j in self.jobs.items()
                    if j.last_news and now - j.last_news > bound and worker_of(job_id) is not None]
         for job_id in stalled:
-            log.warning("job %s: nothing from worker %s for %.1f s: moving it", job_id, worker_of(job_id),
-                        now - self.jobs[job_id].last_news)
+            j = self.jobs[job_id]
+            log.warning("request %s (job %s): nothing from worker %s for %.1f s: moving it", _trace(j), job_id,
+                        worker_of(job_id), now - j.last_news, extra={"request_id": _trace(j)})
             self.move(job_id, "stalled")
         return stalled
 
@@ -484,7 +514,7 @@ class RouterCore:
     # ------------------------------------------------------------ worker events (router.worker_link)
 
     def serves(self, model: str) -> bool:
-        return model in self.models_by_name
+        return model in self.models_by_name and model not in self.unloading
 
     def worker_joined(self, reg: p.Register) -> None:
         now = self.clock()
@@ -501,7 +531,7 @@ class RouterCore:
     def worker_stats(self, worker_id: str, stats: p.WorkerStats, accepting: bool = True) -> None:
         """A heartbeat's news; ``accepting`` False: draining, dispatch nothing new there."""
         self.policy.update_worker(worker_id, self.clock(), healthy=accepting,
-                                  gpu_used_bytes=stats.gpu_used_bytes or None,
+                                  gpu_used_bytes=stats.gpu_used_bytes or None, gpu=stats.gpu,
                                   other_tokens=stats.other_tokens, other_seqs=stats.other_seqs)
         self._schedule_policy()
 
@@ -529,6 +559,64 @@ class RouterCore:
         now = self.clock()
         self._after_loss(self.policy.remove_worker(worker_id, now), why, now)
         self._schedule_policy()
+        if self.unloading:
+            self._forget_unloaded()
+
+    # ------------------------------------------------------------ models at run time
+
+    def add_model(self, model: ModelConfig, workers: list[WorkerConfig]) -> Optional[str]:
+        """Serve a new model (its workers register as the supervisor starts
+        them); an error message if it cannot be added."""
+        if model.name in self.models_by_name:
+            return f"model {model.name!r} already exists" + (" (still unloading)" if model.name in self.unloading
+                                                             else "")
+        bad = [fb for fb in model.fallbacks if fb not in self.models_by_name or fb in self.unloading]
+        if bad:
+            return f"model {model.name!r}: fallbacks {bad} are not models served now"
+        self.prompts[model.name] = ModelPrompts(self.cfg.resolve(model.path) if model.path else None)
+        self.models_by_name[model.name] = model
+        self.cfg.models.append(model)
+        self.runtime_workers[model.name] = workers
+        log.info("model %s added (%s, %d workers to start)", model.name, model.engine, len(workers))
+        return None
+
+    def remove_model(self, name: str) -> Optional[str]:
+        """Unloading: new requests get 503 model_unloading, queued ones end
+        with it now, running ones finish where they run (their workers drain:
+        the caller's part); once no worker of it is left, it is forgotten (404)."""
+        if name not in self.models_by_name:
+            return f"no model {name!r}"
+        if name not in self.unloading:
+            self.unloading.add(name)
+            for j in [j for j in self.jobs.values() if (j.served_by or j.sub.model) == name]:
+                if self.policy.worker_of(j.job_id) is None:  # queued or tokenizing: nothing runs yet
+                    self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(name))
+            log.info("model %s unloading", name)
+        self._forget_unloaded()
+        return None
+
+    def _unloading_error(self, name: str) -> p.ErrorInfo:
+        return error(Code.MODEL_UNLOADING, f"The model `{name}` is being removed; it takes no new requests.",
+                     param="model", retry_after=self.cfg.router.heartbeat_interval_s)
+
+    def _forget_unloaded(self) -> None:
+        for name in list(self.unloading):
+            m = self.policy.models.get(name)
+            if (m is None or not m.workers) and not any((j.served_by or j.sub.model) == name
+                                                        for j in self.jobs.values()):
+                self.unloading.discard(name)
+                del self.models_by_name[name]
+                self.prompts.pop(name, None)
+                self.runtime_workers.pop(name, None)
+                self.cfg.models = [x for x in self.cfg.models if x.name != name]
+                log.info("model %s removed", name)
+
+    def model_state(self, name: str) -> str:
+        """loading (no worker ready yet) / ready / unloading."""
+        if name in self.unloading:
+            return "unloading"
+        m = self.policy.models.get(name)
+        return "ready" if m is not None and any(w.healthy for w in m.workers.values()) else "loading"
 
     def _after_loss(self, job_ids: list[str], why: str, now: float) -> None:
         """Jobs of a lost worker, already released by the policy."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
+import re
 import time
 from collections import deque
 from email.utils import formatdate
@@ -36,14 +37,14 @@ import httptools
 from router import openai_api as api
 from router.metrics import RouterMetrics
 from shared.errors import Code, error, retry_after_header
-from shared.protocol import Delta, ErrorInfo, RateLimit, Submit
+from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, RateLimit, Submit
 
 log = logging.getLogger("weir.http")
 
 # Headers the ingress reads; every other header is skipped while parsing.
 _WANTED_HEADERS = frozenset(
     (b"authorization", b"x-api-key", b"x-weir-priority", b"x-weir-task-type", b"x-weir-allow-fallback",
-     b"content-length", b"expect")
+     b"content-length", b"expect", b"x-request-id")
 )
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
@@ -134,7 +135,13 @@ class Generation(Protocol):
 class Views(Protocol):
     """What the read-only routes show (router.views.RouterViews)."""
 
-    def models(self) -> list[tuple[str, int, int]]: ...
+    def models(self) -> list[tuple[str, int, int, str]]: ...
+
+    def admin_models(self) -> list[dict]: ...
+
+    def add_model(self, body: bytes) -> tuple[int, dict]: ...
+
+    def remove_model(self, name: str) -> tuple[int, dict]: ...
 
     def health(self) -> dict: ...
 
@@ -143,6 +150,8 @@ class Views(Protocol):
     def drain(self, worker_id: str, on: bool) -> bool: ...
 
     def admin_workers(self) -> list[dict]: ...
+
+    def admin_worker(self, worker_id: str) -> Optional[dict]: ...
 
     def admin_queues(self) -> list[dict]: ...
 
@@ -157,8 +166,19 @@ class _BodyTooLarge(Exception):
     pass
 
 
+_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_TRACE_ID)  # a regex: ~0.3 us, a loop over bytes ~3 us
+
+
+def _request_id(value: Optional[bytes]) -> Optional[str]:
+    """The client's or Envoy's x-request-id, if it is one we can log and echo
+    (printable ASCII, no spaces, at most MAX_TRACE_ID); else None (ours is used)."""
+    if value is None or _REQUEST_ID.fullmatch(value) is None:
+        return None
+    return value.decode("ascii")
+
+
 class _Request:
-    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0")
+    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid")
 
     def __init__(self, method: bytes, path: bytes, headers: dict, body: bytes, keep_alive: bool, http11: bool):
         self.method = method
@@ -168,6 +188,7 @@ class _Request:
         self.keep_alive = keep_alive
         self.http11 = http11
         self.t0 = time.perf_counter()
+        self.rid = _request_id(headers.get(b"x-request-id"))  # generation: its own id if None
 
     def header(self, name: bytes) -> Optional[str]:
         v = self.headers.get(name)
@@ -200,6 +221,7 @@ class _Ingress:
             b"/admin/queues": (b"GET", "_admin_queues"),
             b"/admin/tenants": (b"GET", "_admin_tenants"),
             b"/admin/reload": (b"POST", "_admin_reload"),
+            b"/admin/models": (b"*", "_admin_models"),
         }
 
     def flush_later(self, ex: "Exchange") -> None:
@@ -228,7 +250,7 @@ class Exchange:
         self.done = False
         self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/quota.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
-        self.extra = b""  # response headers learnt from the core (x-weir-model)
+        self.extra = b"x-request-id: %b\r\n" % req.rid.encode()  # + headers learnt from the core (x-weir-model)
         if ctx.stream:
             self.renderer = api.StreamRenderer(ctx)
             self.out: list[bytes] = []  # SSE bytes of this turn, written by flush()
@@ -261,7 +283,7 @@ class Exchange:
     def _answered_by(self, model: str) -> None:
         """A fallback model answers: the body's ``model`` and a header say so."""
         self.ctx.model = model
-        self.extra = b"x-weir-model: " + model.encode("latin-1", "replace") + b"\r\n"
+        self.extra += b"x-weir-model: " + model.encode("latin-1", "replace") + b"\r\n"
         if self.renderer is not None:
             self.renderer = api.StreamRenderer(self.ctx)  # nothing rendered yet
         elif type(self.counts) is api.Accumulator:
@@ -495,11 +517,15 @@ class HttpConnection(asyncio.Protocol):
                 return self._model(req)
             if req.path.startswith(b"/admin/workers/") and req.path.endswith((b"/drain", b"/undrain")):
                 return self._drain(req)
+            if req.path.startswith(b"/admin/workers/") and req.method == b"GET":
+                return self._admin_worker(req)
+            if req.path.startswith(b"/admin/models/") and req.path.endswith(b"/remove"):
+                return self._remove_model(req)
             return self.respond_error(req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"),
                                       "other")
         method, handler = route
         label = req.path.decode()
-        if req.method != method:
+        if req.method != method and method != b"*":
             return self.respond_error(
                 req, error(Code.METHOD_NOT_ALLOWED,
                            f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}"),
@@ -518,7 +544,12 @@ class HttpConnection(asyncio.Protocol):
         try:
             sub, ctx = parse(req.body, meta, api.new_request_id())
         except api.RequestError as e:
+            if req.rid is None:
+                req.rid = api.new_request_id()
             return self.respond_error(req, e.info, label)
+        if req.rid is None:
+            req.rid = ctx.id  # router-direct without x-request-id: the response's own id
+        sub.trace_id = ctx.request_id = req.rid
         req.body = b""  # a stream may live for minutes; its body is not needed
         if ctx.logprobs is not None:
             # (None: an unknown model, refused by submit, or one without a tokenizer --
@@ -552,10 +583,11 @@ class HttpConnection(asyncio.Protocol):
 
     def _model(self, req: _Request) -> None:
         name = req.path[len(b"/v1/models/"):].decode("utf-8", "replace")
-        for model, max_len, ready in self.ingress.views.models():
+        for model, max_len, ready, state in self.ingress.views.models():
             if model == name:
                 body = api.encode({"id": model, "object": "model", "created": self.ingress.started,
-                                   "owned_by": "weir", "max_model_len": max_len, "ready_workers": ready})
+                                   "owned_by": "weir", "max_model_len": max_len, "ready_workers": ready,
+                                   "state": state})
                 return self.respond(req, 200, _JSON, body, "/v1/models/{model}")
         self.respond_error(req, error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"),
                            "/v1/models/{model}")
@@ -579,6 +611,34 @@ class HttpConnection(asyncio.Protocol):
         if not self.ingress.views.drain(wid, action == b"drain"):
             return self.respond_error(req, error(Code.NOT_FOUND, f"No worker {wid!r} is registered"), label)
         self.respond(req, 200, _JSON, api.encode({"worker": wid, "draining": action == b"drain"}), label)
+
+    def _admin_worker(self, req: _Request) -> None:
+        """GET /admin/workers/{id}: one worker, for its pod's probes (deploy/k8s_probe.py)."""
+        label = "/admin/workers/{id}"
+        wid = req.path[len(b"/admin/workers/"):].decode("utf-8", "replace")
+        w = self.ingress.views.admin_worker(wid)
+        if w is None:
+            return self.respond_error(req, error(Code.NOT_FOUND, f"No worker {wid!r} is registered"), label)
+        self.respond(req, 200, _JSON, api.encode(w), label)
+
+    def _admin_models(self, req: _Request, label: str) -> None:
+        """GET: every model and its state; POST: add one (router/views.py)."""
+        if req.method == b"GET":
+            return self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_models()), label)
+        if req.method != b"POST":
+            return self.respond_error(req, error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), label,
+                                      extra=b"allow: GET, POST\r\n")
+        status, body = self.ingress.views.add_model(req.body)
+        self.respond(req, status, _JSON, api.encode(body), label)
+
+    def _remove_model(self, req: _Request) -> None:
+        label = "/admin/models/{name}/remove"
+        if req.method != b"POST":
+            return self.respond_error(req, error(Code.METHOD_NOT_ALLOWED, "use POST"), label,
+                                      extra=b"allow: POST\r\n")
+        name = req.path[len(b"/admin/models/"):-len(b"/remove")].decode("utf-8", "replace")
+        status, body = self.ingress.views.remove_model(name)
+        self.respond(req, status, _JSON, api.encode(body), label)
 
     def _metrics(self, req: _Request, label: str) -> None:
         body, content_type = self.ingress.views.metrics_payload()
@@ -608,7 +668,10 @@ class HttpConnection(asyncio.Protocol):
         self.response_complete(req, status, label, req.keep_alive)
 
     def respond_error(self, req: _Request, info: ErrorInfo, label: str, extra: bytes = b"") -> None:
-        self.respond(req, info.status, _JSON, api.error_body(info), label, extra + _retry_after(info))
+        rid = req.rid
+        if rid is not None:
+            extra += b"x-request-id: %b\r\n" % rid.encode()
+        self.respond(req, info.status, _JSON, api.error_body(info, rid), label, extra + _retry_after(info))
 
     def response_complete(self, req: _Request, status: int, label: str, keep_alive: bool) -> None:
         self.ingress.metrics.observe_http(label, status, time.perf_counter() - req.t0)

@@ -218,11 +218,17 @@ class _StateCollector:
                 ("gpu_total_bytes", "GPU memory total (NVML; 0 without a GPU)"),
             )
         }
+        gpu = {name: GaugeMetricFamily(f"weir_{name}", doc, labels=["worker", "model"]) for name, doc in _GPU_GAUGES}
         for w in snap.get("workers", []):
             labels = [w["id"], w["model"], w["pool"]]
             for name, g in gauges.items():
                 if name in w:
                     g.add_metric(labels, float(w[name]))
+            if "gpu_present" in w:  # linked (router.views.gpu_reading); no GPU: only weir_gpu_present 0
+                for name, g in gpu.items():
+                    v = w.get(name)
+                    if v is not None:
+                        g.add_metric([w["id"], w["model"]], float(v))
         decisions = CounterMetricFamily("weir_policy_decisions", "Scheduling policy decisions, by kind "
                                         "(router/policy.py Policy.counters)", labels=["decision"])
         for name, n in sorted(snap.get("counters", {}).items()):
@@ -231,3 +237,16 @@ class _StateCollector:
         yield oldest
         yield decisions
         yield from gauges.values()
+        yield from gpu.values()
+
+
+# NVML readings from the workers' heartbeats (names an HPA or alert rule uses);
+# a worker without a GPU has no samples but weir_gpu_present 0, never a 0 reading.
+_GPU_GAUGES = (
+    ("gpu_present", "1 if the worker reports a GPU (NVML), 0 if it has none"),
+    ("gpu_utilization_percent", "GPU utilisation, percent (NVML)"),
+    ("gpu_memory_used_bytes", "GPU memory used (NVML)"),
+    ("gpu_memory_total_bytes", "GPU memory total (NVML)"),
+    ("gpu_temperature_celsius", "GPU temperature, degrees Celsius (NVML)"),
+    ("gpu_power_watts", "GPU power draw, watts (NVML)"),
+)

@@ -354,6 +354,7 @@ class ResponseContext(msgspec.Struct, gc=False):
     logprobs: Optional[int] = None  # top-k per token (0: the token's own only); None: no logprobs
     echo: str = ""  # completions with echo: the prompt, prepended to each choice's text
     token_text: Any = None  # token id -> text (router.prompts.TokenText), set by the ingress
+    request_id: Optional[str] = None  # x-request-id, for an error event's body (set by the ingress)
 
     @property
     def rich(self) -> bool:
@@ -525,19 +526,20 @@ class ChatCompletion(msgspec.Struct, gc=False):
     usage: Usage
 
 
-class ErrorBody(msgspec.Struct, gc=False):
+class ErrorBody(msgspec.Struct, gc=False, omit_defaults=True):
     message: str
     type: str
-    param: Optional[str]
+    param: Optional[str]  # (no default: always in the body, null or not, as OpenAI's)
     code: Optional[str]
+    request_id: Optional[str] = None  # the x-request-id of its log lines (weir's addition)
 
 
 class ErrorEnvelope(msgspec.Struct, gc=False):
     error: ErrorBody
 
 
-def error_body(info: ErrorInfo) -> bytes:
-    return encode(ErrorEnvelope(ErrorBody(info.message, info.type, info.param, info.code)))
+def error_body(info: ErrorInfo, request_id: Optional[str] = None) -> bytes:
+    return encode(ErrorEnvelope(ErrorBody(info.message, info.type, info.param, info.code, request_id)))
 
 
 def render_completion(ctx: ResponseContext, text: str, finish_reason: Optional[str],
@@ -756,7 +758,7 @@ class StreamRenderer:
                 out.append(self._choice_event(b'"delta":{}', finish))
         self._started = True
         if error is not None:
-            out.append(b"data: " + error_body(error) + b"\n\n")
+            out.append(b"data: " + error_body(error, self.ctx.request_id) + b"\n\n")
             out.append(SSE_DONE)
             self.finished = True
         elif finish:
@@ -830,7 +832,7 @@ class StreamRenderer:
                     out.append(self._event(i, b'"text":' + encode(text), logprobs, fin))
         self._started = True
         if error is not None:
-            out.append(b"data: " + error_body(error) + b"\n\n")
+            out.append(b"data: " + error_body(error, self.ctx.request_id) + b"\n\n")
             out.append(SSE_DONE)
             self.finished = True
         elif finish:
@@ -846,13 +848,14 @@ class StreamRenderer:
         return self._pre + b'[],"usage":' + encode(usage) + b"}\n\n"
 
 
-def render_models(models: list[tuple[str, int, int]], created: int) -> bytes:
-    """OpenAI's model list; weir adds each model's context and its workers ready now."""
+def render_models(models: list[tuple[str, int, int, str]], created: int) -> bytes:
+    """OpenAI's model list; weir adds each model's context, its workers ready
+    now and its state (loading / ready / unloading: models at run time)."""
     return encode({
         "object": "list",
         "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "weir", "max_model_len": max_len,
-             "ready_workers": ready}
-            for name, max_len, ready in models
+             "ready_workers": ready, "state": state}
+            for name, max_len, ready, state in models
         ],
     })

@@ -15,8 +15,9 @@ Model of the world
   At most ``max_num_seqs`` jobs run per worker (plus ``dispatch_lookahead``,
   default 0), so all waiting -- and all its priorities -- happens here, not
   in an engine's FIFO.  A worker whose GPU
-  free memory is under ``gpu_free_floor_bytes`` or that is unhealthy gets no
-  new work.
+  free memory is under ``gpu_free_floor_bytes``, whose GPU is over a
+  temperature or memory threshold (``router.gpu_gate``) or that is unhealthy
+  gets no new work.
 * **Queues.**  Per model, one queue per (class, size) where size is short or
   long (``task_type``, or prompt+max_tokens against ``short_threshold_tokens``).
   Inside a queue, tenants share by deficit round robin weighted by tokens
@@ -96,9 +97,10 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
 from router.estimate import kv_cost
+from router.gpu_gate import gpu_block
 from shared.config import ClassConfig, SchedulerConfig, SimEngineConfig
 from shared.errors import Code, Refusal
-from shared.protocol import Pool, TaskType
+from shared.protocol import GpuInfo, Pool, TaskType
 
 __all__ = ["WorkerSpec", "Job", "DispatchJob", "RejectJob", "AbortJob", "Action", "Policy"]
 
@@ -225,13 +227,14 @@ class _Entry:
 
 
 class _Worker:
-    __slots__ = ("spec", "healthy", "gpu_used", "reserved", "running", "budget", "slots", "other_tokens",
-                 "other_seqs", "free_at")
+    __slots__ = ("spec", "healthy", "gpu_used", "gpu_block", "reserved", "running", "budget", "slots",
+                 "other_tokens", "other_seqs", "free_at")
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
         self.spec = spec
         self.healthy = True
         self.gpu_used: Optional[int] = None
+        self.gpu_block: Optional[str] = None  # router.gpu_gate: why its GPU takes no new work
         self.reserved = 0
         self.running: dict[str, int] = {}  # job id -> reserved KV tokens
         self.budget = cfg.kv_budget(spec.capacity_tokens)
@@ -586,8 +589,8 @@ class Policy:
         return lost
 
     def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
-                      gpu_used_bytes: Optional[int] = None, other_tokens: Optional[int] = None,
-                      other_seqs: Optional[int] = None) -> None:
+                      gpu_used_bytes: Optional[int] = None, gpu: Optional[GpuInfo] = None,
+                      other_tokens: Optional[int] = None, other_seqs: Optional[int] = None) -> None:
         """A worker's news.  ``other_*``: KV tokens and sequences it holds for
         other routers (several routers over one fleet: README, Scaling out)."""
         w = self.workers.get(worker_id)
@@ -596,6 +599,8 @@ class Policy:
         w.healthy = healthy
         if gpu_used_bytes is not None:
             w.gpu_used = gpu_used_bytes
+        if gpu is not None:
+            w.gpu_block = gpu_block(gpu, self.cfg)
         if other_tokens is not None:
             w.other_tokens = max(0, other_tokens)
         if other_seqs is not None:
@@ -900,6 +905,8 @@ class Policy:
         return 1.0 - self.headroom * (rank - top) / (self.n_classes - 1)
 
     def _gpu_ok(self, w: _Worker) -> bool:
+        if w.gpu_block is not None:
+            return False
         floor = self.cfg.gpu_free_floor_bytes
         if floor <= 0 or w.spec.gpu_total_bytes <= 0 or w.gpu_used is None:
             return True
@@ -932,7 +939,7 @@ class Policy:
         score_of = self._score
         candidates, complete = self._candidates(m, size, again)
         for w in candidates:
-            if not w.healthy or (exclude and w.spec.worker_id in exclude):
+            if not w.healthy or w.gpu_block is not None or (exclude and w.spec.worker_id in exclude):
                 continue
             spec = w.spec
             gpu_total = spec.gpu_total_bytes
@@ -1055,7 +1062,7 @@ class Policy:
         best = None
         best_key = None
         for wid, w in m.workers.items():
-            if wid in exclude or not w.healthy or not self._pool_ok(w, e.size, m):
+            if wid in exclude or not w.healthy or w.gpu_block is not None or not self._pool_ok(w, e.size, m):
                 continue
             if total > w.spec.max_model_len:
                 continue
@@ -1373,12 +1380,18 @@ class Policy:
                             t = due_at
         return t
 
+    def queued_by_model(self) -> dict[tuple[str, str], int]:
+        """Queued requests per (model, pool), all classes: what an autoscaler of
+        a model's workers reads (router/ops_metrics.py)."""
+        return {(m.name, SIZE_NAMES[size]): sum(c[size] for c in m.size_count)
+                for m in self.models.values() for size in (SHORT, LONG)}
+
     def snapshot(self, now: float) -> dict:
         workers = [{
             "id": w.spec.worker_id, "model": w.spec.model, "pool": POOL_NAMES.get(w.spec.pool, "any"),
             "healthy": w.healthy and self._gpu_ok(w), "capacity_tokens": w.spec.capacity_tokens,
             "budget_tokens": w.budget, "reserved_tokens": w.reserved, "running": len(w.running),
-            "max_num_seqs": w.spec.max_num_seqs,
+            "max_num_seqs": w.spec.max_num_seqs, "gpu_block": w.gpu_block,
             "other_routers_tokens": w.other_tokens, "other_routers_seqs": w.other_seqs,
         } for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)]
         # O(classes x models): /metrics reads this at every scrape, also with 100,000 queued
@@ -1386,9 +1399,12 @@ class Policy:
         for r in range(self.n_classes):
             samples = sorted(abs(a - p) for p, a in self.wait_samples[r])
             for size in (SHORT, LONG):
-                n, oldest = 0, None
-                for m in self.models.values():
-                    n += m.size_count[r][size]
+                n, oldest, by_model = 0, None, {}
+                for name, m in self.models.items():
+                    k = m.size_count[r][size]
+                    if k:
+                        n += k
+                        by_model[name] = k
                     e = m.oldest(r, size)
                     if e is not None and (oldest is None or e.job.arrival < oldest):
                         oldest = e.job.arrival
@@ -1397,7 +1413,7 @@ class Policy:
                     "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
                     # |actual - predicted| queue wait of the class's last dispatches
                     "wait_error_p50_s": _pct(samples, 50), "wait_error_p90_s": _pct(samples, 90),
-                    "wait_samples": len(samples),
+                    "wait_samples": len(samples), "by_model": by_model,
                 })
         return {"workers": workers, "queues": queues, "counters": dict(self.counters),
                 "policy": self.cfg.policy}

@@ -236,6 +236,34 @@ class RedisStore:
             self._busy = True
             asyncio.get_running_loop().create_task(self._run())
 
+    def warm(self) -> None:
+        """Connect and load the scripts at router start, not on the first
+        request's clock: importing redis.asyncio, connecting and two
+        SCRIPT LOADs took over the 0.5 s bound on a busy 2-core machine, so a
+        fresh router's first requests failed open (unmetered).  Calls that
+        come meanwhile wait for it."""
+        if not self._busy:
+            self._busy = True
+            asyncio.get_running_loop().create_task(self._warm())
+
+    async def _warm(self) -> None:
+        try:
+            await asyncio.wait_for(self._ready(), max(2.0, self.timeout_s * 8))
+        except Exception as e:  # noqa: BLE001 -- the first request's call tries again, and reports
+            log.warning("quota store %s not reachable at start (%s); requests will try it again", self.url, e)
+        finally:
+            self._busy = False
+            if self._queue:
+                self._busy = True
+                asyncio.get_running_loop().create_task(self._run())
+
+    async def _ready(self) -> None:
+        if self._client is None:
+            self._connect()
+        if self._reserve is None:
+            self._reserve = await self._client.script_load(_RESERVE_LUA)
+            self._credit = await self._client.script_load(_CREDIT_LUA)
+
     async def _run(self) -> None:
         try:
             while self._queue:
@@ -256,12 +284,8 @@ class RedisStore:
     async def _send(self, batch) -> list:
         from redis.exceptions import NoScriptError
 
-        if self._client is None:
-            self._connect()
         for attempt in (0, 1):
-            if self._reserve is None:
-                self._reserve = await self._client.script_load(_RESERVE_LUA)
-                self._credit = await self._client.script_load(_CREDIT_LUA)
+            await self._ready()
             pipe = self._client.pipeline(transaction=False)
             for op, buckets, amounts, _cb in batch:
                 args = [self.prefix + b.key for b in buckets]
@@ -304,6 +328,13 @@ class Quota:
         if store is None:
             store = (RedisStore(cfg.quota.redis_url, cfg.quota.redis_prefix, cfg.quota.redis_timeout_s)
                      if cfg.quota.store == "redis" else MemoryStore())
+            if isinstance(store, RedisStore):
+                try:
+                    asyncio.get_running_loop()
+                except RuntimeError:
+                    pass  # built outside a loop (tests): connects on first use
+                else:
+                    store.warm()
         self.store = store
         self._down_until = 0.0
         self._unsent: list[tuple[tuple[Bucket, ...], list[int]]] = []  # credits to retry

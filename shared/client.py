@@ -93,7 +93,7 @@ def _params(params: dict) -> dict:
 
 
 def _submit(request_id: str, model: str, prompt: str | None, messages, max_tokens, priority,
-            task_type, api_key, user=None, fallback=False, **params) -> p.Submit:
+            task_type, api_key, user=None, fallback=False, trace_id=None, **params) -> p.Submit:
     chat = messages is not None
     return p.Submit(
         request_id=request_id,
@@ -109,6 +109,7 @@ def _submit(request_id: str, model: str, prompt: str | None, messages, max_token
         api_key=api_key,
         user=user,
         allow_fallback=bool(fallback),
+        trace_id=trace_id,  # the request id of the router's and worker's log lines
     )
 
 

@@ -79,6 +79,15 @@ class RouterConfig(_Cfg):
     stall_timeout_s: float = 10.0
 
 
+class LoggingConfig(_Cfg):
+    """Log lines of the router and the workers (shared/logs.py)."""
+
+    format: Literal["text", "json"] = "text"  # json: one object per line, for log shippers
+    # One line per finished request (its request id, model, outcome, tokens,
+    # seconds) from the router, and one from the worker that ran it.  Off by
+    # default: measured 37 us (text) / 59 us (json) per line on this VM, against
+    # the router's ~150-200 us of CPU per request.
+    requests: bool = False
 class RouterEndpoint(_Cfg):
     """One router process of several (``[[routers]]``): its own three listen
     addresses.  The settings in ``[router]`` apply to all of them."""
@@ -180,7 +189,7 @@ class WorkerConfig(_Cfg):
     pool: Literal["any", "short", "long"] = "any"
     max_num_seqs: int = 16
     max_model_len: Optional[int] = None  # default: the model's
-    kv_cache_bytes: Optional[int] = 64 << 20  # vllm on CPU; None on GPU uses gpu_memory_utilization
+    kv_cache_bytes: Optional[int] = 64 << 20  # vllm on CPU; 0 on GPU: vLLM sizes KV by gpu_memory_utilization
     gpu_index: Optional[int] = None  # None: no GPU (NVML reports absent)
     gpu_memory_utilization: float = 0.9
     dtype: str = "bfloat16"
@@ -188,6 +197,11 @@ class WorkerConfig(_Cfg):
     env: dict[str, str] = {}  # extra environment for the worker and its engine processes
     # CURVE secret key file (default: security.curve_dir/workers/<id>.key_secret)
     curve_secret_key: Optional[str] = None
+    # Before registering (so before it gets any real request) the worker runs
+    # one short generation through its engine (engine_worker/warmup.py);
+    # a warm-up that fails or outlasts warmup_timeout_s stops the worker (exit 1).
+    warmup: bool = True
+    warmup_timeout_s: float = 120.0
     # The routers' backend addresses this worker dials, one link each (default:
     # every router of the config, ``RouterEndpoint.dial``).  A worker on
     # another host needs only these and its CURVE key.
@@ -223,6 +237,11 @@ class SchedulerConfig(_Cfg):
     kv_safety_margin: float = 0.0  # reserve at most capacity * (1 - margin)
     overcommit: float = 1.0  # >1 lets reservations exceed capacity
     gpu_free_floor_bytes: int = 0  # a GPU with less free memory gets no new work
+    # A GPU at or over this temperature (NVML, degrees C), or with at least
+    # this fraction of its memory used, gets no new work until a heartbeat
+    # reads it under again (router/gpu_gate.py).  0: off.
+    gpu_max_temperature_c: float = 0.0
+    gpu_max_memory_fraction: float = 0.0
     # Queued requests per tenant, all classes; beyond -> 429 tenant_queue_full.
     # Memory protection only: fairness between tenants is the wait bound's
     # weighted share (router/policy.py), and a tenant alone may use all of it.
@@ -252,6 +271,36 @@ class SchedulerConfig(_Cfg):
         return max_num_seqs + max(0, self.dispatch_lookahead)
 
 
+class KubernetesConfig(_Cfg):
+    """What ``deploy/k8s.py`` renders under deploy/k8s/ (README: Operating
+    weir): every other setting there comes from the rest of this file."""
+
+    namespace: str = "weir"
+    image: str = "weir:0.1.0"  # the Containerfile's image, ENGINE=cpu
+    gpu_image: str = "weir:0.1.0-gpu"  # ENGINE=gpu: the GPU overlay's
+    envoy_replicas: int = 2
+    router_replicas: int = 2  # >= 2: a PodDisruptionBudget keeps one
+    models_claim: str = "weir-models"  # PVC (ReadOnlyMany) with [[models]] under /models/<name>
+    # vLLM workers' startupProbe budget: model load + compile (the tiny model
+    # ~16-25 s on an idle CPU; a 70B model from network storage: minutes).
+    model_load_timeout_s: int = 900
+    # Autoscaling (KEDA ScaledObject per worker StatefulSet).  Demand is the
+    # model's queued + running requests over max_num_seqs * this fraction.
+    min_workers: int = 1
+    max_workers: int = 8
+    target_slot_utilization: float = 0.8
+    gpu_utilization_target_percent: float = 80.0  # GPU overlay: second trigger
+    scale_up_window_s: int = 30  # short: a queue building up gets capacity at once
+    scale_down_window_s: int = 600  # long: no flapping after a burst
+    polling_interval_s: int = 15
+    prometheus_url: str = "http://prometheus.monitoring.svc:9090"
+    monitoring_namespace: str = "monitoring"  # may scrape routers and Envoy
+    # Scheduled pre-scaling (CronJob patches the ScaledObjects' floor):
+    prescale_schedule: str = "30 7 * * 1-5"  # before the weekday peak
+    prescale_min_workers: int = 2
+    prescale_end_schedule: str = "0 19 * * 1-5"
+
+
 class Config(_Cfg):
     envoy: EnvoyConfig = msgspec.field(default_factory=EnvoyConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
@@ -265,8 +314,10 @@ class Config(_Cfg):
     tenants: list[TenantConfig] = []
     quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     models: list[ModelConfig] = []
     workers: list[WorkerConfig] = []
+    kubernetes: KubernetesConfig = msgspec.field(default_factory=KubernetesConfig)
     base_dir: str = ""  # set by load(): relative paths resolve against it
 
     def model(self, name: str) -> ModelConfig:
@@ -353,6 +404,9 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"[[routers]]: two routers share the {field} address")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
+
+
+validate = _validate  # a Config built in code (router/views.py: a model added at run time)
 
 
 def load(path: str | os.PathLike | None = None) -> Config:

@@ -49,6 +49,7 @@ class Code(enum.Enum):
     ENGINE_ERROR = (500, _SERVER, "engine_error")
     ENGINE_UNAVAILABLE = (503, _SERVER, "engine_unavailable")
     NO_WORKER = (503, _UNAVAILABLE, "no_worker")
+    MODEL_UNLOADING = (503, _UNAVAILABLE, "model_unloading")  # being removed at run time (router/core.py)
     QUEUE_DEADLINE = (503, _UNAVAILABLE, "queue_deadline")
     WORKER_LOST = (503, _SERVER, "worker_lost")
     SERVICE_UNAVAILABLE = (503, _SERVER, "service_unavailable")  # Envoy: no healthy router

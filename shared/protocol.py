@@ -95,6 +95,9 @@ StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 LogitBias = Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)]  # JSON: string keys
 User = Annotated[str, Meta(max_length=256)]
+# A request id for logs and error bodies (HTTP: x-request-id); printable, no spaces.
+MAX_TRACE_ID = 128
+TraceId = Annotated[str, Meta(max_length=MAX_TRACE_ID, pattern=r"^[\x21-\x7e]+$")]
 
 
 class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -242,6 +245,9 @@ class Submit(_Msg, tag=1):
     api_key: Optional[str] = None
     user: Optional[User] = None  # OpenAI's end-user id: recorded per tenant, never an identity
     allow_fallback: bool = False  # another model (the config's fallbacks) may answer instead
+    # The id its log lines (router and worker) carry; HTTP: Envoy's or the
+    # client's x-request-id.  None: the router uses its own job id.
+    trace_id: Optional[TraceId] = None
 
 
 class Cancel(_Msg, tag=2):
@@ -260,13 +266,18 @@ class Outputs(_Msg, tag=3):
 
 
 class GpuInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """NVML view of the worker's GPU; ``present=False`` on CPU-only hosts."""
+    """NVML view of the worker's GPU; ``present=False`` on CPU-only hosts (or
+    when NVML fails): "no GPU" is a state, not an error.  A reading the GPU
+    does not support (power on some boards) is None."""
 
     present: bool = False
     name: str = ""
     index: int = 0
     total_bytes: int = 0
     used_bytes: int = 0
+    utilization_percent: Optional[float] = None  # NVML's GPU utilisation over its last sample period
+    temperature_c: Optional[float] = None
+    power_w: Optional[float] = None
 
 
 class Register(_Msg, tag=10):
@@ -303,6 +314,8 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     finished_total: int = 0
     gpu_used_bytes: int = 0
     gpu_total_bytes: int = 0
+    gpu: Optional[GpuInfo] = None  # this heartbeat's NVML reading (None: a peer that sends none)
+    tokens_total: int = 0  # tokens generated since the engine started (rates: weir stats)
     # Held on this worker for *other* routers (its ledger, engine_worker.ledger):
     # KV tokens and sequences the receiving router must count as taken.
     other_tokens: int = 0
@@ -331,6 +344,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     prompt_tokens: int
     params: SamplingParams
     priority: int = 0  # lower runs first (vLLM's convention)
+    trace_id: str = ""  # Submit.trace_id (or the router's job id): for the worker's log lines
     # KV tokens the router reserved for it on this worker (router.estimate.kv_cost
     # at the worker's block size); the worker's ledger admits it on this figure.
     # 0: not stated (an older router): the worker prices it itself.

@@ -142,7 +142,7 @@ class ScriptedCore:
         self.tasks.pop(handle, None)
 
     def models(self):
-        return [("tiny", 512, 1), ("sim-tiny", 2048, 0)]
+        return [("tiny", 512, 1, "ready"), ("sim-tiny", 2048, 0, "loading")]
 
     def health(self):
         return {"status": "ok", "workers": 1}

@@ -369,11 +369,12 @@ def test_error_body_shape():
 
 
 def test_models_listing():
-    obj = json.loads(api.render_models([("tiny", 512, 0), ("sim-a", 4096, 2)], 5))
+    obj = json.loads(api.render_models([("tiny", 512, 0, "loading"), ("sim-a", 4096, 2, "ready")], 5))
     assert obj["object"] == "list"
     assert [(m["id"], m["object"], m["max_model_len"]) for m in obj["data"]] == [
         ("tiny", "model", 512), ("sim-a", "model", 4096)]
     assert [m["ready_workers"] for m in obj["data"]] == [0, 2]
+    assert [m["state"] for m in obj["data"]] == ["loading", "ready"]
 
 
 @settings(max_examples=200, deadline=None)

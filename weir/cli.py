@@ -2,10 +2,13 @@
 
     weir up [--config PATH] [--run-dir DIR]   whole stack in the foreground
     weir render-envoy [--config PATH] [-o FILE] [--validate]
+    weir render-k8s [--config PATH] [-o DIR]   Kubernetes manifests (deploy/k8s/)
     weir bench ...                            load generator (bench/cli.py)
     weir make-model [DIR]                     tiny local Llama for CPU runs
     weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, printed once
     weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
+    weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
+    weir models list|add|remove ...           models of a running stack (weir up carries them out)
     weir router|worker ...                    one component (python -m router / engine_worker)
 """
 
@@ -57,6 +60,7 @@ weir is up.
   models:
 {models}
   logs:                    {stack.run_dir}
+  live view:               weir stats --config {shlex.quote(str(stack.cfg_path))}
 
 Try:
   curl -N {stack.envoy_url}/v1/chat/completions -H 'content-type: application/json'{key} \\
@@ -131,6 +135,21 @@ def cmd_render_envoy(args) -> int:
     return 0
 
 
+def cmd_render_k8s(args) -> int:
+    from deploy import k8s
+
+    for path in k8s.write(load(args.config), args.output):
+        print(path)
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from weir.stats import run
+
+    return run(load(args.config), routers=args.router, envoy_admin=args.envoy_admin, as_json=args.json,
+               interval=args.interval, count=args.count)
+
+
 def cmd_make_model(args) -> int:
     from deploy.make_model import build
 
@@ -164,12 +183,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     rend.add_argument("-o", "--output", help="write to FILE instead of stdout")
     rend.add_argument("--validate", action="store_true", help="also run `envoy --mode validate`")
     rend.set_defaults(func=cmd_render_envoy)
+    rk = sub.add_parser("render-k8s", help="write the Kubernetes manifests rendered from the config")
+    rk.add_argument("--config")
+    rk.add_argument("-o", "--output", default="deploy/k8s", help="directory (default: deploy/k8s)")
+    rk.set_defaults(func=cmd_render_k8s)
+    st = sub.add_parser("stats", help="live view of Envoy, routers, workers, tenants (rich); --json: one snapshot")
+    st.add_argument("--config", help="TOML config: where the router and Envoy's admin listen")
+    st.add_argument("--json", action="store_true", help="print one snapshot as JSON (rates over --interval) and exit")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between readings (default 1)")
+    st.add_argument("--router", action="append", help="a router's HTTP URL (repeatable; default: the config's)")
+    st.add_argument("--envoy-admin", help="Envoy admin URL (default: the config's)")
+    st.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # refreshes, then exit (tests)
+    st.set_defaults(func=cmd_stats)
     mm = sub.add_parser("make-model", help="build the tiny random Llama used on CPU")
     mm.add_argument("dir", nargs="?", default="models/tiny-llama")
     mm.set_defaults(func=cmd_make_model)
-    from weir import keys_cli
+    from weir import keys_cli, models_cli
 
     keys_cli.add_parser(sub)
+    models_cli.add_parser(sub)
     sub.add_parser("bench", help="load generator: weir bench --help")
     sub.add_parser("router", help="run the router alone (python -m router ...)")
     sub.add_parser("worker", help="run one engine worker (python -m engine_worker ...)")

@@ -1,0 +1,140 @@
+"""What a Prometheus scrape of the router's /metrics costs, by registered workers.
+
+A router (and Envoy) with one sim worker; N stand-in workers register over the
+real backend socket (ZeroMQ DEALERs sending Register and heartbeats with stats,
+as engine_worker does) and stay registered while /metrics is fetched
+sequentially; prints the scrape's latency p50/p90 and size per N, and -- for
+the worker pods' probes (deploy/k8s_probe.py) -- one worker
+(/admin/workers/{id}) against the whole list (/admin/workers).
+
+    python -m bench.scenarios.scrape_cost [--workers 0,64,1024] [-n 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import zmq
+
+from bench.scenarios import common
+from shared.protocol import GpuInfo, Heartbeat, Pool, Register, WorkerStats, encoder
+
+HEARTBEAT_S = 0.5  # under the router's 1 s interval x 3 liveness
+
+
+class Fleet:
+    """N stand-in workers on one thread: register, heartbeat, read what comes."""
+
+    def __init__(self, backend: str, n: int, model: str):
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, n + 64)  # libzmq's default is 1,023
+        self.socks = []
+        self.stop = threading.Event()
+        for i in range(n):
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, f"stand-in-{i}".encode())
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(backend)
+            s.send(encoder.encode(Register(
+                worker_id=f"stand-in-{i}", model=model, pool=Pool.ANY, max_model_len=4096,
+                kv_capacity_tokens=65536, block_size=16, max_num_seqs=64, engine="sim", gpu=GpuInfo())))
+            self.socks.append(s)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        poller = zmq.Poller()
+        for s in self.socks:
+            poller.register(s, zmq.POLLIN)
+        next_beat = 0.0
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                for i, s in enumerate(self.socks):
+                    s.send(encoder.encode(Heartbeat(WorkerStats(running=i % 5, waiting=i % 3, kv_usage=0.1))))
+                next_beat = now + HEARTBEAT_S
+            for s, _ in poller.poll(50):
+                while s.poll(0):
+                    s.recv_multipart()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        for s in self.socks:
+            s.close()
+        self.ctx.term()
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=30) as r:
+        return r.read()
+
+
+def _registered(router: str) -> int:
+    import json
+
+    return len(json.loads(_get(router + "/admin/workers")))
+
+
+def _time(url: str, n: int, warmup: int = 3) -> tuple[list[float], int]:
+    for _ in range(warmup):
+        _get(url)
+    times, size = [], 0
+    for _ in range(n):
+        t = time.perf_counter()
+        size = len(_get(url))
+        times.append(time.perf_counter() - t)
+    return times, size
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.scenarios.scrape_cost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", default="0,64,1024", help="registered stand-in workers per round")
+    ap.add_argument("-n", "--scrapes", type=int, default=30)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    # A socket each here, a connection each in the router (which inherits the limit).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    out = args.out or common.results_dir("scrape-cost")
+    cfg = common.write_config(out / "stack", workers=[common.sim_worker()])  # Envoy waits for a ready router
+    rows = []
+    with common.stack(cfg, out / "stack" / "run") as st:
+        backend = st.cfg.router.backend
+        for n in [int(x) for x in args.workers.split(",")]:
+            fleet = Fleet(backend, n, common.SIM_MODEL)
+            try:
+                deadline = time.monotonic() + 60
+                while _registered(st.router_url) < n + 1:
+                    assert time.monotonic() < deadline, "stand-in workers did not all register"
+                    time.sleep(0.2)
+                metrics, size = _time(st.metrics_url, args.scrapes)
+                one, _ = _time(st.router_url + f"/admin/workers/stand-in-{max(0, n - 1)}", args.scrapes) if n else ([0.0], 0)
+                every, _ = _time(st.router_url + "/admin/workers", args.scrapes)
+                rows.append((n, _pct(metrics, 50), _pct(metrics, 90), size, _pct(one, 50), _pct(every, 50)))
+            finally:
+                fleet.close()
+            time.sleep(3.5)  # the router forgets them (missed heartbeats) before the next round
+    print(common.header("Scrape cost of /metrics by registered workers", ["bench.scenarios.scrape_cost", *argv]))
+    print(f"{'workers':>8} {'/metrics p50 ms':>16} {'p90 ms':>8} {'bytes':>9} {'/admin/workers/{id} p50 ms':>27} "
+          f"{'/admin/workers p50 ms':>22}")
+    for n, p50, p90, size, one, every in rows:
+        print(f"{n:>8} {p50 * 1e3:>16.2f} {p90 * 1e3:>8.2f} {size:>9} {one * 1e3:>27.2f} {every * 1e3:>22.2f}")
+    common.save(out, "scrape_cost", [dict(zip(("workers", "metrics_p50_s", "metrics_p90_s", "metrics_bytes",
+                                                "one_worker_p50_s", "all_workers_p50_s"), r)) for r in rows])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""Models added and removed at run time, carried out by the supervisor.
+
+The router is where the admin call lands (``POST /admin/models``, ``POST
+/admin/models/{name}/remove``; ``weir models add|remove``): it starts or
+stops serving the model.  This reconciler, run by ``weir up``'s supervisor
+(``deploy.stack.Stack`` with ``supervise=True``) every ``RECONCILE_S``,
+reads the router's ``GET /admin/models`` and makes the processes match:
+
+* a model added at run time whose workers do not run yet: they are written
+  into ``<run_dir>/runtime-models.toml`` (the config plus every model added
+  at run time; a worker reads its settings from the config it is given) and
+  started, supervised like the others;
+* a model ``unloading``: SIGTERM to each of its workers -- each drains
+  (finishes what it runs, up to ``router.drain_timeout_s``), says Goodbye and
+  exits; they are not restarted, and once the last has gone the router
+  forgets the model (requests for it are then 404);
+* a router that restarted (it knows only its config file) is told again of
+  the models added at run time that this supervisor still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import tomllib
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING
+
+import tomli_w
+
+if TYPE_CHECKING:
+    from deploy.stack import Stack
+
+RECONCILE_S = 0.5
+RUNTIME_CONFIG = "runtime-models.toml"
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _call(url: str, body: dict | None = None, timeout: float = 2.0) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                 headers={"content-type": "application/json"})
+    try:
+        with _opener.open(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+class ModelReconciler:
+    def __init__(self, stack: "Stack") -> None:
+        self.stack = stack
+        self.added: dict[str, dict] = {}  # model name -> {"config": ..., "workers": [...]}, started here
+        self.stopping: set[str] = set()  # worker ids told to drain and exit
+        self.runtime_cfg = stack.run_dir / RUNTIME_CONFIG
+
+    def step(self) -> list[str]:
+        """One pass; what it did, in words.  The router unreachable: nothing."""
+        stack = self.stack
+        try:
+            _, models = _call(stack.router_url + "/admin/models")
+        except (OSError, ValueError):
+            return []
+        said: list[str] = []
+        listed = {m["name"]: m for m in models}
+        for name, m in listed.items():
+            if m["state"] == "unloading":
+                said += self._stop_workers(name, m)
+            elif m["runtime"] and name not in self.added:
+                said += self._start_workers(name, m)
+        for name, spec in list(self.added.items()):
+            if name in listed:
+                continue
+            if all(w["id"] in self.stopping for w in spec["workers"]):  # removed: its workers went
+                del self.added[name]
+                self._forget_components(spec["workers"])
+                self._write_config()
+                said.append(f"model {name} removed")
+            else:  # the router restarted and knows only its config file
+                code, out = _call(stack.router_url + "/admin/models", {"model": spec["config"],
+                                                                       "workers": spec["workers"]})
+                said.append(f"router told again of model {name} ({code})")
+        return said
+
+    def _start_workers(self, name: str, m: dict) -> list[str]:
+        stack = self.stack
+        self.added[name] = {"config": m["config"], "workers": m["workers"]}
+        self._write_config()
+        said = [f"model {name} added: starting {len(m['workers'])} workers"]
+        for w in m["workers"]:
+            wid = w["id"]
+            stack.worker_ids.append(wid)
+            stack._spawn(f"worker:{wid}", [sys.executable, "-m", "engine_worker", "--config", str(self.runtime_cfg),
+                                           "--worker-id", wid], w.get("env") or {})
+        return said
+
+    def _stop_workers(self, name: str, m: dict) -> list[str]:
+        stack = self.stack
+        ids = [w.id for w in stack.cfg.workers if w.model == name]
+        ids += [w["id"] for w in self.added.get(name, {}).get("workers", [])]
+        said = []
+        for wid in ids:
+            comp = stack.components.get(f"worker:{wid}")
+            if wid in self.stopping or comp is None:
+                continue
+            self.stopping.add(wid)
+            comp.stopping = True  # not restarted when it exits
+            comp.signal_group(signal.SIGTERM)  # drains: finishes what it runs, then Goodbye
+            said.append(f"model {name} unloading: worker {wid} draining")
+        if name not in self.added and all(w in self.stopping for w in ids):
+            self.added[name] = {"config": m["config"], "workers": [{"id": w} for w in ids]}  # (config-file model)
+        return said
+
+    def _forget_components(self, workers: list[dict]) -> None:
+        stack = self.stack
+        for w in workers:
+            wid = w["id"]
+            if wid in stack.worker_ids:
+                stack.worker_ids.remove(wid)
+
+    def _write_config(self) -> None:
+        """The config file plus every model added here (the workers' --config)."""
+        with open(self.stack.cfg_path, "rb") as f:
+            raw = tomllib.load(f)
+        raw.setdefault("base_dir", str(self.stack.cfg_path.parent))  # relative paths as in the original
+        names = {m["name"] for m in raw.get("models", [])}
+        for spec in self.added.values():
+            if spec["config"]["name"] not in names:
+                raw.setdefault("models", []).append(_toml_ready(spec["config"]))
+                raw.setdefault("workers", []).extend(_toml_ready(w) for w in spec["workers"])
+        self.runtime_cfg.write_text(tomli_w.dumps(raw))
+
+
+def _toml_ready(d: dict) -> dict:
+    """TOML has no null: leave unset fields out (their defaults apply)."""
+    return {k: _toml_ready(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
