@@ -50,6 +50,13 @@ def sim_worker(worker_id: str = "sim-0", model: str = SIM_MODEL, max_num_seqs: i
     return {"id": worker_id, "model": model, "max_num_seqs": max_num_seqs, **fields}
 
 
+def routers(n: int, host: str = "127.0.0.1") -> list[dict]:
+    """``[[routers]]`` entries for ``n`` routers on free ports (README: Scaling out)."""
+    ports = free_ports(3 * n)
+    return [{"http": f"{host}:{ports[3 * i]}", "frontend": f"tcp://{host}:{ports[3 * i + 1]}",
+             "backend": f"tcp://{host}:{ports[3 * i + 2]}"} for i in range(n)]
+
+
 def vllm_worker(worker_id: str = "vllm-0", max_num_seqs: int = 16, kv_cache_bytes: int = 64 << 20,
                 **fields: Any) -> dict:
     """A real vLLM worker on the tiny model, with CPU_ENGINE_ENV; keywords set

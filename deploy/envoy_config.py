@@ -101,6 +101,8 @@ def check(cfg: Config) -> None:
     if addrs["envoy.listen"] == addrs["envoy.admin"]:
         raise ConfigError(f"envoy.listen and envoy.admin are both {e.listen!r}")
     _hostport("router.http", cfg.router.http, ip_only=False)
+    for i, ep in enumerate(cfg.routers):
+        _hostport(f"routers[{i}].http", ep.http, ip_only=False)
     _positive("envoy.concurrency", e.concurrency)
     _positive("envoy.max_connections", e.max_connections)
     _positive("envoy.max_request_bytes", e.max_request_bytes)
@@ -273,6 +275,11 @@ def _route(match: dict, idle: str, cfg: Config) -> dict:
             "retry_back_off": {"base_interval": _seconds(cfg.envoy.retry_base_s),
                                "max_interval": _seconds(cfg.envoy.retry_max_s)},
         }
+        if len(cfg.router_endpoints()) > 1:  # several routers: retry on another one, not the dead one
+            route["retry_policy"]["retry_host_predicate"] = [{
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": f"{_TYPES}.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}]
+            route["retry_policy"]["host_selection_retry_max_attempts"] = 5
     return {"match": match, "route": route}
 
 
@@ -371,15 +378,15 @@ _ACCESS_LOG_JSON = {"json_format": {
 
 
 def _router_cluster(cfg: Config) -> dict:
-    host, port = split_hostport(cfg.router.http)
+    hosts = [split_hostport(ep.http) for ep in cfg.router_endpoints()]
     interval = _seconds(cfg.envoy.health_check_interval_s)
-    return {
+    cluster = {
         "name": ROUTER_CLUSTER,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "type": "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS",
         "connect_timeout": "1s",
         "load_assignment": {
             "cluster_name": ROUTER_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, port)}} for h, port in hosts]}],
         },
         # Keep-alive HTTP/1.1 to the router (its parser is httptools).
         "typed_extension_protocol_options": {
@@ -399,7 +406,8 @@ def _router_cluster(cfg: Config) -> dict:
                 "http_health_check": {"path": "/health/ready"},
             }
         ],
-        # One router: when it is down, fail fast with 503 instead of trying it anyway.
+        # A router that is down (or not ready) gets nothing: with none left,
+        # fail fast with 503 instead of trying one anyway.
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         # Envoy's defaults (1024) would cap concurrent streams below the router's queues.
         "circuit_breakers": {
@@ -412,6 +420,35 @@ def _router_cluster(cfg: Config) -> dict:
             ]
         },
     }
+    if len(hosts) > 1:
+        # Several routers (README: Scaling out): each request to the router
+        # with the fewest in flight (of two drawn), which follows queues that
+        # differ in the cost of their requests better than round robin.
+        cluster["lb_policy"] = "LEAST_REQUEST"
+        # A router's health change reaches the load balancer at once, not
+        # merged over Envoy's default 1 s window (seen: a router that had
+        # passed its health check got no request for ~1.1 s).
+        cluster["common_lb_config"]["update_merge_window"] = "0s"
+        # Every request that found a router dead is retried on another, not
+        # only Envoy's default of 3 concurrent retries (the rest got 503).
+        cluster["circuit_breakers"]["thresholds"][0]["max_retries"] = cfg.envoy.max_connections
+        # A router that refuses a connection is taken out at once, before its
+        # health check fails (least-request would favour it: it has nothing in
+        # flight); its next passing health check takes it back.  Only
+        # connection failures count: a router's own 503s (no worker, queue
+        # deadline) are answers, not faults.
+        cluster["outlier_detection"] = {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_success_rate": 0,
+            "enforcing_local_origin_success_rate": 0,
+            "base_ejection_time": _seconds(cfg.envoy.health_check_interval_s),
+            # all but one router may be out (Envoy's default 10 % ejects none of a few)
+            "max_ejection_percent": 100 * (len(hosts) - 1) // len(hosts),
+        }
+    return cluster
 
 
 def _tls(cfg: Config) -> dict:

@@ -179,7 +179,10 @@ class Stack:
     Attributes once started: ``envoy_url``, ``router_url``, ``zmq_frontend``
     (a connect address), ``admin_url`` (Envoy admin), ``metrics_url``,
     ``cfg``, ``cfg_path``, ``run_dir``, ``components`` (name -> Component;
-    names are ``router``, ``worker:<id>``, ``envoy``).
+    names are ``router``, ``worker:<id>``, ``envoy``).  Several routers
+    (``[[routers]]``): ``router``, ``router:1``, ``router:2``... in config
+    order, with ``router_urls`` / ``zmq_frontends`` (index i: the i-th);
+    ``router_url`` and ``zmq_frontend`` are the first's.
     """
 
     def __init__(
@@ -205,9 +208,13 @@ class Stack:
         self.envoy_log_level = envoy_log_level
         self.envoy_url = _http_url(self.cfg.envoy.listen, "https" if self.cfg.envoy.tls_cert_file else "http")
         self.admin_url = _http_url(self.cfg.envoy.admin)
-        self.router_url = _http_url(self.cfg.router.http)
+        endpoints = self.cfg.router_endpoints()
+        self.router_names = ["router"] + [f"router:{i}" for i in range(1, len(endpoints))]
+        self.router_urls = [_http_url(ep.http) for ep in endpoints]
+        self.zmq_frontends = [_zmq_connect_addr(ep.frontend) for ep in endpoints]
+        self.router_url = self.router_urls[0]
         self.metrics_url = self.router_url + "/metrics"
-        self.zmq_frontend = _zmq_connect_addr(self.cfg.router.frontend)
+        self.zmq_frontend = self.zmq_frontends[0]
         self.envoy_yaml = self.run_dir / "envoy.yaml"
         self.components: dict[str, Component] = {}
         self._started: list[Component] = []
@@ -257,10 +264,12 @@ class Stack:
 
         py = sys.executable
         cfg = str(self.cfg_path)
-        router = self._spawn("router", [py, "-m", "router", "--config", cfg])
-        self._wait(router, ROUTER_READY_S, "not healthy at " + self.router_url + "/health",
-                   lambda: _get(self.router_url + "/health")[0] == 200)
-        self.progress(f"router ready ({time.monotonic() - t0:.1f} s)")
+        routers = [self._spawn(name, [py, "-m", "router", "--config", cfg, "--index", str(i)])
+                   for i, name in enumerate(self.router_names)]
+        for router, url in zip(routers, self.router_urls):
+            self._wait(router, ROUTER_READY_S, "not healthy at " + url + "/health",
+                       lambda url=url: _get(url + "/health")[0] == 200)
+            self.progress(f"{router.name} ready ({time.monotonic() - t0:.1f} s)")
 
         workers = []
         for wid in self.worker_ids:
@@ -273,14 +282,17 @@ class Stack:
             "--concurrency", str(self.cfg.envoy.concurrency), "-l", self.envoy_log_level,
         ])
         self._wait(envoy, ENVOY_READY_S, "not live (admin /ready)", self._envoy_live)
-        self._wait_for_workers(workers, t0, also_alive=[router, envoy])
+        self._wait_for_workers(workers, t0, also_alive=[*routers, envoy])
         # Envoy's health check asks the router's readiness: it passes once a worker is in.
         self._wait(envoy, ENVOY_READY_S, "not ready (/health through Envoy)",
                    lambda: _get(self.envoy_url + "/health")[0] == 200)
+        if len(self.router_urls) > 1:  # and each router has passed Envoy's health check
+            self._wait(envoy, ENVOY_READY_S, "not sending to every router (admin /clusters)",
+                       lambda: self.envoy_healthy_routers() == len(self.router_urls))
         self.progress(f"envoy ready ({time.monotonic() - t0:.1f} s)")
 
     def _wait_for_workers(self, workers: list[Component], t0: float, also_alive: list[Component]) -> None:
-        """Until each worker's id shows up in the router's /admin/workers."""
+        """Until each worker's id shows up in every router's /admin/workers."""
         pending = {c.name.partition(":")[2]: c for c in workers}
         deadlines = {wid: time.monotonic() + self._worker_timeout(wid) for wid in pending}
         while pending:
@@ -323,9 +335,21 @@ class Stack:
         status, body = _get(self.admin_url + "/ready")
         return status == 200 and body.strip() == b"LIVE"
 
+    def envoy_healthy_routers(self) -> int:
+        """Routers Envoy's health check passes (its admin /clusters)."""
+        status, body = _get(self.admin_url + "/clusters")
+        return sum(1 for line in body.decode().splitlines()
+                   if line.startswith(f"{envoy_config.ROUTER_CLUSTER}::") and line.endswith("::health_flags::healthy"))
+
     def _registered_workers(self) -> set[str]:
+        """Workers registered with every router."""
+        seen = [self.registered_at(url) for url in self.router_urls]
+        return set.intersection(*seen)
+
+    @staticmethod
+    def registered_at(router_url: str) -> set[str]:
         try:
-            status, body = _get(self.router_url + "/admin/workers")
+            status, body = _get(router_url + "/admin/workers")
             return {w["id"] for w in json.loads(body)} if status == 200 else set()
         except (OSError, ValueError, KeyError, TypeError):
             return set()  # busy or restarting: ask again

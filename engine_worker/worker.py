@@ -17,7 +17,16 @@ resumes on another worker).  SIGINT stops at once.
 
 Output batching: engines emit Deltas one at a time; they go through an Outbox
 that flushes once per event-loop turn, so one engine step becomes one Outputs
-message, whatever the number of requests in it.
+message per router, whatever the number of requests in it.
+
+Several routers (README: Scaling out): the worker keeps one link -- its own
+DEALER socket, liveness and back-off -- per router address
+(``Config.worker_backends``) and registers with each.  Router ids are
+unique per router only, so the engine knows a request as ``"<link>:<id>"``.
+Every dispatch passes the worker's own ledger (engine_worker.ledger) first:
+one that would exceed its KV budget or sequence slots with what all routers
+hold here is refused at once (``Refuse``) and that router queues it again.
+Losing one router (silent, Goodbye) stops only that router's requests.
 """
 
 from __future__ import annotations
@@ -32,12 +41,13 @@ import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, Register,
-                             WorkerStats, encoder, to_worker_decoder)
+from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, Refuse,
+                             Register, WorkerStats, encoder, to_worker_decoder)
 from shared.transport import Outbox, SocketPump
 
 from .base import EngineBase
 from .gpu import read_gpu
+from .ledger import Ledger, kv_tokens_of
 from .warmup import WarmupFailed, warm_up
 
 log = logging.getLogger("engine_worker")
@@ -63,6 +73,22 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
                       gpu_memory_utilization=wcfg.gpu_memory_utilization)
 
 
+class _Link:
+    """One router: its socket, when it was last heard, its back-off."""
+
+    __slots__ = ("index", "address", "prefix", "sock", "last_heard", "backoff", "reconnecting", "emit")
+
+    def __init__(self, index: int, address: str) -> None:
+        self.index = index
+        self.address = address
+        self.prefix = f"{index}:"  # engine request id = prefix + the router's id
+        self.sock: Optional[zmq.Socket] = None
+        self.last_heard = 0.0
+        self.backoff = BACKOFF_INITIAL_S
+        self.reconnecting = False
+        self.emit = None  # its requests' Deltas: Worker._emit_for bound to this link
+
+
 class Worker:
     def __init__(self, cfg: Config, wcfg: WorkerConfig, engine: EngineBase) -> None:
         self.cfg = cfg
@@ -74,17 +100,17 @@ class Worker:
         self.ctx = zmq.Context()
         self.pump = SocketPump(self.loop)
         self.outbox = Outbox(self.loop, self._flush_outputs)
-        self._emit = functools.partial(self.outbox.put, None)  # an engine's Deltas: one destination
-        self.sock: Optional[zmq.Socket] = None
+        self.links = [_Link(i, addr) for i, addr in enumerate(cfg.worker_backends(wcfg))]
+        for link in self.links:
+            link.emit = functools.partial(self._emit_for, link)
+        self.ledger: Optional[Ledger] = None  # once the engine says what it has
         self.register_msg: Optional[Register] = None
         self.exit_code = 0
-        self._last_heard = 0.0
-        self._backoff = BACKOFF_INITIAL_S
         self._stop = asyncio.Event()
         self._stop_reason = "shutdown"
         self._draining: Optional[asyncio.Task] = None
         self._malformed = 0
-        # [logging] requests: job id -> (request id, dispatch time), for one line per finished request
+        # [logging] requests: engine id -> (request id, dispatch time), for one line per finished request
         self._log_requests = cfg.logging.requests
         self._traces: dict[str, tuple[str, float]] = {}
 
@@ -100,7 +126,8 @@ class Worker:
         """Take no new work, finish what runs (up to the drain timeout), then stop."""
         if self._draining is None and not self._stop.is_set():
             log.info("worker %s draining: %d requests running", self.wcfg.id, len(self.engine.live_ids()))
-            self._send(Drain("SIGTERM"))
+            for link in self.links:
+                self._send(link, Drain("SIGTERM"))
             self._draining = self.loop.create_task(self._drain_then_stop())
 
     async def _drain_then_stop(self) -> None:
@@ -138,11 +165,15 @@ class Worker:
             step_time_s=info.step_time_s, request_overhead_s=info.request_overhead_s,
             prefix_caching=info.prefix_caching,
         )
+        sched = self.cfg.scheduler
+        self.ledger = Ledger(sched.kv_budget(info.kv_capacity_tokens), sched.seq_slots(info.max_num_seqs))
         if not self._stop.is_set():
-            self._connect()
+            for link in self.links:
+                self._connect(link)
             log.info("worker %s registered: engine=%s capacity=%d tokens block=%d max_num_seqs=%d "
-                     "max_model_len=%d router=%s", self.wcfg.id, info.engine, info.kv_capacity_tokens,
-                     info.block_size, info.max_num_seqs, info.max_model_len, self.cfg.router.backend)
+                     "max_model_len=%d routers=%s", self.wcfg.id, info.engine, info.kv_capacity_tokens,
+                     info.block_size, info.max_num_seqs, info.max_model_len,
+                     ",".join(link.address for link in self.links))
             heartbeats = self.loop.create_task(self._heartbeat_loop())
             await self._stop.wait()
             heartbeats.cancel()
@@ -151,19 +182,20 @@ class Worker:
 
     async def _shutdown(self) -> None:
         log.info("worker %s stopping (%s)", self.wcfg.id, self._stop_reason)
-        if self.sock is not None:
-            self.outbox.flush()
-            self._send(Goodbye(self._stop_reason))
-            self._close_socket(linger_ms=GOODBYE_LINGER_MS)
+        self.outbox.flush()
+        for link in self.links:
+            if link.sock is not None:
+                self._send(link, Goodbye(self._stop_reason))
+                self._close_socket(link, linger_ms=GOODBYE_LINGER_MS)
         try:
             await self.engine.shutdown()
         except Exception:
             log.exception("engine shutdown failed")
         self.ctx.term()
 
-    # -- the link ------------------------------------------------------------
+    # -- the links -----------------------------------------------------------
 
-    def _connect(self) -> None:
+    def _connect(self, link: _Link) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.wcfg.id.encode())
         sock.setsockopt(zmq.LINGER, 0)  # a dead link's queued messages are worthless
@@ -171,36 +203,46 @@ class Worker:
             from shared.curve import client_socket, worker_key_files
 
             client_socket(sock, *worker_key_files(self.cfg, self.wcfg))
-        sock.connect(self.cfg.router.backend)
-        self.sock = sock
-        self.pump.add(sock, self._on_message)
-        self._last_heard = self.loop.time()
-        self._register()
+        sock.connect(link.address)
+        link.sock = sock
+        self.pump.add(sock, functools.partial(self._on_message, link))
+        link.last_heard = self.loop.time()
+        self._register(link)
 
-    def _register(self) -> None:
-        self._send(self.register_msg)
+    def _register(self, link: _Link) -> None:
+        self._send(link, self.register_msg)
         if self._draining is not None:  # a router that (re)learns of us while we drain: still draining
-            self._send(Drain("SIGTERM"))
+            self._send(link, Drain("SIGTERM"))
 
-    def _close_socket(self, linger_ms: int = 0) -> None:
-        sock, self.sock = self.sock, None
+    def _close_socket(self, link: _Link, linger_ms: int = 0) -> None:
+        sock, link.sock = link.sock, None
         if sock is not None:
             self.pump.remove(sock)
             sock.close(linger=linger_ms)
 
-    def _send(self, msg) -> None:
-        if self.sock is not None:
-            self.pump.send(self.sock, [encoder.encode(msg)])
+    def _send(self, link: _Link, msg) -> None:
+        if link.sock is not None:
+            self.pump.send(link.sock, [encoder.encode(msg)])
 
-    def _flush_outputs(self, _dest, deltas: list[Delta]) -> None:
-        self._send(Outputs(deltas))
+    def _emit_for(self, link: _Link, d: Delta) -> None:
+        """An engine's Delta of one of ``link``'s requests: the router's own id
+        back, the ledger released with the request's last Delta."""
+        rid = d.request_id[len(link.prefix):]
+        d.request_id = rid
+        if d.finish_reason is not None or d.error is not None:
+            self.ledger.release(link.index, rid)
+        self.outbox.put(link.index, d)
+
+    def _flush_outputs(self, index: int, deltas: list[Delta]) -> None:
+        link = self.links[index]
+        self._send(link, Outputs(deltas))
         if self._log_requests:
             for d in deltas:
                 if d.finished:
-                    self._log_end(d)
+                    self._log_end(link, d)
 
-    def _log_end(self, d: Delta) -> None:
-        rid, t0 = self._traces.pop(d.request_id, (d.request_id, self.loop.time()))
+    def _log_end(self, link: _Link, d: Delta) -> None:
+        rid, t0 = self._traces.pop(link.prefix + d.request_id, (d.request_id, self.loop.time()))
         outcome = d.finish_reason or (d.error.code or "error" if d.error is not None else "?")
         log.info("request %s %s job=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f", rid, outcome,
                  d.request_id, d.prompt_tokens, d.completion_tokens, self.loop.time() - t0,
@@ -213,28 +255,42 @@ class Worker:
                 log.error("worker %s: engine failed: %r", self.wcfg.id, self.engine.fatal_error)
                 self.stop("engine failed", exit_code=1)
                 return
-            if self.loop.time() - self._last_heard > self.interval * self.liveness:
-                await self._reconnect()
-                continue
-            self._send(Heartbeat(self.stats(await self._read_gpu())))
+            stats = None
+            gpu = await self._read_gpu()
+            for link in self.links:
+                if link.reconnecting:
+                    continue
+                if self.loop.time() - link.last_heard > self.interval * self.liveness:
+                    link.reconnecting = True
+                    self.loop.create_task(self._reconnect(link))
+                    continue
+                if stats is None:
+                    stats = self.stats(gpu)
+                stats.other_tokens, stats.other_seqs = self.ledger.others(link.index)
+                self._send(link, Heartbeat(stats))
 
-    async def _reconnect(self) -> None:
-        delay, self._backoff = self._backoff, min(self._backoff * 2, BACKOFF_MAX_S)
-        log.warning("worker %s: router silent for %.1f s; reconnecting in %.2f s",
-                    self.wcfg.id, self.loop.time() - self._last_heard, delay)
-        self._close_socket()
-        self._forget_inflight()
-        await asyncio.sleep(delay)
-        if not self._stop.is_set():
-            self._connect()
+    async def _reconnect(self, link: _Link) -> None:
+        delay, link.backoff = link.backoff, min(link.backoff * 2, BACKOFF_MAX_S)
+        log.warning("worker %s: router %s silent for %.1f s; reconnecting in %.2f s",
+                    self.wcfg.id, link.address, self.loop.time() - link.last_heard, delay)
+        self._close_socket(link)
+        self._forget_inflight(link)
+        try:
+            await asyncio.sleep(delay)
+            if not self._stop.is_set():
+                self._connect(link)
+        finally:
+            link.reconnecting = False
 
-    def _forget_inflight(self) -> None:
-        """The router no longer knows our requests: stop them, telling nobody."""
-        ids = self.engine.live_ids()
+    def _forget_inflight(self, link: _Link) -> None:
+        """That router no longer knows its requests here: stop them, telling nobody."""
+        ids = self.ledger.drop(link.index)
         if ids:
-            log.warning("worker %s: aborting %d in-flight requests", self.wcfg.id, len(ids))
-            self.engine.abort(ids, tell=False)
-        self._traces.clear()
+            log.warning("worker %s: aborting %d in-flight requests of router %s", self.wcfg.id, len(ids),
+                        link.address)
+            self.engine.abort([link.prefix + rid for rid in ids], tell=False)
+            for rid in ids:
+                self._traces.pop(link.prefix + rid, None)
 
     async def _read_gpu(self) -> GpuInfo:
         """NVML off the event loop (five calls a heartbeat: ~ms on some boards,
@@ -255,7 +311,7 @@ class Worker:
 
     # -- router -> worker ------------------------------------------------------
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, link: _Link, frames: list[bytes]) -> None:
         try:
             if len(frames) != 1:
                 raise ValueError(f"{len(frames)} frames")
@@ -265,20 +321,39 @@ class Worker:
             if self._malformed <= 10 or self._malformed % 1000 == 0:
                 log.warning("worker %s: dropped malformed message #%d: %s", self.wcfg.id, self._malformed, e)
             return
-        self._last_heard = self.loop.time()
-        self._backoff = BACKOFF_INITIAL_S
+        link.last_heard = self.loop.time()
+        link.backoff = BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
-            if self._log_requests:
-                now = self.loop.time()
-                for req in msg.requests:
-                    self._traces[req.request_id] = (req.trace_id or req.request_id, now)
-            for req in msg.requests:
-                self.engine.submit(req, self._emit)
+            self._on_dispatch(link, msg.requests)
         elif isinstance(msg, Abort):
-            self.engine.abort(msg.request_ids)
+            self.engine.abort([link.prefix + rid for rid in msg.request_ids])
         elif isinstance(msg, Goodbye):
             # The router forgot us (restart, or it timed us out): start afresh.
-            log.warning("worker %s: router said goodbye (%s); registering again", self.wcfg.id, msg.reason)
-            self._forget_inflight()
-            self._register()
+            log.warning("worker %s: router %s said goodbye (%s); registering again", self.wcfg.id,
+                        link.address, msg.reason)
+            self._forget_inflight(link)
+            self._register(link)
         # Heartbeat: liveness only, recorded above.
+
+    def _on_dispatch(self, link: _Link, requests: list) -> None:
+        ledger, prefix, index = self.ledger, link.prefix, link.index
+        block = self.register_msg.block_size
+        refused = []
+        if self._log_requests:
+            now = self.loop.time()
+            for req in requests:
+                self._traces[prefix + req.request_id] = (req.trace_id or req.request_id, now)
+        for req in requests:
+            rid = req.request_id
+            tokens = req.kv_tokens or kv_tokens_of(req.prompt_tokens, req.params.max_tokens, req.params.n, block)
+            if not ledger.admit(index, rid, tokens):
+                refused.append(rid)
+                continue
+            req.request_id = prefix + rid
+            self.engine.submit(req, link.emit)
+        if refused:
+            other_tokens, other_seqs = ledger.others(index)
+            log.debug("worker %s: refused %d dispatches of router %s (holding %d tokens, %d seqs of %d, %d)",
+                     self.wcfg.id, len(refused), link.address, ledger.tokens, ledger.seqs, ledger.budget,
+                     ledger.slots)
+            self._send(link, Refuse(refused, other_tokens, other_seqs))

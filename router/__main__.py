@@ -29,8 +29,8 @@ from shared.transport import SocketPump
 log = logging.getLogger("weir.router")
 
 
-async def serve(config_path: str | None) -> None:
-    cfg = load(config_path)
+async def serve(config_path: str | None, index: int = 0) -> None:
+    cfg = load(config_path).for_router(index)  # router `index` of [[routers]]: its own three addresses
     logging.getLogger().setLevel(cfg.router.log_level.upper())
     if cfg.logging.format == "json":
         use_json("router")
@@ -85,9 +85,14 @@ async def serve(config_path: str | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m router")
     ap.add_argument("--config", default=None, help="weir TOML config (default: deploy/weir.toml)")
+    ap.add_argument("--index", type=int, default=0, help="which of the config's [[routers]] this is (default 0)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvloop.run(serve(args.config))
+    try:
+        load(args.config).router_endpoints()[args.index]
+    except IndexError:
+        ap.error(f"--index {args.index}: the config has no such router")
+    uvloop.run(serve(args.config, args.index))
 
 
 if __name__ == "__main__":

@@ -416,6 +416,7 @@ class RouterCore:
     def _dispatch(self, j: _Job, action: DispatchJob, now: float) -> None:
         req = j.request
         req.priority = action.priority
+        req.kv_tokens = self.policy.cost_of(j.job_id)  # what the worker's own ledger admits it on
         if not self.workers.dispatch(action.worker_id, req):
             # The policy placed it on a worker the link no longer has: a bug
             # somewhere, but not the client's -- release and queue it again.
@@ -530,8 +531,26 @@ class RouterCore:
     def worker_stats(self, worker_id: str, stats: p.WorkerStats, accepting: bool = True) -> None:
         """A heartbeat's news; ``accepting`` False: draining, dispatch nothing new there."""
         self.policy.update_worker(worker_id, self.clock(), healthy=accepting,
-                                  gpu_used_bytes=stats.gpu_used_bytes or None, gpu=stats.gpu)
+                                  gpu_used_bytes=stats.gpu_used_bytes or None, gpu=stats.gpu,
+                                  other_tokens=stats.other_tokens, other_seqs=stats.other_seqs)
         self._schedule_policy()
+
+    def refused(self, worker_id: str, job_ids: list[str], other_tokens: int, other_seqs: int) -> None:
+        """The worker's own ledger refused these dispatches (other routers hold
+        its room: README, Scaling out).  Nothing started there: each is
+        released and queued again by its arrival, exactly as a lost worker's
+        unstarted job; the worker's figures make this router's view of it
+        at least as full as the worker, so it is not placed there again until
+        something is released."""
+        now = self.clock()
+        self.policy.update_worker(worker_id, now, healthy=self.policy.is_healthy(worker_id),
+                                  other_tokens=other_tokens, other_seqs=other_seqs)
+        for job_id in job_ids:
+            j = self.jobs.get(job_id)
+            if j is None or self.policy.worker_of(job_id) != worker_id:
+                continue  # ended or moved meanwhile
+            self.policy.refused(job_id, now)
+            self._requeue(j, now)
 
     def running_on(self, worker_id: str) -> list[str]:
         return self.policy.running_on(worker_id)

@@ -50,8 +50,19 @@ Model of the world
   borrowed idle long worker; a long job prefers long, then "any"), then the
   highest sum of three fractions, each 0..1: KV budget left after placing the
   job, seq slots left, GPU memory free (0 without a GPU) -- i.e. least loaded
-  first, which keeps batches (and so step times) even.  Ties go to the lowest
+  first, which keeps batches (and so step times) even (``_score``: one
+  function, every term of a candidate's score).  Ties go to the lowest
   worker id, which keeps runs deterministic.
+* **Placement cost.**  Up to ``PLACE_SCAN_ALL`` workers of a model every
+  worker is scored, as above.  Beyond, the policy keeps, per model and pool,
+  the set of workers with a free sequence slot (updated in O(1) at each
+  dispatch, release and heartbeat) and scores ``PLACE_SAMPLE`` drawn at
+  random from the sets the job may use (a second draw if none fits), so
+  placement costs the same at 1,024 workers as at 16 -- the power of k
+  choices, as SMG's router does; a seeded generator keeps runs
+  deterministic.  A head that fits none drawn is skipped this pass
+  (backfill), and once due the closest worker is reserved for it
+  (``_reserve_target``, a full scan, only then).
 * **Pools.**  Long work never lands on a short-only worker.  Short work may
   borrow a long-pool worker when ``borrow_idle_long`` and no long work of that
   model is queued (the long worker is idle as far as long work goes).
@@ -80,6 +91,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
@@ -115,6 +127,11 @@ DEFAULT_PREFILL_TOKEN_S = SimEngineConfig().prefill_token_us / 1e6
 # sequence waits for.
 DEFAULT_REQUEST_S = SimEngineConfig().admit_request_us / 1e6
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 3600.0
+# Placement: up to this many workers of a model, score each one; beyond,
+# score PLACE_SAMPLE drawn from those with a free slot (bench/scenarios/placement.py:
+# the per-request cost then stays flat from 16 to 1,024 workers).
+PLACE_SCAN_ALL = 16
+PLACE_SAMPLE = 4
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
 # Plain ints for the hot loops (an IntEnum attribute lookup costs more than the compare).
@@ -210,7 +227,8 @@ class _Entry:
 
 
 class _Worker:
-    __slots__ = ("spec", "healthy", "gpu_used", "gpu_block", "reserved", "running", "budget", "slots")
+    __slots__ = ("spec", "healthy", "gpu_used", "gpu_block", "reserved", "running", "budget", "slots",
+                 "other_tokens", "other_seqs", "free_at")
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
         self.spec = spec
@@ -219,8 +237,13 @@ class _Worker:
         self.gpu_block: Optional[str] = None  # router.gpu_gate: why its GPU takes no new work
         self.reserved = 0
         self.running: dict[str, int] = {}  # job id -> reserved KV tokens
-        self.budget = int(spec.capacity_tokens * (1.0 - cfg.kv_safety_margin) * cfg.overcommit)
-        self.slots = spec.max_num_seqs + max(0, cfg.dispatch_lookahead)  # jobs it may hold at once
+        self.budget = cfg.kv_budget(spec.capacity_tokens)
+        self.slots = cfg.seq_slots(spec.max_num_seqs)  # jobs it may hold at once
+        # Held there for other routers, as the worker last said (heartbeat or
+        # refusal; engine_worker.ledger): counted as taken in placement.
+        self.other_tokens = 0
+        self.other_seqs = 0
+        self.free_at = -1  # its index in its model's free set of its pool (-1: full or unhealthy)
 
 
 class _Queue:
@@ -399,7 +422,7 @@ class _Flow:
 class _Model:
     __slots__ = ("name", "workers", "queues", "class_count", "wrr", "meter", "by_arrival", "last_seen",
                  "eligible", "queued", "tokens", "decode", "tenants", "wsum", "fronts", "fronts_cap",
-                 "inflow", "size_count")
+                 "inflow", "size_count", "free", "capacity_groups")
 
     def __init__(self, name: str, n_classes: int) -> None:
         self.name = name
@@ -430,6 +453,34 @@ class _Model:
         self.fronts_cap = 1024
         self.inflow = [_Flow() for _ in range(n_classes)]  # per class: admitted tokens/s
         self.size_count = [[0, 0] for _ in range(n_classes)]  # per class and size: queued entries
+        # per pool: healthy workers with a free sequence slot, in no order
+        # (swap-remove: O(1) updates), for placement in large fleets
+        self.free: dict[int, list[_Worker]] = {_POOL_ANY: [], _POOL_SHORT: [], _POOL_LONG: []}
+        # the capacity model's inputs, workers grouped by what they registered
+        # with: [step_s, request_s, max_num_seqs, budget, count] (None after a change)
+        self.capacity_groups: Optional[list[list]] = None
+
+    def touch(self, w: _Worker) -> None:
+        """``w``'s running count, health or other routers' share changed: keep
+        the free sets right."""
+        free = w.healthy and len(w.running) + w.other_seqs < w.slots
+        i = w.free_at
+        if free == (i >= 0):
+            return
+        lst = self.free[int(w.spec.pool)]
+        if free:
+            w.free_at = len(lst)
+            lst.append(w)
+        else:
+            last = lst.pop()
+            if last is not w:
+                lst[i] = last
+                last.free_at = i
+            w.free_at = -1
+
+    def has_free(self) -> bool:
+        f = self.free
+        return bool(f[_POOL_ANY] or f[_POOL_SHORT] or f[_POOL_LONG])
 
     def dequeued(self, rank: int) -> None:
         """One entry of class ``rank`` left the queued state (``class_count``
@@ -503,13 +554,15 @@ class Policy:
         self.tenant_count: dict[str, int] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # generation deadlines (lazy heap)
         self._seq = 0
+        self._rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
+        self.place_scan_all = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
         self.counters: dict[str, int] = {
             "submitted": 0, "requeued": 0, "dispatched": 0, "finished": 0, "released": 0,
             "rejected_no_worker": 0, "rejected_context_length": 0, "rejected_queue_full": 0,
             "rejected_tenant_queue_full": 0, "rejected_predicted_wait": 0,
             "rejected_tenant_share": 0, "expired_queue_deadline": 0,
             "aborted_generation_deadline": 0, "lost_with_worker": 0, "backfilled": 0,
-            "aged_dispatches": 0,
+            "aged_dispatches": 0, "refused_by_worker": 0,
         }
 
     # ------------------------------------------------------------ workers
@@ -530,11 +583,16 @@ class Policy:
         m.workers[spec.worker_id] = w
         m.workers = dict(sorted(m.workers.items()))  # by id: ties in placement go to the lowest
         m.eligible = None
+        m.capacity_groups = None
+        m.touch(w)
         _remeasure(m, now)
         return lost
 
     def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
-                      gpu_used_bytes: Optional[int] = None, gpu: Optional[GpuInfo] = None) -> None:
+                      gpu_used_bytes: Optional[int] = None, gpu: Optional[GpuInfo] = None,
+                      other_tokens: Optional[int] = None, other_seqs: Optional[int] = None) -> None:
+        """A worker's news.  ``other_*``: KV tokens and sequences it holds for
+        other routers (several routers over one fleet: README, Scaling out)."""
         w = self.workers.get(worker_id)
         if w is None:
             return
@@ -543,6 +601,20 @@ class Policy:
             w.gpu_used = gpu_used_bytes
         if gpu is not None:
             w.gpu_block = gpu_block(gpu, self.cfg)
+        if other_tokens is not None:
+            w.other_tokens = max(0, other_tokens)
+        if other_seqs is not None:
+            w.other_seqs = max(0, other_seqs)
+        self.models[w.spec.model].touch(w)
+
+    def is_healthy(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        return w is not None and w.healthy
+
+    def cost_of(self, job_id: str) -> int:
+        """KV tokens reserved for a running job on its worker (0: not running)."""
+        e = self.entries.get(job_id)
+        return e.cost if e is not None and e.state == _RUNNING else 0
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
         w = self.workers.pop(worker_id, None)
@@ -552,6 +624,9 @@ class Policy:
         if m is not None:
             m.workers.pop(worker_id, None)
             m.eligible = None
+            m.capacity_groups = None
+            w.healthy = False
+            m.touch(w)  # out of the free sets
             _remeasure(m, now)
         lost = list(w.running)
         for job_id in lost:
@@ -753,12 +828,23 @@ class Policy:
         job as its KV budget holds) at once; a job holds its place for a step
         per output token plus one, plus its prompt's prefill; and each job
         costs the engine its per-request work, serially."""
+        groups = m.capacity_groups
+        if groups is None:  # O(workers) once per fleet change, then O(kinds of worker) per call
+            by_kind: dict[tuple, list] = {}
+            for w in m.workers.values():
+                spec = w.spec
+                key = (spec.step_s(), spec.request_s(), spec.max_num_seqs, w.budget)
+                g = by_kind.get(key)
+                if g is None:
+                    by_kind[key] = [*key, 1]
+                else:
+                    g[4] += 1
+            groups = m.capacity_groups = list(by_kind.values())
         rate = 0.0
         prefill = (tokens - decode) * DEFAULT_PREFILL_TOKEN_S
-        for w in m.workers.values():
-            spec = w.spec
-            at_once = max(1.0, min(spec.max_num_seqs, w.budget * n / tokens))
-            rate += tokens / (((decode + n) * spec.step_s() + prefill) / at_once + n * spec.request_s())
+        for step_s, request_s, max_num_seqs, budget, count in groups:
+            at_once = max(1.0, min(max_num_seqs, budget * n / tokens))
+            rate += count * tokens / (((decode + n) * step_s + prefill) / at_once + n * request_s)
         return rate
 
     def _account(self, m: _Model, e: _Entry, sign: int, now: Optional[float]) -> None:
@@ -827,7 +913,7 @@ class Policy:
         return w.spec.gpu_total_bytes - w.gpu_used >= floor
 
     def _place(self, m: _Model, e: _Entry, exclude: set[str], due: bool,
-               now: float) -> Optional[tuple[_Worker, int]]:
+               now: float, again: bool = False) -> Optional[tuple[_Worker, int]]:
         """Best worker that can take ``e`` now and its KV cost there, or None.
 
         Runs once per dispatch and per worker, so the checks of ``_gpu_ok``
@@ -845,11 +931,15 @@ class Policy:
         cost_bs = cost = -1
         seqs = job.n
         cost_shared = False
+        cap_of = cap = -1  # the class's seq cap on a worker of cap_of slots, computed once per size
+        kv_short = False  # a candidate lacked KV (not a slot): another draw may find one that has it
         best = None
         best_pref = -1
         best_score = 0.0
-        for wid, w in m.workers.items():
-            if not w.healthy or w.gpu_block is not None or wid in exclude:
+        score_of = self._score
+        candidates, complete = self._candidates(m, size, again)
+        for w in candidates:
+            if not w.healthy or w.gpu_block is not None or (exclude and w.spec.worker_id in exclude):
                 continue
             spec = w.spec
             gpu_total = spec.gpu_total_bytes
@@ -867,7 +957,7 @@ class Policy:
                         long_idle = m.long_queued() == 0
                     if not long_idle:
                         continue
-            n = len(w.running)
+            n = len(w.running) + w.other_seqs
             max_seqs = w.slots
             if n >= max_seqs or total > spec.max_model_len:
                 continue
@@ -875,21 +965,94 @@ class Policy:
                 cost_bs, cost_shared = spec.block_size, spec.shares_prompt
                 cost = kv_cost(prompt, max_tokens, cost_bs, seqs, cost_shared)
             budget = w.budget
-            after = w.reserved + cost
+            after = w.reserved + w.other_tokens + cost
             if after > budget:
+                kv_short = True
                 continue
-            if n > 0 and (after > budget * limit or n >= max(1, int(max_seqs * limit))):
-                continue  # class headroom: the rest is kept for higher classes
+            if n > 0 and limit < 1.0:
+                if max_seqs != cap_of:
+                    cap_of, cap = max_seqs, max(1, int(max_seqs * limit))
+                if n >= cap:
+                    continue  # class headroom: the rest is kept for higher classes
+                if after > budget * limit:
+                    kv_short = True
+                    continue
             pref = 2 if pool == own_pool else (1 if pool == _POOL_ANY else 0)
             if pref < best_pref:
                 continue
-            score = (budget - after) / budget + (max_seqs - n - 1) / max_seqs
-            if gpu_total > 0 and w.gpu_used is not None:
-                score += max(0, gpu_total - w.gpu_used) / gpu_total
+            score = score_of(w, e, after, n)
             # (pref, score) beats the best so far; ties keep the lower worker id
             if best is None or pref > best_pref or score > best_score:
                 best, best_pref, best_score = (w, cost), pref, score
+        if best is None and kv_short and not complete and not again:
+            # Nothing drawn had the KV (a KV-heavy job among workers with free
+            # slots): one more draw, then it waits this pass.  (Short of slots
+            # or class headroom, a redraw rarely finds better and doubled the
+            # cost of a miss: 187 -> ~120 us a request at 100,000 queued.)
+            return self._place(m, e, exclude, due, now, again=True)
         return best
+
+    def _score(self, w: _Worker, e: _Entry, after: int, n: int) -> float:
+        """How good a home ``w`` is for ``e`` (higher is better), given that
+        it may take it: KV budget left once placed (``after`` tokens held),
+        seq slots left (``n`` held now) and GPU memory free, each 0..1 --
+        least loaded first.  The one place a term of placement goes."""
+        budget, max_seqs = w.budget, w.slots
+        score = (budget - after) / budget + (max_seqs - n - 1) / max_seqs
+        gpu_total = w.spec.gpu_total_bytes
+        if gpu_total > 0 and w.gpu_used is not None:
+            score += max(0, gpu_total - w.gpu_used) / gpu_total
+        return score
+
+    def _candidates(self, m: _Model, size: int, again: bool):
+        """The workers ``_place`` scores, and whether they are all it could:
+        every worker of a small fleet (in id order), else PLACE_SAMPLE from
+        the free sets of the pools a job of this size may use, in order of
+        preference (a short job: short, any, long) -- a pool's whole set while
+        it is smaller than what is left to draw -- or, the second time
+        (``again``), drawn across all of them alike."""
+        if len(m.workers) <= self.place_scan_all:
+            return m.workers.values(), True
+        free = m.free
+        if size == LONG:
+            pools = (free[_POOL_LONG], free[_POOL_ANY])
+        elif self.fifo or self.cfg.borrow_idle_long:
+            pools = (free[_POOL_SHORT], free[_POOL_ANY], free[_POOL_LONG])
+        else:
+            pools = (free[_POOL_SHORT], free[_POOL_ANY])
+        total = 0
+        for p in pools:
+            total += len(p)
+        if total <= PLACE_SAMPLE:
+            return [w for p in pools for w in p], True
+        draw = self._rng.random  # (int(draw() * n): a third of randrange's cost)
+        out: list[_Worker] = []
+        if not again:
+            for p in pools:
+                left = PLACE_SAMPLE - len(out)
+                n = len(p)
+                if n <= left:
+                    out.extend(p)
+                else:
+                    out.extend([p[int(draw() * n)] for _ in range(left)])
+                    break
+            return out, False
+        for _ in range(PLACE_SAMPLE):
+            i = int(draw() * total)
+            for p in pools:
+                if i < len(p):
+                    out.append(p[i])
+                    break
+                i -= len(p)
+        return out, False
+        for _ in range(PLACE_SAMPLE):
+            i = rng.randrange(total)
+            for p in pools:
+                if i < len(p):
+                    out.append(p[i])
+                    break
+                i -= len(p)
+        return out, False
 
     def _reserve_target(self, m: _Model, e: _Entry, exclude: set[str]) -> Optional[str]:
         """The worker a due head is waiting for: the eligible one closest to fitting it."""
@@ -906,7 +1069,7 @@ class Policy:
             cost = kv_cost(prompt, job.max_tokens, w.spec.block_size, job.n, w.spec.shares_prompt)
             if cost > w.budget:
                 continue
-            key = (w.budget - w.reserved - cost, -len(w.running))
+            key = (w.budget - w.reserved - w.other_tokens - cost, -len(w.running) - w.other_seqs)
             if best_key is None or key > best_key:
                 best, best_key = wid, key
         return best
@@ -971,8 +1134,7 @@ class Policy:
                 continue  # nothing queued: nothing to expire or dispatch
             self._expire_queued(m, now, actions)
             # cheap exit for the common busy case: every worker full (or unusable)
-            if any(m.class_count) and any(len(w.running) < w.slots and w.healthy
-                                          for w in m.workers.values()):
+            if any(m.class_count) and m.has_free():
                 self._dispatch_model(m, now, actions)
         return actions
 
@@ -1031,6 +1193,8 @@ class Policy:
         e.dispatched_at = now
         w.running[job.job_id] = cost
         w.reserved += cost
+        if len(w.running) + w.other_seqs >= w.slots:
+            m.touch(w)
         if self.cfg.generation_deadline_s > 0:
             h = self._deadlines
             if len(h) > 1024 and len(h) > 4 * len(self.entries):
@@ -1098,8 +1262,11 @@ class Policy:
         w = self.workers.get(e.worker) if e.worker else None
         if w is not None and w.running.pop(e.job.job_id, None) is not None:
             w.reserved -= e.cost
+            m = self._model(w.spec.model)
+            if w.free_at < 0:
+                m.touch(w)
             if count_rate:
-                self._model(w.spec.model).meter.add(now, e.tokens)
+                m.meter.add(now, e.tokens)
         self.counters["released"] += 1
 
     def finish(self, job_id: str, now: float) -> bool:
@@ -1122,6 +1289,17 @@ class Policy:
             return True
         self._release(e, now, count_rate=True)
         self.counters["finished"] += 1
+        return True
+
+    def refused(self, job_id: str, now: float) -> bool:
+        """Its worker refused the dispatch (its own ledger: other routers hold
+        the room): release without counting a completion (no drain-rate
+        sample); the caller queues it again (``submit(requeue=True)``)."""
+        e = self.entries.get(job_id)
+        if e is None or e.state != _RUNNING:
+            return False
+        self._release(e, now, count_rate=False)
+        self.counters["refused_by_worker"] += 1
         return True
 
     def correct_prompt_tokens(self, job_id: str, actual: int) -> None:
@@ -1214,6 +1392,7 @@ class Policy:
             "healthy": w.healthy and self._gpu_ok(w), "capacity_tokens": w.spec.capacity_tokens,
             "budget_tokens": w.budget, "reserved_tokens": w.reserved, "running": len(w.running),
             "max_num_seqs": w.spec.max_num_seqs, "gpu_block": w.gpu_block,
+            "other_routers_tokens": w.other_tokens, "other_routers_seqs": w.other_seqs,
         } for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)]
         # O(classes x models): /metrics reads this at every scrape, also with 100,000 queued
         queues = []

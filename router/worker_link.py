@@ -58,6 +58,8 @@ class WorkerEvents(Protocol):
 
     def on_outputs(self, worker_id: str, deltas: list[p.Delta]) -> None: ...
 
+    def refused(self, worker_id: str, job_ids: list[str], other_tokens: int, other_seqs: int) -> None: ...
+
 
 @dataclass(slots=True, eq=False)
 class LinkedWorker:
@@ -181,6 +183,14 @@ class WorkerLink(RouterPlane):
             if w is not None:
                 log.info("worker %s said goodbye: %s", worker_id, msg.reason)
                 self._remove(w, "goodbye")
+        elif msg.__class__ is p.Refuse:
+            # Other routers hold what this worker has room for (its ledger
+            # said so): a placement miss, the jobs queue again.
+            if w is not None:
+                w.last_seen = now
+                self.metrics.child(self.metrics.worker_events, worker_id, "refused_dispatch").inc(
+                    len(msg.request_ids))
+                self.events.refused(worker_id, msg.request_ids, msg.other_tokens, msg.other_seqs)
 
     def _on_register(self, identity: bytes, worker_id: str, reg: p.Register, now: float) -> None:
         if reg.worker_id != worker_id:

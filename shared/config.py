@@ -88,6 +88,25 @@ class LoggingConfig(_Cfg):
     # default: measured 37 us (text) / 59 us (json) per line on this VM, against
     # the router's ~150-200 us of CPU per request.
     requests: bool = False
+class RouterEndpoint(_Cfg):
+    """One router process of several (``[[routers]]``): its own three listen
+    addresses.  The settings in ``[router]`` apply to all of them."""
+
+    http: str
+    frontend: str
+    backend: str
+    # Where workers dial this router's backend (default: ``backend`` itself,
+    # with a wildcard host read as loopback); a worker's own ``routers`` list wins.
+    worker_connect: Optional[str] = None
+
+    def dial(self) -> str:
+        if self.worker_connect:
+            return self.worker_connect
+        scheme, _, rest = self.backend.partition("://")
+        host, port = split_hostport(rest) if scheme == "tcp" else ("", 0)
+        if scheme == "tcp" and host in ("0.0.0.0", "*", ""):
+            return f"tcp://127.0.0.1:{port}"
+        return self.backend
 
 
 class Budgets(_Cfg):
@@ -183,6 +202,10 @@ class WorkerConfig(_Cfg):
     # a warm-up that fails or outlasts warmup_timeout_s stops the worker (exit 1).
     warmup: bool = True
     warmup_timeout_s: float = 120.0
+    # The routers' backend addresses this worker dials, one link each (default:
+    # every router of the config, ``RouterEndpoint.dial``).  A worker on
+    # another host needs only these and its CURVE key.
+    routers: list[str] = []
 
 
 class ClassConfig(_Cfg):
@@ -238,6 +261,15 @@ class SchedulerConfig(_Cfg):
     # same.  Worth it where a hop is long next to an engine step (bench/README.md).
     dispatch_lookahead: int = 0
 
+    def kv_budget(self, capacity_tokens: int) -> int:
+        """A worker's KV budget: what the router's policy reserves against and
+        the worker's own ledger (engine_worker.ledger) enforces, one formula."""
+        return int(capacity_tokens * (1.0 - self.kv_safety_margin) * self.overcommit)
+
+    def seq_slots(self, max_num_seqs: int) -> int:
+        """Sequences (jobs) a worker may hold at once."""
+        return max_num_seqs + max(0, self.dispatch_lookahead)
+
 
 class KubernetesConfig(_Cfg):
     """What ``deploy/k8s.py`` renders under deploy/k8s/ (README: Operating
@@ -272,6 +304,10 @@ class KubernetesConfig(_Cfg):
 class Config(_Cfg):
     envoy: EnvoyConfig = msgspec.field(default_factory=EnvoyConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    # Several routers over one fleet (README: Scaling out): each entry is one
+    # router process; every worker links to all of them.  Empty: one router
+    # at [router]'s http/frontend/backend.
+    routers: list[RouterEndpoint] = []
     rate_limit: RateLimitConfig = msgspec.field(default_factory=RateLimitConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     api_keys: list[ApiKey] = []
@@ -289,6 +325,22 @@ class Config(_Cfg):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def router_endpoints(self) -> list[RouterEndpoint]:
+        if self.routers:
+            return list(self.routers)
+        r = self.router
+        return [RouterEndpoint(http=r.http, frontend=r.frontend, backend=r.backend)]
+
+    def for_router(self, index: int) -> "Config":
+        """This config as router ``index`` of ``[[routers]]`` runs it: [router]
+        with that entry's three addresses."""
+        ep = self.router_endpoints()[index]
+        return msgspec.structs.replace(self, router=msgspec.structs.replace(
+            self.router, http=ep.http, frontend=ep.frontend, backend=ep.backend))
+
+    def worker_backends(self, wcfg: "WorkerConfig") -> list[str]:
+        return list(wcfg.routers) or [ep.dial() for ep in self.router_endpoints()]
 
     def worker(self, worker_id: str) -> WorkerConfig:
         for w in self.workers:
@@ -346,6 +398,10 @@ def _validate(cfg: Config) -> None:
             v = getattr(b, f)
             if v is not None and v < 1:
                 raise ConfigError(f"{f} = {v}: must be >= 1 (leave it out for no limit)")
+    for field in ("http", "frontend", "backend"):
+        addrs = [getattr(ep, field) for ep in cfg.routers]
+        if len(set(addrs)) != len(addrs):
+            raise ConfigError(f"[[routers]]: two routers share the {field} address")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 

@@ -8,8 +8,11 @@ Two links:
       client -> router:  Submit, Cancel
       router -> client:  Outputs              (one message per client per flush)
   worker (DEALER)  <->  router backend (ROUTER)
-      worker -> router:  Register, Heartbeat, Outputs, Drain, Goodbye
+      worker -> router:  Register, Heartbeat, Outputs, Drain, Goodbye, Refuse
       router -> worker:  Dispatch, Abort, Heartbeat, Goodbye
+  A worker may link to several routers (one DEALER each): its own ledger
+  (engine_worker.ledger) arbitrates their dispatches, and each router hears
+  in Heartbeat/Refuse what the others hold there (README: Scaling out).
 
 Conventions (after vLLM's engine boundary):
   * Structs are ``array_like`` (positional, no field names on the wire),
@@ -313,6 +316,10 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     gpu_total_bytes: int = 0
     gpu: Optional[GpuInfo] = None  # this heartbeat's NVML reading (None: a peer that sends none)
     tokens_total: int = 0  # tokens generated since the engine started (rates: weir stats)
+    # Held on this worker for *other* routers (its ledger, engine_worker.ledger):
+    # KV tokens and sequences the receiving router must count as taken.
+    other_tokens: int = 0
+    other_seqs: int = 0
 
 
 class Heartbeat(_Msg, tag=11):
@@ -338,6 +345,10 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     params: SamplingParams
     priority: int = 0  # lower runs first (vLLM's convention)
     trace_id: str = ""  # Submit.trace_id (or the router's job id): for the worker's log lines
+    # KV tokens the router reserved for it on this worker (router.estimate.kv_cost
+    # at the worker's block size); the worker's ledger admits it on this figure.
+    # 0: not stated (an older router): the worker prices it itself.
+    kv_tokens: int = 0
 
 
 class Dispatch(_Msg, tag=13):
@@ -356,9 +367,20 @@ class Drain(_Msg, tag=15):
     reason: str = ""
 
 
+class Refuse(_Msg, tag=16):
+    """Worker -> router: these dispatched requests were not started -- with
+    what other routers hold here they would exceed the worker's KV budget or
+    sequence slots.  The router releases and queues them again (a placement
+    miss, never a lost request), and counts ``other_*`` as taken from now on."""
+
+    request_ids: list[str]
+    other_tokens: int = 0
+    other_seqs: int = 0
+
+
 ClientToRouter = Union[Submit, Cancel]
 RouterToClient = Outputs
-WorkerToRouter = Union[Register, Heartbeat, Outputs, Drain, Goodbye]
+WorkerToRouter = Union[Register, Heartbeat, Outputs, Drain, Goodbye, Refuse]
 RouterToWorker = Union[Dispatch, Abort, Heartbeat, Goodbye]
 
 encoder = msgspec.msgpack.Encoder()

@@ -152,14 +152,19 @@ _ARRIVE, _STEP, _WAKE = 0, 1, 2
 
 def simulate(cfg: SchedulerConfig, workers: list[SimWorker], workload: Workload,
              drain_s: float = 600.0, retries: int = 0,
-             burst: Optional[list[tuple[float, Kind, str, int, int]]] = None) -> Result:
+             burst: Optional[list[tuple[float, Kind, str, int, int]]] = None,
+             score_every_worker: bool = False) -> Result:
     """Run ``workload`` (or the explicit arrivals ``burst``) through a
     Policy(cfg) and simulated engines until every job has ended (or
     ``drain_s`` after the last arrival).  A request refused at submit with a
     Retry-After is sent again after it (rounded up to whole seconds, as the
-    HTTP header is), up to ``retries`` times."""
+    HTTP header is), up to ``retries`` times.  ``score_every_worker``:
+    placement scores every worker however large the fleet (the policy's
+    behaviour before it sampled candidates in large fleets)."""
     wall0 = time.perf_counter()
     policy = Policy(cfg)
+    if score_every_worker:
+        policy.place_scan_all = math.inf
     engines = {w.worker_id: _Engine(w) for w in workers}
     for e in engines.values():
         policy.add_worker(e.spec, 0.0)
@@ -383,6 +388,22 @@ def scenario_ledger(duration_s: float = 30.0, seed: int = 3):
     rate = 1.2 * saturation_rate(workers, mix)
     wl = Workload(mix, rate, duration_s, seed)
     return simulate(weir_cfg(), workers, wl), simulate(weir_cfg(overcommit=1000.0), workers, wl)
+
+
+def scenario_sampled_placement(n_workers: int = 48, util: float = 0.9, duration_s: float = 30.0, seed: int = 5):
+    """Placement by sampling (fleets over PLACE_SCAN_ALL workers) against
+    scoring every worker, on the same arrivals: (a)'s mix at ``util`` of
+    saturation on ``n_workers`` workers.  Returns (rate, sampled, every)."""
+    workers = fleet(n=n_workers, kv_tokens=16384)
+    rate = util * saturation_rate(workers, (SHORT, LONG), probe_rate=400.0 * n_workers / 2, duration_s=10.0)
+    w = Workload((SHORT, LONG), rate, duration_s, seed)
+    return rate, simulate(weir_cfg(), workers, w), simulate(weir_cfg(), workers, w, score_every_worker=True)
+
+
+def utilisation(res: Result, workers: list[SimWorker]) -> float:
+    """Completed jobs' busy seq-seconds over the fleet's seq-seconds while arrivals came."""
+    busy = sum(min(r.finished, res.sim_time_s) - r.dispatched for r in res.done())
+    return busy / (sum(w.max_num_seqs for w in workers) * res.sim_time_s)
 
 
 def _ms(x: float) -> str:

@@ -53,8 +53,8 @@ def _banner(stack) -> str:
     return f"""
 weir is up.
   OpenAI API (via Envoy):  {stack.envoy_url}/v1
-  router direct (HTTP):    {stack.router_url}   (/v1, /admin/workers)
-  ZeroMQ frontend:         {stack.zmq_frontend}   (shared.client)
+  router direct (HTTP):    {"  ".join(stack.router_urls)}   (/v1, /admin/workers)
+  ZeroMQ frontend:         {"  ".join(stack.zmq_frontends)}   (shared.client)
   Envoy admin:             {stack.admin_url}   (/stats, /stats/prometheus, /clusters)
   metrics (Prometheus):    {stack.metrics_url}
   models:
@@ -92,7 +92,7 @@ def cmd_up(args) -> int:
         say(f"everything ready in {time.monotonic() - t0:.1f} s")
         print(_banner(stack), flush=True)
         # The supervisor restarts whatever exits (it says so); a crash loop of
-        # the router or Envoy ends the stack, a worker's leaves it down.
+        # Envoy or of every router ends the stack, a worker's leaves it down.
         while True:
             time.sleep(0.5)
             if rolling.is_set():
@@ -100,10 +100,11 @@ def cmd_up(args) -> int:
                 # Apply the config again, losing no request: the router reloads
                 # keys and budgets (its own SIGHUP), the workers restart one by one.
                 say("SIGHUP: router reloads keys and budgets; rolling restart of the workers")
-                stack.components["router"].signal_group(signal.SIGHUP)
+                for name in stack.router_names:
+                    stack.components[name].signal_group(signal.SIGHUP)
                 stack.rolling_restart()
-            down = stack.failed & {"router", "envoy"}
-            if down:
+            down = stack.failed & {"envoy", *stack.router_names}
+            if "envoy" in down or set(stack.router_names) <= down:  # (while a router is left, it serves)
                 say(f"error: {', '.join(sorted(down))} in a crash loop: stopping")
                 rc = 1
                 break
