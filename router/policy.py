@@ -51,6 +51,15 @@ Model of the world
   job, seq slots left, GPU memory free (0 without a GPU) -- i.e. least loaded
   first, which keeps batches (and so step times) even.  Ties go to the lowest
   worker id, which keeps runs deterministic.
+* **Prefix affinity** (``_affine``): where the prefix index
+  (router/prefix_index.py) says a worker's cache holds the job's leading
+  prompt blocks, the score gains ``prefix_affinity_weight x`` the cached
+  fraction of the prompt -- only among the workers of the best pool
+  preference whose load score is within ``prefix_load_margin`` of the best.
+  It only chooses among workers that passed every check above (KV ledger,
+  slots, headroom, pools, GPU floor): affinity never over-commits, and the
+  reservation stays the job's full worst case (cached blocks are shared, not
+  pinned: the engine may evict them before the job's prefill).
 * **Pools.**  Long work never lands on a short-only worker.  Short work may
   borrow a long-pool worker when ``borrow_idle_long`` and no long work of that
   model is queued (the long worker is idle as far as long work goes).
@@ -81,9 +90,10 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from router.estimate import kv_cost
+from router.prefix_index import PrefixIndex
 from shared.config import ClassConfig, SchedulerConfig, SimEngineConfig
 from shared.errors import Code, Refusal
 from shared.protocol import Pool, TaskType
@@ -147,6 +157,8 @@ class WorkerSpec:
             return self.step_time_s
         return DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S * max(1, self.max_num_seqs)
     shares_prompt: bool = False  # prefix caching: n sequences hold one prompt (estimate.kv_cost)
+    prefix_hash: str = ""  # its engine's block hash scheme (Register.prefix_hash); "": cache-blind
+    prefix_hash_seed: str = ""
 
 
 @dataclass(slots=True)
@@ -161,6 +173,7 @@ class Job:
     arrival: float
     weight: float = 1.0  # tenant's fair-share weight inside its class
     n: int = 1  # sequences (OpenAI's n): KV and token budgets count all of them
+    block_hashes: Sequence[int] = ()  # the prompt's full blocks (router.block_hash), for prefix affinity
 
 
 class DispatchJob(NamedTuple):
@@ -499,6 +512,8 @@ class Policy:
         self.entries: dict[str, _Entry] = {}
         self.tenant_count: dict[str, int] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # generation deadlines (lazy heap)
+        self.prefix = PrefixIndex(cfg.prefix_index_max_blocks, cfg.prefix_speculative_ttl_s)
+        self.affinity = cfg.prefix_affinity
         self._seq = 0
         self.counters: dict[str, int] = {
             "submitted": 0, "requeued": 0, "dispatched": 0, "finished": 0, "released": 0,
@@ -528,6 +543,9 @@ class Policy:
         m.workers = dict(sorted(m.workers.items()))  # by id: ties in placement go to the lowest
         m.eligible = None
         _remeasure(m, now)
+        if spec.prefix_hash:
+            self.prefix.add_worker(spec.worker_id, spec.model, spec.prefix_hash, spec.block_size,
+                                   spec.prefix_hash_seed)
         return lost
 
     def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
@@ -540,6 +558,7 @@ class Policy:
             w.gpu_used = gpu_used_bytes
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
+        self.prefix.remove_worker(worker_id)
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
@@ -841,6 +860,8 @@ class Policy:
         best = None
         best_pref = -1
         best_score = 0.0
+        hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
+        cands = [] if hits else None  # (pref, score, worker, cost): affinity chooses among them
         for wid, w in m.workers.items():
             if not w.healthy or wid in exclude:
                 continue
@@ -879,9 +900,31 @@ class Policy:
             score = (budget - after) / budget + (max_seqs - n - 1) / max_seqs
             if gpu_total > 0 and w.gpu_used is not None:
                 score += max(0, gpu_total - w.gpu_used) / gpu_total
+            if cands is not None:
+                cands.append((pref, score, w, cost))
             # (pref, score) beats the best so far; ties keep the lower worker id
             if best is None or pref > best_pref or score > best_score:
                 best, best_pref, best_score = (w, cost), pref, score
+        if cands and best is not None:
+            return self._affine(cands, best_pref, best_score, hits, prompt)
+        return best
+
+    def _affine(self, cands: list, best_pref: int, best_score: float, hits: dict[str, int],
+                prompt: int) -> tuple[_Worker, int]:
+        """Prefix affinity, bounded by load: among the candidates of the best
+        pool preference within ``prefix_load_margin`` of the least loaded,
+        the highest load score + weight x cached fraction of the prompt."""
+        floor = best_score - self.cfg.prefix_load_margin
+        weight = self.cfg.prefix_affinity_weight
+        best = None
+        best_total = 0.0
+        for pref, score, w, cost in cands:  # (in worker id order: ties keep the lowest)
+            if pref != best_pref or score < floor:
+                continue
+            cached = hits.get(w.spec.worker_id, 0) * w.spec.block_size
+            total = score + weight * min(1.0, cached / prompt)
+            if best is None or total > best_total:
+                best, best_total = (w, cost), total
         return best
 
     def _reserve_target(self, m: _Model, e: _Entry, exclude: set[str]) -> Optional[str]:
@@ -1024,6 +1067,8 @@ class Policy:
         e.dispatched_at = now
         w.running[job.job_id] = cost
         w.reserved += cost
+        if job.block_hashes and self.affinity:
+            self.prefix.speculate(e.worker, job.block_hashes, now)
         if self.cfg.generation_deadline_s > 0:
             h = self._deadlines
             if len(h) > 1024 and len(h) > 4 * len(self.entries):

@@ -216,6 +216,16 @@ class SchedulerConfig(_Cfg):
     # a worker -> router -> worker round trip; their KV is reserved all the
     # same.  Worth it where a hop is long next to an engine step (bench/README.md).
     dispatch_lookahead: int = 0
+    # Prefix-cache affinity (router/prefix_index.py; README "Scheduling").  A
+    # job whose prompt blocks a worker's cache holds prefers that worker, but
+    # only among the workers that can take it now whose load score (KV budget
+    # left + seq slots left, fractions: 0..2) is within prefix_load_margin of
+    # the least loaded one's, so a hot prefix spreads once its worker fills.
+    prefix_affinity: bool = True
+    prefix_affinity_weight: float = 1.0  # score per unit of cached prompt fraction
+    prefix_load_margin: float = 0.25
+    prefix_index_max_blocks: int = 1_000_000  # index entries per model (LRU beyond)
+    prefix_speculative_ttl_s: float = 2.0  # a dispatched prompt's blocks count as cached until confirmed
 
 
 class Config(_Cfg):
