@@ -31,12 +31,13 @@ import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Drain, Goodbye, Heartbeat, Outputs, Pool, Register,
-                             WorkerStats, encoder, to_worker_decoder)
+from shared.protocol import (Abort, Delta, Dispatch, Drain, Goodbye, Heartbeat, Outputs, Pool, PrefixResync,
+                             Register, WorkerStats, encoder, to_worker_decoder)
 from shared.transport import Outbox, SocketPump
 
 from .base import EngineBase
 from .gpu import read_gpu
+from .prefix_feed import PrefixFeed
 
 log = logging.getLogger("engine_worker")
 
@@ -82,6 +83,9 @@ class Worker:
         self._stop_reason = "shutdown"
         self._draining: Optional[asyncio.Task] = None
         self._malformed = 0
+        # What the engine's prefix cache holds, for the router (engine_worker.prefix_feed).
+        self.prefix_feed = PrefixFeed(self.loop, self._send)
+        self.kv_events = None  # vLLM's event stream (engine_worker.vllm_events)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -111,18 +115,26 @@ class Worker:
     async def run(self) -> int:
         self.loop.add_signal_handler(signal.SIGTERM, self.drain)
         self.loop.add_signal_handler(signal.SIGINT, self.stop, "SIGINT")
+        self.engine.kv_feed = self.prefix_feed
         try:
             info = await self.engine.start()
         except Exception:
             log.exception("worker %s: engine failed to start", self.wcfg.id)
             return 1
+        if info.kv_events_endpoint:
+            from .vllm_events import VllmKvEvents
+
+            self.kv_events = VllmKvEvents(self.ctx, self.pump, self.loop, info.kv_events_endpoint,
+                                          info.kv_events_replay or None, self.prefix_feed,
+                                          self.engine.reset_prefix_cache)
         gpu = read_gpu(self.wcfg.gpu_index)
         self.register_msg = Register(
             worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],
             max_model_len=info.max_model_len, kv_capacity_tokens=info.kv_capacity_tokens,
             block_size=info.block_size, max_num_seqs=info.max_num_seqs, engine=info.engine, gpu=gpu,
             step_time_s=info.step_time_s, request_overhead_s=info.request_overhead_s,
-            prefix_caching=info.prefix_caching,
+            prefix_caching=info.prefix_caching, prefix_hash=info.prefix_hash,
+            prefix_hash_seed=info.prefix_hash_seed,
         )
         if not self._stop.is_set():
             self._connect()
@@ -141,6 +153,8 @@ class Worker:
             self.outbox.flush()
             self._send(Goodbye(self._stop_reason))
             self._close_socket(linger_ms=GOODBYE_LINGER_MS)
+        if self.kv_events is not None:
+            self.kv_events.close()
         try:
             await self.engine.shutdown()
         except Exception:
@@ -165,6 +179,8 @@ class Worker:
 
     def _register(self) -> None:
         self._send(self.register_msg)
+        if self.register_msg.prefix_hash:  # the router learns its cache anew with every registration
+            self.prefix_feed.snapshot()
         if self._draining is not None:  # a router that (re)learns of us while we drain: still draining
             self._send(Drain("SIGTERM"))
 
@@ -191,7 +207,7 @@ class Worker:
             if self.loop.time() - self._last_heard > self.interval * self.liveness:
                 await self._reconnect()
                 continue
-            self._send(Heartbeat(self.stats()))
+            self._send(Heartbeat(self.stats(), self.prefix_feed.seq))
 
     async def _reconnect(self) -> None:
         delay, self._backoff = self._backoff, min(self._backoff * 2, BACKOFF_MAX_S)
@@ -236,6 +252,9 @@ class Worker:
                 self.engine.submit(req, self._emit)
         elif isinstance(msg, Abort):
             self.engine.abort(msg.request_ids)
+        elif isinstance(msg, PrefixResync):
+            log.info("worker %s: router asks for its prefix cache (%s)", self.wcfg.id, msg.reason)
+            self.prefix_feed.snapshot()
         elif isinstance(msg, Goodbye):
             # The router forgot us (restart, or it timed us out): start afresh.
             log.warning("worker %s: router said goodbye (%s); registering again", self.wcfg.id, msg.reason)

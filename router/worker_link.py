@@ -58,6 +58,10 @@ class WorkerEvents(Protocol):
 
     def on_outputs(self, worker_id: str, deltas: list[p.Delta]) -> None: ...
 
+    def prefix_news(self, worker_id: str, msg) -> bool: ...
+
+    def prefix_seq(self, worker_id: str, seq: int) -> bool: ...
+
 
 @dataclass(slots=True, eq=False)
 class LinkedWorker:
@@ -162,6 +166,13 @@ class WorkerLink(RouterPlane):
             if msg.stats is not None:
                 w.stats = msg.stats
                 self.events.worker_stats(worker_id, msg.stats, accepting=w.drain_deadline is None)
+            if msg.prefix_seq >= 0 and self.events.prefix_seq(worker_id, msg.prefix_seq):
+                self._send(identity, p.PrefixResync("heartbeat: prefix updates missing"))
+        elif msg.__class__ is p.PrefixEvents or msg.__class__ is p.PrefixSnapshot:
+            if w is not None:
+                w.last_seen = now
+                if self.events.prefix_news(worker_id, msg):
+                    self._send(identity, p.PrefixResync("prefix events out of order"))
         elif isinstance(msg, p.Drain):
             if w is not None:
                 log.info("worker %s is draining (%s)", worker_id, msg.reason)
