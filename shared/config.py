@@ -151,6 +151,11 @@ class SimEngineConfig(_Cfg):
     max_prefill_tokens: int = 2048  # chunked-prefill budget per step
     zero_cost: bool = False  # no sleeping at all: measures pure dataplane overhead
     admit_request_us: float = 1100.0  # per request newly admitted in the step (frontend/tokenizer work)
+    # A prefix cache after vLLM's (simulation/core.py): prompt blocks named by
+    # the router's hashes (GenerateRequest.block_hashes) stay cached after
+    # their request ends, LRU-evicted when blocks run out; cached tokens skip
+    # prefill; the engine reports them as vLLM's KV events do.
+    prefix_caching: bool = False
 
 
 class WorkerConfig(_Cfg):
