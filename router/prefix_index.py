@@ -41,8 +41,8 @@ from typing import Iterable, Optional, Sequence
 from router.block_hash import SUPPORTED, BlockHasher
 
 _SWEEP_AFTER = 32  # retired bits before a full sweep (each makes every mask one bit wider)
-# A lost worker's entries are swept at once up to this index size (~30 ms
-# here); beyond it they are dropped lazily (they stopped counting at once).
+# A retired bit's entries are swept at once up to this index size (~30 ms
+# here); beyond it lazily (they stopped counting at once).
 _EAGER_SWEEP_MAX = 100_000
 
 
@@ -106,8 +106,6 @@ class PrefixIndex:
         if w is not None:
             mi = self.models[w.model]
             self._retire(mi, w)
-            if mi.retired and len(mi.blocks) <= _EAGER_SWEEP_MAX:
-                self._sweep(mi)
             if not any(x.model == w.model for x in self.workers.values()):
                 mi.hasher = None  # the next worker of this model sets the scheme again
 
@@ -304,7 +302,7 @@ class PrefixIndex:
         mi.by_bit.pop(bit, None)
         mi.retired.add(bit)
         w.blocks = 0
-        if len(mi.retired) >= _SWEEP_AFTER:
+        if len(mi.retired) >= _SWEEP_AFTER or len(mi.blocks) <= _EAGER_SWEEP_MAX:
             self._sweep(mi)
 
     def _sweep(self, mi: _ModelIndex) -> None:
