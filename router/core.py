@@ -182,7 +182,8 @@ class RouterCore:
         self._next_handle += 1
         j = _Job("%x" % handle, sub, sink, who, now)
         prompts = self.prompts[sub.model]
-        hasher = self.policy.prefix.hasher(sub.model) if self.cfg.scheduler.prefix_affinity else None
+        # (hashed even without affinity: the simulated engine names its cached blocks by them)
+        hasher = self.policy.prefix.hasher(sub.model)
         if prompts.inline(sub):
             try:
                 tokens = tokenize_hashed(prompts, sub, hasher)

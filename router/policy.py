@@ -514,6 +514,8 @@ class Policy:
         self._deadlines: list[tuple[float, int, str]] = []  # generation deadlines (lazy heap)
         self.prefix = PrefixIndex(cfg.prefix_index_max_blocks, cfg.prefix_speculative_ttl_s)
         self.affinity = cfg.prefix_affinity
+        self.round_robin = cfg.placement == "round_robin"
+        self._rr = 0  # dispatches so far (round-robin placement)
         self._seq = 0
         self.counters: dict[str, int] = {
             "submitted": 0, "requeued": 0, "dispatched": 0, "finished": 0, "released": 0,
@@ -862,6 +864,7 @@ class Policy:
         best_score = 0.0
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
         cands = [] if hits else None  # (pref, score, worker, cost): affinity chooses among them
+        order = list(m.workers) if self.round_robin else None
         for wid, w in m.workers.items():
             if not w.healthy or wid in exclude:
                 continue
@@ -900,6 +903,8 @@ class Policy:
             score = (budget - after) / budget + (max_seqs - n - 1) / max_seqs
             if gpu_total > 0 and w.gpu_used is not None:
                 score += max(0, gpu_total - w.gpu_used) / gpu_total
+            if order is not None:  # round robin: the nearest after the last one used
+                score = -float((order.index(wid) - self._rr) % len(order))
             if cands is not None:
                 cands.append((pref, score, w, cost))
             # (pref, score) beats the best so far; ties keep the lower worker id
@@ -1069,6 +1074,8 @@ class Policy:
         w.reserved += cost
         if job.block_hashes and self.affinity:
             self.prefix.speculate(e.worker, job.block_hashes, now)
+        if self.round_robin:
+            self._rr = list(m.workers).index(e.worker) + 1
         if self.cfg.generation_deadline_s > 0:
             h = self._deadlines
             if len(h) > 1024 and len(h) > 4 * len(self.entries):

@@ -231,6 +231,10 @@ class SchedulerConfig(_Cfg):
     prefix_load_margin: float = 0.25
     prefix_index_max_blocks: int = 1_000_000  # index entries per model (LRU beyond)
     prefix_speculative_ttl_s: float = 2.0  # a dispatched prompt's blocks count as cached until confirmed
+    # "round_robin": the next feasible worker in id order after the last one
+    # dispatched to, instead of the least loaded: a baseline for benchmarks
+    # (bench/scenarios/prefix.py), not for serving.
+    placement: Literal["least_loaded", "round_robin"] = "least_loaded"
 
 
 class Config(_Cfg):
