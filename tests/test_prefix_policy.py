@@ -74,6 +74,11 @@ def test_index_cap_evicts_least_recent_and_counts_stay_exact():
     assert ix.match("m", [1, 2, 3], 0.0) == {"a": 3}  # recently used: kept
     assert ix.match("m", [4], 0.0) == {}  # the least recent went
     assert ix.view()["models"]["m"]["evicted"] == 5
+    big = PrefixIndex(max_blocks=6400)
+    big.add_worker("a", "m", "sim", 16)
+    big.snapshot("a", 0, range(7000))
+    assert 6400 - 100 <= big.size("m") <= 6400  # evicted in batches of cap / 64
+    assert big.match("m", [6999], 0.0) == {"a": 1} and big.match("m", [0], 0.0) == {}
 
 
 def test_index_speculation_expires_and_blind_workers_get_none():

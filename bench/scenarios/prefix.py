@@ -14,7 +14,7 @@ Reported per (workload, placement): TTFT p50/p90/p99, output throughput,
 prefix hit rate (cached / prompt tokens, the engines' own counts) and load
 imbalance (max / mean prompt tokens served per worker).
 
-    python -m bench.scenarios.prefix [--engine sim|vllm] [--workers 4] [--rate 60] [--duration 20]
+    python -m bench.scenarios.prefix [--engine sim|vllm] [--workers 4] [--rate 10] [--duration 30]
 
 ``--engine sim`` (default): simulated workers with their prefix cache
 (``prefix_caching``, calibrated against vLLM's CPU build: bench/README.md).
@@ -122,14 +122,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scenarios.prefix", description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--rate", type=float, default=60.0, help="requests per second")
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    ap.add_argument("--rate", type=float, default=10.0, help="requests per second")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     ap.add_argument("--tenants", type=int, default=16)
     ap.add_argument("--system-tokens", type=int, default=2048)
     ap.add_argument("--turn-tokens", type=int, default=64)
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
+    ap.add_argument("--prefill-us", type=float, default=160.0,
+                    help="sim prefill cost per token (us): 160 = what a cache hit saved per cached token on the "
+                         "real tiny vLLM CPU worker with the deployment's one OpenMP thread (bench/README.md)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -138,8 +141,8 @@ def main(argv=None) -> int:
     n = int(args.rate * args.duration)
     if sim:
         model = common.SIM_MODEL
-        workers = [common.sim_worker(f"sim-{i}", max_num_seqs=64, prefix_caching=True)
-                   for i in range(args.workers)]
+        workers = [common.sim_worker(f"sim-{i}", max_num_seqs=64, prefix_caching=True,
+                                     prefill_token_us=args.prefill_us) for i in range(args.workers)]
         models = None
     else:
         model = common.VLLM_MODEL
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
             print(row, flush=True)
     lines = [common.header(f"Prefix-aware routing ({args.engine}, {len(workers)} workers)", ["bench.scenarios.prefix",
                                                                                           *(argv or [])]),
-             f"{n} requests per run at {args.rate:g} req/s (Poisson), {args.tenants} tenants x "
+             f"{n} requests per run at {args.rate:g} req/s (Poisson), "
+             f"{'sim prefill %g us/token, ' % args.prefill_us if sim else ''}{args.tenants} tenants x "
              f"{args.system_tokens}-token system prompts, turns of {args.turn_tokens} tokens (up to "
              f"{args.max_turns} per conversation), {args.max_tokens} output tokens; shared 2-core machine.\n",
              "| workload | placement | TTFT p50 ms | p90 ms | p99 ms | output tok/s | hit rate | imbalance | errors |",
