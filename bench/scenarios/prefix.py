@@ -134,6 +134,7 @@ def main(argv=None) -> int:
                     help="sim prefill cost per token (us): 160 = what a cache hit saved per cached token on the "
                          "real tiny vLLM CPU worker with the deployment's one OpenMP thread (bench/README.md)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workloads", default="shared,control")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     sim = args.engine == "sim"
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
                    for i in range(min(args.workers, 2))]
         models = common.localconfig.models(vllm_max_model_len=4096)
     rows = []
-    for sharing in (True, False):
+    ttfts: dict[str, list[float]] = {}
+    for sharing in [w == "shared" for w in args.workloads.split(",")]:
         prompts = make_requests(n, sharing, args.tenants, args.system_tokens, args.turn_tokens, args.max_turns,
                                 args.seed, sim)
         for name in args.placements.split(","):
@@ -174,6 +176,7 @@ def main(argv=None) -> int:
                    "imbalance": max(loads) / statistics.mean(loads) if statistics.mean(loads) else float("nan"),
                    "prompt_tokens_mean": prompt_total / max(1, len(ok))}
             rows.append(row)
+            ttfts[f"{row['workload']} {name}"] = [r["ttft"] * 1e3 for r in ok]
             print(row, flush=True)
     lines = [common.header(f"Prefix-aware routing ({args.engine}, {len(workers)} workers)", ["bench.scenarios.prefix",
                                                                                           *(argv or [])]),
@@ -189,8 +192,32 @@ def main(argv=None) -> int:
                      f"{r['imbalance']:.2f} | {r['errors']} |")
     print("\n".join(lines))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    common.save(out, "prefix.json", rows)
+    common.save(out, "prefix.json", {"rows": rows, "ttft_ms": ttfts})
+    plot(ttfts, out / f"prefix_{args.engine}_ttft_cdf.png", f"TTFT, {args.engine} workers")
     return 0
+
+
+def plot(series: dict[str, list[float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, xs in series.items():
+        xs = sorted(xs)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name,
+                    linestyle="-" if name.startswith("shared") else ":")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
