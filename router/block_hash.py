@@ -103,7 +103,7 @@ class BlockHasher:
         span = 4 * self.block_size
         parent = self._none
         out = []
-        for i in range(count // self.block_size):
+        for i in range(min(count // self.block_size, len(data) // span)):  # (only blocks of real text)
             parent = hashlib.blake2b(parent + data[i * span:(i + 1) * span], digest_size=8).digest()
             out.append(int.from_bytes(parent, "big"))
         return out
