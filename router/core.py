@@ -39,7 +39,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import msgspec
 
@@ -48,7 +48,7 @@ from router.block_hash import SIM, BlockHasher
 from router.metrics import RouterMetrics
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
 from router.prefix_metrics import PrefixMetrics
-from router.prompts import ModelPrompts, PromptTokens
+from router.prompts import ModelPrompts
 from router.quota import Hold, Quota
 from shared import protocol as p
 from shared.config import Config
@@ -61,20 +61,26 @@ _DEFAULT_PARAMS = p.SamplingParams()
 _FALLBACK_ON = frozenset((Code.NO_WORKER, Code.QUEUE_FULL, Code.QUEUE_WAIT_EXCEEDED, Code.QUEUE_DEADLINE))
 
 
+class PromptTokens(NamedTuple):
+    """router.prompts.PromptTokens plus the prompt's block hashes."""
+
+    ids: list[int]  # exact token ids; empty when the model has no tokenizer
+    count: int  # len(ids), or the estimate
+    hashes: Sequence[int] = ()  # its full blocks as its model's engines hash them (router.block_hash)
+
+
 def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: Optional[BlockHasher]) -> PromptTokens:
     """Tokens, and the prompt's block hashes as its model's engines compute
     them (prefix affinity): in the same place, on the tokenizing thread for
     long prompts, so hashing never stalls the loop either."""
-    tokens = prompts.tokenize(sub)
+    ids, count = prompts.tokenize(sub)
     if hasher is None:
-        return tokens
+        return PromptTokens(ids, count)
     if hasher.algo == SIM:  # the simulated engine's blocks: the text it was counted by
         text = sub.prompt if sub.kind == p.RequestKind.COMPLETION else "".join(
             m.role + "\n" + m.content + "\n" for m in sub.messages)
-        return tokens._replace(hashes=hasher.text_hashes(text, tokens.count))
-    if tokens.ids:
-        return tokens._replace(hashes=hasher.hashes(tokens.ids))
-    return tokens
+        return PromptTokens(ids, count, hasher.text_hashes(text, count))
+    return PromptTokens(ids, count, hasher.hashes(ids) if ids else ())
 
 
 class RequestSink(Protocol):
@@ -322,7 +328,8 @@ class RouterCore:
                 continue  # the one that just refused it
             model = self.models_by_name[name]
             try:
-                tokens = self.prompts[name].tokenize(j.sub)  # (a rare path: inline whatever its length)
+                # (a rare path: inline whatever its length)
+                tokens = tokenize_hashed(self.prompts[name], j.sub, self.policy.prefix.hasher(name))
             except ValueError:
                 continue
             max_tokens = resolve_max_tokens(j.sub, tokens.count, model.max_model_len)

@@ -37,7 +37,7 @@ import json
 import os
 import threading
 from datetime import datetime
-from typing import Sequence, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 from router.estimate import estimate_chat, estimate_text
 from shared.protocol import RequestKind, StructuredOutput, Submit
@@ -165,7 +165,6 @@ class TokenText:
 class PromptTokens(NamedTuple):
     ids: list[int]  # exact token ids; empty when the model has no tokenizer
     count: int  # len(ids), or the estimate
-    hashes: Sequence[int] = ()  # the prompt's full blocks as its engines hash them (router.block_hash)
 
 
 def prompt_chars(sub: Submit) -> int:
