@@ -88,6 +88,9 @@ async def drive(frontend: str, model: str, prompts: list[str], rate: float, max_
             except Exception as e:  # a refusal counts as such, not as a latency
                 out.append({"error": str(e)})
                 return
+            if first is None or last is None:  # ended without a token (an engine error Delta)
+                out.append({"error": getattr(getattr(last, "error", None), "message", "no output")})
+                return
             out.append({"ttft": first - t0, "end": time.perf_counter(), "prompt": last.prompt_tokens,
                         "cached": last.cached_tokens, "tokens": last.completion_tokens})
 
