@@ -41,12 +41,16 @@ class EngineInfo:
     step_time_s: float = 0.0  # a full batch's step (0: unknown)
     request_overhead_s: float = 0.0  # per newly admitted request (0: unknown)
     prefix_caching: bool = False  # n sequences share their prompt's KV blocks
+    prefix_hash: str = ""  # the engine reports its cache (PrefixFeed) with this block hash scheme
+    prefix_hash_seed: str = ""
+    kv_events_endpoint: str = ""  # vLLM: its KV event publisher (engine_worker.vllm_events)
+    kv_events_replay: str = ""
 
 
 class Live:
     """One live request: where its Deltas go and what it has produced."""
 
-    __slots__ = ("emit", "prompt_tokens", "completion_tokens", "sent", "handle", "open", "engine_id")
+    __slots__ = ("emit", "prompt_tokens", "completion_tokens", "sent", "handle", "open", "engine_id", "cached")
 
     def __init__(self, emit: Emit, prompt_tokens: int, n: int = 1) -> None:
         self.emit = emit
@@ -56,6 +60,7 @@ class Live:
         self.sent = False  # a Delta went out (the first carries prompt_tokens)
         self.handle = None  # the engine's own (vLLM: its task)
         self.engine_id = ""  # the engine's id for this attempt (vLLM: unique per dispatch)
+        self.cached = 0  # prompt tokens found in the prefix cache (engine's count)
 
 
 class EngineBase:
@@ -69,6 +74,8 @@ class EngineBase:
         self.aborts_total = 0
         self.finished_total = 0
         self.tokens_total = 0  # generated, all requests (the heartbeat's WorkerStats.tokens_total)
+        # Where the engine reports what its prefix cache holds (set by the worker).
+        self.kv_feed = None
 
     # -- what the worker calls ---------------------------------------------------
 
@@ -107,6 +114,9 @@ class EngineBase:
     def live_ids(self) -> list[str]:
         return list(self._live)
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache, if it has one (its events say so)."""
+
     # -- what engines implement / call ---------------------------------------------
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
@@ -120,13 +130,15 @@ class EngineBase:
 
     def _output(self, rid: str, live: Live, text: str, token_ids: list[int],
                 finish_reason: Optional[str] = None, prompt_tokens: int = 0, index: int = 0,
-                logprobs: bytes = b"", top_ids: Optional[list[int]] = None) -> None:
+                logprobs: bytes = b"", top_ids: Optional[list[int]] = None, cached_tokens: int = 0) -> None:
         """New tokens of a live request's choice ``index``; ``finish_reason``
         ends that choice (and the request with its last open choice)."""
         if self._live.get(rid) is not live:
             return  # aborted (or failed) meanwhile: its final Delta went already
         if prompt_tokens:
             live.prompt_tokens = prompt_tokens
+        if cached_tokens:
+            live.cached = cached_tokens
         n = len(token_ids)
         live.completion_tokens += n
         self.tokens_total += n
@@ -143,16 +155,16 @@ class EngineBase:
             if live.open > 0:  # this choice ended; others go on
                 d.choice_finish = reason
                 if not live.sent:
-                    d.prompt_tokens = live.prompt_tokens
+                    d.prompt_tokens, d.cached_tokens = live.prompt_tokens, live.cached
                 live.sent = True
                 live.emit(d)
                 return
             del self._live[rid]
             self.finished_total += 1
             d.finish_reason = reason
-            d.prompt_tokens = live.prompt_tokens
+            d.prompt_tokens, d.cached_tokens = live.prompt_tokens, live.cached
         elif not live.sent:
-            d.prompt_tokens = live.prompt_tokens
+            d.prompt_tokens, d.cached_tokens = live.prompt_tokens, live.cached
         live.sent = True
         live.emit(d)
 

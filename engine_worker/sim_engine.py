@@ -75,9 +75,11 @@ class SimEngine(EngineBase):
         else:
             step_s = (c.step_fixed_ms * 1e3 + c.decode_token_us * self.max_num_seqs) / 1e6
             request_s = c.admit_request_us / 1e6
+        caching = c.prefix_caching
         return EngineInfo(self.name, self.max_model_len, self.core.kv_capacity_tokens,
                           self.core.block_size, self.max_num_seqs, step_time_s=step_s,
-                          request_overhead_s=request_s)
+                          request_overhead_s=request_s, prefix_caching=caching,
+                          prefix_hash="sim" if caching else "")
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
         rid = req.request_id
@@ -86,7 +88,8 @@ class SimEngine(EngineBase):
             self._fail(rid, live, refused)
             return
         try:
-            self.core.add(rid, max(1, req.prompt_tokens), req.params.max_tokens, req.priority)
+            self.core.add(rid, max(1, req.prompt_tokens), req.params.max_tokens, req.priority,
+                          req.block_hashes)
         except ValueError as e:
             self._fail(rid, live, bad_request(str(e)))
             return
@@ -141,10 +144,18 @@ class SimEngine(EngineBase):
     def _end_step(self, result) -> None:
         live_map = self._live
         try:
+            feed = self.kv_feed
+            if feed is not None and (result.stored or result.removed):  # as vLLM's KV events, per step
+                if result.removed:
+                    feed.removed(result.removed)
+                if result.stored:
+                    feed.stored(result.stored)
+            cached = result.cached
             for rid, n, finish in result.outputs:
                 live = live_map.get(rid)
                 if live is not None:  # else: aborted while the step "ran"
-                    self._output(rid, live, SIM_TOKEN_TEXT * n, [SIM_TOKEN_ID] * n, finish)
+                    self._output(rid, live, SIM_TOKEN_TEXT * n, [SIM_TOKEN_ID] * n, finish,
+                                 cached_tokens=cached.get(rid, 0) if cached else 0)
         except Exception as e:
             self._engine_failed(e)
             return

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import tempfile
 from typing import Optional
 
 from vllm import SamplingParams as VllmSamplingParams
+from vllm.config.kv_events import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -70,6 +74,12 @@ class VllmEngine(EngineBase):
     def __init__(self, model_path: str, model_name: str, *, max_model_len: int, max_num_seqs: int,
                  dtype: str, kv_cache_bytes: Optional[int], gpu_memory_utilization: float) -> None:
         super().__init__()
+        # Prefix caching on, and its KV events on per-worker ipc sockets that
+        # this worker consumes (engine_worker.vllm_events): nothing to open
+        # beyond the host, no port to pick per engine.
+        self._kv_dir = tempfile.mkdtemp(prefix="weir-kv-")
+        self._kv_pub = "ipc://" + os.path.join(self._kv_dir, "pub")
+        self._kv_replay = "ipc://" + os.path.join(self._kv_dir, "replay")
         self.args = AsyncEngineArgs(
             model=model_path,
             served_model_name=model_name,
@@ -79,6 +89,9 @@ class VllmEngine(EngineBase):
             enforce_eager=True,
             scheduling_policy="priority",
             disable_log_stats=True,  # our stats sink still runs; vLLM's periodic logger doesn't
+            enable_prefix_caching=True,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self._kv_pub,
+                                            replay_endpoint=self._kv_replay, topic="kv"),
             **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes
                else {"gpu_memory_utilization": gpu_memory_utilization}),
         )
@@ -98,9 +111,25 @@ class VllmEngine(EngineBase):
         cache = vc.cache_config
         # vLLM's BlockPool keeps one block as its "null block": usable KV is one block less.
         usable_tokens = (cache.num_gpu_blocks - 1) * cache.block_size
+        from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+        caching = bool(cache.enable_prefix_caching)
         return EngineInfo(self.name, vc.model_config.max_model_len, usable_tokens,
                           cache.block_size, vc.scheduler_config.max_num_seqs,
-                          prefix_caching=bool(cache.enable_prefix_caching))
+                          prefix_caching=caching,
+                          prefix_hash=cache.prefix_caching_hash_algo if caching else "",
+                          # (as the EngineCore resolves it: vLLM's resolve_none_hash_seed)
+                          prefix_hash_seed=os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED,
+                          kv_events_endpoint=self._kv_pub if caching else "",
+                          kv_events_replay=self._kv_replay if caching else "")
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache (its AllBlocksCleared follows at
+        the next step): how a worker that lost its events knows them again."""
+        if self.engine is not None:
+            task = self._loop.create_task(self.engine.reset_prefix_cache())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
         # The router may send a request id again to this worker right after
@@ -141,6 +170,7 @@ class VllmEngine(EngineBase):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        shutil.rmtree(self._kv_dir, ignore_errors=True)
 
     # -- internals ---------------------------------------------------------
 
@@ -177,6 +207,7 @@ class VllmEngine(EngineBase):
                     if not self._is_live(rid, live):
                         break  # aborted: closing the generator aborts it inside vLLM too
                     prompt_tokens = len(out.prompt_token_ids or ())
+                    cached = out.num_cached_tokens or 0
                     for c in out.outputs:
                         if c.finish_reason in ("error", "abort"):
                             # Not our abort (that one left the live table): vLLM
@@ -189,10 +220,12 @@ class VllmEngine(EngineBase):
                             finish = "stop"
                         ids = list(c.token_ids)
                         if k is None or not ids:
-                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index)
+                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index,
+                                         cached_tokens=cached)
                         else:
                             values, top = _pack(c.logprobs, ids, k)
-                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index, values, top)
+                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index, values, top,
+                                         cached_tokens=cached)
                     if out.finished:
                         if self._is_live(rid, live):  # a choice vLLM never ended (should not happen)
                             self._fail(rid, live, engine_error("The engine ended the request without "

@@ -41,14 +41,15 @@ import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, Refuse,
-                             Register, WorkerStats, encoder, to_worker_decoder)
+from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, PrefixResync,
+                             Refuse, Register, WorkerStats, encoder, to_worker_decoder)
 from shared.transport import Outbox, SocketPump
 
 from .base import EngineBase
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
 from .warmup import WarmupFailed, warm_up
+from .prefix_feed import PrefixFeed
 
 log = logging.getLogger("engine_worker")
 
@@ -113,6 +114,9 @@ class Worker:
         # [logging] requests: engine id -> (request id, dispatch time), for one line per finished request
         self._log_requests = cfg.logging.requests
         self._traces: dict[str, tuple[str, float]] = {}
+        # What the engine's prefix cache holds, for every router (engine_worker.prefix_feed).
+        self.prefix_feed = PrefixFeed(self.loop, self._broadcast)
+        self.kv_events = None  # vLLM's event stream (engine_worker.vllm_events)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -143,16 +147,25 @@ class Worker:
     async def run(self) -> int:
         self.loop.add_signal_handler(signal.SIGTERM, self.drain)
         self.loop.add_signal_handler(signal.SIGINT, self.stop, "SIGINT")
+        self.engine.kv_feed = self.prefix_feed
         try:
             info = await self.engine.start()
         except Exception:
             log.exception("worker %s: engine failed to start", self.wcfg.id)
             return 1
+        if info.kv_events_endpoint:  # before the warm-up, so its blocks are reported too
+            from .vllm_events import VllmKvEvents
+
+            self.kv_events = VllmKvEvents(self.ctx, self.pump, self.loop, info.kv_events_endpoint,
+                                          info.kv_events_replay or None, self.prefix_feed,
+                                          self.engine.reset_prefix_cache)
         if self.wcfg.warmup and not self._stop.is_set():
             try:
                 took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
             except WarmupFailed as e:
                 log.error("worker %s: warm-up generation failed (%s): not registering", self.wcfg.id, e)
+                if self.kv_events is not None:
+                    self.kv_events.close()
                 await self.engine.shutdown()
                 self.ctx.term()
                 return 1
@@ -163,7 +176,8 @@ class Worker:
             max_model_len=info.max_model_len, kv_capacity_tokens=info.kv_capacity_tokens,
             block_size=info.block_size, max_num_seqs=info.max_num_seqs, engine=info.engine, gpu=gpu,
             step_time_s=info.step_time_s, request_overhead_s=info.request_overhead_s,
-            prefix_caching=info.prefix_caching,
+            prefix_caching=info.prefix_caching, prefix_hash=info.prefix_hash,
+            prefix_hash_seed=info.prefix_hash_seed,
         )
         sched = self.cfg.scheduler
         self.ledger = Ledger(sched.kv_budget(info.kv_capacity_tokens), sched.seq_slots(info.max_num_seqs))
@@ -187,6 +201,8 @@ class Worker:
             if link.sock is not None:
                 self._send(link, Goodbye(self._stop_reason))
                 self._close_socket(link, linger_ms=GOODBYE_LINGER_MS)
+        if self.kv_events is not None:
+            self.kv_events.close()
         try:
             await self.engine.shutdown()
         except Exception:
@@ -211,6 +227,14 @@ class Worker:
 
     def _register(self, link: _Link) -> None:
         self._send(link, self.register_msg)
+        if self.register_msg.prefix_hash:  # the router learns the cache anew with every registration
+            self.prefix_feed.snapshot()  # (to every router: they all follow one seq)
+
+    def _broadcast(self, msg) -> None:
+        """The prefix feed's messages go to every linked router, in one seq."""
+        for link in self.links:
+            if not link.reconnecting:
+                self._send(link, msg)
         if self._draining is not None:  # a router that (re)learns of us while we drain: still draining
             self._send(link, Drain("SIGTERM"))
 
@@ -267,7 +291,7 @@ class Worker:
                 if stats is None:
                     stats = self.stats(gpu)
                 stats.other_tokens, stats.other_seqs = self.ledger.others(link.index)
-                self._send(link, Heartbeat(stats))
+                self._send(link, Heartbeat(stats, self.prefix_feed.seq))
 
     async def _reconnect(self, link: _Link) -> None:
         delay, link.backoff = link.backoff, min(link.backoff * 2, BACKOFF_MAX_S)
@@ -327,6 +351,9 @@ class Worker:
             self._on_dispatch(link, msg.requests)
         elif isinstance(msg, Abort):
             self.engine.abort([link.prefix + rid for rid in msg.request_ids])
+        elif isinstance(msg, PrefixResync):
+            log.info("worker %s: router %d asks for its prefix cache (%s)", self.wcfg.id, link.index, msg.reason)
+            self.prefix_feed.snapshot()
         elif isinstance(msg, Goodbye):
             # The router forgot us (restart, or it timed us out): start afresh.
             log.warning("worker %s: router %s said goodbye (%s); registering again", self.wcfg.id,

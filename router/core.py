@@ -39,14 +39,16 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import msgspec
 
 from router.admission import Identity, Keys, check_shape, resolve_max_tokens
+from router.block_hash import SIM, BlockHasher
 from router.metrics import RouterMetrics
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
-from router.prompts import ModelPrompts, PromptTokens
+from router.prefix_metrics import PrefixMetrics
+from router.prompts import ModelPrompts
 from router.quota import Hold, Quota
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
@@ -57,6 +59,28 @@ log = logging.getLogger("weir.router")
 _DEFAULT_PARAMS = p.SamplingParams()
 # Refusals for want of workers or room, which a fallback model may answer instead.
 _FALLBACK_ON = frozenset((Code.NO_WORKER, Code.QUEUE_FULL, Code.QUEUE_WAIT_EXCEEDED, Code.QUEUE_DEADLINE))
+
+
+class PromptTokens(NamedTuple):
+    """router.prompts.PromptTokens plus the prompt's block hashes."""
+
+    ids: list[int]  # exact token ids; empty when the model has no tokenizer
+    count: int  # len(ids), or the estimate
+    hashes: Sequence[int] = ()  # its full blocks as its model's engines hash them (router.block_hash)
+
+
+def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: Optional[BlockHasher]) -> PromptTokens:
+    """Tokens, and the prompt's block hashes as its model's engines compute
+    them (prefix affinity): in the same place, on the tokenizing thread for
+    long prompts, so hashing never stalls the loop either."""
+    ids, count = prompts.tokenize(sub)
+    if hasher is None:
+        return PromptTokens(ids, count)
+    if hasher.algo == SIM:  # the simulated engine's blocks: the text it was counted by
+        text = sub.prompt if sub.kind == p.RequestKind.COMPLETION else "".join(
+            m.role + "\n" + m.content + "\n" for m in sub.messages)
+        return PromptTokens(ids, count, hasher.text_hashes(text, count))
+    return PromptTokens(ids, count, hasher.hashes(ids) if ids else ())
 
 
 class RequestSink(Protocol):
@@ -131,6 +155,7 @@ class RouterCore:
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
         self.policy = Policy(cfg.scheduler)
+        self.prefix_metrics = PrefixMetrics(self.metrics.registry, self.policy.prefix)
         self.keys = Keys(cfg)
         self.quota = Quota(cfg, self.metrics, clock)
         self.models_by_name = {m.name: m for m in cfg.models}
@@ -175,16 +200,18 @@ class RouterCore:
         self._next_handle += 1
         j = _Job("%x" % handle, sub, sink, who, now)
         prompts = self.prompts[sub.model]
+        # (hashed even without affinity: the simulated engine names its cached blocks by them)
+        hasher = self.policy.prefix.hasher(sub.model)
         if prompts.inline(sub):
             try:
-                tokens = prompts.tokenize(sub)
+                tokens = tokenize_hashed(prompts, sub, hasher)
             except ValueError as e:  # router.prompts.BadInput names the field
                 return self._rejected(error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)),
                                       who.klass)
             err = self._admit(j, tokens, now)
             return handle if err is None else self._rejected(err, who.klass)
         self.jobs[j.job_id] = j  # tokenizing: cancellable like any other job
-        fut = self.loop.run_in_executor(self.executor, prompts.tokenize, sub)
+        fut = self.loop.run_in_executor(self.executor, tokenize_hashed, prompts, sub, hasher)
         fut.add_done_callback(lambda f, job_id=j.job_id: self._tokenized(job_id, f))
         return handle
 
@@ -285,7 +312,7 @@ class RouterCore:
     def _policy_job(j: _Job, model: str, tokens: PromptTokens, max_tokens: int, arrival: float) -> Job:
         sub, who = j.sub, j.who
         return Job(j.job_id, model, who.tenant, who.klass, tokens.count, max_tokens, sub.task_type, arrival,
-                   who.weight, sub.params.n if sub.params is not None else 1)
+                   who.weight, sub.params.n if sub.params is not None else 1, tokens.hashes)
 
     def _queued(self, j: _Job, job: Job, tokens: PromptTokens, max_tokens: int) -> None:
         """``job`` is in the policy's queue: what its worker gets, and the job table's entry."""
@@ -293,6 +320,8 @@ class RouterCore:
         params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
         j.job = job
         j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=_trace(j))
+        if tokens.hashes and not tokens.ids:  # the simulated engine names its cached blocks by them
+            j.request.block_hashes = list(tokens.hashes)
         j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
         j.mx = self._metrics_for(job.model, j.who.klass)
         self.jobs[j.job_id] = j
@@ -311,7 +340,8 @@ class RouterCore:
                 continue  # the one that just refused it; one being (or already) removed at run time
             model = self.models_by_name[name]
             try:
-                tokens = self.prompts[name].tokenize(j.sub)  # (a rare path: inline whatever its length)
+                # (a rare path: inline whatever its length)
+                tokens = tokenize_hashed(self.prompts[name], j.sub, self.policy.prefix.hasher(name))
             except ValueError:
                 continue
             max_tokens = resolve_max_tokens(j.sub, tokens.count, model.max_model_len)
@@ -460,7 +490,8 @@ class RouterCore:
         job.arrival = now  # its queue deadline counts from now
         ids = j.prompt_ids + j.generated if j.prompt_ids else []
         params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
-        j.request = p.GenerateRequest(j.job_id, ids, job.prompt_tokens, params, trace_id=_trace(j))
+        j.request = p.GenerateRequest(j.job_id, ids, job.prompt_tokens, params, trace_id=_trace(j),
+                                      block_hashes=j.request.block_hashes)
         j.done_before = n
         j.resumes += 1
         self.metrics.child(self.metrics.resumed, job.model, why).inc()
@@ -524,7 +555,8 @@ class RouterCore:
             max_num_seqs=reg.max_num_seqs, max_model_len=reg.max_model_len,
             gpu_total_bytes=reg.gpu.total_bytes if reg.gpu.present else 0,
             step_time_s=reg.step_time_s or None, request_overhead_s=reg.request_overhead_s or None,
-            shares_prompt=reg.prefix_caching), now)
+            shares_prompt=reg.prefix_caching, prefix_hash=reg.prefix_hash if reg.prefix_caching else "",
+            prefix_hash_seed=reg.prefix_hash_seed), now)
         self._after_loss(lost, "reregistered", now)  # a restarted worker runs nothing of before
         self._schedule_policy()
 
@@ -554,6 +586,33 @@ class RouterCore:
 
     def running_on(self, worker_id: str) -> list[str]:
         return self.policy.running_on(worker_id)
+
+    def prefix_news(self, worker_id: str, msg) -> bool:
+        """A worker's PrefixEvents / PrefixSnapshot.  True: ask it for a
+        snapshot (a gap: until it comes the worker is routed cache-blind)."""
+        index = self.policy.prefix
+        if msg.__class__ is p.PrefixSnapshot:
+            index.snapshot(worker_id, msg.seq, msg.hashes, msg.trusted)
+            return False
+        if msg.ts:
+            self.prefix_metrics.lag.labels(worker_id).observe(max(0.0, time.time() - msg.ts))
+        if index.events(worker_id, msg.seq, msg.stored, msg.removed, msg.cleared):
+            return False
+        self._prefix_recovery(worker_id, "gap")
+        return True
+
+    def prefix_seq(self, worker_id: str, seq: int) -> bool:
+        """A heartbeat's prefix seq; True: ask for a snapshot."""
+        index = self.policy.prefix
+        was = index.trusted(worker_id)
+        ask = index.heard_seq(worker_id, seq)
+        if ask and was:
+            self._prefix_recovery(worker_id, "heartbeat seq ahead")
+        return ask
+
+    def _prefix_recovery(self, worker_id: str, why: str) -> None:
+        log.warning("worker %s: prefix events out of order (%s): cache-blind until its snapshot", worker_id, why)
+        self.prefix_metrics.recoveries.labels(worker_id).inc()
 
     def worker_left(self, worker_id: str, why: str) -> None:
         now = self.clock()
@@ -690,7 +749,14 @@ class RouterCore:
             group[0].ratelimit, j.rl = j.rl, None
         if not d.finished:
             j.sink.on_deltas(group)
-        elif d.error is not None:
+            return
+        if d.prompt_tokens:
+            if d.cached_tokens > d.prompt_tokens:  # a continuation's cache covers generated tokens too
+                d.cached_tokens = d.prompt_tokens
+            pm = self.prefix_metrics
+            pm.prompt_tokens.labels(job.model, worker_id).inc(d.prompt_tokens)
+            pm.cached_tokens.labels(job.model, worker_id).inc(d.cached_tokens)
+        if d.error is not None:
             self._end(j, label(d.error), error=d.error, deltas=group)
         else:
             self._end(j, d.finish_reason, deltas=group)

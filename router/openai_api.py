@@ -459,10 +459,23 @@ _enc = msgspec.json.Encoder()
 encode = _enc.encode
 
 
+class PromptTokensDetails(msgspec.Struct, frozen=True, gc=False):
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (vLLM's num_cached_tokens)
+
+
+_NO_DETAILS = PromptTokensDetails()
+
+
 class Usage(msgspec.Struct, gc=False):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = _NO_DETAILS
+
+
+def _usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(prompt, completion, prompt + completion,
+                 PromptTokensDetails(cached) if cached else _NO_DETAILS)
 
 
 class CompletionLogprobs(msgspec.Struct, gc=False):
@@ -543,8 +556,8 @@ def error_body(info: ErrorInfo, request_id: Optional[str] = None) -> bytes:
 
 
 def render_completion(ctx: ResponseContext, text: str, finish_reason: Optional[str],
-                      prompt_tokens: int, completion_tokens: int) -> bytes:
-    usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+                      prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+    usage = _usage(prompt_tokens, completion_tokens, cached_tokens)
     if ctx.kind == RequestKind.COMPLETION:
         return encode(Completion(ctx.id, "text_completion", ctx.created, ctx.model,
                                  [CompletionChoice(0, text, None, finish_reason)], usage))
@@ -664,7 +677,7 @@ class Accumulator:
     def render(self) -> bytes:
         ctx = self.ctx
         c = self.counts
-        usage = Usage(c.prompt, c.completion_total, c.prompt + c.completion_total)
+        usage = _usage(c.prompt, c.completion_total, c.cached)
         lp = ctx.logprobs is not None
         if ctx.kind == RequestKind.COMPLETION:
             return encode(Completion(ctx.id, "text_completion", ctx.created, ctx.model, [
@@ -679,14 +692,15 @@ class TokenCounts:
     """Usage from Deltas: the engine's prompt count (first/last Delta) and the
     cumulative completion count, falling back to summing ``num_tokens``."""
 
-    __slots__ = ("prompt", "completion", "summed")
+    __slots__ = ("prompt", "completion", "summed", "cached")
 
     def __init__(self):
-        self.prompt = self.completion = self.summed = 0
+        self.prompt = self.completion = self.summed = self.cached = 0
 
     def add(self, d: Delta) -> None:
         if d.prompt_tokens:
             self.prompt = d.prompt_tokens
+            self.cached = d.cached_tokens
         if d.completion_tokens > self.completion:
             self.completion = d.completion_tokens
         self.summed += d.num_tokens
@@ -844,7 +858,7 @@ class StreamRenderer:
 
     def usage_event(self) -> bytes:
         c = self.counts
-        usage = Usage(c.prompt, c.completion_total, c.prompt + c.completion_total)
+        usage = _usage(c.prompt, c.completion_total, c.cached)
         return self._pre + b'[],"usage":' + encode(usage) + b"}\n\n"
 
 

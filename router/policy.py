@@ -62,7 +62,17 @@ Model of the world
   choices, as SMG's router does; a seeded generator keeps runs
   deterministic.  A head that fits none drawn is skipped this pass
   (backfill), and once due the closest worker is reserved for it
-  (``_reserve_target``, a full scan, only then).
+  (``_reserve_target``, a full scan, only then).  The workers whose cache
+  holds the job's prefix (below) are scored beside those drawn.
+* **Prefix affinity** (``_affine``): where the prefix index
+  (router/prefix_index.py) says a worker's cache holds the job's leading
+  prompt blocks, the score gains ``prefix_affinity_weight x`` the cached
+  fraction of the prompt -- only among the workers of the best pool
+  preference whose load score is within ``prefix_load_margin`` of the best.
+  It only chooses among workers that passed every check above (KV ledger,
+  slots, headroom, pools, GPU floor): affinity never over-commits, and the
+  reservation stays the job's full worst case (cached blocks are shared, not
+  pinned: the engine may evict them before the job's prefill).
 * **Pools.**  Long work never lands on a short-only worker.  Short work may
   borrow a long-pool worker when ``borrow_idle_long`` and no long work of that
   model is queued (the long worker is idle as far as long work goes).
@@ -94,10 +104,11 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from router.estimate import kv_cost
 from router.gpu_gate import gpu_block
+from router.prefix_index import PrefixIndex
 from shared.config import ClassConfig, SchedulerConfig, SimEngineConfig
 from shared.errors import Code, Refusal
 from shared.protocol import GpuInfo, Pool, TaskType
@@ -166,6 +177,8 @@ class WorkerSpec:
             return self.step_time_s
         return DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S * max(1, self.max_num_seqs)
     shares_prompt: bool = False  # prefix caching: n sequences hold one prompt (estimate.kv_cost)
+    prefix_hash: str = ""  # its engine's block hash scheme (Register.prefix_hash); "": cache-blind
+    prefix_hash_seed: str = ""
 
 
 @dataclass(slots=True)
@@ -180,6 +193,7 @@ class Job:
     arrival: float
     weight: float = 1.0  # tenant's fair-share weight inside its class
     n: int = 1  # sequences (OpenAI's n): KV and token budgets count all of them
+    block_hashes: Sequence[int] = ()  # the prompt's full blocks (router.block_hash), for prefix affinity
 
 
 class DispatchJob(NamedTuple):
@@ -553,6 +567,10 @@ class Policy:
         self.entries: dict[str, _Entry] = {}
         self.tenant_count: dict[str, int] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # generation deadlines (lazy heap)
+        self.prefix = PrefixIndex(cfg.prefix_index_max_blocks, cfg.prefix_speculative_ttl_s)
+        self.affinity = cfg.prefix_affinity
+        self.round_robin = cfg.placement == "round_robin"
+        self._rr = 0  # dispatches so far (round-robin placement)
         self._seq = 0
         self._rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
         self.place_scan_all = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
@@ -586,6 +604,9 @@ class Policy:
         m.capacity_groups = None
         m.touch(w)
         _remeasure(m, now)
+        if spec.prefix_hash:
+            self.prefix.add_worker(spec.worker_id, spec.model, spec.prefix_hash, spec.block_size,
+                                   spec.prefix_hash_seed)
         return lost
 
     def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
@@ -617,6 +638,7 @@ class Policy:
         return e.cost if e is not None and e.state == _RUNNING else 0
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
+        self.prefix.remove_worker(worker_id)
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
@@ -938,6 +960,12 @@ class Policy:
         best_score = 0.0
         score_of = self._score
         candidates, complete = self._candidates(m, size, again)
+        hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
+        cands = [] if hits else None  # (pref, score, worker, cost): affinity chooses among them
+        if hits and not complete:  # a sample: the workers holding the prefix are scored too
+            workers = m.workers
+            candidates = [*candidates, *(workers[wid] for wid in hits if wid in workers)]
+        order = list(m.workers) if self.round_robin else None
         for w in candidates:
             if not w.healthy or w.gpu_block is not None or (exclude and w.spec.worker_id in exclude):
                 continue
@@ -981,6 +1009,10 @@ class Policy:
             if pref < best_pref:
                 continue
             score = score_of(w, e, after, n)
+            if order is not None:  # round robin (a benchmark baseline): the nearest after the last one used
+                score = -float((order.index(w.spec.worker_id) - self._rr) % len(order))
+            if cands is not None:
+                cands.append((pref, score, w, cost))
             # (pref, score) beats the best so far; ties keep the lower worker id
             if best is None or pref > best_pref or score > best_score:
                 best, best_pref, best_score = (w, cost), pref, score
@@ -990,6 +1022,26 @@ class Policy:
             # or class headroom, a redraw rarely finds better and doubled the
             # cost of a miss: 187 -> ~120 us a request at 100,000 queued.)
             return self._place(m, e, exclude, due, now, again=True)
+        if cands and best is not None:
+            return self._affine(cands, best_pref, best_score, hits, prompt)
+        return best
+
+    def _affine(self, cands: list, best_pref: int, best_score: float, hits: dict[str, int],
+                prompt: int) -> tuple[_Worker, int]:
+        """Prefix affinity, bounded by load: among the candidates of the best
+        pool preference within ``prefix_load_margin`` of the least loaded,
+        the highest load score + weight x cached fraction of the prompt."""
+        floor = best_score - self.cfg.prefix_load_margin
+        weight = self.cfg.prefix_affinity_weight
+        best = None
+        best_total = 0.0
+        for pref, score, w, cost in cands:  # (in worker id order: ties keep the lowest)
+            if pref != best_pref or score < floor:
+                continue
+            cached = hits.get(w.spec.worker_id, 0) * w.spec.block_size
+            total = score + weight * min(1.0, cached / prompt)
+            if best is None or total > best_total:
+                best, best_total = (w, cost), total
         return best
 
     def _score(self, w: _Worker, e: _Entry, after: int, n: int) -> float:
@@ -1039,14 +1091,6 @@ class Policy:
             return out, False
         for _ in range(PLACE_SAMPLE):
             i = int(draw() * total)
-            for p in pools:
-                if i < len(p):
-                    out.append(p[i])
-                    break
-                i -= len(p)
-        return out, False
-        for _ in range(PLACE_SAMPLE):
-            i = rng.randrange(total)
             for p in pools:
                 if i < len(p):
                     out.append(p[i])
@@ -1195,6 +1239,10 @@ class Policy:
         w.reserved += cost
         if len(w.running) + w.other_seqs >= w.slots:
             m.touch(w)
+        if job.block_hashes and self.affinity:
+            self.prefix.speculate(e.worker, job.block_hashes, now)
+        if self.round_robin:
+            self._rr = list(m.workers).index(e.worker) + 1
         if self.cfg.generation_deadline_s > 0:
             h = self._deadlines
             if len(h) > 1024 and len(h) > 4 * len(self.entries):

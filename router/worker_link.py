@@ -60,6 +60,10 @@ class WorkerEvents(Protocol):
 
     def refused(self, worker_id: str, job_ids: list[str], other_tokens: int, other_seqs: int) -> None: ...
 
+    def prefix_news(self, worker_id: str, msg) -> bool: ...
+
+    def prefix_seq(self, worker_id: str, seq: int) -> bool: ...
+
 
 @dataclass(slots=True, eq=False)
 class LinkedWorker:
@@ -173,6 +177,13 @@ class WorkerLink(RouterPlane):
             if msg.stats is not None:
                 w.stats = msg.stats
                 self.events.worker_stats(worker_id, msg.stats, accepting=w.drain_deadline is None)
+            if msg.prefix_seq >= 0 and self.events.prefix_seq(worker_id, msg.prefix_seq):
+                self._send(identity, p.PrefixResync("heartbeat: prefix updates missing"))
+        elif msg.__class__ is p.PrefixEvents or msg.__class__ is p.PrefixSnapshot:
+            if w is not None:
+                w.last_seen = now
+                if self.events.prefix_news(worker_id, msg):
+                    self._send(identity, p.PrefixResync("prefix events out of order"))
         elif isinstance(msg, p.Drain):
             if w is not None:
                 log.info("worker %s is draining (%s)", worker_id, msg.reason)

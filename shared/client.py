@@ -67,6 +67,7 @@ class Completion:
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # by index, when asked for
     model: str = ""  # the fallback model that answered (asked with fallback=True); "": the one asked for
     ratelimit: p.RateLimit | None = None  # the key's budgets, where it has any (the x-ratelimit-* figures)
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
 def token_logprobs(d: p.Delta, k: int) -> list[TokenLogprob]:
@@ -138,7 +139,8 @@ def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Com
         if finish[i] is None:
             finish[i] = last.finish_reason
     out = [echo + "".join(t) for t in texts]
-    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps, model, rl)
+    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps, model, rl,
+                      last.cached_tokens)
 
 
 class _Base:

@@ -181,6 +181,11 @@ class SimEngineConfig(_Cfg):
     max_prefill_tokens: int = 2048  # chunked-prefill budget per step
     zero_cost: bool = False  # no sleeping at all: measures pure dataplane overhead
     admit_request_us: float = 1100.0  # per request newly admitted in the step (frontend/tokenizer work)
+    # A prefix cache after vLLM's (simulation/core.py): prompt blocks named by
+    # the router's hashes (GenerateRequest.block_hashes) stay cached after
+    # their request ends, LRU-evicted when blocks run out; cached tokens skip
+    # prefill; the engine reports them as vLLM's KV events do.
+    prefix_caching: bool = False
 
 
 class WorkerConfig(_Cfg):
@@ -260,6 +265,20 @@ class SchedulerConfig(_Cfg):
     # a worker -> router -> worker round trip; their KV is reserved all the
     # same.  Worth it where a hop is long next to an engine step (bench/README.md).
     dispatch_lookahead: int = 0
+    # Prefix-cache affinity (router/prefix_index.py; README "Scheduling").  A
+    # job whose prompt blocks a worker's cache holds prefers that worker, but
+    # only among the workers that can take it now whose load score (KV budget
+    # left + seq slots left, fractions: 0..2) is within prefix_load_margin of
+    # the least loaded one's, so a hot prefix spreads once its worker fills.
+    prefix_affinity: bool = True
+    prefix_affinity_weight: float = 1.0  # score per unit of cached prompt fraction
+    prefix_load_margin: float = 0.25
+    prefix_index_max_blocks: int = 1_000_000  # index entries per model (LRU beyond)
+    prefix_speculative_ttl_s: float = 2.0  # a dispatched prompt's blocks count as cached until confirmed
+    # "round_robin": the next feasible worker in id order after the last one
+    # dispatched to, instead of the least loaded: a baseline for benchmarks
+    # (bench/scenarios/prefix.py), not for serving.
+    placement: Literal["least_loaded", "round_robin"] = "least_loaded"
 
     def kv_budget(self, capacity_tokens: int) -> int:
         """A worker's KV budget: what the router's policy reserves against and

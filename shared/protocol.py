@@ -8,8 +8,9 @@ Two links:
       client -> router:  Submit, Cancel
       router -> client:  Outputs              (one message per client per flush)
   worker (DEALER)  <->  router backend (ROUTER)
-      worker -> router:  Register, Heartbeat, Outputs, Drain, Goodbye, Refuse
-      router -> worker:  Dispatch, Abort, Heartbeat, Goodbye
+      worker -> router:  Register, Heartbeat, Outputs, Drain, Goodbye, Refuse,
+                         PrefixEvents, PrefixSnapshot
+      router -> worker:  Dispatch, Abort, Heartbeat, Goodbye, PrefixResync
   A worker may link to several routers (one DEALER each): its own ledger
   (engine_worker.ledger) arbitrates their dispatches, and each router hears
   in Heartbeat/Refuse what the others hold there (README: Scaling out).
@@ -98,6 +99,7 @@ User = Annotated[str, Meta(max_length=256)]
 # A request id for logs and error bodies (HTTP: x-request-id); printable, no spaces.
 MAX_TRACE_ID = 128
 TraceId = Annotated[str, Meta(max_length=MAX_TRACE_ID, pattern=r"^[\x21-\x7e]+$")]
+BlockHashInt = Annotated[int, Meta(ge=0)]  # vLLM's 64-bit KV block hash (msgpack: up to 2**64 - 1)
 
 
 class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -200,6 +202,9 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     top_ids: list[int] = []
     model: str = ""  # set on a request's first Delta when a fallback model answers it
     ratelimit: Optional[RateLimit] = None  # router -> client, on a request's first Delta: its key's budgets
+    # Prompt tokens the engine found in its prefix cache (vLLM's
+    # ``num_cached_tokens``: whole blocks), set with ``prompt_tokens``.
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -303,6 +308,13 @@ class Register(_Msg, tag=10):
     # The engine shares the KV blocks of a common prompt prefix (vLLM's prefix
     # caching): the n sequences of one request then hold its prompt once.
     prefix_caching: bool = False
+    # The engine reports what its prefix cache holds (PrefixEvents) and hashes
+    # blocks with this function ("sha256", "sha256_cbor": vLLM's
+    # ``prefix_caching_hash_algo``; "sim": the simulated engine's) seeded with
+    # ``prefix_hash_seed`` (vLLM's NONE_HASH seed).  "": no events, the router
+    # routes it cache-blind.
+    prefix_hash: str = ""
+    prefix_hash_seed: str = ""
 
 
 class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -326,6 +338,10 @@ class Heartbeat(_Msg, tag=11):
     """Both directions (Paranoid Pirate): liveness plus, from workers, stats."""
 
     stats: Optional[WorkerStats] = None
+    # Worker -> router: the seq of the last PrefixEvents/PrefixSnapshot sent
+    # (-1: none).  Messages on the link are ordered, so a router that applied
+    # less has lost one (a dropped malformed message) and asks for a resync.
+    prefix_seq: int = -1
 
 
 class Goodbye(_Msg, tag=12):
@@ -349,6 +365,10 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # at the worker's block size); the worker's ledger admits it on this figure.
     # 0: not stated (an older router): the worker prices it itself.
     kv_tokens: int = 0
+    # The simulated engine only (it has no token ids): the prompt's block
+    # hashes as the router computed them (router.block_hash), the identities
+    # of the blocks its modelled prefix cache holds.
+    block_hashes: list[BlockHashInt] = []
 
 
 class Dispatch(_Msg, tag=13):
@@ -378,10 +398,44 @@ class Refuse(_Msg, tag=16):
     other_seqs: int = 0
 
 
+class PrefixEvents(_Msg, tag=17):
+    """Worker -> router: what entered and left its engine's prefix cache since
+    the previous PrefixEvents -- the net effect of the engine's KV events
+    (vLLM's BlockStored / BlockRemoved / AllBlocksCleared) of one loop turn,
+    i.e. about one engine step.  ``cleared``: the cache was emptied first
+    (``stored`` then holds all it has since).  ``seq`` counts up by one per
+    message (a snapshot included); a gap makes the router distrust the
+    worker's entries and ask for a PrefixSnapshot.  ``ts``: the engine's
+    wall-clock time of its newest batch (event lag)."""
+
+    seq: int
+    stored: list[BlockHashInt] = []
+    removed: list[BlockHashInt] = []
+    cleared: bool = False
+    ts: float = 0.0
+
+
+class PrefixSnapshot(_Msg, tag=18):
+    """Worker -> router: every block its engine's prefix cache holds, after
+    Register and when asked (PrefixResync).  ``trusted`` False: the worker does
+    not know (its engine's events were lost beyond replay); the router routes
+    it cache-blind until a trusted snapshot comes."""
+
+    seq: int
+    hashes: list[BlockHashInt] = []
+    trusted: bool = True
+
+
+class PrefixResync(_Msg, tag=19):
+    """Router -> worker: send a PrefixSnapshot (the router lost track)."""
+
+    reason: str = ""
+
+
 ClientToRouter = Union[Submit, Cancel]
 RouterToClient = Outputs
-WorkerToRouter = Union[Register, Heartbeat, Outputs, Drain, Goodbye, Refuse]
-RouterToWorker = Union[Dispatch, Abort, Heartbeat, Goodbye]
+WorkerToRouter = Union[Register, Heartbeat, Outputs, Drain, Goodbye, Refuse, PrefixEvents, PrefixSnapshot]
+RouterToWorker = Union[Dispatch, Abort, Heartbeat, Goodbye, PrefixResync]
 
 encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(ClientToRouter)

@@ -27,6 +27,15 @@ Model (after vLLM v1's scheduler, ``scheduling_policy="priority"``):
   * Step duration = step_fixed_ms + prefill_token_us * prefill tokens in the step
     + decode_token_us * sequences decoded in the step + admit_request_us * requests
     admitted for the first time in the step (0 when ``zero_cost``).
+  * Prefix cache (``prefix_caching``, after vLLM's KVCacheManager): a request
+    may name its prompt's full blocks (``block_hashes``).  A block whose
+    prefill completes is cached under its hash (``StepResult.stored``); when
+    its last holder ends it stays cached but free, and blocks that run out
+    evict the least recently freed first (``StepResult.removed``).  An
+    admitted request starts after its longest cached leading run of blocks
+    (at most up to the block before its last prompt token, as vLLM always
+    computes the last one), which it shares and does not prefill again
+    (``StepResult.cached``: tokens, reported with its first output).
 
 Calibration: ``python -m bench.calibrate --repeats 5`` (real vLLM 0.32 CPU
 build, tiny-llama, bfloat16, enforce_eager, 64 MiB KV, max_num_seqs 16, default
@@ -56,6 +65,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from shared.config import SimEngineConfig
@@ -69,13 +79,19 @@ class StepResult:
     # (request_id, new_tokens, finish_reason or None)
     outputs: list[tuple[str, int, str | None]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # prefix cache: block hashes that entered / left it this step; cached
+    # prompt tokens of requests emitting their first token this step
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cached: dict[str, int] = field(default_factory=dict)
 
 
 class _Seq:
     __slots__ = ("id", "prompt", "max_tokens", "priority", "arrival", "admitted",
-                 "computed", "output", "blocks", "state", "started")
+                 "computed", "output", "blocks", "state", "started", "hashes", "held", "cached")
 
-    def __init__(self, request_id: str, prompt: int, max_tokens: int, priority: int, arrival: int):
+    def __init__(self, request_id: str, prompt: int, max_tokens: int, priority: int, arrival: int,
+                 hashes: tuple = ()):
         self.id = request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
@@ -87,6 +103,9 @@ class _Seq:
         self.blocks = 0
         self.state = _WAITING
         self.started = False  # admitted at least once (readmission after preemption is free)
+        self.hashes = hashes  # its prompt's full blocks (prefix cache)
+        self.held: list[int] = []  # cached blocks it holds, in prompt order (a leading run)
+        self.cached = 0  # prompt tokens found cached at its first admission
 
 
 class SimCore:
@@ -118,6 +137,12 @@ class SimCore:
         self._num_waiting = 0
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
+        # prefix cache: hash -> running holders; the free ones (0 holders) in LRU order
+        self.prefix_caching = cfg.prefix_caching
+        self._cache: dict[int, int] = {}
+        self._evictable: "OrderedDict[int, None]" = OrderedDict()
+        self._stored: list[int] = []
+        self._removed: list[int] = []
 
     # -- queries -------------------------------------------------------------
 
@@ -139,7 +164,8 @@ class SimCore:
 
     # -- requests ------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_tokens: int, max_tokens: int, priority: int = 0) -> None:
+    def add(self, request_id: str, prompt_tokens: int, max_tokens: int, priority: int = 0,
+            block_hashes=()) -> None:
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already exists")
         if prompt_tokens < 1:
@@ -153,7 +179,8 @@ class SimCore:
                 f"no room for output tokens. Please reduce the length of the input prompt."
             )
         max_tokens = min(max_tokens, self.max_model_len - prompt_tokens)
-        seq = _Seq(request_id, prompt_tokens, max_tokens, priority, next(self._arrivals))
+        hashes = tuple(block_hashes[:prompt_tokens // self.block_size]) if self.prefix_caching else ()
+        seq = _Seq(request_id, prompt_tokens, max_tokens, priority, next(self._arrivals), hashes)
         self._seqs[request_id] = seq
         self._push_waiting(seq)
 
@@ -206,15 +233,21 @@ class SimCore:
         if not preempted:
             while self._num_waiting and len(self._running) < self.max_num_seqs and budget > 0:
                 seq = self._peek_waiting()
-                n = min(seq.prompt + seq.output, budget)
-                need = self._blocks_for(n)
-                if need > self.free_blocks:
+                hit = self._hits(seq) if seq.hashes else 0
+                start = hit * self.block_size
+                n = min(seq.prompt + seq.output - start, budget)
+                need = self._blocks_for(start + n) - hit
+                if need > self.free_blocks - self._free_hits(seq, hit):
                     break
                 heapq.heappop(self._waiting)
                 self._num_waiting -= 1
                 seq.state = _RUNNING
                 seq.admitted = next(self._admissions)
                 self._running.append(seq)
+                if hit:
+                    self._share(seq, hit)
+                    if not seq.started:
+                        seq.cached = start
                 self._allocate(seq, need)
                 scheduled[seq] = (n, False)
                 budget -= n
@@ -224,13 +257,18 @@ class SimCore:
 
         prefill_tokens = decodes = 0
         outputs: list[tuple[str, int, str | None]] = []
+        cached: dict[str, int] = {}
         for seq, (n, is_decode) in scheduled.items():
             seq.computed += n
             if is_decode:
                 decodes += 1
             else:
                 prefill_tokens += n
+                if seq.hashes and len(seq.held) < len(seq.hashes):
+                    self._cache_computed(seq)
             if seq.computed == seq.prompt + seq.output:  # prefill done or decoded: sample one
+                if seq.output == 0 and seq.cached:
+                    cached[seq.id] = seq.cached
                 seq.output += 1
                 if seq.output >= seq.max_tokens:
                     outputs.append((seq.id, 1, "length"))
@@ -244,7 +282,13 @@ class SimCore:
             c = self.cfg
             duration = (c.step_fixed_ms * 1e3 + c.prefill_token_us * prefill_tokens
                         + c.decode_token_us * decodes + c.admit_request_us * new_requests) / 1e6
-        return StepResult(duration, outputs, preempted)
+        result = StepResult(duration, outputs, preempted)
+        if self.prefix_caching:
+            result.cached = cached
+            if self._stored or self._removed:
+                result.stored, self._stored = self._stored, []
+                result.removed, self._removed = self._removed, []
+        return result
 
     # -- internals -------------------------------------------------------------
 
@@ -254,10 +298,66 @@ class SimCore:
     def _allocate(self, seq: _Seq, n_blocks: int) -> None:
         seq.blocks += n_blocks
         self.free_blocks -= n_blocks
+        # Free blocks are uncached ones first, then cached ones, least recently freed first.
+        over = len(self._evictable) - self.free_blocks  # cached ones that must go
+        while over > 0:
+            h, _ = self._evictable.popitem(last=False)
+            del self._cache[h]
+            self._removed.append(h)
+            over -= 1
 
     def _free(self, seq: _Seq) -> None:
-        self.free_blocks += seq.blocks
+        shared = 0
+        # Cached blocks stay cached, free once no running sequence holds them;
+        # freed tail first, as vLLM does, so a prefix's tail is evicted before its head.
+        for h in reversed(seq.held):
+            left = self._cache[h] - 1
+            self._cache[h] = left
+            if left == 0:
+                self._evictable[h] = None
+            else:
+                shared += 1
+        self.free_blocks += seq.blocks - shared
         seq.blocks = 0
+        seq.held = []
+
+    # -- prefix cache -------------------------------------------------------------
+
+    def _hits(self, seq: _Seq) -> int:
+        """Leading blocks of its prompt cached now (never its last token's block)."""
+        cache = self._cache
+        limit = min(len(seq.hashes), (seq.prompt - 1) // self.block_size)
+        n = 0
+        while n < limit and seq.hashes[n] in cache:
+            n += 1
+        return n
+
+    def _free_hits(self, seq: _Seq, hit: int) -> int:
+        """Of those, the ones now free: sharing them takes them out of the free count."""
+        return sum(1 for h in seq.hashes[:hit] if self._cache[h] == 0)
+
+    def _share(self, seq: _Seq, hit: int) -> None:
+        for h in seq.hashes[:hit]:
+            if self._cache[h] == 0:
+                del self._evictable[h]
+                self.free_blocks -= 1
+            self._cache[h] += 1
+        seq.held = list(seq.hashes[:hit])
+        seq.blocks += hit
+        seq.computed = hit * self.block_size
+
+    def _cache_computed(self, seq: _Seq) -> None:
+        """Prompt blocks whose prefill completed enter the cache (a block some
+        other sequence cached meanwhile stays this one's own, uncached)."""
+        full = min(len(seq.hashes), seq.computed // self.block_size)
+        i = len(seq.held)
+        if i < full:
+            for h in seq.hashes[i:full]:
+                if h in self._cache:
+                    break  # held by another: the run of this sequence's cached blocks ends here
+                self._cache[h] = 1
+                seq.held.append(h)
+                self._stored.append(h)
 
     def _push_waiting(self, seq: _Seq) -> None:
         seq.state = _WAITING

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,180 @@ def test_n_sequences_share_the_prompts_full_blocks_as_kv_cost_says(env):
     used = round(peak * blocks)
     assert used * bs == kv_cost(req.prompt_tokens, 30, bs, 4, shared_prompt=True)
     assert used * bs < kv_cost(req.prompt_tokens, 30, bs, 4, shared_prompt=False)
+
+
+# ------------------------------------------------------------ prefix caching, exactly
+
+
+@pytest.fixture(scope="module")
+def kv(env):
+    """The engine's KV events through the worker's own consumer (vllm_events -> PrefixFeed)."""
+    import zmq
+
+    from engine_worker.prefix_feed import PrefixFeed
+    from engine_worker.vllm_events import VllmKvEvents
+    from shared.transport import SocketPump
+
+    loop, engine, info = env
+    sent = []
+    feed = PrefixFeed(loop, sent.append)
+    ctx = zmq.Context()
+    source = VllmKvEvents(ctx, SocketPump(loop), loop, info.kv_events_endpoint, info.kv_events_replay, feed,
+                          engine.reset_prefix_cache)
+    loop.run_until_complete(asyncio.sleep(0.3))
+    # It joins a running engine: its first batch shows a gap, filled by replay from seq 0.
+    c = Collector()
+    c.submit(engine, completion("kv-join", _words(40, 77), max_tokens=1))  # a full block: a batch
+    loop.run_until_complete(c.wait())
+    loop.run_until_complete(asyncio.sleep(0.5))
+    assert source.gaps >= 1 and feed.trusted
+    try:
+        yield feed, sent
+    finally:
+        source.close()
+        ctx.term()
+
+
+def _words(n: int, seed: int) -> str:
+    return " ".join(f"w{(i * 7 + seed) % 97}x{seed}" for i in range(n))
+
+
+def _wait(loop, cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        loop.run_until_complete(asyncio.sleep(0.02))
+    return cond()
+
+
+def test_router_block_hashes_equal_the_engines_kv_events(env, kv):
+    """The router's tokens + block hashes (router.core.tokenize_hashed) are
+    exactly the blocks the engine reports storing, for 1-3 blocks, completion
+    and chat (template applied)."""
+    from router.block_hash import BlockHasher
+    from router.core import tokenize_hashed
+    from shared.protocol import PrefixEvents
+
+    loop, engine, info = env
+    feed, sent = kv
+    assert info.prefix_hash == "sha256" and info.block_size == 128 and info.kv_events_endpoint
+    hasher = BlockHasher(info.prefix_hash, info.block_size, info.prefix_hash_seed)
+    cases = [Submit("x1", "tiny-llama", prompt=_words(30, 1)),
+             Submit("x3", "tiny-llama", prompt=_words(95, 2)),
+             Submit("xc", "tiny-llama", kind=RequestKind.CHAT,
+                    messages=[ChatMessage("system", _words(50, 3)), ChatMessage("user", _words(10, 4))])]
+    counts = set()
+    for sub in cases:
+        tokens = tokenize_hashed(PROMPTS, sub, hasher)
+        assert len(tokens.hashes) == tokens.count // 128 >= 1 and tokens.count < 500, tokens.count
+        counts.add(len(tokens.hashes))
+        before = len(sent)
+        c = Collector()
+        c.submit(engine, GenerateRequest(sub.request_id, tokens.ids, tokens.count,
+                                         SamplingParams(max_tokens=1, temperature=0.0)))
+        loop.run_until_complete(c.wait())
+        assert _wait(loop, lambda: set(tokens.hashes) <= feed.blocks), (tokens.hashes, sent[before:])
+        stored = [h for m in sent[before:] if isinstance(m, PrefixEvents) for h in m.stored]
+        assert sorted(stored) == sorted(tokens.hashes)  # exactly its blocks: nothing else, nothing missed
+    assert len(counts) == 3
+
+
+def test_cached_tokens_come_from_the_engine(env, kv):
+    loop, engine, _ = env
+    tokens = PROMPTS.tokenize(Submit("cc", "tiny-llama", prompt=_words(70, 9)))
+    full = tokens.count // 128 * 128
+    assert full >= 256
+    out = {}
+    for rid in ("cc1", "cc2"):
+        c = Collector()
+        c.submit(engine, GenerateRequest(rid, tokens.ids, tokens.count, SamplingParams(max_tokens=2)))
+        out.update(loop.run_until_complete(c.wait()))
+    assert out["cc1"][0].cached_tokens == 0
+    hit = out["cc2"][0].cached_tokens
+    assert hit >= 128 and hit % 128 == 0 and out["cc2"][-1].cached_tokens == hit
+
+
+def test_reset_prefix_cache_is_reported_as_cleared(env, kv):
+    from shared.protocol import PrefixEvents
+
+    loop, engine, _ = env
+    feed, sent = kv
+    assert _wait(loop, lambda: bool(feed.blocks))
+    before = len(sent)
+    engine.reset_prefix_cache()
+    c = Collector()  # AllBlocksCleared is published at the engine's next step
+    c.submit(engine, completion("after-reset", "hi", max_tokens=1))
+    loop.run_until_complete(c.wait())
+    assert _wait(loop, lambda: any(isinstance(m, PrefixEvents) and m.cleared for m in sent[before:]))
+
+
+def test_extra_keys_match_vllm():
+    """cache_salt / LoRA go into the first block's extra keys: the router's
+    hasher agrees with vLLM's own hash_block_tokens (weir sends neither yet)."""
+    from router.block_hash import BlockHasher
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    ids = list(range(1000, 1000 + 128 * 3 + 5))
+    for algo in ("sha256", "sha256_cbor"):
+        hf = get_hash_fn_by_name(algo)
+        kcu.init_none_hash(hf)
+        for extra in (None, (("cache_salt", "tenant-a"),)):
+            parent, want = None, []
+            for i in range(3):
+                parent = kcu.hash_block_tokens(hf, parent, ids[i * 128:(i + 1) * 128], extra if i == 0 else None)
+                want.append(kcu.maybe_convert_block_hash(parent))
+            assert BlockHasher(algo, 128).hashes(ids, extra) == want
+
+
+def test_replay_fills_a_gap_and_loss_beyond_it_goes_blind():
+    """vLLM's real publisher: a subscriber that missed batches gets them from
+    the replay socket; one that missed more than the buffer is cache-blind
+    until an AllBlocksCleared."""
+    import tempfile
+
+    import uvloop
+    import zmq
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from engine_worker.prefix_feed import PrefixFeed
+    from engine_worker.vllm_events import VllmKvEvents
+    from shared.protocol import PrefixEvents, PrefixSnapshot
+    from shared.transport import SocketPump
+
+    def batch(*events):
+        return KVEventBatch(ts=time.time(), events=list(events))
+
+    def stored(*hs):
+        return BlockStored(block_hashes=list(hs), parent_block_hash=None, token_ids=[], block_size=128,
+                           lora_id=None, medium="GPU", lora_name=None)
+
+    d = tempfile.mkdtemp(prefix="weir-kvt-")
+    loop = uvloop.new_event_loop()
+    try:
+        for buffer_steps, recovers in ((100, True), (2, False)):
+            ep, rep = f"ipc://{d}/pub{buffer_steps}", f"ipc://{d}/rep{buffer_steps}"
+            pub = ZmqEventPublisher(0, ep, rep, buffer_steps=buffer_steps)
+            for i in range(4):  # published before anyone subscribed: missed
+                pub.publish(batch(stored(i + 1)))
+            time.sleep(0.3)
+            sent, lost = [], []
+            feed = PrefixFeed(loop, sent.append)
+            ctx = zmq.Context()
+            src = VllmKvEvents(ctx, SocketPump(loop), loop, ep, rep, feed, lambda: lost.append(1))
+            loop.run_until_complete(asyncio.sleep(0.3))
+            pub.publish(batch(stored(5)))  # seq 4: the gap shows
+            loop.run_until_complete(asyncio.sleep(0.5))
+            if recovers:
+                assert feed.trusted and feed.blocks == {1, 2, 3, 4, 5} and src.gaps >= 1 and not lost
+            else:
+                assert not feed.trusted and lost and not feed.blocks
+                assert isinstance(sent[-1], PrefixSnapshot) and not sent[-1].trusted
+                pub.publish(batch(AllBlocksCleared(), stored(9)))
+                loop.run_until_complete(asyncio.sleep(0.5))
+                assert feed.trusted and feed.blocks == {9}
+                assert isinstance(sent[-1], PrefixEvents) and sent[-1].cleared and sent[-1].stored == [9]
+            src.close()
+            pub.shutdown()
+            ctx.term()
+    finally:
+        loop.close()

@@ -271,7 +271,8 @@ def test_non_stream_completion_shape():
     assert obj == {
         "id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
         "choices": [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                  "prompt_tokens_details": {"cached_tokens": 0}},
     }
     parsed = Completion.model_validate(obj)
     assert parsed.choices[0].text == "hello world" and parsed.usage.total_tokens == 5
@@ -283,7 +284,8 @@ def test_non_stream_chat_shape():
     assert obj["object"] == "chat.completion" and obj["id"] == "chatcmpl-x1"
     assert obj["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
                                "logprobs": None, "finish_reason": "stop"}]
-    assert obj["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}
+    assert obj["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     parsed = ChatCompletion.model_validate(obj)
     assert parsed.choices[0].message.content == "hi"
 
@@ -323,9 +325,10 @@ def test_chat_stream_events_with_usage():
     assert role.choices[0].delta.role == "assistant" and role.choices[0].delta.content == ""
     assert content.choices[0].delta.content == "Hi there" and content.choices[0].finish_reason is None
     assert finish.choices[0].finish_reason == "length" and finish.choices[0].delta.content is None
-    assert usage.choices == [] and usage.usage.model_dump() == {
-        "prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
-        "completion_tokens_details": None, "prompt_tokens_details": None}
+    u = usage.usage.model_dump()
+    assert usage.choices == [] and u["prompt_tokens_details"]["cached_tokens"] == 0
+    assert {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens", "completion_tokens_details")} == {
+        "prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "completion_tokens_details": None}
     # include_usage: every other chunk says "usage": null, as OpenAI does
     assert all(json.loads(e)["usage"] is None for e in events[:3])
 
@@ -359,7 +362,8 @@ def test_usage_falls_back_to_counting_num_tokens():
     r = api.StreamRenderer(_ctx(include_usage=True))
     out = r.render([Delta("x1", "a", 2), Delta("x1", "b", 3, finish_reason="stop", prompt_tokens=7)])
     usage = json.loads(_sse(out)[-2])["usage"]
-    assert usage == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert usage == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_error_body_shape():
