@@ -51,6 +51,7 @@ async def warm_up(engine: EngineBase, info: EngineInfo, timeout_s: float) -> flo
         if d.finished and not f.done():
             f.set_result(d)
 
+    counted = engine.finished_total, engine.aborts_total, engine.tokens_total
     t0 = time.perf_counter()
     for r in reqs:
         engine.submit(r, emit)
@@ -59,6 +60,8 @@ async def warm_up(engine: EngineBase, info: EngineInfo, timeout_s: float) -> flo
     except asyncio.TimeoutError:
         engine.abort(list(done), tell=False)
         raise WarmupFailed(f"no result in {timeout_s:g} s") from None
+    finally:  # not requests: the heartbeat's counters start from zero
+        engine.finished_total, engine.aborts_total, engine.tokens_total = counted
     for final in finals:
         if final.error is not None:
             raise WarmupFailed(final.error.message)
