@@ -256,7 +256,10 @@ def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupte
     cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
                        workers=[stackutil.vllm_worker("vllm-0")])
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        args = dict(prompt="The history of the river begins", max_tokens=400, temperature=0.0, ignore_eos=True)
+        # 1,500 tokens (~4 s here): the kill at 60 must find the worker still
+        # generating -- with 400 a slow CI client had read only 60 when the fast
+        # worker had sent them all, and the stream ended unharmed.
+        args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
         with Client(stack.zmq_frontend) as c:
             reference = c.complete(stackutil.VLLM_MODEL, **args)
             victim = stack.components["worker:vllm-0"]
@@ -268,7 +271,7 @@ def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupte
                 if n >= 60 and victim.exited() is None and not stack.restarts:
                     victim.signal_group(signal.SIGKILL)
         assert stack.restarts.get("worker:vllm-0") == 1, "the stream ended before the kill?"
-        assert (last.finish_reason, last.completion_tokens) == ("length", 400)
+        assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
         assert last.prompt_tokens == reference.prompt_tokens
         assert "".join(text) == reference.text
         assert _drained(stack)
