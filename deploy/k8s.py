@@ -244,6 +244,9 @@ def envoy_objects(cfg: Config) -> list[dict]:
                 "command": ["envoy", "-c", f"{CONFIG_DIR}/envoy.yaml", "--disable-hot-restart",
                             "--concurrency", str(cfg.envoy.concurrency), "-l", "warning"],
                 "ports": [{"name": "http", "containerPort": listen}, {"name": "admin", "containerPort": admin}],
+                # Envoy's own readiness, not its routers': a probe through the
+                # rate-limited route would fail every Envoy at once under
+                # overload.  With no healthy router it answers 503 + Retry-After.
                 "readinessProbe": _http_probe("/ready", admin, 5, 2),
                 "livenessProbe": _http_probe("/ready", admin, 10, 3),
                 "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}},

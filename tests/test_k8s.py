@@ -289,6 +289,13 @@ def test_containerfile_copies_every_package_the_project_installs():
     assert 'pip install ".[${ENGINE}]"' in text
 
 
+def _envoy_router_healthy(admin_port: int) -> bool:
+    from deploy.envoy_config import ROUTER_CLUSTER
+    body = requests.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=2).text
+    return any(line.startswith(f"{ROUTER_CLUSTER}::") and line.endswith("::health_flags::healthy")
+               for line in body.splitlines())
+
+
 def test_pods_run_as_rendered(tmp_path):
     """The containers' own commands, environment, probes and preStop, run as local
     processes on the ConfigMap's files (all interfaces -> loopback, the routers'
@@ -341,10 +348,20 @@ def test_pods_run_as_rendered(tmp_path):
                 assert not dead, f"exited: {dead}; {(tmp_path / 'router.log').read_text()[-2000:]}"
                 assert time.monotonic() < deadline, f"{c['name']} {kind} never passed"
                 time.sleep(0.2)
+        # Envoy's readiness is Envoy's own (/ready), not its routers': a probe
+        # through the rate-limited route would take every Envoy out under
+        # overload.  Its health check of the router runs every interval, so the
+        # router's turning ready reaches Envoy up to one interval later (CI
+        # once sent in that gap and got Envoy's 503 "no healthy upstream").
+        admin = next(p["containerPort"] for p in envoy["ports"] if p["name"] == "admin")
+        while not _envoy_router_healthy(admin):
+            assert time.monotonic() < deadline, "Envoy never saw the router healthy"
+            time.sleep(0.2)
         port = next(p["containerPort"] for p in envoy["ports"] if p["name"] == "http")
         r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10,
                           json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 4})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
         stop = subprocess.run(local(worker["lifecycle"]["preStop"]["exec"]["command"]), env=env, cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert stop.stdout.strip() == "drained"
