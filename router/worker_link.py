@@ -70,6 +70,7 @@ class LinkedWorker:
     reg: p.Register
     identity: bytes
     last_seen: float
+    missed: int = 0  # heartbeat ticks in a row with nothing heard from it
     stats: p.WorkerStats = field(default_factory=p.WorkerStats)
     drain_deadline: Optional[float] = None  # draining until then (None: accepting work)
 
@@ -85,6 +86,7 @@ class WorkerLink(RouterPlane):
         self.workers: dict[str, LinkedWorker] = {}  # by worker id (== DEALER identity)
         self.events: Optional[WorkerEvents] = None
         self._outbox = Outbox(loop, self._flush_to)
+        self._last_tick = clock()  # when the heartbeat timer last ran
 
     def serve(self, events: WorkerEvents) -> None:
         """Bind the backend and start heartbeating; events go to ``events``."""
@@ -250,10 +252,15 @@ class WorkerLink(RouterPlane):
         return True
 
     def _heartbeat_tick(self) -> None:
+        # Liveness counts ticks that heard nothing since the one before
+        # (Paranoid Pirate), not seconds: a stall of this loop counts once, and
+        # what the worker sent meanwhile is read before the next tick.
         now = self.clock()
-        deadline = self.cfg.heartbeat_interval_s * self.cfg.heartbeat_liveness
+        tick, self._last_tick = self._last_tick, now
+        liveness = self.cfg.heartbeat_liveness
         for w in list(self.workers.values()):
-            if now - w.last_seen > deadline:
+            w.missed = 0 if w.last_seen >= tick else w.missed + 1
+            if w.missed >= liveness:
                 self._remove(w, "heartbeat_timeout")
                 continue
             self._send(w.identity, p.Heartbeat())

@@ -150,7 +150,7 @@ def test_register_then_heartbeats_with_stats(link):
     hb = router.recv(timeout=2)
     assert isinstance(hb, Heartbeat) and hb.stats is not None
     assert hb.stats.running == 0 and hb.stats.kv_usage == 0.0
-    assert time.monotonic() - t0 < 3 * HB_S
+    assert time.monotonic() - t0 < 1.0 + HB_S  # at the interval (with room for a loaded machine)
     assert proc.poll() is None
 
 
@@ -233,6 +233,29 @@ def test_sigterm_drains_then_says_goodbye_and_exits_zero(link):
     assert seen[-1].reason == "drained" and proc.wait(10) == 0
 
 
+def test_a_router_that_learns_of_a_draining_worker_again_is_told_it_drains(link):
+    """Goodbye (a router restarted) during a drain: the worker registers there
+    again and says at once that it is draining -- to that router."""
+    router, proc = link
+    router.recv_type(Register, timeout=20)
+    router.send(Dispatch([req("inflight", max_tokens=2000)]))
+    router.recv_type(Outputs)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while not isinstance(router.recv(max(0.01, deadline - time.monotonic())), Drain):
+        pass  # (its outputs and heartbeats meanwhile)
+    router.send(Goodbye("router restarted"))
+    seen = []
+    deadline = time.monotonic() + 5
+    while len(seen) < 2:
+        msg = router.recv(max(0.01, deadline - time.monotonic()))
+        if isinstance(msg, (Register, Drain)):
+            seen.append(msg)
+    assert isinstance(seen[0], Register) and isinstance(seen[1], Drain)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(10) == 0
+
+
 def test_sigint_says_goodbye_at_once_and_exits_zero(link):
     router, proc = link
     router.recv_type(Register, timeout=20)
@@ -272,6 +295,12 @@ def test_silent_router_triggers_reconnect_and_reregister(link):
         except TimeoutError:
             break
         assert not isinstance(msg, Outputs), f"output after reconnect: {msg!r}"
+    end = time.monotonic() + 3.0  # the stats of a heartbeat sent after the abort
+    while (router.last_stats is None or router.last_stats.aborts_total != 1) and time.monotonic() < end:
+        try:
+            assert not isinstance(router.recv(timeout=max(0.01, end - time.monotonic())), Outputs)
+        except TimeoutError:
+            break
     assert router.last_stats is not None and router.last_stats.running == 0
     assert router.last_stats.aborts_total == 1
     assert proc.poll() is None
