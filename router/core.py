@@ -114,6 +114,10 @@ class _Job:
     first_token_at: float = 0.0
     completion_tokens: int = 0  # over every attempt
     last_news: float = 0.0  # dispatch or latest Delta (the stall watchdog)
+    # its prompt reached an engine: a dispatch no worker's ledger refused
+    # (``was_reached``: before the latest dispatch, which a refusal undoes)
+    reached: bool = False
+    was_reached: bool = False
     # What a resume needs: the original prompt and budget, the ids generated.
     prompt_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -270,7 +274,9 @@ class RouterCore:
         if not isinstance(max_tokens, int):
             return max_tokens
         if self.quota.active:
-            got = self.quota.reserve(j.who, tokens.count + max_tokens,
+            # usage sums the completion tokens of all n choices: reserve for all of them
+            n = sub.params.n if sub.params is not None else 1
+            got = self.quota.reserve(j.who, tokens.count + max_tokens * n,
                                      lambda got: self._reserved(j, got, tokens, max_tokens))
             if got is None:  # the budget store answers later: _reserved
                 self.jobs[j.job_id] = j
@@ -371,10 +377,11 @@ class RouterCore:
             self.policy.finish(j.job_id, now)  # a no-op where the policy released it already
         if abort_worker is not None:
             self.workers.abort(abort_worker, j.job_id)
-        if self.quota.active:  # usage counted, the unused part of its reservation returned: once
+        # usage counted, the unused part of its reservation returned: once (a
+        # hold taken before a reload that removed every key settles too)
+        if self.quota.active or j.hold is not None:
             # (the prompt of the first attempt: a continuation's longer prompt is not charged again)
-            # (last_news is set at its first dispatch: its prompt then reached an engine)
-            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.last_news else 0, j.completion_tokens,
+            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.reached else 0, j.completion_tokens,
                              j.job is not None)
             j.hold = None
             if j.rl is not None and error is not None and deltas is None:
@@ -456,6 +463,7 @@ class RouterCore:
             self._requeue(j, now)
             return
         j.last_news = now
+        j.was_reached, j.reached = j.reached, True
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
             now - j.arrival)
 
@@ -582,6 +590,7 @@ class RouterCore:
             if j is None or self.policy.worker_of(job_id) != worker_id:
                 continue  # ended or moved meanwhile
             self.policy.refused(job_id, now)
+            j.reached = j.was_reached  # nothing of it ran there
             self._requeue(j, now)
 
     def running_on(self, worker_id: str) -> list[str]:

@@ -260,9 +260,11 @@ class RedisStore:
     async def _ready(self) -> None:
         if self._client is None:
             self._connect()
-        if self._reserve is None:
-            self._reserve = await self._client.script_load(_RESERVE_LUA)
-            self._credit = await self._client.script_load(_CREDIT_LUA)
+        if self._reserve is None or self._credit is None:
+            # both or neither: a load cut short (timeout, cancel) must not leave one unset
+            reserve = await self._client.script_load(_RESERVE_LUA)
+            credit = await self._client.script_load(_CREDIT_LUA)
+            self._reserve, self._credit = reserve, credit
 
     async def _run(self) -> None:
         try:

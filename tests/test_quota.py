@@ -80,6 +80,34 @@ def test_reserve_then_settle_on_what_the_engine_used(qh):
     assert qh.core.quota.usage["a"] == [1, PROMPT_TOKENS, 5]
 
 
+def test_n_choices_reserve_max_tokens_for_each(qh):
+    """Usage sums the completion tokens of all n choices: so does the reservation."""
+    sink = Sink()
+    a = qh.core.submit(p.Submit("c", "sim-m", prompt=PROMPT, max_tokens=50, api_key=KEY,
+                                params=p.SamplingParams(n=4)), sink)
+    assert isinstance(a, int)
+    assert qh.level() == 1000 - (PROMPT_TOKENS + 4 * 50)
+    # n x max_tokens alone beyond the budget: refused at once, as for one choice
+    big = qh.core.submit(p.Submit("c", "sim-m", prompt=PROMPT, max_tokens=300, api_key=KEY,
+                                  params=p.SamplingParams(n=4)), Sink())
+    assert not isinstance(big, int)
+
+
+def test_a_dispatch_refused_by_the_workers_ledger_charges_no_prompt(qh):
+    """Refused by the worker (other routers hold its room): nothing ran there,
+    so a job cancelled after that, queued again, is charged no tokens."""
+    a = qh.submit_key(max_tokens=50)
+    qh.settle()
+    job_id = "%x" % a
+    assert qh.core.policy.worker_of(job_id) == "w0"
+    qh.core.refused("w0", [job_id], other_tokens=10**6, other_seqs=64)  # and w0 is full meanwhile
+    qh.settle()
+    assert qh.core.policy.worker_of(job_id) is None  # queued again
+    qh.core.cancel(a)
+    assert qh.level() == 1000 and qh.core.quota.outstanding == 0
+    assert qh.core.quota.usage["a"][1] == 0  # no prompt tokens used
+
+
 def test_cancelled_while_queued_uses_no_tokens_and_one_request(qh):
     qh.join("w0", seqs=1)
     a, b = qh.submit_key(), qh.submit_key(max_tokens=100)
