@@ -38,6 +38,11 @@ from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
 
 log = logging.getLogger(__name__)
 
+# A prefix-cache reset (after lost KV events) waits for a moment when no block
+# is in use: asked again every RESET_RETRY_S, for up to ~10 minutes.
+RESET_RETRY_S = 0.5
+RESET_ATTEMPTS = 1200
+
 
 class _SchedulerStats:
     """Latest scheduler numbers, written by vLLM's stat-logger hook once per engine step."""
@@ -119,7 +124,9 @@ class VllmEngine(EngineBase):
                           prefix_caching=caching,
                           prefix_hash=cache.prefix_caching_hash_algo if caching else "",
                           # (as the EngineCore resolves it: vLLM's resolve_none_hash_seed)
-                          prefix_hash_seed=os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED,
+                          # (set but empty is a seed too: vLLM tests ``is not None``)
+                          prefix_hash_seed=(DEFAULT_NONE_HASH_SEED if os.environ.get("PYTHONHASHSEED") is None
+                                            else os.environ["PYTHONHASHSEED"]),
                           kv_events_endpoint=self._kv_pub if caching else "",
                           kv_events_replay=self._kv_replay if caching else "")
 
@@ -127,9 +134,25 @@ class VllmEngine(EngineBase):
         """Empty the engine's prefix cache (its AllBlocksCleared follows at
         the next step): how a worker that lost its events knows them again."""
         if self.engine is not None:
-            task = self._loop.create_task(self.engine.reset_prefix_cache())
+            task = self._loop.create_task(self._reset_prefix_cache())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+    async def _reset_prefix_cache(self) -> None:
+        # vLLM refuses (False) while any block is in use, i.e. while anything
+        # runs -- and gaps come under load: ask again until it takes.
+        for attempt in range(RESET_ATTEMPTS):
+            if self.engine is None:
+                return
+            try:
+                if await self.engine.reset_prefix_cache():
+                    return
+            except Exception as e:  # noqa: BLE001 -- an engine shutting down; try again or stop
+                log.warning("vLLM prefix cache reset failed: %r", e)
+            if attempt == 0:
+                log.info("vLLM prefix cache in use; resetting it once nothing runs")
+            await asyncio.sleep(RESET_RETRY_S)
+        log.warning("vLLM prefix cache never idle for a reset: this worker stays routed cache-blind")
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
         # The router may send a request id again to this worker right after

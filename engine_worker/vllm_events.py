@@ -37,6 +37,8 @@ from .prefix_feed import PrefixFeed
 
 log = logging.getLogger(__name__)
 
+_GPU = (None, "GPU")  # BlockStored/BlockRemoved.medium of the GPU cache (None: not said)
+
 REPLAY_TIMEOUT_S = 1.0
 _END_SEQ = -1
 
@@ -106,10 +108,14 @@ class VllmKvEvents:
         ts = batch.ts
         for ev in batch.events:
             cls = ev.__class__
+            # Only the GPU tier: with KV offloading a CPU store is no GPU hit,
+            # and a CPU-tier removal leaves the GPU's copy in place.
             if cls is BlockStored:
-                feed.stored(ev.block_hashes, ts)
+                if ev.medium in _GPU:
+                    feed.stored(ev.block_hashes, ts)
             elif cls is BlockRemoved:
-                feed.removed(ev.block_hashes, ts)
+                if ev.medium in _GPU:
+                    feed.removed(ev.block_hashes, ts)
             elif cls is AllBlocksCleared:
                 feed.cleared(ts)
         return True

@@ -114,7 +114,9 @@ class PrefixIndex:
             mi = self.models[w.model]
             self._retire(mi, w)
             if not any(x.model == w.model for x in self.workers.values()):
-                mi.hasher = None  # the next worker of this model sets the scheme again
+                # its last worker: the model's blocks go at once (a model removed
+                # at run time would keep them; its next worker starts afresh)
+                del self.models[w.model]
 
     def hasher(self, model: str) -> Optional[BlockHasher]:
         mi = self.models.get(model)

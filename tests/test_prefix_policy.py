@@ -64,6 +64,15 @@ def test_index_events_gap_snapshot_and_loss():
     assert ix.match("m", CHAIN, 0.0) == {} and ix.size("m") == 0
 
 
+def test_a_models_last_worker_leaving_frees_its_index():
+    ix = PrefixIndex()
+    ix.add_worker("a", "m", "sim", 16)
+    ix.snapshot("a", 0, range(20_000))  # above the size where retired entries are swept lazily
+    ix.remove_worker("a")
+    assert "m" not in ix.models and ix.size("m") == 0
+    assert ix.add_worker("b", "m", "sim", 16) and ix.match("m", [1], 0.0) == {}  # afresh
+
+
 def test_index_cap_evicts_least_recent_and_counts_stay_exact():
     ix = PrefixIndex(max_blocks=10)
     ix.add_worker("a", "m", "sim", 16)
