@@ -111,6 +111,9 @@ def worker_groups(cfg: Config) -> list[WorkerGroup]:
     return out
 
 
+STATEFULSET_NAME_MAX = 52
+
+
 def worker_grace_s(cfg: Config) -> int:
     """preStop waits up to the drain timeout, SIGTERM's own drain may take it again."""
     return math.ceil(2 * cfg.router.drain_timeout_s) + DRAIN_SLACK_S
@@ -139,6 +142,15 @@ def check(cfg: Config) -> None:
         raise ConfigError("kubernetes: terminate TLS at your Ingress/Gateway; unset envoy.tls_*")
     if not cfg.workers:
         raise ConfigError("kubernetes: no [[workers]] to render")
+    seen: dict[str, str] = {}
+    for g in worker_groups(cfg):
+        # a StatefulSet's pods carry a controller-revision-hash label of its
+        # name + 11 characters, and a label value holds at most 63
+        if len(g.name) > STATEFULSET_NAME_MAX:
+            raise ConfigError(f"kubernetes: model {g.model!r} makes the StatefulSet name {g.name!r}, "
+                              f"{len(g.name)} characters (at most {STATEFULSET_NAME_MAX}): use a shorter model name")
+        if seen.setdefault(g.name, g.model) != g.model:
+            raise ConfigError(f"kubernetes: models {seen[g.name]!r} and {g.model!r} both render as {g.name!r}")
 
 
 # ------------------------------------------------------------------ each role's config
@@ -146,8 +158,12 @@ def check(cfg: Config) -> None:
 
 def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict:
     raw = msgspec.to_builtins(cfg)
-    for key in ("base_dir", "kubernetes"):
+    # (the routers are one Deployment here, reached through its Services:
+    # [[routers]] and a worker's own `routers` list are for processes on hosts)
+    for key in ("base_dir", "kubernetes", "routers"):
         raw.pop(key, None)
+    for w in raw["workers"]:
+        w.pop("routers", None)
     e, r = raw["envoy"], raw["router"]
     e["listen"] = f"0.0.0.0:{_port(cfg.envoy.listen)}"
     e["admin"] = f"0.0.0.0:{_port(cfg.envoy.admin)}"  # Prometheus scrapes it (NetworkPolicy: monitoring only)

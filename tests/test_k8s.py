@@ -183,6 +183,24 @@ def test_configmap_views_load_and_point_at_the_routers(cfg):
     envoy_config.validate(data["envoy.yaml"])  # the real Envoy accepts it
 
 
+def test_a_config_of_several_local_routers_renders_the_same_routing(cfg):
+    """[[routers]] (and a worker's own routers list) name processes on hosts;
+    in the cluster the routers are the Deployment behind its Services."""
+    import msgspec
+
+    raw = msgspec.to_builtins(cfg)
+    raw["routers"] = [{"http": "127.0.0.1:18001", "frontend": "tcp://127.0.0.1:15555",
+                       "backend": "tcp://127.0.0.1:15556"},
+                      {"http": "127.0.0.1:18002", "frontend": "tcp://127.0.0.1:15557",
+                       "backend": "tcp://127.0.0.1:15558"}]
+    raw["workers"][0]["routers"] = ["tcp://127.0.0.1:15556"]
+    several = msgspec.convert(raw, type(cfg))
+    data = _by(k8s.built(several), "ConfigMap")[0]["data"]
+    assert data == _by(k8s.built(cfg), "ConfigMap")[0]["data"]
+    worker = loads(data["worker.toml"])
+    assert worker.worker_backends(worker.workers[0]) == [k8s.worker_router_backend(cfg)]
+
+
 def test_network_policies_deny_by_default_and_open_only_the_planes(cfg):
     pols = {p["metadata"]["name"]: p["spec"] for p in _by(k8s.built(cfg), "NetworkPolicy")}
     assert pols["weir-default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
@@ -202,6 +220,15 @@ def test_bad_kubernetes_settings_are_refused(cfg):
         bad = loads(text + f"\n[kubernetes]\n{extra}\n", base_dir=str(REPO / "deploy"))
         with pytest.raises(ConfigError, match=msg):
             k8s.files(bad)
+    import msgspec
+
+    for names, msg in ((["m" * 50], "at most 52"), (["a.b", "a-b"], "both render")):
+        raw = msgspec.to_builtins(cfg)
+        raw["models"] = [{"name": n, "engine": "sim", "max_model_len": 1024} for n in names]
+        raw["workers"] = [{"id": f"w{i}", "model": n} for i, n in enumerate(names)]
+        raw.pop("fallbacks", None)
+        with pytest.raises(ConfigError, match=msg):
+            k8s.files(msgspec.convert(raw, type(cfg)))
 
 
 def metric_names(text: str) -> set[str]:
