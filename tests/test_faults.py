@@ -20,7 +20,10 @@ import stackutil
 from stackutil import SIM_MODEL, sim_worker, start_stack, write_config
 
 STREAM_TOKENS = 300
-SIM = {"step_fixed_ms": 3.0, "decode_token_us": 20.0}  # ~1 s for a 300-token stream
+# ~1.6 s for a 300-token stream: the fault lands while the streams run even when
+# the client reads slowly (with ~1 s, a loaded CI machine's client had read 800
+# chunks only when the killed worker had already sent all of its streams).
+SIM = {"step_fixed_ms": 5.0, "decode_token_us": 20.0}
 
 
 def _two_worker_stack(tmp_path, **router):
@@ -68,7 +71,7 @@ async def _streams(url: str, n: int, on_started=None) -> list[tuple[str, str | N
                 text.append(chunk.choices[0].text)
                 finish = chunk.choices[0].finish_reason or finish
                 count[0] += 1
-                if count[0] >= n * 20:
+                if count[0] >= n * 5:  # every stream going, on average 5 tokens in
                     started.set()
             if chunk.usage:
                 usage = chunk.usage.completion_tokens
@@ -213,14 +216,18 @@ def test_supervision_restarts_a_killed_router_and_workers_register_again(tmp_pat
         during = requests.post(stack.envoy_url + "/v1/completions", json=body, timeout=30)
         assert during.status_code in (200, 503)
         if during.status_code == 503:
-            assert during.json()["error"]["type"] == "server_error" and "retry-after" in during.headers
+            # Envoy's own (no router up) or, if its retry reached the new router before
+            # the workers did, the router's no_worker
+            assert during.json()["error"]["code"] in ("service_unavailable", "no_worker"), during.text
+            assert "retry-after" in during.headers
         healthy = _wait(lambda: router.pid != old_pid and _get_ok(stack.router_url + "/health"), timeout=20)
         t_up = time.monotonic()
         assert healthy and stack.restarts == {"router": 1}
         both = _wait(lambda: set(_workers(stack)) == {"sim-a", "sim-b"}, timeout=10)
         t_registered = time.monotonic()
         assert both, _workers(stack)
-        assert t_registered - t_up < 2.0, f"workers re-registered {t_registered - t_up:.2f} s after the router"
+        # (a worker's reconnect back-off doubles while the router is down: 0.25 ... 2 s)
+        assert t_registered - t_up < 5.0, f"workers re-registered {t_registered - t_up:.2f} s after the router"
         print(f"router back {t_up - t_kill:.2f} s after SIGKILL, workers {t_registered - t_up:.2f} s later")
         r = _wait(lambda: requests.post(stack.envoy_url + "/v1/completions", json=body, timeout=30).status_code == 200)
         assert r

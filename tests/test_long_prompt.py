@@ -76,6 +76,8 @@ def test_streams_keep_flowing_while_a_long_prompt_is_tokenized(long_stack):
     # land in the same message as the long request's answer, so after ``end``)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= start and a <= end]
     assert len(gaps) >= 5, "the running stream produced nothing while the long prompt was admitted"
-    assert max(gaps) < tokenize_s / 2, (
+    # (blocking would leave a gap of at least tokenize_s, measured idle; a loaded
+    # machine's scheduling stretches the others, hence not a tighter bound)
+    assert max(gaps) < 0.75 * tokenize_s, (
         f"largest inter-token gap {max(gaps) * 1e3:.1f} ms while a prompt that takes "
         f"{tokenize_s * 1e3:.1f} ms to tokenize was admitted")

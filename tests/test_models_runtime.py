@@ -81,7 +81,8 @@ def test_add_then_remove_a_model_under_load(tmp_path):
 
         assert EXTRA not in _models(s) and stackutil.SIM_MODEL in _models(s)
         worker = s.components[f"worker:{EXTRA}-0"]
-        assert worker.exited() == 0 and s.restarts.get(f"worker:{EXTRA}-0") is None  # drained, not restarted
+        # (remove --wait returns on the worker's Goodbye: the process may still be exiting)
+        assert worker.proc.wait(timeout=15) == 0 and s.restarts.get(f"worker:{EXTRA}-0") is None  # drained, not restarted
         assert f"{EXTRA}-0" not in {w["id"] for w in requests.get(s.router_url + "/admin/workers", timeout=5).json()}
 
         other = results[stackutil.SIM_MODEL]

@@ -134,7 +134,9 @@ def test_two_vllm_workers_share_a_prefix(tmp_path):
     followers find their prefix cached on the worker they are sent to."""
     cfg = stackutil.write_config(
         tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=1024),
-        workers=[stackutil.vllm_worker("vllm-0", max_num_seqs=4), stackutil.vllm_worker("vllm-1", max_num_seqs=4)])
+        workers=[stackutil.vllm_worker("vllm-0", max_num_seqs=4), stackutil.vllm_worker("vllm-1", max_num_seqs=4)],
+        # a loaded machine's KV events may take longer than the default 2 s to confirm a dispatch
+        scheduler={"prefix_speculative_ttl_s": 10.0})
     systems = [("You are assistant %s. " % t) + " ".join(f"rule {t}{i} keep answers short." for i in range(12))
                for t in "AB"]
     with stackutil.start_stack(cfg, tmp_path / "run") as s:

@@ -112,7 +112,11 @@ def test_two_routers_share_two_workers_without_over_commit(tmp_path):
             victim.signal_group(signal.SIGKILL)
             racing = [pool.submit(_post, stack.envoy_url, {**BODY, "max_tokens": 8}) for _ in range(6)]
             ended = [f.result() for f in inflight] + [f.result() for f in racing]
-            time.sleep(0.5)  # Envoy has seen the dead router (outlier ejection, health check)
+            # Envoy has seen the dead router (outlier ejection, health check) -- or
+            # the supervisor's new one, with both workers registered, passed it again.
+            assert _wait(lambda: stack.envoy_healthy_routers() == 1 or (
+                victim.pid != old_pid and set(stack.registered_at(stack.router_urls[1])) == {"sim-a", "sim-b"}
+                and stack.envoy_healthy_routers() == 2), 10)
             after = [pool.submit(_post, stack.envoy_url, {**BODY, "max_tokens": 8}) for _ in range(6)]
             later = [f.result() for f in after]
         # Served by the survivor, or the clear error of the one killed under

@@ -96,14 +96,17 @@ def test_budgets_headers_retry_after_reload_and_no_key_in_logs(tmp_path):
         assert int(r2.headers["x-ratelimit-remaining-requests"]) == 98
         assert 1990 <= int(r1.headers["x-ratelimit-remaining-tokens"]) <= 2000
         assert int(r2.headers["x-ratelimit-remaining-tokens"]) < int(r1.headers["x-ratelimit-remaining-tokens"])
-        # the third does not fit: 429, OpenAI's body, which budget, a computed Retry-After
-        r3 = _complete(base, KEY_Q, BIG_PROMPT)
+        # the third does not fit: 429, OpenAI's body, which budget, a computed Retry-After.
+        # It asks for 1,090 tokens against ~998 left: the budget refills 50 tokens/s,
+        # so it stays short for ~1.8 s (a 1,001-token one fitted after ~60 ms: a slow
+        # machine's three requests took longer than that).
+        r3 = _complete(base, KEY_Q, BIG_PROMPT, max_tokens=90)
         assert r3.status_code == 429, r3.text
         err = r3.json()["error"]
         assert (err["code"], err["type"]) == ("rate_limit_exceeded", "tokens")
         assert "tokens per minute" in err["message"]
         assert r3.headers["x-ratelimit-remaining-tokens"] == r2.headers["x-ratelimit-remaining-tokens"] or \
-            int(r3.headers["x-ratelimit-remaining-tokens"]) < 1001
+            int(r3.headers["x-ratelimit-remaining-tokens"]) < 1090
         wait = int(r3.headers["retry-after"])
         assert 1 <= wait <= 2
         time.sleep(wait)  # a client that waits that long is served
