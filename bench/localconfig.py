@@ -104,6 +104,9 @@ def base_config(**overrides: Any) -> dict:
             "frontend": f"tcp://127.0.0.1:{frontend}",
             "backend": f"tcp://127.0.0.1:{backend}",
             "heartbeat_interval_s": 0.5,
+            # lost after 3 s of silence, as the default (1 s x 3): quick stats,
+            # not a 1.5 s bound that a loaded 2-core machine's stalls can reach
+            "heartbeat_liveness": 6,
         },
         "models": models(),
         "workers": [sim_worker()],
