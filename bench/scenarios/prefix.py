@@ -138,6 +138,8 @@ def main(argv=None) -> int:
                          "real tiny vLLM CPU worker with the deployment's one OpenMP thread (bench/README.md)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workloads", default="shared,control")
+    ap.add_argument("--kv-mib", type=int, default=16,
+                    help="vLLM workers' KV cache (MiB; the tiny model: 2,048 tokens a MiB)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     sim = args.engine == "sim"
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
         models = None
     else:
         model = common.VLLM_MODEL
-        workers = [common.vllm_worker(f"vllm-{i}", max_num_seqs=16, kv_cache_bytes=16 << 20)
+        workers = [common.vllm_worker(f"vllm-{i}", max_num_seqs=16, kv_cache_bytes=args.kv_mib << 20)
                    for i in range(min(args.workers, 2))]
         models = common.localconfig.models(vllm_max_model_len=4096)
     rows = []
