@@ -280,8 +280,9 @@ class Worker:
             await asyncio.sleep(self.interval)
             # Liveness counts ticks that heard nothing since the one before
             # (Paranoid Pirate), not seconds: when this process itself stalls
-            # (seen: 1.8 s on a loaded 2-core CI machine), the late tick counts
-            # once, and what the router sent meanwhile is read before the next.
+            # (a worker on a loaded 2-core machine found its router "silent for
+            # 1.8 s"), the late tick counts once, and what the router sent
+            # meanwhile is read before the next.
             tick, prev = prev, self.loop.time()
             if self.engine.fatal_error is not None:
                 log.error("worker %s: engine failed: %r", self.wcfg.id, self.engine.fatal_error)
