@@ -257,14 +257,15 @@ def _tenants_view(cur: dict) -> list[dict]:
     return out
 
 
-def view(cur: dict, prev: Optional[dict], expected_workers: set[str]) -> dict:
-    """The snapshot ``--json`` prints and the live view draws."""
+def view(cur: dict, prev: Optional[dict], expected_workers: dict[str, set[str]]) -> dict:
+    """The snapshot ``--json`` prints and the live view draws.  ``expected_workers``:
+    per router, the ids it should have (shown as lost where it does not)."""
     dt = cur["t"] - prev["t"] if prev else 0.0
     routers, workers, tenants = [], [], []
     for url, r in cur["routers"].items():
         pr = prev["routers"].get(url) if prev else None
         routers.append(_router_view(url, r, pr, dt))
-        workers += _workers_view(url, r, pr, dt, expected_workers)
+        workers += _workers_view(url, r, pr, dt, expected_workers.get(url, set()))
         for t in _tenants_view(r):
             tenants.append({"router": url, **t})
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "interval_s": round(dt, 3),
@@ -389,17 +390,22 @@ def targets(cfg: Config, routers: Optional[list[str]], envoy_admin: Optional[str
         [u.rstrip("/") for u in (routers or [_http_url(cfg.router.http)])]
 
 
-def _registered(reading: dict) -> set[str]:
-    return {w["id"] for r in reading["routers"].values() for w in r.get("workers", [])}
+def _registered(expected: dict[str, set[str]], reading: dict) -> None:
+    """Once a router has had a worker, its leaving shows as lost -- at that
+    router only (with several, each may have only some of the workers)."""
+    for url, r in reading["routers"].items():
+        expected.setdefault(url, set()).update(w["id"] for w in r.get("workers", []))
 
 
 def run(cfg: Config, *, routers: Optional[list[str]] = None, envoy_admin: Optional[str] = None,
         as_json: bool = False, interval: float = 1.0, count: Optional[int] = None) -> int:
     admin, urls = targets(cfg, routers, envoy_admin)
-    expected = {w.id for w in cfg.workers} if routers is None else set()
+    # the config's one router should have its workers; routers named on the
+    # command line only those they have been seen with
+    expected = {urls[0]: {w.id for w in cfg.workers}} if routers is None else {}
     prev = read(admin, urls)
     first = view(prev, None, expected)
-    expected |= _registered(prev)
+    _registered(expected, prev)
     why = stack_down(first)
     if why is not None:
         print(f"weir stats: the stack is not running (nothing answers: {why}). Start it with `weir up`.",
@@ -423,7 +429,7 @@ def run(cfg: Config, *, routers: Optional[list[str]] = None, envoy_admin: Option
                 time.sleep(interval)
                 cur = read(admin, urls)
                 live.update(render(view(cur, prev, expected), title), refresh=True)
-                expected |= _registered(cur)  # once seen, a worker that leaves shows as lost
+                _registered(expected, cur)
                 prev = cur
                 shown += 1
     except KeyboardInterrupt:
