@@ -5,7 +5,9 @@ real backend socket (ZeroMQ DEALERs sending Register and heartbeats with stats,
 as engine_worker does) and stay registered while /metrics is fetched
 sequentially; prints the scrape's latency p50/p90 and size per N, and -- for
 the worker pods' probes (deploy/k8s_probe.py) -- one worker
-(/admin/workers/{id}) against the whole list (/admin/workers).
+(/admin/workers/{id}) against the whole list (/admin/workers); and how long
+another request (/health/live, back to back from a second thread) waits
+while the scrapes run: the router's loop held by them.
 
     python -m bench.scenarios.scrape_cost [--workers 0,64,1024] [-n 30]
 """
@@ -25,7 +27,7 @@ import zmq
 from bench.scenarios import common
 from shared.protocol import GpuInfo, Heartbeat, Pool, Register, WorkerStats, encoder
 
-HEARTBEAT_S = 0.5  # under the router's 1 s interval x 3 liveness
+HEARTBEAT_S = 0.5  # well within the router's liveness (6 x 0.5 s in the bench stacks)
 
 
 class Fleet:
@@ -93,6 +95,28 @@ def _time(url: str, n: int, warmup: int = 3) -> tuple[list[float], int]:
     return times, size
 
 
+def _pings_during(url: str, work) -> list[float]:
+    """Latencies of back-to-back GET ``url`` (another client of the same
+    router) while ``work()`` runs: how long the router's loop is held."""
+    out: list[float] = []
+    done = threading.Event()
+
+    def ping():
+        while not done.is_set():
+            t = time.perf_counter()
+            _get(url)
+            out.append(time.perf_counter() - t)
+
+    th = threading.Thread(target=ping)
+    th.start()
+    try:
+        work()
+    finally:
+        done.set()
+        th.join()
+    return out
+
+
 def _pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
 
@@ -119,20 +143,26 @@ def main(argv=None) -> int:
                 while _registered(st.router_url) < n + 1:
                     assert time.monotonic() < deadline, "stand-in workers did not all register"
                     time.sleep(0.2)
-                metrics, size = _time(st.metrics_url, args.scrapes)
+                got = {}
+                pings = _pings_during(st.router_url + "/health/live",
+                                      lambda: got.update(zip(("t", "size"), _time(st.metrics_url, args.scrapes))))
+                metrics, size = got["t"], got["size"]
                 one, _ = _time(st.router_url + f"/admin/workers/stand-in-{max(0, n - 1)}", args.scrapes) if n else ([0.0], 0)
                 every, _ = _time(st.router_url + "/admin/workers", args.scrapes)
-                rows.append((n, _pct(metrics, 50), _pct(metrics, 90), size, _pct(one, 50), _pct(every, 50)))
+                rows.append((n, _pct(metrics, 50), _pct(metrics, 90), size, _pct(one, 50), _pct(every, 50),
+                             _pct(pings, 99), max(pings)))
             finally:
                 fleet.close()
-            time.sleep(3.5)  # the router forgets them (missed heartbeats) before the next round
+            time.sleep(4.5)  # the router forgets them (missed heartbeats: 6 x 0.5 s) before the next round
     print(common.header("Scrape cost of /metrics by registered workers", ["bench.scenarios.scrape_cost", *argv]))
     print(f"{'workers':>8} {'/metrics p50 ms':>16} {'p90 ms':>8} {'bytes':>9} {'/admin/workers/{id} p50 ms':>27} "
-          f"{'/admin/workers p50 ms':>22}")
-    for n, p50, p90, size, one, every in rows:
-        print(f"{n:>8} {p50 * 1e3:>16.2f} {p90 * 1e3:>8.2f} {size:>9} {one * 1e3:>27.2f} {every * 1e3:>22.2f}")
+          f"{'/admin/workers p50 ms':>22} {'/health/live during scrapes p99 ms':>35} {'max ms':>7}")
+    for n, p50, p90, size, one, every, ping99, ping_max in rows:
+        print(f"{n:>8} {p50 * 1e3:>16.2f} {p90 * 1e3:>8.2f} {size:>9} {one * 1e3:>27.2f} {every * 1e3:>22.2f} "
+              f"{ping99 * 1e3:>35.2f} {ping_max * 1e3:>7.2f}")
     common.save(out, "scrape_cost", [dict(zip(("workers", "metrics_p50_s", "metrics_p90_s", "metrics_bytes",
-                                                "one_worker_p50_s", "all_workers_p50_s"), r)) for r in rows])
+                                                "one_worker_p50_s", "all_workers_p50_s", "ping_during_p99_s",
+                                                "ping_during_max_s"), r)) for r in rows])
     return 0
 
 
