@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Union
@@ -80,6 +81,7 @@ class Hold:
     tenant: str
     enforced: bool = True  # False: admitted while the store was down (nothing was taken)
     ratelimit: Optional[p.RateLimit] = None  # the figures after the reservation
+    hold_id: str = ""  # a store with I/O: its credit applies once, whatever is sent again
 
 
 Answer = Union[Hold, p.ErrorInfo]
@@ -153,12 +155,17 @@ class MemoryStore:
                 self.state[b.key] = (min(float(b.cap), self.level(b, now) + amount), now)
 
 
+# Both scripts take the buckets' keys and then the hold's key (last): a
+# reserve that takes sets it, a credit applies only if it deletes it -- so a
+# credit sent again after a timeout, or one undoing a reserve that timed out,
+# counts exactly once whether or not the first call ran.
 _RESERVE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local n = #KEYS - 1
 local levels = {}
 local worst, worst_i = -1, 0
-for i = 1, #KEYS do
+for i = 1, n do
   local cap, period, cost = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i])
   local b = redis.call('HMGET', KEYS[i], 'l', 't')
   local l = tonumber(b[1])
@@ -172,8 +179,10 @@ end
 local out = {1, 0, '0'}
 if worst_i > 0 then
   out = {0, worst_i, tostring(worst)}
+else
+  redis.call('SET', KEYS[#KEYS], '1', 'EX', tonumber(ARGV[3*n+1]))
 end
-for i = 1, #KEYS do
+for i = 1, n do
   local l = levels[i]
   if worst_i == 0 then
     local period = tonumber(ARGV[3*i-1])
@@ -187,9 +196,10 @@ return out
 """
 
 _CREDIT_LUA = """
+if redis.call('DEL', KEYS[#KEYS]) == 0 then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-for i = 1, #KEYS do
+for i = 1, #KEYS - 1 do
   local cap, period, amount = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i])
   local b = redis.call('HMGET', KEYS[i], 'l', 't')
   local l = tonumber(b[1])
@@ -213,7 +223,7 @@ class RedisStore:
         self.url, self.prefix, self.timeout_s = url, prefix, timeout_s
         self._client = None
         self._reserve = self._credit = None
-        self._queue: list = []  # (op, buckets, amounts, callback | None)
+        self._queue: list = []  # (op, buckets, amounts, hold_id, callback | None)
         self._busy = False
 
     def _connect(self):
@@ -227,11 +237,12 @@ class RedisStore:
                                          retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         self._reserve = self._credit = None  # SHA1s, loaded on first use (and after a Redis restart)
 
-    def submit(self, op: str, buckets: tuple[Bucket, ...], amounts: list[int],
+    def submit(self, op: str, buckets: tuple[Bucket, ...], amounts: list[int], hold_id: str,
                callback: Optional[Callable]) -> None:
         """``callback(result | exception)``: result is the reserve's (ok, why, levels).
-        Never called before this returns (the lifecycle relies on it)."""
-        self._queue.append((op, buckets, amounts, callback))
+        Never called before this returns (the lifecycle relies on it).  A
+        credit applies only if the reserve of ``hold_id`` took, and once."""
+        self._queue.append((op, buckets, amounts, hold_id, callback))
         if not self._busy:
             self._busy = True
             asyncio.get_running_loop().create_task(self._run())
@@ -274,7 +285,7 @@ class RedisStore:
                     results = await asyncio.wait_for(self._send(batch), self.timeout_s * 2)
                 except Exception as e:  # noqa: BLE001 -- every failure is the callbacks' news
                     results = [e] * len(batch)
-                for (_op, _b, _a, cb), res in zip(batch, results):
+                for (_op, _b, _a, _h, cb), res in zip(batch, results):
                     if cb is not None:
                         try:
                             cb(res)
@@ -289,11 +300,14 @@ class RedisStore:
         for attempt in (0, 1):
             await self._ready()
             pipe = self._client.pipeline(transaction=False)
-            for op, buckets, amounts, _cb in batch:
-                args = [self.prefix + b.key for b in buckets]
+            for op, buckets, amounts, hold_id, _cb in batch:
+                keys = [self.prefix + b.key for b in buckets] + [self.prefix + "hold:" + hold_id]
+                args = []
                 for b, a in zip(buckets, amounts):
                     args += [b.cap, b.period, a]
-                pipe.evalsha(self._reserve if op == "reserve" else self._credit, len(buckets), *args)
+                if op == "reserve":  # the hold outlives any job: twice the longest period
+                    args.append(math.ceil(2 * max(b.period for b in buckets)))
+                pipe.evalsha(self._reserve if op == "reserve" else self._credit, len(keys), *keys, *args)
             raw = await pipe.execute(raise_on_error=False)
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in raw):
                 self._reserve = None  # Redis restarted and forgot them: load again, once
@@ -302,7 +316,7 @@ class RedisStore:
         if len(raw) != len(batch):
             raise RuntimeError(f"redis answered {len(raw)} of {len(batch)} calls")
         out = []
-        for (op, _b, _a, _cb), r in zip(batch, raw):
+        for (op, _b, _a, _h, _cb), r in zip(batch, raw):
             if isinstance(r, Exception) or op != "reserve":
                 out.append(r)
                 continue
@@ -339,7 +353,9 @@ class Quota:
                     store.warm()
         self.store = store
         self._down_until = 0.0
-        self._unsent: list[tuple[tuple[Bucket, ...], list[int]]] = []  # credits to retry
+        self._unsent: list[tuple[tuple[Bucket, ...], list[int], str]] = []  # credits to (re)send
+        # hold ids, unique across routers sharing one store: this process's prefix + a count
+        self._hold_prefix, self._holds = os.urandom(6).hex() + ":", 0
         self._warned: dict[tuple[str, str], float] = {}
         self.usage: dict[str, list[int]] = {}  # tenant -> [requests, prompt, completion]
         self.refusals: dict[tuple[str, str], int] = {}  # (tenant, budget) -> count
@@ -402,18 +418,25 @@ class Quota:
         if now < self._down_until:
             return self._store_down(who, buckets, tokens, None)
         self._flush_credits()
-        store.submit("reserve", buckets, amounts,
-                     lambda res: on_answer(self._answer(who, buckets, tokens, res)))
+        hold_id = self._new_hold_id()
+        store.submit("reserve", buckets, amounts, hold_id,
+                     lambda res: on_answer(self._answer(who, buckets, tokens, res, amounts, hold_id)))
         return None
 
-    def _answer(self, who, buckets, tokens, res) -> Answer:
+    def _new_hold_id(self) -> str:
+        self._holds += 1
+        return f"{self._hold_prefix}{self._holds:x}"
+
+    def _answer(self, who, buckets, tokens, res, amounts=None, hold_id: str = "") -> Answer:
         if isinstance(res, BaseException):
+            if hold_id:  # it may have run before the error (a timeout): undone if it did, else nothing
+                self._unsent.append((buckets, amounts, hold_id))
             return self._store_down(who, buckets, tokens, res)
         ok, why, levels = res
         rl = ratelimit(buckets, levels)
         if ok:
             self.outstanding += 1
-            return Hold(buckets, tokens, who.tenant, True, rl)
+            return Hold(buckets, tokens, who.tenant, True, rl, hold_id)
         i, wait = why
         b = buckets[i]
         scope = "tenant" if b.key.startswith("t:") else "key"
@@ -479,22 +502,23 @@ class Quota:
         if self.store.sync:
             self.store.credit(hold.buckets, amounts, self.clock())
             return
-        self._unsent.append((hold.buckets, amounts))
+        self._unsent.append((hold.buckets, amounts, hold.hold_id))
         if self.clock() >= self._down_until:
             self._flush_credits()
 
     def _flush_credits(self) -> None:
         unsent, self._unsent = self._unsent, []
-        for buckets, amounts in unsent:
-            self.store.submit("credit", buckets, amounts,
-                              lambda res, b=buckets, a=amounts: self._credited(res, b, a))
+        for buckets, amounts, hold_id in unsent:
+            self.store.submit("credit", buckets, amounts, hold_id,
+                              lambda res, b=buckets, a=amounts, h=hold_id: self._credited(res, b, a, h))
 
-    def _credited(self, res, buckets, amounts) -> None:
+    def _credited(self, res, buckets, amounts, hold_id) -> None:
         if isinstance(res, BaseException):
             self._store_error("settle", res)
             self._down_until = self.clock() + STORE_RETRY_S
             if len(self._unsent) < MAX_PENDING_CREDITS:
-                self._unsent.append((buckets, amounts))  # sent again with the next store call
+                # sent again with the next store call (applied once: the hold id)
+                self._unsent.append((buckets, amounts, hold_id))
 
     async def close(self) -> None:
         if not self.store.sync:

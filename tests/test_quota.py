@@ -227,7 +227,7 @@ def test_reload_swaps_keys_and_budgets(qh):
 class _FailingStore(MemoryStore):
     sync = False
 
-    def submit(self, op, buckets, amounts, callback):  # (a store never answers before returning)
+    def submit(self, op, buckets, amounts, hold_id, callback):  # (a store never answers before returning)
         asyncio.get_running_loop().call_soon(callback, ConnectionError("store down"))
 
 
@@ -283,27 +283,38 @@ class _Frozen(MemoryStore):
 
 
 class _Deferred(_Frozen):
-    """Answers when the test says (or fails), as Redis would, later."""
+    """Answers when the test says (or fails), as Redis would, later -- with
+    its scripts' hold ids: a reserve that takes holds its id, a credit
+    applies only if it releases one."""
 
     sync = False
 
     def __init__(self):
         super().__init__()
         self.queue = []
+        self.held: set[str] = set()
 
-    def submit(self, op, buckets, amounts, callback):
-        self.queue.append((op, buckets, amounts, callback))
+    def submit(self, op, buckets, amounts, hold_id, callback):
+        self.queue.append((op, buckets, amounts, hold_id, callback))
 
-    def answer(self, n: int, fail: bool = False):
+    def answer(self, n: int, fail: bool = False, ran: bool = False):
+        """``fail``: the caller gets an error -- before the call ran, or
+        (``ran``) after it did, as a timeout may."""
         for _ in range(min(n, len(self.queue))):
-            op, buckets, amounts, cb = self.queue.pop(0)
-            if fail:
+            op, buckets, amounts, hold_id, cb = self.queue.pop(0)
+            if fail and not ran:
                 cb(ConnectionError("down"))
-            elif op == "reserve":
-                cb(self.reserve(buckets, amounts, 0.0))
+                continue
+            if op == "reserve":
+                res = self.reserve(buckets, amounts, 0.0)
+                if res[0]:
+                    self.held.add(hold_id)
             else:
-                self.credit(buckets, amounts, 0.0)
-                cb(1)
+                if hold_id in self.held:
+                    self.held.discard(hold_id)
+                    self.credit(buckets, amounts, 0.0)
+                res = 1
+            cb(TimeoutError("answered too late") if fail else res)
 
 
 class QuotaMachine(RuleBasedStateMachine):
@@ -379,9 +390,9 @@ class QuotaMachine(RuleBasedStateMachine):
         self.h.settle()
 
     @precondition(lambda self: self.deferred)
-    @rule(n=st.integers(1, 4), fail=st.booleans())
-    def store_answers(self, n, fail):
-        self.h.core.quota.store.answer(n, fail)
+    @rule(n=st.integers(1, 4), fail=st.booleans(), ran=st.booleans())
+    def store_answers(self, n, fail, ran):
+        self.h.core.quota.store.answer(n, fail, ran)
         self.h.settle()
 
     def _expected_taken(self, bucket) -> int:
@@ -395,8 +406,10 @@ class QuotaMachine(RuleBasedStateMachine):
                 taken += prompt + completion
         pending = list(q._unsent)
         if self.deferred:
-            pending += [(b, a) for op, b, a, _ in q.store.queue if op == "credit"]
-        for buckets, amounts in pending:  # returns not yet applied by the store
+            pending += [(b, a, h) for op, b, a, h, _ in q.store.queue if op == "credit"]
+        for buckets, amounts, hold_id in pending:  # returns not yet applied by the store
+            if self.deferred and hold_id not in q.store.held:
+                continue  # undoing a reserve that never took: nothing to return
             for b, a in zip(buckets, amounts):
                 if b == bucket:
                     taken += a

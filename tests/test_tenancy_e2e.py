@@ -207,6 +207,43 @@ def redis_url(tmp_path_factory):
         proc.wait(10)
 
 
+def test_redis_credits_apply_once_and_undo_only_a_reserve_that_took(redis_url):
+    """The scripts on a real Redis: a credit sent twice (a timeout after it
+    ran) returns its tokens once; undoing a reserve that timed out returns
+    what it took if it ran, and nothing if it never took."""
+    import asyncio
+
+    from router.quota import Bucket, RedisStore
+
+    tpm = Bucket("k:exact:tpm", 1000, 60.0, True, "tokens_per_minute")
+
+    async def scenario():
+        store = RedisStore(redis_url, f"weir-exact-{os.getpid()}:", 2.0)
+
+        def call(op, amount, hold_id):
+            fut = asyncio.get_running_loop().create_future()
+            store.submit(op, (tpm,), [amount], hold_id, fut.set_result)
+            return fut
+
+        def level(res):  # the level a refused 1,001-token reserve reports (it takes nothing; +17 a second of refill)
+            return res[2][0]
+
+        got = await call("reserve", 400, "h1")
+        assert got[0] and got[2][0] == pytest.approx(600, abs=5)
+        await call("credit", 300, "h1")
+        await call("credit", 300, "h1")  # sent again: applied once
+        assert level(await call("reserve", 1001, "probe")) == pytest.approx(900, abs=5)
+        await call("credit", 500, "never-reserved")  # an undo of a reserve that never took: nothing
+        assert level(await call("reserve", 1001, "probe")) == pytest.approx(900, abs=5)
+        refused = await call("reserve", 5000, "h2")
+        assert not refused[0]
+        await call("credit", 5000, "h2")  # an undo of a refused reserve: nothing
+        assert level(await call("reserve", 1001, "probe")) == pytest.approx(900, abs=5)
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_two_routers_share_one_budget_in_redis(tmp_path, redis_url):
     keys = [{"key_sha256": digest(KEY_Q), "tenant": "q", "requests_per_minute": 4}]
     quota = {"store": "redis", "redis_url": redis_url, "redis_prefix": f"weir-test-{os.getpid()}:"}
