@@ -417,15 +417,27 @@ def kv(env):
     loop.run_until_complete(asyncio.sleep(0.3))
     # It joins a running engine: if earlier tests made it publish, its first
     # batch shows a gap, filled by replay from seq 0 (test_replay_fills_a_gap...
-    # checks that on its own).  A SUB that joined late misses a batch: another
-    # request's blocks make the next one.
+    # checks that on its own).  Ready once this request's own blocks are in:
+    # the replay is over then (its batch came last), so the tests that follow
+    # see only their own events.  A SUB that joined late misses a batch:
+    # another request's blocks make the next one.
+    from router.block_hash import BlockHasher
+    from router.core import tokenize_hashed
+
+    hasher = BlockHasher(info.prefix_hash, info.block_size, info.prefix_hash_seed)
+    joined = False
     for attempt in range(3):
+        sub = Submit(f"kv-join-{attempt}", "tiny-llama", prompt=_words(40, 77 + attempt))
+        tokens = tokenize_hashed(PROMPTS, sub, hasher)
+        assert tokens.hashes  # a full block at least: a batch
         c = Collector()
-        c.submit(engine, completion(f"kv-join-{attempt}", _words(40, 77 + attempt), max_tokens=1))  # a full block
+        c.submit(engine, GenerateRequest(sub.request_id, tokens.ids, tokens.count,
+                                         SamplingParams(max_tokens=1, temperature=0.0)))
         loop.run_until_complete(c.wait())
-        if _wait(loop, lambda: source.last >= 0 and feed.trusted, 10.0):
+        joined = _wait(loop, lambda: feed.trusted and set(tokens.hashes) <= feed.blocks, 10.0)
+        if joined:
             break
-    assert source.last >= 0 and feed.trusted
+    assert joined and source.last >= 0
     try:
         yield feed, sent
     finally:
