@@ -376,10 +376,8 @@ class Worker:
         ledger, prefix, index = self.ledger, link.prefix, link.index
         block = self.register_msg.block_size
         refused = []
-        if self._log_requests:
-            now = self.loop.time()
-            for req in requests:
-                self._traces[prefix + req.request_id] = (req.trace_id or req.request_id, now)
+        traces = self._traces if self._log_requests else None
+        now = self.loop.time()
         for req in requests:
             rid = req.request_id
             tokens = req.kv_tokens or kv_tokens_of(req.prompt_tokens, req.params.max_tokens, req.params.n, block)
@@ -387,6 +385,8 @@ class Worker:
                 refused.append(rid)
                 continue
             req.request_id = prefix + rid
+            if traces is not None:  # (a refused one never ends here: no trace kept for it)
+                traces[req.request_id] = (req.trace_id or rid, now)
             self.engine.submit(req, link.emit)
         if refused:
             other_tokens, other_seqs = ledger.others(index)
