@@ -114,10 +114,9 @@ class _Job:
     first_token_at: float = 0.0
     completion_tokens: int = 0  # over every attempt
     last_news: float = 0.0  # dispatch or latest Delta (the stall watchdog)
-    # its prompt reached an engine: a dispatch no worker's ledger refused
-    # (``was_reached``: before the latest dispatch, which a refusal undoes)
-    reached: bool = False
-    was_reached: bool = False
+    # dispatches no worker's ledger refused (a refusal undoes the latest):
+    # above 0, its prompt reached an engine
+    kept_dispatches: int = 0
     # What a resume needs: the original prompt and budget, the ids generated.
     prompt_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -381,7 +380,7 @@ class RouterCore:
         # hold taken before a reload that removed every key settles too)
         if self.quota.active or j.hold is not None:
             # (the prompt of the first attempt: a continuation's longer prompt is not charged again)
-            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.reached else 0, j.completion_tokens,
+            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.kept_dispatches else 0, j.completion_tokens,
                              j.job is not None)
             j.hold = None
             if j.rl is not None and error is not None and deltas is None:
@@ -463,7 +462,7 @@ class RouterCore:
             self._requeue(j, now)
             return
         j.last_news = now
-        j.was_reached, j.reached = j.reached, True
+        j.kept_dispatches += 1
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
             now - j.arrival)
 
@@ -590,7 +589,7 @@ class RouterCore:
             if j is None or self.policy.worker_of(job_id) != worker_id:
                 continue  # ended or moved meanwhile
             self.policy.refused(job_id, now)
-            j.reached = j.was_reached  # nothing of it ran there
+            j.kept_dispatches -= 1  # nothing of it ran there
             self._requeue(j, now)
 
     def running_on(self, worker_id: str) -> list[str]:
