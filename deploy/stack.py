@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from deploy import envoy_config
-from shared.config import DEFAULT_CONFIG, Config, load, split_hostport
+from shared.config import DEFAULT_CONFIG, Config, client_host, load, split_hostport, zmq_connect_addr
 
 ROUTER_READY_S = 30.0
 ENVOY_READY_S = 15.0
@@ -136,28 +136,10 @@ class Component:
         )
 
 
-def _client_host(host: str) -> str:
-    """Where a local client connects for a server bound to ``host``."""
-    if host in ("0.0.0.0", "*", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
-
-
 def _http_url(addr: str, scheme: str = "http") -> str:
     host, port = split_hostport(addr)
-    host = _client_host(host)
+    host = client_host(host)
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
-
-
-def _zmq_connect_addr(bind_addr: str) -> str:
-    scheme, _, rest = bind_addr.partition("://")
-    if scheme != "tcp":
-        return bind_addr
-    host, port = split_hostport(rest)
-    host = _client_host(host)
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
@@ -211,7 +193,7 @@ class Stack:
         endpoints = self.cfg.router_endpoints()
         self.router_names = ["router"] + [f"router:{i}" for i in range(1, len(endpoints))]
         self.router_urls = [_http_url(ep.http) for ep in endpoints]
-        self.zmq_frontends = [_zmq_connect_addr(ep.frontend) for ep in endpoints]
+        self.zmq_frontends = [zmq_connect_addr(ep.frontend) for ep in endpoints]
         self.router_url = self.router_urls[0]
         self.metrics_url = self.router_url + "/metrics"
         self.zmq_frontend = self.zmq_frontends[0]

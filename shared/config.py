@@ -27,6 +27,25 @@ def split_hostport(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def client_host(host: str) -> str:
+    """Where a local client connects for a server bound to ``host``."""
+    if host in ("0.0.0.0", "*", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def zmq_connect_addr(bind_addr: str) -> str:
+    """The address a local peer dials for a ZeroMQ socket bound at ``bind_addr``."""
+    scheme, _, rest = bind_addr.partition("://")
+    if scheme != "tcp":
+        return bind_addr
+    host, port = split_hostport(rest)
+    host = client_host(host)
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 class EnvoyConfig(_Cfg):
     listen: str = "127.0.0.1:8080"
     # TLS on the listener (both or neither; relative to the config file): PEM files.
@@ -100,13 +119,7 @@ class RouterEndpoint(_Cfg):
     worker_connect: Optional[str] = None
 
     def dial(self) -> str:
-        if self.worker_connect:
-            return self.worker_connect
-        scheme, _, rest = self.backend.partition("://")
-        host, port = split_hostport(rest) if scheme == "tcp" else ("", 0)
-        if scheme == "tcp" and host in ("0.0.0.0", "*", ""):
-            return f"tcp://127.0.0.1:{port}"
-        return self.backend
+        return self.worker_connect or zmq_connect_addr(self.backend)
 
 
 class Budgets(_Cfg):
