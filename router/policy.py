@@ -570,7 +570,7 @@ class Policy:
         self.prefix = PrefixIndex(cfg.prefix_index_max_blocks, cfg.prefix_speculative_ttl_s)
         self.affinity = cfg.prefix_affinity
         self.round_robin = cfg.placement == "round_robin"
-        self._rr = 0  # dispatches so far (round-robin placement)
+        self._rr = 0  # round-robin placement: the index after the worker used last
         self._seq = 0
         self._rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
         self.place_scan_all = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
