@@ -103,6 +103,7 @@ class VllmEngine(EngineBase):
         self.engine: AsyncLLM | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task] = set()  # keeps abort tasks referenced until done
+        self._resetting: Optional[asyncio.Task] = None  # a prefix-cache reset waiting for an idle cache
         self._sched = _SchedulerStats()
         self._aborted: list[str] = []  # engine ids to abort inside vLLM, batched per loop turn
         self._attempts = 0  # numbers each dispatch's engine id
@@ -133,8 +134,9 @@ class VllmEngine(EngineBase):
     def reset_prefix_cache(self) -> None:
         """Empty the engine's prefix cache (its AllBlocksCleared follows at
         the next step): how a worker that lost its events knows them again."""
-        if self.engine is not None:
-            task = self._loop.create_task(self._reset_prefix_cache())
+        if self.engine is not None and (self._resetting is None or self._resetting.done()):
+            # (one at a time: a second gap while one waits for an idle cache needs no second)
+            task = self._resetting = self._loop.create_task(self._reset_prefix_cache())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
