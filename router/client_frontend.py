@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Optional, Protocol
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -54,10 +54,10 @@ class ClientFrontend(RouterPlane):
     side = "frontend"
 
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: Optional[zmq.Context] = None, *, security=None,
+                 metrics: RouterMetrics, ctx: zmq.Context | None = None, *, security=None,
                  base_dir: str = "") -> None:
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
-        self.core: Optional[Admission] = None
+        self.core: Admission | None = None
         self.clients: dict[bytes, dict[str, int]] = {}  # identity -> client request id -> handle
         self.outbox = Outbox(loop, self._flush_to)
 
@@ -162,7 +162,7 @@ class _ClientSink:
                     del clients[self.identity]
 
 
-def _explain(text: str) -> tuple[str, Optional[str]]:
+def _explain(text: str) -> tuple[str, str | None]:
     """msgspec's "Expected `float` <= 2.0 - at `$[6][1]`" on an array-like
     Submit -> ("Expected `float` <= 2.0 (at 'params.temperature')", that path)."""
     at = _AT.search(text)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import msgspec
 import zmq
@@ -29,7 +29,7 @@ class RouterPlane:
     side = ""  # "frontend" | "backend": its address in RouterConfig and its ZAP domain
 
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: Optional[zmq.Context] = None, *, security=None,
+                 metrics: RouterMetrics, ctx: zmq.Context | None = None, *, security=None,
                  base_dir: str = "") -> None:
         self.cfg = cfg
         self.security, self.base_dir = security, base_dir  # CURVE (shared.curve): [security]
@@ -37,8 +37,8 @@ class RouterPlane:
         self.pump = pump
         self.metrics = metrics
         self.ctx = ctx or zmq.Context.instance()
-        self.sock: Optional[zmq.Socket] = None
-        self._timer: Optional[asyncio.TimerHandle] = None
+        self.sock: zmq.Socket | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def _bind(self, on_message: Callable[[list[bytes]], None], tick: Callable[[], None], **callbacks) -> None:
         """Bind this side's socket, let the pump drive it, start its timer."""

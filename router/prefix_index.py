@@ -37,8 +37,8 @@ hash's int), 80 MB per million blocks; storing ~2 us a block; matching a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
 
 from router.block_hash import SUPPORTED, BlockHasher
 
@@ -64,7 +64,7 @@ class _WorkerState:
 
 @dataclass(slots=True, eq=False)
 class _ModelIndex:
-    hasher: Optional[BlockHasher]
+    hasher: BlockHasher | None
     # hash -> mask, least recently used first (a plain dict: insertion order, and
     # ~17x faster to list than an OrderedDict here, which a sweep does)
     blocks: dict = field(default_factory=dict)
@@ -74,7 +74,7 @@ class _ModelIndex:
     by_bit: dict = field(default_factory=dict)  # bit -> _WorkerState
     retired: set = field(default_factory=set)
     free_bits: list = field(default_factory=list)
-    sweeping: Optional[tuple] = None  # (keys to visit, next index, the retired bits it frees)
+    sweeping: tuple | None = None  # (keys to visit, next index, the retired bits it frees)
     next_bit: int = 0
     evicted: int = 0
 
@@ -118,7 +118,7 @@ class PrefixIndex:
                 # at run time would keep them; its next worker starts afresh)
                 del self.models[w.model]
 
-    def hasher(self, model: str) -> Optional[BlockHasher]:
+    def hasher(self, model: str) -> BlockHasher | None:
         mi = self.models.get(model)
         return mi.hasher if mi is not None else None
 
@@ -252,7 +252,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------ views
 
-    def size(self, model: Optional[str] = None) -> int:
+    def size(self, model: str | None = None) -> int:
         if model is not None:
             mi = self.models.get(model)
             return len(mi.blocks) if mi is not None else 0

@@ -37,7 +37,7 @@ import json
 import os
 import threading
 from datetime import datetime
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from router.estimate import estimate_chat, estimate_text
 from shared.protocol import RequestKind, StructuredOutput, Submit
@@ -58,7 +58,7 @@ _xgr_lock = threading.Lock()
 class BadInput(ValueError):
     """A request the model cannot take; ``param`` is the offending field."""
 
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
 
@@ -176,12 +176,12 @@ def prompt_chars(sub: Submit) -> int:
 class ModelPrompts:
     """One model's prompt rendering and tokenization (thread-safe)."""
 
-    def __init__(self, model_dir: Optional[str] = None) -> None:
+    def __init__(self, model_dir: str | None = None) -> None:
         self.tokenizer = None
         self._template = None  # the compiled chat template
         self._special: dict[str, str] = {}
         self.vocab_size = 0
-        self._token_text: Optional[TokenText] = None
+        self._token_text: TokenText | None = None
         if model_dir:
             path = os.path.join(model_dir, "tokenizer.json")
             if os.path.isfile(path):
@@ -197,7 +197,7 @@ class ModelPrompts:
     def exact(self) -> bool:
         return self.tokenizer is not None
 
-    def token_text(self) -> Optional[TokenText]:
+    def token_text(self) -> TokenText | None:
         if self._token_text is None and self.tokenizer is not None:
             self._token_text = TokenText(self.tokenizer)
         return self._token_text
@@ -253,7 +253,7 @@ class ModelPrompts:
                                      add_generation_prompt=True, **self._special)
 
 
-def _chat_template(model_dir: str) -> tuple[Optional[str], dict[str, str]]:
+def _chat_template(model_dir: str) -> tuple[str | None, dict[str, str]]:
     """The chat template and special tokens HF tokenizers hand to it."""
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     cfg = {}

@@ -41,8 +41,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Union
 
 from router.metrics import RouterMetrics
 from shared import protocol as p
@@ -80,7 +81,7 @@ class Hold:
     tokens: int  # reserved tokens
     tenant: str
     enforced: bool = True  # False: admitted while the store was down (nothing was taken)
-    ratelimit: Optional[p.RateLimit] = None  # the figures after the reservation
+    ratelimit: p.RateLimit | None = None  # the figures after the reservation
     hold_id: str = ""  # a store with I/O: its credit applies once, whatever is sent again
 
 
@@ -238,7 +239,7 @@ class RedisStore:
         self._reserve = self._credit = None  # SHA1s, loaded on first use (and after a Redis restart)
 
     def submit(self, op: str, buckets: tuple[Bucket, ...], amounts: list[int], hold_id: str,
-               callback: Optional[Callable]) -> None:
+               callback: Callable | None) -> None:
         """``callback(result | exception)``: result is the reserve's (ok, why, levels).
         Never called before this returns (the lifecycle relies on it).  A
         credit applies only if the reserve of ``hold_id`` took, and once."""
@@ -397,7 +398,7 @@ class Quota:
 
     # -------------------------------------------------------------- reserve
 
-    def reserve(self, who, tokens: int, on_answer: Callable[[Answer], None]) -> Optional[Answer]:
+    def reserve(self, who, tokens: int, on_answer: Callable[[Answer], None]) -> Answer | None:
         """A Hold or a refusal now; or None, and ``on_answer`` gets it later
         (a store with I/O).  No budget for this key: a Hold that takes nothing."""
         buckets = self.buckets(who)
@@ -460,7 +461,7 @@ class Quota:
                          retry_after=STORE_RETRY_S)
         return Hold(buckets, tokens, who.tenant, enforced=False)
 
-    def _store_error(self, op: str, exc: Optional[BaseException]) -> None:
+    def _store_error(self, op: str, exc: BaseException | None) -> None:
         """Count a failed call (``exc``; None: not asked, it failed just before) and warn now and then."""
         if exc is not None:
             self.store_errors[op] = self.store_errors.get(op, 0) + 1
@@ -479,7 +480,7 @@ class Quota:
 
     # -------------------------------------------------------------- the end
 
-    def ended(self, who, hold: Optional[Hold], prompt: int, completion: int, queued: bool) -> None:
+    def ended(self, who, hold: Hold | None, prompt: int, completion: int, queued: bool) -> None:
         """A job's end: count its usage and return what its hold did not use.
         ``prompt``: prompt tokens processed by an engine (0 if it never ran);
         ``queued``: False if it was refused before it was ever queued."""

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Protocol
 
 import zmq
 
@@ -72,19 +73,19 @@ class LinkedWorker:
     last_seen: float
     missed: int = 0  # heartbeat ticks in a row with nothing heard from it
     stats: p.WorkerStats = field(default_factory=p.WorkerStats)
-    drain_deadline: Optional[float] = None  # draining until then (None: accepting work)
+    drain_deadline: float | None = None  # draining until then (None: accepting work)
 
 
 class WorkerLink(RouterPlane):
     side = "backend"
 
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: Optional[zmq.Context] = None,
+                 metrics: RouterMetrics, ctx: zmq.Context | None = None,
                  clock: Callable[[], float] = time.monotonic, *, security=None, base_dir: str = "") -> None:
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
         self.clock = clock
         self.workers: dict[str, LinkedWorker] = {}  # by worker id (== DEALER identity)
-        self.events: Optional[WorkerEvents] = None
+        self.events: WorkerEvents | None = None
         self._outbox = Outbox(loop, self._flush_to)
         self._last_tick = clock()  # when the heartbeat timer last ran
 
