@@ -83,7 +83,7 @@ class BlockHasher:
     def key(self) -> tuple[str, str, int]:
         return self.algo, self.seed, self.block_size
 
-    def hashes(self, token_ids: Sequence[int], first_extra: tuple | None = None) -> list[int]:
+    def hashes(self, token_ids: Sequence[int], first_extra: tuple[object, ...] | None = None) -> list[int]:
         """The published 64-bit hash of each full block of ``token_ids``."""
         fn = self._fn
         if fn is None:
