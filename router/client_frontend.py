@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import zmq
@@ -25,9 +25,12 @@ import zmq
 from router.metrics import RouterMetrics
 from router.plane import RouterPlane
 from shared import protocol as p
-from shared.config import RouterConfig
+from shared.config import RouterConfig, SecurityConfig
 from shared.errors import Code, error
 from shared.transport import Outbox, SocketPump
+
+if TYPE_CHECKING:  # (router.core imports the policy and the rest: not at run time)
+    from router.core import RequestSink, RouterCore
 
 log = logging.getLogger("weir.router.clients")
 
@@ -43,7 +46,7 @@ _AT = re.compile(r" - at `\$((?:\[\d+\])+)`$")
 class Admission(Protocol):
     """What this frontend needs of the lifecycle (router.core.RouterCore)."""
 
-    def submit(self, sub: p.Submit, sink) -> int | p.ErrorInfo: ...
+    def submit(self, sub: p.Submit, sink: RequestSink) -> int | p.ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
@@ -54,12 +57,13 @@ class ClientFrontend(RouterPlane):
     side = "frontend"
 
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: zmq.Context | None = None, *, security=None,
-                 base_dir: str = "") -> None:
+                 metrics: RouterMetrics, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
+                 security: SecurityConfig | None = None, base_dir: str = "") -> None:
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
-        self.core: Admission | None = None
+        self.core: Admission  # set by serve(), before the socket can deliver anything
         self.clients: dict[bytes, dict[str, int]] = {}  # identity -> client request id -> handle
-        self.outbox = Outbox(loop, self._flush_to)
+        # (Outbox types its destinations as any Hashable; this one's are identities)
+        self.outbox = Outbox(loop, self._flush_to)  # type: ignore[arg-type]
 
     def serve(self, core: Admission) -> None:
         self.core = core
@@ -72,7 +76,7 @@ class ClientFrontend(RouterPlane):
         if decoded is None:
             return
         identity, msg = decoded
-        if msg.__class__ is p.Submit:
+        if isinstance(msg, p.Submit):
             self._submit(identity, msg)
         else:  # Cancel
             live = self.clients.get(identity)
@@ -90,7 +94,7 @@ class ClientFrontend(RouterPlane):
                         param="request_id")
         else:
             result = self.core.submit(sub, _ClientSink(self, identity, client_rid))
-            if result.__class__ is int:
+            if isinstance(result, int):
                 live[client_rid] = result
                 return
             err = result
@@ -122,10 +126,13 @@ class ClientFrontend(RouterPlane):
         """A client hears nothing while its requests queue or prefill, so one
         that died meanwhile (no Cancel) would keep its place and, later, a
         worker busy: probe each such client once per heartbeat."""
+        sock = self.sock
+        if sock is None:  # (never: the timer runs while the socket is bound)
+            return
         awaiting = self.core.awaiting_output
         for identity, live in list(self.clients.items()):
             if any(awaiting(h) for h in live.values()):
-                self.pump.send(self.sock, [identity, _PROBE])
+                self.pump.send(sock, [identity, _PROBE])
 
     def _on_full(self, identity: bytes) -> None:
         if identity in self.clients:
@@ -169,7 +176,8 @@ def _explain(text: str) -> tuple[str, str | None]:
     if at is None:
         return text, None
     index = [int(i) for i in re.findall(r"\d+", at.group(1))]
-    names, fields = [], _SUBMIT_FIELDS
+    names: list[str] = []
+    fields: tuple[msgspec.structs.FieldInfo, ...] | None = _SUBMIT_FIELDS
     for depth, i in enumerate(index):
         if depth == 0:
             i -= 1  # position 0 is the tag
@@ -182,3 +190,8 @@ def _explain(text: str) -> tuple[str, str | None]:
         fields = _PARAM_FIELDS if f.name == "params" else None
     param = ".".join(names)
     return f"{text[:at.start()]} (at '{param}')", param
+
+
+if TYPE_CHECKING:  # each side of the frontend's two ports, checked where the port is read
+    _admission: type[Admission] = RouterCore  # what this frontend asks of the lifecycle
+    _sink: type[RequestSink] = _ClientSink  # how the lifecycle answers a direct client
