@@ -3,7 +3,7 @@ and the response's JSON shapes."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -18,20 +18,20 @@ from shared.protocol import ChatMessage, PositiveInt, RequestKind, Submit, TopLo
 
 class TextPart(msgspec.Struct):
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class Message(msgspec.Struct):
     role: Literal["system", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
 
 
 class ChatRequest(SamplingFields, kw_only=True):
     messages: list[Message]
-    max_completion_tokens: Optional[PositiveInt] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[TopLogprobs] = None
-    tools: Optional[list[Any]] = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Any] | None = None
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -99,8 +99,8 @@ class AssistantMessage(msgspec.Struct, gc=False):
 class ChatChoice(msgspec.Struct, gc=False):
     index: int
     message: AssistantMessage
-    logprobs: Optional[ChatLogprobs]
-    finish_reason: Optional[str]
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
 
 
 class ChatCompletion(msgspec.Struct, gc=False):

@@ -3,7 +3,7 @@ the response's JSON shapes."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import msgspec
 
@@ -21,11 +21,11 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: Union[str, list[Any]]  # list: validated below (one string only)
-    logprobs: Optional[TopLogprobs] = None
-    echo: Optional[bool] = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    prompt: str | list[Any]  # list: validated below (one string only)
+    logprobs: TopLogprobs | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -74,8 +74,8 @@ class CompletionLogprobs(msgspec.Struct, gc=False):
 class CompletionChoice(msgspec.Struct, gc=False):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs]
-    finish_reason: Optional[str]
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
 
 
 class Completion(msgspec.Struct, gc=False):

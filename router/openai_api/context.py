@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 
@@ -22,10 +22,10 @@ class ResponseContext(msgspec.Struct, gc=False):
     stream: bool
     include_usage: bool
     n: int = 1
-    logprobs: Optional[int] = None  # top-k per token (0: the token's own only); None: no logprobs
+    logprobs: int | None = None  # top-k per token (0: the token's own only); None: no logprobs
     echo: str = ""  # completions with echo: the prompt, prepended to each choice's text
     token_text: Any = None  # token id -> text (router.prompts.TokenText), set by the ingress
-    request_id: Optional[str] = None  # x-request-id, for an error event's body (set by the ingress)
+    request_id: str | None = None  # x-request-id, for an error event's body (set by the ingress)
 
     @property
     def rich(self) -> bool:
@@ -45,7 +45,7 @@ def new_request_id() -> str:
     return f"{_id_prefix}{_id_counter:x}"
 
 
-def response_context(req: SamplingFields, kind: RequestKind, request_id: str, logprobs: Optional[int] = None,
+def response_context(req: SamplingFields, kind: RequestKind, request_id: str, logprobs: int | None = None,
                      echo: str = "") -> ResponseContext:
     prefix = "cmpl-" if kind == RequestKind.COMPLETION else "chatcmpl-"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -3,8 +3,6 @@ the server sends (as a response, or as an SSE event mid-stream)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import msgspec
 
 from router.openai_api.encoding import encode
@@ -20,21 +18,21 @@ class RequestError(Exception):
         self.info = info
 
 
-def invalid(message: str, param: Optional[str] = None, code: Code = Code.BAD_REQUEST) -> RequestError:
+def invalid(message: str, param: str | None = None, code: Code = Code.BAD_REQUEST) -> RequestError:
     return RequestError(error(code, message, param=param))
 
 
 class ErrorBody(msgspec.Struct, gc=False, omit_defaults=True):
     message: str
     type: str
-    param: Optional[str]  # (no default: always in the body, null or not, as OpenAI's)
-    code: Optional[str]
-    request_id: Optional[str] = None  # the x-request-id of its log lines (weir's addition)
+    param: str | None  # (no default: always in the body, null or not, as OpenAI's)
+    code: str | None
+    request_id: str | None = None  # the x-request-id of its log lines (weir's addition)
 
 
 class ErrorEnvelope(msgspec.Struct, gc=False):
     error: ErrorBody
 
 
-def error_body(info: ErrorInfo, request_id: Optional[str] = None) -> bytes:
+def error_body(info: ErrorInfo, request_id: str | None = None) -> bytes:
     return encode(ErrorEnvelope(ErrorBody(info.message, info.type, info.param, info.code, request_id)))

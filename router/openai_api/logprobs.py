@@ -8,8 +8,6 @@ router.prompts.TokenText), as vLLM's server renders them.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from router.openai_api.chat import ChatLogprobs, ChatTokenLogprob, TopLogprob
 from router.openai_api.completions import CompletionLogprobs
 from router.openai_api.context import ResponseContext
@@ -37,7 +35,7 @@ class ChoiceState:
 
     def __init__(self) -> None:
         self.texts: list[str] = []
-        self.finish: Optional[str] = None
+        self.finish: str | None = None
         self.tokens: list[int] = []  # with logprobs: every token's id...
         self.values: list[float] = []  # ...[logprob, top-1..top-k logprobs] per token
         self.tops: list[int] = []  # ...and the top-k ids

@@ -4,8 +4,6 @@ model list."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from router.openai_api.chat import AssistantMessage, ChatChoice, ChatCompletion
 from router.openai_api.completions import Completion, CompletionChoice
 from router.openai_api.context import ResponseContext
@@ -15,7 +13,7 @@ from router.openai_api.usage import TokenCounts, usage_of
 from shared.protocol import Delta, RequestKind
 
 
-def render_completion(ctx: ResponseContext, text: str, finish_reason: Optional[str],
+def render_completion(ctx: ResponseContext, text: str, finish_reason: str | None,
                       prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
     usage = usage_of(prompt_tokens, completion_tokens, cached_tokens)
     if ctx.kind == RequestKind.COMPLETION:

@@ -5,7 +5,7 @@ shape check a finished ``Submit`` passes before it is returned."""
 from __future__ import annotations
 
 import re
-from typing import Optional, TypeVar
+from typing import TypeVar
 
 import msgspec
 
@@ -19,18 +19,18 @@ T = TypeVar("T")
 class RequestMeta(msgspec.Struct, gc=False):
     """What the ingress takes from HTTP headers (see ``meta_from_headers``)."""
 
-    api_key: Optional[str] = None
-    priority: Optional[str] = None
-    task_type: Optional[str] = None
+    api_key: str | None = None
+    priority: str | None = None
+    task_type: str | None = None
     allow_fallback: bool = False
 
 
 def meta_from_headers(
-    authorization: Optional[str],
-    x_api_key: Optional[str],
-    x_weir_priority: Optional[str] = None,
-    x_weir_task_type: Optional[str] = None,
-    x_weir_allow_fallback: Optional[str] = None,
+    authorization: str | None,
+    x_api_key: str | None,
+    x_weir_priority: str | None = None,
+    x_weir_task_type: str | None = None,
+    x_weir_allow_fallback: str | None = None,
 ) -> RequestMeta:
     """``x-api-key`` wins over ``Authorization: Bearer`` because it is the
     header Envoy's per-key rate limit counts."""

@@ -6,7 +6,7 @@ Ranges are the wire protocol's own types (shared.protocol): declared once.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -14,9 +14,9 @@ from router.openai_api.errors import invalid
 from router.openai_api.request import RequestMeta
 from shared.errors import Code
 from shared.protocol import (
-    N,
     LogitBias,
     MinP,
+    N,
     NonNegativeInt,
     Penalty,
     PositiveInt,
@@ -35,29 +35,29 @@ from shared.protocol import (
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: Optional[bool] = False
+    include_usage: bool | None = False
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
-    name: Optional[str] = None
-    description: Optional[str] = None
+    name: str | None = None
+    description: str | None = None
     schema: msgspec.Raw = msgspec.Raw()  # kept as the client's JSON text (msgspec: Raw is never Optional)
-    strict: Optional[bool] = None
+    strict: bool | None = None
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
-    json_schema: Optional[JsonSchemaFormat] = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StructuredOutputsBody(msgspec.Struct, kw_only=True):
     """vLLM's ``structured_outputs`` field (its other options are ignored)."""
 
     json: msgspec.Raw = msgspec.Raw()
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
-    json_object: Optional[bool] = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -65,35 +65,35 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     OpenAI does); known ones weir cannot honour are refused, not dropped."""
 
     model: str
-    max_tokens: Optional[PositiveInt] = None
-    temperature: Optional[Temperature] = None
-    top_p: Optional[TopP] = None
-    n: Optional[N] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Union[str, StopList, None] = None
-    seed: Optional[Seed] = None
-    user: Optional[User] = None
-    presence_penalty: Optional[Penalty] = None
-    frequency_penalty: Optional[Penalty] = None
-    logit_bias: Optional[LogitBias] = None
-    response_format: Optional[ResponseFormat] = None
-    ignore_eos: Optional[bool] = False  # vLLM's extension: generate exactly max_tokens
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: N | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | StopList | None = None
+    seed: Seed | None = None
+    user: User | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
+    ignore_eos: bool | None = False  # vLLM's extension: generate exactly max_tokens
     # vLLM's sampling extensions
-    top_k: Optional[TopK] = None
-    min_p: Optional[MinP] = None
-    repetition_penalty: Optional[RepetitionPenalty] = None
-    min_tokens: Optional[NonNegativeInt] = None
-    stop_token_ids: Optional[StopTokenIds] = None
-    structured_outputs: Optional[StructuredOutputsBody] = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: NonNegativeInt | None = None
+    stop_token_ids: StopTokenIds | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     guided_json: msgspec.Raw = msgspec.Raw()  # vLLM's older names for structured_outputs
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # weir extensions
-    priority: Optional[str] = None  # a scheduler class; may only lower the key's
-    task_type: Optional[Literal["short", "long"]] = None
-    fallback: Optional[bool] = None  # another configured model may answer (or header x-weir-allow-fallback)
+    priority: str | None = None  # a scheduler class; may only lower the key's
+    task_type: Literal["short", "long"] | None = None
+    fallback: bool | None = None  # another configured model may answer (or header x-weir-allow-fallback)
 
 
 _TASK_TYPES = {"short": TaskType.SHORT, "long": TaskType.LONG}
@@ -111,7 +111,7 @@ def _raw_text(raw: msgspec.Raw) -> str:
     return data.decode()
 
 
-def structured_output(req: SamplingFields) -> Optional[StructuredOutput]:
+def structured_output(req: SamplingFields) -> StructuredOutput | None:
     """response_format, vLLM's structured_outputs or its guided_* fields -> one
     StructuredOutput (exactly one constraint; router.prompts compiles it)."""
     found: list[tuple[str, StructuredOutput]] = []
@@ -149,7 +149,7 @@ def structured_output(req: SamplingFields) -> Optional[StructuredOutput]:
 
 
 def common_fields(req: SamplingFields, meta: RequestMeta,
-                  logprobs: Optional[int] = None) -> tuple[Optional[SamplingParams], TaskType, Optional[str]]:
+                  logprobs: int | None = None) -> tuple[SamplingParams | None, TaskType, str | None]:
     """The shared fields as the wire has them: sampling params (None when all
     are defaults), the task type and the requested priority class."""
     if req.stream_options is not None and not req.stream:
@@ -196,7 +196,7 @@ def common_fields(req: SamplingFields, meta: RequestMeta,
     if structured is not None:
         kw["structured"] = structured
     params = SamplingParams(**kw) if kw else None  # max_tokens: the router sets it
-    task_type: Optional[TaskType]
+    task_type: TaskType | None
     if req.task_type is not None:
         task_type = _TASK_TYPES[req.task_type]
     elif meta.task_type is not None:

@@ -13,7 +13,7 @@ their existence.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from router.openai_api.context import ResponseContext
 from router.openai_api.encoding import encode
@@ -46,7 +46,7 @@ class StreamRenderer:
         self.finished = False
         self._choices = [ChoiceState() for _ in range(max(1, ctx.n))] if ctx.rich else None
 
-    def _choice_event(self, body: bytes, finish_reason: Optional[str]) -> bytes:
+    def _choice_event(self, body: bytes, finish_reason: str | None) -> bytes:
         fr = b"null" if finish_reason is None else encode(finish_reason)
         return (self._pre + b'[{"index":0,' + body + b',"logprobs":null,"finish_reason":' + fr + b"}]"
                 + self._usage_null + b"}\n\n")
@@ -94,7 +94,7 @@ class StreamRenderer:
             self.finished = True
         return b"".join(out)
 
-    def _event(self, index: int, body: bytes, logprobs: Optional[bytes], finish_reason: Optional[str]) -> bytes:
+    def _event(self, index: int, body: bytes, logprobs: bytes | None, finish_reason: str | None) -> bytes:
         fr = b"null" if finish_reason is None else encode(finish_reason)
         return (self._pre + b'[{"index":' + str(index).encode() + b"," + body + b',"logprobs":'
                 + (logprobs or b"null") + b',"finish_reason":' + fr + b"}]" + self._usage_null + b"}\n\n")
