@@ -1,5 +1,5 @@
 """Deterministic discrete-event simulation of the scheduler: ``Policy`` + simulated
-engines (``simulation.core.SimCore``) + seeded arrivals, in virtual time.
+engines (``engine_worker.sim_model.SimCore``) + seeded arrivals, in virtual time.
 
 No processes, no sleeping, no sockets: the same arrivals can be replayed
 under different policies (``policy="weir"`` vs ``"fifo"``, ledger on vs off)
@@ -26,7 +26,7 @@ from typing import Optional
 
 import msgspec
 
-from simulation.core import SimCore
+from engine_worker.sim_model import SimCore
 from router.policy import MAX_RETRY_S, AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
 from shared.config import ClassConfig, SchedulerConfig, SimEngineConfig
 from shared.protocol import Pool, TaskType
