@@ -768,3 +768,44 @@ class RouterCore:
             self._end(j, label(d.error), error=d.error, deltas=group)
         else:
             self._end(j, d.finish_reason, deltas=group)
+
+    # ---- queries for the views
+    # What router.views and router.operator read (their Protocols declare it):
+    # values and copies, so that nothing outside reaches into the core's state.
+
+    def served_models(self) -> list[ModelConfig]:
+        """The models served now (the config file's, then those added at run time)."""
+        return list(self.cfg.models)
+
+    def served_config(self) -> Config:
+        """The loaded config with the models served now: what an added model is checked against."""
+        return self.cfg
+
+    def has_model(self, name: str) -> bool:
+        """Served or still unloading (a removed model is forgotten once its workers are gone)."""
+        return name in self.models_by_name
+
+    def runtime_workers_of(self, name: str) -> Optional[list[WorkerConfig]]:
+        """The workers a model added at run time wants; None for a model of the config file."""
+        workers = self.runtime_workers.get(name)
+        return None if workers is None else list(workers)
+
+    def runtime_worker_ids(self) -> set[str]:
+        return {w.id for ws in self.runtime_workers.values() for w in ws}
+
+    def uptime_s(self) -> float:
+        return self.clock() - self.started_at
+
+    def live_jobs(self) -> int:
+        return len(self.jobs)
+
+    def scheduler_snapshot(self) -> dict:
+        """The policy's workers, queues and counters now (a fresh dict)."""
+        return self.policy.snapshot(self.clock())
+
+    def queued_by_model(self) -> dict[tuple[str, str], int]:
+        return self.policy.queued_by_model()
+
+    def tenants(self) -> dict:
+        """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
+        return self.quota.snapshot()

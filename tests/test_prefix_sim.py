@@ -1,4 +1,4 @@
-"""The simulated engine's prefix cache (simulation/core.py, ``prefix_caching``)."""
+"""The simulated engine's prefix cache (engine_worker/sim_model.py, ``prefix_caching``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.config import SimEngineConfig
-from simulation.core import SimCore
+from engine_worker.sim_model import SimCore
 
 CFG = msgspec.structs.replace(SimEngineConfig(), kv_capacity_tokens=64 * 16, block_size=16, prefix_caching=True)
 

@@ -14,7 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from router.http_server import _duration, ratelimit_headers
+from router.http_headers import ratelimit_headers
+from router.http_headers import reset_duration as _duration
 from router.quota import MemoryStore
 from shared import protocol as p
 from shared.config import Config

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulation.core import SimCore
+from engine_worker.sim_model import SimCore
 from shared.config import SimEngineConfig
 
 
