@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from typing import Callable, Optional, Sequence
@@ -125,11 +126,10 @@ class RouterCore:
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)
         model = self.registry.get(sub.model)
-        if err is None and model is None:
-            err = error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
-        if err is None and model.unloading:
-            err = self._unloading_error(sub.model)
-        if err is not None:
+        if err is not None or model is None or model.unloading:
+            if err is None:
+                err = (error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
+                       if model is None else self._unloading_error(sub.model))
             return self._rejected(err, who.klass)
         if sub.user:
             self.metrics.saw_user(who.tenant, sub.user)
@@ -147,7 +147,7 @@ class RouterCore:
             err = self._admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
         fut = self.loop.run_in_executor(self.executor, tokenize_hashed, model.prompts, sub, hasher)
-        fut.add_done_callback(lambda f, job_id=j.job_id: self._tokenized(job_id, f))
+        fut.add_done_callback(functools.partial(self._tokenized, j.job_id))
         return handle
 
     def cancel(self, handle: int) -> None:
@@ -203,14 +203,17 @@ class RouterCore:
     def _admit(self, j: JobRecord, tokens: PromptTokens, now: float) -> Optional[p.ErrorInfo]:
         """Price the prompt, queue the job in the policy; an error if refused."""
         sub = j.sub
-        max_tokens = resolve_max_tokens(sub, tokens.count, self.registry.get(sub.model).config.max_model_len)
+        max_tokens = resolve_max_tokens(sub, tokens.count, self.registry.of(sub.model).config.max_model_len)
         if not isinstance(max_tokens, int):
             return max_tokens
         if self.quota.active:
             # usage sums the completion tokens of all n choices: reserve for all of them
             n = sub.params.n if sub.params is not None else 1
-            got = self.quota.reserve(j.who, tokens.count + max_tokens * n,
-                                     lambda got: self._reserved(j, got, tokens, max_tokens))
+
+            def answered(got: Answer) -> None:
+                self._reserved(j, got, tokens, max_tokens)
+
+            got = self.quota.reserve(j.who, tokens.count + max_tokens * n, answered)
             if got is None:  # the budget store answers later: _reserved
                 advance(j, AWAITING_BUDGET)
                 return None

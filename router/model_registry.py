@@ -29,7 +29,7 @@ class PromptTokens(NamedTuple):
     """router.prompts.PromptTokens plus the prompt's block hashes."""
 
     ids: list[int]  # exact token ids; empty when the model has no tokenizer
-    count: int  # len(ids), or the estimate
+    count: int  # type: ignore[assignment]  # len(ids), or the estimate (shadows tuple.count, as in router.prompts)
     hashes: Sequence[int] = ()  # its full blocks as its model's engines hash them (router.block_hash)
 
 
@@ -74,6 +74,10 @@ class ModelRegistry:
     def get(self, name: str) -> Optional[ServedModel]:
         """A model known now, unloading or not."""
         return self._models.get(name)
+
+    def of(self, name: str) -> ServedModel:
+        """A model a live job names: known until its last job ends (KeyError otherwise)."""
+        return self._models[name]
 
     def serves(self, name: str) -> bool:
         """Known and taking new requests."""

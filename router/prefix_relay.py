@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Union
 
 from router.prefix_index import PrefixIndex
 from router.prefix_metrics import PrefixMetrics
@@ -24,7 +23,7 @@ class PrefixRelay:
         self.index = index
         self.metrics = metrics
 
-    def news(self, worker_id: str, msg: Union[p.PrefixEvents, p.PrefixSnapshot]) -> bool:
+    def news(self, worker_id: str, msg: p.PrefixEvents | p.PrefixSnapshot) -> bool:
         """A worker's PrefixEvents / PrefixSnapshot.  True: ask it for a snapshot."""
         index = self.index
         if isinstance(msg, p.PrefixSnapshot):
