@@ -213,9 +213,9 @@ class RouterCore:
             def answered(got: Answer) -> None:
                 self._reserved(j, got, tokens, max_tokens)
 
+            advance(j, AWAITING_BUDGET)  # (before asking: a store may answer at once, either way)
             got = self.quota.reserve(j.who, tokens.count + max_tokens * n, answered)
             if got is None:  # the budget store answers later: _reserved
-                advance(j, AWAITING_BUDGET)
                 return None
             if not isinstance(got, Hold):
                 return got

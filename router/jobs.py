@@ -1,14 +1,15 @@
 """One request inside the router: its record, its state, and the one place its state changes.
 
-A job's life, each step a transition of ``JobState`` made only by ``advance``::
+A job's life, each step a transition of ``JobState`` made only by ``advance``
+(``TRANSITIONS`` lists every edge)::
 
-    TOKENIZING --> AWAITING_BUDGET --> QUEUED <--> RUNNING
-        |                |               |  \\        |
-        +----------------+---------------+---+--> ENDED
+    TOKENIZING --> [AWAITING_BUDGET] --> QUEUED <--> RUNNING
+    and from each of them --> ENDED, which nothing leaves
 
 * TOKENIZING: admitted by ``RouterCore.submit`` and in the job table; its
   prompt is being tokenized (inline, or on the tokenizing thread if long).
-* AWAITING_BUDGET: tokenized; the budget store (router.quota) answers later.
+* AWAITING_BUDGET: tokenized and priced; its budget (router.quota) is being
+  reserved -- at once, or when the budget store answers.
 * QUEUED: in the policy's queue -- first, again under a fallback model, or
   again after its worker was lost, refused it or could not be reached.
 * RUNNING: dispatched; ``worker`` is the one worker whose news counts.
@@ -17,8 +18,8 @@ A job's life, each step a transition of ``JobState`` made only by ``advance``::
 The job has one id inside the router, ``job_id`` (the hex of a counter):
 the key of the job table and of the policy, the ``request_id`` its worker
 sees and echoes, the name in logs.  The frontends hold it as an int handle
-(``handle_of`` / ``job_id_of``, at the edge); the engine worker renders its
-own per-link and per-attempt ids from it.
+(``job_id_of`` turns one into the other, at that edge); the engine worker
+renders its own per-link and per-attempt ids from it.
 """
 
 from __future__ import annotations
@@ -65,10 +66,6 @@ class IllegalTransition(RuntimeError):
 def job_id_of(handle: int) -> str:
     """The job id of a frontend's handle."""
     return "%x" % handle
-
-
-def handle_of(job_id: str) -> int:
-    return int(job_id, 16)
 
 
 class JobMetrics:
