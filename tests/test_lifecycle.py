@@ -2,9 +2,9 @@
 
 A fake worker port records dispatches and aborts, fake sinks record what
 each request's client would see, and a fake clock drives deadlines (after
-vLLM's MockEngineCore pattern).  Every test checks the two promises every
-exit must keep: the client hears exactly one final Delta, and the KV
-ledger is back to zero.
+vLLM's MockEngineCore pattern; router.fakes, beside the ports they fake).
+Every test checks the two promises every exit must keep: the client hears
+exactly one final Delta, and the KV ledger is back to zero.
 """
 
 from __future__ import annotations
@@ -19,63 +19,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from router.core import RouterCore
+from router.fakes import FakeClock as Clock
+from router.fakes import FakeSink as Sink
+from router.fakes import FakeWorkers
+from router.jobs import JobState
 from router.prompts import ModelPrompts
 from shared import protocol as p
 from shared.config import Config
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
-
-
-class FakeWorkers:
-    """The WorkerPort: which worker got which request, and the aborts."""
-
-    def __init__(self) -> None:
-        self.linked: set[str] = set()
-        self.dispatched: dict[str, list[p.GenerateRequest]] = {}
-        self.current: dict[str, str] = {}  # job id -> the worker it was dispatched to last
-        self.attempts: dict[str, int] = {}  # job id -> dispatches so far
-        self.aborted: list[tuple[str, str]] = []
-        self.refuse_next = False  # the next dispatch finds the worker unlinked
-
-    def dispatch(self, worker_id: str, req: p.GenerateRequest) -> bool:
-        if self.refuse_next or worker_id not in self.linked:
-            self.refuse_next = False
-            return False
-        self.dispatched.setdefault(worker_id, []).append(req)
-        self.current[req.request_id] = worker_id
-        self.attempts[req.request_id] = self.attempts.get(req.request_id, 0) + 1
-        return True
-
-    def abort(self, worker_id: str, job_id: str) -> None:
-        self.aborted.append((worker_id, job_id))
-
-    def flush(self) -> None:
-        pass
-
-    def where(self, job_id: str) -> str | None:
-        return self.current.get(job_id)
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.deltas: list[p.Delta] = []
-
-    def on_deltas(self, deltas: list[p.Delta]) -> None:
-        assert not self.finals, "news after the final Delta"
-        assert deltas and all(not d.finished for d in deltas[:-1])
-        self.deltas.extend(deltas)
-
-    @property
-    def finals(self) -> list[p.Delta]:
-        return [d for d in self.deltas if d.finished]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def config(**scheduler) -> Config:
@@ -160,6 +112,23 @@ def test_a_request_runs_and_ends_once_with_its_ledger_released(h):
     assert h.reserved() == 0 and not h.core.jobs
     h.tokens(a, 1, "stop")  # a late duplicate from the engine: nobody hears it
     assert len(h.sinks[a].deltas) == 2
+
+
+def test_a_job_walks_its_states_and_only_a_running_one_has_a_worker(h):
+    h.join("w0", seqs=1)
+    a, b = h.submit(), h.submit()
+    ja, jb = h.core.jobs["%x" % a], h.core.jobs["%x" % b]
+    assert (ja.state, jb.state) == (JobState.QUEUED, JobState.QUEUED)  # short prompts: tokenized inline
+    h.settle()
+    assert (ja.state, ja.worker) == (JobState.RUNNING, "w0") and (jb.state, jb.worker) == (JobState.QUEUED, None)
+    h.join("w1")
+    h.leave("w0")  # a's worker is lost before any output: queued again, then placed on w1
+    assert ja.state is JobState.QUEUED and ja.worker is None
+    h.settle()
+    assert {ja.worker, jb.worker} == {"w1"} and ja.state is jb.state is JobState.RUNNING
+    h.tokens(a, 1, "stop")
+    h.core.cancel(b)
+    assert ja.state is jb.state is JobState.ENDED and ja.worker is jb.worker is None and not h.core.jobs
 
 
 def test_the_clients_message_is_not_changed_by_admission(h):
@@ -395,6 +364,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         super().__init__()
         self.h = Harness(config(generation_deadline_s=5.0))
         self.handles: list[int] = []
+        self.records = []  # every admitted job's record (router.jobs), kept past its end
 
     def teardown(self) -> None:
         self.h.close()
@@ -416,6 +386,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if isinstance(result, int):
             self.h.sinks[result] = sink
             self.handles.append(result)
+            self.records.append(self.h.core.jobs["%x" % result])  # in the table from submit on
         self.h.settle()
 
     @precondition(lambda self: self.handles)
@@ -466,11 +437,20 @@ class LifecycleMachine(RuleBasedStateMachine):
             counts = [d.completion_tokens for d in sink.deltas if d.error is None]
             assert counts == sorted(counts)  # one stream, however many attempts
 
+    @invariant()
+    def each_job_in_one_state_the_policy_agrees_with(self):
+        jobs = self.h.core.jobs
+        for j in self.records:
+            assert (j.state is JobState.ENDED) == (j.job_id not in jobs)  # in the table exactly until its end
+            assert j.worker == self.h.core.policy.worker_of(j.job_id)  # None unless running
+            assert (j.state is JobState.RUNNING) == (j.worker is not None)
+
     def end_everything(self):
         for handle in self.handles:
             self.h.core.cancel(handle)
         self.h.settle()
         assert not self.h.core.jobs and self.h.reserved() == 0
+        assert all(j.state is JobState.ENDED for j in self.records)
 
     @rule()
     def all_cancelled_leaves_nothing(self):
