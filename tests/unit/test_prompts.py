@@ -1,5 +1,5 @@
 """router.prompts: prompts to token ids once, in the router (exactness against
-vLLM's own rendering is in tests/test_engine_vllm.py)."""
+vLLM's own rendering is in tests/e2e/test_engine_vllm.py)."""
 
 from __future__ import annotations
 
