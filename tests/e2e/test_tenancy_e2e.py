@@ -26,7 +26,7 @@ import tomli_w
 from shared import curve
 from shared.client import Client, WeirError
 from shared.config import load
-from shared.keys import digest, secret_warnings
+from shared.keys import digest
 from stackutil import REPO, SIM_MODEL, free_port, sim_worker, start_stack, write_config
 
 KEY_Q = "sk-test-quota-7d1f0c2b9e"  # budgets: 3,000 tokens/min, 100 requests/min
@@ -164,16 +164,6 @@ def test_budgets_headers_retry_after_reload_and_no_key_in_logs(tmp_path):
         assert not any(s in requests.get(stack.router_url + "/metrics", timeout=5).text for s in secrets)
         assert not any(s in str(view) for s in secrets)
     _no_key_text(tmp_path / "run", secrets)
-
-
-def test_plain_keys_and_world_readable_secrets_are_warned_about(tmp_path):
-    path = write_config(tmp_path, api_keys=[{"key": KEY_Q, "tenant": "q"}])
-    os.chmod(path, 0o644)
-    warnings = secret_warnings(load(path), str(path))
-    assert len(warnings) == 2 and "plain text" in warnings[0] and "world-readable" in warnings[1]
-    assert not any(KEY_Q in w for w in warnings)
-    os.chmod(path, 0o600)
-    assert len(secret_warnings(load(path), str(path))) == 1
 
 
 # ------------------------------------------------------------------ Redis

@@ -1,6 +1,6 @@
 """End to end through real processes: Envoy -> router -> vLLM worker (tiny model), and direct ZeroMQ.
 
-Uses the session ``stack`` fixture (tests/conftest.py): one real vLLM worker on
+Uses the session ``stack`` fixture (tests/e2e/conftest.py): one real vLLM worker on
 ``tiny-llama`` plus a sim worker, API keys configured.
 """
 

@@ -27,7 +27,7 @@ from router.prompts import ModelPrompts
 from shared import protocol as p
 from shared.config import Config
 
-TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 
 
 def config(**scheduler) -> Config:

@@ -1,6 +1,7 @@
-"""Issue 13 end to end: n, logprobs, structured output and vLLM's sampling
-extras through Envoy with the openai SDK on the real tiny model, and the
-same over ZeroMQ.  Uses the session ``stack`` fixture (tests/conftest.py).
+"""End to end: n, logprobs, structured output and vLLM's sampling extras
+through Envoy with the openai SDK on the real tiny model, and the same over
+ZeroMQ.  Uses the session ``stack`` fixture (tests/e2e/conftest.py).  Bad
+extras refused before anything is reserved: tests/inproc/test_bad_extras.py.
 
 The model has random weights: its text is gibberish, so tests assert shapes,
 counts and constraints (a grammar, a banned or forced token), never words.
@@ -115,7 +116,7 @@ def test_each_sampling_extra_reaches_the_engine(stack):
     plain = c.completions.create(model=VLLM_MODEL, prompt=PROMPT, max_tokens=20, temperature=0, extra_body=eos)
     r = c.completions.create(model=VLLM_MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
                              extra_body={**eos, "repetition_penalty": 1e6})
-    assert r.choices[0].text != plain.choices[0].text  # (ids never repeat: tests/test_engine_vllm.py)
+    assert r.choices[0].text != plain.choices[0].text  # (ids never repeat: tests/e2e/test_engine_vllm.py)
     r = c.completions.create(model=VLLM_MODEL, prompt=PROMPT, max_tokens=3, echo=True, extra_body=eos)
     assert r.choices[0].text.startswith(PROMPT) and len(r.choices[0].text) > len(PROMPT)
 
@@ -126,31 +127,6 @@ def test_user_is_recorded_under_the_keys_tenant(stack):
     assert metric(stack, "weir_user_field_requests_total", tenant="beta") == before + 1
     assert metric(stack, "weir_tenant_distinct_users", tenant="beta") >= 1
     assert metric(stack, "weir_tenant_distinct_users", tenant="alice") == 0  # never an identity
-
-
-BAD = [
-    ({"n": 2, "temperature": 0}, "n"),
-    ({"n": 128, "max_tokens": 1500}, "n"),  # each fits the context; 128 of them fit no worker's KV
-    ({"logprobs": 21}, "logprobs"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format"),
-    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
-    ({"logit_bias": {"100000": 5}}, "logit_bias"),
-    ({"stop_token_ids": [100000]}, "stop_token_ids"),
-    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
-    ({"top_k": -5}, "top_k"),
-]
-
-
-@pytest.mark.parametrize("fields,param", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
-def test_bad_extras_are_400s_naming_the_field_and_reserve_nothing(stack, fields, param):
-    before = metric(stack, "weir_requests_total", model=VLLM_MODEL)
-    r = requests.post(stack.envoy_url + "/v1/completions", timeout=30, headers={"x-api-key": KEY_BETA},
-                      json={"model": VLLM_MODEL, "prompt": PROMPT, "max_tokens": 8, **fields})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
-    assert metric(stack, "weir_requests_total", model=VLLM_MODEL) == before  # never queued
-    assert worker_row(stack, "vllm-0")["reserved_tokens"] == 0
 
 
 def test_chat_top_logprobs_above_20_is_a_400(stack):

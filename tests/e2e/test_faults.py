@@ -253,6 +253,7 @@ def _get_ok(url: str) -> bool:
 
 
 @pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
+@pytest.mark.vllm
 def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupted_run(tmp_path):
     """Greedy decoding on vLLM: a stream whose only worker is SIGKILLed waits
     (its model has no worker), the supervisor restarts the worker, and the

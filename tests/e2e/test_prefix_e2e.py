@@ -129,6 +129,7 @@ def test_gap_makes_worker_blind_until_snapshot_and_loss_clears(prefix_sim_stack)
         fake.close()
 
 
+@pytest.mark.vllm
 def test_two_vllm_workers_share_a_prefix(tmp_path):
     """Two tenants' 256+-token system prompts, four requests at a time: the
     followers find their prefix cached on the worker they are sent to."""

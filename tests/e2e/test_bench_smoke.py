@@ -1,16 +1,14 @@
 """`weir bench` smoke runs against a real stack (sim worker): a few requests
-per target; asserts the report's shape and that counts add up, not timings."""
+per target; asserts the report's shape and that counts add up, not timings.
+The workload specs, arrivals and argument checks: tests/unit/test_bench_workloads.py."""
 
 from __future__ import annotations
 
 import json
-import math
 
-import numpy as np
 import pytest
 
 from bench import spec
-from bench.arrivals import Arrivals
 from bench.cli import main as bench_main
 from bench.prompts import PromptMaker
 from bench.runner import plan
@@ -111,34 +109,3 @@ def test_time_limit_bounds_the_run(sim_stack, tmp_path):
     assert 2 <= o["sent"] < 40
     assert all(r["scheduled"] <= 0.5 for r in data["requests"])
     _assert_counts_add_up(data["summary"])
-
-
-def test_bad_arguments_exit_2(tmp_path):
-    assert bench_main(["-w", "no-such-workload", "--url", "http://127.0.0.1:1", "--no-progress"]) == 2
-    assert bench_main(["-w", "smoke", "-t", "openai", "--url", "http://10.1.2.3:80/v1"]) == 2  # not loopback
-    assert bench_main(["-w", "smoke", "-t", "openai"]) == 2  # no URL
-
-
-# ---------------------------------------------------------------- pure parts
-
-
-@pytest.mark.parametrize("name", sorted(p.stem for p in spec.WORKLOAD_DIR.glob("*.toml")))
-def test_builtin_workloads_load(name):
-    w = spec.load(name)
-    assert w.classes and all(c.weight >= 0 for c in w.classes)
-
-
-def test_spec_rejects_typos():
-    with pytest.raises(spec.SpecError):
-        spec.loads('[[classes]]\nname = "a"\npromt_tokens = { dist = "fixed", value = 3 }\n')
-    with pytest.raises(spec.SpecError):
-        spec.loads("name = 'x'\n")  # no classes
-
-
-@pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
-def test_open_loop_arrivals_have_the_asked_rate(burstiness):
-    t = Arrivals(rate=100.0, burstiness=burstiness).schedule(20_000, seed=1)
-    gaps = np.diff(t)
-    assert math.isclose(gaps.mean(), 0.01, rel_tol=0.05)
-    # Coefficient of variation of gamma gaps is 1/sqrt(shape).
-    assert math.isclose(gaps.std() / gaps.mean(), 1 / math.sqrt(burstiness), rel_tol=0.1)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
+MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 KV_BYTES = 1 << 20  # tiny-llama: 512 B of KV per token -> 2048 tokens: preemption is reachable
 
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="models/tiny-llama not built")

@@ -1,5 +1,5 @@
 """router.prompts: prompts to token ids once, in the router (exactness against
-vLLM's own rendering is in tests/test_engine_vllm.py)."""
+vLLM's own rendering is in tests/e2e/test_engine_vllm.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from router.prompts import INLINE_MAX_CHARS, ModelPrompts
 from shared.protocol import ChatMessage, RequestKind, Submit
 
-TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 
 
 def test_completion_is_counted_by_the_models_tokenizer():

@@ -13,7 +13,6 @@ import concurrent.futures as cf
 import json
 import time
 
-import pytest
 import requests
 
 from stackutil import SIM_MODEL, sim_worker, start_stack, write_config
@@ -96,70 +95,6 @@ def test_without_the_ledger_the_same_burst_preempts(tmp_path):
             w = _worker(stack)
         assert w["preemptions"] > 0
         assert w["reserved_tokens"] == 0 and w["running"] == 0
-
-
-@pytest.mark.parametrize("tier_key,lowered", [("sk-hi", "low")])
-def test_priority_may_be_lowered_not_raised(tmp_path, tier_key, lowered):
-    cfg = write_config(
-        tmp_path,
-        workers=[sim_worker("sim-a")],
-        api_keys=[{"key": tier_key, "tenant": "t", "tier": "normal"}],
-    )
-    with start_stack(cfg, tmp_path / "run") as stack:
-        def ask(priority):
-            return requests.post(stack.envoy_url + "/v1/completions", timeout=30,
-                                 headers={"x-api-key": tier_key},
-                                 json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 2,
-                                       "priority": priority})
-        assert ask(lowered).status_code == 200
-        assert ask("critical").status_code == 200  # asked above its tier: served at its tier
-        metrics = requests.get(stack.router_url + "/metrics", timeout=5).text
-        served = [l for l in metrics.splitlines() if l.startswith("weir_requests_total{")]
-        assert any('klass="low"' in l for l in served)
-        assert not any('klass="critical"' in l for l in served)
-
-
-def test_queued_request_of_a_vanished_zeromq_client_is_dropped(tmp_path):
-    """A direct client that dies (no Cancel) while its request waits gives up
-    its place: the router probes waiting clients once per heartbeat."""
-    import zmq
-
-    from shared import protocol as p
-
-    slow = {"kv_capacity_tokens": KV_TOKENS, "block_size": 16, "step_fixed_ms": 50.0}
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", max_num_seqs=1, sim=slow)])
-    ctx = zmq.Context.instance()
-
-    def submit(sock, rid: str) -> None:
-        sock.send(p.encoder.encode(p.Submit(
-            request_id=rid, model=SIM_MODEL, kind=p.RequestKind.COMPLETION, prompt="hold the slot",
-            max_tokens=400)))
-
-    def queued(stack) -> int:
-        return sum(q["queued"] for q in requests.get(stack.router_url + "/admin/queues", timeout=5).json())
-
-    with start_stack(cfg, tmp_path / "run") as stack:
-        holder, leaver = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-        try:
-            for s in (holder, leaver):
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(stack.zmq_frontend)
-            submit(holder, "a")  # 400 steps of 50 ms: runs for ~20 s on the only slot
-            assert holder.poll(10_000)  # its first output: it holds the slot
-            submit(leaver, "b")
-            deadline = time.monotonic() + 10
-            while queued(stack) != 1:
-                assert time.monotonic() < deadline, "b never queued"
-                time.sleep(0.05)
-            leaver.close()  # gone without a Cancel
-            deadline = time.monotonic() + 10
-            while queued(stack) != 0:
-                assert time.monotonic() < deadline, "the vanished client's request kept its place"
-                time.sleep(0.1)
-            assert _worker(stack)["running"] == 1  # a is still being served: b left the queue, not a
-        finally:
-            holder.send(p.encoder.encode(p.Cancel(request_ids=["a"])))
-            holder.close()
 
 
 # ------------------------------------------------------------------ overload admission (issue 14)

@@ -13,7 +13,7 @@ from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerS
 from shared.config import ClassConfig, SchedulerConfig
 from shared.protocol import Pool, TaskType
 
-TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 
 
 def cfg(**kw) -> SchedulerConfig:
