@@ -92,7 +92,9 @@ class Admission:
             self.counters["rejected_tenant_queue_full"] += 1
             return Refusal(Code.TENANT_QUEUE_FULL, self.waits.retry_after(m, rank, total, now),
                            {"tenant": job.tenant})
-        e = Entry(job, rank, size, self.jobs.next_seq())
+        jobs = self.jobs
+        jobs.seq += 1
+        e = Entry(job, rank, size, jobs.seq)
         bound = self.waits.bound[rank]
         if bound < math.inf and not requeue:
             if m.totals.queued == 0:
@@ -109,5 +111,5 @@ class Admission:
         if q is None:
             q = m.queues.by_key[key] = TenantQueue(rank, size, self.cfg.short_threshold_tokens,
                                                    by_tenant=self.order.by_tenant)
-        self.jobs.enqueue(m, q, e, now)
+        jobs.enqueue(m, q, e, now)
         return None

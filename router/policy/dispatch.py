@@ -18,7 +18,7 @@ from router.policy.jobs import JobTable
 from router.policy.model import ModelState
 from router.policy.placement import ScoredPlacement
 from router.policy.queues import QueueKey, QueueOrder, TenantQueue
-from router.policy.records import DONE, RUNNING, Entry, WorkerState
+from router.policy.records import RUNNING, Entry, WorkerState
 from router.policy.reservations import Ledger
 from router.policy.types import LONG, SHORT, AbortJob, Action, DispatchJob, RejectJob
 from router.policy.wait_model import WaitModel
@@ -146,11 +146,7 @@ class Dispatcher:
 
     def _reject_expired(self, m: ModelState, e: Entry, now: float, actions: list[Action]) -> None:
         job = e.job
-        e.state = DONE
-        if e.queue is not None:
-            e.queue.forget(e)
-        self.entries.pop(job.job_id, None)
-        self.jobs.unqueue(m, e, now)
+        self.jobs.drop_queued(m, e, now)
         self.counters["expired_queue_deadline"] += 1
         retry = self.waits.retry_after(m, e.rank, 0, now)
         actions.append(RejectJob(job.job_id, Refusal(Code.QUEUE_DEADLINE, retry, {

@@ -13,7 +13,7 @@ from router.policy.dispatch import Dispatcher
 from router.policy.jobs import JobTable
 from router.policy.placement import placement
 from router.policy.queues import queue_order
-from router.policy.records import DONE, QUEUED, RUNNING
+from router.policy.records import QUEUED, RUNNING
 from router.policy.reservations import Ledger
 from router.policy.types import LONG, POOL_NAMES, SHORT, SIZE_NAMES, Action, Job, WorkerSpec
 from router.policy.wait_model import WaitModel
@@ -136,11 +136,7 @@ class Policy:
         if e is None:
             return False
         if e.state == QUEUED:
-            self.entries.pop(job_id, None)
-            e.state = DONE
-            if e.queue is not None:
-                e.queue.forget(e)
-            self.jobs.unqueue(self.models.get(e.job.model), e, now)
+            self.jobs.drop_queued(self.models.get(e.job.model), e, now)
             return True
         self.ledger.release(e, now, count_rate=True)
         self.counters["finished"] += 1
@@ -163,8 +159,8 @@ class Policy:
         Upward corrections are kept even past the budget (that is what the
         engine really holds); new work then waits until it drains."""
         e = self.entries.get(job_id)
-        if e is None or actual < 1:
-            return
+        if e is None or actual < 1 or actual == e.job.prompt_tokens:
+            return  # (a repeat of the count it holds changes nothing)
         queued = e.state == QUEUED and e.queue is not None
         m = self.models.get(e.job.model)
         if queued:

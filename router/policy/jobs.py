@@ -1,6 +1,7 @@
-"""The policy's job table and the two transitions of a queued entry: into a
-queue (``enqueue``) and out of the queued state (``unqueue``: dispatched,
-expired or ended), each keeping every count over the queues exact."""
+"""The policy's job table and the transitions of a queued entry: into a
+queue (``enqueue``), out of the queued state (``unqueue``: dispatched, or
+``drop_queued``: expired or ended before it ran), each keeping every count
+over the queues exact."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Optional
 
 from router.policy.model import ModelState
 from router.policy.queues import TenantQueue, insert_by_arrival
-from router.policy.records import Entry
+from router.policy.records import DONE, Entry
 
 
 class JobTable:
@@ -19,10 +20,6 @@ class JobTable:
         self.entries: dict[str, Entry] = {}
         self.tenant_count: dict[str, int] = {}
         self.seq = 0  # entries made so far: tells a job's generation-deadline record from a stale one
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
 
     def enqueue(self, m: ModelState, q: TenantQueue, e: Entry, now: float) -> None:
         q.push(e)
@@ -50,3 +47,11 @@ class JobTable:
             self.tenant_count[tenant] = n
         else:
             self.tenant_count.pop(tenant, None)
+
+    def drop_queued(self, m: Optional[ModelState], e: Entry, now: float) -> None:
+        """A queued ``e`` ended without running (expired, cancelled)."""
+        self.entries.pop(e.job.job_id, None)
+        e.state = DONE
+        if e.queue is not None:
+            e.queue.forget(e)
+        self.unqueue(m, e, now)

@@ -242,13 +242,13 @@ class ClassOrder(QueueOrder):
                 shares = mq.wrr[q.rank]  # nothing to share with: no credit is banked
                 shares[0] = shares[1] = 0
             return q, False
-        s, l = mq.wrr[first.rank]
+        short_tokens, long_tokens = mq.wrr[first.rank]
         short_q = first if first.size == SHORT else second
         assert short_q is not None
         long_q = second if short_q is first else first
         assert long_q is not None
         # serve short while its dispatches/share are not ahead of long's
-        if s * self.cfg.long_share <= l * self.cfg.short_share:
+        if short_tokens * self.cfg.long_share <= long_tokens * self.cfg.short_share:
             return short_q, False
         return long_q, False
 

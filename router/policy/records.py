@@ -11,7 +11,9 @@ from shared.config import SchedulerConfig
 if TYPE_CHECKING:
     from router.policy.queues import TenantQueue
 
-# An entry's state.  Plain ints: compared in the hot loops.
+# An entry's state.  Plain ints: compared in the hot loops.  QUEUED -> RUNNING
+# (Ledger.reserve) -> DONE (Ledger.release, Ledger.remove_worker); QUEUED -> DONE
+# (JobTable.drop_queued).
 QUEUED, RUNNING, DONE = 0, 1, 2
 
 

@@ -200,6 +200,8 @@ class WaitModel:
         self.order = order
         self.counters = counters
         self.bound = [wait_bound(c) for c in classes]  # per class
+        # per class: how many classes, from the top, its jobs wait behind (a list: read per admission)
+        self.classes_ahead = [order.classes_ahead(r) for r in range(len(classes))]
         # Ranked: tenants and classes ahead of it; a FIFO: everything queued.
         self.ahead = self._ahead_ranked if order.ranked else self._ahead_all
 
@@ -281,7 +283,7 @@ class WaitModel:
         work was queued, blended with the capacity model of the work queued
         in class ``rank`` and above plus a job of ``tokens`` (``decode`` of
         them max_tokens)."""
-        k = self.order.classes_ahead(rank)
+        k = self.classes_ahead[rank]
         t = m.totals
         n = sum(m.queues.class_count[:k]) + (1 if tokens else 0)
         prior = 0.0
@@ -292,7 +294,7 @@ class WaitModel:
     def retry_after(self, m: ModelState, rank: int, own_tokens: int, now: float) -> float:
         """Seconds until the work queued ahead of a job of class ``rank`` (its
         class and higher ones) plus its own should have drained."""
-        k = self.order.classes_ahead(rank)
+        k = self.classes_ahead[rank]
         ahead = own_tokens + sum(m.totals.tokens[:k])
         rate = self.drain_rate(m, rank, own_tokens, 0, now)
         if rate <= 0.0:
