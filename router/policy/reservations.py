@@ -17,6 +17,8 @@ from shared.config import SchedulerConfig
 
 
 class Ledger:
+    """The workers by id, and each model's records by name (made on first use)."""
+
     def __init__(self, cfg: SchedulerConfig, n_classes: int, entries: dict[str, Entry],
                  counters: dict[str, int]) -> None:
         self.cfg = cfg
