@@ -1,4 +1,4 @@
-"""Unit tests of the pure scheduling policy (router/policy.py) and the cost
+"""Unit tests of the pure scheduling policy (router/policy/) and the cost
 estimate (router/estimate.py).  No processes: time is passed in."""
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ import msgspec
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec, _Entry
+from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
+from router.policy.records import Entry
 from shared.config import ClassConfig, SchedulerConfig
 from shared.protocol import Pool, TaskType
 
@@ -179,8 +180,8 @@ def test_ledger_bounds_and_exactly_once_release(policy, overcommit, margin, back
     assert all(w.reserved == 0 and not w.running for w in p.workers.values())
     assert not p.entries and not p.tenant_count
     for m in p.models.values():
-        assert all(n == 0 for n in m.class_count)
-        assert all(q.count == 0 and q.tokens == 0 for q in m.queues.values())
+        assert all(n == 0 for n in m.queues.class_count)
+        assert all(q.count == 0 and q.tokens == 0 for q in m.queues.by_key.values())
     assert p.next_wakeup(now) is None
 
 
@@ -189,16 +190,16 @@ def check_totals(p: Policy) -> None:
     queued = [e for e in p.entries.values() if e.state == 0]
     for name, m in p.models.items():
         mine = [e for e in queued if e.job.model == name]
-        assert m.queued == len(mine) == sum(m.class_count)
+        assert m.totals.queued == len(mine) == sum(m.queues.class_count)
         for r in range(p.n_classes):
             of = [e for e in mine if e.rank == r]
-            assert m.tokens[r] == sum(e.tokens for e in of)
-            assert m.decode[r] == sum(max(0, e.job.max_tokens) for e in of)
-            assert set(m.tenants[r]) == {e.job.tenant for e in of}
-            for t, (tok, n, w) in m.tenants[r].items():
+            assert m.totals.tokens[r] == sum(e.tokens for e in of)
+            assert m.totals.decode[r] == sum(max(0, e.job.max_tokens) for e in of)
+            assert set(m.totals.tenants[r]) == {e.job.tenant for e in of}
+            for t, (tok, n, w) in m.totals.tenants[r].items():
                 assert tok == sum(e.tokens for e in of if e.job.tenant == t)
                 assert n == sum(1 for e in of if e.job.tenant == t)
-            assert abs(m.wsum[r] - sum(w for _, _, w in m.tenants[r].values())) < 1e-6
+            assert abs(m.totals.wsum[r] - sum(w for _, _, w in m.totals.tenants[r].values())) < 1e-6
 
 
 # ------------------------------------------------------------------ admission by predicted wait
@@ -237,11 +238,11 @@ def test_admission_by_predicted_wait(bounds, weights, seqs, step, ops):
             n += 1
             job = Job(f"j{n}", "m", f"t{t}", classes[c].name, prompt, max_tokens, TaskType.AUTO, now,
                       weights[t])
-            probe = _Entry(job, c, 0, 0)
-            ahead, mine, w_others = p._ahead(m, probe)
-            rate = p._drain_rate(m, c, probe.tokens, max_tokens, now)
+            probe = Entry(job, c, 0, 0)
+            ahead, mine, w_others = p.waits.ahead(m, probe)
+            rate = p.waits.drain_rate(m, c, probe.tokens, max_tokens, now)
             if c > 0:
-                rate = max(0.05 * rate, rate - sum(f.rate(now) for f in m.inflow[:c]))
+                rate = max(0.05 * rate, rate - sum(f.rate(now) for f in m.totals.inflow[:c]))
             share = job.weight / (job.weight + w_others)
             err = p.submit(job, now)
             event(err.code if err is not None else "admitted")
@@ -322,10 +323,10 @@ def test_no_class_waits_past_the_aging_bound(bound, seqs, n_workers, lower, job_
             last_progress[(e.rank, e.size)] = now
         # every queue of a lower class that holds work has progressed within the bound
         for m in p.models.values():
-            for (rank, size), q in m.queues.items():
+            for (rank, size), q in m.queues.by_key.items():
                 if rank == 0 or q.count == 0:
                     continue
-                oldest = m.oldest(rank, size).job.arrival
+                oldest = m.queues.oldest(rank, size).job.arrival
                 since = max(last_progress.get((rank, size), -1e18), oldest)
                 assert now - since <= bound + dt, (rank, size, now, since)
         now += dt
