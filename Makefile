@@ -14,6 +14,11 @@ run: setup
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The unit and in-process tiers without the slow tests (tests/conftest.py): seconds, no processes.
+.PHONY: test-fast
+test-fast: $(STAMP) $(MODEL)
+	$(VENV)/bin/pytest -m "not slow" tests/unit tests/inproc $(PYTEST_ARGS)
+
 setup: $(STAMP) $(MODEL) redis prometheus tmux
 
 # The Redis quota store's tests run a real redis-server on a loopback port:

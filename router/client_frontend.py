@@ -30,7 +30,8 @@ from shared.errors import Code, error
 from shared.transport import Outbox, SocketPump
 
 if TYPE_CHECKING:  # (router.core imports the policy and the rest: not at run time)
-    from router.core import RequestSink, RouterCore
+    from router.core import RouterCore
+    from router.ports import RequestSink
 
 log = logging.getLogger("weir.router.clients")
 
