@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's DEFAULT_NONE_HASH_SEED
 SIM = "sim"
@@ -82,7 +83,7 @@ class BlockHasher:
     def key(self) -> tuple[str, str, int]:
         return self.algo, self.seed, self.block_size
 
-    def hashes(self, token_ids: Sequence[int], first_extra: Optional[tuple] = None) -> list[int]:
+    def hashes(self, token_ids: Sequence[int], first_extra: tuple[object, ...] | None = None) -> list[int]:
         """The published 64-bit hash of each full block of ``token_ids``."""
         fn = self._fn
         if fn is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import zmq
@@ -25,9 +25,13 @@ import zmq
 from router.metrics import RouterMetrics
 from router.plane import RouterPlane
 from shared import protocol as p
-from shared.config import RouterConfig
+from shared.config import RouterConfig, SecurityConfig
 from shared.errors import Code, error
 from shared.transport import Outbox, SocketPump
+
+if TYPE_CHECKING:  # (router.core imports the policy and the rest: not at run time)
+    from router.core import RouterCore
+    from router.ports import RequestSink
 
 log = logging.getLogger("weir.router.clients")
 
@@ -43,7 +47,7 @@ _AT = re.compile(r" - at `\$((?:\[\d+\])+)`$")
 class Admission(Protocol):
     """What this frontend needs of the lifecycle (router.core.RouterCore)."""
 
-    def submit(self, sub: p.Submit, sink) -> int | p.ErrorInfo: ...
+    def submit(self, sub: p.Submit, sink: RequestSink) -> int | p.ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
@@ -54,12 +58,13 @@ class ClientFrontend(RouterPlane):
     side = "frontend"
 
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: Optional[zmq.Context] = None, *, security=None,
-                 base_dir: str = "") -> None:
+                 metrics: RouterMetrics, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
+                 security: SecurityConfig | None = None, base_dir: str = "") -> None:
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
-        self.core: Optional[Admission] = None
+        self.core: Admission  # set by serve(), before the socket can deliver anything
         self.clients: dict[bytes, dict[str, int]] = {}  # identity -> client request id -> handle
-        self.outbox = Outbox(loop, self._flush_to)
+        # (Outbox types its destinations as any Hashable; this one's are identities)
+        self.outbox = Outbox(loop, self._flush_to)  # type: ignore[arg-type]
 
     def serve(self, core: Admission) -> None:
         self.core = core
@@ -72,7 +77,7 @@ class ClientFrontend(RouterPlane):
         if decoded is None:
             return
         identity, msg = decoded
-        if msg.__class__ is p.Submit:
+        if isinstance(msg, p.Submit):
             self._submit(identity, msg)
         else:  # Cancel
             live = self.clients.get(identity)
@@ -90,7 +95,7 @@ class ClientFrontend(RouterPlane):
                         param="request_id")
         else:
             result = self.core.submit(sub, _ClientSink(self, identity, client_rid))
-            if result.__class__ is int:
+            if isinstance(result, int):
                 live[client_rid] = result
                 return
             err = result
@@ -122,10 +127,13 @@ class ClientFrontend(RouterPlane):
         """A client hears nothing while its requests queue or prefill, so one
         that died meanwhile (no Cancel) would keep its place and, later, a
         worker busy: probe each such client once per heartbeat."""
+        sock = self.sock
+        if sock is None:  # (never: the timer runs while the socket is bound)
+            return
         awaiting = self.core.awaiting_output
         for identity, live in list(self.clients.items()):
             if any(awaiting(h) for h in live.values()):
-                self.pump.send(self.sock, [identity, _PROBE])
+                self.pump.send(sock, [identity, _PROBE])
 
     def _on_full(self, identity: bytes) -> None:
         if identity in self.clients:
@@ -162,14 +170,15 @@ class _ClientSink:
                     del clients[self.identity]
 
 
-def _explain(text: str) -> tuple[str, Optional[str]]:
+def _explain(text: str) -> tuple[str, str | None]:
     """msgspec's "Expected `float` <= 2.0 - at `$[6][1]`" on an array-like
     Submit -> ("Expected `float` <= 2.0 (at 'params.temperature')", that path)."""
     at = _AT.search(text)
     if at is None:
         return text, None
     index = [int(i) for i in re.findall(r"\d+", at.group(1))]
-    names, fields = [], _SUBMIT_FIELDS
+    names: list[str] = []
+    fields: tuple[msgspec.structs.FieldInfo, ...] | None = _SUBMIT_FIELDS
     for depth, i in enumerate(index):
         if depth == 0:
             i -= 1  # position 0 is the tag
@@ -182,3 +191,8 @@ def _explain(text: str) -> tuple[str, Optional[str]]:
         fields = _PARAM_FIELDS if f.name == "params" else None
     param = ".".join(names)
     return f"{text[:at.start()]} (at '{param}')", param
+
+
+if TYPE_CHECKING:  # each side of the frontend's two ports, checked where the port is read
+    _admission: type[Admission] = RouterCore  # what this frontend asks of the lifecycle
+    _sink: type[RequestSink] = _ClientSink  # how the lifecycle answers a direct client

@@ -10,6 +10,10 @@ exactly as admission did: no correction round trip.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from shared.protocol import ChatMessage
+
 CHARS_PER_TOKEN = 4  # fallback: UTF-8 bytes per token
 CHAT_TOKENS_PER_MESSAGE = 4  # role marker + separators around each message
 CHAT_REPLY_PRIMER = 3  # the generation prompt ("<|assistant|>\n" and the like)
@@ -40,7 +44,7 @@ def estimate_text(text: str) -> int:
     return -(-len(text.encode("utf-8", "surrogatepass")) // CHARS_PER_TOKEN)
 
 
-def estimate_chat(messages) -> int:
+def estimate_chat(messages: Iterable[ChatMessage]) -> int:
     n = CHAT_REPLY_PRIMER
     for m in messages:
         n += CHAT_TOKENS_PER_MESSAGE + estimate_text(m.content)

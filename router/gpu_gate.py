@@ -9,8 +9,6 @@ a reading the board does not give, never blocks (0 turns a threshold off).
 
 from __future__ import annotations
 
-from typing import Optional
-
 from shared.config import SchedulerConfig
 from shared.protocol import GpuInfo
 
@@ -18,7 +16,7 @@ HOT = "gpu_temperature"
 FULL = "gpu_memory"
 
 
-def gpu_block(gpu: Optional[GpuInfo], cfg: SchedulerConfig) -> Optional[str]:
+def gpu_block(gpu: GpuInfo | None, cfg: SchedulerConfig) -> str | None:
     """Why this GPU takes no new work (``HOT`` / ``FULL``), or None."""
     if gpu is None or not gpu.present:
         return None

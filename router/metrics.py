@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import Callable
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
@@ -58,40 +59,76 @@ class _HistogramChild:
         self.sum += value
 
 
-class _Family:
+_Child = TypeVar("_Child", _CounterChild, _HistogramChild)
+
+
+class _Family(Generic[_Child]):
     """A labelled counter or histogram: children by label values."""
 
-    __slots__ = ("name", "doc", "labelnames", "buckets", "children")
+    __slots__ = ("name", "doc", "labelnames", "children")
 
-    def __init__(self, name: str, doc: str, labelnames: list[str],
-                 buckets: tuple[float, ...] | None = None) -> None:
+    def __init__(self, name: str, doc: str, labelnames: list[str]) -> None:
         self.name = name
         self.doc = doc
         self.labelnames = labelnames
-        self.buckets = buckets  # None: a counter
-        self.children: dict[tuple, object] = {}
+        # by label values, both as the caller passed them and as strings
+        self.children: dict[tuple[object, ...], _Child] = {}
 
-    def labels(self, *values):
+    def _new_child(self) -> _Child:
+        raise NotImplementedError
+
+    def collect(self) -> Metric:
+        raise NotImplementedError
+
+    def labels(self, *values: object) -> _Child:
         child = self.children.get(values)
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values!r}")
-            child = _CounterChild() if self.buckets is None else _HistogramChild(self.buckets)
+            child = self._new_child()
             self.children[tuple(str(v) for v in values)] = child
             self.children[values] = child  # the same child under the caller's exact key
         return child
 
-    def collect(self):
-        if self.buckets is None:
-            fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
-            for values, c in self._unique():
-                fam.add_metric(values, c.value, created=c.created)
-            return fam
+    def _unique(self) -> Iterator[tuple[list[str], _Child]]:
+        seen = set()
+        for values, child in sorted(self.children.items(), key=lambda kv: tuple(map(str, kv[0]))):
+            if id(child) not in seen:
+                seen.add(id(child))
+                yield [str(v) for v in values], child
+
+
+class CounterFamily(_Family[_CounterChild]):
+    __slots__ = ()
+
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
+
+    def collect(self) -> CounterMetricFamily:
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for values, c in self._unique():
+            fam.add_metric(values, c.value, created=c.created)
+        return fam
+
+
+class HistogramFamily(_Family[_HistogramChild]):
+    __slots__ = ("buckets",)
+
+    def __init__(self, name: str, doc: str, labelnames: list[str], buckets: tuple[float, ...]) -> None:
+        super().__init__(name, doc, labelnames)
+        self.buckets = buckets
+
+    def _new_child(self) -> _HistogramChild:
+        return _HistogramChild(self.buckets)
+
+    def collect(self) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
-        bounds = [floatToGoString(b) for b in self.buckets] + ["+Inf"]
-        created = []
+        # (prometheus_client ships floatToGoString unannotated)
+        bounds = [floatToGoString(b) for b in self.buckets] + ["+Inf"]  # type: ignore[no-untyped-call]
+        created: list[Sample] = []
         for values, h in self._unique():
-            cumulative, buckets = 0, []
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
             for bound, n in zip(bounds, h.counts):
                 cumulative += n
                 buckets.append((bound, cumulative))
@@ -100,13 +137,6 @@ class _Family:
         fam.samples.extend(created)
         return fam
 
-    def _unique(self):
-        seen = set()
-        for values, child in sorted(self.children.items(), key=lambda kv: tuple(map(str, kv[0]))):
-            if id(child) not in seen:
-                seen.add(id(child))
-                yield [str(v) for v in values], child
-
 
 MAX_USERS_PER_TENANT = 10_000
 
@@ -114,42 +144,43 @@ MAX_USERS_PER_TENANT = 10_000
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.requests = _Family("weir_requests", "Requests finished, by model, class and outcome",
-                                ["model", "klass", "outcome"])
-        self.rejected = _Family("weir_rejected", "Requests refused, by class, pool and reason",
-                                ["klass", "pool", "reason"])
-        self.tokens = _Family("weir_output_tokens", "Tokens generated", ["model"])
-        self.ttft = _Family("weir_time_to_first_token_seconds", "Arrival at the router to first token",
-                            ["model", "klass"], _LATENCY_BUCKETS)
-        self.e2e = _Family("weir_request_duration_seconds", "Arrival at the router to last token",
-                           ["model", "klass"], _LATENCY_BUCKETS)
-        self.queue_wait = _Family("weir_queue_wait_seconds", "Arrival to dispatch to a worker",
-                                  ["klass", "pool"], _LATENCY_BUCKETS)
-        self.worker_events = _Family("weir_worker_events", "Worker registrations and losses",
-                                     ["worker", "event"])
-        self.fallbacks = _Family("weir_fallbacks", "Requests answered by a fallback model, by the model asked "
-                                 "for and the one that answered", ["model", "fallback"])
-        self.resumed = _Family("weir_resumed", "Requests continued on another worker after output streamed, "
-                               "by model and why", ["model", "why"])
-        self.bad_frames = _Family("weir_malformed_frames", "ZeroMQ frames dropped as undecodable",
-                                  ["socket"])
+        self.requests = CounterFamily("weir_requests", "Requests finished, by model, class and outcome",
+                                      ["model", "klass", "outcome"])
+        self.rejected = CounterFamily("weir_rejected", "Requests refused, by class, pool and reason",
+                                      ["klass", "pool", "reason"])
+        self.tokens = CounterFamily("weir_output_tokens", "Tokens generated", ["model"])
+        self.ttft = HistogramFamily("weir_time_to_first_token_seconds", "Arrival at the router to first token",
+                                    ["model", "klass"], _LATENCY_BUCKETS)
+        self.e2e = HistogramFamily("weir_request_duration_seconds", "Arrival at the router to last token",
+                                   ["model", "klass"], _LATENCY_BUCKETS)
+        self.queue_wait = HistogramFamily("weir_queue_wait_seconds", "Arrival to dispatch to a worker",
+                                          ["klass", "pool"], _LATENCY_BUCKETS)
+        self.worker_events = CounterFamily("weir_worker_events", "Worker registrations and losses",
+                                           ["worker", "event"])
+        self.fallbacks = CounterFamily("weir_fallbacks", "Requests answered by a fallback model, by the model "
+                                       "asked for and the one that answered", ["model", "fallback"])
+        self.resumed = CounterFamily("weir_resumed", "Requests continued on another worker after output "
+                                     "streamed, by model and why", ["model", "why"])
+        self.bad_frames = CounterFamily("weir_malformed_frames", "ZeroMQ frames dropped as undecodable",
+                                        ["socket"])
         # The HTTP ingress's (router.http_server); the path label is its route.
-        self.http_requests = _Family("weir_http_requests", "HTTP requests answered by the router, by route and status",
-                                     ["path", "status"])
-        self.http_duration = _Family(
+        self.http_requests = CounterFamily("weir_http_requests", "HTTP requests answered by the router, by route "
+                                           "and status", ["path", "status"])
+        self.http_duration = HistogramFamily(
             "weir_http_request_duration_seconds",
             "Time from a request's last byte to its response's last byte (whole stream for SSE)", ["path"],
             _LATENCY_BUCKETS)
         # OpenAI's ``user`` field: recorded under the tenant the API key says,
         # never used as an identity; distinct ids are counted up to a bound.
-        self.user_requests = _Family("weir_user_field_requests", "Requests that named an end user "
-                                     "(OpenAI's `user` field), by tenant", ["tenant"])
+        self.user_requests = CounterFamily("weir_user_field_requests", "Requests that named an end user "
+                                           "(OpenAI's `user` field), by tenant", ["tenant"])
         self.users: dict[str, set[str]] = {}
-        self.auth_denied = _Family("weir_zmq_auth_denied", "ZeroMQ peers refused by CURVE (unknown key), "
-                                   "by ZAP domain (clients, workers)", ["domain"])
-        self._families = [self.auth_denied, self.requests, self.rejected, self.tokens, self.ttft, self.e2e,
-                          self.queue_wait, self.worker_events, self.resumed, self.fallbacks, self.bad_frames,
-                          self.http_requests, self.http_duration, self.user_requests]
+        self.auth_denied = CounterFamily("weir_zmq_auth_denied", "ZeroMQ peers refused by CURVE (unknown key), "
+                                         "by ZAP domain (clients, workers)", ["domain"])
+        self._families: list[CounterFamily | HistogramFamily] = [
+            self.auth_denied, self.requests, self.rejected, self.tokens, self.ttft, self.e2e, self.queue_wait,
+            self.worker_events, self.resumed, self.fallbacks, self.bad_frames, self.http_requests,
+            self.http_duration, self.user_requests]
         self.registry.register(self)
 
     def saw_user(self, tenant: str, user: str) -> None:
@@ -161,15 +192,15 @@ class RouterMetrics:
             seen.add(user)
 
     @staticmethod
-    def child(metric: _Family, *labels):
-        """``metric.labels(*labels)``: a child with ``inc()`` or ``observe()``."""
+    def child(metric: _Family[_Child], *labels: object) -> _Child:
+        """``metric.labels(*labels)``: a child with ``inc()`` (a counter's) or ``observe()`` (a histogram's)."""
         child = metric.children.get(labels)
         return child if child is not None else metric.labels(*labels)
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         for f in self._families:
             yield f.collect()
         users = GaugeMetricFamily("weir_tenant_distinct_users", "Distinct `user` values seen per tenant "
@@ -182,23 +213,24 @@ class RouterMetrics:
         self.child(self.http_requests, path, status).inc()
         self.child(self.http_duration, path).observe(seconds)
 
-    def add_state_collector(self, snapshot: Callable[[], dict]) -> None:
+    def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_StateCollector(snapshot))
 
 
 class _StateCollector:
     """Gauges read from the router's live state at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot  # JSON-shaped: the policy's snapshot
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         depth = GaugeMetricFamily("weir_queue_depth", "Queued requests", labels=["klass", "pool"])
-        oldest = GaugeMetricFamily("weir_queue_oldest_wait_seconds", "Oldest queued request's wait", labels=["klass", "pool"])
+        oldest = GaugeMetricFamily("weir_queue_oldest_wait_seconds", "Oldest queued request's wait",
+                                   labels=["klass", "pool"])
         for q in snap.get("queues", []):
             depth.add_metric([q["class"], q["pool"]], q["queued"])
             oldest.add_metric([q["class"], q["pool"]], q["oldest_wait_s"])

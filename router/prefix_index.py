@@ -37,8 +37,9 @@ hash's int), 80 MB per million blocks; storing ~2 us a block; matching a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Any
 
 from router.block_hash import SUPPORTED, BlockHasher
 
@@ -64,17 +65,18 @@ class _WorkerState:
 
 @dataclass(slots=True, eq=False)
 class _ModelIndex:
-    hasher: Optional[BlockHasher]
+    hasher: BlockHasher | None
     # hash -> mask, least recently used first (a plain dict: insertion order, and
     # ~17x faster to list than an OrderedDict here, which a sweep does)
-    blocks: dict = field(default_factory=dict)
-    spec: dict = field(default_factory=dict)  # hash -> {bit: expiry}
-    spec_queue: deque = field(default_factory=deque)  # (expiry, hash, bit), by expiry
+    blocks: dict[int, int] = field(default_factory=dict)
+    spec: dict[int, dict[int, float]] = field(default_factory=dict)  # hash -> {bit: expiry}
+    spec_queue: deque[tuple[float, int, int]] = field(default_factory=deque)  # (expiry, hash, bit), by expiry
     live: int = 0  # bits of trusted workers
-    by_bit: dict = field(default_factory=dict)  # bit -> _WorkerState
-    retired: set = field(default_factory=set)
-    free_bits: list = field(default_factory=list)
-    sweeping: Optional[tuple] = None  # (keys to visit, next index, the retired bits it frees)
+    by_bit: dict[int, _WorkerState] = field(default_factory=dict)  # bit -> _WorkerState
+    retired: set[int] = field(default_factory=set)
+    free_bits: list[int] = field(default_factory=list)
+    # (keys to visit, next index, the retired bits it frees)
+    sweeping: tuple[list[int], int, list[int]] | None = None
     next_bit: int = 0
     evicted: int = 0
 
@@ -85,7 +87,7 @@ class PrefixIndex:
         self.ttl = max(0.0, speculative_ttl_s)
         self.models: dict[str, _ModelIndex] = {}
         self.workers: dict[str, _WorkerState] = {}
-        self.counters = {"recoveries": 0, "snapshots": 0, "events": 0, "stale": 0, "evicted": 0}
+        self.counters: dict[str, int] = {"recoveries": 0, "snapshots": 0, "events": 0, "stale": 0, "evicted": 0}
 
     # ------------------------------------------------------------ workers
 
@@ -118,7 +120,7 @@ class PrefixIndex:
                 # at run time would keep them; its next worker starts afresh)
                 del self.models[w.model]
 
-    def hasher(self, model: str) -> Optional[BlockHasher]:
+    def hasher(self, model: str) -> BlockHasher | None:
         mi = self.models.get(model)
         return mi.hasher if mi is not None else None
 
@@ -252,13 +254,14 @@ class PrefixIndex:
 
     # ------------------------------------------------------------ views
 
-    def size(self, model: Optional[str] = None) -> int:
+    def size(self, model: str | None = None) -> int:
         if model is not None:
             mi = self.models.get(model)
             return len(mi.blocks) if mi is not None else 0
         return sum(len(mi.blocks) for mi in self.models.values())
 
-    def view(self) -> dict:
+    def view(self) -> dict[str, Any]:
+        """JSON-shaped: per model, per worker, and the counters."""
         return {
             "models": {name: {"blocks": len(mi.blocks), "speculative": len(mi.spec), "evicted": mi.evicted,
                               "scheme": list(mi.hasher.key) if mi.hasher is not None else None}
@@ -366,7 +369,7 @@ class PrefixIndex:
                     del spec[h]
 
 
-def _bits(mask: int):
+def _bits(mask: int) -> Iterator[int]:
     while mask:
         low = mask & -mask
         yield low

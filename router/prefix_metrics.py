@@ -8,10 +8,12 @@ index at scrape time.  Hit rate per worker and model:
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from collections.abc import Iterator
 
-from router.metrics import _Family
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.metrics import CounterFamily, HistogramFamily
 from router.prefix_index import PrefixIndex
 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -20,21 +22,23 @@ _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 class PrefixMetrics:
     def __init__(self, registry: CollectorRegistry, index: PrefixIndex) -> None:
         self.index = index
-        self.prompt_tokens = _Family("weir_prefix_prompt_tokens", "Prompt tokens of finished requests, by model "
-                                     "and worker", ["model", "worker"])
-        self.cached_tokens = _Family("weir_prefix_cached_tokens", "Of those, tokens the engine found in its "
-                                     "prefix cache (vLLM's num_cached_tokens)", ["model", "worker"])
-        self.lag = _Family("weir_prefix_event_lag_seconds", "Engine's KV event batch to the router applying it "
-                           "(wall clocks of two hosts where they differ)", ["worker"], _LAG_BUCKETS)
-        self.recoveries = _Family("weir_prefix_recoveries", "Snapshots asked of a worker because its prefix "
-                                  "events had a gap or a heartbeat announced one never applied", ["worker"])
-        self._families = [self.prompt_tokens, self.cached_tokens, self.lag, self.recoveries]
+        self.prompt_tokens = CounterFamily("weir_prefix_prompt_tokens", "Prompt tokens of finished requests, by "
+                                           "model and worker", ["model", "worker"])
+        self.cached_tokens = CounterFamily("weir_prefix_cached_tokens", "Of those, tokens the engine found in its "
+                                           "prefix cache (vLLM's num_cached_tokens)", ["model", "worker"])
+        self.lag = HistogramFamily("weir_prefix_event_lag_seconds", "Engine's KV event batch to the router "
+                                   "applying it (wall clocks of two hosts where they differ)", ["worker"],
+                                   _LAG_BUCKETS)
+        self.recoveries = CounterFamily("weir_prefix_recoveries", "Snapshots asked of a worker because its prefix "
+                                        "events had a gap or a heartbeat announced one never applied", ["worker"])
+        self._families: list[CounterFamily | HistogramFamily] = [self.prompt_tokens, self.cached_tokens, self.lag,
+                                                                  self.recoveries]
         registry.register(self)
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         for f in self._families:
             yield f.collect()
         view = self.index.view()

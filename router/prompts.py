@@ -36,11 +36,17 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from datetime import datetime
-from typing import NamedTuple, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from router.estimate import estimate_chat, estimate_text
 from shared.protocol import RequestKind, StructuredOutput, Submit
+
+if TYPE_CHECKING:  # (both imported where first needed: the router starts without them)
+    import jinja2
+    from tokenizers import Tokenizer
 
 # ~256 tokens, ~0.3 ms of tokenizing inline: below the 1 ms loop-stall budget
 # even with a few such requests in one loop turn.
@@ -51,14 +57,14 @@ INLINE_MAX_CHARS = 1024
 # ~0.1-0.4 ms for small JSON schemas): inline; larger ones on the thread.
 INLINE_MAX_GRAMMAR_CHARS = 2048
 
-_xgr = None  # xgrammar, imported on the tokenizing thread by the first structured request
+_xgr: ModuleType | None = None  # xgrammar, imported on the tokenizing thread by the first structured request
 _xgr_lock = threading.Lock()
 
 
 class BadInput(ValueError):
     """A request the model cannot take; ``param`` is the offending field."""
 
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
 
@@ -67,7 +73,7 @@ def _grammar_chars(so: StructuredOutput) -> int:
     return len(so.json or "") + len(so.regex or "") + len(so.grammar or "") + sum(len(c) for c in so.choice)
 
 
-def _xgrammar():
+def _xgrammar() -> ModuleType:
     global _xgr
     if _xgr is None:
         with _xgr_lock:
@@ -92,7 +98,8 @@ def check_structured(so: StructuredOutput) -> None:
             raise BadInput("structured output choices must be non-empty strings", param="structured_outputs.choice")
         return
     xgr = _xgrammar()
-    if kind == "json":
+    # exactly one of these is set (its kind)
+    if so.json is not None:
         try:
             schema = json.loads(so.json)
         except ValueError as e:
@@ -103,14 +110,14 @@ def check_structured(so: StructuredOutput) -> None:
             xgr.Grammar.from_json_schema(so.json)
         except Exception as e:
             raise BadInput(f"The JSON schema does not compile: {_xgr_message(e)}", param="response_format") from None
-    elif kind == "regex":
+    elif so.regex is not None:
         if "\x00" in so.regex:
             raise BadInput("The regex must not contain a NUL character", param="structured_outputs.regex")
         try:
             xgr.Grammar.from_regex(so.regex)
         except Exception as e:
             raise BadInput(f"The regex does not compile: {_xgr_message(e)}", param="structured_outputs.regex") from None
-    else:
+    elif so.grammar is not None:
         try:
             xgr.Grammar.from_ebnf(so.grammar)
         except Exception as e:
@@ -135,10 +142,10 @@ class TokenText:
 
     __slots__ = ("_tok", "_cache", "_marker")
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._cache: dict[int, str] = {}
-        self._marker = None
+        self._marker: str | None = None
         try:
             pre = json.loads(tokenizer.to_str()).get("pre_tokenizer") or {}
             for step in [pre] + list(pre.get("pretokenizers") or ()):
@@ -164,7 +171,8 @@ class TokenText:
 
 class PromptTokens(NamedTuple):
     ids: list[int]  # exact token ids; empty when the model has no tokenizer
-    count: int  # len(ids), or the estimate
+    # (a field named like tuple.count, which it hides on instances: mypy flags the clash)
+    count: int  # type: ignore[assignment]  # len(ids), or the estimate
 
 
 def prompt_chars(sub: Submit) -> int:
@@ -176,12 +184,12 @@ def prompt_chars(sub: Submit) -> int:
 class ModelPrompts:
     """One model's prompt rendering and tokenization (thread-safe)."""
 
-    def __init__(self, model_dir: Optional[str] = None) -> None:
-        self.tokenizer = None
-        self._template = None  # the compiled chat template
+    def __init__(self, model_dir: str | None = None) -> None:
+        self.tokenizer: Tokenizer | None = None
+        self._template: jinja2.Template | None = None  # the compiled chat template
         self._special: dict[str, str] = {}
         self.vocab_size = 0
-        self._token_text: Optional[TokenText] = None
+        self._token_text: TokenText | None = None
         if model_dir:
             path = os.path.join(model_dir, "tokenizer.json")
             if os.path.isfile(path):
@@ -197,7 +205,7 @@ class ModelPrompts:
     def exact(self) -> bool:
         return self.tokenizer is not None
 
-    def token_text(self) -> Optional[TokenText]:
+    def token_text(self) -> TokenText | None:
         if self._token_text is None and self.tokenizer is not None:
             self._token_text = TokenText(self.tokenizer)
         return self._token_text
@@ -253,10 +261,10 @@ class ModelPrompts:
                                      add_generation_prompt=True, **self._special)
 
 
-def _chat_template(model_dir: str) -> tuple[Optional[str], dict[str, str]]:
+def _chat_template(model_dir: str) -> tuple[str | None, dict[str, str]]:
     """The chat template and special tokens HF tokenizers hand to it."""
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
-    cfg = {}
+    cfg: dict[str, Any] = {}  # tokenizer_config.json
     if os.path.isfile(cfg_path):
         with open(cfg_path) as f:
             cfg = json.load(f)
@@ -277,7 +285,7 @@ def _chat_template(model_dir: str) -> tuple[Optional[str], dict[str, str]]:
     return template, special
 
 
-def _compile_template(source: str):
+def _compile_template(source: str) -> jinja2.Template:
     """A chat template compiled as transformers compiles it (see the module docstring)."""
     import jinja2
     from jinja2 import ext, nodes
@@ -287,20 +295,21 @@ def _compile_template(source: str):
         """``{% generation %}...{% endgeneration %}`` (transformers marks assistant
         tokens with it): renders its body; nothing here needs the marks."""
 
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 -- jinja2's Extension declares it a plain set
 
-        def parse(self, parser):
+        def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
             lineno = next(parser.stream).lineno
-            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-        def _body(self, caller):
+        def _body(self, caller: Callable[[], str]) -> str:
             return caller()
 
-    def raise_exception(message):
+    def raise_exception(message: str) -> NoReturn:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    def tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,

@@ -41,14 +41,23 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Union
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias, cast
+
+from prometheus_client.core import Metric
 
 from router.metrics import RouterMetrics
 from shared import protocol as p
-from shared.config import Config
+from shared.config import Budgets, Config
 from shared.errors import Code, error
 from shared.keys import config_digest, key_id, redact_url
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from router.admission import Identity
 
 log = logging.getLogger("weir.router.quota")
 
@@ -80,19 +89,28 @@ class Hold:
     tokens: int  # reserved tokens
     tenant: str
     enforced: bool = True  # False: admitted while the store was down (nothing was taken)
-    ratelimit: Optional[p.RateLimit] = None  # the figures after the reservation
+    ratelimit: p.RateLimit | None = None  # the figures after the reservation
     hold_id: str = ""  # a store with I/O: its credit applies once, whatever is sent again
 
 
-Answer = Union[Hold, p.ErrorInfo]
+Answer: TypeAlias = Hold | p.ErrorInfo
+# A store's answer to a reserve: (True, None, levels after) or
+# (False, (index of the binding bucket, wait s), levels).
+Reserved: TypeAlias = tuple[bool, tuple[int, float] | None, list[float]]
+# What a store call's callback gets: a reserve's Reserved, a credit's script
+# result (1: applied, 0: its hold was already settled), or the call's failure.
+StoreAnswer: TypeAlias = Reserved | int | BaseException
+StoreCallback: TypeAlias = Callable[[StoreAnswer], None]
+_Call: TypeAlias = tuple[str, tuple[Bucket, ...], Sequence[int], str, StoreCallback | None]  # queued: op, ..., callback
 _NO_HOLD = Hold((), 0, "", enforced=False)  # a key without budgets: nothing taken, nothing to return
 
 
-def ratelimit(buckets: tuple[Bucket, ...], levels: list[float]) -> p.RateLimit:
+def ratelimit(buckets: tuple[Bucket, ...], levels: Sequence[float]) -> p.RateLimit:
     """OpenAI's x-ratelimit-* figures: for requests and for tokens, the budget
     with the least room (remaining, and seconds until it is whole again)."""
     rl = p.RateLimit()
-    best_r = best_t = None
+    best_r: tuple[Bucket, float] | None = None
+    best_t: tuple[Bucket, float] | None = None
     for b, level in zip(buckets, levels):
         if b.tokens:
             if best_t is None or level < best_t[1]:
@@ -120,7 +138,7 @@ def costs(buckets: tuple[Bucket, ...], tokens: int) -> list[int]:
 class MemoryStore:
     """Buckets in this process: pure (a clock goes in), no I/O."""
 
-    sync = True
+    sync: Literal[True] = True
 
     def __init__(self) -> None:
         self.state: dict[str, tuple[float, float]] = {}  # key -> (level, at)
@@ -132,8 +150,8 @@ class MemoryStore:
         level, at = s
         return min(float(b.cap), level + (now - at) * b.rate) if now > at else min(float(b.cap), level)
 
-    def reserve(self, buckets: tuple[Bucket, ...], amounts: list[int], now: float):
-        """(True, levels after) or (False, (index of the binding bucket, wait s), levels)."""
+    def reserve(self, buckets: tuple[Bucket, ...], amounts: Sequence[int], now: float) -> Reserved:
+        """(True, None, levels after) or (False, (index of the binding bucket, wait s), levels)."""
         levels = [self.level(b, now) for b in buckets]
         worst, worst_i = -1.0, -1
         for i, (b, level, cost) in enumerate(zip(buckets, levels, amounts)):
@@ -143,13 +161,13 @@ class MemoryStore:
                     worst, worst_i = wait, i
         if worst_i >= 0:
             return False, (worst_i, worst), levels
-        after = []
+        after: list[float] = []
         for b, level, cost in zip(buckets, levels, amounts):
             self.state[b.key] = (level - cost, now)
             after.append(level - cost)
         return True, None, after
 
-    def credit(self, buckets: tuple[Bucket, ...], amounts: list[int], now: float) -> None:
+    def credit(self, buckets: tuple[Bucket, ...], amounts: Sequence[int], now: float) -> None:
         for b, amount in zip(buckets, amounts):
             if amount:
                 self.state[b.key] = (min(float(b.cap), self.level(b, now) + amount), now)
@@ -217,28 +235,30 @@ class RedisStore:
     queued and sent as one pipeline per round trip (while one is in flight,
     the next batch gathers), answered through callbacks on the loop."""
 
-    sync = False
+    sync: Literal[False] = False
 
     def __init__(self, url: str, prefix: str, timeout_s: float) -> None:
         self.url, self.prefix, self.timeout_s = url, prefix, timeout_s
-        self._client = None
-        self._reserve = self._credit = None
-        self._queue: list = []  # (op, buckets, amounts, hold_id, callback | None)
+        self._client: redis.asyncio.Redis | None = None
+        self._reserve: str | None = None  # the scripts' SHA1s
+        self._credit: str | None = None
+        self._queue: list[_Call] = []
         self._busy = False
 
-    def _connect(self):
+    def _connect(self) -> redis.asyncio.Redis:
         import redis.asyncio as aioredis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
         # No retries inside the client: a failure is the Quota's to handle, at once.
-        self._client = aioredis.from_url(self.url, socket_timeout=self.timeout_s,
-                                         socket_connect_timeout=self.timeout_s,
-                                         retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+        client = self._client = aioredis.from_url(self.url, socket_timeout=self.timeout_s,
+                                                  socket_connect_timeout=self.timeout_s,
+                                                  retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         self._reserve = self._credit = None  # SHA1s, loaded on first use (and after a Redis restart)
+        return client
 
-    def submit(self, op: str, buckets: tuple[Bucket, ...], amounts: list[int], hold_id: str,
-               callback: Optional[Callable]) -> None:
+    def submit(self, op: str, buckets: tuple[Bucket, ...], amounts: Sequence[int], hold_id: str,
+               callback: StoreCallback | None) -> None:
         """``callback(result | exception)``: result is the reserve's (ok, why, levels).
         Never called before this returns (the lifecycle relies on it).  A
         credit applies only if the reserve of ``hold_id`` took, and once."""
@@ -260,7 +280,7 @@ class RedisStore:
     async def _warm(self) -> None:
         try:
             await asyncio.wait_for(self._ready(), max(2.0, self.timeout_s * 8))
-        except Exception as e:  # noqa: BLE001 -- the first request's call tries again, and reports
+        except Exception as e:  # the first request's call tries again, and reports
             log.warning("quota store %s not reachable at start (%s); requests will try it again", self.url, e)
         finally:
             self._busy = False
@@ -268,22 +288,26 @@ class RedisStore:
                 self._busy = True
                 asyncio.get_running_loop().create_task(self._run())
 
-    async def _ready(self) -> None:
-        if self._client is None:
-            self._connect()
+    async def _ready(self) -> tuple[redis.asyncio.Redis, str, str]:
+        """The client and the scripts' SHA1s, connecting and loading what is missing."""
+        client = self._client
+        if client is None:
+            client = self._connect()
         if self._reserve is None or self._credit is None:
             # both or neither: a load cut short (timeout, cancel) must not leave one unset
-            reserve = await self._client.script_load(_RESERVE_LUA)
-            credit = await self._client.script_load(_CREDIT_LUA)
+            reserve = await client.script_load(_RESERVE_LUA)
+            credit = await client.script_load(_CREDIT_LUA)
             self._reserve, self._credit = reserve, credit
+        return client, self._reserve, self._credit
 
     async def _run(self) -> None:
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
+                results: list[StoreAnswer]
                 try:
                     results = await asyncio.wait_for(self._send(batch), self.timeout_s * 2)
-                except Exception as e:  # noqa: BLE001 -- every failure is the callbacks' news
+                except Exception as e:  # every failure is the callbacks' news
                     results = [e] * len(batch)
                 for (_op, _b, _a, _h, cb), res in zip(batch, results):
                     if cb is not None:
@@ -294,20 +318,20 @@ class RedisStore:
         finally:
             self._busy = False
 
-    async def _send(self, batch) -> list:
+    async def _send(self, batch: list[_Call]) -> list[StoreAnswer]:
         from redis.exceptions import NoScriptError
 
         for attempt in (0, 1):
-            await self._ready()
-            pipe = self._client.pipeline(transaction=False)
+            client, reserve_sha, credit_sha = await self._ready()
+            pipe = client.pipeline(transaction=False)
             for op, buckets, amounts, hold_id, _cb in batch:
                 keys = [self.prefix + b.key for b in buckets] + [self.prefix + "hold:" + hold_id]
-                args = []
+                args: list[float] = []
                 for b, a in zip(buckets, amounts):
                     args += [b.cap, b.period, a]
                 if op == "reserve":  # the hold outlives any job: twice the longest period
                     args.append(math.ceil(2 * max(b.period for b in buckets)))
-                pipe.evalsha(self._reserve if op == "reserve" else self._credit, len(keys), *keys, *args)
+                pipe.evalsha(reserve_sha if op == "reserve" else credit_sha, len(keys), *keys, *args)
             raw = await pipe.execute(raise_on_error=False)
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in raw):
                 self._reserve = None  # Redis restarted and forgot them: load again, once
@@ -315,7 +339,7 @@ class RedisStore:
             break
         if len(raw) != len(batch):
             raise RuntimeError(f"redis answered {len(raw)} of {len(batch)} calls")
-        out = []
+        out: list[StoreAnswer] = []
         for (op, _b, _a, _h, _cb), r in zip(batch, raw):
             if isinstance(r, Exception) or op != "reserve":
                 out.append(r)
@@ -338,7 +362,7 @@ class Quota:
     ``ended`` at the one exit.  Also per-tenant usage counters."""
 
     def __init__(self, cfg: Config, metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic,
-                 store=None) -> None:
+                 store: MemoryStore | RedisStore | None = None) -> None:
         self.clock = clock
         self.qcfg = cfg.quota
         if store is None:
@@ -353,7 +377,7 @@ class Quota:
                     store.warm()
         self.store = store
         self._down_until = 0.0
-        self._unsent: list[tuple[tuple[Bucket, ...], list[int], str]] = []  # credits to (re)send
+        self._unsent: list[tuple[tuple[Bucket, ...], Sequence[int], str]] = []  # credits to (re)send
         # hold ids, unique across routers sharing one store: this process's prefix + a count
         self._hold_prefix, self._holds = os.urandom(6).hex() + ":", 0
         self._warned: dict[tuple[str, str], float] = {}
@@ -380,7 +404,7 @@ class Quota:
         self.active = bool(cfg.api_keys)  # usage counters per tenant need keys; budgets too
 
     @staticmethod
-    def _buckets(prefix: str, b) -> tuple[Bucket, ...]:
+    def _buckets(prefix: str, b: Budgets) -> tuple[Bucket, ...]:
         out = []
         for field, period, tokens in KINDS:
             cap = getattr(b, field)
@@ -388,7 +412,7 @@ class Quota:
                 out.append(Bucket(f"{prefix}:{_SHORT[field]}", cap, period, tokens, field))
         return tuple(out)
 
-    def buckets(self, who) -> tuple[Bucket, ...]:
+    def buckets(self, who: Identity) -> tuple[Bucket, ...]:
         key = (who.key_id, who.tenant)
         got = self._cache.get(key)
         if got is None:
@@ -397,7 +421,7 @@ class Quota:
 
     # -------------------------------------------------------------- reserve
 
-    def reserve(self, who, tokens: int, on_answer: Callable[[Answer], None]) -> Optional[Answer]:
+    def reserve(self, who: Identity, tokens: int, on_answer: Callable[[Answer], None]) -> Answer | None:
         """A Hold or a refusal now; or None, and ``on_answer`` gets it later
         (a store with I/O).  No budget for this key: a Hold that takes nothing."""
         buckets = self.buckets(who)
@@ -419,15 +443,17 @@ class Quota:
             return self._store_down(who, buckets, tokens, None)
         self._flush_credits()
         hold_id = self._new_hold_id()
-        store.submit("reserve", buckets, amounts, hold_id,
-                     lambda res: on_answer(self._answer(who, buckets, tokens, res, amounts, hold_id)))
+        store.submit("reserve", buckets, amounts, hold_id,  # (a reserve's callback gets Reserved or a failure)
+                     lambda res: on_answer(self._answer(who, buckets, tokens, cast("Reserved | BaseException", res),
+                                                        amounts, hold_id)))
         return None
 
     def _new_hold_id(self) -> str:
         self._holds += 1
         return f"{self._hold_prefix}{self._holds:x}"
 
-    def _answer(self, who, buckets, tokens, res, amounts=None, hold_id: str = "") -> Answer:
+    def _answer(self, who: Identity, buckets: tuple[Bucket, ...], tokens: int, res: Reserved | BaseException,
+                amounts: Sequence[int] = (), hold_id: str = "") -> Answer:
         if isinstance(res, BaseException):
             if hold_id:  # it may have run before the error (a timeout): undone if it did, else nothing
                 self._unsent.append((buckets, amounts, hold_id))
@@ -437,6 +463,7 @@ class Quota:
         if ok:
             self.outstanding += 1
             return Hold(buckets, tokens, who.tenant, True, rl, hold_id)
+        assert why is not None  # a refusal names its binding bucket
         i, wait = why
         b = buckets[i]
         scope = "tenant" if b.key.startswith("t:") else "key"
@@ -449,7 +476,8 @@ class Quota:
                      f"{b.cap}, remaining {max(0, math.floor(levels[i]))}, this request needs {need}. "
                      f"Retry after {math.ceil(wait)} s.", retry_after=max(wait, 0.001), ratelimit=rl)
 
-    def _store_down(self, who, buckets, tokens, exc) -> Answer:
+    def _store_down(self, who: Identity, buckets: tuple[Bucket, ...], tokens: int,
+                    exc: BaseException | None) -> Answer:
         now = self.clock()
         if exc is not None:
             self._down_until = now + STORE_RETRY_S
@@ -460,7 +488,7 @@ class Quota:
                          retry_after=STORE_RETRY_S)
         return Hold(buckets, tokens, who.tenant, enforced=False)
 
-    def _store_error(self, op: str, exc: Optional[BaseException]) -> None:
+    def _store_error(self, op: str, exc: BaseException | None) -> None:
         """Count a failed call (``exc``; None: not asked, it failed just before) and warn now and then."""
         if exc is not None:
             self.store_errors[op] = self.store_errors.get(op, 0) + 1
@@ -479,7 +507,7 @@ class Quota:
 
     # -------------------------------------------------------------- the end
 
-    def ended(self, who, hold: Optional[Hold], prompt: int, completion: int, queued: bool) -> None:
+    def ended(self, who: Identity, hold: Hold | None, prompt: int, completion: int, queued: bool) -> None:
         """A job's end: count its usage and return what its hold did not use.
         ``prompt``: prompt tokens processed by an engine (0 if it never ran);
         ``queued``: False if it was refused before it was ever queued."""
@@ -499,20 +527,24 @@ class Quota:
         self.outstanding -= 1
         back = hold.tokens - used  # may be negative: an engine that used more than reserved
         amounts = [back if b.tokens else (1 if refund_request else 0) for b in hold.buckets]
-        if self.store.sync:
-            self.store.credit(hold.buckets, amounts, self.clock())
+        store = self.store
+        if store.sync:
+            store.credit(hold.buckets, amounts, self.clock())
             return
         self._unsent.append((hold.buckets, amounts, hold.hold_id))
         if self.clock() >= self._down_until:
             self._flush_credits()
 
     def _flush_credits(self) -> None:
+        store = self.store
+        if store.sync:
+            return  # a store without I/O settles at once: it never has credits queued
         unsent, self._unsent = self._unsent, []
         for buckets, amounts, hold_id in unsent:
-            self.store.submit("credit", buckets, amounts, hold_id,
-                              lambda res, b=buckets, a=amounts, h=hold_id: self._credited(res, b, a, h))
+            store.submit("credit", buckets, amounts, hold_id, partial(self._credited, buckets=buckets,
+                                                                      amounts=amounts, hold_id=hold_id))
 
-    def _credited(self, res, buckets, amounts, hold_id) -> None:
+    def _credited(self, res: StoreAnswer, buckets: tuple[Bucket, ...], amounts: Sequence[int], hold_id: str) -> None:
         if isinstance(res, BaseException):
             self._store_error("settle", res)
             self._down_until = self.clock() + STORE_RETRY_S
@@ -521,27 +553,29 @@ class Quota:
                 self._unsent.append((buckets, amounts, hold_id))
 
     async def close(self) -> None:
-        if not self.store.sync:
-            await self.store.close()
+        store = self.store
+        if not store.sync:
+            await store.close()
 
     # -------------------------------------------------------------- views
 
-    def snapshot(self) -> dict:
-        """The admin view: per-tenant usage and refusals; budgets by key id
-        (never a key) with their levels where the store is this process."""
+    def snapshot(self) -> dict[str, Any]:
+        """The admin view (JSON-shaped): per-tenant usage and refusals; budgets
+        by key id (never a key) with their levels where the store is this process."""
         now = self.clock()
-        tenants: dict[str, dict] = {}
+        store = self.store
+        tenants: dict[str, dict[str, Any]] = {}
         for t, (req, pr, co) in self.usage.items():
             tenants.setdefault(t, {})["usage"] = {"requests": req, "prompt_tokens": pr, "completion_tokens": co}
         for (t, budget), n in self.refusals.items():
             tenants.setdefault(t, {}).setdefault("refusals", {})[budget] = n
 
-        def budgets(buckets):
+        def budgets(buckets: tuple[Bucket, ...]) -> dict[str, dict[str, int]]:
             out = {}
             for b in buckets:
                 d = {"limit": b.cap}
-                if self.store.sync:
-                    d["remaining"] = max(0, math.floor(self.store.level(b, now)))
+                if store.sync:
+                    d["remaining"] = max(0, math.floor(store.level(b, now)))
                 out[b.field] = d
             return out
 
@@ -556,10 +590,10 @@ class Quota:
         quota = self
 
         class _Collector:
-            def describe(self):
+            def describe(self) -> list[Metric]:
                 return []
 
-            def collect(self):
+            def collect(self) -> Iterator[Metric]:
                 from prometheus_client.core import CounterMetricFamily
 
                 tok = CounterMetricFamily("weir_tenant_tokens", "Tokens processed per tenant "

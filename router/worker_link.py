@@ -22,17 +22,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import zmq
 
 from router.metrics import RouterMetrics
 from router.plane import RouterPlane
 from shared import protocol as p
-from shared.config import RouterConfig
+from shared.config import RouterConfig, SecurityConfig
 from shared.errors import Code, error
 from shared.transport import Outbox, SocketPump
+
+if TYPE_CHECKING:  # (router.core imports the policy and the rest: not at run time)
+    from router.core import RouterCore
+    from router.ports import WorkerPort
 
 log = logging.getLogger("weir.router.workers")
 
@@ -60,7 +65,7 @@ class WorkerEvents(Protocol):
 
     def refused(self, worker_id: str, job_ids: list[str], other_tokens: int, other_seqs: int) -> None: ...
 
-    def prefix_news(self, worker_id: str, msg) -> bool: ...
+    def prefix_news(self, worker_id: str, msg: p.PrefixEvents | p.PrefixSnapshot) -> bool: ...
 
     def prefix_seq(self, worker_id: str, seq: int) -> bool: ...
 
@@ -72,7 +77,7 @@ class LinkedWorker:
     last_seen: float
     missed: int = 0  # heartbeat ticks in a row with nothing heard from it
     stats: p.WorkerStats = field(default_factory=p.WorkerStats)
-    drain_deadline: Optional[float] = None  # draining until then (None: accepting work)
+    drain_deadline: float | None = None  # draining until then (None: accepting work)
 
 
 class WorkerReport(NamedTuple):
@@ -83,7 +88,7 @@ class WorkerReport(NamedTuple):
     engine: str  # "vllm" | "sim"
     gpu: p.GpuInfo  # as registered (a heartbeat's own reading is ``stats.gpu``)
     stats: p.WorkerStats  # its engine's last report
-    drain_left_s: Optional[float]  # time left of its drain (None: it takes new work)
+    drain_left_s: float | None  # time left of its drain (None: it takes new work)
 
     @property
     def draining(self) -> bool:
@@ -94,13 +99,15 @@ class WorkerLink(RouterPlane):
     side = "backend"
 
     def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: Optional[zmq.Context] = None,
-                 clock: Callable[[], float] = time.monotonic, *, security=None, base_dir: str = "") -> None:
+                 metrics: RouterMetrics, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 clock: Callable[[], float] = time.monotonic, *, security: SecurityConfig | None = None,
+                 base_dir: str = "") -> None:
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
         self.clock = clock
         self.workers: dict[str, LinkedWorker] = {}  # by worker id (== DEALER identity)
-        self.events: Optional[WorkerEvents] = None
-        self._outbox = Outbox(loop, self._flush_to)
+        self.events: WorkerEvents  # set by serve(), before the socket can deliver anything
+        # (Outbox types its destinations as any Hashable; this one's are identities)
+        self._outbox = Outbox(loop, self._flush_to)  # type: ignore[arg-type]
         self._last_tick = clock()  # when the heartbeat timer last ran
 
     def serve(self, events: WorkerEvents) -> None:
@@ -133,7 +140,7 @@ class WorkerLink(RouterPlane):
 
     # ------------------------------------------------------------ the socket
 
-    def _flush_to(self, identity: bytes, items: list) -> None:
+    def _flush_to(self, identity: bytes, items: list[p.GenerateRequest | str]) -> None:
         # In the order queued: a job moved off a stalled worker onto the same
         # one is Abort(id) then a dispatch of that id (reversed, the worker
         # ignored the dispatch as a duplicate and aborted the job -- seen in
@@ -145,14 +152,16 @@ class WorkerLink(RouterPlane):
                 self._send_run(identity, items[start:i])
                 start = i
 
-    def _send_run(self, identity: bytes, run: list) -> None:
+    def _send_run(self, identity: bytes, run: list[p.GenerateRequest | str]) -> None:
+        # a run holds one kind (_flush_to): job ids to abort, or requests
         if run[0].__class__ is str:
-            self._send(identity, p.Abort(request_ids=run))
+            self._send(identity, p.Abort(request_ids=cast("list[str]", run)))
             return
+        reqs = cast("list[p.GenerateRequest]", run)
         try:
-            payload = p.encoder.encode(p.Dispatch(requests=run))
+            payload = p.encoder.encode(p.Dispatch(requests=reqs))
         except (OverflowError, TypeError, ValueError):
-            payload = self._without_unencodable(run)
+            payload = self._without_unencodable(reqs)
         if self.sock is not None:
             self.pump.send(self.sock, [identity, payload])
 
@@ -170,7 +179,7 @@ class WorkerLink(RouterPlane):
                                                                   f"a worker ({e}); this is a router bug."))
         return p.encoder.encode(p.Dispatch(requests=ok))
 
-    def _send(self, identity: bytes, msg) -> None:
+    def _send(self, identity: bytes, msg: p.RouterToWorker) -> None:
         if self.sock is not None:
             self.pump.send(self.sock, [identity, p.encoder.encode(msg)])
 
@@ -278,7 +287,7 @@ class WorkerLink(RouterPlane):
         """Ids of the linked workers serving ``model``."""
         return [wid for wid, w in self.workers.items() if w.reg.model == model]
 
-    def report(self, worker_id: str) -> Optional[WorkerReport]:
+    def report(self, worker_id: str) -> WorkerReport | None:
         w = self.workers.get(worker_id)
         return None if w is None else self._report(worker_id, w, self.clock())
 
@@ -318,3 +327,8 @@ class WorkerLink(RouterPlane):
         self.metrics.child(self.metrics.worker_events, worker_id, why).inc()
         log.warning("worker %s lost (%s)", worker_id, why)
         self.events.worker_left(worker_id, why)
+
+
+if TYPE_CHECKING:  # each side of the link's two ports, checked where the port is read
+    _port: type[WorkerPort] = WorkerLink  # what the lifecycle sends through
+    _events: type[WorkerEvents] = RouterCore  # what this link tells the lifecycle
