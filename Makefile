@@ -6,13 +6,20 @@ ENGINE ?= cpu
 STAMP := $(VENV)/.weir-installed-$(ENGINE)
 MODEL := models/tiny-llama/config.json
 
-.PHONY: run test setup render-envoy render-k8s redis prometheus tmux
+.PHONY: run test lint setup render-envoy render-k8s redis prometheus tmux
 
 run: setup
 	$(VENV)/bin/weir up $(if $(CONFIG),--config $(CONFIG))
 
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Static checks (configured in pyproject.toml): lint, formatting, and types (strict on shared/ and router/).
+LINT_PATHS := shared router engine_worker deploy weir
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 setup: $(STAMP) $(MODEL) redis prometheus tmux
 
