@@ -33,7 +33,7 @@ import hashlib
 import math
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 import tomli_w
@@ -211,7 +211,7 @@ def _sha(text: str) -> str:
 # ------------------------------------------------------------------ objects
 
 
-def _meta(cfg: Config, name: str, part: Optional[str] = None, **labels: str) -> dict:
+def _meta(cfg: Config, name: str, part: str | None = None, **labels: str) -> dict:
     lab = {APP: "weir"}
     if part:
         lab[PART] = part
@@ -619,7 +619,7 @@ def merge_patch(obj: dict, patch: dict, builtin: bool) -> dict:
     return out
 
 
-def built(cfg: Config, overlay: Optional[str] = None) -> list[dict]:
+def built(cfg: Config, overlay: str | None = None) -> list[dict]:
     """Every object of the base, or of an overlay with its patches applied."""
     objs = [o for group in base(cfg).values() for o in group]
     if overlay is None:

@@ -17,8 +17,8 @@ final Delta -- so "exactly one final Delta" holds for any n.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, GenerateRequest, WorkerStats
@@ -69,7 +69,7 @@ class EngineBase:
     def __init__(self) -> None:
         # Set when the engine can no longer serve (e.g. vLLM's EngineCore died);
         # the worker then says Goodbye and exits non-zero so it is restarted.
-        self.fatal_error: Optional[BaseException] = None
+        self.fatal_error: BaseException | None = None
         self._live: dict[str, Live] = {}
         self.aborts_total = 0
         self.finished_total = 0
@@ -129,8 +129,8 @@ class EngineBase:
         return self._live.get(rid) is live
 
     def _output(self, rid: str, live: Live, text: str, token_ids: list[int],
-                finish_reason: Optional[str] = None, prompt_tokens: int = 0, index: int = 0,
-                logprobs: bytes = b"", top_ids: Optional[list[int]] = None, cached_tokens: int = 0) -> None:
+                finish_reason: str | None = None, prompt_tokens: int = 0, index: int = 0,
+                logprobs: bytes = b"", top_ids: list[int] | None = None, cached_tokens: int = 0) -> None:
         """New tokens of a live request's choice ``index``; ``finish_reason``
         ends that choice (and the request with its last open choice)."""
         if self._live.get(rid) is not live:
@@ -176,7 +176,7 @@ class EngineBase:
                             completion_tokens=live.completion_tokens))
 
 
-def bad_request(message: str, param: Optional[str] = None) -> ErrorInfo:
+def bad_request(message: str, param: str | None = None) -> ErrorInfo:
     return error(Code.BAD_REQUEST, message, param=param)
 
 

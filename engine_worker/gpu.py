@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import msgspec
 
@@ -24,7 +24,7 @@ from shared.protocol import GpuInfo
 
 log = logging.getLogger(__name__)
 
-_nvml_ok: Optional[bool] = None  # None: not tried yet
+_nvml_ok: bool | None = None  # None: not tried yet
 _nvml_error = ""
 
 
@@ -43,7 +43,7 @@ def _init() -> bool:
     return _nvml_ok
 
 
-def _optional(read: Callable[[], float]) -> Optional[float]:
+def _optional(read: Callable[[], float]) -> float | None:
     """One NVML reading, or None where the board does not support it."""
     try:
         return float(read())
@@ -51,7 +51,7 @@ def _optional(read: Callable[[], float]) -> Optional[float]:
         return None
 
 
-def read_gpu(index: Optional[int]) -> GpuInfo:
+def read_gpu(index: int | None) -> GpuInfo:
     if index is None or not _init():
         return GpuInfo(present=False)
     try:
@@ -73,7 +73,7 @@ def read_gpu(index: Optional[int]) -> GpuInfo:
     )
 
 
-def probe(index: Optional[int] = None) -> dict:
+def probe(index: int | None = None) -> dict:
     """Every GPU's reading (or the one at ``index``), and the cost of a read."""
     if not _init():
         return {"nvml": False, "error": _nvml_error, "gpus": [msgspec.structs.asdict(GpuInfo(present=False))]}
@@ -93,7 +93,7 @@ def _str(v) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine_worker.gpu", description="NVML readings as weir reports them")
     ap.add_argument("--probe", action="store_true", required=True, help="print every GPU's reading as JSON")
     ap.add_argument("--index", type=int, default=None, help="only this GPU (NVML index)")

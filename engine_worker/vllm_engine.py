@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Optional
 
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.config.kv_events import KVEventsConfig
@@ -77,7 +76,7 @@ class VllmEngine(EngineBase):
     name = "vllm"
 
     def __init__(self, model_path: str, model_name: str, *, max_model_len: int, max_num_seqs: int,
-                 dtype: str, kv_cache_bytes: Optional[int], gpu_memory_utilization: float) -> None:
+                 dtype: str, kv_cache_bytes: int | None, gpu_memory_utilization: float) -> None:
         super().__init__()
         # Prefix caching on, and its KV events on per-worker ipc sockets that
         # this worker consumes (engine_worker.vllm_events): nothing to open
@@ -103,7 +102,7 @@ class VllmEngine(EngineBase):
         self.engine: AsyncLLM | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task] = set()  # keeps abort tasks referenced until done
-        self._resetting: Optional[asyncio.Task] = None  # a prefix-cache reset waiting for an idle cache
+        self._resetting: asyncio.Task | None = None  # a prefix-cache reset waiting for an idle cache
         self._sched = _SchedulerStats()
         self._aborted: list[str] = []  # engine ids to abort inside vLLM, batched per loop turn
         self._attempts = 0  # numbers each dispatch's engine id

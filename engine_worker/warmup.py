@@ -57,7 +57,7 @@ async def warm_up(engine: EngineBase, info: EngineInfo, timeout_s: float) -> flo
         engine.submit(r, emit)
     try:
         finals = await asyncio.wait_for(asyncio.gather(*done.values()), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         engine.abort(list(done), tell=False)
         raise WarmupFailed(f"no result in {timeout_s:g} s") from None
     finally:  # not requests: the heartbeat's counters start from zero

@@ -35,21 +35,35 @@ import asyncio
 import functools
 import logging
 import signal
-from typing import Optional
 
 import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, PrefixResync,
-                             Refuse, Register, WorkerStats, encoder, to_worker_decoder)
+from shared.protocol import (
+    Abort,
+    Delta,
+    Dispatch,
+    Drain,
+    Goodbye,
+    GpuInfo,
+    Heartbeat,
+    Outputs,
+    Pool,
+    PrefixResync,
+    Refuse,
+    Register,
+    WorkerStats,
+    encoder,
+    to_worker_decoder,
+)
 from shared.transport import Outbox, SocketPump
 
 from .base import EngineBase
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
-from .warmup import WarmupFailed, warm_up
 from .prefix_feed import PrefixFeed
+from .warmup import WarmupFailed, warm_up
 
 log = logging.getLogger("engine_worker")
 
@@ -83,7 +97,7 @@ class _Link:
         self.index = index
         self.address = address
         self.prefix = f"{index}:"  # engine request id = prefix + the router's id
-        self.sock: Optional[zmq.Socket] = None
+        self.sock: zmq.Socket | None = None
         self.last_heard = 0.0
         self.missed = 0  # heartbeat ticks in a row with nothing heard from it
         self.backoff = BACKOFF_INITIAL_S
@@ -105,12 +119,12 @@ class Worker:
         self.links = [_Link(i, addr) for i, addr in enumerate(cfg.worker_backends(wcfg))]
         for link in self.links:
             link.emit = functools.partial(self._emit_for, link)
-        self.ledger: Optional[Ledger] = None  # once the engine says what it has
-        self.register_msg: Optional[Register] = None
+        self.ledger: Ledger | None = None  # once the engine says what it has
+        self.register_msg: Register | None = None
         self.exit_code = 0
         self._stop = asyncio.Event()
         self._stop_reason = "shutdown"
-        self._draining: Optional[asyncio.Task] = None
+        self._draining: asyncio.Task | None = None
         self._malformed = 0
         # [logging] requests: engine id -> (request id, dispatch time), for one line per finished request
         self._log_requests = cfg.logging.requests
@@ -333,7 +347,7 @@ class Worker:
             return GpuInfo(present=False)
         return await self.loop.run_in_executor(None, read_gpu, self.wcfg.gpu_index)
 
-    def stats(self, gpu: Optional[GpuInfo] = None) -> WorkerStats:
+    def stats(self, gpu: GpuInfo | None = None) -> WorkerStats:
         s = self.engine.stats()
         if gpu is None:
             gpu = read_gpu(self.wcfg.gpu_index)

@@ -30,15 +30,14 @@ import itertools
 import json
 import os
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Optional
 
 import msgspec
 import zmq
 
 from shared import protocol as p
 from shared.transport import SocketPump
-
 
 # A Cancel queued just before close() must still reach the router, even if
 # this process is descheduled for a while. close() returns at once; only a
@@ -63,7 +62,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int  # all choices together
     texts: list[str] = field(default_factory=list)  # every choice's, by index
-    finish_reasons: list[Optional[str]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # by index, when asked for
     model: str = ""  # the fallback model that answered (asked with fallback=True); "": the one asked for
     ratelimit: p.RateLimit | None = None  # the key's budgets, where it has any (the x-ratelimit-* figures)
@@ -119,9 +118,9 @@ def _is_final(d: p.Delta) -> bool:
     return d.finish_reason is not None or d.error is not None
 
 
-def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Completion:
+def _collect(deltas, n: int = 1, k: int | None = None, echo: str = "") -> Completion:
     texts: list[list[str]] = [[] for _ in range(n)]
-    finish: list[Optional[str]] = [None] * n
+    finish: list[str | None] = [None] * n
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)] if k is not None else []
     last = None
     model = ""
@@ -183,7 +182,7 @@ class AsyncClient(_Base):
         self._sock: zmq.Socket | None = None
         self._pump: SocketPump | None = None
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         self.connect()
         return self
 
@@ -274,7 +273,7 @@ class Client(_Base):
         self._secure(self._sock)
         self._sock.connect(address)
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

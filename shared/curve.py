@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import zmq
 import zmq.auth
@@ -76,7 +76,7 @@ def worker_key_files(cfg, wcfg) -> tuple[str, str]:
 
 
 class _CountingAuthenticator(ThreadAuthenticator):
-    on_denied: Optional[Callable[[str, str], None]] = None
+    on_denied: Callable[[str, str], None] | None = None
 
     async def _authenticate_curve(self, domain, client_key):
         allowed, reason = await super()._authenticate_curve(domain, client_key)
@@ -111,7 +111,7 @@ def _authenticator(ctx: zmq.Context, curve_dir: Path, on_denied) -> _CountingAut
 
 
 def server_configure(ctx: zmq.Context, curve_dir: os.PathLike, plane: str,
-                     on_denied: Optional[Callable[[str, str], None]] = None) -> Callable[[zmq.Socket], None]:
+                     on_denied: Callable[[str, str], None] | None = None) -> Callable[[zmq.Socket], None]:
     """What ``bind_router`` applies before binding a plane's ROUTER socket as a CURVE server."""
     d = Path(curve_dir)
     public, secret = load_pair(d / f"{ROUTER}.key_secret")

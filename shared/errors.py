@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from shared.protocol import ErrorInfo
 
@@ -56,7 +56,7 @@ class Code(enum.Enum):
     QUOTA_UNAVAILABLE = (503, _UNAVAILABLE, "quota_unavailable")  # budget store down, fail closed
     GENERATION_DEADLINE = (504, "timeout_error", "generation_deadline")
 
-    def __init__(self, status: int, type_: str, wire: Optional[str]) -> None:
+    def __init__(self, status: int, type_: str, wire: str | None) -> None:
         self.status = status
         self.type = type_
         self.wire = wire
@@ -74,8 +74,8 @@ for _c in Code:  # a wire code shared by several (rate_limit_exceeded): the firs
 _BY_WIRE_TYPE = {(c.wire, c.type): c for c in Code if c.wire is not None}
 
 
-def error(code: Code, message: str, *, param: Optional[str] = None,
-          retry_after: Optional[float] = None, ratelimit=None) -> ErrorInfo:
+def error(code: Code, message: str, *, param: str | None = None,
+          retry_after: float | None = None, ratelimit=None) -> ErrorInfo:
     """The wire error for ``code`` (the only place an ErrorInfo is made)."""
     return ErrorInfo(code.status, message, code.type, code.wire, param, retry_after, ratelimit)
 
@@ -94,7 +94,7 @@ def label(info: ErrorInfo) -> str:
     return code_of(info).label
 
 
-def retry_after_header(info: ErrorInfo) -> Optional[int]:
+def retry_after_header(info: ErrorInfo) -> int | None:
     """Whole seconds for a Retry-After header (at least 1), or None."""
     if info.retry_after is None:
         return None
@@ -118,16 +118,16 @@ class Refusal(NamedTuple):
     ``message`` read like an ErrorInfo's."""
 
     kind: Code
-    retry_after: Optional[float] = None
+    retry_after: float | None = None
     facts: dict[str, Any] = {}
-    param: Optional[str] = None
+    param: str | None = None
 
     @property
     def status(self) -> int:
         return self.kind.status
 
     @property
-    def code(self) -> Optional[str]:
+    def code(self) -> str | None:
         return self.kind.wire
 
     @property

@@ -12,7 +12,6 @@ import hashlib
 import os
 import secrets
 import stat
-from typing import Optional
 
 KEY_PREFIX = "sk-weir-"
 
@@ -35,14 +34,14 @@ def config_digest(k) -> str:
     return k.key_sha256.lower() if k.key_sha256 is not None else digest(k.key)
 
 
-def world_readable(path: Optional[str]) -> bool:
+def world_readable(path: str | None) -> bool:
     try:
         return bool(path) and bool(os.stat(path).st_mode & stat.S_IROTH)
     except OSError:
         return False
 
 
-def secret_warnings(cfg, path: Optional[str]) -> list[str]:
+def secret_warnings(cfg, path: str | None) -> list[str]:
     """What an operator should hear about the secrets in a config: plain
     keys, and a world-readable file that holds any secret.  Never the
     secret itself."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import zmq
 

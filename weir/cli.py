@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
 
 from shared.config import ConfigError, load
 
@@ -162,7 +161,7 @@ def _passthrough(module: str, argv: list[str]) -> int:
     return 1  # not reached
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Tools with their own argument parsers get the rest of the line untouched.
     if argv and argv[0] == "bench":

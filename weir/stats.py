@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Optional
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -93,7 +93,7 @@ def read(envoy_admin: str, routers: list[str]) -> dict:
 # ---------------------------------------------------------------- derived view
 
 
-def _rate(now: float, before: Optional[float], dt: float) -> Optional[float]:
+def _rate(now: float, before: float | None, dt: float) -> float | None:
     if before is None or dt <= 0:
         return None
     return max(0.0, now - before) / dt
@@ -110,7 +110,7 @@ def _by(metrics: dict, name: str, label: str) -> dict[str, float]:
     return out
 
 
-def quantile(q: float, buckets: list[tuple[float, float]]) -> Optional[float]:
+def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
     """Prometheus' histogram_quantile over cumulative (le, count) buckets."""
     buckets = sorted(buckets)
     if not buckets or buckets[-1][1] <= 0:
@@ -145,7 +145,7 @@ def _window(now: list[tuple[float, float]], before: list[tuple[float, float]]) -
     return [(le, n - prev.get(le, 0.0)) for le, n in now]
 
 
-def _envoy_view(cur: Optional[dict], prev: Optional[dict], dt: float, error: Optional[str]) -> dict:
+def _envoy_view(cur: dict | None, prev: dict | None, dt: float, error: str | None) -> dict:
     if cur is None:
         return {"reachable": False, "error": error}
     p = prev or {}
@@ -173,7 +173,7 @@ def _envoy_view(cur: Optional[dict], prev: Optional[dict], dt: float, error: Opt
     }
 
 
-def _router_view(url: str, cur: dict, prev: Optional[dict], dt: float) -> dict:
+def _router_view(url: str, cur: dict, prev: dict | None, dt: float) -> dict:
     if "error" in cur:
         return {"url": url, "reachable": False, "error": cur["error"]}
     m = cur["metrics"]
@@ -208,7 +208,7 @@ def _router_view(url: str, cur: dict, prev: Optional[dict], dt: float) -> dict:
     }
 
 
-def _workers_view(url: str, cur: dict, prev: Optional[dict], dt: float, expected: set[str]) -> list[dict]:
+def _workers_view(url: str, cur: dict, prev: dict | None, dt: float, expected: set[str]) -> list[dict]:
     if "error" in cur:
         return []
     before = {w["id"]: w for w in prev.get("workers", [])} if prev and "workers" in prev else {}
@@ -257,7 +257,7 @@ def _tenants_view(cur: dict) -> list[dict]:
     return out
 
 
-def view(cur: dict, prev: Optional[dict], expected_workers: dict[str, set[str]]) -> dict:
+def view(cur: dict, prev: dict | None, expected_workers: dict[str, set[str]]) -> dict:
     """The snapshot ``--json`` prints and the live view draws.  ``expected_workers``:
     per router, the ids it should have (shown as lost where it does not)."""
     dt = cur["t"] - prev["t"] if prev else 0.0
@@ -273,7 +273,7 @@ def view(cur: dict, prev: Optional[dict], expected_workers: dict[str, set[str]])
             "routers": routers, "workers": workers, "tenants": tenants}
 
 
-def stack_down(snap: dict) -> Optional[str]:
+def stack_down(snap: dict) -> str | None:
     """Why the stack is not running (nothing answers), or None."""
     if snap["envoy"]["reachable"] or any(r["reachable"] for r in snap["routers"]):
         return None
@@ -385,7 +385,7 @@ def render(snap: dict, title: str):
 # ---------------------------------------------------------------- the command
 
 
-def targets(cfg: Config, routers: Optional[list[str]], envoy_admin: Optional[str]) -> tuple[str, list[str]]:
+def targets(cfg: Config, routers: list[str] | None, envoy_admin: str | None) -> tuple[str, list[str]]:
     return (envoy_admin or _http_url(cfg.envoy.admin)).rstrip("/"), \
         [u.rstrip("/") for u in (routers or [_http_url(cfg.router.http)])]
 
@@ -397,8 +397,8 @@ def _registered(expected: dict[str, set[str]], reading: dict) -> None:
         expected.setdefault(url, set()).update(w["id"] for w in r.get("workers", []))
 
 
-def run(cfg: Config, *, routers: Optional[list[str]] = None, envoy_admin: Optional[str] = None,
-        as_json: bool = False, interval: float = 1.0, count: Optional[int] = None) -> int:
+def run(cfg: Config, *, routers: list[str] | None = None, envoy_admin: str | None = None,
+        as_json: bool = False, interval: float = 1.0, count: int | None = None) -> int:
     admin, urls = targets(cfg, routers, envoy_admin)
     # the config's one router should have its workers; routers named on the
     # command line only those they have been seen with
