@@ -108,8 +108,14 @@ class EngineBase:
             self.aborts_total += 1
             self._stop(rid, live)
             if tell:
-                live.emit(Delta(rid, finish_reason="abort", prompt_tokens=live.prompt_tokens,
-                                completion_tokens=live.completion_tokens))
+                live.emit(
+                    Delta(
+                        rid,
+                        finish_reason="abort",
+                        prompt_tokens=live.prompt_tokens,
+                        completion_tokens=live.completion_tokens,
+                    )
+                )
 
     def live_ids(self) -> list[str]:
         return list(self._live)
@@ -128,9 +134,19 @@ class EngineBase:
     def _is_live(self, rid: str, live: Live) -> bool:
         return self._live.get(rid) is live
 
-    def _output(self, rid: str, live: Live, text: str, token_ids: list[int],
-                finish_reason: str | None = None, prompt_tokens: int = 0, index: int = 0,
-                logprobs: bytes = b"", top_ids: list[int] | None = None, cached_tokens: int = 0) -> None:
+    def _output(
+        self,
+        rid: str,
+        live: Live,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None = None,
+        prompt_tokens: int = 0,
+        index: int = 0,
+        logprobs: bytes = b"",
+        top_ids: list[int] | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
         """New tokens of a live request's choice ``index``; ``finish_reason``
         ends that choice (and the request with its last open choice)."""
         if self._live.get(rid) is not live:
@@ -172,8 +188,7 @@ class EngineBase:
         """End a live request with an error instead of output."""
         if self._live.get(rid) is live:
             del self._live[rid]
-            live.emit(Delta(rid, error=err, prompt_tokens=live.prompt_tokens,
-                            completion_tokens=live.completion_tokens))
+            live.emit(Delta(rid, error=err, prompt_tokens=live.prompt_tokens, completion_tokens=live.completion_tokens))
 
 
 def bad_request(message: str, param: str | None = None) -> ErrorInfo:

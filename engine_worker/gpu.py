@@ -66,7 +66,11 @@ def read_gpu(index: int | None) -> GpuInfo:
         log.warning("NVML read of GPU %s failed: %s", index, e)
         return GpuInfo(present=False, index=index)
     return GpuInfo(
-        True, name, index, int(mem.total), int(mem.used),
+        True,
+        name,
+        index,
+        int(mem.total),
+        int(mem.used),
         utilization_percent=_optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
         temperature_c=_optional(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
         power_w=_optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0),  # NVML: milliwatts

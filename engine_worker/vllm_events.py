@@ -44,8 +44,16 @@ _END_SEQ = -1
 
 
 class VllmKvEvents:
-    def __init__(self, ctx: zmq.Context, pump, loop: asyncio.AbstractEventLoop, endpoint: str,
-                 replay_endpoint: str | None, feed: PrefixFeed, on_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        pump,
+        loop: asyncio.AbstractEventLoop,
+        endpoint: str,
+        replay_endpoint: str | None,
+        feed: PrefixFeed,
+        on_lost: Callable[[], None],
+    ) -> None:
         self.loop = loop
         self.pump = pump
         self.feed = feed

@@ -83,9 +83,15 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
         return SimEngine(wcfg.sim, wcfg.max_num_seqs, max_model_len)
     from .vllm_engine import VllmEngine  # imports vLLM: seconds
 
-    return VllmEngine(cfg.resolve(model.path), model.name, max_model_len=max_model_len,
-                      max_num_seqs=wcfg.max_num_seqs, dtype=wcfg.dtype, kv_cache_bytes=wcfg.kv_cache_bytes,
-                      gpu_memory_utilization=wcfg.gpu_memory_utilization)
+    return VllmEngine(
+        cfg.resolve(model.path),
+        model.name,
+        max_model_len=max_model_len,
+        max_num_seqs=wcfg.max_num_seqs,
+        dtype=wcfg.dtype,
+        kv_cache_bytes=wcfg.kv_cache_bytes,
+        gpu_memory_utilization=wcfg.gpu_memory_utilization,
+    )
 
 
 class _Link:
@@ -171,9 +177,15 @@ class Worker:
         if info.kv_events_endpoint:  # before the warm-up, so its blocks are reported too
             from .vllm_events import VllmKvEvents
 
-            self.kv_events = VllmKvEvents(self.ctx, self.pump, self.loop, info.kv_events_endpoint,
-                                          info.kv_events_replay or None, self.prefix_feed,
-                                          self.engine.reset_prefix_cache)
+            self.kv_events = VllmKvEvents(
+                self.ctx,
+                self.pump,
+                self.loop,
+                info.kv_events_endpoint,
+                info.kv_events_replay or None,
+                self.prefix_feed,
+                self.engine.reset_prefix_cache,
+            )
         if self.wcfg.warmup and not self._stop.is_set():
             try:
                 took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
@@ -187,11 +199,19 @@ class Worker:
             log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
         gpu = read_gpu(self.wcfg.gpu_index)
         self.register_msg = Register(
-            worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],
-            max_model_len=info.max_model_len, kv_capacity_tokens=info.kv_capacity_tokens,
-            block_size=info.block_size, max_num_seqs=info.max_num_seqs, engine=info.engine, gpu=gpu,
-            step_time_s=info.step_time_s, request_overhead_s=info.request_overhead_s,
-            prefix_caching=info.prefix_caching, prefix_hash=info.prefix_hash,
+            worker_id=self.wcfg.id,
+            model=self.wcfg.model,
+            pool=_POOLS[self.wcfg.pool],
+            max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            block_size=info.block_size,
+            max_num_seqs=info.max_num_seqs,
+            engine=info.engine,
+            gpu=gpu,
+            step_time_s=info.step_time_s,
+            request_overhead_s=info.request_overhead_s,
+            prefix_caching=info.prefix_caching,
+            prefix_hash=info.prefix_hash,
             prefix_hash_seed=info.prefix_hash_seed,
         )
         sched = self.cfg.scheduler
@@ -199,10 +219,17 @@ class Worker:
         if not self._stop.is_set():
             for link in self.links:
                 self._connect(link)
-            log.info("worker %s registered: engine=%s capacity=%d tokens block=%d max_num_seqs=%d "
-                     "max_model_len=%d routers=%s", self.wcfg.id, info.engine, info.kv_capacity_tokens,
-                     info.block_size, info.max_num_seqs, info.max_model_len,
-                     ",".join(link.address for link in self.links))
+            log.info(
+                "worker %s registered: engine=%s capacity=%d tokens block=%d max_num_seqs=%d "
+                "max_model_len=%d routers=%s",
+                self.wcfg.id,
+                info.engine,
+                info.kv_capacity_tokens,
+                info.block_size,
+                info.max_num_seqs,
+                info.max_model_len,
+                ",".join(link.address for link in self.links),
+            )
             heartbeats = self.loop.create_task(self._heartbeat_loop())
             await self._stop.wait()
             heartbeats.cancel()
@@ -267,7 +294,7 @@ class Worker:
     def _emit_for(self, link: _Link, d: Delta) -> None:
         """An engine's Delta of one of ``link``'s requests: the router's own id
         back, the ledger released with the request's last Delta."""
-        rid = d.request_id[len(link.prefix):]
+        rid = d.request_id[len(link.prefix) :]
         d.request_id = rid
         if d.finish_reason is not None or d.error is not None:
             self.ledger.release(link.index, rid)
@@ -284,9 +311,16 @@ class Worker:
     def _log_end(self, link: _Link, d: Delta) -> None:
         rid, t0 = self._traces.pop(link.prefix + d.request_id, (d.request_id, self.loop.time()))
         outcome = d.finish_reason or (d.error.code or "error" if d.error is not None else "?")
-        log.info("request %s %s job=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f", rid, outcome,
-                 d.request_id, d.prompt_tokens, d.completion_tokens, self.loop.time() - t0,
-                 extra={"request_id": rid, "outcome": outcome})
+        log.info(
+            "request %s %s job=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f",
+            rid,
+            outcome,
+            d.request_id,
+            d.prompt_tokens,
+            d.completion_tokens,
+            self.loop.time() - t0,
+            extra={"request_id": rid, "outcome": outcome},
+        )
 
     async def _heartbeat_loop(self) -> None:
         prev = self.loop.time()
@@ -319,8 +353,13 @@ class Worker:
 
     async def _reconnect(self, link: _Link) -> None:
         delay, link.backoff = link.backoff, min(link.backoff * 2, BACKOFF_MAX_S)
-        log.warning("worker %s: router %s silent for %.1f s; reconnecting in %.2f s",
-                    self.wcfg.id, link.address, self.loop.time() - link.last_heard, delay)
+        log.warning(
+            "worker %s: router %s silent for %.1f s; reconnecting in %.2f s",
+            self.wcfg.id,
+            link.address,
+            self.loop.time() - link.last_heard,
+            delay,
+        )
         self._close_socket(link)
         self._forget_inflight(link)
         try:
@@ -334,8 +373,7 @@ class Worker:
         """That router no longer knows its requests here: stop them, telling nobody."""
         ids = self.ledger.drop(link.index)
         if ids:
-            log.warning("worker %s: aborting %d in-flight requests of router %s", self.wcfg.id, len(ids),
-                        link.address)
+            log.warning("worker %s: aborting %d in-flight requests of router %s", self.wcfg.id, len(ids), link.address)
             self.engine.abort([link.prefix + rid for rid in ids], tell=False)
             for rid in ids:
                 self._traces.pop(link.prefix + rid, None)
@@ -380,8 +418,9 @@ class Worker:
             self.prefix_feed.snapshot()
         elif isinstance(msg, Goodbye):
             # The router forgot us (restart, or it timed us out): start afresh.
-            log.warning("worker %s: router %s said goodbye (%s); registering again", self.wcfg.id,
-                        link.address, msg.reason)
+            log.warning(
+                "worker %s: router %s said goodbye (%s); registering again", self.wcfg.id, link.address, msg.reason
+            )
             self._forget_inflight(link)
             self._register(link)
         # Heartbeat: liveness only, recorded above.
@@ -404,7 +443,14 @@ class Worker:
             self.engine.submit(req, link.emit)
         if refused:
             other_tokens, other_seqs = ledger.others(index)
-            log.debug("worker %s: refused %d dispatches of router %s (holding %d tokens, %d seqs of %d, %d)",
-                     self.wcfg.id, len(refused), link.address, ledger.tokens, ledger.seqs, ledger.budget,
-                     ledger.slots)
+            log.debug(
+                "worker %s: refused %d dispatches of router %s (holding %d tokens, %d seqs of %d, %d)",
+                self.wcfg.id,
+                len(refused),
+                link.address,
+                ledger.tokens,
+                ledger.seqs,
+                ledger.budget,
+                ledger.slots,
+            )
             self._send(link, Refuse(refused, other_tokens, other_seqs))

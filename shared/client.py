@@ -75,8 +75,10 @@ def token_logprobs(d: p.Delta, k: int) -> list[TokenLogprob]:
         return []
     vals = p.unpack_logprobs(d.logprobs)
     row = k + 1
-    return [(tid, vals[t * row], [(d.top_ids[t * k + j], vals[t * row + 1 + j]) for j in range(k)])
-            for t, tid in enumerate(d.token_ids)]
+    return [
+        (tid, vals[t * row], [(d.top_ids[t * k + j], vals[t * row + 1 + j]) for j in range(k)])
+        for t, tid in enumerate(d.token_ids)
+    ]
 
 
 def _params(params: dict) -> dict:
@@ -93,16 +95,29 @@ def _params(params: dict) -> dict:
     return params
 
 
-def _submit(request_id: str, model: str, prompt: str | None, messages, max_tokens, priority,
-            task_type, api_key, user=None, fallback=False, trace_id=None, **params) -> p.Submit:
+def _submit(
+    request_id: str,
+    model: str,
+    prompt: str | None,
+    messages,
+    max_tokens,
+    priority,
+    task_type,
+    api_key,
+    user=None,
+    fallback=False,
+    trace_id=None,
+    **params,
+) -> p.Submit:
     chat = messages is not None
     return p.Submit(
         request_id=request_id,
         model=model,
         kind=p.RequestKind.CHAT if chat else p.RequestKind.COMPLETION,
         prompt=prompt or "",
-        messages=[m if isinstance(m, p.ChatMessage) else p.ChatMessage(m["role"], m["content"])
-                  for m in messages] if chat else [],
+        messages=[m if isinstance(m, p.ChatMessage) else p.ChatMessage(m["role"], m["content"]) for m in messages]
+        if chat
+        else [],
         params=p.SamplingParams(**_params(params)) if params else None,
         max_tokens=max_tokens,
         priority=priority,
@@ -138,8 +153,18 @@ def _collect(deltas, n: int = 1, k: int | None = None, echo: str = "") -> Comple
         if finish[i] is None:
             finish[i] = last.finish_reason
     out = [echo + "".join(t) for t in texts]
-    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps, model, rl,
-                      last.cached_tokens)
+    return Completion(
+        out[0],
+        last.finish_reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+        out,
+        finish,
+        lps,
+        model,
+        rl,
+        last.cached_tokens,
+    )
 
 
 class _Base:
@@ -175,8 +200,9 @@ class _Stream:
 class AsyncClient(_Base):
     """Many concurrent requests over one DEALER socket, driven by a SocketPump."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None,
-                 curve: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None, curve: tuple[str, str] | None = None
+    ) -> None:
         super().__init__(address, api_key, curve)
         self._streams: dict[str, _Stream] = {}
         self._sock: zmq.Socket | None = None
@@ -226,9 +252,16 @@ class AsyncClient(_Base):
                     if not w.done():
                         w.set_result(None)
 
-    async def stream(self, model: str, prompt: str | None = None, messages=None,
-                     max_tokens: int | None = None, priority: str | None = None,
-                     task_type=None, **params) -> AsyncIterator[p.Delta]:
+    async def stream(
+        self,
+        model: str,
+        prompt: str | None = None,
+        messages=None,
+        max_tokens: int | None = None,
+        priority: str | None = None,
+        task_type=None,
+        **params,
+    ) -> AsyncIterator[p.Delta]:
         """Yield Deltas until the final one; raises WeirError on an error."""
         rid = self._new_id()
         s = self._streams[rid] = _Stream()
@@ -236,8 +269,7 @@ class AsyncClient(_Base):
         loop = self._pump.loop
         done = False
         try:
-            self._send(_submit(rid, model, prompt, messages, max_tokens, priority, task_type,
-                               self.api_key, **params))
+            self._send(_submit(rid, model, prompt, messages, max_tokens, priority, task_type, self.api_key, **params))
             while True:
                 if not deltas:
                     s.waiter = waiter = loop.create_future()
@@ -255,17 +287,27 @@ class AsyncClient(_Base):
             if not done and self._sock is not None:
                 self._send(p.Cancel(request_ids=[rid]))
 
-    async def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False,
-                       **kw) -> Completion:
-        return _collect([d async for d in self.stream(model, prompt, messages, **kw)], kw.get("n", 1),
-                        kw.get("logprobs"), (prompt or "") if echo else "")
+    async def complete(
+        self, model: str, prompt: str | None = None, messages=None, echo: bool = False, **kw
+    ) -> Completion:
+        return _collect(
+            [d async for d in self.stream(model, prompt, messages, **kw)],
+            kw.get("n", 1),
+            kw.get("logprobs"),
+            (prompt or "") if echo else "",
+        )
 
 
 class Client(_Base):
     """Blocking client, one request at a time (for scripts and tests)."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None,
-                 timeout_s: float = 300.0, curve: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:5555",
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        curve: tuple[str, str] | None = None,
+    ) -> None:
         super().__init__(address, api_key, curve)
         self.timeout_ms = int(timeout_s * 1000)
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -297,12 +339,22 @@ class Client(_Base):
             except zmq.Again:
                 continue
 
-    def stream(self, model: str, prompt: str | None = None, messages=None,
-               max_tokens: int | None = None, priority: str | None = None, task_type=None,
-               **params) -> Iterator[p.Delta]:
+    def stream(
+        self,
+        model: str,
+        prompt: str | None = None,
+        messages=None,
+        max_tokens: int | None = None,
+        priority: str | None = None,
+        task_type=None,
+        **params,
+    ) -> Iterator[p.Delta]:
         rid = self._new_id()
-        self._send_within_timeout(p.encoder.encode(_submit(rid, model, prompt, messages, max_tokens, priority,
-                                                           task_type, self.api_key, **params)))
+        self._send_within_timeout(
+            p.encoder.encode(
+                _submit(rid, model, prompt, messages, max_tokens, priority, task_type, self.api_key, **params)
+            )
+        )
         done = False
         try:
             while not done:
@@ -327,7 +379,10 @@ class Client(_Base):
                 except zmq.Again:
                     pass  # no connection to carry it: the router probes its waiting clients anyway
 
-    def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False,
-                 **kw) -> Completion:
-        return _collect(self.stream(model, prompt, messages, **kw), kw.get("n", 1), kw.get("logprobs"),
-                        (prompt or "") if echo else "")
+    def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False, **kw) -> Completion:
+        return _collect(
+            self.stream(model, prompt, messages, **kw),
+            kw.get("n", 1),
+            kw.get("logprobs"),
+            (prompt or "") if echo else "",
+        )

@@ -107,6 +107,8 @@ class LoggingConfig(_Cfg):
     # default: measured 37 us (text) / 59 us (json) per line on this VM, against
     # the router's ~150-200 us of CPU per request.
     requests: bool = False
+
+
 class RouterEndpoint(_Cfg):
     """One router process of several (``[[routers]]``): its own three listen
     addresses.  The settings in ``[router]`` apply to all of them."""
@@ -243,9 +245,7 @@ class ClassConfig(_Cfg):
 class SchedulerConfig(_Cfg):
     policy: Literal["weir", "fifo"] = "weir"
     classes: list[ClassConfig] = msgspec.field(
-        default_factory=lambda: [
-            ClassConfig(name=n) for n in ("critical", "high", "normal", "low", "batch")
-        ]
+        default_factory=lambda: [ClassConfig(name=n) for n in ("critical", "high", "normal", "low", "batch")]
     )
     aging_bound_s: float = 60.0  # no class waits longer than this behind others
     short_threshold_tokens: int = 1024  # estimated prompt+max_tokens
@@ -368,8 +368,9 @@ class Config(_Cfg):
         """This config as router ``index`` of ``[[routers]]`` runs it: [router]
         with that entry's three addresses."""
         ep = self.router_endpoints()[index]
-        return msgspec.structs.replace(self, router=msgspec.structs.replace(
-            self.router, http=ep.http, frontend=ep.frontend, backend=ep.backend))
+        return msgspec.structs.replace(
+            self, router=msgspec.structs.replace(self.router, http=ep.http, frontend=ep.frontend, backend=ep.backend)
+        )
 
     def worker_backends(self, wcfg: WorkerConfig) -> list[str]:
         return list(wcfg.routers) or [ep.dial() for ep in self.router_endpoints()]
@@ -420,8 +421,10 @@ def _validate(cfg: Config) -> None:
             if len(h) != 64 or any(c not in "0123456789abcdef" for c in h.lower()):
                 raise ConfigError(f"{where}: key_sha256 must be 64 hex digits")
             if k.rate_limit_rps is not None or k.rate_limit_burst is not None:
-                raise ConfigError(f"{where}: rate_limit_rps/burst need the plain key (Envoy matches "
-                                  f"header values); use requests_per_minute for a hashed key")
+                raise ConfigError(
+                    f"{where}: rate_limit_rps/burst need the plain key (Envoy matches "
+                    f"header values); use requests_per_minute for a hashed key"
+                )
     tenants = [t.name for t in cfg.tenants]
     if len(set(tenants)) != len(tenants):
         raise ConfigError("duplicate [[tenants]] names")

@@ -71,7 +71,9 @@ def client_socket(sock: zmq.Socket, secret_file: os.PathLike, server_public_file
 def worker_key_files(cfg, wcfg) -> tuple[str, str]:
     """(the worker's secret key file, the router's public key file) from the config."""
     d = Path(cfg.resolve(cfg.security.curve_dir))
-    secret = cfg.resolve(wcfg.curve_secret_key) if wcfg.curve_secret_key else str(d / "workers" / f"{wcfg.id}.key_secret")
+    secret = (
+        cfg.resolve(wcfg.curve_secret_key) if wcfg.curve_secret_key else str(d / "workers" / f"{wcfg.id}.key_secret")
+    )
     return secret, str(d / f"{ROUTER}.key")
 
 
@@ -110,8 +112,9 @@ def _authenticator(ctx: zmq.Context, curve_dir: Path, on_denied) -> _CountingAut
         return auth
 
 
-def server_configure(ctx: zmq.Context, curve_dir: os.PathLike, plane: str,
-                     on_denied: Callable[[str, str], None] | None = None) -> Callable[[zmq.Socket], None]:
+def server_configure(
+    ctx: zmq.Context, curve_dir: os.PathLike, plane: str, on_denied: Callable[[str, str], None] | None = None
+) -> Callable[[zmq.Socket], None]:
     """What ``bind_router`` applies before binding a plane's ROUTER socket as a CURVE server."""
     d = Path(curve_dir)
     public, secret = load_pair(d / f"{ROUTER}.key_secret")

@@ -74,8 +74,9 @@ for _c in Code:  # a wire code shared by several (rate_limit_exceeded): the firs
 _BY_WIRE_TYPE = {(c.wire, c.type): c for c in Code if c.wire is not None}
 
 
-def error(code: Code, message: str, *, param: str | None = None,
-          retry_after: float | None = None, ratelimit=None) -> ErrorInfo:
+def error(
+    code: Code, message: str, *, param: str | None = None, retry_after: float | None = None, ratelimit=None
+) -> ErrorInfo:
     """The wire error for ``code`` (the only place an ErrorInfo is made)."""
     return ErrorInfo(code.status, message, code.type, code.wire, param, retry_after, ratelimit)
 
@@ -103,10 +104,13 @@ def retry_after_header(info: ErrorInfo) -> int | None:
 
 def context_length(max_len: int, prompt: int, completion: int, param: str = "max_tokens") -> ErrorInfo:
     """The one wording of "prompt + completion does not fit the context"."""
-    return error(Code.CONTEXT_LENGTH,
-                 f"This model's maximum context length is {max_len} tokens. However, you requested "
-                 f"{prompt + completion} tokens ({prompt} in the prompt, {completion} in the "
-                 f"completion). Please reduce the length of the prompt or completion.", param=param)
+    return error(
+        Code.CONTEXT_LENGTH,
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{prompt + completion} tokens ({prompt} in the prompt, {completion} in the "
+        f"completion). Please reduce the length of the prompt or completion.",
+        param=param,
+    )
 
 
 # ----------------------------------------------------------------- refusals by the policy
@@ -147,10 +151,12 @@ class Refusal(NamedTuple):
         elif c is Code.CONTEXT_LENGTH and "kv_tokens" in f:
             n = f.get("n", 1)
             seqs = f" for each of {n} choices" if n > 1 else ""
-            msg = (f"This request needs {f['prompt'] + f['completion']} tokens of KV cache{seqs} "
-                   f"({f['prompt']} in the prompt, {f['completion']} in the completion), more than "
-                   f"any worker of this model can hold ({f['kv_tokens']} tokens). Please reduce the "
-                   f"length of the prompt or completion{' or n' if n > 1 else ''}.")
+            msg = (
+                f"This request needs {f['prompt'] + f['completion']} tokens of KV cache{seqs} "
+                f"({f['prompt']} in the prompt, {f['completion']} in the completion), more than "
+                f"any worker of this model can hold ({f['kv_tokens']} tokens). Please reduce the "
+                f"length of the prompt or completion{' or n' if n > 1 else ''}."
+            )
         elif c is Code.CONTEXT_LENGTH:
             return context_length(f["max_len"], f["prompt"], f["completion"], self.param or "messages")
         elif c is Code.QUEUE_FULL:
@@ -158,17 +164,22 @@ class Refusal(NamedTuple):
         elif c is Code.TENANT_QUEUE_FULL:
             msg = f"Too many requests queued for tenant `{f['tenant']}`; retry later."
         elif c is Code.TENANT_SHARE_EXCEEDED:
-            msg = (f"Tenant `{f['tenant']}` has more than its share of the `{f['klass']}` queue waiting "
-                   f"(predicted wait {f['wait']:.1f} s, bound {f['bound']:g} s); retry later.")
+            msg = (
+                f"Tenant `{f['tenant']}` has more than its share of the `{f['klass']}` queue waiting "
+                f"(predicted wait {f['wait']:.1f} s, bound {f['bound']:g} s); retry later."
+            )
         elif c is Code.QUEUE_WAIT_EXCEEDED:
-            msg = (f"The `{f['klass']}` queue is full: this request's predicted wait is {f['wait']:.1f} s, "
-                   f"over the bound of {f['bound']:g} s; retry later.")
+            msg = (
+                f"The `{f['klass']}` queue is full: this request's predicted wait is {f['wait']:.1f} s, "
+                f"over the bound of {f['bound']:g} s; retry later."
+            )
         elif c is Code.QUEUE_DEADLINE:
-            msg = (f"Request waited {f['waited']:.1f} s in the `{f['klass']}` queue, past its "
-                   f"deadline of {f['deadline']:g} s; the service is overloaded, retry later.")
+            msg = (
+                f"Request waited {f['waited']:.1f} s in the `{f['klass']}` queue, past its "
+                f"deadline of {f['deadline']:g} s; the service is overloaded, retry later."
+            )
         elif c is Code.GENERATION_DEADLINE:
-            msg = (f"Request ran past the generation deadline of {f['deadline']:g} s and was "
-                   f"aborted.")
+            msg = f"Request ran past the generation deadline of {f['deadline']:g} s and was aborted."
         else:
             msg = f.get("message") or c.name.replace("_", " ").capitalize()
         return error(c, msg, param=self.param, retry_after=self.retry_after)

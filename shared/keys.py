@@ -48,8 +48,10 @@ def secret_warnings(cfg, path: str | None) -> list[str]:
     out = []
     plain = [k for k in cfg.api_keys if k.key is not None]
     for k in plain:
-        out.append(f"api key {key_id(digest(k.key))} of tenant {k.tenant!r} is stored in plain text: "
-                   f"replace `key` with `key_sha256 = \"{digest(k.key)}\"` (or make a new one: weir keys new)")
+        out.append(
+            f"api key {key_id(digest(k.key))} of tenant {k.tenant!r} is stored in plain text: "
+            f'replace `key` with `key_sha256 = "{digest(k.key)}"` (or make a new one: weir keys new)'
+        )
     has_secret = bool(plain) or "@" in cfg.quota.redis_url
     if has_secret and world_readable(path):
         out.append(f"config {path} holds secrets and is world-readable: chmod o-r it")

@@ -115,9 +115,17 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     grammar: str | None = None
 
     def kinds(self) -> list[str]:
-        return [k for k, v in (("json", self.json is not None), ("json_object", self.json_object),
-                               ("regex", self.regex is not None), ("choice", bool(self.choice)),
-                               ("grammar", self.grammar is not None)) if v]
+        return [
+            k
+            for k, v in (
+                ("json", self.json is not None),
+                ("json_object", self.json_object),
+                ("regex", self.regex is not None),
+                ("choice", bool(self.choice)),
+                ("grammar", self.grammar is not None),
+            )
+            if v
+        ]
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

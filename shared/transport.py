@@ -55,8 +55,14 @@ class SocketPump:
         self._on_unreachable: dict[zmq.Socket, PeerCallback] = {}
         self._on_full: dict[zmq.Socket, PeerCallback] = {}
 
-    def add(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], *,
-            on_unreachable: PeerCallback | None = None, on_full: PeerCallback | None = None) -> None:
+    def add(
+        self,
+        sock: zmq.Socket,
+        on_message: Callable[[list[bytes]], None],
+        *,
+        on_unreachable: PeerCallback | None = None,
+        on_full: PeerCallback | None = None,
+    ) -> None:
         """Own ``sock``; its owner's callbacks say what each event means for it.
 
         ``on_unreachable(identity)`` (ROUTER with ROUTER_MANDATORY): a send
