@@ -64,8 +64,23 @@ from deploy.k8s_scaling import autoscaling_objects, prescale_objects, scaled_obj
 from shared.config import Config
 
 # What callers read as deploy.k8s.X: the layout below, and the objects' names the tests and docs use.
-__all__ = ["CONFIG_DIR", "HASH_ANNOTATION", "HEADER", "OVERLAYS", "PART", "ROUTERS_SERVICE", "base", "built", "dump",
-           "files", "merge_patch", "routers_host", "worker_groups", "worker_router_backend", "write"]
+__all__ = [
+    "CONFIG_DIR",
+    "HASH_ANNOTATION",
+    "HEADER",
+    "OVERLAYS",
+    "PART",
+    "ROUTERS_SERVICE",
+    "base",
+    "built",
+    "dump",
+    "files",
+    "merge_patch",
+    "routers_host",
+    "worker_groups",
+    "worker_router_backend",
+    "write",
+]
 
 HEADER = "# Rendered by deploy/k8s.py from the weir TOML config -- do not edit: `weir render-k8s`.\n"
 
@@ -75,8 +90,11 @@ HEADER = "# Rendered by deploy/k8s.py from the weir TOML config -- do not edit: 
 def base(cfg: Config) -> dict[str, list[dict]]:
     """File name -> objects of the kustomize base."""
     check(cfg)
-    ns = {"apiVersion": "v1", "kind": "Namespace",
-          "metadata": {"name": cfg.kubernetes.namespace, "labels": {APP: "weir"}}}
+    ns = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": cfg.kubernetes.namespace, "labels": {APP: "weir"}},
+    }
     return {
         "namespace.yaml": [ns],
         "config.yaml": [configmap(cfg)],
@@ -90,15 +108,23 @@ def base(cfg: Config) -> dict[str, list[dict]]:
 
 
 def _target(obj: dict) -> dict:
-    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
-            "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]}}
+    return {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]},
+    }
 
 
 def _make_model_init(cfg: Config, image: str) -> dict:
-    paths = " && ".join(f"python -m deploy.make_model {MODELS_DIR}/{dns_name(m.name)}"
-                        for m in cfg.models if m.engine == "vllm")
-    return {"name": "make-model", "image": image, "command": ["/bin/sh", "-c", paths],
-            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}]}
+    paths = " && ".join(
+        f"python -m deploy.make_model {MODELS_DIR}/{dns_name(m.name)}" for m in cfg.models if m.engine == "vllm"
+    )
+    return {
+        "name": "make-model",
+        "image": image,
+        "command": ["/bin/sh", "-c", paths],
+        "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}],
+    }
 
 
 def cpu_demo_patches(cfg: Config) -> dict[str, dict]:
@@ -107,13 +133,22 @@ def cpu_demo_patches(cfg: Config) -> dict[str, dict]:
     models_tmp = {"name": "models", "persistentVolumeClaim": None, "emptyDir": {"sizeLimit": "1Gi"}}
     if _has_vllm(cfg):
         p = _target(router_objects(cfg)[0])
-        p["spec"] = {"template": {"spec": {"initContainers": [_make_model_init(cfg, cfg.kubernetes.image)],
-                                           "volumes": [models_tmp]}}}
+        p["spec"] = {
+            "template": {
+                "spec": {"initContainers": [_make_model_init(cfg, cfg.kubernetes.image)], "volumes": [models_tmp]}
+            }
+        }
         out["router.yaml"] = p
     for g in worker_groups(cfg):
         p = _target(worker_statefulset(cfg, g))
-        spec: dict = {"containers": [{"name": "worker", "resources": {
-            "requests": {"cpu": "1", "memory": "3Gi" if g.engine == "vllm" else "256Mi"}}}]}
+        spec: dict = {
+            "containers": [
+                {
+                    "name": "worker",
+                    "resources": {"requests": {"cpu": "1", "memory": "3Gi" if g.engine == "vllm" else "256Mi"}},
+                }
+            ]
+        }
         if g.engine == "vllm":
             spec["initContainers"] = [_make_model_init(cfg, cfg.kubernetes.image)]
             spec["volumes"] = [models_tmp]
@@ -133,11 +168,17 @@ def gpu_patches(cfg: Config) -> dict[str, dict]:
         if g.engine != "vllm":
             continue
         p = _target(worker_statefulset(cfg, g))
-        p["spec"] = {"template": {
-            "metadata": {"annotations": {HASH_ANNOTATION: _sha(cm["data"]["worker.toml"])}},
-            "spec": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                     "containers": [{"name": "worker", "image": k.gpu_image,
-                                     "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}}
+        p["spec"] = {
+            "template": {
+                "metadata": {"annotations": {HASH_ANNOTATION: _sha(cm["data"]["worker.toml"])}},
+                "spec": {
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "containers": [
+                        {"name": "worker", "image": k.gpu_image, "resources": {"limits": {"nvidia.com/gpu": 1}}}
+                    ],
+                },
+            }
+        }
         out[f"{g.name}.yaml"] = p
         so = scaled_object(cfg, g, gpu=True)
         p = _target(so)
@@ -149,10 +190,14 @@ def gpu_patches(cfg: Config) -> dict[str, dict]:
 OVERLAYS = {"cpu-demo": cpu_demo_patches, "gpu": gpu_patches}
 
 # Lists of built-in kinds that kustomize's strategic merge merges by key.
-_MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
-               "volumeMounts": "mountPath"}
-_BUILTIN_GROUPS = ("v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1",
-                   "rbac.authorization.k8s.io/v1")
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "volumeMounts": "mountPath",
+}
+_BUILTIN_GROUPS = ("v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1", "rbac.authorization.k8s.io/v1")
 
 
 def merge_patch(obj: dict, patch: dict, builtin: bool) -> dict:
@@ -188,8 +233,11 @@ def built(cfg: Config, overlay: str | None = None) -> list[dict]:
     for p in OVERLAYS[overlay](cfg).values():
         for i, o in enumerate(objs):
             if (o["kind"], o["metadata"]["name"]) == (p["kind"], p["metadata"]["name"]):
-                objs[i] = merge_patch(o, {k: v for k, v in p.items() if k not in ("apiVersion", "kind")},
-                                      o["apiVersion"] in _BUILTIN_GROUPS)
+                objs[i] = merge_patch(
+                    o,
+                    {k: v for k, v in p.items() if k not in ("apiVersion", "kind")},
+                    o["apiVersion"] in _BUILTIN_GROUPS,
+                )
     return objs
 
 
@@ -218,14 +266,23 @@ def files(cfg: Config) -> dict[str, str]:
         out[f"base/{name}"] = dump(objs)
     out["base/kustomization.yaml"] = HEADER + yaml.dump(
         {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": list(b)},
-        Dumper=_Dumper, sort_keys=False)
+        Dumper=_Dumper,
+        sort_keys=False,
+    )
     for overlay, patches in OVERLAYS.items():
         ps = patches(cfg)
         for name, p in ps.items():
             out[f"overlays/{overlay}/{name}"] = dump([p])
         out[f"overlays/{overlay}/kustomization.yaml"] = HEADER + yaml.dump(
-            {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": ["../../base"],
-             "patches": [{"path": name} for name in ps]}, Dumper=_Dumper, sort_keys=False)
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": ["../../base"],
+                "patches": [{"path": name} for name in ps],
+            },
+            Dumper=_Dumper,
+            sort_keys=False,
+        )
     return out
 
 
@@ -243,4 +300,3 @@ def write(cfg: Config, out_dir: str | Path) -> list[Path]:
         path.write_text(text)
         written.append(path)
     return written
-

@@ -32,7 +32,6 @@ CLIENT_LABEL = "weir.io/zmq-client"  # pods allowed to reach the routers' direct
 HASH_ANNOTATION = "weir.io/config-sha256"
 
 
-
 # ------------------------------------------------------------------ names
 
 
@@ -78,8 +77,7 @@ def worker_groups(cfg: Config) -> list[WorkerGroup]:
     out = []
     for (model, pool), ws in groups.items():
         suffix = "" if pool == "any" else f"-{pool}"
-        out.append(WorkerGroup(f"weir-worker-{dns_name(model)}{suffix}", model, pool,
-                               cfg.model(model).engine, ws[0]))
+        out.append(WorkerGroup(f"weir-worker-{dns_name(model)}{suffix}", model, pool, cfg.model(model).engine, ws[0]))
     return out
 
 
@@ -108,8 +106,10 @@ def check(cfg: Config) -> None:
         if not 0 <= getattr(k, f) <= 3600:  # the HPA's own bound
             raise ConfigError(f"kubernetes.{f} must be within 0..3600")
     if cfg.security.curve:
-        raise ConfigError("kubernetes: CURVE keys per pod are not rendered yet; use NetworkPolicies "
-                          "(rendered) or set security.curve = false")
+        raise ConfigError(
+            "kubernetes: CURVE keys per pod are not rendered yet; use NetworkPolicies "
+            "(rendered) or set security.curve = false"
+        )
     if cfg.envoy.tls_cert_file:
         raise ConfigError("kubernetes: terminate TLS at your Ingress/Gateway; unset envoy.tls_*")
     if not cfg.workers:
@@ -119,8 +119,10 @@ def check(cfg: Config) -> None:
         # a StatefulSet's pods carry a controller-revision-hash label of its
         # name + 11 characters, and a label value holds at most 63
         if len(g.name) > STATEFULSET_NAME_MAX:
-            raise ConfigError(f"kubernetes: model {g.model!r} makes the StatefulSet name {g.name!r}, "
-                              f"{len(g.name)} characters (at most {STATEFULSET_NAME_MAX}): use a shorter model name")
+            raise ConfigError(
+                f"kubernetes: model {g.model!r} makes the StatefulSet name {g.name!r}, "
+                f"{len(g.name)} characters (at most {STATEFULSET_NAME_MAX}): use a shorter model name"
+            )
         if seen.setdefault(g.name, g.model) != g.model:
             raise ConfigError(f"kubernetes: models {seen[g.name]!r} and {g.model!r} both render as {g.name!r}")
 
@@ -208,14 +210,25 @@ def _has_vllm(cfg: Config) -> bool:
 
 
 def _http_probe(path: str, port: int, period: int, failures: int) -> dict:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 2,
-            "failureThreshold": failures}
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+    }
 
 
 def configmap(cfg: Config, gpu: bool = False) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(cfg, CONFIGMAP),
-            "data": {"router.toml": role_toml(cfg, "router"), "worker.toml": role_toml(cfg, "worker", gpu),
-                     "envoy.yaml": envoy_yaml(cfg)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(cfg, CONFIGMAP),
+        "data": {
+            "router.toml": role_toml(cfg, "router"),
+            "worker.toml": role_toml(cfg, "worker", gpu),
+            "envoy.yaml": envoy_yaml(cfg),
+        },
+    }
 
 
 def envoy_objects(cfg: Config) -> list[dict]:
@@ -223,31 +236,56 @@ def envoy_objects(cfg: Config) -> list[dict]:
     listen, admin = _port(cfg.envoy.listen), _port(cfg.envoy.admin)
     sel = _selector("envoy")
     pod = {
-        "metadata": {"labels": sel, "annotations": {
-            HASH_ANNOTATION: _sha(envoy_yaml(cfg)), "prometheus.io/scrape": "true",
-            "prometheus.io/port": str(admin), "prometheus.io/path": "/stats/prometheus"}},
+        "metadata": {
+            "labels": sel,
+            "annotations": {
+                HASH_ANNOTATION: _sha(envoy_yaml(cfg)),
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(admin),
+                "prometheus.io/path": "/stats/prometheus",
+            },
+        },
         "spec": {
-            "containers": [{
-                "name": "envoy", "image": k.image,
-                "command": ["envoy", "-c", f"{CONFIG_DIR}/envoy.yaml", "--disable-hot-restart",
-                            "--concurrency", str(cfg.envoy.concurrency), "-l", "warning"],
-                "ports": [{"name": "http", "containerPort": listen}, {"name": "admin", "containerPort": admin}],
-                # Envoy's own readiness, not its routers': a probe through the
-                # rate-limited route would fail every Envoy at once under
-                # overload.  With no healthy router it answers 503 + Retry-After.
-                "readinessProbe": _http_probe("/ready", admin, 5, 2),
-                "livenessProbe": _http_probe("/ready", admin, 10, 3),
-                "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}},
-                "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
-            }],
+            "containers": [
+                {
+                    "name": "envoy",
+                    "image": k.image,
+                    "command": [
+                        "envoy",
+                        "-c",
+                        f"{CONFIG_DIR}/envoy.yaml",
+                        "--disable-hot-restart",
+                        "--concurrency",
+                        str(cfg.envoy.concurrency),
+                        "-l",
+                        "warning",
+                    ],
+                    "ports": [{"name": "http", "containerPort": listen}, {"name": "admin", "containerPort": admin}],
+                    # Envoy's own readiness, not its routers': a probe through the
+                    # rate-limited route would fail every Envoy at once under
+                    # overload.  With no healthy router it answers 503 + Retry-After.
+                    "readinessProbe": _http_probe("/ready", admin, 5, 2),
+                    "livenessProbe": _http_probe("/ready", admin, 10, 3),
+                    "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}},
+                    "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+                }
+            ],
             "volumes": [_config_volume()],
         },
     }
     return [
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(cfg, "weir-envoy", "envoy"),
-         "spec": {"replicas": k.envoy_replicas, "selector": {"matchLabels": sel}, "template": pod}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(cfg, "weir", "envoy"),
-         "spec": {"selector": sel, "ports": [{"name": "http", "port": listen, "targetPort": "http"}]}},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(cfg, "weir-envoy", "envoy"),
+            "spec": {"replicas": k.envoy_replicas, "selector": {"matchLabels": sel}, "template": pod},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cfg, "weir", "envoy"),
+            "spec": {"selector": sel, "ports": [{"name": "http", "port": listen, "targetPort": "http"}]},
+        },
     ]
 
 
@@ -261,43 +299,84 @@ def router_objects(cfg: Config) -> list[dict]:
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append(_models_volume(cfg))
     pod = {
-        "metadata": {"labels": sel, "annotations": {
-            HASH_ANNOTATION: _sha(role_toml(cfg, "router")), "prometheus.io/scrape": "true",
-            "prometheus.io/port": str(http), "prometheus.io/path": "/metrics"}},
+        "metadata": {
+            "labels": sel,
+            "annotations": {
+                HASH_ANNOTATION: _sha(role_toml(cfg, "router")),
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(http),
+                "prometheus.io/path": "/metrics",
+            },
+        },
         "spec": {
-            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
-                "weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": sel},
-                                                   "topologyKey": "kubernetes.io/hostname"}}]}},
-            "containers": [{
-                "name": "router", "image": k.image,
-                "command": ["python", "-m", "router", "--config", f"{CONFIG_DIR}/router.toml"],
-                "ports": [{"name": "http", "containerPort": http}, {"name": "zmq-clients", "containerPort": front},
-                          {"name": "zmq-workers", "containerPort": back}],
-                # live: the process answers; ready: some worker takes new work (else Envoy's own
-                # health check would skip it anyway)
-                "livenessProbe": _http_probe("/health/live", http, 10, 3),
-                "readinessProbe": _http_probe("/health/ready", http, 5, 2),
-                "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
-                "volumeMounts": mounts,
-            }],
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 100,
+                            "podAffinityTerm": {
+                                "labelSelector": {"matchLabels": sel},
+                                "topologyKey": "kubernetes.io/hostname",
+                            },
+                        }
+                    ]
+                }
+            },
+            "containers": [
+                {
+                    "name": "router",
+                    "image": k.image,
+                    "command": ["python", "-m", "router", "--config", f"{CONFIG_DIR}/router.toml"],
+                    "ports": [
+                        {"name": "http", "containerPort": http},
+                        {"name": "zmq-clients", "containerPort": front},
+                        {"name": "zmq-workers", "containerPort": back},
+                    ],
+                    # live: the process answers; ready: some worker takes new work (else Envoy's own
+                    # health check would skip it anyway)
+                    "livenessProbe": _http_probe("/health/live", http, 10, 3),
+                    "readinessProbe": _http_probe("/health/ready", http, 5, 2),
+                    "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+                    "volumeMounts": mounts,
+                }
+            ],
             "terminationGracePeriodSeconds": 30,
             "volumes": volumes,
         },
     }
-    ports = [{"name": "http", "port": http, "targetPort": http}, {"name": "zmq-clients", "port": front},
-             {"name": "zmq-workers", "port": back}]
+    ports = [
+        {"name": "http", "port": http, "targetPort": http},
+        {"name": "zmq-clients", "port": front},
+        {"name": "zmq-workers", "port": back},
+    ]
     return [
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(cfg, "weir-router", "router"),
-         "spec": {"replicas": k.router_replicas, "selector": {"matchLabels": sel}, "template": pod}},
-        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(cfg, "weir-router", "router"),
-         "spec": {"minAvailable": 1, "selector": {"matchLabels": sel}}},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(cfg, "weir-router", "router"),
+            "spec": {"replicas": k.router_replicas, "selector": {"matchLabels": sel}, "template": pod},
+        },
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _meta(cfg, "weir-router", "router"),
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": sel}},
+        },
         # Workers and Envoy find every router here.  publishNotReadyAddresses: a router is
         # ready only once a worker registered, so workers must reach unready ones.
-        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(cfg, ROUTERS_SERVICE, "router"),
-         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": sel, "ports": ports}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cfg, ROUTERS_SERVICE, "router"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": sel, "ports": ports},
+        },
         # Direct ZeroMQ clients (shared.client): one router per connection.
-        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(cfg, "weir-zmq", "router"),
-         "spec": {"selector": sel, "ports": [{"name": "zmq-clients", "port": front, "targetPort": front}]}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cfg, "weir-zmq", "router"),
+            "spec": {"selector": sel, "ports": [{"name": "zmq-clients", "port": front, "targetPort": front}]},
+        },
     ]
 
 
@@ -313,27 +392,50 @@ def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
     mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     volumes = [_config_volume()]
     if vllm:
-        mounts += [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
-                   {"name": "dshm", "mountPath": "/dev/shm"}]
+        mounts += [
+            {"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ]
         volumes += [_models_volume(cfg), {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
     container = {
-        "name": "worker", "image": k.image,
-        "command": ["python", "-m", "engine_worker", "--config", f"{CONFIG_DIR}/worker.toml",
-                    "--worker-id", g.template.id, "--instance-id", "$(POD_NAME)"],
-        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                {"name": "WEIR_CONFIG", "value": f"{CONFIG_DIR}/worker.toml"}],
+        "name": "worker",
+        "image": k.image,
+        "command": [
+            "python",
+            "-m",
+            "engine_worker",
+            "--config",
+            f"{CONFIG_DIR}/worker.toml",
+            "--worker-id",
+            g.template.id,
+            "--instance-id",
+            "$(POD_NAME)",
+        ],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "WEIR_CONFIG", "value": f"{CONFIG_DIR}/worker.toml"},
+        ],
         # Registered and taking work, as the router sees it (no port of its own to probe).
-        "startupProbe": {"exec": {"command": _probe_exec("ready")}, "periodSeconds": PROBE_PERIOD_S,
-                         "timeoutSeconds": 5, "failureThreshold": math.ceil(startup_s / PROBE_PERIOD_S)},
-        "readinessProbe": {"exec": {"command": _probe_exec("ready")}, "periodSeconds": PROBE_PERIOD_S,
-                           "timeoutSeconds": 5, "failureThreshold": 2},
+        "startupProbe": {
+            "exec": {"command": _probe_exec("ready")},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(startup_s / PROBE_PERIOD_S),
+        },
+        "readinessProbe": {
+            "exec": {"command": _probe_exec("ready")},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": 5,
+            "failureThreshold": 2,
+        },
         # Drain at the router first (no new work at once) and wait for what runs; SIGTERM follows.
         "lifecycle": {"preStop": {"exec": {"command": _probe_exec("drain")}}},
         "resources": {"requests": {"cpu": "1", "memory": "4Gi" if vllm else "512Mi"}},
         "volumeMounts": mounts,
     }
     return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
         "metadata": _meta(cfg, g.name, "worker", **{MODEL_LABEL: dns_name(g.model), POOL_LABEL: g.pool}),
         "spec": {
             # no "replicas": the ScaledObject owns it (min_workers..max_workers), and a
@@ -343,8 +445,11 @@ def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
             "selector": {"matchLabels": sel},
             "template": {
                 "metadata": {"labels": sel, "annotations": {HASH_ANNOTATION: _sha(role_toml(cfg, "worker"))}},
-                "spec": {"terminationGracePeriodSeconds": worker_grace_s(cfg), "containers": [container],
-                         "volumes": volumes},
+                "spec": {
+                    "terminationGracePeriodSeconds": worker_grace_s(cfg),
+                    "containers": [container],
+                    "volumes": volumes,
+                },
             },
         },
     }
@@ -352,14 +457,26 @@ def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
 
 def worker_objects(cfg: Config) -> list[dict]:
     out: list[dict] = [
-        {"apiVersion": "v1", "kind": "Service", "metadata": _meta(cfg, WORKERS_SERVICE, "worker"),
-         "spec": {"clusterIP": "None", "selector": _selector("worker")}}]
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cfg, WORKERS_SERVICE, "worker"),
+            "spec": {"clusterIP": "None", "selector": _selector("worker")},
+        }
+    ]
     for g in worker_groups(cfg):
         out.append(worker_statefulset(cfg, g))
-        out.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-                    "metadata": _meta(cfg, g.name, "worker"),
-                    "spec": {"maxUnavailable": 1, "selector": {"matchLabels": worker_statefulset(cfg, g)
-                                                               ["spec"]["selector"]["matchLabels"]}}})
+        out.append(
+            {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": _meta(cfg, g.name, "worker"),
+                "spec": {
+                    "maxUnavailable": 1,
+                    "selector": {"matchLabels": worker_statefulset(cfg, g)["spec"]["selector"]["matchLabels"]},
+                },
+            }
+        )
     return out
 
 
@@ -372,9 +489,16 @@ def network_policies(cfg: Config) -> list[dict]:
     http, front, back = _port(cfg.router.http), _port(cfg.router.frontend), _port(cfg.router.backend)
 
     def pol(name: str, part: str, ingress: list[dict]) -> dict:
-        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(cfg, name),
-                "spec": {"podSelector": {"matchLabels": {APP: "weir", PART: part}}, "policyTypes": ["Ingress"],
-                         "ingress": ingress}}
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(cfg, name),
+            "spec": {
+                "podSelector": {"matchLabels": {APP: "weir", PART: part}},
+                "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        }
 
     def tcp(*ports: int) -> list[dict]:
         return [{"protocol": "TCP", "port": p} for p in ports]
@@ -382,18 +506,32 @@ def network_policies(cfg: Config) -> list[dict]:
     return [
         # Everything else in the namespace -- the workers above all, which listen on
         # nothing (they dial the router) -- takes no connection at all.
-        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(cfg, "weir-default-deny"),
-         "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}},
-        pol("weir-envoy", "envoy", [
-            {"ports": tcp(_port(cfg.envoy.listen))},  # the OpenAI API: from anywhere
-            {"from": [monitoring], "ports": tcp(_port(cfg.envoy.admin))}]),
-        pol("weir-router", "router", [
-            {"from": [{"podSelector": {"matchLabels": _selector("envoy")}}], "ports": tcp(http)},
-            # workers: their link, and /admin/workers for their probes
-            {"from": [{"podSelector": {"matchLabels": _selector("worker")}}], "ports": tcp(back, http)},
-            {"from": [monitoring], "ports": tcp(http)},
-            {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {CLIENT_LABEL: "true"}}}],
-             "ports": tcp(front)}]),
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(cfg, "weir-default-deny"),
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress"]},
+        },
+        pol(
+            "weir-envoy",
+            "envoy",
+            [
+                {"ports": tcp(_port(cfg.envoy.listen))},  # the OpenAI API: from anywhere
+                {"from": [monitoring], "ports": tcp(_port(cfg.envoy.admin))},
+            ],
+        ),
+        pol(
+            "weir-router",
+            "router",
+            [
+                {"from": [{"podSelector": {"matchLabels": _selector("envoy")}}], "ports": tcp(http)},
+                # workers: their link, and /admin/workers for their probes
+                {"from": [{"podSelector": {"matchLabels": _selector("worker")}}], "ports": tcp(back, http)},
+                {"from": [monitoring], "ports": tcp(http)},
+                {
+                    "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {CLIENT_LABEL: "true"}}}],
+                    "ports": tcp(front),
+                },
+            ],
+        ),
     ]
-
-
