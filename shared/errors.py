@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from shared.protocol import ErrorInfo
@@ -116,6 +118,9 @@ def context_length(max_len: int, prompt: int, completion: int, param: str = "max
 # ----------------------------------------------------------------- refusals by the policy
 
 
+_NO_FACTS: Mapping[str, Any] = MappingProxyType({})  # one default shared by every Refusal, so read-only
+
+
 class Refusal(NamedTuple):
     """A decision of the (pure) policy: a code and the facts that explain it.
     Words are made once, at the edge (``render``); ``status``, ``code`` and
@@ -123,7 +128,7 @@ class Refusal(NamedTuple):
 
     kind: Code
     retry_after: float | None = None
-    facts: dict[str, Any] = {}
+    facts: Mapping[str, Any] = _NO_FACTS
     param: str | None = None
 
     @property

@@ -37,7 +37,7 @@ from __future__ import annotations
 import array
 import enum
 import sys
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -440,10 +440,10 @@ class PrefixResync(_Msg, tag=19):
     reason: str = ""
 
 
-ClientToRouter = Union[Submit, Cancel]
+ClientToRouter = Submit | Cancel
 RouterToClient = Outputs
-WorkerToRouter = Union[Register, Heartbeat, Outputs, Drain, Goodbye, Refuse, PrefixEvents, PrefixSnapshot]
-RouterToWorker = Union[Dispatch, Abort, Heartbeat, Goodbye, PrefixResync]
+WorkerToRouter = Register | Heartbeat | Outputs | Drain | Goodbye | Refuse | PrefixEvents | PrefixSnapshot
+RouterToWorker = Dispatch | Abort | Heartbeat | Goodbye | PrefixResync
 
 encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(ClientToRouter)

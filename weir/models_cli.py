@@ -61,7 +61,7 @@ def _call(url: str, body=None):
             f"running (`weir up`)?",
             file=sys.stderr,
         )
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def _states(router: str) -> dict[str, dict]:
