@@ -30,8 +30,9 @@ import itertools
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -53,6 +54,8 @@ class WeirError(Exception):
 
 
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # id, logprob, top k (id, logprob)
+Messages = Sequence[p.ChatMessage | dict[str, str]]  # dicts as OpenAI spells them: {"role", "content"}
+TaskTypeArg = str | p.TaskType | None  # a name ("chat", ...) or the enum
 
 
 @dataclass
@@ -81,7 +84,7 @@ def token_logprobs(d: p.Delta, k: int) -> list[TokenLogprob]:
     ]
 
 
-def _params(params: dict) -> dict:
+def _params(params: dict[str, Any]) -> dict[str, Any]:
     """OpenAI-style spellings a caller may use -> the wire's types."""
     lb = params.get("logit_bias")
     if lb:
@@ -99,15 +102,15 @@ def _submit(
     request_id: str,
     model: str,
     prompt: str | None,
-    messages,
-    max_tokens,
-    priority,
-    task_type,
-    api_key,
-    user=None,
-    fallback=False,
-    trace_id=None,
-    **params,
+    messages: Messages | None,
+    max_tokens: int | None,
+    priority: str | None,
+    task_type: TaskTypeArg,
+    api_key: str | None,
+    user: str | None = None,
+    fallback: bool = False,
+    trace_id: str | None = None,
+    **params: Any,
 ) -> p.Submit:
     chat = messages is not None
     return p.Submit(
@@ -116,7 +119,7 @@ def _submit(
         kind=p.RequestKind.CHAT if chat else p.RequestKind.COMPLETION,
         prompt=prompt or "",
         messages=[m if isinstance(m, p.ChatMessage) else p.ChatMessage(m["role"], m["content"]) for m in messages]
-        if chat
+        if messages is not None
         else [],
         params=p.SamplingParams(**_params(params)) if params else None,
         max_tokens=max_tokens,
@@ -133,13 +136,13 @@ def _is_final(d: p.Delta) -> bool:
     return d.finish_reason is not None or d.error is not None
 
 
-def _collect(deltas, n: int = 1, k: int | None = None, echo: str = "") -> Completion:
+def _collect(deltas: Iterable[p.Delta], n: int = 1, k: int | None = None, echo: str = "") -> Completion:
     texts: list[list[str]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)] if k is not None else []
-    last = None
+    last: p.Delta | None = None
     model = ""
-    rl = None
+    rl: p.RateLimit | None = None
     for d in deltas:
         model = model or d.model
         rl = rl or d.ratelimit
@@ -149,6 +152,7 @@ def _collect(deltas, n: int = 1, k: int | None = None, echo: str = "") -> Comple
         if k is not None:
             lps[d.index].extend(token_logprobs(d, k))
         last = d
+    assert last is not None, "a stream ends with its final Delta or raises"
     for i in range(n):
         if finish[i] is None:
             finish[i] = last.finish_reason
@@ -173,7 +177,7 @@ class _Base:
         # CURVE (shared.curve): (this client's .key_secret file, the router's public .key file)
         self.curve = curve
 
-    def _secure(self, sock: zmq.Socket) -> None:
+    def _secure(self, sock: zmq.Socket[bytes]) -> None:
         if self.curve is not None:
             from shared.curve import client_socket
 
@@ -194,7 +198,7 @@ class _Stream:
 
     def __init__(self) -> None:
         self.deltas: collections.deque[p.Delta] = collections.deque()
-        self.waiter: asyncio.Future | None = None
+        self.waiter: asyncio.Future[None] | None = None
 
 
 class AsyncClient(_Base):
@@ -205,35 +209,39 @@ class AsyncClient(_Base):
     ) -> None:
         super().__init__(address, api_key, curve)
         self._streams: dict[str, _Stream] = {}
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._pump: SocketPump | None = None
 
     async def __aenter__(self) -> AsyncClient:
         self.connect()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.close()
 
     def connect(self) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
-        self._secure(self._sock)
-        self._sock.connect(self.address)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._secure(sock)
+        sock.connect(self.address)
         self._pump = SocketPump(asyncio.get_running_loop())
-        self._pump.add(self._sock, self._on_message)
+        self._pump.add(sock, self._on_message)
 
     def close(self) -> None:
         if self._sock is not None:
-            if self._streams:
-                self._send(p.Cancel(request_ids=list(self._streams)))
-            self._pump.remove(self._sock)
+            if self._pump is not None:
+                if self._streams:
+                    self._send(p.Cancel(request_ids=list(self._streams)))
+                self._pump.remove(self._sock)
             self._sock.close(linger=CLOSE_LINGER_MS)
             self._sock = None
 
-    def _send(self, msg) -> None:
+    def _send(self, msg: p.Submit | p.Cancel) -> None:
+        if self._sock is None or self._pump is None:
+            raise RuntimeError("AsyncClient: not connected (use `async with` or connect())")
         self._pump.send(self._sock, [p.encoder.encode(msg)])
 
     def _on_message(self, frames: list[bytes]) -> None:
@@ -256,13 +264,15 @@ class AsyncClient(_Base):
         self,
         model: str,
         prompt: str | None = None,
-        messages=None,
+        messages: Messages | None = None,
         max_tokens: int | None = None,
         priority: str | None = None,
-        task_type=None,
-        **params,
+        task_type: TaskTypeArg = None,
+        **params: Any,
     ) -> AsyncIterator[p.Delta]:
         """Yield Deltas until the final one; raises WeirError on an error."""
+        if self._pump is None:
+            raise RuntimeError("AsyncClient: not connected (use `async with` or connect())")
         rid = self._new_id()
         s = self._streams[rid] = _Stream()
         deltas = s.deltas
@@ -288,7 +298,7 @@ class AsyncClient(_Base):
                 self._send(p.Cancel(request_ids=[rid]))
 
     async def complete(
-        self, model: str, prompt: str | None = None, messages=None, echo: bool = False, **kw
+        self, model: str, prompt: str | None = None, messages: Messages | None = None, echo: bool = False, **kw: Any
     ) -> Completion:
         return _collect(
             [d async for d in self.stream(model, prompt, messages, **kw)],
@@ -310,7 +320,8 @@ class Client(_Base):
     ) -> None:
         super().__init__(address, api_key, curve)
         self.timeout_ms = int(timeout_s * 1000)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._secure(self._sock)
         self._sock.connect(address)
@@ -318,7 +329,7 @@ class Client(_Base):
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -343,11 +354,11 @@ class Client(_Base):
         self,
         model: str,
         prompt: str | None = None,
-        messages=None,
+        messages: Messages | None = None,
         max_tokens: int | None = None,
         priority: str | None = None,
-        task_type=None,
-        **params,
+        task_type: TaskTypeArg = None,
+        **params: Any,
     ) -> Iterator[p.Delta]:
         rid = self._new_id()
         self._send_within_timeout(
@@ -379,7 +390,9 @@ class Client(_Base):
                 except zmq.Again:
                     pass  # no connection to carry it: the router probes its waiting clients anyway
 
-    def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False, **kw) -> Completion:
+    def complete(
+        self, model: str, prompt: str | None = None, messages: Messages | None = None, echo: bool = False, **kw: Any
+    ) -> Completion:
         return _collect(
             self.stream(model, prompt, messages, **kw),
             kw.get("n", 1),

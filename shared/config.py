@@ -444,7 +444,7 @@ def _validate(cfg: Config) -> None:
 validate = _validate  # a Config built in code (router/views.py: a model added at run time)
 
 
-def load(path: str | os.PathLike | None = None) -> Config:
+def load(path: str | os.PathLike[str] | None = None) -> Config:
     path = Path(path or os.environ.get("WEIR_CONFIG") or DEFAULT_CONFIG).resolve()
     with open(path, "rb") as f:
         raw = tomllib.load(f)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from shared.protocol import ErrorInfo
+from shared.protocol import ErrorInfo, RateLimit
 
 _INVALID = "invalid_request_error"
 _SERVER = "server_error"
@@ -77,7 +77,12 @@ _BY_WIRE_TYPE = {(c.wire, c.type): c for c in Code if c.wire is not None}
 
 
 def error(
-    code: Code, message: str, *, param: str | None = None, retry_after: float | None = None, ratelimit=None
+    code: Code,
+    message: str,
+    *,
+    param: str | None = None,
+    retry_after: float | None = None,
+    ratelimit: RateLimit | None = None,
 ) -> ErrorInfo:
     """The wire error for ``code`` (the only place an ErrorInfo is made)."""
     return ErrorInfo(code.status, message, code.type, code.wire, param, retry_after, ratelimit)

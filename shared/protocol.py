@@ -231,7 +231,7 @@ def pack_logprobs(values: list[float]) -> bytes:
     return a.tobytes()
 
 
-def unpack_logprobs(data: bytes) -> array.array:
+def unpack_logprobs(data: bytes) -> array.array[float]:
     a = array.array("f")
     a.frombytes(data)
     if _SWAP:
