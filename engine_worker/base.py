@@ -16,12 +16,15 @@ final Delta -- so "exactly one final Delta" holds for any n.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, GenerateRequest, WorkerStats
+
+from .prefix_feed import PrefixFeed
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class Live:
         self.completion_tokens = 0  # all choices together
         self.open = n  # choices not ended yet
         self.sent = False  # a Delta went out (the first carries prompt_tokens)
-        self.handle = None  # the engine's own (vLLM: its task)
+        self.handle: asyncio.Task[None] | None = None  # the engine's own (vLLM: its task)
         self.engine_id = ""  # the engine's id for this attempt (vLLM: unique per dispatch)
         self.cached = 0  # prompt tokens found in the prefix cache (engine's count)
 
@@ -75,7 +78,7 @@ class EngineBase:
         self.finished_total = 0
         self.tokens_total = 0  # generated, all requests (the heartbeat's WorkerStats.tokens_total)
         # Where the engine reports what its prefix cache holds (set by the worker).
-        self.kv_feed = None
+        self.kv_feed: PrefixFeed | None = None
 
     # -- what the worker calls ---------------------------------------------------
 

@@ -117,9 +117,9 @@ class VllmEngine(EngineBase):
             ),
         )
         self.engine: AsyncLLM | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._background: set[asyncio.Task] = set()  # keeps abort tasks referenced until done
-        self._resetting: asyncio.Task | None = None  # a prefix-cache reset waiting for an idle cache
+        self._loop: asyncio.AbstractEventLoop  # the worker's, from start() on
+        self._background: set[asyncio.Task[None]] = set()  # keeps abort tasks referenced until done
+        self._resetting: asyncio.Task[None] | None = None  # a prefix-cache reset waiting for an idle cache
         self._sched = _SchedulerStats()
         self._aborted: list[str] = []  # engine ids to abort inside vLLM, batched per loop turn
         self._attempts = 0  # numbers each dispatch's engine id
@@ -235,8 +235,11 @@ class VllmEngine(EngineBase):
             task.add_done_callback(self._background.discard)
 
     async def _abort_ids(self, ids: list[str]) -> None:
+        engine = self.engine
+        if engine is None:
+            return  # shut down meanwhile: nothing runs to abort
         try:
-            await self.engine.abort(ids)
+            await engine.abort(ids)
         except Exception:
             log.exception("vLLM abort failed")
 
@@ -244,15 +247,17 @@ class VllmEngine(EngineBase):
         rid = req.request_id
         p = req.params
         try:
+            engine = self.engine
+            assert engine is not None, "requests run between start() and shutdown()"
             if not req.prompt_token_ids:
                 raise ValueError("the request carries no prompt token ids (the router has no tokenizer for this model)")
             # vLLM's token-prompt path: checks the ids against the context, no tokenizing.
-            (engine_input,) = await self.engine.renderer.render_cmpl_async([{"prompt_token_ids": req.prompt_token_ids}])
+            (engine_input,) = await engine.renderer.render_cmpl_async([{"prompt_token_ids": req.prompt_token_ids}])
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
             params = vllm_params(p)
             k = p.logprobs
-            outputs = self.engine.generate(engine_input, params, live.engine_id, priority=req.priority)
+            outputs = engine.generate(engine_input, params, live.engine_id, priority=req.priority)
             try:
                 async for out in outputs:
                     if not self._is_live(rid, live):

@@ -35,6 +35,7 @@ import asyncio
 import functools
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -45,25 +46,32 @@ from shared.protocol import (
     Delta,
     Dispatch,
     Drain,
+    GenerateRequest,
     Goodbye,
     GpuInfo,
     Heartbeat,
     Outputs,
     Pool,
+    PrefixEvents,
     PrefixResync,
+    PrefixSnapshot,
     Refuse,
     Register,
     WorkerStats,
+    WorkerToRouter,
     encoder,
     to_worker_decoder,
 )
 from shared.transport import Outbox, SocketPump
 
-from .base import EngineBase
+from .base import Emit, EngineBase
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
 from .prefix_feed import PrefixFeed
 from .warmup import WarmupFailed, warm_up
+
+if TYPE_CHECKING:
+    from .vllm_events import VllmKvEvents
 
 log = logging.getLogger("engine_worker")
 
@@ -83,6 +91,7 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
         return SimEngine(wcfg.sim, wcfg.max_num_seqs, max_model_len)
     from .vllm_engine import VllmEngine  # imports vLLM: seconds
 
+    assert model.path is not None, "config validation: a vllm model has a path"
     return VllmEngine(
         cfg.resolve(model.path),
         model.name,
@@ -103,12 +112,12 @@ class _Link:
         self.index = index
         self.address = address
         self.prefix = f"{index}:"  # engine request id = prefix + the router's id
-        self.sock: zmq.Socket | None = None
+        self.sock: zmq.Socket[bytes] | None = None
         self.last_heard = 0.0
         self.missed = 0  # heartbeat ticks in a row with nothing heard from it
         self.backoff = BACKOFF_INITIAL_S
         self.reconnecting = False
-        self.emit = None  # its requests' Deltas: Worker._emit_for bound to this link
+        self.emit: Emit | None = None  # its requests' Deltas: Worker._emit_for bound to this link
 
 
 class Worker:
@@ -137,7 +146,7 @@ class Worker:
         self._traces: dict[str, tuple[str, float]] = {}
         # What the engine's prefix cache holds, for every router (engine_worker.prefix_feed).
         self.prefix_feed = PrefixFeed(self.loop, self._broadcast)
-        self.kv_events = None  # vLLM's event stream (engine_worker.vllm_events)
+        self.kv_events: VllmKvEvents | None = None  # vLLM's event stream (engine_worker.vllm_events)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -270,13 +279,14 @@ class Worker:
         self._register(link)
 
     def _register(self, link: _Link) -> None:
+        assert self.register_msg is not None, "links connect once the engine has started"
         self._send(link, self.register_msg)
         if self._draining is not None:  # a router that (re)learns of us while we drain: still draining
             self._send(link, Drain("SIGTERM"))
         if self.register_msg.prefix_hash:  # the router learns the cache anew with every registration
             self.prefix_feed.snapshot()  # (to every router: they all follow one seq)
 
-    def _broadcast(self, msg) -> None:
+    def _broadcast(self, msg: PrefixEvents | PrefixSnapshot) -> None:
         """The prefix feed's messages go to every linked router, in one seq."""
         for link in self.links:
             if not link.reconnecting:
@@ -288,7 +298,7 @@ class Worker:
             self.pump.remove(sock)
             sock.close(linger=linger_ms)
 
-    def _send(self, link: _Link, msg) -> None:
+    def _send(self, link: _Link, msg: WorkerToRouter) -> None:
         if link.sock is not None:
             self.pump.send(link.sock, [encoder.encode(msg)])
 
@@ -298,6 +308,7 @@ class Worker:
         rid = d.request_id[len(link.prefix) :]
         d.request_id = rid
         if d.finish_reason is not None or d.error is not None:
+            assert self.ledger is not None, "requests arrive once the engine has started"
             self.ledger.release(link.index, rid)
         self.outbox.put(link.index, d)
 
@@ -339,6 +350,7 @@ class Worker:
                 return
             stats = None
             gpu = await self._read_gpu()
+            assert self.ledger is not None, "heartbeats start once the engine has started"
             for link in self.links:
                 if link.reconnecting:
                     continue
@@ -372,6 +384,7 @@ class Worker:
 
     def _forget_inflight(self, link: _Link) -> None:
         """That router no longer knows its requests here: stop them, telling nobody."""
+        assert self.ledger is not None, "links connect once the engine has started"
         ids = self.ledger.drop(link.index)
         if ids:
             log.warning("worker %s: aborting %d in-flight requests of router %s", self.wcfg.id, len(ids), link.address)
@@ -426,8 +439,9 @@ class Worker:
             self._register(link)
         # Heartbeat: liveness only, recorded above.
 
-    def _on_dispatch(self, link: _Link, requests: list) -> None:
-        ledger, prefix, index = self.ledger, link.prefix, link.index
+    def _on_dispatch(self, link: _Link, requests: list[GenerateRequest]) -> None:
+        ledger, prefix, index, emit = self.ledger, link.prefix, link.index, link.emit
+        assert ledger is not None and self.register_msg is not None and emit is not None, "engine started"
         block = self.register_msg.block_size
         refused = []
         traces = self._traces if self._log_requests else None
@@ -441,7 +455,7 @@ class Worker:
             req.request_id = prefix + rid
             if traces is not None:  # (a refused one never ends here: no trace kept for it)
                 traces[req.request_id] = (req.trace_id or rid, now)
-            self.engine.submit(req, link.emit)
+            self.engine.submit(req, emit)
         if refused:
             other_tokens, other_seqs = ledger.others(index)
             log.debug(
