@@ -271,7 +271,7 @@ def _rate_limit(cfg: Config) -> dict:
 def _route(match: dict, idle: str, cfg: Config) -> dict:
     # timeout 0s: a stream may last as long as it keeps sending (the idle
     # timeout bounds it); Envoy's default 15 s would cut long generations.
-    route = {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}
+    route: dict[str, Any] = {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}
     if cfg.envoy.retries > 0:
         # Only failures before the request reached a router are retried (it
         # cannot have started there): a router restarting or being replaced.
@@ -402,7 +402,7 @@ _ACCESS_LOG_JSON = {
 def _router_cluster(cfg: Config) -> dict:
     hosts = [split_hostport(ep.http) for ep in cfg.router_endpoints()]
     interval = _seconds(cfg.envoy.health_check_interval_s)
-    cluster = {
+    cluster: dict[str, Any] = {
         "name": ROUTER_CLUSTER,
         "type": "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS",
         "connect_timeout": "1s",
@@ -475,6 +475,8 @@ def _router_cluster(cfg: Config) -> dict:
 
 def _tls(cfg: Config) -> dict:
     """Listener TLS (``envoy.tls_cert_file`` / ``tls_key_file``, PEM)."""
+    cert, key = cfg.envoy.tls_cert_file, cfg.envoy.tls_key_file
+    assert cert is not None and key is not None, "called where TLS is configured (both files: validated)"
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
@@ -482,8 +484,8 @@ def _tls(cfg: Config) -> dict:
             "common_tls_context": {
                 "tls_certificates": [
                     {
-                        "certificate_chain": {"filename": cfg.resolve(cfg.envoy.tls_cert_file)},
-                        "private_key": {"filename": cfg.resolve(cfg.envoy.tls_key_file)},
+                        "certificate_chain": {"filename": cfg.resolve(cert)},
+                        "private_key": {"filename": cfg.resolve(key)},
                     }
                 ],
                 "alpn_protocols": ["h2", "http/1.1"],

@@ -35,7 +35,7 @@ def _raise_shutdown(signum, _frame):
 
 def _banner(stack) -> str:
     cfg = stack.cfg
-    served = {}
+    served: dict[str, list[str]] = {}
     for w in cfg.workers:
         if w.id in stack.worker_ids:
             served.setdefault(w.model, []).append(w.id)
@@ -113,8 +113,8 @@ def cmd_up(args) -> int:
         say(f"error: {e}")
         rc = 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         stack.stop()
         say("stopped")
     return rc

@@ -21,13 +21,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.envoy_config import RATE_LIMIT_STAT_PREFIX, ROUTER_CLUSTER
 from deploy.stack import _http_url
 from shared.config import Config
+
+if TYPE_CHECKING:
+    from rich.console import Group, RenderableType
 
 FETCH_TIMEOUT_S = 1.0
 HCM_PREFIX = "http.ingress_http."  # deploy/envoy_config.py: the listener's stat_prefix
@@ -364,12 +367,12 @@ def _gib(b) -> str:
     return "-" if b is None else f"{b / (1 << 30):.1f}"
 
 
-def render(snap: dict, title: str):
+def render(snap: dict, title: str) -> Group:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    parts = [
+    parts: list[RenderableType] = [
         Text(f"weir stats  {title}  {snap['time']}  (every {snap['interval_s']:.1f} s; Ctrl-C quits)", style="bold")
     ]
     e = snap["envoy"]
@@ -451,7 +454,7 @@ def render(snap: dict, title: str):
     ):
         w.add_column(col, justify="left" if col in ("worker", "model", "pool", "state") else "right")
     for x in snap["workers"]:
-        style = {"ready": "green", "draining": "yellow", "lost": "bold red"}.get(x["state"])
+        style = {"ready": "green", "draining": "yellow", "lost": "bold red"}.get(x["state"], "")
         if x["state"] == "lost":
             w.add_row(x["id"], x.get("model") or "-", x.get("pool") or "-", Text("lost", style=style), *["-"] * 8)
             continue
