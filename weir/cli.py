@@ -163,8 +163,7 @@ def cmd_make_model(args) -> int:
 
 
 def _passthrough(module: str, argv: list[str]) -> int:
-    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
-    return 1  # not reached
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])  # replaces this process: never returns
 
 
 def main(argv: list[str] | None = None) -> int:
