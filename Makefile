@@ -14,6 +14,11 @@ run: setup
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The unit and in-process tiers without the slow tests (tests/conftest.py): seconds, no processes.
+.PHONY: test-fast
+test-fast: $(STAMP) $(MODEL)
+	$(VENV)/bin/pytest -m "not slow" tests/unit tests/inproc $(PYTEST_ARGS)
+
 # Static checks (configured in pyproject.toml): lint, formatting, and types (strict on shared/ and router/).
 LINT_PATHS := shared router engine_worker deploy weir
 lint: $(STAMP)

@@ -6,7 +6,7 @@
 Drives the Engine interface directly (no router, no sockets): TTFT and
 per-output-token time (TPOT) at 1 and 16 concurrent requests with ~32-token
 prompts, and TTFT of a ~256-token prompt alone (prefill cost per token).
-Results for the defaults are in simulation/core.py's docstring.
+Results for the defaults are in engine_worker/sim_model.py's docstring.
 """
 
 from __future__ import annotations

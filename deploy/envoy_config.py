@@ -37,8 +37,8 @@ RETRY_AFTER_S = 1  # 503s; a 429's Retry-After is Envoy's own, computed from the
 KEY_HEADER = "x-weir-rate-limit-key"  # set by the Lua filter: the request's API key, whichever header held it
 
 # One bucket per key whichever header carries it: the key the router would
-# read (x-api-key first, else an Authorization Bearer token; router/openai_api.py
-# meta_from_headers) is copied into KEY_HEADER, the one header the buckets
+# read (x-api-key first, else an Authorization Bearer token; see
+# router.openai_api.meta_from_headers) is copied into KEY_HEADER, the one header the buckets
 # count.  A client's own KEY_HEADER is always dropped first.
 _KEY_LUA = f"""
 function envoy_on_request(h)

@@ -26,19 +26,20 @@ import sys
 import tomllib
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 import tomli_w
 
-if TYPE_CHECKING:
-    from deploy.stack import Stack
+from deploy.processes import Component
+from shared.config import Config
 
 RECONCILE_S = 0.5
 RUNTIME_CONFIG = "runtime-models.toml"
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _call(url: str, body: dict | None = None, timeout: float = 2.0) -> tuple[int, object]:
+def _call(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
                                  headers={"content-type": "application/json"})
@@ -49,10 +50,23 @@ def _call(url: str, body: dict | None = None, timeout: float = 2.0) -> tuple[int
         return e.code, json.loads(e.read() or b"null")
 
 
+class Supervisor(Protocol):
+    """What the reconciler needs of the stack that runs it (deploy.stack.Stack)."""
+
+    cfg: Config
+    cfg_path: Path
+    run_dir: Path
+    router_url: str
+    worker_ids: list[str]  # the workers it runs and waits for
+    components: dict[str, Component]  # by name: "worker:<id>", ...
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Component: ...
+
+
 class ModelReconciler:
-    def __init__(self, stack: "Stack") -> None:
+    def __init__(self, stack: Supervisor) -> None:
         self.stack = stack
-        self.added: dict[str, dict] = {}  # model name -> {"config": ..., "workers": [...]}, started here
+        self.added: dict[str, dict[str, Any]] = {}  # model name -> {"config": ..., "workers": [...]}, started here
         self.stopping: set[str] = set()  # worker ids told to drain and exit
         self.runtime_cfg = stack.run_dir / RUNTIME_CONFIG
 
@@ -84,7 +98,7 @@ class ModelReconciler:
                 said.append(f"router told again of model {name} ({code})")
         return said
 
-    def _start_workers(self, name: str, m: dict) -> list[str]:
+    def _start_workers(self, name: str, m: dict[str, Any]) -> list[str]:
         stack = self.stack
         self.added[name] = {"config": m["config"], "workers": m["workers"]}
         self._write_config()
@@ -92,15 +106,15 @@ class ModelReconciler:
         for w in m["workers"]:
             wid = w["id"]
             stack.worker_ids.append(wid)
-            stack._spawn(f"worker:{wid}", [sys.executable, "-m", "engine_worker", "--config", str(self.runtime_cfg),
-                                           "--worker-id", wid], w.get("env") or {})
+            stack.spawn(f"worker:{wid}", [sys.executable, "-m", "engine_worker", "--config", str(self.runtime_cfg),
+                                          "--worker-id", wid], w.get("env") or {})
         return said
 
-    def _stop_workers(self, name: str, m: dict) -> list[str]:
+    def _stop_workers(self, name: str, m: dict[str, Any]) -> list[str]:
         stack = self.stack
         ids = [w.id for w in stack.cfg.workers if w.model == name]
         ids += [w["id"] for w in self.added.get(name, {}).get("workers", [])]
-        said = []
+        said: list[str] = []
         for wid in ids:
             comp = stack.components.get(f"worker:{wid}")
             if wid in self.stopping or comp is None:
@@ -113,7 +127,7 @@ class ModelReconciler:
             self.added[name] = {"config": m["config"], "workers": [{"id": w} for w in ids]}  # (config-file model)
         return said
 
-    def _forget_components(self, workers: list[dict]) -> None:
+    def _forget_components(self, workers: list[dict[str, Any]]) -> None:
         stack = self.stack
         for w in workers:
             wid = w["id"]
@@ -133,6 +147,6 @@ class ModelReconciler:
         self.runtime_cfg.write_text(tomli_w.dumps(raw))
 
 
-def _toml_ready(d: dict) -> dict:
+def _toml_ready(d: dict[str, Any]) -> dict[str, Any]:
     """TOML has no null: leave unset fields out (their defaults apply)."""
     return {k: _toml_ready(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

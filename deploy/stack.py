@@ -19,7 +19,6 @@ again after a back-off that doubles from ``RESTART_BACKOFF_S`` to
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -35,6 +34,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from deploy import envoy_config
+from deploy.processes import Component, group_members
+from deploy.processes import StackError as StackError  # raised from here: callers import it with Stack
+from deploy.runtime_models import RECONCILE_S, ModelReconciler
 from shared.config import DEFAULT_CONFIG, Config, client_host, load, split_hostport, zmq_connect_addr
 
 ROUTER_READY_S = 30.0
@@ -48,98 +50,15 @@ CRASH_LOOP_RESTARTS = 5
 CRASH_LOOP_WINDOW_S = 60.0
 
 
-class StackError(RuntimeError):
-    """A component failed to start or become ready (message names it and
-    carries the tail of its log)."""
-
-
-def _set_parent_death_signal() -> None:
-    # Runs in the child before exec: if the launcher dies without stopping
-    # us (SIGKILL, a crashed test run), the kernel sends SIGTERM.  Linux only.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group ``pgid`` (via /proc)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the ")" that closes the command name: state ppid pgrp ...
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(entry))
-    return members
-
-
-class Component:
-    """One child process (the leader of its own process group) and its log."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str], cwd: str):
-        self.name = name
-        self.argv = argv
-        self.log_path = log_path
-        self.env = env
-        self.cwd = cwd
-        self.proc: Optional[subprocess.Popen] = None
-        self.stopping = False
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=True,  # own session and process group: pgid == pid
-                preexec_fn=_set_parent_death_signal,
-            )
-
-    @property
-    def pid(self) -> Optional[int]:
-        return self.proc.pid if self.proc else None
-
-    def exited(self) -> Optional[int]:
-        """Exit status if the process has ended, else None."""
-        return self.proc.poll() if self.proc else None
-
-    def signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # group already empty
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def failure(self, what: str) -> StackError:
-        status = self.exited()
-        state = f"exited with status {status}" if status is not None else "still running"
-        return StackError(
-            f"{self.name}: {what} ({state}); log {self.log_path}, last lines:\n{self.tail()}"
-        )
-
-
 def _http_url(addr: str, scheme: str = "http") -> str:
     host, port = split_hostport(addr)
     host = client_host(host)
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def _answers_ok(url: str) -> Callable[[], bool]:
+    """A readiness check: ``url`` answers 200."""
+    return lambda: _get(url)[0] == 200
 
 
 def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
@@ -216,7 +135,8 @@ class Stack:
         env.update(extra or {})
         return env
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Component:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Component:
+        """Start a component (``<run_dir>/<name>.log``); supervised like the others."""
         log = self.run_dir / (name.replace(":", "-") + ".log")
         comp = Component(name, argv, log, self._env(env), cwd=str(self.run_dir))
         self.components[name] = comp
@@ -246,20 +166,19 @@ class Stack:
 
         py = sys.executable
         cfg = str(self.cfg_path)
-        routers = [self._spawn(name, [py, "-m", "router", "--config", cfg, "--index", str(i)])
+        routers = [self.spawn(name, [py, "-m", "router", "--config", cfg, "--index", str(i)])
                    for i, name in enumerate(self.router_names)]
-        for router, url in zip(routers, self.router_urls):
-            self._wait(router, ROUTER_READY_S, "not healthy at " + url + "/health",
-                       lambda url=url: _get(url + "/health")[0] == 200)
+        for router, url in zip(routers, self.router_urls, strict=True):
+            self._wait(router, ROUTER_READY_S, "not healthy at " + url + "/health", _answers_ok(url + "/health"))
             self.progress(f"{router.name} ready ({time.monotonic() - t0:.1f} s)")
 
         workers = []
         for wid in self.worker_ids:
             w = self.cfg.worker(wid)
             argv = [py, "-m", "engine_worker", "--config", cfg, "--worker-id", wid]
-            workers.append(self._spawn(f"worker:{wid}", argv, w.env))
+            workers.append(self.spawn(f"worker:{wid}", argv, w.env))
 
-        envoy = self._spawn("envoy", [
+        envoy = self.spawn("envoy", [
             envoy_config.envoy_binary(), "-c", str(self.envoy_yaml), "--disable-hot-restart",
             "--concurrency", str(self.cfg.envoy.concurrency), "-l", self.envoy_log_level,
         ])
@@ -360,8 +279,6 @@ class Stack:
         return said
 
     def _supervise_loop(self) -> None:
-        from deploy.runtime_models import RECONCILE_S, ModelReconciler
-
         models = ModelReconciler(self)  # models added / removed at run time (router's /admin/models)
         next_reconcile = 0.0
         while self.supervising:
@@ -377,7 +294,7 @@ class Stack:
 
     def supervise(self) -> list[str]:
         """One pass: restart what died (after its back-off); what it did, in words."""
-        said = []
+        said: list[str] = []
         now = time.monotonic()
         with self._lock:
             if not self.supervising:

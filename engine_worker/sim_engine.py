@@ -1,4 +1,4 @@
-"""SIMULATED engine: SimCore (simulation/core.py) driven in real time.
+"""SIMULATED engine: SimCore (engine_worker/sim_model.py) driven in real time.
 
 No model runs: every token's text is the placeholder " tok" (id
 ``SIM_TOKEN_ID``), and a prompt is as long as the router counted it
@@ -23,7 +23,7 @@ from shared.config import SimEngineConfig
 from shared.protocol import GenerateRequest, SamplingParams, WorkerStats
 
 from .base import EngineBase, EngineInfo, Live, bad_request
-from simulation.core import SimCore
+from .sim_model import SimCore
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+from typing import Any
 
 import uvloop
 
@@ -19,6 +20,7 @@ from router.client_frontend import ClientFrontend
 from router.core import RouterCore
 from router.http_server import start_http_server
 from router.metrics import RouterMetrics
+from router.operator_actions import RouterOperator
 from router.views import RouterViews
 from router.worker_link import WorkerLink
 from shared.config import DEFAULT_CONFIG, ConfigError, load, split_hostport
@@ -44,7 +46,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     for warning in secret_warnings(cfg, cfg_file):
         log.warning(warning)
 
-    def reload() -> dict:
+    def reload() -> dict[str, Any]:
         """SIGHUP or POST /admin/reload: API keys and budgets from the config file again."""
         try:
             new = load(config_path)
@@ -57,11 +59,12 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         log.info("reloaded %d api keys and %d tenant budgets", len(new.api_keys), len(new.tenants))
         return {"ok": True, "api_keys": len(new.api_keys), "tenants": len(new.tenants)}
 
-    views = RouterViews(core, link, reload)
+    views = RouterViews(core, link, metrics)
+    operator = RouterOperator(core, link, reload)
     link.serve(core)
     frontend.serve(core)
     host, port = split_hostport(cfg.router.http)
-    server = await start_http_server(core, views, metrics, host, port,
+    server = await start_http_server(core, views, metrics, host, port, operator=operator,
                                      max_body_bytes=cfg.envoy.max_request_bytes)
     log.info("router ready: http=%s frontend=%s backend=%s policy=%s",
              cfg.router.http, cfg.router.frontend, cfg.router.backend, cfg.scheduler.policy)

@@ -4,23 +4,28 @@ It owns no socket.  The adapters around it -- ``router.worker_link`` (engine
 workers, the backend ROUTER socket), ``router.client_frontend`` (direct
 ZeroMQ clients, the frontend ROUTER socket) and ``router.http_server``
 (OpenAI HTTP) -- own their sockets and call in; it calls out only through
-the ports declared here: a ``WorkerPort`` to reach workers and a
+its ports (router.ports): a ``WorkerPort`` to reach workers and a
 ``RequestSink`` per request.  So it runs in-process under test with fakes
-(tests/test_lifecycle.py), and ``router/__main__.py`` wires the real ones.
+(router.fakes, tests/test_lifecycle.py), and ``router/__main__.py`` wires
+the real ones.
 
 State, each piece with one owner:
-  * ``jobs`` here: every live request, from submit to its end;
+  * ``jobs`` here: every live request, from submit to its end, each with its
+    explicit state (router.jobs: the transitions and the one place they happen);
+  * the model registry (router.model_registry): the models served now;
   * the ``Policy``: queues, the KV ledger, and which job runs on which worker;
   * the worker link: identities, liveness and engine stats of workers.
 
-A job: submit -> (tokenized on a thread, if its prompt is long) -> queued in
-the Policy -> dispatched as token ids -> Deltas -> final Delta.  Every end
-after submit -- finish, engine error, cancel, refusal while queued, deadline,
-a worker lost once resumes are used up -- goes through ``_end``, which
-releases (``Policy.finish`` is idempotent), aborts on the worker where the
-job still runs, tells the sink once and counts the outcome.  A refusal
-before a job was queued is ``rejected``; an end after it is an outcome of
-``requests``.
+A job: submit (into the job table, TOKENIZING) -> tokenized, inline or on a
+thread if its prompt is long -> (AWAITING_BUDGET while the budget store
+answers) -> QUEUED in the Policy -> RUNNING: dispatched as token ids ->
+Deltas -> final Delta.  Every end after submit -- finish, engine error,
+cancel, refusal while queued, deadline, a worker lost once resumes are used
+up -- goes through ``_end``, which releases (``Policy.finish`` is
+idempotent), aborts on the worker where the job still runs, tells the sink
+once and counts the outcome.  A refusal before a job was queued is
+``rejected``; an end after it is an outcome of ``requests``.  A refusal
+during ``submit`` itself is its return value, not news to the sink.
 
 Losing a worker loses no request: one that produced nothing yet is queued
 again; one that streamed output is *resumed* -- queued again as a
@@ -28,31 +33,38 @@ continuation whose prompt is the original prompt's token ids plus those
 generated so far, with ``max_tokens`` reduced by as many and the same
 sampling parameters -- and its Deltas are rewritten (cumulative counts,
 the original prompt count) so the client sees one uninterrupted stream.
-News is taken only from the worker the policy says runs the job, so a lost
-or aborted attempt's late output can never interleave with its resumption.
+News is taken only from the worker the job is RUNNING on, so a lost or
+aborted attempt's late output can never interleave with its resumption.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
 import msgspec
 
 from router.admission import Identity, Keys, check_shape, resolve_max_tokens
-from router.block_hash import SIM, BlockHasher
+from router.jobs import (AWAITING_BUDGET, ENDED, QUEUED, RUNNING, JobMetrics, JobRecord, advance, job_id_of,
+                         log_end)
 from router.metrics import RouterMetrics
+from router.model_registry import ModelRegistry, PromptTokens, tokenize_hashed
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
+from router.ports import RequestSink, WorkerPort
 from router.prefix_metrics import PrefixMetrics
+from router.prefix_relay import PrefixRelay
 from router.prompts import ModelPrompts
-from router.quota import Hold, Quota
+from router.quota import Answer, Hold, Quota
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
 from shared.errors import Code, error, label
+
+# (tokenize_hashed, PromptTokens and the ports are named here too, where callers found them)
+__all__ = ["RouterCore", "RequestSink", "WorkerPort", "PromptTokens", "tokenize_hashed"]
 
 log = logging.getLogger("weir.router")
 
@@ -61,125 +73,47 @@ _DEFAULT_PARAMS = p.SamplingParams()
 _FALLBACK_ON = frozenset((Code.NO_WORKER, Code.QUEUE_FULL, Code.QUEUE_WAIT_EXCEEDED, Code.QUEUE_DEADLINE))
 
 
-class PromptTokens(NamedTuple):
-    """router.prompts.PromptTokens plus the prompt's block hashes."""
-
-    ids: list[int]  # exact token ids; empty when the model has no tokenizer
-    count: int  # len(ids), or the estimate
-    hashes: Sequence[int] = ()  # its full blocks as its model's engines hash them (router.block_hash)
-
-
-def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: Optional[BlockHasher]) -> PromptTokens:
-    """Tokens, and the prompt's block hashes as its model's engines compute
-    them (prefix affinity): in the same place, on the tokenizing thread for
-    long prompts, so hashing never stalls the loop either."""
-    ids, count = prompts.tokenize(sub)
-    if hasher is None:
-        return PromptTokens(ids, count)
-    if hasher.algo == SIM:  # the simulated engine's blocks: the text it was counted by
-        text = sub.prompt if sub.kind == p.RequestKind.COMPLETION else "".join(
-            m.role + "\n" + m.content + "\n" for m in sub.messages)
-        return PromptTokens(ids, count, hasher.text_hashes(text, count))
-    return PromptTokens(ids, count, hasher.hashes(ids) if ids else ())
-
-
-class RequestSink(Protocol):
-    def on_deltas(self, deltas: list[p.Delta]) -> None:
-        """This request's news since the last call; the last call ends with a
-        Delta whose ``finished`` is true, and no call follows it."""
-
-
-class WorkerPort(Protocol):
-    """How the lifecycle reaches engine workers (router.worker_link)."""
-
-    def dispatch(self, worker_id: str, req: p.GenerateRequest) -> bool:
-        """Queue ``req`` for the worker; False if no such worker is linked."""
-
-    def abort(self, worker_id: str, job_id: str) -> None: ...
-
-    def flush(self) -> None:
-        """Send what is queued now, one message per worker."""
-
-
-@dataclass(slots=True, eq=False)
-class _Job:
-    job_id: str
-    sub: p.Submit
-    sink: RequestSink
-    who: Identity
-    arrival: float
-    job: Optional[Job] = None  # the policy's view: set once tokenized and queued
-    request: Optional[p.GenerateRequest] = None  # what its worker gets
-    mx: Optional["_JobMetrics"] = None
-    first_token_at: float = 0.0
-    completion_tokens: int = 0  # over every attempt
-    last_news: float = 0.0  # dispatch or latest Delta (the stall watchdog)
-    # dispatches no worker's ledger refused (a refusal undoes the latest):
-    # above 0, its prompt reached an engine
-    kept_dispatches: int = 0
-    # What a resume needs: the original prompt and budget, the ids generated.
-    prompt_ids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    generated: list[int] = field(default_factory=list)
-    done_before: int = 0  # tokens generated by earlier attempts
-    resumes: int = 0
-    served_by: str = ""  # the fallback model answering it ("": the one asked for)
-    announced: bool = False  # the client was told served_by
-    hold: Optional[Hold] = None  # its budget reservation (router.quota), returned in _end
-    rl: Optional[p.RateLimit] = None  # budget figures for its client's first Delta
-
-
-class _JobMetrics:
-    """The metric children every request of one (model, class) touches,
-    looked up once per pair instead of four times per request."""
-
-    __slots__ = ("ttft", "tokens", "e2e")
-
-    def __init__(self, m: RouterMetrics, model: str, klass: str) -> None:
-        self.ttft = m.child(m.ttft, model, klass)
-        self.tokens = m.child(m.tokens, model)
-        self.e2e = m.child(m.e2e, model, klass)
-
-
-def _trace(j: "_Job") -> str:
-    """The request id of its log lines: the client's or Envoy's (Submit.trace_id), else the job id."""
-    return j.sub.trace_id or j.job_id
-
-
 class RouterCore:
     def __init__(self, cfg: Config, loop: asyncio.AbstractEventLoop, workers: WorkerPort, *,
                  metrics: Optional[RouterMetrics] = None, clock: Callable[[], float] = time.monotonic,
                  prompts: Optional[dict[str, ModelPrompts]] = None,
                  executor: Optional[concurrent.futures.Executor] = None) -> None:
-        self.cfg = cfg
+        self._config = cfg  # as loaded: never changed (the models served now are the registry's)
+        self._keys_config = cfg  # the API keys and budgets in use (the last reload's)
+        self._cfg_view: Optional[tuple[int, Config]] = None
         self.loop = loop
         self.workers = workers
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
         self.policy = Policy(cfg.scheduler)
         self.prefix_metrics = PrefixMetrics(self.metrics.registry, self.policy.prefix)
+        self._prefix = PrefixRelay(self.policy.prefix, self.prefix_metrics)
         self.keys = Keys(cfg)
         self.quota = Quota(cfg, self.metrics, clock)
-        self.models_by_name = {m.name: m for m in cfg.models}
-        self.prompts = prompts if prompts is not None else {
-            m.name: ModelPrompts(cfg.resolve(m.path) if m.path else None) for m in cfg.models}
+        self.registry = ModelRegistry(cfg, prompts)
         # One thread: long prompts are tokenized in arrival order, with the GIL released.
         self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.jobs: dict[str, _Job] = {}
-        self._job_metrics: dict[tuple[str, str], _JobMetrics] = {}
+        self.jobs: dict[str, JobRecord] = {}
+        self._job_metrics: dict[tuple[str, str], JobMetrics] = {}
         self._next_handle = 1
         self._policy_pending = False
         self._wakeup: Optional[asyncio.TimerHandle] = None
         self._wakeup_at: Optional[float] = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
-        # Models at run time (add_model / remove_model): the workers each added
-        # model wants (for the supervisor, deploy/stack.py), and those being removed.
-        self.runtime_workers: dict[str, list[WorkerConfig]] = {}
-        self.unloading: set[str] = set()
         self._log_requests = cfg.logging.requests
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
+
+    @property
+    def cfg(self) -> Config:
+        """The loaded config as this router runs it now: the models served now
+        and the keys of the last reload (a new value after either changes)."""
+        version = self.registry.version
+        if self._cfg_view is None or self._cfg_view[0] != version:
+            keys = self._keys_config
+            self._cfg_view = (version, msgspec.structs.replace(
+                self._config, models=self.registry.configs(), api_keys=keys.api_keys, tenants=keys.tenants))
+        return self._cfg_view[1]
 
     # ------------------------------------------------------------ the frontends' API
 
@@ -191,47 +125,45 @@ class RouterCore:
         if not isinstance(who, Identity):
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)
-        if err is None and sub.model not in self.models_by_name:
-            err = error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
-        if err is None and sub.model in self.unloading:
-            err = self._unloading_error(sub.model)
-        if err is not None:
+        model = self.registry.get(sub.model)
+        if err is not None or model is None or model.unloading:
+            if err is None:
+                err = (error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
+                       if model is None else self._unloading_error(sub.model))
             return self._rejected(err, who.klass)
         if sub.user:
             self.metrics.saw_user(who.tenant, sub.user)
         handle = self._next_handle
         self._next_handle += 1
-        j = _Job("%x" % handle, sub, sink, who, now)
-        prompts = self.prompts[sub.model]
+        j = JobRecord(job_id_of(handle), sub, sink, who, now)
+        self.jobs[j.job_id] = j  # its one entry into the table: TOKENIZING, cancellable like any job
         # (hashed even without affinity: the simulated engine names its cached blocks by them)
         hasher = self.policy.prefix.hasher(sub.model)
-        if prompts.inline(sub):
+        if model.prompts.inline(sub):
             try:
-                tokens = tokenize_hashed(prompts, sub, hasher)
+                tokens = tokenize_hashed(model.prompts, sub, hasher)
             except ValueError as e:  # router.prompts.BadInput names the field
-                return self._rejected(error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)),
-                                      who.klass)
+                return self._refused_at_submit(j, error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)))
             err = self._admit(j, tokens, now)
-            return handle if err is None else self._rejected(err, who.klass)
-        self.jobs[j.job_id] = j  # tokenizing: cancellable like any other job
-        fut = self.loop.run_in_executor(self.executor, tokenize_hashed, prompts, sub, hasher)
-        fut.add_done_callback(lambda f, job_id=j.job_id: self._tokenized(job_id, f))
+            return handle if err is None else self._refused_at_submit(j, err)
+        fut = self.loop.run_in_executor(self.executor, tokenize_hashed, model.prompts, sub, hasher)
+        fut.add_done_callback(functools.partial(self._tokenized, j.job_id))
         return handle
 
     def cancel(self, handle: int) -> None:
         """The client went away: abort on the worker and release everything."""
-        j = self.jobs.get("%x" % handle)
+        j = self.jobs.get(job_id_of(handle))
         if j is not None:
-            self._end(j, "cancelled", abort_worker=self.policy.worker_of(j.job_id))
+            self._end(j, "cancelled", abort_worker=j.worker)
 
-    def token_text(self, model: str):
+    def token_text(self, model: str) -> Optional[Callable[[int], str]]:
         """Token id -> text for rendering logprobs (None: unknown model or no tokenizer)."""
-        prompts = self.prompts.get(model)
-        return prompts.token_text() if prompts is not None else None
+        served = self.registry.get(model)
+        return served.prompts.token_text() if served is not None else None
 
     def awaiting_output(self, handle: int) -> bool:
         """Live and nothing generated yet (queued, tokenizing or prefilling)."""
-        j = self.jobs.get("%x" % handle)
+        j = self.jobs.get(job_id_of(handle))
         return j is not None and not j.first_token_at
 
     def reload_keys(self, cfg: Config) -> None:
@@ -239,7 +171,8 @@ class RouterCore:
         requests use them; admitted ones settle as they were reserved."""
         self.keys = Keys(cfg)
         self.quota.reload(cfg)
-        self.cfg.api_keys, self.cfg.tenants = cfg.api_keys, cfg.tenants
+        self._keys_config = cfg
+        self._cfg_view = None
 
     def close(self) -> None:
         if self._wakeup is not None:
@@ -248,9 +181,10 @@ class RouterCore:
             self._stall_timer.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------ admission
+    # ------------------------------------------------------------ admission: TOKENIZING -> AWAITING_BUDGET -> QUEUED
 
-    def _tokenized(self, job_id: str, fut: asyncio.Future) -> None:
+    def _tokenized(self, job_id: str, fut: asyncio.Future[PromptTokens]) -> None:
+        """The tokenizing thread's answer for a long prompt."""
         j = self.jobs.get(job_id)
         if j is None or fut.cancelled():
             return  # cancelled while tokenizing
@@ -260,34 +194,37 @@ class RouterCore:
             return self._end(j, "bad_request", error=error(Code.BAD_REQUEST, str(e),
                                                            param=getattr(e, "param", None)))
         except Exception:
-            log.exception("tokenizing request %s (job %s) failed", _trace(j), job_id, extra={"request_id": _trace(j)})
+            log.exception("tokenizing request %s (job %s) failed", j.trace, job_id, extra={"request_id": j.trace})
             return self._end(j, "internal", error=error(Code.INTERNAL, "Tokenizing the prompt failed."))
         err = self._admit(j, tokens, self.clock())
         if err is not None:
             self._end(j, label(err), error=err)
 
-    def _admit(self, j: _Job, tokens: PromptTokens, now: float) -> Optional[p.ErrorInfo]:
+    def _admit(self, j: JobRecord, tokens: PromptTokens, now: float) -> Optional[p.ErrorInfo]:
         """Price the prompt, queue the job in the policy; an error if refused."""
         sub = j.sub
-        max_tokens = resolve_max_tokens(sub, tokens.count, self.models_by_name[sub.model].max_model_len)
+        max_tokens = resolve_max_tokens(sub, tokens.count, self.registry.of(sub.model).config.max_model_len)
         if not isinstance(max_tokens, int):
             return max_tokens
         if self.quota.active:
             # usage sums the completion tokens of all n choices: reserve for all of them
             n = sub.params.n if sub.params is not None else 1
-            got = self.quota.reserve(j.who, tokens.count + max_tokens * n,
-                                     lambda got: self._reserved(j, got, tokens, max_tokens))
+
+            def answered(got: Answer) -> None:
+                self._reserved(j, got, tokens, max_tokens)
+
+            advance(j, AWAITING_BUDGET)  # (before asking: a store may answer at once, either way)
+            got = self.quota.reserve(j.who, tokens.count + max_tokens * n, answered)
             if got is None:  # the budget store answers later: _reserved
-                self.jobs[j.job_id] = j
                 return None
             if not isinstance(got, Hold):
                 return got
             j.hold, j.rl = got, got.ratelimit
         return self._enqueue(j, tokens, max_tokens, now)
 
-    def _reserved(self, j: _Job, got, tokens: PromptTokens, max_tokens: int) -> None:
+    def _reserved(self, j: JobRecord, got: Answer, tokens: PromptTokens, max_tokens: int) -> None:
         """The budget store's answer for a job that waited for it."""
-        if self.jobs.get(j.job_id) is not j:  # ended meanwhile (cancelled): give it back at once
+        if j.state is ENDED:  # cancelled meanwhile: give it back at once
             if isinstance(got, Hold):
                 self.quota.release(got, 0, refund_request=True)
             return
@@ -298,9 +235,9 @@ class RouterCore:
         if err is not None:
             self._end(j, label(err), error=err)
 
-    def _enqueue(self, j: _Job, tokens: PromptTokens, max_tokens: int, now: float) -> Optional[p.ErrorInfo]:
+    def _enqueue(self, j: JobRecord, tokens: PromptTokens, max_tokens: int, now: float) -> Optional[p.ErrorInfo]:
         sub = j.sub
-        job = self._policy_job(j, sub.model, tokens, max_tokens, j.arrival)
+        job = self._policy_job(j, sub.model, tokens.count, max_tokens, j.arrival, tokens.hashes)
         refusal = self.policy.submit(job, now)
         if refusal is not None:
             if sub.allow_fallback and refusal.kind in _FALLBACK_ON:
@@ -310,53 +247,59 @@ class RouterCore:
                 self.quota.release(j.hold, 0, refund_request=True)
                 j.hold = None
             return refusal.render() if j.rl is None else msgspec.structs.replace(refusal.render(), ratelimit=j.rl)
-        self._queued(j, job, tokens, max_tokens)
+        self._queued(j, sub.model, tokens, max_tokens, j.arrival)
         return None
 
     @staticmethod
-    def _policy_job(j: _Job, model: str, tokens: PromptTokens, max_tokens: int, arrival: float) -> Job:
+    def _policy_job(j: JobRecord, model: str, prompt_tokens: int, max_tokens: int, arrival: float,
+                    hashes: Sequence[int]) -> Job:
+        """A fresh value of what the policy is told of an attempt (it keeps its own copy)."""
         sub, who = j.sub, j.who
-        return Job(j.job_id, model, who.tenant, who.klass, tokens.count, max_tokens, sub.task_type, arrival,
-                   who.weight, sub.params.n if sub.params is not None else 1, tokens.hashes)
+        return Job(j.job_id, model, who.tenant, who.klass, prompt_tokens, max_tokens, sub.task_type, arrival,
+                   who.weight, sub.params.n if sub.params is not None else 1, hashes)
 
-    def _queued(self, j: _Job, job: Job, tokens: PromptTokens, max_tokens: int) -> None:
-        """``job`` is in the policy's queue: what its worker gets, and the job table's entry."""
+    def _queued(self, j: JobRecord, model: str, tokens: PromptTokens, max_tokens: int, since: float) -> None:
+        """The policy queued ``j`` for ``model``: what its worker gets, and the record's attempt."""
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
-        j.job = job
-        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=_trace(j))
+        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=j.trace)
         if tokens.hashes and not tokens.ids:  # the simulated engine names its cached blocks by them
             j.request.block_hashes = list(tokens.hashes)
         j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
-        j.mx = self._metrics_for(job.model, j.who.klass)
-        self.jobs[j.job_id] = j
+        j.queued_since, j.attempt_prompt_tokens, j.block_hashes = since, tokens.count, tokens.hashes
+        j.mx = self._metrics_for(model, j.who.klass)
+        advance(j, QUEUED)
         self._schedule_policy()
 
-    def _metrics_for(self, model: str, klass: str) -> _JobMetrics:
+    def _metrics_for(self, model: str, klass: str) -> JobMetrics:
         mx = self._job_metrics.get((model, klass))
         if mx is None:
-            mx = self._job_metrics[(model, klass)] = _JobMetrics(self.metrics, model, klass)
+            mx = self._job_metrics[(model, klass)] = JobMetrics(self.metrics, model, klass)
         return mx
 
-    def _fall_back(self, j: _Job, now: float) -> bool:
+    def _fall_back(self, j: JobRecord, now: float) -> bool:
         """Queue ``j`` for the first of its model's fallbacks that takes it."""
-        for name in self.models_by_name[j.sub.model].fallbacks:  # (never the model itself: config)
-            if name == j.served_by or name in self.unloading or name not in self.models_by_name:
+        registry = self.registry
+        asked = registry.get(j.sub.model)
+        if asked is None:  # removed at run time while a fallback served the job
+            return False
+        for name in asked.config.fallbacks:  # (never the model itself: config)
+            model = registry.get(name)
+            if name == j.served_by or model is None or model.unloading:
                 continue  # the one that just refused it; one being (or already) removed at run time
-            model = self.models_by_name[name]
             try:
                 # (a rare path: inline whatever its length)
-                tokens = tokenize_hashed(self.prompts[name], j.sub, self.policy.prefix.hasher(name))
+                tokens = tokenize_hashed(model.prompts, j.sub, self.policy.prefix.hasher(name))
             except ValueError:
                 continue
-            max_tokens = resolve_max_tokens(j.sub, tokens.count, model.max_model_len)
+            max_tokens = resolve_max_tokens(j.sub, tokens.count, model.config.max_model_len)
             if not isinstance(max_tokens, int):
                 continue
-            job = self._policy_job(j, name, tokens, max_tokens, now)
-            if self.policy.submit(job, now) is not None:
+            if self.policy.submit(self._policy_job(j, name, tokens.count, max_tokens, now, tokens.hashes),
+                                  now) is not None:
                 continue
             j.served_by = name
-            self._queued(j, job, tokens, max_tokens)
+            self._queued(j, name, tokens, max_tokens, now)
             self.metrics.child(self.metrics.fallbacks, j.sub.model, name).inc()
             return True
         return False
@@ -365,14 +308,22 @@ class RouterCore:
         self.metrics.child(self.metrics.rejected, klass, "-", label(err)).inc()
         return err
 
+    def _refused_at_submit(self, j: JobRecord, err: p.ErrorInfo) -> p.ErrorInfo:
+        """Refused before ``submit`` returned: the error is its answer, the sink hears nothing."""
+        advance(j, ENDED)
+        del self.jobs[j.job_id]
+        return self._rejected(err, j.who.klass)
+
     # ------------------------------------------------------------ the one exit
 
-    def _end(self, j: _Job, outcome: str, *, error: Optional[p.ErrorInfo] = None,
+    def _end(self, j: JobRecord, outcome: str, *, error: Optional[p.ErrorInfo] = None,
              deltas: Optional[list[p.Delta]] = None, abort_worker: Optional[str] = None) -> None:
-        """Every job's end: forget, release, abort where it runs, tell, count."""
+        """Every job's end after submit: forget, release, abort where it runs, tell, count."""
+        queued = j.state is QUEUED or j.state is RUNNING  # (else refused before it was ever queued)
+        advance(j, ENDED)
         del self.jobs[j.job_id]
         now = self.clock()
-        if j.job is not None:
+        if queued:
             self.policy.finish(j.job_id, now)  # a no-op where the policy released it already
         if abort_worker is not None:
             self.workers.abort(abort_worker, j.job_id)
@@ -381,7 +332,7 @@ class RouterCore:
         if self.quota.active or j.hold is not None:
             # (the prompt of the first attempt: a continuation's longer prompt is not charged again)
             self.quota.ended(j.who, j.hold, j.prompt_tokens if j.kept_dispatches else 0, j.completion_tokens,
-                             j.job is not None)
+                             queued)
             j.hold = None
             if j.rl is not None and error is not None and deltas is None:
                 error = msgspec.structs.replace(error, ratelimit=error.ratelimit or j.rl)
@@ -390,29 +341,18 @@ class RouterCore:
         elif error is not None:  # (a cancelled job's client is gone: nobody to tell)
             j.sink.on_deltas([p.Delta(j.job_id, error=error, completion_tokens=j.completion_tokens)])
         m = self.metrics
-        if j.job is None:  # refused before it was ever queued (after tokenizing)
+        if not queued:
             m.child(m.rejected, j.who.klass, "-", outcome).inc()
         else:
-            m.child(m.requests, j.job.model, j.who.klass, outcome).inc()
+            m.child(m.requests, j.model, j.who.klass, outcome).inc()
             if error is None:
                 j.mx.e2e.observe(now - j.arrival)
         if self._log_requests:
-            self._log_end(j, outcome, error, now)
+            log_end(j, outcome, error, now)
         if self.policy.has_queued():  # only queued work can use what this freed
             self._schedule_policy()
 
-    def _log_end(self, j: _Job, outcome: str, err: Optional[p.ErrorInfo], now: float) -> None:
-        """[logging] requests: one line per request, whatever its end."""
-        rid = _trace(j)
-        status = 200 if err is None else err.status
-        if outcome == "cancelled":
-            status = 499  # the client went away (as the HTTP ingress counts it)
-        log.info("request %s %s status=%d model=%s class=%s tenant=%s prompt_tokens=%d completion_tokens=%d "
-                 "resumes=%d seconds=%.3f", rid, outcome, status, j.served_by or j.sub.model, j.who.klass,
-                 j.who.tenant, j.prompt_tokens, j.completion_tokens, j.resumes, now - j.arrival,
-                 extra={"request_id": rid, "outcome": outcome, "status": status})
-
-    # ------------------------------------------------------------ the policy
+    # ------------------------------------------------------------ the policy: QUEUED -> RUNNING, and back
 
     def _schedule_policy(self) -> None:
         if not self._policy_pending:
@@ -449,35 +389,39 @@ class RouterCore:
         self._wakeup_at = None
         self._schedule_policy()
 
-    def _dispatch(self, j: _Job, action: DispatchJob, now: float) -> None:
+    def _dispatch(self, j: JobRecord, action: DispatchJob, now: float) -> None:
         req = j.request
         req.priority = action.priority
         req.kv_tokens = self.policy.cost_of(j.job_id)  # what the worker's own ledger admits it on
         if not self.workers.dispatch(action.worker_id, req):
             # The policy placed it on a worker the link no longer has: a bug
             # somewhere, but not the client's -- release and queue it again.
-            log.error("policy dispatched request %s (job %s) to unlinked worker %s", _trace(j), j.job_id,
-                      action.worker_id, extra={"request_id": _trace(j)})
+            log.error("policy dispatched request %s (job %s) to unlinked worker %s", j.trace, j.job_id,
+                      action.worker_id, extra={"request_id": j.trace})
             self.policy.finish(j.job_id, now)
             self._requeue(j, now)
             return
+        advance(j, RUNNING, action.worker_id)
         j.last_news = now
         j.kept_dispatches += 1
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
             now - j.arrival)
 
-    def _requeue(self, j: _Job, now: float) -> None:
+    def _requeue(self, j: JobRecord, now: float) -> None:
         """Queue a job again whose worker went: it waits for a worker of its
         model (even while none is left) up to its queue deadline."""
-        if j.job.model in self.unloading:  # no worker of it will come back
-            return self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(j.job.model))
-        refusal = self.policy.submit(j.job, now, requeue=True)
+        if not self.registry.serves(j.model):  # unloading: no worker of it will come back
+            return self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(j.model))
+        job = self._policy_job(j, j.model, j.attempt_prompt_tokens, j.request.params.max_tokens, j.queued_since,
+                               j.block_hashes)
+        refusal = self.policy.submit(job, now, requeue=True)
         if refusal is not None:
             self._end(j, refusal.label, error=refusal.render())
         else:
+            advance(j, QUEUED)
             self._schedule_policy()
 
-    def _resume(self, j: _Job, why: str, now: float) -> None:
+    def _resume(self, j: JobRecord, why: str, now: float) -> None:
         """Continue a job that streamed output, from where it got, elsewhere."""
         n = j.completion_tokens
         remaining = j.max_tokens - n
@@ -491,24 +435,22 @@ class RouterCore:
             # state is not in the tokens, ids missing would not be exact.
             self._end(j, "worker_lost", error=self._lost_error(why))
             return
-        job = j.job
-        job.prompt_tokens = j.prompt_tokens + n
-        job.max_tokens = remaining
-        job.arrival = now  # its queue deadline counts from now
+        j.attempt_prompt_tokens = j.prompt_tokens + n
+        j.queued_since = now  # its queue deadline counts from now
         ids = j.prompt_ids + j.generated if j.prompt_ids else []
         params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
-        j.request = p.GenerateRequest(j.job_id, ids, job.prompt_tokens, params, trace_id=_trace(j),
+        j.request = p.GenerateRequest(j.job_id, ids, j.attempt_prompt_tokens, params, trace_id=j.trace,
                                       block_hashes=j.request.block_hashes)
         j.done_before = n
         j.resumes += 1
-        self.metrics.child(self.metrics.resumed, job.model, why).inc()
-        log.info("request %s (job %s) resumes after %d tokens (%s), attempt %d", _trace(j), j.job_id, n, why,
-                 j.resumes + 1, extra={"request_id": _trace(j)})
+        self.metrics.child(self.metrics.resumed, j.model, why).inc()
+        log.info("request %s (job %s) resumes after %d tokens (%s), attempt %d", j.trace, j.job_id, n, why,
+                 j.resumes + 1, extra={"request_id": j.trace})
         self._requeue(j, now)
 
     def _lost_error(self, why: str) -> p.ErrorInfo:
         return error(Code.WORKER_LOST, f"The worker serving this request was lost ({why}) and it could "
-                     f"not be resumed.", retry_after=self.cfg.router.heartbeat_interval_s)
+                     f"not be resumed.", retry_after=self._config.router.heartbeat_interval_s)
 
     def undeliverable(self, job_id: str, err: p.ErrorInfo) -> None:
         """The link could not send a job to its worker: end it, not leave it waiting."""
@@ -520,30 +462,28 @@ class RouterCore:
         """The hang watchdog: a running job that heard nothing from its worker
         for ``stall_timeout_s`` is taken off it and resumed elsewhere.  (A
         worker silent as a whole is lost by its missed heartbeats first.)"""
-        bound = self.cfg.router.stall_timeout_s
+        bound = self._config.router.stall_timeout_s
         now = self.clock()
-        worker_of = self.policy.worker_of
         stalled = [job_id for job_id, j in self.jobs.items()
-                   if j.last_news and now - j.last_news > bound and worker_of(job_id) is not None]
+                   if j.state is RUNNING and j.last_news and now - j.last_news > bound]
         for job_id in stalled:
             j = self.jobs[job_id]
-            log.warning("request %s (job %s): nothing from worker %s for %.1f s: moving it", _trace(j), job_id,
-                        worker_of(job_id), now - j.last_news, extra={"request_id": _trace(j)})
+            log.warning("request %s (job %s): nothing from worker %s for %.1f s: moving it", j.trace, job_id,
+                        j.worker, now - j.last_news, extra={"request_id": j.trace})
             self.move(job_id, "stalled")
         return stalled
 
     def _stall_tick(self) -> None:
         self.check_stalls()
-        self._stall_timer = self.loop.call_later(self.cfg.router.stall_timeout_s / 4, self._stall_tick)
+        self._stall_timer = self.loop.call_later(self._config.router.stall_timeout_s / 4, self._stall_tick)
 
     def move(self, job_id: str, why: str) -> None:
         """Take a running job off its worker (stalled, drain timed out) and
         resume it elsewhere."""
         j = self.jobs.get(job_id)
-        wid = self.policy.worker_of(job_id)
-        if j is None or wid is None:
+        if j is None or j.worker is None:
             return
-        self.workers.abort(wid, job_id)
+        self.workers.abort(j.worker, job_id)
         now = self.clock()
         self.policy.finish(job_id, now)
         self._after_loss([job_id], why, now)
@@ -552,7 +492,7 @@ class RouterCore:
     # ------------------------------------------------------------ worker events (router.worker_link)
 
     def serves(self, model: str) -> bool:
-        return model in self.models_by_name and model not in self.unloading
+        return self.registry.serves(model)
 
     def worker_joined(self, reg: p.Register) -> None:
         now = self.clock()
@@ -586,7 +526,7 @@ class RouterCore:
                                   other_tokens=other_tokens, other_seqs=other_seqs)
         for job_id in job_ids:
             j = self.jobs.get(job_id)
-            if j is None or self.policy.worker_of(job_id) != worker_id:
+            if j is None or j.worker != worker_id:
                 continue  # ended or moved meanwhile
             self.policy.refused(job_id, now)
             j.kept_dispatches -= 1  # nothing of it ran there
@@ -595,95 +535,20 @@ class RouterCore:
     def running_on(self, worker_id: str) -> list[str]:
         return self.policy.running_on(worker_id)
 
-    def prefix_news(self, worker_id: str, msg) -> bool:
+    def prefix_news(self, worker_id: str, msg: p.PrefixEvents | p.PrefixSnapshot) -> bool:
         """A worker's PrefixEvents / PrefixSnapshot.  True: ask it for a
         snapshot (a gap: until it comes the worker is routed cache-blind)."""
-        index = self.policy.prefix
-        if msg.__class__ is p.PrefixSnapshot:
-            index.snapshot(worker_id, msg.seq, msg.hashes, msg.trusted)
-            return False
-        if msg.ts:
-            self.prefix_metrics.lag.labels(worker_id).observe(max(0.0, time.time() - msg.ts))
-        if index.events(worker_id, msg.seq, msg.stored, msg.removed, msg.cleared):
-            return False
-        self._prefix_recovery(worker_id, "gap")
-        return True
+        return self._prefix.news(worker_id, msg)
 
     def prefix_seq(self, worker_id: str, seq: int) -> bool:
         """A heartbeat's prefix seq; True: ask for a snapshot."""
-        index = self.policy.prefix
-        was = index.trusted(worker_id)
-        ask = index.heard_seq(worker_id, seq)
-        if ask and was:
-            self._prefix_recovery(worker_id, "heartbeat seq ahead")
-        return ask
-
-    def _prefix_recovery(self, worker_id: str, why: str) -> None:
-        log.warning("worker %s: prefix events out of order (%s): cache-blind until its snapshot", worker_id, why)
-        self.prefix_metrics.recoveries.labels(worker_id).inc()
+        return self._prefix.heard_seq(worker_id, seq)
 
     def worker_left(self, worker_id: str, why: str) -> None:
         now = self.clock()
         self._after_loss(self.policy.remove_worker(worker_id, now), why, now)
         self._schedule_policy()
-        if self.unloading:
-            self._forget_unloaded()
-
-    # ------------------------------------------------------------ models at run time
-
-    def add_model(self, model: ModelConfig, workers: list[WorkerConfig]) -> Optional[str]:
-        """Serve a new model (its workers register as the supervisor starts
-        them); an error message if it cannot be added."""
-        if model.name in self.models_by_name:
-            return f"model {model.name!r} already exists" + (" (still unloading)" if model.name in self.unloading
-                                                             else "")
-        bad = [fb for fb in model.fallbacks if fb not in self.models_by_name or fb in self.unloading]
-        if bad:
-            return f"model {model.name!r}: fallbacks {bad} are not models served now"
-        self.prompts[model.name] = ModelPrompts(self.cfg.resolve(model.path) if model.path else None)
-        self.models_by_name[model.name] = model
-        self.cfg.models.append(model)
-        self.runtime_workers[model.name] = workers
-        log.info("model %s added (%s, %d workers to start)", model.name, model.engine, len(workers))
-        return None
-
-    def remove_model(self, name: str) -> Optional[str]:
-        """Unloading: new requests get 503 model_unloading, queued ones end
-        with it now, running ones finish where they run (their workers drain:
-        the caller's part); once no worker of it is left, it is forgotten (404)."""
-        if name not in self.models_by_name:
-            return f"no model {name!r}"
-        if name not in self.unloading:
-            self.unloading.add(name)
-            for j in [j for j in self.jobs.values() if (j.served_by or j.sub.model) == name]:
-                if self.policy.worker_of(j.job_id) is None:  # queued or tokenizing: nothing runs yet
-                    self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(name))
-            log.info("model %s unloading", name)
         self._forget_unloaded()
-        return None
-
-    def _unloading_error(self, name: str) -> p.ErrorInfo:
-        return error(Code.MODEL_UNLOADING, f"The model `{name}` is being removed; it takes no new requests.",
-                     param="model", retry_after=self.cfg.router.heartbeat_interval_s)
-
-    def _forget_unloaded(self) -> None:
-        for name in list(self.unloading):
-            m = self.policy.models.get(name)
-            if (m is None or not m.workers) and not any((j.served_by or j.sub.model) == name
-                                                        for j in self.jobs.values()):
-                self.unloading.discard(name)
-                del self.models_by_name[name]
-                self.prompts.pop(name, None)
-                self.runtime_workers.pop(name, None)
-                self.cfg.models = [x for x in self.cfg.models if x.name != name]
-                log.info("model %s removed", name)
-
-    def model_state(self, name: str) -> str:
-        """loading (no worker ready yet) / ready / unloading."""
-        if name in self.unloading:
-            return "unloading"
-        m = self.policy.models.get(name)
-        return "ready" if m is not None and any(w.healthy for w in m.workers.values()) else "loading"
 
     def _after_loss(self, job_ids: list[str], why: str, now: float) -> None:
         """Jobs of a lost worker, already released by the policy."""
@@ -693,10 +558,12 @@ class RouterCore:
                 continue
             if j.completion_tokens == 0:
                 self._requeue(j, now)  # nothing streamed yet: nobody can tell it moved
-            elif j.resumes < self.cfg.router.max_resumes:
+            elif j.resumes < self._config.router.max_resumes:
                 self._resume(j, why, now)
             else:
                 self._end(j, "worker_lost", error=self._lost_error(f"{why}, after {j.resumes} resumes"))
+
+    # ------------------------------------------------------------ job news: RUNNING -> ENDED
 
     def on_outputs(self, worker_id: str, deltas: list[p.Delta]) -> None:
         """One worker message: every request's news from one engine step."""
@@ -719,7 +586,7 @@ class RouterCore:
     def _job_news(self, worker_id: str, job_id: str, group: list[p.Delta], now: float) -> None:
         """One job's deltas from one worker message, oldest first."""
         j = self.jobs.get(job_id)
-        if j is None or self.policy.worker_of(job_id) != worker_id:
+        if j is None or j.worker != worker_id:
             return  # ended (its worker told to abort), moved, or never dispatched there
         j.last_news = now
         d = group[-1]
@@ -734,27 +601,11 @@ class RouterCore:
                 j.mx.ttft.observe(now - j.arrival)
             j.completion_tokens += new_tokens
             j.mx.tokens.inc(new_tokens)
-        job = j.job
-        if prompt_tokens and prompt_tokens != job.prompt_tokens:
+        if j.engine_prompt(prompt_tokens):
             # The router counted the prompt itself; an engine that disagrees
             # (e.g. one that adds tokens) is believed, and the ledger re-priced.
             self.policy.correct_prompt_tokens(job_id, prompt_tokens)
-            if not j.done_before:
-                j.prompt_tokens = prompt_tokens
-        if j.served_by and not j.announced:
-            j.announced = True
-            group[0].model = j.served_by  # the client learns which model answers, with its first news
-        generated = j.generated
-        base = j.done_before
-        for x in group:
-            if x.token_ids:
-                generated.extend(x.token_ids)
-            if base:  # a continuation: counts as if it had never stopped
-                x.completion_tokens += base
-                if x.prompt_tokens:
-                    x.prompt_tokens = j.prompt_tokens
-        if j.rl is not None:  # the client's first news carries its budget figures
-            group[0].ratelimit, j.rl = j.rl, None
+        j.as_one_stream(group)
         if not d.finished:
             j.sink.on_deltas(group)
             return
@@ -762,9 +613,88 @@ class RouterCore:
             if d.cached_tokens > d.prompt_tokens:  # a continuation's cache covers generated tokens too
                 d.cached_tokens = d.prompt_tokens
             pm = self.prefix_metrics
-            pm.prompt_tokens.labels(job.model, worker_id).inc(d.prompt_tokens)
-            pm.cached_tokens.labels(job.model, worker_id).inc(d.cached_tokens)
+            pm.prompt_tokens.labels(j.model, worker_id).inc(d.prompt_tokens)
+            pm.cached_tokens.labels(j.model, worker_id).inc(d.cached_tokens)
         if d.error is not None:
             self._end(j, label(d.error), error=d.error, deltas=group)
         else:
             self._end(j, d.finish_reason, deltas=group)
+
+    # ------------------------------------------------------------ models at run time (router.model_registry)
+
+    def add_model(self, model: ModelConfig, workers: list[WorkerConfig]) -> Optional[str]:
+        """Serve a new model (its workers register as the supervisor starts
+        them); an error message if it cannot be added."""
+        return self.registry.add(model, workers)
+
+    def remove_model(self, name: str) -> Optional[str]:
+        """Unloading: new requests get 503 model_unloading, queued ones end
+        with it now, running ones finish where they run (their workers drain:
+        the caller's part); once no worker of it is left, it is forgotten (404)."""
+        if self.registry.get(name) is None:
+            return f"no model {name!r}"
+        if self.registry.start_unloading(name):
+            for j in [j for j in self.jobs.values() if j.model == name and j.state is not RUNNING]:
+                self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(name))
+        self._forget_unloaded()
+        return None
+
+    def _unloading_error(self, name: str) -> p.ErrorInfo:
+        return error(Code.MODEL_UNLOADING, f"The model `{name}` is being removed; it takes no new requests.",
+                     param="model", retry_after=self._config.router.heartbeat_interval_s)
+
+    def _forget_unloaded(self) -> None:
+        """Forget each unloading model once no worker and no job of it is left."""
+        for name in self.registry.unloading():
+            m = self.policy.models.get(name)
+            if (m is None or not m.workers) and not any(j.model == name for j in self.jobs.values()):
+                self.registry.forget(name)
+
+    def model_state(self, name: str) -> str:
+        """loading (no worker ready yet) / ready / unloading."""
+        served = self.registry.get(name)
+        if served is not None and served.unloading:
+            return "unloading"
+        m = self.policy.models.get(name)
+        return "ready" if m is not None and any(w.healthy for w in m.workers.values()) else "loading"
+
+    # ---- queries for the views
+    # What router.views and router.operator read (their Protocols declare it):
+    # values and copies, so that nothing outside reaches into the core's state.
+
+    def served_models(self) -> list[ModelConfig]:
+        """The models served now (the config file's, then those added at run time)."""
+        return self.registry.configs()
+
+    def served_config(self) -> Config:
+        """The loaded config with the models served now: what an added model is checked against."""
+        return self.cfg
+
+    def has_model(self, name: str) -> bool:
+        """Served or still unloading (a removed model is forgotten once its workers are gone)."""
+        return self.registry.get(name) is not None
+
+    def runtime_workers_of(self, name: str) -> Optional[list[WorkerConfig]]:
+        """The workers a model added at run time wants; None for a model of the config file."""
+        workers = self.registry.runtime_workers().get(name)
+        return None if workers is None else list(workers)
+
+    def runtime_worker_ids(self) -> set[str]:
+        return {w.id for ws in self.registry.runtime_workers().values() for w in ws}
+
+    def uptime_s(self) -> float:
+        return self.clock() - self.started_at
+
+    def live_jobs(self) -> int:
+        return len(self.jobs)
+
+    def scheduler_snapshot(self) -> dict:
+        """The policy's workers, queues and counters now (a fresh dict)."""
+        return self.policy.snapshot(self.clock())
+
+    def queued_by_model(self) -> dict[tuple[str, str], int]:
+        return self.policy.queued_by_model()
+
+    def tenants(self) -> dict:
+        """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
+        return self.quota.snapshot()

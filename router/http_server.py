@@ -5,8 +5,7 @@ well-formed HTTP/1.1 client works: keep-alive, ``Connection: close``,
 HTTP/1.0, chunked request bodies, ``Expect: 100-continue`` and even
 pipelining (requests queue behind the response in progress).
 
-Hot-path rules (see shared/reference/python-dataplane-limits.md: one socket
-write costs ~5.9 us, encoding ~0.2 us):
+Hot-path rules (measured: one socket write costs ~5.9 us, encoding ~0.2 us):
   * everything a stream receives in one event-loop turn -- response head, all
     SSE events of every ``on_deltas`` call, chunk framing, the terminating
     chunk -- goes out in ONE write at the end of the turn: a router that falls
@@ -15,29 +14,32 @@ write costs ~5.9 us, encoding ~0.2 us):
   * a stream's head is sent with its first Delta, so a request refused while
     queued (a final Delta carrying ``error``) still gets a real HTTP status.
 
-Entry point: ``start_http_server(core, views, metrics, host, port, ...)``:
-``core`` is what generation needs (``Generation``: the lifecycle in
-router.core), ``views`` what the read-only routes show (``Views``:
-router.views), each a Protocol declared here by this consumer.
+Entry point: ``start_http_server(core, views, metrics, host, port, operator=...)``:
+``core`` is what generation needs (``Generation``, declared here: the
+lifecycle in router.core); ``views`` what the read-only routes show and
+``operator`` what the admin actions change (``Views`` and ``Operator``,
+declared with those routes in router.http_routes).  Every route is an entry
+of one table, path -> (method, handler).
 """
 
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
 import re
 import time
 from collections import deque
-from email.utils import formatdate
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import httptools
 
 from router import openai_api as api
+from router.http_routes import JSON as _JSON
+from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Views, routes
+from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.metrics import RouterMetrics
-from shared.errors import Code, error, retry_after_header
-from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, RateLimit, Submit
+from shared.errors import Code, error
+from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, Submit
 
 log = logging.getLogger("weir.http")
 
@@ -54,73 +56,7 @@ STATUS_CLIENT_GONE = 499  # metrics label for requests the client abandoned (ngi
 # and their tokens should not all wait for the last one.
 STREAM_FLUSH_BYTES = 8192
 
-_JSON = b"application/json"
 _CHUNK_END = b"0\r\n\r\n"
-_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
-
-_date_second = 0
-_date_header = b""
-
-
-def _date() -> bytes:
-    """RFC 9110 Date header value, formatted at most once per second."""
-    global _date_second, _date_header
-    now = int(time.time())
-    if now != _date_second:
-        _date_second = now
-        _date_header = formatdate(now, usegmt=True).encode()
-    return _date_header
-
-
-def _head(status: int, content_type: bytes, length: Optional[int], keep_alive: bool,
-          chunked: bool = False, extra: bytes = b"") -> bytes:
-    """Status line + headers.  ``length`` None: chunked (HTTP/1.1) or, for
-    HTTP/1.0 clients, a body delimited by closing the connection."""
-    parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status,
-             b"date: ", _date(), b"\r\ncontent-type: ", content_type, b"\r\n"]
-    if length is not None:
-        parts.append(b"content-length: %d\r\n" % length)
-    elif chunked:
-        parts.append(b"transfer-encoding: chunked\r\n")
-    if not keep_alive:
-        parts.append(b"connection: close\r\n")
-    parts.append(extra)
-    parts.append(b"\r\n")
-    return b"".join(parts)
-
-
-def _retry_after(info: ErrorInfo) -> bytes:
-    seconds = retry_after_header(info)
-    head = b"" if seconds is None else b"retry-after: %d\r\n" % seconds
-    return head if info.ratelimit is None else head + ratelimit_headers(info.ratelimit)
-
-
-def _duration(s: float) -> bytes:
-    """OpenAI's reset format: 20ms, 1.5s, 6m0s, 1h2m3s."""
-    if s < 1.0:
-        return b"%dms" % round(s * 1000)
-    if s < 60.0:
-        return (b"%.3f" % s).rstrip(b"0").rstrip(b".") + b"s"
-    m, sec = divmod(round(s), 60)
-    if m < 60:
-        return b"%dm%ds" % (m, sec)
-    h, m = divmod(m, 60)
-    return b"%dh%dm%ds" % (h, m, sec)
-
-
-def ratelimit_headers(rl: RateLimit) -> bytes:
-    """OpenAI's x-ratelimit-* headers for a key's budgets (router/quota.py)."""
-    out = b""
-    if rl.limit_requests:
-        out += (b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
-                b"x-ratelimit-reset-requests: %b\r\n"
-                % (rl.limit_requests, rl.remaining_requests, _duration(rl.reset_requests_s)))
-    if rl.limit_tokens:
-        out += (b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"
-                b"x-ratelimit-reset-tokens: %b\r\n"
-                % (rl.limit_tokens, rl.remaining_tokens, _duration(rl.reset_tokens_s)))
-    return out
-
 
 class Generation(Protocol):
     """What generation requests need of the router (router.core.RouterCore)."""
@@ -129,37 +65,7 @@ class Generation(Protocol):
 
     def cancel(self, handle: int) -> None: ...
 
-    def token_text(self, model: str): ...
-
-
-class Views(Protocol):
-    """What the read-only routes show (router.views.RouterViews)."""
-
-    def models(self) -> list[tuple[str, int, int, str]]: ...
-
-    def admin_models(self) -> list[dict]: ...
-
-    def add_model(self, body: bytes) -> tuple[int, dict]: ...
-
-    def remove_model(self, name: str) -> tuple[int, dict]: ...
-
-    def health(self) -> dict: ...
-
-    def readiness(self) -> tuple[bool, dict]: ...
-
-    def drain(self, worker_id: str, on: bool) -> bool: ...
-
-    def admin_workers(self) -> list[dict]: ...
-
-    def admin_worker(self, worker_id: str) -> Optional[dict]: ...
-
-    def admin_queues(self) -> list[dict]: ...
-
-    def admin_tenants(self) -> dict: ...
-
-    def reload(self) -> dict: ...
-
-    def metrics_payload(self) -> tuple[bytes, str]: ...
+    def token_text(self, model: str) -> Any: ...
 
 
 class _BodyTooLarge(Exception):
@@ -198,31 +104,23 @@ class _Request:
 class _Ingress:
     """State shared by every connection of one server."""
 
-    def __init__(self, core: Generation, views: Views, metrics: RouterMetrics, max_body_bytes: int,
-                 max_buffered_bytes: int):
+    def __init__(self, core: Generation, views: Views, operator: Optional[Operator], metrics: RouterMetrics,
+                 max_body_bytes: int, max_buffered_bytes: int):
         self.core = core
-        self.views = views
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
         self.started = int(time.time())
         self.loop = asyncio.get_running_loop()
         self._unflushed: list[Exchange] = []  # streams with output waiting for the end of this turn
-        # path -> (allowed method, handler name)
-        self.routes: dict[bytes, tuple[bytes, str]] = {
-            b"/v1/completions": (b"POST", "_completions"),
-            b"/v1/chat/completions": (b"POST", "_chat"),
-            b"/v1/models": (b"GET", "_models"),
-            b"/health": (b"GET", "_health"),
-            b"/health/live": (b"GET", "_health"),
-            b"/health/ready": (b"GET", "_ready"),
-            b"/metrics": (b"GET", "_metrics"),
-            b"/admin/workers": (b"GET", "_admin_workers"),
-            b"/admin/queues": (b"GET", "_admin_queues"),
-            b"/admin/tenants": (b"GET", "_admin_tenants"),
-            b"/admin/reload": (b"POST", "_admin_reload"),
-            b"/admin/models": (b"*", "_admin_models"),
+        table = routes(views, operator, self.started)
+        # path -> (the method it takes, or b"*": any; handler)
+        self.routes: dict[bytes, tuple[bytes, Callable[[HttpConnection, _Request, str], None]]] = {
+            b"/v1/completions": (b"POST", HttpConnection.completions),
+            b"/v1/chat/completions": (b"POST", HttpConnection.chat),
+            **{path: (r.method, _answering(r.handler)) for path, r in table.exact.items()},
         }
+        self.patterns: list[PatternRoute] = table.patterns  # when no path matches: in order
 
     def flush_later(self, ex: "Exchange") -> None:
         if not self._unflushed:
@@ -355,8 +253,8 @@ class Exchange:
             self.ended = finished
             if self.head_unsent:
                 self.head_unsent = False
-                head = _head(200, b"text/event-stream", None, req.keep_alive and req.http11, chunked=req.http11,
-                             extra=b"cache-control: no-cache\r\n" + self.extra + self.rl)
+                head = response_head(200, b"text/event-stream", None, req.keep_alive and req.http11,
+                                     chunked=req.http11, extra=b"cache-control: no-cache\r\n" + self.extra + self.rl)
             else:
                 head = b""
             if req.http11:
@@ -512,26 +410,22 @@ class HttpConnection(asyncio.Protocol):
     def _start(self, req: _Request) -> None:
         ingress = self.ingress
         route = ingress.routes.get(req.path)
-        if route is None:
-            if req.path.startswith(b"/v1/models/") and req.method == b"GET":
-                return self._model(req)
-            if req.path.startswith(b"/admin/workers/") and req.path.endswith((b"/drain", b"/undrain")):
-                return self._drain(req)
-            if req.path.startswith(b"/admin/workers/") and req.method == b"GET":
-                return self._admin_worker(req)
-            if req.path.startswith(b"/admin/models/") and req.path.endswith(b"/remove"):
-                return self._remove_model(req)
-            return self.respond_error(req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"),
-                                      "other")
-        method, handler = route
-        label = req.path.decode()
-        if req.method != method and method != b"*":
-            return self.respond_error(
-                req, error(Code.METHOD_NOT_ALLOWED,
-                           f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}"),
-                label, extra=b"allow: " + method + b"\r\n")
+        if route is not None:
+            method, handler = route
+            label = req.path.decode()
+            if req.method != method and method != b"*":
+                return self.respond_error(
+                    req, error(Code.METHOD_NOT_ALLOWED,
+                               f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}"),
+                    label, extra=b"allow: " + method + b"\r\n")
+        else:
+            pattern = next((r for r in ingress.patterns if r.matches(req.path, req.method)), None)
+            if pattern is None:
+                return self.respond_error(
+                    req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"), "other")
+            handler, label = _answering(pattern.handler), pattern.label
         try:
-            getattr(self, handler)(req, label)
+            handler(self, req, label)
         except Exception:
             log.exception("handler for %s failed", label)
             if not self.busy and not self.closed:
@@ -572,90 +466,18 @@ class HttpConnection(asyncio.Protocol):
             return self.respond_error(req, result, label)
         ex.handle = result
 
-    def _completions(self, req: _Request, label: str) -> None:
+    def completions(self, req: _Request, label: str) -> None:
         self._generate(req, label, api.parse_completion)
 
-    def _chat(self, req: _Request, label: str) -> None:
+    def chat(self, req: _Request, label: str) -> None:
         self._generate(req, label, api.parse_chat)
 
-    def _models(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.render_models(self.ingress.views.models(), self.ingress.started), label)
-
-    def _model(self, req: _Request) -> None:
-        name = req.path[len(b"/v1/models/"):].decode("utf-8", "replace")
-        for model, max_len, ready, state in self.ingress.views.models():
-            if model == name:
-                body = api.encode({"id": model, "object": "model", "created": self.ingress.started,
-                                   "owned_by": "weir", "max_model_len": max_len, "ready_workers": ready,
-                                   "state": state})
-                return self.respond(req, 200, _JSON, body, "/v1/models/{model}")
-        self.respond_error(req, error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"),
-                           "/v1/models/{model}")
-
-    def _health(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.encode(self.ingress.views.health()), label)
-
-    def _ready(self, req: _Request, label: str) -> None:
-        ready, body = self.ingress.views.readiness()
-        extra = b"" if ready else b"retry-after: 1\r\n"
-        self.respond(req, 200 if ready else 503, _JSON, api.encode(body), label, extra)
-
-    def _drain(self, req: _Request) -> None:
-        """POST /admin/workers/{id}/drain (or /undrain)."""
-        label = "/admin/workers/{id}/drain"
-        if req.method != b"POST":
-            return self.respond_error(req, error(Code.METHOD_NOT_ALLOWED, "use POST"), label,
-                                      extra=b"allow: POST\r\n")
-        worker_id, _, action = req.path[len(b"/admin/workers/"):].rpartition(b"/")
-        wid = worker_id.decode("utf-8", "replace")
-        if not self.ingress.views.drain(wid, action == b"drain"):
-            return self.respond_error(req, error(Code.NOT_FOUND, f"No worker {wid!r} is registered"), label)
-        self.respond(req, 200, _JSON, api.encode({"worker": wid, "draining": action == b"drain"}), label)
-
-    def _admin_worker(self, req: _Request) -> None:
-        """GET /admin/workers/{id}: one worker, for its pod's probes (deploy/k8s_probe.py)."""
-        label = "/admin/workers/{id}"
-        wid = req.path[len(b"/admin/workers/"):].decode("utf-8", "replace")
-        w = self.ingress.views.admin_worker(wid)
-        if w is None:
-            return self.respond_error(req, error(Code.NOT_FOUND, f"No worker {wid!r} is registered"), label)
-        self.respond(req, 200, _JSON, api.encode(w), label)
-
-    def _admin_models(self, req: _Request, label: str) -> None:
-        """GET: every model and its state; POST: add one (router/views.py)."""
-        if req.method == b"GET":
-            return self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_models()), label)
-        if req.method != b"POST":
-            return self.respond_error(req, error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), label,
-                                      extra=b"allow: GET, POST\r\n")
-        status, body = self.ingress.views.add_model(req.body)
-        self.respond(req, status, _JSON, api.encode(body), label)
-
-    def _remove_model(self, req: _Request) -> None:
-        label = "/admin/models/{name}/remove"
-        if req.method != b"POST":
-            return self.respond_error(req, error(Code.METHOD_NOT_ALLOWED, "use POST"), label,
-                                      extra=b"allow: POST\r\n")
-        name = req.path[len(b"/admin/models/"):-len(b"/remove")].decode("utf-8", "replace")
-        status, body = self.ingress.views.remove_model(name)
-        self.respond(req, status, _JSON, api.encode(body), label)
-
-    def _metrics(self, req: _Request, label: str) -> None:
-        body, content_type = self.ingress.views.metrics_payload()
-        self.respond(req, 200, content_type.encode(), body, label)
-
-    def _admin_workers(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_workers()), label)
-
-    def _admin_queues(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_queues()), label)
-
-    def _admin_tenants(self, req: _Request, label: str) -> None:
-        self.respond(req, 200, _JSON, api.encode(self.ingress.views.admin_tenants()), label)
-
-    def _admin_reload(self, req: _Request, label: str) -> None:
-        result = self.ingress.views.reload()
-        self.respond(req, 200 if result.get("ok") else 400, _JSON, api.encode(result), label)
+    def answer(self, req: _Request, answer: Answer, label: str) -> None:
+        """A route's answer (router.http_routes) as a whole response."""
+        if isinstance(answer, Refusal):
+            self.respond_error(req, answer.info, label, answer.extra)
+        else:
+            self.respond(req, answer.status, answer.content_type, answer.body, label, answer.extra)
 
     # ---------------------------------------------------------- responses
 
@@ -664,14 +486,14 @@ class HttpConnection(asyncio.Protocol):
         """A whole response (head + body) in one write."""
         if self.closed:
             return
-        self.transport.write(_head(status, content_type, len(body), req.keep_alive, extra=extra) + body)
+        self.transport.write(response_head(status, content_type, len(body), req.keep_alive, extra=extra) + body)
         self.response_complete(req, status, label, req.keep_alive)
 
     def respond_error(self, req: _Request, info: ErrorInfo, label: str, extra: bytes = b"") -> None:
         rid = req.rid
         if rid is not None:
             extra += b"x-request-id: %b\r\n" % rid.encode()
-        self.respond(req, info.status, _JSON, api.error_body(info, rid), label, extra + _retry_after(info))
+        self.respond(req, info.status, _JSON, api.error_body(info, rid), label, extra + error_headers(info))
 
     def response_complete(self, req: _Request, status: int, label: str, keep_alive: bool) -> None:
         self.ingress.metrics.observe_http(label, status, time.perf_counter() - req.t0)
@@ -711,7 +533,7 @@ class HttpConnection(asyncio.Protocol):
             return
         body = api.error_body(info)
         transport = self.transport
-        transport.write(_head(info.status, _JSON, len(body), keep_alive=False) + body)
+        transport.write(response_head(info.status, _JSON, len(body), keep_alive=False) + body)
         self.ingress.metrics.observe_http("other", info.status, 0.0)
         self.closed = True
         self.dead_input = True
@@ -739,14 +561,20 @@ class HttpConnection(asyncio.Protocol):
         self.transport.close()  # flushes what is buffered first
 
 
+def _answering(handler: Handler) -> Callable[[HttpConnection, _Request, str], None]:
+    """A route's handler (request -> answer) as a connection writes it."""
+    return lambda conn, req, label: conn.answer(req, handler(req), label)
+
+
 async def start_http_server(core: Generation, views: Views, metrics: RouterMetrics, host: str, port: int, *,
-                            max_body_bytes: int = 1 << 20,
+                            operator: Optional[Operator] = None, max_body_bytes: int = 1 << 20,
                             max_buffered_bytes: int = 4 << 20) -> asyncio.AbstractServer:
-    """Serve the OpenAI-compatible API (``core``), health, metrics and admin (``views``).
+    """Serve the OpenAI-compatible API (``core``), health, metrics and admin
+    views (``views``) and, given an ``operator``, the admin actions.
 
     ``max_buffered_bytes``: a stream whose unsent output exceeds this while
     the client is not reading is cancelled and its connection dropped.
     """
-    ingress = _Ingress(core, views, metrics, max_body_bytes, max_buffered_bytes)
+    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes)
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)

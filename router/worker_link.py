@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import zmq
 
@@ -73,6 +73,21 @@ class LinkedWorker:
     missed: int = 0  # heartbeat ticks in a row with nothing heard from it
     stats: p.WorkerStats = field(default_factory=p.WorkerStats)
     drain_deadline: Optional[float] = None  # draining until then (None: accepting work)
+
+
+class WorkerReport(NamedTuple):
+    """One linked worker as operators see it: a copy, read at the time asked."""
+
+    worker_id: str
+    model: str
+    engine: str  # "vllm" | "sim"
+    gpu: p.GpuInfo  # as registered (a heartbeat's own reading is ``stats.gpu``)
+    stats: p.WorkerStats  # its engine's last report
+    drain_left_s: Optional[float]  # time left of its drain (None: it takes new work)
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_left_s is not None
 
 
 class WorkerLink(RouterPlane):
@@ -250,6 +265,32 @@ class WorkerLink(RouterPlane):
             w.drain_deadline = None
             self.events.worker_stats(worker_id, w.stats, accepting=True)
         return True
+
+    # ------------------------------------------------------------ queries (router.views, router.operator)
+
+    def worker_count(self) -> int:
+        return len(self.workers)
+
+    def worker_ids(self) -> set[str]:
+        return set(self.workers)
+
+    def workers_of(self, model: str) -> list[str]:
+        """Ids of the linked workers serving ``model``."""
+        return [wid for wid, w in self.workers.items() if w.reg.model == model]
+
+    def report(self, worker_id: str) -> Optional[WorkerReport]:
+        w = self.workers.get(worker_id)
+        return None if w is None else self._report(worker_id, w, self.clock())
+
+    def reports(self) -> list[WorkerReport]:
+        """Every linked worker, in the order they registered."""
+        now = self.clock()  # the clock drain deadlines are set on
+        return [self._report(wid, w, now) for wid, w in self.workers.items()]
+
+    @staticmethod
+    def _report(worker_id: str, w: LinkedWorker, now: float) -> WorkerReport:
+        left = None if w.drain_deadline is None else max(0.0, w.drain_deadline - now)
+        return WorkerReport(worker_id, w.reg.model, w.reg.engine, w.reg.gpu, w.stats, left)
 
     def _heartbeat_tick(self) -> None:
         # Liveness counts ticks that heard nothing since the one before

@@ -193,3 +193,52 @@ class Refusal(NamedTuple):
         else:
             msg = f.get("message") or c.name.replace("_", " ").capitalize()
         return error(c, msg, param=self.param, retry_after=self.retry_after)
+
+
+# ----------------------------------------------------------------- the catalogue as a table (docs/api.md)
+
+# When each code is given: the words of the docs' error table, kept beside
+# the catalogue so a new code cannot be added without them.
+WHEN: dict[Code, str] = {
+    Code.BAD_REQUEST: "a field is malformed or out of range, or the body is not JSON (`param` names the field)",
+    Code.UNSUPPORTED_VALUE: "a known field weir cannot honour (`best_of` > 1, `suffix`, `tools`, ...; "
+                            "structured output or `logprobs` on a simulated engine)",
+    Code.CONTEXT_LENGTH: "prompt + `max_tokens` exceeds the model's context, or the KV any worker can hold",
+    Code.INVALID_API_KEY: "keys are configured and this one is unknown or malformed",
+    Code.MODEL_NOT_FOUND: "no such model is served (or it was removed at run time)",
+    Code.NOT_FOUND: "no such path, or no such worker on an admin path",
+    Code.METHOD_NOT_ALLOWED: "a known path with the wrong method",
+    Code.REQUEST_TOO_LARGE: "the body is over `max_request_bytes` (Envoy or the router)",
+    Code.RATE_LIMITED: "an Envoy request bucket (route-wide or per key) is empty",
+    Code.QUEUE_FULL: "the class's queue holds `max_queue` requests (memory bound)",
+    Code.TENANT_QUEUE_FULL: "the tenant has `max_queue_per_tenant` requests queued (memory bound)",
+    Code.QUEUE_WAIT_EXCEEDED: "the predicted queue wait is over the class's bound",
+    Code.TENANT_SHARE_EXCEEDED: "the predicted wait is over the bound and this tenant alone is over its share",
+    Code.REQUESTS_BUDGET: "a `requests_per_minute` budget is empty",
+    Code.TOKENS_BUDGET: "a token budget cannot hold prompt + n × `max_tokens` now",
+    Code.BUDGET_TOO_SMALL: "the request is larger than a token budget could ever hold",
+    Code.INTERNAL: "a fault inside weir (or a request the worker link could not encode)",
+    Code.ENGINE_ERROR: "the engine failed or ended the request without a result",
+    Code.ENGINE_UNAVAILABLE: "the engine stopped",
+    Code.NO_WORKER: "no worker of the model (or of its pool) takes new work",
+    Code.MODEL_UNLOADING: "the model is being removed at run time",
+    Code.QUEUE_DEADLINE: "the request waited past its class's `queue_deadline_s`",
+    Code.WORKER_LOST: "its worker was lost and it could not be resumed (resumes used up, "
+                      "structured output or n > 1 after output)",
+    Code.SERVICE_UNAVAILABLE: "Envoy has no healthy router",
+    Code.QUOTA_UNAVAILABLE: "the Redis budget store is unreachable and `on_store_error = \"closed\"`",
+    Code.GENERATION_DEADLINE: "the request ran past `generation_deadline_s`",
+}
+
+
+def markdown_table() -> str:
+    """The catalogue as the Markdown table of docs/api.md (a test keeps them equal)."""
+    rows = ["| status | `code` | `type` | label (metrics) | when |", "|---|---|---|---|---|"]
+    for c in Code:
+        wire = f"`{c.wire}`" if c.wire else "null"
+        rows.append(f"| {c.status} | {wire} | `{c.type}` | `{c.label}` | {WHEN[c]} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m shared.errors > table (paste into docs/api.md)
+    print(markdown_table(), end="")

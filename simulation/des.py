@@ -1,5 +1,5 @@
 """Deterministic discrete-event simulation of the scheduler: ``Policy`` + simulated
-engines (``simulation.core.SimCore``) + seeded arrivals, in virtual time.
+engines (``engine_worker.sim_model.SimCore``) + seeded arrivals, in virtual time.
 
 No processes, no sleeping, no sockets: the same arrivals can be replayed
 under different policies (``policy="weir"`` vs ``"fifo"``, ledger on vs off)
@@ -8,43 +8,25 @@ prompt estimate as exact, so differences come from scheduling alone.
 
     python -m simulation.des            # the three comparisons the tests assert, as a table
 
-Engine steps are modelled as vLLM runs them: ``SimCore.step()`` decides what a
-step does when it starts, its outputs appear when it ends, and requests
-dispatched meanwhile join the next step.
+The virtual-time loop is simulation.driver's (one router here; N in
+simulation.routers_des).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import msgspec
 
-from simulation.core import SimCore
-from router.policy import MAX_RETRY_S, AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
+from router.policy import MAX_RETRY_S
 from shared.config import ClassConfig, SchedulerConfig, SimEngineConfig
-from shared.protocol import Pool, TaskType
-
-MODEL = "sim-des"
-
-
-@dataclass(frozen=True)
-class Kind:
-    """One slice of a workload mix."""
-
-    name: str
-    share: float  # relative arrival share
-    prompt: tuple[int, int]  # uniform range, tokens
-    max_tokens: tuple[int, int]
-    klass: str = "normal"
-    tenants: tuple[str, ...] = ("t0",)
-    task_type: TaskType = TaskType.AUTO
+from simulation.driver import Arrival, Driver, Kind, Record, SimWorker
 
 
 @dataclass(frozen=True)
@@ -53,34 +35,6 @@ class Workload:
     rate: float  # arrivals per second (Poisson)
     duration_s: float  # arrivals stop after this
     seed: int = 1
-
-
-@dataclass(frozen=True)
-class SimWorker:
-    worker_id: str
-    pool: Pool = Pool.ANY
-    max_num_seqs: int = 32
-    max_model_len: int = 4096
-    engine: SimEngineConfig = field(default_factory=SimEngineConfig)
-
-
-@dataclass
-class Record:
-    job_id: str
-    kind: str
-    klass: str
-    tenant: str
-    prompt: int
-    max_tokens: int
-    arrival: float
-    dispatched: Optional[float] = None
-    first_token: Optional[float] = None
-    finished: Optional[float] = None
-    outcome: str = ""  # "ok" | refusal code | "generation_deadline"
-    predicted: Optional[float] = None  # queue wait the policy predicted when it admitted it
-    submitted: Optional[float] = None  # its last (admitted or refused) submission
-    attempts: int = 0
-    first_refusal: str = ""  # code of the first attempt's refusal, if it was refused
 
 
 @dataclass
@@ -116,7 +70,7 @@ def percentile(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[k]
 
 
-def arrivals(w: Workload) -> list[tuple[float, Kind, str, int, int]]:
+def arrivals(w: Workload) -> list[Arrival]:
     """Seeded Poisson arrivals: (time, kind, tenant, prompt, max_tokens)."""
     rng = random.Random(w.seed)
     total = sum(k.share for k in w.mix)
@@ -134,25 +88,8 @@ def arrivals(w: Workload) -> list[tuple[float, Kind, str, int, int]]:
         out.append((t, k, rng.choice(k.tenants), rng.randint(*k.prompt), rng.randint(*k.max_tokens)))
 
 
-class _Engine:
-    __slots__ = ("spec", "core", "busy", "pending")
-
-    def __init__(self, w: SimWorker) -> None:
-        self.core = SimCore(w.engine, w.max_num_seqs, w.max_model_len)
-        self.spec = WorkerSpec(worker_id=w.worker_id, model=MODEL, pool=w.pool,
-                               capacity_tokens=self.core.kv_capacity_tokens,
-                               block_size=self.core.block_size, max_num_seqs=w.max_num_seqs,
-                               max_model_len=w.max_model_len)
-        self.busy = False
-        self.pending = None
-
-
-_ARRIVE, _STEP, _WAKE = 0, 1, 2
-
-
 def simulate(cfg: SchedulerConfig, workers: list[SimWorker], workload: Workload,
-             drain_s: float = 600.0, retries: int = 0,
-             burst: Optional[list[tuple[float, Kind, str, int, int]]] = None,
+             drain_s: float = 600.0, retries: int = 0, burst: Optional[list[Arrival]] = None,
              score_every_worker: bool = False) -> Result:
     """Run ``workload`` (or the explicit arrivals ``burst``) through a
     Policy(cfg) and simulated engines until every job has ended (or
@@ -162,101 +99,12 @@ def simulate(cfg: SchedulerConfig, workers: list[SimWorker], workload: Workload,
     placement scores every worker however large the fleet (the policy's
     behaviour before it sampled candidates in large fleets)."""
     wall0 = time.perf_counter()
-    policy = Policy(cfg)
+    driver = Driver(cfg, workers, retries=retries, record_predicted=True, pass_each_instant=True)
     if score_every_worker:
-        policy.place_scan_all = math.inf
-    engines = {w.worker_id: _Engine(w) for w in workers}
-    for e in engines.values():
-        policy.add_worker(e.spec, 0.0)
-    records: dict[str, Record] = {}
-    ev: list = []
-    seq = 0
-    for i, (t, k, tenant, prompt, max_tokens) in enumerate(burst if burst is not None
-                                                           else arrivals(workload)):
-        ev.append((t, seq, _ARRIVE, (f"j{i}", k, tenant, prompt, max_tokens)))
-        seq += 1
-    heapq.heapify(ev)
-    arrivals_left = len(ev)
-    live = 0
-    wake_at = math.inf
-    end = workload.duration_s + drain_s
-    now = 0.0
-    while ev:
-        if ev[0][0] > end:
-            now = end
-            break
-        now = ev[0][0]
-        while ev and ev[0][0] == now:  # everything at this instant, then one policy pass
-            _, _, kind, data = heapq.heappop(ev)
-            if kind == _ARRIVE:
-                job_id, k, tenant, prompt, max_tokens = data
-                arrivals_left -= 1
-                rec = records.get(job_id)
-                if rec is None:
-                    rec = records[job_id] = Record(job_id, k.name, k.klass, tenant, prompt, max_tokens, now)
-                rec.attempts += 1
-                rec.submitted = now
-                err = policy.submit(Job(job_id, MODEL, tenant, k.klass, prompt, max_tokens,
-                                        k.task_type, now), now)
-                if err is not None:
-                    rec.outcome = err.code or str(err.status)
-                    if rec.attempts == 1:
-                        rec.first_refusal = rec.outcome
-                    if err.retry_after is not None and rec.attempts <= retries:
-                        heapq.heappush(ev, (now + math.ceil(err.retry_after), seq, _ARRIVE, data))
-                        seq += 1
-                        arrivals_left += 1
-                else:
-                    rec.outcome = ""
-                    predicted = policy.entries[job_id].predicted
-                    rec.predicted = predicted if predicted >= 0.0 else None
-                    live += 1
-            elif kind == _STEP:
-                eng = engines[data]
-                eng.busy = False
-                for rid, n, fin in eng.pending.outputs:
-                    rec = records[rid]
-                    if rec.first_token is None:
-                        rec.first_token = now
-                    if fin is not None:
-                        rec.finished = now
-                        rec.outcome = "ok"
-                        policy.finish(rid, now)
-                        live -= 1
-                eng.pending = None
-            elif kind == _WAKE:
-                wake_at = math.inf
-        for a in policy.schedule(now):
-            rec = records[a.job_id]
-            if isinstance(a, DispatchJob):
-                rec.dispatched = now
-                engines[a.worker_id].core.add(a.job_id, rec.prompt, rec.max_tokens, a.priority)
-            elif isinstance(a, RejectJob):
-                rec.outcome = a.error.code or str(a.error.status)
-                live -= 1
-            elif isinstance(a, AbortJob):
-                engines[a.worker_id].core.abort(a.job_id)
-                rec.outcome = a.error.code or str(a.error.status)
-                live -= 1
-        for wid, eng in engines.items():
-            if not eng.busy and eng.core.has_work:
-                res = eng.core.step()
-                eng.busy = True
-                eng.pending = res
-                heapq.heappush(ev, (now + max(res.duration_s, 1e-6), seq, _STEP, wid))
-                seq += 1
-        nxt = policy.next_wakeup(now)
-        if nxt is not None and now < nxt < wake_at:
-            wake_at = nxt
-            heapq.heappush(ev, (nxt, seq, _WAKE, None))
-            seq += 1
-        if live == 0 and arrivals_left == 0 and not any(e.core.has_work for e in engines.values()):
-            break
-    for rec in records.values():
-        if not rec.outcome:
-            rec.outcome = "unfinished"
-    return Result(list(records.values()), sum(e.core.preemptions_total for e in engines.values()),
-                  now, time.perf_counter() - wall0, policy.snapshot(now)["counters"])
+        driver.routers[0].place_scan_all = math.inf
+    now = driver.run(burst if burst is not None else arrivals(workload), workload.duration_s + drain_s)
+    return Result(list(driver.records.values()), driver.preemptions, now, time.perf_counter() - wall0,
+                  driver.routers[0].snapshot(now)["counters"])
 
 
 # ------------------------------------------------------------------ scenarios
@@ -339,7 +187,7 @@ BURST = Kind("burst", 1.0, prompt=(32, 32), max_tokens=(64, 64))
 
 
 def burst_arrivals(n: int, kind: Kind = BURST, spread_s: float = 0.5, seed: int = 4,
-                   tenants: tuple[str, ...] = ("anon",)) -> list[tuple[float, Kind, str, int, int]]:
+                   tenants: tuple[str, ...] = ("anon",)) -> list[Arrival]:
     """``n`` requests within ``spread_s`` (a client firing them all at once)."""
     rng = random.Random(seed)
     return sorted((rng.uniform(0.0, spread_s), kind, rng.choice(tenants), rng.randint(*kind.prompt),

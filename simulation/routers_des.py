@@ -11,24 +11,21 @@ taken as zero, so what differs from one router is the routers' partial
 views alone.
 
     python -m simulation.routers_des        # N = 1, 2, 4, 8 on des.scenario_mixed's fleet and mix
+
+The virtual-time loop is simulation.driver's, as for one router (simulation.des).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 import random
 import sys
 import time
 from typing import Optional
 
-from engine_worker.ledger import Ledger
-from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob
 from shared.config import SchedulerConfig
 from simulation import des
-from simulation.des import MODEL, Record, Result, SimWorker, Workload, _Engine
-
-_ARRIVE, _STEP, _BEAT, _WAKE = 0, 1, 2, 3
+from simulation.des import Result, Workload
+from simulation.driver import Driver, SimWorker
 
 
 def simulate_routers(cfg: SchedulerConfig, workers: list[SimWorker], workload: Workload, n_routers: int,
@@ -37,135 +34,11 @@ def simulate_routers(cfg: SchedulerConfig, workers: list[SimWorker], workload: W
     the Result, and counts: refusals by a worker's ledger, the worst
     over-commit any engine saw (always 0: the ledger's bound)."""
     wall0 = time.perf_counter()
-    rng = random.Random(seed)
-    engines = {w.worker_id: _Engine(w) for w in workers}
-    routers = [Policy(cfg) for _ in range(n_routers)]
-    for p in routers:
-        for e in engines.values():
-            p.add_worker(e.spec, 0.0)
-    ledgers = {wid: Ledger(cfg.kv_budget(e.spec.capacity_tokens), cfg.seq_slots(e.spec.max_num_seqs))
-               for wid, e in engines.items()}
-    owner: dict[str, int] = {}  # job id -> the router that admitted it
-    in_flight = [0] * n_routers
-    records: dict[str, Record] = {}
-    counts = {"refused_by_worker": 0, "max_overcommit_tokens": 0}
-    ev: list = []
-    seq = 0
-    for i, (t, k, tenant, prompt, max_tokens) in enumerate(des.arrivals(workload)):
-        ev.append((t, seq, _ARRIVE, (f"j{i}", k, tenant, prompt, max_tokens)))
-        seq += 1
-    if n_routers > 1:
-        ev.append((heartbeat_s, seq, _BEAT, None))
-        seq += 1
-    heapq.heapify(ev)
-    arrivals_left = sum(1 for x in ev if x[2] == _ARRIVE)
-    live = 0
-    end = workload.duration_s + drain_s
-    now = 0.0
-    dirty = set(range(n_routers))  # routers whose policy pass is due
-    wake_at = math.inf
-
-    def beat(wid: str) -> None:
-        for r, p in enumerate(routers):
-            t, s = ledgers[wid].others(r)
-            p.update_worker(wid, now, other_tokens=t, other_seqs=s)
-            dirty.add(r)
-
-    while ev:
-        if ev[0][0] > end:
-            now = end
-            break
-        now = ev[0][0]
-        while ev and ev[0][0] == now:
-            _, _, kind, data = heapq.heappop(ev)
-            if kind == _ARRIVE:
-                job_id, k, tenant, prompt, max_tokens = data
-                arrivals_left -= 1
-                a, b = rng.randrange(n_routers), rng.randrange(n_routers)
-                r = a if in_flight[a] <= in_flight[b] else b
-                rec = records[job_id] = Record(job_id, k.name, k.klass, tenant, prompt, max_tokens, now)
-                rec.attempts, rec.submitted = 1, now
-                err = routers[r].submit(Job(job_id, MODEL, tenant, k.klass, prompt, max_tokens, k.task_type, now),
-                                        now)
-                if err is not None:
-                    rec.outcome = rec.first_refusal = err.code or str(err.status)
-                else:
-                    owner[job_id] = r
-                    in_flight[r] += 1
-                    live += 1
-                    dirty.add(r)
-            elif kind == _STEP:
-                eng = engines[data]
-                eng.busy = False
-                for rid, n, fin in eng.pending.outputs:
-                    rec = records[rid]
-                    if rec.first_token is None:
-                        rec.first_token = now
-                    if fin is not None:
-                        rec.finished, rec.outcome = now, "ok"
-                        r = owner.pop(rid)
-                        ledgers[data].release(r, rid)
-                        routers[r].finish(rid, now)
-                        in_flight[r] -= 1
-                        dirty.add(r)
-                        live -= 1
-                eng.pending = None
-            elif kind == _WAKE:
-                wake_at = math.inf
-                dirty.update(range(n_routers))  # deadlines, aging: every router's pass
-            elif kind == _BEAT:
-                for wid in engines:
-                    beat(wid)
-                if live or arrivals_left:
-                    heapq.heappush(ev, (now + heartbeat_s, seq, _BEAT, None))
-                    seq += 1
-        while dirty:
-            r = dirty.pop()
-            p = routers[r]
-            for a in p.schedule(now):
-                rec = records[a.job_id]
-                if isinstance(a, DispatchJob):
-                    ledger = ledgers[a.worker_id]
-                    if ledger.admit(r, a.job_id, p.cost_of(a.job_id)):
-                        rec.dispatched = now
-                        engines[a.worker_id].core.add(a.job_id, rec.prompt, rec.max_tokens, a.priority)
-                        over = ledger.tokens - ledger.budget
-                        counts["max_overcommit_tokens"] = max(counts["max_overcommit_tokens"], over)
-                    else:  # RouterCore.refused: the worker's figures, then queued again
-                        counts["refused_by_worker"] += 1
-                        t, s = ledger.others(r)
-                        p.update_worker(a.worker_id, now, other_tokens=t, other_seqs=s)
-                        job = p.entries[a.job_id].job
-                        p.refused(a.job_id, now)
-                        p.submit(job, now, requeue=True)
-                        dirty.add(r)
-                elif isinstance(a, (RejectJob, AbortJob)):
-                    if isinstance(a, AbortJob):
-                        engines[a.worker_id].core.abort(a.job_id)
-                        ledgers[a.worker_id].release(r, a.job_id)
-                    rec.outcome = a.error.code or str(a.error.status)
-                    owner.pop(a.job_id, None)
-                    in_flight[r] -= 1
-                    live -= 1
-        for wid, eng in engines.items():
-            if not eng.busy and eng.core.has_work:
-                res = eng.core.step()
-                eng.busy, eng.pending = True, res
-                heapq.heappush(ev, (now + max(res.duration_s, 1e-6), seq, _STEP, wid))
-                seq += 1
-        wake = min((t for p in routers if (t := p.next_wakeup(now)) is not None and t > now), default=math.inf)
-        if wake < wake_at:
-            wake_at = wake
-            heapq.heappush(ev, (wake, seq, _WAKE, None))
-            seq += 1
-        if live == 0 and arrivals_left == 0 and not any(e.core.has_work for e in engines.values()):
-            break
-    for rec in records.values():
-        if not rec.outcome:
-            rec.outcome = "unfinished"
-    res = Result(list(records.values()), sum(e.core.preemptions_total for e in engines.values()), now,
-                 time.perf_counter() - wall0, {})
-    return res, counts
+    driver = Driver(cfg, workers, n_routers, arbitrate=True, heartbeat_s=heartbeat_s, pick=random.Random(seed))
+    now = driver.run(des.arrivals(workload), workload.duration_s + drain_s)
+    res = Result(list(driver.records.values()), driver.preemptions, now, time.perf_counter() - wall0, {})
+    return res, {"refused_by_worker": driver.refused_by_worker,
+                 "max_overcommit_tokens": driver.max_overcommit_tokens}
 
 
 def compare(ns=(1, 2, 4, 8), util: float = 0.9, duration_s: float = 60.0, seed: int = 1,

@@ -1,60 +1,63 @@
-"""Shared end-to-end fixtures: real processes on free loopback ports.
+"""Tiers and markers for every test (fixtures for real processes: tests/e2e/conftest.py).
 
-``stack`` (session): ONE whole stack for most end-to-end tests -- Envoy, the
-router, a real vLLM worker on the tiny model and a sim worker -- with API
-keys configured (see stackutil.API_KEYS).  It is a ``deploy.stack.Stack``:
-``envoy_url``, ``router_url``, ``zmq_frontend``, ``admin_url``,
-``metrics_url``, ``cfg``, ``cfg_path``, ``run_dir``, ``components``.
-Tests must leave it as they found it (no stopping components, no using
-up ``KEY_ALPHA``/``KEY_BETA`` rate limits).
+A test's folder is its tier, and its tier is its marker (``-m unit``, ...):
 
-``sim_stack`` (session): the same without vLLM and without API keys (only
-``sim-tiny``, ~1 s to start) for dataplane tests that need no real model.
+  unit/    pure logic: the policy, the DES, the wire and config rendering, on
+           values -- no sockets, no servers, nothing left running.  Offline
+           checkers of what weir renders (Envoy's ``--mode validate``,
+           ``kubectl kustomize``) count as pure.
+  inproc/  the lifecycle and the adapters in this process: the router core
+           with fake workers and a fake clock, the HTTP server and the ZeroMQ
+           planes on real loopback sockets.  Seconds.
+  e2e/     real processes: Envoy, the router, workers, vLLM, Redis, Prometheus.
 
-Tests that break their stack on purpose start their own with
-``stackutil.write_config`` + ``stackutil.start_stack``.
+``vllm`` marks what runs the real vLLM engine (every test on the session
+``stack``, tests/e2e/test_engine_vllm.py, and tests that start a vLLM worker
+of their own, marked in place).  ``slow`` marks the unit and in-process tests
+that take seconds rather than milliseconds (SLOW below): ``make test-fast``
+leaves them out, ``make test`` runs everything.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import stackutil` from any rootdir
-
-import stackutil  # noqa: E402
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory):
-    if not (stackutil.TINY_MODEL_DIR / "config.json").exists():
-        pytest.fail(f"tiny model missing: run `weir make-model {stackutil.TINY_MODEL_DIR}`")
-    d = tmp_path_factory.mktemp("stack")
-    cfg_path = stackutil.write_config(
-        d,
-        envoy={"max_request_bytes": stackutil.STACK_MAX_REQUEST_BYTES},
-        models=stackutil.localconfig.models(vllm_max_model_len=stackutil.STACK_VLLM_MAX_LEN),
-        workers=[stackutil.vllm_worker("vllm-0"), stackutil.sim_worker("sim-0")],
-        api_keys=stackutil.API_KEYS,
-    )
-    yield from _run(cfg_path, d / "run")
-
-
-@pytest.fixture(scope="session")
-def sim_stack(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sim_stack")
-    cfg_path = stackutil.write_config(d, workers=[stackutil.sim_worker("sim-0")])
-    yield from _run(cfg_path, d / "run")
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "inproc", "e2e")
+VLLM_FILES = {"e2e/test_engine_vllm.py"}
+# Seconds each here (2 shared cores): whole DES scenarios, large property
+# runs, schema validation and kustomize.  "<file>" marks a whole file,
+# "<file>::<test name>" one test (a name prefix: every parameter of it).
+SLOW = (
+    "unit/test_des.py",
+    "unit/test_routers_des.py",
+    "unit/test_des_golden.py::test_simulation_decides_as_the_golden_fingerprints[sampled_placement]",
+    "unit/test_placement_sampling.py::test_sampled_placement_serves_as_well_as_scoring_every_worker",
+    "unit/test_policy_properties.py::test_ledger_bounds_and_exactly_once_release",
+    "unit/test_policy_properties.py::test_no_class_waits_past_the_aging_bound",
+    "unit/test_k8s.py::test_every_object_validates_against_its_schema",
+    "unit/test_k8s.py::test_kustomize_builds_what_the_renderer_validated",
+)
 
 
-def _run(cfg_path, run_dir):
-    with stackutil.start_stack(cfg_path, run_dir) as s:
-        yield s
-        procs = stackutil.stack_processes(s)  # vLLM's EngineCore & co. included
-    left = stackutil.alive(procs)
-    assert not left, f"processes left after Stack.stop(): {sorted(left)}"
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            rel = item.path.resolve().relative_to(TESTS).as_posix()
+        except ValueError:
+            continue  # not under tests/ (a path given on the command line)
+        tier = rel.split("/", 1)[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{rel}: every test lives in tests/unit, tests/inproc or tests/e2e "
+                                    "(the folder is its tier: see tests/conftest.py)")
+        item.add_marker(tier)
+        if rel in VLLM_FILES or "stack" in getattr(item, "fixturenames", ()):
+            item.add_marker("vllm")
+        test_id = f"{rel}::{item.name}"
+        if any(test_id.startswith(s + "::" if s.endswith(".py") else s) for s in SLOW):
+            item.add_marker("slow")

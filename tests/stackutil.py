@@ -17,7 +17,7 @@ from bench import localconfig
 from bench.localconfig import REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, sim_worker  # noqa: F401
 from deploy.stack import Stack, group_members
 
-# API keys of the shared `stack` fixture (tests/conftest.py).
+# API keys of the shared `stack` fixture (tests/e2e/conftest.py).
 KEY_ALPHA = "sk-alpha"  # tenant alpha, tier high
 KEY_BETA = "sk-beta"  # tenant beta, tier normal
 KEY_LIMITED = "sk-limited"  # tenant gamma: own Envoy bucket, LIMITED_BURST then LIMITED_RPS/s

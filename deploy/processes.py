@@ -1,0 +1,103 @@
+"""Child processes of the stack: each the leader of its own process group,
+its output in a log file; and the members of a process group (via /proc).
+
+deploy.stack starts and supervises them; deploy.runtime_models starts and
+stops the workers of models added at run time through the stack.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+
+class StackError(RuntimeError):
+    """A component failed to start or become ready (message names it and
+    carries the tail of its log)."""
+
+
+def _set_parent_death_signal() -> None:
+    # Runs in the child before exec: if the launcher dies without stopping
+    # us (SIGKILL, a crashed test run), the kernel sends SIGTERM.  Linux only.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid`` (via /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the ")" that closes the command name: state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+class Component:
+    """One child process (the leader of its own process group) and its log."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str], cwd: str):
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.env = env
+        self.cwd = cwd
+        self.proc: Optional[subprocess.Popen] = None
+        self.stopping = False
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,  # own session and process group: pgid == pid
+                preexec_fn=_set_parent_death_signal,
+            )
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    def exited(self) -> Optional[int]:
+        """Exit status if the process has ended, else None."""
+        return self.proc.poll() if self.proc else None
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # group already empty
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def failure(self, what: str) -> StackError:
+        status = self.exited()
+        state = f"exited with status {status}" if status is not None else "still running"
+        return StackError(
+            f"{self.name}: {what} ({state}); log {self.log_path}, last lines:\n{self.tail()}"
+        )

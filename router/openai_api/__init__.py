@@ -1,0 +1,101 @@
+"""OpenAI-compatible request decoding and response rendering (pure, no I/O).
+
+The HTTP server (``router.http_server``) feeds request bodies and a few
+headers in and gets a ``Submit`` plus a ``ResponseContext`` back; it feeds
+``Delta`` batches to a ``StreamRenderer`` (SSE) or accumulates them and calls
+``render_completion`` once.  Every refusal is a ``RequestError`` carrying an
+``ErrorInfo`` whose ``status`` is the HTTP status.
+
+One module per concern, one per endpoint:
+
+- ``request``: headers (``RequestMeta``), body decoding with OpenAI-style 400s,
+  the shape check of a finished ``Submit``;
+- ``sampling``: the body fields every generation endpoint shares, mapped to
+  ``SamplingParams``, task type and priority (structured outputs included);
+- ``completions``, ``chat``: each endpoint's request body, its parser and its
+  response shapes -- a new endpoint is a new module beside them;
+- ``context``: request ids and the ``ResponseContext`` rendering needs;
+- ``render``: non-streamed bodies; ``streaming``: SSE events (the per-token
+  hot path); ``logprobs``, ``usage``: their shared parts;
+- ``errors``: ``RequestError`` and the error body; ``encoding``: the encoder.
+
+This package re-exports the names callers use (``from router import
+openai_api as api``; ``api.parse_chat``, ``api.StreamRenderer``, ...).
+"""
+
+from __future__ import annotations
+
+from router.openai_api.chat import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatLogprobs,
+    ChatRequest,
+    ChatTokenLogprob,
+    Message,
+    TextPart,
+    TopLogprob,
+    parse_chat,
+)
+from router.openai_api.completions import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    parse_completion,
+)
+from router.openai_api.context import ResponseContext, new_request_id
+from router.openai_api.encoding import encode
+from router.openai_api.errors import ErrorBody, ErrorEnvelope, RequestError, error_body, invalid
+from router.openai_api.logprobs import MIN_LOGPROB, chat_logprobs, completion_logprobs, token_id_text
+from router.openai_api.render import Accumulator, render_completion, render_models
+from router.openai_api.request import RequestMeta, meta_from_headers
+from router.openai_api.sampling import JsonSchemaFormat, ResponseFormat, StreamOptions, StructuredOutputsBody
+from router.openai_api.streaming import SSE_DONE, StreamRenderer
+from router.openai_api.usage import PromptTokensDetails, TokenCounts, Usage
+
+__all__ = [
+    "DEFAULT_COMPLETION_MAX_TOKENS",
+    "MIN_LOGPROB",
+    "SSE_DONE",
+    "Accumulator",
+    "AssistantMessage",
+    "ChatChoice",
+    "ChatCompletion",
+    "ChatLogprobs",
+    "ChatRequest",
+    "ChatTokenLogprob",
+    "Completion",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "ErrorBody",
+    "ErrorEnvelope",
+    "JsonSchemaFormat",
+    "Message",
+    "PromptTokensDetails",
+    "RequestError",
+    "RequestMeta",
+    "ResponseContext",
+    "ResponseFormat",
+    "StreamOptions",
+    "StreamRenderer",
+    "StructuredOutputsBody",
+    "TextPart",
+    "TokenCounts",
+    "TopLogprob",
+    "Usage",
+    "chat_logprobs",
+    "completion_logprobs",
+    "encode",
+    "error_body",
+    "invalid",
+    "meta_from_headers",
+    "new_request_id",
+    "parse_chat",
+    "parse_completion",
+    "render_completion",
+    "render_models",
+    "token_id_text",
+]

@@ -1,0 +1,53 @@
+"""A request's id and the ``ResponseContext`` its response is rendered with."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from router.openai_api.sampling import SamplingFields
+from shared.protocol import RequestKind
+
+
+class ResponseContext(msgspec.Struct, gc=False):
+    """What rendering a response needs to know about its request."""
+
+    id: str
+    kind: RequestKind
+    model: str
+    created: int
+    stream: bool
+    include_usage: bool
+    n: int = 1
+    logprobs: int | None = None  # top-k per token (0: the token's own only); None: no logprobs
+    echo: str = ""  # completions with echo: the prompt, prepended to each choice's text
+    token_text: Any = None  # token id -> text (router.prompts.TokenText), set by the ingress
+    request_id: str | None = None  # x-request-id, for an error event's body (set by the ingress)
+
+    @property
+    def rich(self) -> bool:
+        """Needs the general renderer (several choices, logprobs or echo)."""
+        return self.n > 1 or self.logprobs is not None or bool(self.echo)
+
+
+_id_prefix = os.urandom(4).hex()
+_id_counter = 0
+
+
+def new_request_id() -> str:
+    """Unique per process (random prefix + counter): cheap, and never collides
+    with another router process's ids in logs."""
+    global _id_counter
+    _id_counter += 1
+    return f"{_id_prefix}{_id_counter:x}"
+
+
+def response_context(req: SamplingFields, kind: RequestKind, request_id: str, logprobs: int | None = None,
+                     echo: str = "") -> ResponseContext:
+    prefix = "cmpl-" if kind == RequestKind.COMPLETION else "chatcmpl-"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return ResponseContext(prefix + request_id, kind, req.model, int(time.time()), bool(req.stream), include_usage,
+                           req.n or 1, logprobs, echo)

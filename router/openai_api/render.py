@@ -1,0 +1,78 @@
+"""Non-streamed response bodies: one choice's text (``render_completion``),
+any shape -- several choices, logprobs, echo (``Accumulator``) -- and the
+model list."""
+
+from __future__ import annotations
+
+from router.openai_api.chat import AssistantMessage, ChatChoice, ChatCompletion
+from router.openai_api.completions import Completion, CompletionChoice
+from router.openai_api.context import ResponseContext
+from router.openai_api.encoding import encode
+from router.openai_api.logprobs import ChoiceState, add_logprobs, chat_logprobs, completion_logprobs
+from router.openai_api.usage import TokenCounts, usage_of
+from shared.protocol import Delta, RequestKind
+
+
+def render_completion(ctx: ResponseContext, text: str, finish_reason: str | None,
+                      prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+    usage = usage_of(prompt_tokens, completion_tokens, cached_tokens)
+    if ctx.kind == RequestKind.COMPLETION:
+        return encode(Completion(ctx.id, "text_completion", ctx.created, ctx.model,
+                                 [CompletionChoice(0, text, None, finish_reason)], usage))
+    return encode(ChatCompletion(ctx.id, "chat.completion", ctx.created, ctx.model,
+                                 [ChatChoice(0, AssistantMessage("assistant", text), None, finish_reason)], usage))
+
+
+class Accumulator:
+    """A non-streamed response of any shape: choices by index, logprobs, echo."""
+
+    __slots__ = ("ctx", "counts", "choices")
+
+    def __init__(self, ctx: ResponseContext) -> None:
+        self.ctx = ctx
+        self.counts = TokenCounts()
+        self.choices = [ChoiceState() for _ in range(max(1, ctx.n))]
+
+    def add(self, deltas: list[Delta]) -> None:
+        lp = self.ctx.logprobs is not None
+        choices = self.choices
+        for d in deltas:
+            self.counts.add(d)
+            if d.index >= len(choices):
+                continue  # an engine bug; never index past the request's n
+            c = choices[d.index]
+            if d.text:
+                c.texts.append(d.text)
+            if lp:
+                add_logprobs(c, d)
+            if d.choice_finish is not None:
+                c.finish = d.choice_finish
+            if d.finish_reason is not None:
+                for other in choices:  # the last choice's reason; an abort ends every open one
+                    if other.finish is None:
+                        other.finish = d.finish_reason
+
+    def render(self) -> bytes:
+        ctx = self.ctx
+        usage = self.counts.usage()
+        lp = ctx.logprobs is not None
+        if ctx.kind == RequestKind.COMPLETION:
+            return encode(Completion(ctx.id, "text_completion", ctx.created, ctx.model, [
+                CompletionChoice(i, ctx.echo + "".join(ch.texts), completion_logprobs(ctx, ch) if lp else None,
+                                 ch.finish) for i, ch in enumerate(self.choices)], usage))
+        return encode(ChatCompletion(ctx.id, "chat.completion", ctx.created, ctx.model, [
+            ChatChoice(i, AssistantMessage("assistant", "".join(ch.texts)), chat_logprobs(ctx, ch) if lp else None,
+                       ch.finish) for i, ch in enumerate(self.choices)], usage))
+
+
+def render_models(models: list[tuple[str, int, int, str]], created: int) -> bytes:
+    """OpenAI's model list; weir adds each model's context, its workers ready
+    now and its state (loading / ready / unloading: models at run time)."""
+    return encode({
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "weir", "max_model_len": max_len,
+             "ready_workers": ready, "state": state}
+            for name, max_len, ready, state in models
+        ],
+    })

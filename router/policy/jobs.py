@@ -1,0 +1,57 @@
+"""The policy's job table and the transitions of a queued entry: into a
+queue (``enqueue``), out of the queued state (``unqueue``: dispatched, or
+``drop_queued``: expired or ended before it ran), each keeping every count
+over the queues exact."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from router.policy.model import ModelState
+from router.policy.queues import TenantQueue, insert_by_arrival
+from router.policy.records import DONE, Entry
+
+
+class JobTable:
+    """Every job the policy holds, queued or running, by id, and the queued
+    count per tenant (what ``max_queue_per_tenant`` bounds)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+        self.tenant_count: dict[str, int] = {}
+        self.seq = 0  # entries made so far: tells a job's generation-deadline record from a stale one
+
+    def enqueue(self, m: ModelState, q: TenantQueue, e: Entry, now: float) -> None:
+        q.push(e)
+        mq = m.queues
+        rank = e.rank
+        insert_by_arrival(mq.by_arrival[(rank, e.size)], e)
+        mq.last_seen[rank] = max(mq.last_seen[rank], now)
+        self.entries[e.job.job_id] = e
+        mq.class_count[rank] += 1
+        m.totals.account(e, 1, now)
+        m.totals.inflow[rank].add(now, e.tokens)
+        tenant = e.job.tenant
+        self.tenant_count[tenant] = self.tenant_count.get(tenant, 0) + 1
+
+    def unqueue(self, m: Optional[ModelState], e: Entry, now: float) -> None:
+        """``e`` left the queued state (its queue already updated)."""
+        if m is not None:
+            mq = m.queues
+            mq.class_count[e.rank] -= 1
+            mq.dequeued(e.rank)
+            m.totals.account(e, -1, now)
+        tenant = e.job.tenant
+        n = self.tenant_count.get(tenant, 0) - 1
+        if n > 0:
+            self.tenant_count[tenant] = n
+        else:
+            self.tenant_count.pop(tenant, None)
+
+    def drop_queued(self, m: Optional[ModelState], e: Entry, now: float) -> None:
+        """A queued ``e`` ended without running (expired, cancelled)."""
+        self.entries.pop(e.job.job_id, None)
+        e.state = DONE
+        if e.queue is not None:
+            e.queue.forget(e)
+        self.unqueue(m, e, now)

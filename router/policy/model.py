@@ -1,0 +1,36 @@
+"""A model's state inside the policy, one record per concern."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from router.policy.queues import ModelQueues
+from router.policy.records import FreeSlots, WorkerState
+from router.policy.wait_model import AdmissionTotals, CapacityGroup
+
+
+class ModelState:
+    """One model: its workers, their free slots, its queues, the admission
+    totals over them, and the capacity model's cache."""
+
+    __slots__ = ("name", "workers", "eligible", "free", "capacity", "queues", "totals")
+
+    def __init__(self, name: str, n_classes: int) -> None:
+        self.name = name
+        # The worker registry, by id (sorted: ties in placement go to the lowest).
+        self.workers: dict[str, WorkerState] = {}
+        # per size: the workers a job of that size may ever use (admission's
+        # checks); None after a worker came or went
+        self.eligible: Optional[dict[int, list[WorkerState]]] = None
+        self.free = FreeSlots()
+        # the capacity model's inputs, workers grouped by what they registered
+        # with (wait_model.capacity_rate); None after a change
+        self.capacity: Optional[list[CapacityGroup]] = None
+        self.queues = ModelQueues(n_classes)
+        self.totals = AdmissionTotals(n_classes)
+
+    def fleet_changed(self, now: float) -> None:
+        """A worker came or went: drop what was derived from the fleet."""
+        self.eligible = None
+        self.capacity = None
+        self.totals.remeasure(now)

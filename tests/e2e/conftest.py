@@ -1,0 +1,52 @@
+"""The end-to-end tier's fixtures: real processes on free loopback ports.
+
+``stack`` (session): ONE whole stack for most end-to-end tests -- Envoy, the
+router, a real vLLM worker on the tiny model and a sim worker -- with API
+keys configured (see stackutil.API_KEYS).  It is a ``deploy.stack.Stack``:
+``envoy_url``, ``router_url``, ``zmq_frontend``, ``admin_url``,
+``metrics_url``, ``cfg``, ``cfg_path``, ``run_dir``, ``components``.
+Tests must leave it as they found it (no stopping components, no using
+up ``KEY_ALPHA``/``KEY_BETA`` rate limits).
+
+``sim_stack`` (session): the same without vLLM and without API keys (only
+``sim-tiny``, ~1 s to start) for dataplane tests that need no real model.
+
+Tests that break their stack on purpose start their own with
+``stackutil.write_config`` + ``stackutil.start_stack``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import stackutil
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    if not (stackutil.TINY_MODEL_DIR / "config.json").exists():
+        pytest.fail(f"tiny model missing: run `weir make-model {stackutil.TINY_MODEL_DIR}`")
+    d = tmp_path_factory.mktemp("stack")
+    cfg_path = stackutil.write_config(
+        d,
+        envoy={"max_request_bytes": stackutil.STACK_MAX_REQUEST_BYTES},
+        models=stackutil.localconfig.models(vllm_max_model_len=stackutil.STACK_VLLM_MAX_LEN),
+        workers=[stackutil.vllm_worker("vllm-0"), stackutil.sim_worker("sim-0")],
+        api_keys=stackutil.API_KEYS,
+    )
+    yield from _run(cfg_path, d / "run")
+
+
+@pytest.fixture(scope="session")
+def sim_stack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sim_stack")
+    cfg_path = stackutil.write_config(d, workers=[stackutil.sim_worker("sim-0")])
+    yield from _run(cfg_path, d / "run")
+
+
+def _run(cfg_path, run_dir):
+    with stackutil.start_stack(cfg_path, run_dir) as s:
+        yield s
+        procs = stackutil.stack_processes(s)  # vLLM's EngineCore & co. included
+    left = stackutil.alive(procs)
+    assert not left, f"processes left after Stack.stop(): {sorted(left)}"

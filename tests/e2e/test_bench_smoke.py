@@ -1,0 +1,111 @@
+"""`weir bench` smoke runs against a real stack (sim worker): a few requests
+per target; asserts the report's shape and that counts add up, not timings.
+The workload specs, arrivals and argument checks: tests/unit/test_bench_workloads.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import spec
+from bench.cli import main as bench_main
+from bench.prompts import PromptMaker
+from bench.runner import plan
+from weir.cli import main as weir_main
+
+from stackutil import free_port
+
+N = 8
+LAT_KEYS = {"p50", "p90", "p99", "mean", "min", "max"}
+
+
+def _run(tmp_path, *args: str, cli=bench_main) -> tuple[int, dict]:
+    out = tmp_path / "out"
+    argv = list(args) + ["--no-progress", "--out", str(out)]
+    rc = cli(["bench", *argv]) if cli is weir_main else cli(argv)
+    data = json.loads((out / "result.json").read_text())
+    return rc, data
+
+
+def _assert_counts_add_up(summary: dict) -> None:
+    groups = [summary["overall"], *summary["classes"].values()]
+    for s in groups:
+        assert s["sent"] == s["ok"] + sum(s["http_errors"].values()) + s["errors"] + s["incomplete"]
+        assert s["rate_limited_429"] == s["http_errors"].get("429", 0)
+        assert s["unavailable_503"] == s["http_errors"].get("503", 0)
+    for key in ("sent", "ok", "errors", "incomplete", "output_tokens"):
+        assert summary["overall"][key] == sum(c[key] for c in summary["classes"].values())
+
+
+def _url(stack, kind: str) -> str:
+    return {"router": stack.router_url, "envoy": stack.envoy_url, "zmq": stack.zmq_frontend}[kind]
+
+
+@pytest.mark.parametrize("kind,mode", [("router", ["-c", "4"]), ("envoy", ["--rate", "200"]), ("zmq", ["-c", "3"])])
+def test_smoke_run_every_target(sim_stack, tmp_path, kind, mode):
+    rc, data = _run(tmp_path, "-w", "smoke", "-t", kind, "--url", _url(sim_stack, kind), "-n", str(N), *mode)
+    assert rc == 0
+    assert set(data) == {"meta", "summary", "requests"}
+    meta, summary, reqs = data["meta"], data["summary"], data["requests"]
+    assert meta["target_kind"] == kind and meta["limits"]["num_requests"] == N
+    o = summary["overall"]
+    assert o["sent"] == o["ok"] == N, o.get("first_error")
+    _assert_counts_add_up(summary)
+    for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(o[m]) == LAT_KEYS
+        assert o[m]["p50"] <= o[m]["p90"] <= o[m]["p99"] <= o[m]["max"]
+    assert o["goodput_fraction"] is not None and 0 <= o["goodput_fraction"] <= 1
+    assert o["throughput_rps"] > 0 and o["output_tok_per_s"] > 0
+
+    # Every request got exactly the tokens it asked for (the sim never stops
+    # early), and the engine's prompt count is the length the spec drew.
+    planned = plan(spec.load("smoke"), N, PromptMaker())
+    assert [r["cls"] for r in reqs] == [p.cls.name for p in planned]
+    assert [r["output_tokens"] for r in reqs] == [p.max_tokens for p in planned]
+    assert sum(r["output_tokens"] for r in reqs) == o["output_tokens"]
+    assert [r["prompt_tokens"] for r in reqs] == [len(p.prompt) // 4 for p in planned]
+    for r in reqs:
+        assert r["status"] == 200 and r["finish_reason"] == "length"
+        assert r["events"] == r["output_tokens"]  # sim: one streamed event per token
+        assert len(r["itl"]) == r["events"] - 1
+        assert 0 < r["ttft"] <= r["end"] - r["start"]
+
+    assert {p.cls.name for p in planned} == set(summary["classes"]) == {"short", "long"}
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| short |" in md and "| long |" in md and "| overall |" in md
+    assert (tmp_path / "out" / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_refusals_are_counted_by_status(sim_stack, tmp_path):
+    # Unknown model: every request is refused with one 4xx status, none ok.
+    rc, data = _run(tmp_path, "-w", "smoke", "-t", "router", "--url", sim_stack.router_url,
+                    "-n", "5", "-c", "2", "--model", "sim-no-such-model", "--no-plots")
+    assert rc == 1  # nothing succeeded
+    o = data["summary"]["overall"]
+    assert o["ok"] == 0 and o["errors"] == 0 and o["incomplete"] == 0
+    assert len(o["http_errors"]) == 1 and sum(o["http_errors"].values()) == 5
+    assert 400 <= int(next(iter(o["http_errors"]))) < 500
+    assert "sim-no-such-model" in o["first_error"]
+    assert o["ttft_ms"] is None and o["e2e_ms"] is None
+    _assert_counts_add_up(data["summary"])
+
+
+def test_unreachable_target_counts_transport_errors(tmp_path):
+    rc, data = _run(tmp_path, "-w", "smoke", "-t", "openai", "--url", f"http://127.0.0.1:{free_port()}/v1",
+                    "-n", "3", "-c", "1", "--no-plots")
+    assert rc == 1
+    o = data["summary"]["overall"]
+    assert o["errors"] == o["sent"] == 3 and o["ok"] == 0
+    _assert_counts_add_up(data["summary"])
+
+
+def test_time_limit_bounds_the_run(sim_stack, tmp_path):
+    # 40 requests at 20/s would take 2 s; the 0.5 s limit stops sending early.
+    rc, data = _run(tmp_path, "-w", "smoke", "-t", "zmq", "--url", sim_stack.zmq_frontend,
+                    "-n", "40", "--rate", "20", "--duration", "0.5", "--no-plots", cli=weir_main)
+    assert rc == 0
+    o = data["summary"]["overall"]
+    assert 2 <= o["sent"] < 40
+    assert all(r["scheduled"] <= 0.5 for r in data["requests"])
+    _assert_counts_add_up(data["summary"])

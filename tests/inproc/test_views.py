@@ -1,0 +1,188 @@
+"""The operators' views (router/views.py), actions (router/operator_actions.py)
+and their HTTP routes (router/http_routes.py), over the real lifecycle and a
+fake worker link: no sockets, no processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Iterator, Optional
+
+import msgspec
+import pytest
+
+from router.core import RouterCore
+from router.http_routes import Refusal, Reply, Routes, routes
+from router.metrics import RouterMetrics
+from router.operator_actions import RouterOperator
+from router.views import RouterViews
+from router.worker_link import WorkerReport
+from shared import protocol as p
+from shared.config import Config
+
+
+class FakeLink:
+    """The worker link as the views and the operator see it (and the lifecycle's WorkerPort)."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, str] = {}  # worker id -> model
+        self.drain_left: dict[str, float] = {}  # draining workers -> seconds left
+
+    def dispatch(self, worker_id: str, req: p.GenerateRequest) -> bool:
+        return worker_id in self.models
+
+    def abort(self, worker_id: str, job_id: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def worker_count(self) -> int:
+        return len(self.models)
+
+    def worker_ids(self) -> set[str]:
+        return set(self.models)
+
+    def workers_of(self, model: str) -> list[str]:
+        return [w for w, m in self.models.items() if m == model]
+
+    def report(self, worker_id: str) -> Optional[WorkerReport]:
+        model = self.models.get(worker_id)
+        if model is None:
+            return None
+        return WorkerReport(worker_id, model, "sim", p.GpuInfo(), p.WorkerStats(running=1),
+                            self.drain_left.get(worker_id))
+
+    def reports(self) -> list[WorkerReport]:
+        return [r for w in self.models if (r := self.report(w)) is not None]
+
+    def drain(self, worker_id: str) -> bool:
+        if worker_id not in self.models:
+            return False
+        self.drain_left.setdefault(worker_id, 30.0)
+        return True
+
+    def undrain(self, worker_id: str) -> bool:
+        self.drain_left.pop(worker_id, None)
+        return worker_id in self.models
+
+
+class Req(msgspec.Struct):
+    method: bytes
+    path: bytes
+    body: bytes = b""
+
+
+def _config() -> Config:
+    return msgspec.convert({"models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096}]}, Config)
+
+
+class Router:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.link = FakeLink()
+        self.metrics = RouterMetrics()
+        self.core = RouterCore(_config(), self.loop, self.link, metrics=self.metrics)
+        self.views = RouterViews(self.core, self.link, self.metrics)
+        self.reloads = 0
+        self.operator = RouterOperator(self.core, self.link, self._reload)
+        self.routes: Routes = routes(self.views, self.operator, created=7)
+
+    def _reload(self) -> dict:
+        self.reloads += 1
+        return {"ok": True}
+
+    def join(self, worker_id: str, model: str = "sim-m") -> None:
+        self.link.models[worker_id] = model
+        self.core.worker_joined(p.Register(worker_id=worker_id, model=model, pool=p.Pool.ANY, max_model_len=4096,
+                                           kv_capacity_tokens=8192, block_size=16, max_num_seqs=4, engine="sim"))
+
+    def call(self, method: str, path: str, body: object = None) -> tuple[int, object]:
+        req = Req(method.encode(), path.encode(), b"" if body is None else json.dumps(body).encode())
+        route = self.routes.exact.get(req.path)
+        if route is not None:
+            assert route.method in (req.method, b"*")
+            answer = route.handler(req)
+        else:
+            pattern = next(r for r in self.routes.patterns if r.matches(req.path, req.method))
+            answer = pattern.handler(req)
+        if isinstance(answer, Refusal):
+            return answer.info.status, answer.info.code
+        assert isinstance(answer, Reply)
+        return answer.status, json.loads(answer.body) if answer.content_type == b"application/json" else answer.body
+
+
+@pytest.fixture
+def router() -> Iterator[Router]:
+    r = Router()
+    yield r
+    r.core.close()
+    r.loop.close()
+
+
+def test_one_model_renders_as_in_the_list(router):
+    router.join("w0")
+    _, listed = router.call("GET", "/v1/models")
+    status, one = router.call("GET", "/v1/models/sim-m")
+    assert status == 200 and listed["data"] == [one]
+    assert one == {"id": "sim-m", "object": "model", "created": 7, "owned_by": "weir", "max_model_len": 4096,
+                   "ready_workers": 1, "state": "ready"}
+    assert router.call("GET", "/v1/models/nope") == (404, "model_not_found")
+
+
+def test_drain_shows_in_every_view_and_readiness(router):
+    router.join("w0")
+    assert router.call("GET", "/health/ready")[0] == 200
+    assert router.call("POST", "/admin/workers/w0/drain") == (200, {"worker": "w0", "draining": True})
+    assert router.call("GET", "/admin/workers/w0/drain") == (405, "method_not_allowed")
+    assert router.call("POST", "/admin/workers/nope/drain") == (404, "not_found")
+    _, one = router.call("GET", "/admin/workers/w0")
+    assert one == {"id": "w0", "model": "sim-m", "state": "draining", "running": 0, "drain_left_s": 30.0}
+    _, rows = router.call("GET", "/admin/workers")
+    assert rows[0]["state"] == "draining" and rows[0]["engine_running"] == 1 and rows[0]["gpu_present"] is False
+    assert router.call("GET", "/health/ready")[0] == 503
+    router.call("POST", "/admin/workers/w0/undrain")
+    assert router.call("GET", "/admin/workers/w0")[1]["state"] == "ready"
+    assert router.call("GET", "/admin/workers/nope") == (404, "not_found")
+
+
+def test_models_added_and_removed_at_run_time(router):
+    router.join("w0")
+    extra = {"model": {"name": "sim-extra", "engine": "sim"},
+             "workers": [{"id": "sim-extra-0", "model": "sim-extra"}]}
+    status, body = router.call("POST", "/admin/models", extra)
+    assert (status, body["state"]) == (200, "loading")
+    assert router.call("POST", "/admin/models", extra)[0] == 400  # already there
+    clash = {"model": {"name": "other", "engine": "sim"}, "workers": [{"id": "w0", "model": "other"}]}
+    assert router.call("POST", "/admin/models", clash)[0] == 400  # a linked worker's id
+    assert router.call("POST", "/admin/models", {"model": {"name": "x"}, "bogus": 1})[0] == 400
+    assert router.call("PUT", "/admin/models") == (405, "method_not_allowed")
+    _, models = router.call("GET", "/admin/models")
+    by_name = {m["name"]: m for m in models}
+    assert by_name["sim-m"]["runtime"] is False and by_name["sim-extra"]["runtime"] is True
+    assert [w["id"] for w in by_name["sim-extra"]["workers"]] == ["sim-extra-0"]
+    router.join("sim-extra-0", "sim-extra")
+    assert router.call("POST", "/admin/models/sim-extra/remove") == (200, {"ok": True, "model": "sim-extra",
+                                                                       "state": "unloading"})
+    assert router.link.drain_left == {"sim-extra-0": 30.0}  # its workers drain
+    falls_back = {"model": {"name": "sim-b", "engine": "sim", "fallbacks": ["sim-extra"]}}
+    assert router.call("POST", "/admin/models", falls_back)[0] == 409  # to a model unloading
+    assert router.call("POST", "/admin/models/nope/remove")[0] == 404
+    assert router.call("GET", "/admin/models/sim-extra/remove") == (405, "method_not_allowed")
+
+
+def test_health_queues_tenants_metrics_and_reload(router):
+    router.join("w0")
+    assert router.call("GET", "/health")[1] == {"status": "ok", "workers": 1, "uptime_s": pytest.approx(0, abs=5),
+                                               "jobs": 0}
+    assert all(q["queued"] == 0 for q in router.call("GET", "/admin/queues")[1])
+    assert isinstance(router.call("GET", "/admin/tenants")[1], dict)
+    assert b"weir_model_ready_workers{model=\"sim-m\"} 1.0" in router.call("GET", "/metrics")[1]
+    assert router.call("POST", "/admin/reload") == (200, {"ok": True}) and router.reloads == 1
+
+
+def test_without_an_operator_nothing_changes_state(router):
+    read_only = routes(router.views, None, created=7)
+    assert set(read_only.exact) == set(router.routes.exact) - {b"/admin/reload"}
+    assert read_only.exact[b"/admin/models"].method == b"GET"
+    assert not any(r.matches(b"/admin/models/m/remove", b"POST") for r in read_only.patterns)

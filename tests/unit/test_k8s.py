@@ -1,0 +1,235 @@
+"""deploy/k8s/: the checked-in manifests are the rendering of deploy/weir.toml,
+every object validates offline (Kubernetes 1.32 schemas; KEDA's ScaledObject
+against deploy/schemas/) and the invariants that matter hold.  The same
+manifests on real processes: tests/e2e/test_k8s_e2e.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from deploy import envoy_config, k8s
+from shared.config import DEFAULT_CONFIG, ConfigError, load, loads
+from stackutil import REPO
+
+K8S_DIR = REPO / "deploy" / "k8s"
+KEDA_SCHEMA = json.loads((REPO / "deploy" / "schemas" / "keda-scaledobject.schema.json").read_text())
+K8S_VERSION = "1.32"
+OVERLAYS = [None, "cpu-demo", "gpu"]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load(DEFAULT_CONFIG)
+
+
+def _validate(obj: dict) -> None:
+    if obj["kind"] == "ScaledObject":
+        jsonschema.validate(obj, KEDA_SCHEMA)
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def _by(objs, kind, name=None):
+    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def test_checked_in_manifests_are_the_rendering_of_the_default_config(cfg):
+    fresh = k8s.files(cfg)
+    on_disk = {p.relative_to(K8S_DIR).as_posix() for p in K8S_DIR.rglob("*.yaml")}
+    assert on_disk == set(fresh), "deploy/k8s is stale: run `weir render-k8s`"
+    for rel, text in fresh.items():
+        assert (K8S_DIR / rel).read_text() == text, f"deploy/k8s/{rel} is stale: run `weir render-k8s`"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_against_its_schema(cfg, overlay):
+    objs = k8s.built(cfg, overlay)
+    kinds = {o["kind"] for o in objs}
+    assert {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap", "NetworkPolicy",
+            "CronJob", "ScaledObject"} <= kinds
+    for o in objs:
+        _validate(o)
+
+
+def test_validation_would_catch_a_broken_manifest(cfg):
+    objs = k8s.built(cfg)
+    sts = copy.deepcopy(_by(objs, "StatefulSet")[0])
+    sts["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["periodSeconds"] = "ten"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate(sts)
+    sts = copy.deepcopy(_by(objs, "StatefulSet")[0])
+    sts["spec"]["template"]["spec"]["containers"][0]["preStopp"] = {}  # strict: unknown field
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate(sts)
+    so = copy.deepcopy(_by(objs, "ScaledObject")[0])
+    so["spec"]["triggers"][0]["metadata"]["threshold"] = 12  # KEDA's metadata values are strings
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(so)
+    so = copy.deepcopy(_by(objs, "ScaledObject")[0])
+    so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"][
+        "stabilizationWindowSeconds"] = 7200
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(so)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for `kubectl kustomize`) not installed")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_builds_what_the_renderer_validated(cfg, overlay):
+    """The objects validated above are what `kubectl kustomize` makes of the files."""
+    path = K8S_DIR / ("base" if overlay is None else f"overlays/{overlay}")
+    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, check=True).stdout
+
+    def norm(v):
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        if isinstance(v, list):  # kustomize moves patched list items first: compare by key
+            v = [norm(x) for x in v]
+            if v and all(isinstance(x, dict) and ("name" in x or "mountPath" in x) for x in v):
+                v = sorted(v, key=lambda x: str(x.get("name", x.get("mountPath"))))
+        return v
+
+    theirs = {(o["kind"], o["metadata"]["name"]): norm(o) for o in yaml.safe_load_all(out)}
+    mine = {(o["kind"], o["metadata"]["name"]): norm(o) for o in k8s.built(cfg, overlay)}
+    assert theirs == mine
+
+
+def test_router_deployment_probes_pdb_and_headless_service(cfg):
+    objs = k8s.built(cfg)
+    dep = _by(objs, "Deployment", "weir-router")[0]
+    assert dep["spec"]["replicas"] >= 2
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    pdb = _by(objs, "PodDisruptionBudget", "weir-router")[0]
+    assert pdb["spec"]["minAvailable"] == 1 and pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    svc = _by(objs, "Service", k8s.ROUTERS_SERVICE)[0]["spec"]
+    # headless, and listing routers that are not ready yet: a router is ready only once a worker found it
+    assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+    assert svc["selector"].items() <= labels.items()
+    assert {p["port"] for p in svc["ports"]} >= {5556, 8001}
+
+
+def test_worker_statefulsets_probes_drain_and_grace(cfg):
+    objs = k8s.built(cfg)
+    groups = {g.name: g for g in k8s.worker_groups(cfg)}
+    sets = _by(objs, "StatefulSet")
+    assert {s["metadata"]["name"] for s in sets} == set(groups) == {"weir-worker-tiny-llama", "weir-worker-sim-tiny"}
+    for s in sets:
+        g = groups[s["metadata"]["name"]]
+        pod = s["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        startup = c["startupProbe"]
+        budget = startup["periodSeconds"] * startup["failureThreshold"]
+        if g.engine == "vllm":
+            assert budget >= cfg.kubernetes.model_load_timeout_s
+        assert c["readinessProbe"]["exec"]["command"][-1] == "ready"
+        assert c["lifecycle"]["preStop"]["exec"]["command"][-1] == "drain"
+        # preStop waits up to the drain timeout; the SIGTERM after it may drain that long again
+        assert pod["terminationGracePeriodSeconds"] >= 2 * cfg.router.drain_timeout_s
+        assert c["command"][-2:] == ["--instance-id", "$(POD_NAME)"]
+        assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+        assert "nvidia.com/gpu" not in json.dumps(c)
+        assert "replicas" not in s["spec"]  # the ScaledObject's to set
+    # every ScaledObject targets a StatefulSet that exists, windows short up / long down
+    for so in _by(objs, "ScaledObject"):
+        assert so["spec"]["scaleTargetRef"]["name"] in groups
+        b = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert b["scaleUp"]["stabilizationWindowSeconds"] < b["scaleDown"]["stabilizationWindowSeconds"]
+
+
+def test_gpu_overlay_gives_each_vllm_worker_a_gpu_and_a_gpu_config(cfg):
+    objs = k8s.built(cfg, "gpu")
+    vllm = _by(objs, "StatefulSet", "weir-worker-tiny-llama")[0]["spec"]["template"]
+    c = vllm["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["image"] == cfg.kubernetes.gpu_image
+    assert c["startupProbe"] and c["lifecycle"]["preStop"]  # the patch kept the base's probes
+    sim = _by(objs, "StatefulSet", "weir-worker-sim-tiny")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "limits" not in sim["resources"]
+    worker_toml = _by(objs, "ConfigMap")[0]["data"]["worker.toml"]
+    w = loads(worker_toml).worker("cpu-vllm-0")
+    assert w.gpu_index == 0 and w.kv_cache_bytes == 0
+    assert vllm["metadata"]["annotations"][k8s.HASH_ANNOTATION] == k8s._sha(worker_toml)  # a change rolls the pods
+    so = _by(objs, "ScaledObject", "weir-worker-tiny-llama")[0]
+    assert [t["name"] for t in so["spec"]["triggers"]] == ["demand", "gpu-utilization"]
+
+
+def test_configmap_views_load_and_point_at_the_routers(cfg):
+    data = _by(k8s.built(cfg), "ConfigMap")[0]["data"]
+    router, worker = loads(data["router.toml"]), loads(data["worker.toml"])
+    assert router.router.backend == "tcp://0.0.0.0:5556" and router.router.http == "0.0.0.0:8001"
+    assert worker.router.backend == k8s.worker_router_backend(cfg) == "tcp://weir-routers.weir.svc.cluster.local:5556"
+    assert router.model("tiny-llama").path == "/models/tiny-llama"
+    envoy = yaml.safe_load(data["envoy.yaml"])
+    cluster = envoy["static_resources"]["clusters"][0]
+    assert cluster["type"] == "STRICT_DNS"  # one upstream host per router pod
+    envoy_config.validate(data["envoy.yaml"])  # the real Envoy accepts it
+
+
+def test_a_config_of_several_local_routers_renders_the_same_routing(cfg):
+    """[[routers]] (and a worker's own routers list) name processes on hosts;
+    in the cluster the routers are the Deployment behind its Services."""
+    import msgspec
+
+    raw = msgspec.to_builtins(cfg)
+    raw["routers"] = [{"http": "127.0.0.1:18001", "frontend": "tcp://127.0.0.1:15555",
+                       "backend": "tcp://127.0.0.1:15556"},
+                      {"http": "127.0.0.1:18002", "frontend": "tcp://127.0.0.1:15557",
+                       "backend": "tcp://127.0.0.1:15558"}]
+    raw["workers"][0]["routers"] = ["tcp://127.0.0.1:15556"]
+    several = msgspec.convert(raw, type(cfg))
+    data = _by(k8s.built(several), "ConfigMap")[0]["data"]
+    assert data == _by(k8s.built(cfg), "ConfigMap")[0]["data"]
+    worker = loads(data["worker.toml"])
+    assert worker.worker_backends(worker.workers[0]) == [k8s.worker_router_backend(cfg)]
+
+
+def test_network_policies_deny_by_default_and_open_only_the_planes(cfg):
+    pols = {p["metadata"]["name"]: p["spec"] for p in _by(k8s.built(cfg), "NetworkPolicy")}
+    assert pols["weir-default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    router = pols["weir-router"]["ingress"]
+    by_port = {}
+    for rule in router:
+        for p in rule["ports"]:
+            by_port.setdefault(p["port"], []).append(rule.get("from"))
+    assert 5556 in by_port and all(f[0]["podSelector"]["matchLabels"][k8s.PART] == "worker" for f in by_port[5556])
+    assert "weir-worker" not in pols  # workers accept nothing: default deny
+
+
+def test_bad_kubernetes_settings_are_refused(cfg):
+    text = (REPO / "deploy" / "weir.toml").read_text()
+    for extra, msg in (("router_replicas = 1", "router_replicas"), ("min_workers = 9", "min_workers"),
+                       ("scale_down_window_s = 4000", "scale_down_window_s")):
+        bad = loads(text + f"\n[kubernetes]\n{extra}\n", base_dir=str(REPO / "deploy"))
+        with pytest.raises(ConfigError, match=msg):
+            k8s.files(bad)
+    import msgspec
+
+    for names, msg in ((["m" * 50], "at most 52"), (["a.b", "a-b"], "both render")):
+        raw = msgspec.to_builtins(cfg)
+        raw["models"] = [{"name": n, "engine": "sim", "max_model_len": 1024} for n in names]
+        raw["workers"] = [{"id": f"w{i}", "model": n} for i, n in enumerate(names)]
+        raw.pop("fallbacks", None)
+        with pytest.raises(ConfigError, match=msg):
+            k8s.files(msgspec.convert(raw, type(cfg)))
+
+
+def test_containerfile_copies_every_package_the_project_installs():
+    import tomllib
+
+    includes = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {i.rstrip("*") for i in includes}
+    text = (REPO / "deploy" / "Containerfile").read_text()
+    copied = set(re.findall(r"^COPY (\S+) \1$", text, re.M))
+    assert packages <= copied, f"deploy/Containerfile does not COPY {sorted(packages - copied)}"
+    assert 'pip install ".[${ENGINE}]"' in text
+
