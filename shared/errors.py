@@ -202,7 +202,7 @@ class Refusal(NamedTuple):
 WHEN: dict[Code, str] = {
     Code.BAD_REQUEST: "a field is malformed or out of range, or the body is not JSON (`param` names the field)",
     Code.UNSUPPORTED_VALUE: "a known field weir cannot honour (`best_of` > 1, `suffix`, `tools`, ...; "
-                            "structured output or `logprobs` on a simulated engine)",
+    "structured output or `logprobs` on a simulated engine)",
     Code.CONTEXT_LENGTH: "prompt + `max_tokens` exceeds the model's context, or the KV any worker can hold",
     Code.INVALID_API_KEY: "keys are configured and this one is unknown or malformed",
     Code.MODEL_NOT_FOUND: "no such model is served (or it was removed at run time)",
@@ -224,9 +224,9 @@ WHEN: dict[Code, str] = {
     Code.MODEL_UNLOADING: "the model is being removed at run time",
     Code.QUEUE_DEADLINE: "the request waited past its class's `queue_deadline_s`",
     Code.WORKER_LOST: "its worker was lost and it could not be resumed (resumes used up, "
-                      "structured output or n > 1 after output)",
+    "structured output or n > 1 after output)",
     Code.SERVICE_UNAVAILABLE: "Envoy has no healthy router",
-    Code.QUOTA_UNAVAILABLE: "the Redis budget store is unreachable and `on_store_error = \"closed\"`",
+    Code.QUOTA_UNAVAILABLE: 'the Redis budget store is unreachable and `on_store_error = "closed"`',
     Code.GENERATION_DEADLINE: "the request ran past `generation_deadline_s`",
 }
 
