@@ -6,7 +6,7 @@ ENGINE ?= cpu
 STAMP := $(VENV)/.weir-installed-$(ENGINE)
 MODEL := models/tiny-llama/config.json
 
-.PHONY: run test setup render-envoy render-k8s redis prometheus tmux
+.PHONY: run test lint setup render-envoy render-k8s redis prometheus tmux
 
 run: setup
 	$(VENV)/bin/weir up $(if $(CONFIG),--config $(CONFIG))
@@ -18,6 +18,13 @@ test: setup
 .PHONY: test-fast
 test-fast: $(STAMP) $(MODEL)
 	$(VENV)/bin/pytest -m "not slow" tests/unit tests/inproc $(PYTEST_ARGS)
+
+# Static checks (configured in pyproject.toml): lint, formatting, and types (strict on shared/ and router/).
+LINT_PATHS := shared router engine_worker deploy weir
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 setup: $(STAMP) $(MODEL) redis prometheus tmux
 

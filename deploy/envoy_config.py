@@ -147,8 +147,13 @@ def _error_body(message: str, code: Code, wire_code: str | None = None) -> dict:
     JSON format (values may hold %COMMANDS%; ``wire_code`` overrides the code)."""
     return {
         "json_format": {
-            "error": {"message": message, "type": code.type, "param": None, "code": wire_code or code.wire,
-                      "request_id": "%REQ(X-REQUEST-ID)%"},
+            "error": {
+                "message": message,
+                "type": code.type,
+                "param": None,
+                "code": wire_code or code.wire,
+                "request_id": "%REQ(X-REQUEST-ID)%",
+            },
         },
         "content_type": "application/json",
     }
@@ -243,8 +248,9 @@ def _rate_limit(cfg: Config) -> dict:
         bucket = _bucket(k.rate_limit_rps or rl.per_key_rps, k.rate_limit_burst or rl.per_key_burst)
         descriptors.append({"entries": [{"key": "api_key", "value": k.key}], "token_bucket": bucket})
     # value "" = one dynamic bucket per distinct key (LRU, max_keys)
-    descriptors.append({"entries": [{"key": "api_key", "value": ""}],
-                        "token_bucket": _bucket(rl.per_key_rps, rl.per_key_burst)})
+    descriptors.append(
+        {"entries": [{"key": "api_key", "value": ""}], "token_bucket": _bucket(rl.per_key_rps, rl.per_key_burst)}
+    )
     return {
         "@type": f"{_TYPES}.filters.http.local_ratelimit.v3.LocalRateLimit",
         "stat_prefix": RATE_LIMIT_STAT_PREFIX,
@@ -265,20 +271,25 @@ def _rate_limit(cfg: Config) -> dict:
 def _route(match: dict, idle: str, cfg: Config) -> dict:
     # timeout 0s: a stream may last as long as it keeps sending (the idle
     # timeout bounds it); Envoy's default 15 s would cut long generations.
-    route = {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}
+    route: dict[str, Any] = {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}
     if cfg.envoy.retries > 0:
         # Only failures before the request reached a router are retried (it
         # cannot have started there): a router restarting or being replaced.
         route["retry_policy"] = {
             "retry_on": "connect-failure,refused-stream,reset-before-request",
             "num_retries": cfg.envoy.retries,
-            "retry_back_off": {"base_interval": _seconds(cfg.envoy.retry_base_s),
-                               "max_interval": _seconds(cfg.envoy.retry_max_s)},
+            "retry_back_off": {
+                "base_interval": _seconds(cfg.envoy.retry_base_s),
+                "max_interval": _seconds(cfg.envoy.retry_max_s),
+            },
         }
         if len(cfg.router_endpoints()) > 1:  # several routers: retry on another one, not the dead one
-            route["retry_policy"]["retry_host_predicate"] = [{
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {"@type": f"{_TYPES}.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}]
+            route["retry_policy"]["retry_host_predicate"] = [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {"@type": f"{_TYPES}.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+                }
+            ]
             route["retry_policy"]["host_selection_retry_max_attempts"] = 5
     return {"match": match, "route": route}
 
@@ -353,12 +364,14 @@ def _http_connection_manager(cfg: Config) -> dict:
                 "name": "envoy.access_loggers.stdout",
                 "typed_config": {
                     "@type": f"{_TYPES}.access_loggers.stream.v3.StdoutAccessLog",
-                    "log_format": _ACCESS_LOG_JSON if cfg.logging.format == "json" else {
+                    "log_format": _ACCESS_LOG_JSON
+                    if cfg.logging.format == "json"
+                    else {
                         "text_format_source": {
                             "inline_string": '[%START_TIME%] "%REQ(:METHOD)% %REQ(:PATH)%" '
                             "%RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% "
                             "%DURATION%ms upstream=%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%ms "
-                            'id=%REQ(X-REQUEST-ID)%\n'
+                            "id=%REQ(X-REQUEST-ID)%\n"
                         }
                     },
                 },
@@ -369,18 +382,27 @@ def _http_connection_manager(cfg: Config) -> dict:
 
 # [logging] format = "json": Envoy's access log as JSON lines too, with the
 # field names of the router's and workers' (shared/logs.py).
-_ACCESS_LOG_JSON = {"json_format": {
-    "ts": "%START_TIME%", "component": "envoy", "method": "%REQ(:METHOD)%", "path": "%REQ(:PATH)%",
-    "status": "%RESPONSE_CODE%", "flags": "%RESPONSE_FLAGS%", "bytes_in": "%BYTES_RECEIVED%",
-    "bytes_out": "%BYTES_SENT%", "duration_ms": "%DURATION%",
-    "upstream_ms": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%", "request_id": "%REQ(X-REQUEST-ID)%",
-}}
+_ACCESS_LOG_JSON = {
+    "json_format": {
+        "ts": "%START_TIME%",
+        "component": "envoy",
+        "method": "%REQ(:METHOD)%",
+        "path": "%REQ(:PATH)%",
+        "status": "%RESPONSE_CODE%",
+        "flags": "%RESPONSE_FLAGS%",
+        "bytes_in": "%BYTES_RECEIVED%",
+        "bytes_out": "%BYTES_SENT%",
+        "duration_ms": "%DURATION%",
+        "upstream_ms": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%",
+        "request_id": "%REQ(X-REQUEST-ID)%",
+    }
+}
 
 
 def _router_cluster(cfg: Config) -> dict:
     hosts = [split_hostport(ep.http) for ep in cfg.router_endpoints()]
     interval = _seconds(cfg.envoy.health_check_interval_s)
-    cluster = {
+    cluster: dict[str, Any] = {
         "name": ROUTER_CLUSTER,
         "type": "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS",
         "connect_timeout": "1s",
@@ -453,15 +475,19 @@ def _router_cluster(cfg: Config) -> dict:
 
 def _tls(cfg: Config) -> dict:
     """Listener TLS (``envoy.tls_cert_file`` / ``tls_key_file``, PEM)."""
+    cert, key = cfg.envoy.tls_cert_file, cfg.envoy.tls_key_file
+    assert cert is not None and key is not None, "called where TLS is configured (both files: validated)"
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": f"{_TYPES}.transport_sockets.tls.v3.DownstreamTlsContext",
             "common_tls_context": {
-                "tls_certificates": [{
-                    "certificate_chain": {"filename": cfg.resolve(cfg.envoy.tls_cert_file)},
-                    "private_key": {"filename": cfg.resolve(cfg.envoy.tls_key_file)},
-                }],
+                "tls_certificates": [
+                    {
+                        "certificate_chain": {"filename": cfg.resolve(cert)},
+                        "private_key": {"filename": cfg.resolve(key)},
+                    }
+                ],
                 "alpn_protocols": ["h2", "http/1.1"],
             },
         },
@@ -501,8 +527,7 @@ def render_dict(cfg: Config) -> dict:
                 {
                     "name": "envoy.resource_monitors.global_downstream_max_connections",
                     "typed_config": {
-                        "@type": f"{_TYPES}.resource_monitors.downstream_connections.v3."
-                        "DownstreamConnectionsConfig",
+                        "@type": f"{_TYPES}.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
                         "max_active_downstream_connections": cfg.envoy.max_connections,
                     },
                 }

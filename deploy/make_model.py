@@ -16,13 +16,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-_CORPUS = """
+_CORPUS = (
+    """
 The quick brown fox jumps over the lazy dog. A weir is a low dam that regulates flow.
 Large language models generate text one token at a time. Requests wait in queues,
 are admitted when memory allows, and stream their tokens back to clients.
 Hello world! How are you today? I am fine, thank you. What is the capital of France?
 Paris is the capital of France. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
-""" * 20
+"""
+    * 20
+)
 
 
 def build(out_dir: str) -> Path:
@@ -44,9 +47,7 @@ def build(out_dir: str) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 

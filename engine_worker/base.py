@@ -16,12 +16,15 @@ final Delta -- so "exactly one final Delta" holds for any n.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, GenerateRequest, WorkerStats
+
+from .prefix_feed import PrefixFeed
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class Live:
         self.completion_tokens = 0  # all choices together
         self.open = n  # choices not ended yet
         self.sent = False  # a Delta went out (the first carries prompt_tokens)
-        self.handle = None  # the engine's own (vLLM: its task)
+        self.handle: asyncio.Task[None] | None = None  # the engine's own (vLLM: its task)
         self.engine_id = ""  # the engine's id for this attempt (vLLM: unique per dispatch)
         self.cached = 0  # prompt tokens found in the prefix cache (engine's count)
 
@@ -69,13 +72,13 @@ class EngineBase:
     def __init__(self) -> None:
         # Set when the engine can no longer serve (e.g. vLLM's EngineCore died);
         # the worker then says Goodbye and exits non-zero so it is restarted.
-        self.fatal_error: Optional[BaseException] = None
+        self.fatal_error: BaseException | None = None
         self._live: dict[str, Live] = {}
         self.aborts_total = 0
         self.finished_total = 0
         self.tokens_total = 0  # generated, all requests (the heartbeat's WorkerStats.tokens_total)
         # Where the engine reports what its prefix cache holds (set by the worker).
-        self.kv_feed = None
+        self.kv_feed: PrefixFeed | None = None
 
     # -- what the worker calls ---------------------------------------------------
 
@@ -108,8 +111,14 @@ class EngineBase:
             self.aborts_total += 1
             self._stop(rid, live)
             if tell:
-                live.emit(Delta(rid, finish_reason="abort", prompt_tokens=live.prompt_tokens,
-                                completion_tokens=live.completion_tokens))
+                live.emit(
+                    Delta(
+                        rid,
+                        finish_reason="abort",
+                        prompt_tokens=live.prompt_tokens,
+                        completion_tokens=live.completion_tokens,
+                    )
+                )
 
     def live_ids(self) -> list[str]:
         return list(self._live)
@@ -128,9 +137,19 @@ class EngineBase:
     def _is_live(self, rid: str, live: Live) -> bool:
         return self._live.get(rid) is live
 
-    def _output(self, rid: str, live: Live, text: str, token_ids: list[int],
-                finish_reason: Optional[str] = None, prompt_tokens: int = 0, index: int = 0,
-                logprobs: bytes = b"", top_ids: Optional[list[int]] = None, cached_tokens: int = 0) -> None:
+    def _output(
+        self,
+        rid: str,
+        live: Live,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None = None,
+        prompt_tokens: int = 0,
+        index: int = 0,
+        logprobs: bytes = b"",
+        top_ids: list[int] | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
         """New tokens of a live request's choice ``index``; ``finish_reason``
         ends that choice (and the request with its last open choice)."""
         if self._live.get(rid) is not live:
@@ -172,11 +191,10 @@ class EngineBase:
         """End a live request with an error instead of output."""
         if self._live.get(rid) is live:
             del self._live[rid]
-            live.emit(Delta(rid, error=err, prompt_tokens=live.prompt_tokens,
-                            completion_tokens=live.completion_tokens))
+            live.emit(Delta(rid, error=err, prompt_tokens=live.prompt_tokens, completion_tokens=live.completion_tokens))
 
 
-def bad_request(message: str, param: Optional[str] = None) -> ErrorInfo:
+def bad_request(message: str, param: str | None = None) -> ErrorInfo:
     return error(Code.BAD_REQUEST, message, param=param)
 
 

@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import msgspec
 
@@ -24,7 +24,7 @@ from shared.protocol import GpuInfo
 
 log = logging.getLogger(__name__)
 
-_nvml_ok: Optional[bool] = None  # None: not tried yet
+_nvml_ok: bool | None = None  # None: not tried yet
 _nvml_error = ""
 
 
@@ -43,7 +43,7 @@ def _init() -> bool:
     return _nvml_ok
 
 
-def _optional(read: Callable[[], float]) -> Optional[float]:
+def _optional(read: Callable[[], float]) -> float | None:
     """One NVML reading, or None where the board does not support it."""
     try:
         return float(read())
@@ -51,7 +51,7 @@ def _optional(read: Callable[[], float]) -> Optional[float]:
         return None
 
 
-def read_gpu(index: Optional[int]) -> GpuInfo:
+def read_gpu(index: int | None) -> GpuInfo:
     if index is None or not _init():
         return GpuInfo(present=False)
     try:
@@ -66,14 +66,18 @@ def read_gpu(index: Optional[int]) -> GpuInfo:
         log.warning("NVML read of GPU %s failed: %s", index, e)
         return GpuInfo(present=False, index=index)
     return GpuInfo(
-        True, name, index, int(mem.total), int(mem.used),
+        True,
+        name,
+        index,
+        int(mem.total),
+        int(mem.used),
         utilization_percent=_optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
         temperature_c=_optional(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
         power_w=_optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0),  # NVML: milliwatts
     )
 
 
-def probe(index: Optional[int] = None) -> dict:
+def probe(index: int | None = None) -> dict:
     """Every GPU's reading (or the one at ``index``), and the cost of a read."""
     if not _init():
         return {"nvml": False, "error": _nvml_error, "gpus": [msgspec.structs.asdict(GpuInfo(present=False))]}
@@ -93,7 +97,7 @@ def _str(v) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine_worker.gpu", description="NVML readings as weir reports them")
     ap.add_argument("--probe", action="store_true", required=True, help="print every GPU's reading as JSON")
     ap.add_argument("--index", type=int, default=None, help="only this GPU (NVML index)")

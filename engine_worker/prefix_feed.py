@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from shared.protocol import PrefixEvents, PrefixSnapshot
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class PrefixFeed:
-    def __init__(self, loop: asyncio.AbstractEventLoop, send: Callable[[object], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, send: Callable[[PrefixEvents | PrefixSnapshot], None]) -> None:
         self.loop = loop
         self.send = send
         self.blocks: set[int] = set()

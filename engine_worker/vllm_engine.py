@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Optional
 
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.config.kv_events import KVEventsConfig
@@ -76,8 +75,17 @@ def _stats_sink(into: _SchedulerStats):
 class VllmEngine(EngineBase):
     name = "vllm"
 
-    def __init__(self, model_path: str, model_name: str, *, max_model_len: int, max_num_seqs: int,
-                 dtype: str, kv_cache_bytes: Optional[int], gpu_memory_utilization: float) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        model_name: str,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        dtype: str,
+        kv_cache_bytes: int | None,
+        gpu_memory_utilization: float,
+    ) -> None:
         super().__init__()
         # Prefix caching on, and its KV events on per-worker ipc sockets that
         # this worker consumes (engine_worker.vllm_events): nothing to open
@@ -95,15 +103,23 @@ class VllmEngine(EngineBase):
             scheduling_policy="priority",
             disable_log_stats=True,  # our stats sink still runs; vLLM's periodic logger doesn't
             enable_prefix_caching=True,
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self._kv_pub,
-                                            replay_endpoint=self._kv_replay, topic="kv"),
-            **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes
-               else {"gpu_memory_utilization": gpu_memory_utilization}),
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=self._kv_pub,
+                replay_endpoint=self._kv_replay,
+                topic="kv",
+            ),
+            **(
+                {"kv_cache_memory_bytes": kv_cache_bytes}
+                if kv_cache_bytes
+                else {"gpu_memory_utilization": gpu_memory_utilization}
+            ),
         )
         self.engine: AsyncLLM | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._background: set[asyncio.Task] = set()  # keeps abort tasks referenced until done
-        self._resetting: Optional[asyncio.Task] = None  # a prefix-cache reset waiting for an idle cache
+        self._loop: asyncio.AbstractEventLoop  # the worker's, from start() on
+        self._background: set[asyncio.Task[None]] = set()  # keeps abort tasks referenced until done
+        self._resetting: asyncio.Task[None] | None = None  # a prefix-cache reset waiting for an idle cache
         self._sched = _SchedulerStats()
         self._aborted: list[str] = []  # engine ids to abort inside vLLM, batched per loop turn
         self._attempts = 0  # numbers each dispatch's engine id
@@ -120,16 +136,22 @@ class VllmEngine(EngineBase):
         from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
 
         caching = bool(cache.enable_prefix_caching)
-        return EngineInfo(self.name, vc.model_config.max_model_len, usable_tokens,
-                          cache.block_size, vc.scheduler_config.max_num_seqs,
-                          prefix_caching=caching,
-                          prefix_hash=cache.prefix_caching_hash_algo if caching else "",
-                          # (as the EngineCore resolves it: vLLM's resolve_none_hash_seed)
-                          # (set but empty is a seed too: vLLM tests ``is not None``)
-                          prefix_hash_seed=(DEFAULT_NONE_HASH_SEED if os.environ.get("PYTHONHASHSEED") is None
-                                            else os.environ["PYTHONHASHSEED"]),
-                          kv_events_endpoint=self._kv_pub if caching else "",
-                          kv_events_replay=self._kv_replay if caching else "")
+        return EngineInfo(
+            self.name,
+            vc.model_config.max_model_len,
+            usable_tokens,
+            cache.block_size,
+            vc.scheduler_config.max_num_seqs,
+            prefix_caching=caching,
+            prefix_hash=cache.prefix_caching_hash_algo if caching else "",
+            # (as the EngineCore resolves it: vLLM's resolve_none_hash_seed)
+            # (set but empty is a seed too: vLLM tests ``is not None``)
+            prefix_hash_seed=(
+                DEFAULT_NONE_HASH_SEED if os.environ.get("PYTHONHASHSEED") is None else os.environ["PYTHONHASHSEED"]
+            ),
+            kv_events_endpoint=self._kv_pub if caching else "",
+            kv_events_replay=self._kv_replay if caching else "",
+        )
 
     def reset_prefix_cache(self) -> None:
         """Empty the engine's prefix cache (its AllBlocksCleared follows at
@@ -182,8 +204,14 @@ class VllmEngine(EngineBase):
             kv = 0.0
         else:
             running, waiting, kv = min(s.running, live), min(s.waiting, live), s.kv_usage
-        return WorkerStats(running=running, waiting=waiting, kv_usage=kv, preemptions_total=s.preemptions_total,
-                           aborts_total=self.aborts_total, finished_total=self.finished_total)
+        return WorkerStats(
+            running=running,
+            waiting=waiting,
+            kv_usage=kv,
+            preemptions_total=s.preemptions_total,
+            aborts_total=self.aborts_total,
+            finished_total=self.finished_total,
+        )
 
     async def shutdown(self) -> None:
         tasks = [live.handle for live in self._live.values() if live.handle is not None]
@@ -207,8 +235,11 @@ class VllmEngine(EngineBase):
             task.add_done_callback(self._background.discard)
 
     async def _abort_ids(self, ids: list[str]) -> None:
+        engine = self.engine
+        if engine is None:
+            return  # shut down meanwhile: nothing runs to abort
         try:
-            await self.engine.abort(ids)
+            await engine.abort(ids)
         except Exception:
             log.exception("vLLM abort failed")
 
@@ -216,17 +247,17 @@ class VllmEngine(EngineBase):
         rid = req.request_id
         p = req.params
         try:
+            engine = self.engine
+            assert engine is not None, "requests run between start() and shutdown()"
             if not req.prompt_token_ids:
-                raise ValueError("the request carries no prompt token ids (the router has no tokenizer "
-                                 "for this model)")
+                raise ValueError("the request carries no prompt token ids (the router has no tokenizer for this model)")
             # vLLM's token-prompt path: checks the ids against the context, no tokenizing.
-            (engine_input,) = await self.engine.renderer.render_cmpl_async(
-                [{"prompt_token_ids": req.prompt_token_ids}])
+            (engine_input,) = await engine.renderer.render_cmpl_async([{"prompt_token_ids": req.prompt_token_ids}])
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
             params = vllm_params(p)
             k = p.logprobs
-            outputs = self.engine.generate(engine_input, params, live.engine_id, priority=req.priority)
+            outputs = engine.generate(engine_input, params, live.engine_id, priority=req.priority)
             try:
                 async for out in outputs:
                     if not self._is_live(rid, live):
@@ -237,24 +268,42 @@ class VllmEngine(EngineBase):
                         if c.finish_reason in ("error", "abort"):
                             # Not our abort (that one left the live table): vLLM
                             # gave up on it -- an error, never an empty "stop".
-                            self._fail(rid, live, engine_error(f"The engine {_GAVE_UP[c.finish_reason]} this "
-                                                               "request; please retry.", unavailable=True))
+                            self._fail(
+                                rid,
+                                live,
+                                engine_error(
+                                    f"The engine {_GAVE_UP[c.finish_reason]} this request; please retry.",
+                                    unavailable=True,
+                                ),
+                            )
                             return
                         finish = c.finish_reason
                         if finish is None and out.finished and p.n == 1:
                             finish = "stop"
                         ids = list(c.token_ids)
                         if k is None or not ids:
-                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index,
-                                         cached_tokens=cached)
+                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index, cached_tokens=cached)
                         else:
                             values, top = _pack(c.logprobs, ids, k)
-                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index, values, top,
-                                         cached_tokens=cached)
+                            self._output(
+                                rid,
+                                live,
+                                c.text,
+                                ids,
+                                finish,
+                                prompt_tokens,
+                                c.index,
+                                values,
+                                top,
+                                cached_tokens=cached,
+                            )
                     if out.finished:
                         if self._is_live(rid, live):  # a choice vLLM never ended (should not happen)
-                            self._fail(rid, live, engine_error("The engine ended the request without "
-                                                               "ending all of its choices."))
+                            self._fail(
+                                rid,
+                                live,
+                                engine_error("The engine ended the request without ending all of its choices."),
+                            )
                         return
             finally:
                 await outputs.aclose()
@@ -282,15 +331,32 @@ def vllm_params(p: SamplingParams) -> VllmSamplingParams:
     so = p.structured
     structured = None
     if so is not None:
-        structured = StructuredOutputsParams(json=so.json, regex=so.regex, choice=list(so.choice) or None,
-                                             grammar=so.grammar, json_object=True if so.json_object else None)
+        structured = StructuredOutputsParams(
+            json=so.json,
+            regex=so.regex,
+            choice=list(so.choice) or None,
+            grammar=so.grammar,
+            json_object=True if so.json_object else None,
+        )
     return VllmSamplingParams(
-        n=p.n, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-        stop=list(p.stop) or None, ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        top_k=p.top_k, min_p=p.min_p, repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
-        stop_token_ids=list(p.stop_token_ids) or None, logit_bias=dict(p.logit_bias) or None,
-        logprobs=p.logprobs, structured_outputs=structured,
+        n=p.n,
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        seed=p.seed,
+        stop=list(p.stop) or None,
+        ignore_eos=p.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids) or None,
+        logit_bias=dict(p.logit_bias) or None,
+        logprobs=p.logprobs,
+        structured_outputs=structured,
     )
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -44,8 +44,16 @@ _END_SEQ = -1
 
 
 class VllmKvEvents:
-    def __init__(self, ctx: zmq.Context, pump, loop: asyncio.AbstractEventLoop, endpoint: str,
-                 replay_endpoint: Optional[str], feed: PrefixFeed, on_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        pump,
+        loop: asyncio.AbstractEventLoop,
+        endpoint: str,
+        replay_endpoint: str | None,
+        feed: PrefixFeed,
+        on_lost: Callable[[], None],
+    ) -> None:
         self.loop = loop
         self.pump = pump
         self.feed = feed
@@ -56,7 +64,7 @@ class VllmKvEvents:
         self.gaps = 0
         self._held: list[list[bytes]] = []  # live batches that came while a replay runs
         self._replaying = False
-        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer: asyncio.TimerHandle | None = None
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -152,7 +160,7 @@ class VllmKvEvents:
                 seqs = [int.from_bytes(f[1], "big", signed=True) for f in rest if len(f) == 3 and len(f[1]) == 8]
                 return self._give_up("replay did not cover the gap", max(seqs, default=self.last))
 
-    def _give_up(self, why: str, resume_at: Optional[int] = None) -> None:
+    def _give_up(self, why: str, resume_at: int | None = None) -> None:
         self._timer = None
         self._replaying = False
         held, self._held = self._held, []

@@ -38,11 +38,18 @@ async def warm_up(engine: EngineBase, info: EngineInfo, timeout_s: float) -> flo
     n = max(1, min(WARMUP_PROMPT_TOKENS, info.max_model_len - max_tokens))
     # Small ids exist in every vocabulary; the simulated engine reads only the count.
     ids = [1 + i % 64 for i in range(n)]
-    reqs = [GenerateRequest(WARMUP_ID, ids, n, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                              ignore_eos=True))]
+    reqs = [GenerateRequest(WARMUP_ID, ids, n, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))]
     if info.engine == "vllm":
-        reqs.append(GenerateRequest(WARMUP_ID + "-sampled", ids, n, SamplingParams(
-            max_tokens=max_tokens, temperature=1.0, top_k=5, top_p=0.9, logprobs=1, seed=0, ignore_eos=True)))
+        reqs.append(
+            GenerateRequest(
+                WARMUP_ID + "-sampled",
+                ids,
+                n,
+                SamplingParams(
+                    max_tokens=max_tokens, temperature=1.0, top_k=5, top_p=0.9, logprobs=1, seed=0, ignore_eos=True
+                ),
+            )
+        )
     loop = asyncio.get_running_loop()
     done = {r.request_id: loop.create_future() for r in reqs}
 
@@ -57,7 +64,7 @@ async def warm_up(engine: EngineBase, info: EngineInfo, timeout_s: float) -> flo
         engine.submit(r, emit)
     try:
         finals = await asyncio.wait_for(asyncio.gather(*done.values()), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         engine.abort(list(done), tell=False)
         raise WarmupFailed(f"no result in {timeout_s:g} s") from None
     finally:  # not requests: the heartbeat's counters start from zero

@@ -35,21 +35,43 @@ import asyncio
 import functools
 import logging
 import signal
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
-from shared.protocol import (Abort, Delta, Dispatch, Drain, GpuInfo, Goodbye, Heartbeat, Outputs, Pool, PrefixResync,
-                             Refuse, Register, WorkerStats, encoder, to_worker_decoder)
+from shared.protocol import (
+    Abort,
+    Delta,
+    Dispatch,
+    Drain,
+    GenerateRequest,
+    Goodbye,
+    GpuInfo,
+    Heartbeat,
+    Outputs,
+    Pool,
+    PrefixEvents,
+    PrefixResync,
+    PrefixSnapshot,
+    Refuse,
+    Register,
+    WorkerStats,
+    WorkerToRouter,
+    encoder,
+    to_worker_decoder,
+)
 from shared.transport import Outbox, SocketPump
 
-from .base import EngineBase
+from .base import Emit, EngineBase
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
-from .warmup import WarmupFailed, warm_up
 from .prefix_feed import PrefixFeed
+from .warmup import WarmupFailed, warm_up
+
+if TYPE_CHECKING:
+    from .vllm_events import VllmKvEvents
 
 log = logging.getLogger("engine_worker")
 
@@ -69,9 +91,16 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
         return SimEngine(wcfg.sim, wcfg.max_num_seqs, max_model_len)
     from .vllm_engine import VllmEngine  # imports vLLM: seconds
 
-    return VllmEngine(cfg.resolve(model.path), model.name, max_model_len=max_model_len,
-                      max_num_seqs=wcfg.max_num_seqs, dtype=wcfg.dtype, kv_cache_bytes=wcfg.kv_cache_bytes,
-                      gpu_memory_utilization=wcfg.gpu_memory_utilization)
+    assert model.path is not None, "config validation: a vllm model has a path"
+    return VllmEngine(
+        cfg.resolve(model.path),
+        model.name,
+        max_model_len=max_model_len,
+        max_num_seqs=wcfg.max_num_seqs,
+        dtype=wcfg.dtype,
+        kv_cache_bytes=wcfg.kv_cache_bytes,
+        gpu_memory_utilization=wcfg.gpu_memory_utilization,
+    )
 
 
 class _Link:
@@ -83,12 +112,12 @@ class _Link:
         self.index = index
         self.address = address
         self.prefix = f"{index}:"  # engine request id = prefix + the router's id
-        self.sock: Optional[zmq.Socket] = None
+        self.sock: zmq.Socket[bytes] | None = None
         self.last_heard = 0.0
         self.missed = 0  # heartbeat ticks in a row with nothing heard from it
         self.backoff = BACKOFF_INITIAL_S
         self.reconnecting = False
-        self.emit = None  # its requests' Deltas: Worker._emit_for bound to this link
+        self.emit: Emit | None = None  # its requests' Deltas: Worker._emit_for bound to this link
 
 
 class Worker:
@@ -105,19 +134,19 @@ class Worker:
         self.links = [_Link(i, addr) for i, addr in enumerate(cfg.worker_backends(wcfg))]
         for link in self.links:
             link.emit = functools.partial(self._emit_for, link)
-        self.ledger: Optional[Ledger] = None  # once the engine says what it has
-        self.register_msg: Optional[Register] = None
+        self.ledger: Ledger | None = None  # once the engine says what it has
+        self.register_msg: Register | None = None
         self.exit_code = 0
         self._stop = asyncio.Event()
         self._stop_reason = "shutdown"
-        self._draining: Optional[asyncio.Task] = None
+        self._draining: asyncio.Task | None = None
         self._malformed = 0
         # [logging] requests: engine id -> (request id, dispatch time), for one line per finished request
         self._log_requests = cfg.logging.requests
         self._traces: dict[str, tuple[str, float]] = {}
         # What the engine's prefix cache holds, for every router (engine_worker.prefix_feed).
         self.prefix_feed = PrefixFeed(self.loop, self._broadcast)
-        self.kv_events = None  # vLLM's event stream (engine_worker.vllm_events)
+        self.kv_events: VllmKvEvents | None = None  # vLLM's event stream (engine_worker.vllm_events)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -137,7 +166,8 @@ class Worker:
 
     async def _drain_then_stop(self) -> None:
         deadline = self.loop.time() + self.cfg.router.drain_timeout_s
-        while self.engine.live_ids() and self.loop.time() < deadline:
+        # a poll: the engines announce no "idle", and one look is a set read
+        while self.engine.live_ids() and self.loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         left = self.engine.live_ids()
         if left:  # the router resumes them elsewhere once it has our Goodbye
@@ -157,9 +187,15 @@ class Worker:
         if info.kv_events_endpoint:  # before the warm-up, so its blocks are reported too
             from .vllm_events import VllmKvEvents
 
-            self.kv_events = VllmKvEvents(self.ctx, self.pump, self.loop, info.kv_events_endpoint,
-                                          info.kv_events_replay or None, self.prefix_feed,
-                                          self.engine.reset_prefix_cache)
+            self.kv_events = VllmKvEvents(
+                self.ctx,
+                self.pump,
+                self.loop,
+                info.kv_events_endpoint,
+                info.kv_events_replay or None,
+                self.prefix_feed,
+                self.engine.reset_prefix_cache,
+            )
         if self.wcfg.warmup and not self._stop.is_set():
             try:
                 took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
@@ -173,11 +209,19 @@ class Worker:
             log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
         gpu = read_gpu(self.wcfg.gpu_index)
         self.register_msg = Register(
-            worker_id=self.wcfg.id, model=self.wcfg.model, pool=_POOLS[self.wcfg.pool],
-            max_model_len=info.max_model_len, kv_capacity_tokens=info.kv_capacity_tokens,
-            block_size=info.block_size, max_num_seqs=info.max_num_seqs, engine=info.engine, gpu=gpu,
-            step_time_s=info.step_time_s, request_overhead_s=info.request_overhead_s,
-            prefix_caching=info.prefix_caching, prefix_hash=info.prefix_hash,
+            worker_id=self.wcfg.id,
+            model=self.wcfg.model,
+            pool=_POOLS[self.wcfg.pool],
+            max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            block_size=info.block_size,
+            max_num_seqs=info.max_num_seqs,
+            engine=info.engine,
+            gpu=gpu,
+            step_time_s=info.step_time_s,
+            request_overhead_s=info.request_overhead_s,
+            prefix_caching=info.prefix_caching,
+            prefix_hash=info.prefix_hash,
             prefix_hash_seed=info.prefix_hash_seed,
         )
         sched = self.cfg.scheduler
@@ -185,10 +229,17 @@ class Worker:
         if not self._stop.is_set():
             for link in self.links:
                 self._connect(link)
-            log.info("worker %s registered: engine=%s capacity=%d tokens block=%d max_num_seqs=%d "
-                     "max_model_len=%d routers=%s", self.wcfg.id, info.engine, info.kv_capacity_tokens,
-                     info.block_size, info.max_num_seqs, info.max_model_len,
-                     ",".join(link.address for link in self.links))
+            log.info(
+                "worker %s registered: engine=%s capacity=%d tokens block=%d max_num_seqs=%d "
+                "max_model_len=%d routers=%s",
+                self.wcfg.id,
+                info.engine,
+                info.kv_capacity_tokens,
+                info.block_size,
+                info.max_num_seqs,
+                info.max_model_len,
+                ",".join(link.address for link in self.links),
+            )
             heartbeats = self.loop.create_task(self._heartbeat_loop())
             await self._stop.wait()
             heartbeats.cancel()
@@ -228,13 +279,14 @@ class Worker:
         self._register(link)
 
     def _register(self, link: _Link) -> None:
+        assert self.register_msg is not None, "links connect once the engine has started"
         self._send(link, self.register_msg)
         if self._draining is not None:  # a router that (re)learns of us while we drain: still draining
             self._send(link, Drain("SIGTERM"))
         if self.register_msg.prefix_hash:  # the router learns the cache anew with every registration
             self.prefix_feed.snapshot()  # (to every router: they all follow one seq)
 
-    def _broadcast(self, msg) -> None:
+    def _broadcast(self, msg: PrefixEvents | PrefixSnapshot) -> None:
         """The prefix feed's messages go to every linked router, in one seq."""
         for link in self.links:
             if not link.reconnecting:
@@ -246,16 +298,17 @@ class Worker:
             self.pump.remove(sock)
             sock.close(linger=linger_ms)
 
-    def _send(self, link: _Link, msg) -> None:
+    def _send(self, link: _Link, msg: WorkerToRouter) -> None:
         if link.sock is not None:
             self.pump.send(link.sock, [encoder.encode(msg)])
 
     def _emit_for(self, link: _Link, d: Delta) -> None:
         """An engine's Delta of one of ``link``'s requests: the router's own id
         back, the ledger released with the request's last Delta."""
-        rid = d.request_id[len(link.prefix):]
+        rid = d.request_id[len(link.prefix) :]
         d.request_id = rid
         if d.finish_reason is not None or d.error is not None:
+            assert self.ledger is not None, "requests arrive once the engine has started"
             self.ledger.release(link.index, rid)
         self.outbox.put(link.index, d)
 
@@ -270,9 +323,16 @@ class Worker:
     def _log_end(self, link: _Link, d: Delta) -> None:
         rid, t0 = self._traces.pop(link.prefix + d.request_id, (d.request_id, self.loop.time()))
         outcome = d.finish_reason or (d.error.code or "error" if d.error is not None else "?")
-        log.info("request %s %s job=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f", rid, outcome,
-                 d.request_id, d.prompt_tokens, d.completion_tokens, self.loop.time() - t0,
-                 extra={"request_id": rid, "outcome": outcome})
+        log.info(
+            "request %s %s job=%s prompt_tokens=%d completion_tokens=%d seconds=%.3f",
+            rid,
+            outcome,
+            d.request_id,
+            d.prompt_tokens,
+            d.completion_tokens,
+            self.loop.time() - t0,
+            extra={"request_id": rid, "outcome": outcome},
+        )
 
     async def _heartbeat_loop(self) -> None:
         prev = self.loop.time()
@@ -290,6 +350,7 @@ class Worker:
                 return
             stats = None
             gpu = await self._read_gpu()
+            assert self.ledger is not None, "heartbeats start once the engine has started"
             for link in self.links:
                 if link.reconnecting:
                     continue
@@ -305,8 +366,13 @@ class Worker:
 
     async def _reconnect(self, link: _Link) -> None:
         delay, link.backoff = link.backoff, min(link.backoff * 2, BACKOFF_MAX_S)
-        log.warning("worker %s: router %s silent for %.1f s; reconnecting in %.2f s",
-                    self.wcfg.id, link.address, self.loop.time() - link.last_heard, delay)
+        log.warning(
+            "worker %s: router %s silent for %.1f s; reconnecting in %.2f s",
+            self.wcfg.id,
+            link.address,
+            self.loop.time() - link.last_heard,
+            delay,
+        )
         self._close_socket(link)
         self._forget_inflight(link)
         try:
@@ -318,10 +384,10 @@ class Worker:
 
     def _forget_inflight(self, link: _Link) -> None:
         """That router no longer knows its requests here: stop them, telling nobody."""
+        assert self.ledger is not None, "links connect once the engine has started"
         ids = self.ledger.drop(link.index)
         if ids:
-            log.warning("worker %s: aborting %d in-flight requests of router %s", self.wcfg.id, len(ids),
-                        link.address)
+            log.warning("worker %s: aborting %d in-flight requests of router %s", self.wcfg.id, len(ids), link.address)
             self.engine.abort([link.prefix + rid for rid in ids], tell=False)
             for rid in ids:
                 self._traces.pop(link.prefix + rid, None)
@@ -333,7 +399,7 @@ class Worker:
             return GpuInfo(present=False)
         return await self.loop.run_in_executor(None, read_gpu, self.wcfg.gpu_index)
 
-    def stats(self, gpu: Optional[GpuInfo] = None) -> WorkerStats:
+    def stats(self, gpu: GpuInfo | None = None) -> WorkerStats:
         s = self.engine.stats()
         if gpu is None:
             gpu = read_gpu(self.wcfg.gpu_index)
@@ -366,14 +432,16 @@ class Worker:
             self.prefix_feed.snapshot()
         elif isinstance(msg, Goodbye):
             # The router forgot us (restart, or it timed us out): start afresh.
-            log.warning("worker %s: router %s said goodbye (%s); registering again", self.wcfg.id,
-                        link.address, msg.reason)
+            log.warning(
+                "worker %s: router %s said goodbye (%s); registering again", self.wcfg.id, link.address, msg.reason
+            )
             self._forget_inflight(link)
             self._register(link)
         # Heartbeat: liveness only, recorded above.
 
-    def _on_dispatch(self, link: _Link, requests: list) -> None:
-        ledger, prefix, index = self.ledger, link.prefix, link.index
+    def _on_dispatch(self, link: _Link, requests: list[GenerateRequest]) -> None:
+        ledger, prefix, index, emit = self.ledger, link.prefix, link.index, link.emit
+        assert ledger is not None and self.register_msg is not None and emit is not None, "engine started"
         block = self.register_msg.block_size
         refused = []
         traces = self._traces if self._log_requests else None
@@ -387,10 +455,17 @@ class Worker:
             req.request_id = prefix + rid
             if traces is not None:  # (a refused one never ends here: no trace kept for it)
                 traces[req.request_id] = (req.trace_id or rid, now)
-            self.engine.submit(req, link.emit)
+            self.engine.submit(req, emit)
         if refused:
             other_tokens, other_seqs = ledger.others(index)
-            log.debug("worker %s: refused %d dispatches of router %s (holding %d tokens, %d seqs of %d, %d)",
-                     self.wcfg.id, len(refused), link.address, ledger.tokens, ledger.seqs, ledger.budget,
-                     ledger.slots)
+            log.debug(
+                "worker %s: refused %d dispatches of router %s (holding %d tokens, %d seqs of %d, %d)",
+                self.wcfg.id,
+                len(refused),
+                link.address,
+                ledger.tokens,
+                ledger.seqs,
+                ledger.budget,
+                ledger.slots,
+            )
             self._send(link, Refuse(refused, other_tokens, other_seqs))

@@ -30,15 +30,15 @@ import itertools
 import json
 import os
 import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Optional
+from typing import Any
 
 import msgspec
 import zmq
 
 from shared import protocol as p
 from shared.transport import SocketPump
-
 
 # A Cancel queued just before close() must still reach the router, even if
 # this process is descheduled for a while. close() returns at once; only a
@@ -54,6 +54,8 @@ class WeirError(Exception):
 
 
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # id, logprob, top k (id, logprob)
+Messages = Sequence[p.ChatMessage | dict[str, str]]  # dicts as OpenAI spells them: {"role", "content"}
+TaskTypeArg = str | p.TaskType | None  # a name ("chat", ...) or the enum
 
 
 @dataclass
@@ -63,7 +65,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int  # all choices together
     texts: list[str] = field(default_factory=list)  # every choice's, by index
-    finish_reasons: list[Optional[str]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # by index, when asked for
     model: str = ""  # the fallback model that answered (asked with fallback=True); "": the one asked for
     ratelimit: p.RateLimit | None = None  # the key's budgets, where it has any (the x-ratelimit-* figures)
@@ -76,11 +78,13 @@ def token_logprobs(d: p.Delta, k: int) -> list[TokenLogprob]:
         return []
     vals = p.unpack_logprobs(d.logprobs)
     row = k + 1
-    return [(tid, vals[t * row], [(d.top_ids[t * k + j], vals[t * row + 1 + j]) for j in range(k)])
-            for t, tid in enumerate(d.token_ids)]
+    return [
+        (tid, vals[t * row], [(d.top_ids[t * k + j], vals[t * row + 1 + j]) for j in range(k)])
+        for t, tid in enumerate(d.token_ids)
+    ]
 
 
-def _params(params: dict) -> dict:
+def _params(params: dict[str, Any]) -> dict[str, Any]:
     """OpenAI-style spellings a caller may use -> the wire's types."""
     lb = params.get("logit_bias")
     if lb:
@@ -94,16 +98,29 @@ def _params(params: dict) -> dict:
     return params
 
 
-def _submit(request_id: str, model: str, prompt: str | None, messages, max_tokens, priority,
-            task_type, api_key, user=None, fallback=False, trace_id=None, **params) -> p.Submit:
+def _submit(
+    request_id: str,
+    model: str,
+    prompt: str | None,
+    messages: Messages | None,
+    max_tokens: int | None,
+    priority: str | None,
+    task_type: TaskTypeArg,
+    api_key: str | None,
+    user: str | None = None,
+    fallback: bool = False,
+    trace_id: str | None = None,
+    **params: Any,
+) -> p.Submit:
     chat = messages is not None
     return p.Submit(
         request_id=request_id,
         model=model,
         kind=p.RequestKind.CHAT if chat else p.RequestKind.COMPLETION,
         prompt=prompt or "",
-        messages=[m if isinstance(m, p.ChatMessage) else p.ChatMessage(m["role"], m["content"])
-                  for m in messages] if chat else [],
+        messages=[m if isinstance(m, p.ChatMessage) else p.ChatMessage(m["role"], m["content"]) for m in messages]
+        if messages is not None
+        else [],
         params=p.SamplingParams(**_params(params)) if params else None,
         max_tokens=max_tokens,
         priority=priority,
@@ -119,13 +136,13 @@ def _is_final(d: p.Delta) -> bool:
     return d.finish_reason is not None or d.error is not None
 
 
-def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Completion:
+def _collect(deltas: Iterable[p.Delta], n: int = 1, k: int | None = None, echo: str = "") -> Completion:
     texts: list[list[str]] = [[] for _ in range(n)]
-    finish: list[Optional[str]] = [None] * n
+    finish: list[str | None] = [None] * n
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)] if k is not None else []
-    last = None
+    last: p.Delta | None = None
     model = ""
-    rl = None
+    rl: p.RateLimit | None = None
     for d in deltas:
         model = model or d.model
         rl = rl or d.ratelimit
@@ -135,12 +152,23 @@ def _collect(deltas, n: int = 1, k: Optional[int] = None, echo: str = "") -> Com
         if k is not None:
             lps[d.index].extend(token_logprobs(d, k))
         last = d
+    assert last is not None, "a stream ends with its final Delta or raises"
     for i in range(n):
         if finish[i] is None:
             finish[i] = last.finish_reason
     out = [echo + "".join(t) for t in texts]
-    return Completion(out[0], last.finish_reason, last.prompt_tokens, last.completion_tokens, out, finish, lps, model, rl,
-                      last.cached_tokens)
+    return Completion(
+        out[0],
+        last.finish_reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+        out,
+        finish,
+        lps,
+        model,
+        rl,
+        last.cached_tokens,
+    )
 
 
 class _Base:
@@ -149,7 +177,7 @@ class _Base:
         # CURVE (shared.curve): (this client's .key_secret file, the router's public .key file)
         self.curve = curve
 
-    def _secure(self, sock: zmq.Socket) -> None:
+    def _secure(self, sock: zmq.Socket[bytes]) -> None:
         if self.curve is not None:
             from shared.curve import client_socket
 
@@ -170,45 +198,50 @@ class _Stream:
 
     def __init__(self) -> None:
         self.deltas: collections.deque[p.Delta] = collections.deque()
-        self.waiter: asyncio.Future | None = None
+        self.waiter: asyncio.Future[None] | None = None
 
 
 class AsyncClient(_Base):
     """Many concurrent requests over one DEALER socket, driven by a SocketPump."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None,
-                 curve: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None, curve: tuple[str, str] | None = None
+    ) -> None:
         super().__init__(address, api_key, curve)
         self._streams: dict[str, _Stream] = {}
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._pump: SocketPump | None = None
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         self.connect()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.close()
 
     def connect(self) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
-        self._secure(self._sock)
-        self._sock.connect(self.address)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._secure(sock)
+        sock.connect(self.address)
         self._pump = SocketPump(asyncio.get_running_loop())
-        self._pump.add(self._sock, self._on_message)
+        self._pump.add(sock, self._on_message)
 
     def close(self) -> None:
         if self._sock is not None:
-            if self._streams:
-                self._send(p.Cancel(request_ids=list(self._streams)))
-            self._pump.remove(self._sock)
+            if self._pump is not None:
+                if self._streams:
+                    self._send(p.Cancel(request_ids=list(self._streams)))
+                self._pump.remove(self._sock)
             self._sock.close(linger=CLOSE_LINGER_MS)
             self._sock = None
 
-    def _send(self, msg) -> None:
+    def _send(self, msg: p.Submit | p.Cancel) -> None:
+        if self._sock is None or self._pump is None:
+            raise RuntimeError("AsyncClient: not connected (use `async with` or connect())")
         self._pump.send(self._sock, [p.encoder.encode(msg)])
 
     def _on_message(self, frames: list[bytes]) -> None:
@@ -227,18 +260,26 @@ class AsyncClient(_Base):
                     if not w.done():
                         w.set_result(None)
 
-    async def stream(self, model: str, prompt: str | None = None, messages=None,
-                     max_tokens: int | None = None, priority: str | None = None,
-                     task_type=None, **params) -> AsyncIterator[p.Delta]:
+    async def stream(
+        self,
+        model: str,
+        prompt: str | None = None,
+        messages: Messages | None = None,
+        max_tokens: int | None = None,
+        priority: str | None = None,
+        task_type: TaskTypeArg = None,
+        **params: Any,
+    ) -> AsyncIterator[p.Delta]:
         """Yield Deltas until the final one; raises WeirError on an error."""
+        if self._pump is None:
+            raise RuntimeError("AsyncClient: not connected (use `async with` or connect())")
         rid = self._new_id()
         s = self._streams[rid] = _Stream()
         deltas = s.deltas
         loop = self._pump.loop
         done = False
         try:
-            self._send(_submit(rid, model, prompt, messages, max_tokens, priority, task_type,
-                               self.api_key, **params))
+            self._send(_submit(rid, model, prompt, messages, max_tokens, priority, task_type, self.api_key, **params))
             while True:
                 if not deltas:
                     s.waiter = waiter = loop.create_future()
@@ -256,28 +297,39 @@ class AsyncClient(_Base):
             if not done and self._sock is not None:
                 self._send(p.Cancel(request_ids=[rid]))
 
-    async def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False,
-                       **kw) -> Completion:
-        return _collect([d async for d in self.stream(model, prompt, messages, **kw)], kw.get("n", 1),
-                        kw.get("logprobs"), (prompt or "") if echo else "")
+    async def complete(
+        self, model: str, prompt: str | None = None, messages: Messages | None = None, echo: bool = False, **kw: Any
+    ) -> Completion:
+        return _collect(
+            [d async for d in self.stream(model, prompt, messages, **kw)],
+            kw.get("n", 1),
+            kw.get("logprobs"),
+            (prompt or "") if echo else "",
+        )
 
 
 class Client(_Base):
     """Blocking client, one request at a time (for scripts and tests)."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None,
-                 timeout_s: float = 300.0, curve: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:5555",
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        curve: tuple[str, str] | None = None,
+    ) -> None:
         super().__init__(address, api_key, curve)
         self.timeout_ms = int(timeout_s * 1000)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._secure(self._sock)
         self._sock.connect(address)
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -298,12 +350,22 @@ class Client(_Base):
             except zmq.Again:
                 continue
 
-    def stream(self, model: str, prompt: str | None = None, messages=None,
-               max_tokens: int | None = None, priority: str | None = None, task_type=None,
-               **params) -> Iterator[p.Delta]:
+    def stream(
+        self,
+        model: str,
+        prompt: str | None = None,
+        messages: Messages | None = None,
+        max_tokens: int | None = None,
+        priority: str | None = None,
+        task_type: TaskTypeArg = None,
+        **params: Any,
+    ) -> Iterator[p.Delta]:
         rid = self._new_id()
-        self._send_within_timeout(p.encoder.encode(_submit(rid, model, prompt, messages, max_tokens, priority,
-                                                           task_type, self.api_key, **params)))
+        self._send_within_timeout(
+            p.encoder.encode(
+                _submit(rid, model, prompt, messages, max_tokens, priority, task_type, self.api_key, **params)
+            )
+        )
         done = False
         try:
             while not done:
@@ -328,7 +390,12 @@ class Client(_Base):
                 except zmq.Again:
                     pass  # no connection to carry it: the router probes its waiting clients anyway
 
-    def complete(self, model: str, prompt: str | None = None, messages=None, echo: bool = False,
-                 **kw) -> Completion:
-        return _collect(self.stream(model, prompt, messages, **kw), kw.get("n", 1), kw.get("logprobs"),
-                        (prompt or "") if echo else "")
+    def complete(
+        self, model: str, prompt: str | None = None, messages: Messages | None = None, echo: bool = False, **kw: Any
+    ) -> Completion:
+        return _collect(
+            self.stream(model, prompt, messages, **kw),
+            kw.get("n", 1),
+            kw.get("logprobs"),
+            (prompt or "") if echo else "",
+        )

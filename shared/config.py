@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import msgspec
 
@@ -49,8 +49,8 @@ def zmq_connect_addr(bind_addr: str) -> str:
 class EnvoyConfig(_Cfg):
     listen: str = "127.0.0.1:8080"
     # TLS on the listener (both or neither; relative to the config file): PEM files.
-    tls_cert_file: Optional[str] = None
-    tls_key_file: Optional[str] = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     admin: str = "127.0.0.1:9901"
     concurrency: int = 1  # leaves the other core to router + workers
     max_request_bytes: int = 1 << 20  # larger bodies get 413
@@ -107,6 +107,8 @@ class LoggingConfig(_Cfg):
     # default: measured 37 us (text) / 59 us (json) per line on this VM, against
     # the router's ~150-200 us of CPU per request.
     requests: bool = False
+
+
 class RouterEndpoint(_Cfg):
     """One router process of several (``[[routers]]``): its own three listen
     addresses.  The settings in ``[router]`` apply to all of them."""
@@ -116,7 +118,7 @@ class RouterEndpoint(_Cfg):
     backend: str
     # Where workers dial this router's backend (default: ``backend`` itself,
     # with a wildcard host read as loopback); a worker's own ``routers`` list wins.
-    worker_connect: Optional[str] = None
+    worker_connect: str | None = None
 
     def dial(self) -> str:
         return self.worker_connect or zmq_connect_addr(self.backend)
@@ -126,23 +128,23 @@ class Budgets(_Cfg):
     """Token and request budgets (router/quota.py): None = unlimited.  Reserved
     at admission (prompt + max_tokens), settled on the engine's usage."""
 
-    requests_per_minute: Optional[int] = None
-    tokens_per_minute: Optional[int] = None
-    tokens_per_day: Optional[int] = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
 
 
 class ApiKey(Budgets, kw_only=True):
     # Exactly one of the two: the key's SHA-256 (hex; `weir keys new` makes
     # one), or the key itself in plain text (still loads, with a warning).
-    key_sha256: Optional[str] = None
-    key: Optional[str] = None
+    key_sha256: str | None = None
+    key: str | None = None
     tenant: str
     tier: str = "normal"  # a scheduler class name
     weight: float = 1.0  # fair-share weight inside its class
     # Envoy per-key bucket for this key only (default: rate_limit.per_key_*);
     # needs the plain ``key`` (Envoy matches header values).
-    rate_limit_rps: Optional[int] = None
-    rate_limit_burst: Optional[int] = None
+    rate_limit_rps: int | None = None
+    rate_limit_burst: int | None = None
 
 
 class TenantConfig(Budgets, kw_only=True):
@@ -173,7 +175,7 @@ class SecurityConfig(_Cfg):
 class ModelConfig(_Cfg):
     name: str
     engine: Literal["vllm", "sim"] = "vllm"
-    path: Optional[str] = None  # model directory (vllm); relative to the config file
+    path: str | None = None  # model directory (vllm); relative to the config file
     max_model_len: int = 512
     # Models that may answer instead when this one has no worker or no room
     # (no worker, queue full, predicted wait over the bound, queue deadline),
@@ -206,15 +208,15 @@ class WorkerConfig(_Cfg):
     model: str
     pool: Literal["any", "short", "long"] = "any"
     max_num_seqs: int = 16
-    max_model_len: Optional[int] = None  # default: the model's
-    kv_cache_bytes: Optional[int] = 64 << 20  # vllm on CPU; 0 on GPU: vLLM sizes KV by gpu_memory_utilization
-    gpu_index: Optional[int] = None  # None: no GPU (NVML reports absent)
+    max_model_len: int | None = None  # default: the model's
+    kv_cache_bytes: int | None = 64 << 20  # vllm on CPU; 0 on GPU: vLLM sizes KV by gpu_memory_utilization
+    gpu_index: int | None = None  # None: no GPU (NVML reports absent)
     gpu_memory_utilization: float = 0.9
     dtype: str = "bfloat16"
     sim: SimEngineConfig = msgspec.field(default_factory=SimEngineConfig)
     env: dict[str, str] = {}  # extra environment for the worker and its engine processes
     # CURVE secret key file (default: security.curve_dir/workers/<id>.key_secret)
-    curve_secret_key: Optional[str] = None
+    curve_secret_key: str | None = None
     # Before registering (so before it gets any real request) the worker runs
     # one short generation through its engine (engine_worker/warmup.py);
     # a warm-up that fails or outlasts warmup_timeout_s stops the worker (exit 1).
@@ -232,7 +234,7 @@ class ClassConfig(_Cfg):
     # of it over the measured drain rate: router/policy.py) is within this
     # bound; else 429 at once, Retry-After = when to come back.  None: the
     # class's queue_deadline_s.  <= 0 (or no deadline): no wait bound.
-    max_predicted_wait_s: Optional[float] = None
+    max_predicted_wait_s: float | None = None
     queue_deadline_s: float = 60.0  # waited longer -> 503
     # Queued requests of this class per model; beyond -> 429 queue_full.
     # Memory protection only (~1 KB a queued request in the router), far
@@ -243,9 +245,7 @@ class ClassConfig(_Cfg):
 class SchedulerConfig(_Cfg):
     policy: Literal["weir", "fifo"] = "weir"
     classes: list[ClassConfig] = msgspec.field(
-        default_factory=lambda: [
-            ClassConfig(name=n) for n in ("critical", "high", "normal", "low", "batch")
-        ]
+        default_factory=lambda: [ClassConfig(name=n) for n in ("critical", "high", "normal", "low", "batch")]
     )
     aging_bound_s: float = 60.0  # no class waits longer than this behind others
     short_threshold_tokens: int = 1024  # estimated prompt+max_tokens
@@ -364,14 +364,15 @@ class Config(_Cfg):
         r = self.router
         return [RouterEndpoint(http=r.http, frontend=r.frontend, backend=r.backend)]
 
-    def for_router(self, index: int) -> "Config":
+    def for_router(self, index: int) -> Config:
         """This config as router ``index`` of ``[[routers]]`` runs it: [router]
         with that entry's three addresses."""
         ep = self.router_endpoints()[index]
-        return msgspec.structs.replace(self, router=msgspec.structs.replace(
-            self.router, http=ep.http, frontend=ep.frontend, backend=ep.backend))
+        return msgspec.structs.replace(
+            self, router=msgspec.structs.replace(self.router, http=ep.http, frontend=ep.frontend, backend=ep.backend)
+        )
 
-    def worker_backends(self, wcfg: "WorkerConfig") -> list[str]:
+    def worker_backends(self, wcfg: WorkerConfig) -> list[str]:
         return list(wcfg.routers) or [ep.dial() for ep in self.router_endpoints()]
 
     def worker(self, worker_id: str) -> WorkerConfig:
@@ -420,8 +421,10 @@ def _validate(cfg: Config) -> None:
             if len(h) != 64 or any(c not in "0123456789abcdef" for c in h.lower()):
                 raise ConfigError(f"{where}: key_sha256 must be 64 hex digits")
             if k.rate_limit_rps is not None or k.rate_limit_burst is not None:
-                raise ConfigError(f"{where}: rate_limit_rps/burst need the plain key (Envoy matches "
-                                  f"header values); use requests_per_minute for a hashed key")
+                raise ConfigError(
+                    f"{where}: rate_limit_rps/burst need the plain key (Envoy matches "
+                    f"header values); use requests_per_minute for a hashed key"
+                )
     tenants = [t.name for t in cfg.tenants]
     if len(set(tenants)) != len(tenants):
         raise ConfigError("duplicate [[tenants]] names")
@@ -441,7 +444,7 @@ def _validate(cfg: Config) -> None:
 validate = _validate  # a Config built in code (router/views.py: a model added at run time)
 
 
-def load(path: str | os.PathLike | None = None) -> Config:
+def load(path: str | os.PathLike[str] | None = None) -> Config:
     path = Path(path or os.environ.get("WEIR_CONFIG") or DEFAULT_CONFIG).resolve()
     with open(path, "rb") as f:
         raw = tomllib.load(f)

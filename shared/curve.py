@@ -19,23 +19,31 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+if TYPE_CHECKING:
+    from shared.config import Config, WorkerConfig
 
 log = logging.getLogger("weir.curve")
 
 ROUTER = "router"
 DOMAINS = {"frontend": "clients", "backend": "workers"}  # plane -> ZAP domain == subdirectory
 
+StrPath = str | os.PathLike[str]
+Socket = zmq.Socket[bytes]
+Context = zmq.Context[zmq.Socket[bytes]]
 
-def generate(directory: os.PathLike, workers: list[str], clients: list[str]) -> list[Path]:
+
+def generate(directory: StrPath, workers: list[str], clients: list[str]) -> list[Path]:
     """Key pairs for the router, each worker and each client (existing ones are kept)."""
     d = Path(directory)
-    made = []
+    made: list[Path] = []
     for sub, names in (("", [ROUTER]), ("workers", workers), ("clients", clients)):
         where = d / sub if sub else d
         where.mkdir(parents=True, exist_ok=True)
@@ -48,19 +56,19 @@ def generate(directory: os.PathLike, workers: list[str], clients: list[str]) -> 
     return made
 
 
-def load_pair(secret_file: os.PathLike) -> tuple[bytes, bytes]:
+def load_pair(secret_file: StrPath) -> tuple[bytes, bytes]:
     public, secret = zmq.auth.load_certificate(str(secret_file))
     if secret is None:
         raise ValueError(f"{secret_file}: no secret key in it (a .key_secret file is needed)")
     return public, secret
 
 
-def load_public(public_file: os.PathLike) -> bytes:
+def load_public(public_file: StrPath) -> bytes:
     public, _ = zmq.auth.load_certificate(str(public_file))
     return public
 
 
-def client_socket(sock: zmq.Socket, secret_file: os.PathLike, server_public_file: os.PathLike) -> None:
+def client_socket(sock: Socket, secret_file: StrPath, server_public_file: StrPath) -> None:
     """Make ``sock`` (before connect) a CURVE client of the router."""
     public, secret = load_pair(secret_file)
     sock.curve_secretkey = secret
@@ -68,17 +76,19 @@ def client_socket(sock: zmq.Socket, secret_file: os.PathLike, server_public_file
     sock.curve_serverkey = load_public(server_public_file)
 
 
-def worker_key_files(cfg, wcfg) -> tuple[str, str]:
+def worker_key_files(cfg: Config, wcfg: WorkerConfig) -> tuple[str, str]:
     """(the worker's secret key file, the router's public key file) from the config."""
     d = Path(cfg.resolve(cfg.security.curve_dir))
-    secret = cfg.resolve(wcfg.curve_secret_key) if wcfg.curve_secret_key else str(d / "workers" / f"{wcfg.id}.key_secret")
+    secret = (
+        cfg.resolve(wcfg.curve_secret_key) if wcfg.curve_secret_key else str(d / "workers" / f"{wcfg.id}.key_secret")
+    )
     return secret, str(d / f"{ROUTER}.key")
 
 
 class _CountingAuthenticator(ThreadAuthenticator):
-    on_denied: Optional[Callable[[str, str], None]] = None
+    on_denied: Callable[[str, str], None] | None = None
 
-    async def _authenticate_curve(self, domain, client_key):
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         allowed, reason = await super()._authenticate_curve(domain, client_key)
         if not allowed:
             try:
@@ -95,7 +105,9 @@ _auth_lock = threading.Lock()
 _authenticators: dict[int, _CountingAuthenticator] = {}
 
 
-def _authenticator(ctx: zmq.Context, curve_dir: Path, on_denied) -> _CountingAuthenticator:
+def _authenticator(
+    ctx: Context, curve_dir: Path, on_denied: Callable[[str, str], None] | None
+) -> _CountingAuthenticator:
     """One ZAP handler per context, serving both planes' domains."""
     with _auth_lock:
         auth = _authenticators.get(id(ctx))
@@ -110,14 +122,15 @@ def _authenticator(ctx: zmq.Context, curve_dir: Path, on_denied) -> _CountingAut
         return auth
 
 
-def server_configure(ctx: zmq.Context, curve_dir: os.PathLike, plane: str,
-                     on_denied: Optional[Callable[[str, str], None]] = None) -> Callable[[zmq.Socket], None]:
+def server_configure(
+    ctx: Context, curve_dir: StrPath, plane: str, on_denied: Callable[[str, str], None] | None = None
+) -> Callable[[Socket], None]:
     """What ``bind_router`` applies before binding a plane's ROUTER socket as a CURVE server."""
     d = Path(curve_dir)
     public, secret = load_pair(d / f"{ROUTER}.key_secret")
     _authenticator(ctx, d, on_denied)
 
-    def configure(sock: zmq.Socket) -> None:
+    def configure(sock: Socket) -> None:
         sock.zap_domain = DOMAINS[plane].encode()
         sock.curve_secretkey = secret
         sock.curve_publickey = public

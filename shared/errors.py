@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, NamedTuple, Optional
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
-from shared.protocol import ErrorInfo
+from shared.protocol import ErrorInfo, RateLimit
 
 _INVALID = "invalid_request_error"
 _SERVER = "server_error"
@@ -56,7 +58,7 @@ class Code(enum.Enum):
     QUOTA_UNAVAILABLE = (503, _UNAVAILABLE, "quota_unavailable")  # budget store down, fail closed
     GENERATION_DEADLINE = (504, "timeout_error", "generation_deadline")
 
-    def __init__(self, status: int, type_: str, wire: Optional[str]) -> None:
+    def __init__(self, status: int, type_: str, wire: str | None) -> None:
         self.status = status
         self.type = type_
         self.wire = wire
@@ -74,8 +76,14 @@ for _c in Code:  # a wire code shared by several (rate_limit_exceeded): the firs
 _BY_WIRE_TYPE = {(c.wire, c.type): c for c in Code if c.wire is not None}
 
 
-def error(code: Code, message: str, *, param: Optional[str] = None,
-          retry_after: Optional[float] = None, ratelimit=None) -> ErrorInfo:
+def error(
+    code: Code,
+    message: str,
+    *,
+    param: str | None = None,
+    retry_after: float | None = None,
+    ratelimit: RateLimit | None = None,
+) -> ErrorInfo:
     """The wire error for ``code`` (the only place an ErrorInfo is made)."""
     return ErrorInfo(code.status, message, code.type, code.wire, param, retry_after, ratelimit)
 
@@ -94,7 +102,7 @@ def label(info: ErrorInfo) -> str:
     return code_of(info).label
 
 
-def retry_after_header(info: ErrorInfo) -> Optional[int]:
+def retry_after_header(info: ErrorInfo) -> int | None:
     """Whole seconds for a Retry-After header (at least 1), or None."""
     if info.retry_after is None:
         return None
@@ -103,13 +111,19 @@ def retry_after_header(info: ErrorInfo) -> Optional[int]:
 
 def context_length(max_len: int, prompt: int, completion: int, param: str = "max_tokens") -> ErrorInfo:
     """The one wording of "prompt + completion does not fit the context"."""
-    return error(Code.CONTEXT_LENGTH,
-                 f"This model's maximum context length is {max_len} tokens. However, you requested "
-                 f"{prompt + completion} tokens ({prompt} in the prompt, {completion} in the "
-                 f"completion). Please reduce the length of the prompt or completion.", param=param)
+    return error(
+        Code.CONTEXT_LENGTH,
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{prompt + completion} tokens ({prompt} in the prompt, {completion} in the "
+        f"completion). Please reduce the length of the prompt or completion.",
+        param=param,
+    )
 
 
 # ----------------------------------------------------------------- refusals by the policy
+
+
+_NO_FACTS: Mapping[str, Any] = MappingProxyType({})  # one default shared by every Refusal, so read-only
 
 
 class Refusal(NamedTuple):
@@ -118,16 +132,16 @@ class Refusal(NamedTuple):
     ``message`` read like an ErrorInfo's."""
 
     kind: Code
-    retry_after: Optional[float] = None
-    facts: dict[str, Any] = {}
-    param: Optional[str] = None
+    retry_after: float | None = None
+    facts: Mapping[str, Any] = _NO_FACTS
+    param: str | None = None
 
     @property
     def status(self) -> int:
         return self.kind.status
 
     @property
-    def code(self) -> Optional[str]:
+    def code(self) -> str | None:
         return self.kind.wire
 
     @property
@@ -147,10 +161,12 @@ class Refusal(NamedTuple):
         elif c is Code.CONTEXT_LENGTH and "kv_tokens" in f:
             n = f.get("n", 1)
             seqs = f" for each of {n} choices" if n > 1 else ""
-            msg = (f"This request needs {f['prompt'] + f['completion']} tokens of KV cache{seqs} "
-                   f"({f['prompt']} in the prompt, {f['completion']} in the completion), more than "
-                   f"any worker of this model can hold ({f['kv_tokens']} tokens). Please reduce the "
-                   f"length of the prompt or completion{' or n' if n > 1 else ''}.")
+            msg = (
+                f"This request needs {f['prompt'] + f['completion']} tokens of KV cache{seqs} "
+                f"({f['prompt']} in the prompt, {f['completion']} in the completion), more than "
+                f"any worker of this model can hold ({f['kv_tokens']} tokens). Please reduce the "
+                f"length of the prompt or completion{' or n' if n > 1 else ''}."
+            )
         elif c is Code.CONTEXT_LENGTH:
             return context_length(f["max_len"], f["prompt"], f["completion"], self.param or "messages")
         elif c is Code.QUEUE_FULL:
@@ -158,17 +174,22 @@ class Refusal(NamedTuple):
         elif c is Code.TENANT_QUEUE_FULL:
             msg = f"Too many requests queued for tenant `{f['tenant']}`; retry later."
         elif c is Code.TENANT_SHARE_EXCEEDED:
-            msg = (f"Tenant `{f['tenant']}` has more than its share of the `{f['klass']}` queue waiting "
-                   f"(predicted wait {f['wait']:.1f} s, bound {f['bound']:g} s); retry later.")
+            msg = (
+                f"Tenant `{f['tenant']}` has more than its share of the `{f['klass']}` queue waiting "
+                f"(predicted wait {f['wait']:.1f} s, bound {f['bound']:g} s); retry later."
+            )
         elif c is Code.QUEUE_WAIT_EXCEEDED:
-            msg = (f"The `{f['klass']}` queue is full: this request's predicted wait is {f['wait']:.1f} s, "
-                   f"over the bound of {f['bound']:g} s; retry later.")
+            msg = (
+                f"The `{f['klass']}` queue is full: this request's predicted wait is {f['wait']:.1f} s, "
+                f"over the bound of {f['bound']:g} s; retry later."
+            )
         elif c is Code.QUEUE_DEADLINE:
-            msg = (f"Request waited {f['waited']:.1f} s in the `{f['klass']}` queue, past its "
-                   f"deadline of {f['deadline']:g} s; the service is overloaded, retry later.")
+            msg = (
+                f"Request waited {f['waited']:.1f} s in the `{f['klass']}` queue, past its "
+                f"deadline of {f['deadline']:g} s; the service is overloaded, retry later."
+            )
         elif c is Code.GENERATION_DEADLINE:
-            msg = (f"Request ran past the generation deadline of {f['deadline']:g} s and was "
-                   f"aborted.")
+            msg = f"Request ran past the generation deadline of {f['deadline']:g} s and was aborted."
         else:
             msg = f.get("message") or c.name.replace("_", " ").capitalize()
         return error(c, msg, param=self.param, retry_after=self.retry_after)
@@ -181,7 +202,7 @@ class Refusal(NamedTuple):
 WHEN: dict[Code, str] = {
     Code.BAD_REQUEST: "a field is malformed or out of range, or the body is not JSON (`param` names the field)",
     Code.UNSUPPORTED_VALUE: "a known field weir cannot honour (`best_of` > 1, `suffix`, `tools`, ...; "
-                            "structured output or `logprobs` on a simulated engine)",
+    "structured output or `logprobs` on a simulated engine)",
     Code.CONTEXT_LENGTH: "prompt + `max_tokens` exceeds the model's context, or the KV any worker can hold",
     Code.INVALID_API_KEY: "keys are configured and this one is unknown or malformed",
     Code.MODEL_NOT_FOUND: "no such model is served (or it was removed at run time)",
@@ -203,9 +224,9 @@ WHEN: dict[Code, str] = {
     Code.MODEL_UNLOADING: "the model is being removed at run time",
     Code.QUEUE_DEADLINE: "the request waited past its class's `queue_deadline_s`",
     Code.WORKER_LOST: "its worker was lost and it could not be resumed (resumes used up, "
-                      "structured output or n > 1 after output)",
+    "structured output or n > 1 after output)",
     Code.SERVICE_UNAVAILABLE: "Envoy has no healthy router",
-    Code.QUOTA_UNAVAILABLE: "the Redis budget store is unreachable and `on_store_error = \"closed\"`",
+    Code.QUOTA_UNAVAILABLE: 'the Redis budget store is unreachable and `on_store_error = "closed"`',
     Code.GENERATION_DEADLINE: "the request ran past `generation_deadline_s`",
 }
 

@@ -12,7 +12,10 @@ import hashlib
 import os
 import secrets
 import stat
-from typing import Optional
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.config import ApiKey, Config
 
 KEY_PREFIX = "sk-weir-"
 
@@ -30,27 +33,34 @@ def key_id(sha256_hex: str) -> str:
     return sha256_hex[:12].lower()
 
 
-def config_digest(k) -> str:
+def config_digest(k: ApiKey) -> str:
     """The digest of a config ``[[api_keys]]`` entry (hashed or plain)."""
-    return k.key_sha256.lower() if k.key_sha256 is not None else digest(k.key)
+    if k.key_sha256 is not None:
+        return k.key_sha256.lower()
+    assert k.key is not None, "config validation: an api key has key_sha256 or key"
+    return digest(k.key)
 
 
-def world_readable(path: Optional[str]) -> bool:
+def world_readable(path: str | None) -> bool:
+    if not path:
+        return False
     try:
-        return bool(path) and bool(os.stat(path).st_mode & stat.S_IROTH)
+        return bool(os.stat(path).st_mode & stat.S_IROTH)
     except OSError:
         return False
 
 
-def secret_warnings(cfg, path: Optional[str]) -> list[str]:
+def secret_warnings(cfg: Config, path: str | None) -> list[str]:
     """What an operator should hear about the secrets in a config: plain
     keys, and a world-readable file that holds any secret.  Never the
     secret itself."""
     out = []
-    plain = [k for k in cfg.api_keys if k.key is not None]
-    for k in plain:
-        out.append(f"api key {key_id(digest(k.key))} of tenant {k.tenant!r} is stored in plain text: "
-                   f"replace `key` with `key_sha256 = \"{digest(k.key)}\"` (or make a new one: weir keys new)")
+    plain = [(k.tenant, k.key) for k in cfg.api_keys if k.key is not None]
+    for tenant, key in plain:
+        out.append(
+            f"api key {key_id(digest(key))} of tenant {tenant!r} is stored in plain text: "
+            f'replace `key` with `key_sha256 = "{digest(key)}"` (or make a new one: weir keys new)'
+        )
     has_secret = bool(plain) or "@" in cfg.quota.redis_url
     if has_secret and world_readable(path):
         out.append(f"config {path} holds secrets and is world-readable: chmod o-r it")

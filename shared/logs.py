@@ -22,9 +22,13 @@ class JsonFormatter(logging.Formatter):
         self.component = component
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-               "level": record.levelname.lower(), "component": self.component, "logger": record.name,
-               "msg": record.getMessage()}
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "component": self.component,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         for k, v in vars(record).items():  # extra={...} fields
             if k not in _STANDARD and not k.startswith("_"):
                 out[k] = v

@@ -37,7 +37,7 @@ from __future__ import annotations
 import array
 import enum
 import sys
-from typing import Annotated, Optional, Union
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -108,16 +108,24 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     JSON text), ``json_object``, ``regex``, ``choice``, ``grammar`` (EBNF).
     The router compiles it before anything is reserved (router.prompts)."""
 
-    json: Optional[str] = None
+    json: str | None = None
     json_object: bool = False
-    regex: Optional[str] = None
+    regex: str | None = None
     choice: list[str] = []
-    grammar: Optional[str] = None
+    grammar: str | None = None
 
     def kinds(self) -> list[str]:
-        return [k for k, v in (("json", self.json is not None), ("json_object", self.json_object),
-                               ("regex", self.regex is not None), ("choice", bool(self.choice)),
-                               ("grammar", self.grammar is not None)) if v]
+        return [
+            k
+            for k, v in (
+                ("json", self.json is not None),
+                ("json_object", self.json_object),
+                ("regex", self.regex is not None),
+                ("choice", bool(self.choice)),
+                ("grammar", self.grammar is not None),
+            )
+            if v
+        ]
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -131,20 +139,20 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     max_tokens: NonNegativeInt = 0
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    seed: Optional[Seed] = None
+    seed: Seed | None = None
     stop: StopList = []
     ignore_eos: bool = False
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     n: N = 1  # choices; Deltas carry their ``index``
-    logprobs: Optional[TopLogprobs] = None  # k: each token's logprob and the top k (Delta.logprobs)
+    logprobs: TopLogprobs | None = None  # k: each token's logprob and the top k (Delta.logprobs)
     top_k: TopK = 0
     min_p: MinP = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: NonNegativeInt = 0  # at most max_tokens (router.admission)
     stop_token_ids: StopTokenIds = []
     logit_bias: LogitBias = {}
-    structured: Optional[StructuredOutput] = None
+    structured: StructuredOutput | None = None
 
 
 class RateLimit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -166,10 +174,10 @@ class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     status: int
     message: str
     type: str = "invalid_request_error"
-    code: Optional[str] = None
-    param: Optional[str] = None
-    retry_after: Optional[float] = None  # seconds; set on 429/503
-    ratelimit: Optional[RateLimit] = None  # the key's budgets, where it has any
+    code: str | None = None
+    param: str | None = None
+    retry_after: float | None = None  # seconds; set on 429/503
+    ratelimit: RateLimit | None = None  # the key's budgets, where it has any
 
 
 class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -184,16 +192,16 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     text: str = ""
     num_tokens: int = 0  # new tokens in this delta (== len(token_ids) where ids are known)
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    error: Optional[ErrorInfo] = None
+    error: ErrorInfo | None = None
     token_ids: list[int] = []  # the new tokens' ids (the simulated engine's are placeholders)
     # n > 1: the choice these tokens belong to; a choice that ends before the
     # request does says so in ``choice_finish`` (the request's last Delta uses
     # ``finish_reason``, for its own index, as for n = 1).
     index: int = 0
-    choice_finish: Optional[str] = None
+    choice_finish: str | None = None
     # SamplingParams.logprobs = k: per new token, [its logprob, top-1 .. top-k
     # logprobs] as float32 little-endian (``pack_logprobs``; vLLM computes them
     # in float32, so nothing is lost), and the top-k token ids, k per token.
@@ -201,7 +209,7 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     logprobs: bytes = b""
     top_ids: list[int] = []
     model: str = ""  # set on a request's first Delta when a fallback model answers it
-    ratelimit: Optional[RateLimit] = None  # router -> client, on a request's first Delta: its key's budgets
+    ratelimit: RateLimit | None = None  # router -> client, on a request's first Delta: its key's budgets
     # Prompt tokens the engine found in its prefix cache (vLLM's
     # ``num_cached_tokens``: whole blocks), set with ``prompt_tokens``.
     cached_tokens: int = 0
@@ -223,7 +231,7 @@ def pack_logprobs(values: list[float]) -> bytes:
     return a.tobytes()
 
 
-def unpack_logprobs(data: bytes) -> array.array:
+def unpack_logprobs(data: bytes) -> array.array[float]:
     a = array.array("f")
     a.frombytes(data)
     if _SWAP:
@@ -243,16 +251,16 @@ class Submit(_Msg, tag=1):
     kind: RequestKind = RequestKind.COMPLETION
     prompt: str = ""
     messages: list[ChatMessage] = []
-    params: Optional[SamplingParams] = None  # None: all defaults
-    max_tokens: Optional[PositiveInt] = None  # None: rest of the context
-    priority: Optional[str] = None  # may only lower the key's class
+    params: SamplingParams | None = None  # None: all defaults
+    max_tokens: PositiveInt | None = None  # None: rest of the context
+    priority: str | None = None  # may only lower the key's class
     task_type: TaskType = TaskType.AUTO
-    api_key: Optional[str] = None
-    user: Optional[User] = None  # OpenAI's end-user id: recorded per tenant, never an identity
+    api_key: str | None = None
+    user: User | None = None  # OpenAI's end-user id: recorded per tenant, never an identity
     allow_fallback: bool = False  # another model (the config's fallbacks) may answer instead
     # The id its log lines (router and worker) carry; HTTP: Envoy's or the
     # client's x-request-id.  None: the router uses its own job id.
-    trace_id: Optional[TraceId] = None
+    trace_id: TraceId | None = None
 
 
 class Cancel(_Msg, tag=2):
@@ -280,9 +288,9 @@ class GpuInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     index: int = 0
     total_bytes: int = 0
     used_bytes: int = 0
-    utilization_percent: Optional[float] = None  # NVML's GPU utilisation over its last sample period
-    temperature_c: Optional[float] = None
-    power_w: Optional[float] = None
+    utilization_percent: float | None = None  # NVML's GPU utilisation over its last sample period
+    temperature_c: float | None = None
+    power_w: float | None = None
 
 
 class Register(_Msg, tag=10):
@@ -326,7 +334,7 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     finished_total: int = 0
     gpu_used_bytes: int = 0
     gpu_total_bytes: int = 0
-    gpu: Optional[GpuInfo] = None  # this heartbeat's NVML reading (None: a peer that sends none)
+    gpu: GpuInfo | None = None  # this heartbeat's NVML reading (None: a peer that sends none)
     tokens_total: int = 0  # tokens generated since the engine started (rates: weir stats)
     # Held on this worker for *other* routers (its ledger, engine_worker.ledger):
     # KV tokens and sequences the receiving router must count as taken.
@@ -337,7 +345,7 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 class Heartbeat(_Msg, tag=11):
     """Both directions (Paranoid Pirate): liveness plus, from workers, stats."""
 
-    stats: Optional[WorkerStats] = None
+    stats: WorkerStats | None = None
     # Worker -> router: the seq of the last PrefixEvents/PrefixSnapshot sent
     # (-1: none).  Messages on the link are ordered, so a router that applied
     # less has lost one (a dropped malformed message) and asks for a resync.
@@ -432,10 +440,10 @@ class PrefixResync(_Msg, tag=19):
     reason: str = ""
 
 
-ClientToRouter = Union[Submit, Cancel]
+ClientToRouter = Submit | Cancel
 RouterToClient = Outputs
-WorkerToRouter = Union[Register, Heartbeat, Outputs, Drain, Goodbye, Refuse, PrefixEvents, PrefixSnapshot]
-RouterToWorker = Union[Dispatch, Abort, Heartbeat, Goodbye, PrefixResync]
+WorkerToRouter = Register | Heartbeat | Outputs | Drain | Goodbye | Refuse | PrefixEvents | PrefixSnapshot
+RouterToWorker = Dispatch | Abort | Heartbeat | Goodbye | PrefixResync
 
 encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(ClientToRouter)

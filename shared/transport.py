@@ -2,7 +2,7 @@
 
 Why not ``await sock.recv()`` per message: measured here, one reader callback
 on the socket's FD that drains everything non-blockingly carried ~5x the
-traffic of per-message awaits (../shared/reference/python-dataplane-limits.md).
+traffic of per-message awaits.
 
 ZeroMQ's FD is edge-triggered and a *send* may consume the "readable" edge, so
 after every send (and after every drain) we re-check ``ZMQ_EVENTS`` and
@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar, cast
 
+import msgspec
 import zmq
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,10 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _EHOSTUNREACH = zmq.EHOSTUNREACH
 
+_T = TypeVar("_T")
+_Dest = TypeVar("_Dest", bound=Hashable)
+_Item = TypeVar("_Item")
+
 PeerCallback = Callable[[bytes], None]  # called with a ROUTER peer's identity
 
 
@@ -48,15 +54,21 @@ class SocketPump:
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.loop = loop or asyncio.get_event_loop()
-        self._handlers: dict[zmq.Socket, Callable[[list[bytes]], None]] = {}
-        self._backlog: dict[zmq.Socket, collections.deque] = {}
-        self._drain_scheduled: set[zmq.Socket] = set()
+        self._handlers: dict[zmq.Socket[bytes], Callable[[list[bytes]], None]] = {}
+        self._backlog: dict[zmq.Socket[bytes], collections.deque[list[bytes]]] = {}
+        self._drain_scheduled: set[zmq.Socket[bytes]] = set()
         # per socket: what to call with a ROUTER peer's identity when it is gone / full
-        self._on_unreachable: dict[zmq.Socket, PeerCallback] = {}
-        self._on_full: dict[zmq.Socket, PeerCallback] = {}
+        self._on_unreachable: dict[zmq.Socket[bytes], PeerCallback] = {}
+        self._on_full: dict[zmq.Socket[bytes], PeerCallback] = {}
 
-    def add(self, sock: zmq.Socket, on_message: Callable[[list[bytes]], None], *,
-            on_unreachable: PeerCallback | None = None, on_full: PeerCallback | None = None) -> None:
+    def add(
+        self,
+        sock: zmq.Socket[bytes],
+        on_message: Callable[[list[bytes]], None],
+        *,
+        on_unreachable: PeerCallback | None = None,
+        on_full: PeerCallback | None = None,
+    ) -> None:
         """Own ``sock``; its owner's callbacks say what each event means for it.
 
         ``on_unreachable(identity)`` (ROUTER with ROUTER_MANDATORY): a send
@@ -71,18 +83,18 @@ class SocketPump:
         if on_full is not None:
             self._on_full[sock] = on_full
         self._backlog[sock] = collections.deque()
-        self.loop.add_reader(sock.getsockopt(zmq.FD), self._on_fd, sock)
+        self.loop.add_reader(sock.fileno(), self._on_fd, sock)
         self._schedule_drain(sock)  # messages may have queued before we watched the FD
 
-    def remove(self, sock: zmq.Socket) -> None:
+    def remove(self, sock: zmq.Socket[bytes]) -> None:
         if sock in self._handlers:
-            self.loop.remove_reader(sock.getsockopt(zmq.FD))
+            self.loop.remove_reader(sock.fileno())
             del self._handlers[sock]
             del self._backlog[sock]
             self._on_unreachable.pop(sock, None)
             self._on_full.pop(sock, None)
 
-    def send(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    def send(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         """Send now if the socket takes it, else queue until it does (order kept)."""
         backlog = self._backlog[sock]
         if backlog:
@@ -93,7 +105,7 @@ class SocketPump:
 
     # -- internals ---------------------------------------------------------
 
-    def _try_send(self, sock: zmq.Socket, frames: list[bytes]) -> bool:
+    def _try_send(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
         try:
             if len(frames) == 1:
                 sock.send(frames[0], _NOBLOCK)
@@ -119,24 +131,26 @@ class SocketPump:
                 return True
             raise
 
-    def _on_fd(self, sock: zmq.Socket) -> None:
+    def _on_fd(self, sock: zmq.Socket[bytes]) -> None:
         self._drain(sock)
 
-    def _schedule_drain(self, sock: zmq.Socket) -> None:
+    def _schedule_drain(self, sock: zmq.Socket[bytes]) -> None:
         if sock not in self._drain_scheduled and sock in self._handlers:
             self._drain_scheduled.add(sock)
             self.loop.call_soon(self._drain, sock)
 
-    def _drain(self, sock: zmq.Socket) -> None:
+    def _drain(self, sock: zmq.Socket[bytes]) -> None:
         self._drain_scheduled.discard(sock)
         handler = self._handlers.get(sock)
         if handler is None:
             return
         backlog = self._backlog[sock]
         recv = sock.recv_multipart
+        # EVENTS is an int option (pyzmq types every option's value as int | bytes)
+        get = cast("Callable[[int], int]", sock.get)
         n = 0
         try:
-            events = sock.get(_EVENTS)
+            events = get(_EVENTS)
             while True:
                 if backlog and events & _POLLOUT:
                     while backlog:
@@ -148,7 +162,7 @@ class SocketPump:
                     # The sends (and this check) may have processed the peer's
                     # "room again" or "input ready" command: the FD will not
                     # fire for it, so look again instead of waiting.
-                    events = sock.get(_EVENTS)
+                    events = get(_EVENTS)
                     continue
                 if not events & _POLLIN:
                     return
@@ -165,32 +179,32 @@ class SocketPump:
                     if sock not in self._handlers:
                         return  # the handler removed (and maybe closed) the socket
                     if n < _CHECKED_RECVS:
-                        if not sock.get(_EVENTS) & _POLLIN:
+                        if not get(_EVENTS) & _POLLIN:
                             break  # every pending command seen: the FD fires for new input
                     elif n >= _DRAIN_BUDGET:
                         self._schedule_drain(sock)  # let other work run; carry on next turn
                         return
                 if not backlog:
                     return
-                events = sock.get(_EVENTS)  # a send is waiting: did room open meanwhile?
+                events = get(_EVENTS)  # a send is waiting: did room open meanwhile?
         except zmq.ZMQError:
             return  # closed under us
 
 
-class Outbox:
+class Outbox(Generic[_Dest, _Item]):
     """Collects items per destination and flushes them once per loop turn.
 
     ``flush_fn(dest, items)`` is called with every item queued for ``dest``
     since the last flush, so each destination gets one message per turn.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, flush_fn: Callable[[Hashable, list], None]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, flush_fn: Callable[[_Dest, list[_Item]], None]) -> None:
         self.loop = loop
         self.flush_fn = flush_fn
-        self._pending: dict[Hashable, list] = {}
+        self._pending: dict[_Dest, list[_Item]] = {}
         self._scheduled = False
 
-    def put(self, dest: Hashable, item) -> None:
+    def put(self, dest: _Dest, item: _Item) -> None:
         items = self._pending.get(dest)
         if items is None:
             self._pending[dest] = [item]
@@ -210,7 +224,9 @@ class Outbox:
                 log.exception("flush to %r failed", dest)
 
 
-def bind_router(ctx: zmq.Context, addr: str, configure: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
+def bind_router(
+    ctx: zmq.Context[zmq.Socket[bytes]], addr: str, configure: Callable[[zmq.Socket[bytes]], None] | None = None
+) -> zmq.Socket[bytes]:
     """A ROUTER socket as the router's two planes use it, bound to ``addr``;
     ``configure`` sets options that must precede the bind (CURVE: shared.curve)."""
     s = ctx.socket(zmq.ROUTER)
@@ -225,7 +241,7 @@ def bind_router(ctx: zmq.Context, addr: str, configure: Callable[[zmq.Socket], N
     return s
 
 
-def split_routed(frames: list[bytes], decoder) -> tuple[bytes, object]:
+def split_routed(frames: list[bytes], decoder: msgspec.msgpack.Decoder[_T]) -> tuple[bytes, _T]:
     """(identity, message) of a ROUTER socket's ``[identity, payload]``;
     ValueError / msgspec.DecodeError for anything else."""
     if len(frames) != 2:

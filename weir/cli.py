@@ -1,15 +1,15 @@
 """``weir``: run the stack and its tools.
 
-    weir up [--config PATH] [--run-dir DIR]   whole stack in the foreground
-    weir render-envoy [--config PATH] [-o FILE] [--validate]
-    weir render-k8s [--config PATH] [-o DIR]   Kubernetes manifests (deploy/k8s/)
-    weir bench ...                            load generator (bench/cli.py)
-    weir make-model [DIR]                     tiny local Llama for CPU runs
-    weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, printed once
-    weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
-    weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
-    weir models list|add|remove ...           models of a running stack (weir up carries them out)
-    weir router|worker ...                    one component (python -m router / engine_worker)
+weir up [--config PATH] [--run-dir DIR]   whole stack in the foreground
+weir render-envoy [--config PATH] [-o FILE] [--validate]
+weir render-k8s [--config PATH] [-o DIR]   Kubernetes manifests (deploy/k8s/)
+weir bench ...                            load generator (bench/cli.py)
+weir make-model [DIR]                     tiny local Llama for CPU runs
+weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, printed once
+weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
+weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
+weir models list|add|remove ...           models of a running stack (weir up carries them out)
+weir router|worker ...                    one component (python -m router / engine_worker)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
 
 from shared.config import ConfigError, load
 
@@ -36,7 +35,7 @@ def _raise_shutdown(signum, _frame):
 
 def _banner(stack) -> str:
     cfg = stack.cfg
-    served = {}
+    served: dict[str, list[str]] = {}
     for w in cfg.workers:
         if w.id in stack.worker_ids:
             served.setdefault(w.model, []).append(w.id)
@@ -45,7 +44,7 @@ def _banner(stack) -> str:
         for m, ids in served.items()
     )
     model = next((m for m in served if cfg.model(m).engine != "sim"), next(iter(served), "MODEL"))
-    key = (" -H \"x-api-key: $WEIR_API_KEY\"" if cfg.api_keys else "")  # keys are never printed
+    key = ' -H "x-api-key: $WEIR_API_KEY"' if cfg.api_keys else ""  # keys are never printed
     body = (
         f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
         '"max_tokens": 32, "stream": true}'
@@ -114,8 +113,8 @@ def cmd_up(args) -> int:
         say(f"error: {e}")
         rc = 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         stack.stop()
         say("stopped")
     return rc
@@ -146,8 +145,14 @@ def cmd_render_k8s(args) -> int:
 def cmd_stats(args) -> int:
     from weir.stats import run
 
-    return run(load(args.config), routers=args.router, envoy_admin=args.envoy_admin, as_json=args.json,
-               interval=args.interval, count=args.count)
+    return run(
+        load(args.config),
+        routers=args.router,
+        envoy_admin=args.envoy_admin,
+        as_json=args.json,
+        interval=args.interval,
+        count=args.count,
+    )
 
 
 def cmd_make_model(args) -> int:
@@ -158,11 +163,10 @@ def cmd_make_model(args) -> int:
 
 
 def _passthrough(module: str, argv: list[str]) -> int:
-    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
-    return 1  # not reached
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])  # replaces this process: never returns
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Tools with their own argument parsers get the rest of the line untouched.
     if argv and argv[0] == "bench":

@@ -18,8 +18,9 @@ def add_parser(sub) -> None:
     new.set_defaults(func=cmd_new)
     curve = ks.add_parser("curve", help="CURVE key pairs: the router's, each worker's, each client's")
     curve.add_argument("dir")
-    curve.add_argument("--config", help="take the worker ids from this config (default: $WEIR_CONFIG or "
-                                        "deploy/weir.toml)")
+    curve.add_argument(
+        "--config", help="take the worker ids from this config (default: $WEIR_CONFIG or deploy/weir.toml)"
+    )
     curve.add_argument("--workers", help="comma-separated worker ids (instead of the config's)")
     curve.add_argument("--clients", default="client", help="comma-separated client names (default: client)")
     curve.set_defaults(func=cmd_curve)
@@ -56,6 +57,8 @@ def cmd_curve(args) -> int:
     made = curve.generate(args.dir, workers, clients)
     for path in made:
         print(f"wrote {path}")
-    print(f"\n[security]\ncurve = true\ncurve_dir = \"{args.dir}\"\n\n# workers read {args.dir}/workers/<id>.key_secret;"
-          f" a client takes Client(..., curve=(\"{args.dir}/clients/NAME.key_secret\", \"{args.dir}/router.key\"))")
+    print(
+        f'\n[security]\ncurve = true\ncurve_dir = "{args.dir}"\n\n# workers read {args.dir}/workers/<id>.key_secret;'
+        f' a client takes Client(..., curve=("{args.dir}/clients/NAME.key_secret", "{args.dir}/router.key"))'
+    )
     return 0

@@ -30,8 +30,9 @@ def add_parser(sub) -> None:
     add.add_argument("--max-model-len", type=int, default=512)
     add.add_argument("--workers", type=int, default=1, help="how many workers (ids NAME-0, NAME-1, ...)")
     add.add_argument("--max-num-seqs", type=int, default=16)
-    add.add_argument("--worker-env", action="append", default=[], metavar="K=V",
-                     help="environment for the workers (repeatable)")
+    add.add_argument(
+        "--worker-env", action="append", default=[], metavar="K=V", help="environment for the workers (repeatable)"
+    )
     add.add_argument("--wait", action="store_true", help="until a worker of it is ready")
     add.add_argument("--timeout", type=float, default=300.0)
     add.set_defaults(func=cmd_add)
@@ -55,9 +56,12 @@ def _call(url: str, body=None):
     try:
         return call(url, body, timeout=10.0)
     except OSError as e:
-        print(f"weir models: the router at {url} does not answer ({getattr(e, 'reason', e)}); is the stack "
-              f"running (`weir up`)?", file=sys.stderr)
-        raise SystemExit(1)
+        print(
+            f"weir models: the router at {url} does not answer ({getattr(e, 'reason', e)}); is the stack "
+            f"running (`weir up`)?",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
 
 
 def _states(router: str) -> dict[str, dict]:
@@ -67,8 +71,10 @@ def _states(router: str) -> dict[str, dict]:
 
 def cmd_list(args) -> int:
     for m in _states(_router(args)).values():
-        print(f"{m['name']:<24} {m['state']:<10} ready workers: {m['ready_workers']}"
-              + ("  (added at run time)" if m["runtime"] else ""))
+        print(
+            f"{m['name']:<24} {m['state']:<10} ready workers: {m['ready_workers']}"
+            + ("  (added at run time)" if m["runtime"] else "")
+        )
     return 0
 
 
@@ -78,8 +84,10 @@ def cmd_add(args) -> int:
     model = {"name": args.name, "engine": args.engine, "max_model_len": args.max_model_len}
     if args.path:
         model["path"] = args.path
-    workers = [{"id": f"{args.name}-{i}", "model": args.name, "max_num_seqs": args.max_num_seqs, "env": env}
-               for i in range(args.workers)]
+    workers = [
+        {"id": f"{args.name}-{i}", "model": args.name, "max_num_seqs": args.max_num_seqs, "env": env}
+        for i in range(args.workers)
+    ]
     t0 = time.monotonic()
     code, out = _call(router + "/admin/models", {"model": model, "workers": workers})
     if code != 200:

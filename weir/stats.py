@@ -21,13 +21,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.envoy_config import RATE_LIMIT_STAT_PREFIX, ROUTER_CLUSTER
 from deploy.stack import _http_url
 from shared.config import Config
+
+if TYPE_CHECKING:
+    from rich.console import Group, RenderableType
 
 FETCH_TIMEOUT_S = 1.0
 HCM_PREFIX = "http.ingress_http."  # deploy/envoy_config.py: the listener's stat_prefix
@@ -70,9 +73,15 @@ def read_router(url: str) -> dict:
     for fam in text_string_to_metric_families(_fetch(url + "/metrics").decode()):
         for s in fam.samples:
             metrics.setdefault(s.name, []).append((s.labels, s.value))
-    return {"workers": _json(url + "/admin/workers"), "queues": _json(url + "/admin/queues"),
-            "tenants": _json(url + "/admin/tenants"), "ready": _json(url + "/health/ready"),
-            "health": _json(url + "/health"), "models": _json(url + "/admin/models"), "metrics": metrics}
+    return {
+        "workers": _json(url + "/admin/workers"),
+        "queues": _json(url + "/admin/queues"),
+        "tenants": _json(url + "/admin/tenants"),
+        "ready": _json(url + "/health/ready"),
+        "health": _json(url + "/health"),
+        "models": _json(url + "/admin/models"),
+        "metrics": metrics,
+    }
 
 
 def read(envoy_admin: str, routers: list[str]) -> dict:
@@ -93,7 +102,7 @@ def read(envoy_admin: str, routers: list[str]) -> dict:
 # ---------------------------------------------------------------- derived view
 
 
-def _rate(now: float, before: Optional[float], dt: float) -> Optional[float]:
+def _rate(now: float, before: float | None, dt: float) -> float | None:
     if before is None or dt <= 0:
         return None
     return max(0.0, now - before) / dt
@@ -110,7 +119,7 @@ def _by(metrics: dict, name: str, label: str) -> dict[str, float]:
     return out
 
 
-def quantile(q: float, buckets: list[tuple[float, float]]) -> Optional[float]:
+def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
     """Prometheus' histogram_quantile over cumulative (le, count) buckets."""
     buckets = sorted(buckets)
     if not buckets or buckets[-1][1] <= 0:
@@ -145,7 +154,7 @@ def _window(now: list[tuple[float, float]], before: list[tuple[float, float]]) -
     return [(le, n - prev.get(le, 0.0)) for le, n in now]
 
 
-def _envoy_view(cur: Optional[dict], prev: Optional[dict], dt: float, error: Optional[str]) -> dict:
+def _envoy_view(cur: dict | None, prev: dict | None, dt: float, error: str | None) -> dict:
     if cur is None:
         return {"reachable": False, "error": error}
     p = prev or {}
@@ -165,15 +174,21 @@ def _envoy_view(cur: Optional[dict], prev: Optional[dict], dt: float, error: Opt
         "requests": counter(f"{HCM_PREFIX}downstream_rq_total"),
         "active_requests": cur.get(f"{HCM_PREFIX}downstream_rq_active", 0),
         "by_status": statuses,
-        "rate_limited_429": {"envoy": local, "router": upstream_429,
-                             "total": local["total"] + upstream_429["total"], "per_s": per_s},
-        "upstream": {"healthy": cur.get(f"cluster.{ROUTER_CLUSTER}.membership_healthy", 0),
-                     "total": cur.get(f"cluster.{ROUTER_CLUSTER}.membership_total", 0),
-                     "health_check_failures": cur.get(f"cluster.{ROUTER_CLUSTER}.health_check.failure", 0)},
+        "rate_limited_429": {
+            "envoy": local,
+            "router": upstream_429,
+            "total": local["total"] + upstream_429["total"],
+            "per_s": per_s,
+        },
+        "upstream": {
+            "healthy": cur.get(f"cluster.{ROUTER_CLUSTER}.membership_healthy", 0),
+            "total": cur.get(f"cluster.{ROUTER_CLUSTER}.membership_total", 0),
+            "health_check_failures": cur.get(f"cluster.{ROUTER_CLUSTER}.health_check.failure", 0),
+        },
     }
 
 
-def _router_view(url: str, cur: dict, prev: Optional[dict], dt: float) -> dict:
+def _router_view(url: str, cur: dict, prev: dict | None, dt: float) -> dict:
     if "error" in cur:
         return {"url": url, "reachable": False, "error": cur["error"]}
     m = cur["metrics"]
@@ -182,33 +197,53 @@ def _router_view(url: str, cur: dict, prev: Optional[dict], dt: float) -> dict:
     for q in cur["queues"]:
         buckets = _wait_buckets(m, q["class"])
         window = _window(buckets, _wait_buckets(pm, q["class"])) if pm is not None else []
-        queues.append({"class": q["class"], "pool": q["pool"], "queued": q["queued"],
-                       "by_model": q.get("by_model", {}), "oldest_wait_s": q["oldest_wait_s"],
-                       "wait_p50_s": quantile(0.5, buckets), "wait_p99_s": quantile(0.99, buckets),
-                       "window_wait_p50_s": quantile(0.5, window), "window_wait_p99_s": quantile(0.99, window)})
+        queues.append(
+            {
+                "class": q["class"],
+                "pool": q["pool"],
+                "queued": q["queued"],
+                "by_model": q.get("by_model", {}),
+                "oldest_wait_s": q["oldest_wait_s"],
+                "wait_p50_s": quantile(0.5, buckets),
+                "wait_p99_s": quantile(0.99, buckets),
+                "window_wait_p50_s": quantile(0.5, window),
+                "window_wait_p99_s": quantile(0.99, window),
+            }
+        )
     refusals = _by(m, "weir_rejected_total", "reason")
     prev_refusals = _by(pm, "weir_rejected_total", "reason") if pm is not None else {}
     finished = _sum(m, "weir_requests_total")
     decisions = _by(m, "weir_policy_decisions_total", "decision")
     return {
-        "url": url, "reachable": True, "ready": cur["ready"].get("status") == "ready",
-        "uptime_s": cur["health"].get("uptime_s"), "jobs": cur["health"].get("jobs"),
+        "url": url,
+        "reachable": True,
+        "ready": cur["ready"].get("status") == "ready",
+        "uptime_s": cur["health"].get("uptime_s"),
+        "jobs": cur["health"].get("jobs"),
         "ready_workers": cur["ready"].get("models", {}),
-        "models": [{"name": x["name"], "state": x["state"], "ready_workers": x["ready_workers"],
-                    "runtime": x["runtime"]} for x in cur["models"]],
+        "models": [
+            {"name": x["name"], "state": x["state"], "ready_workers": x["ready_workers"], "runtime": x["runtime"]}
+            for x in cur["models"]
+        ],
         "queues": queues,
-        "admissions": {"dispatched": decisions.get("dispatched", 0), "requeued": decisions.get("requeued", 0),
-                       "finished": finished,
-                       "finished_per_s": _rate(finished, _sum(pm, "weir_requests_total"), dt) if pm else None},
+        "admissions": {
+            "dispatched": decisions.get("dispatched", 0),
+            "requeued": decisions.get("requeued", 0),
+            "finished": finished,
+            "finished_per_s": _rate(finished, _sum(pm, "weir_requests_total"), dt) if pm else None,
+        },
         "outcomes": _by(m, "weir_requests_total", "outcome"),
-        "refusals": {r: {"total": n, "per_s": _rate(n, prev_refusals.get(r, 0.0), dt) if pm else None}
-                     for r, n in sorted(refusals.items())},
+        "refusals": {
+            r: {"total": n, "per_s": _rate(n, prev_refusals.get(r, 0.0), dt) if pm else None}
+            for r, n in sorted(refusals.items())
+        },
         "tokens_per_s": _rate(_sum(m, "weir_output_tokens_total"), _sum(pm, "weir_output_tokens_total"), dt)
-        if pm else None,
+        if pm
+        else None,
     }
 
 
-def _workers_view(url: str, cur: dict, prev: Optional[dict], dt: float, expected: set[str]) -> list[dict]:
+def _workers_view(url: str, cur: dict, prev: dict | None, dt: float, expected: set[str]) -> list[dict]:
     if "error" in cur:
         return []
     before = {w["id"]: w for w in prev.get("workers", [])} if prev and "workers" in prev else {}
@@ -220,21 +255,38 @@ def _workers_view(url: str, cur: dict, prev: Optional[dict], dt: float, expected
         tps = None
         if b is not None and "tokens_total" in w and "tokens_total" in b:
             tps = _rate(w["tokens_total"], b["tokens_total"], dt)
-        out.append({
-            "router": url, "id": w["id"], "model": w["model"], "pool": w["pool"], "engine": w.get("engine"),
-            "state": w.get("state", "ready"), "healthy": w.get("healthy"), "drain_left_s": w.get("drain_left_s"),
-            "kv_reserved_tokens": w["reserved_tokens"], "kv_capacity_tokens": w["capacity_tokens"],
-            "kv_budget_tokens": w.get("budget_tokens"), "kv_usage": w.get("kv_usage"),
-            "running": w["running"], "engine_running": w.get("engine_running"),
-            "engine_waiting": w.get("engine_waiting"), "max_num_seqs": w.get("max_num_seqs"),
-            "tokens_total": w.get("tokens_total"), "tokens_per_s": tps,
-            "gpu": {"present": w.get("gpu_present", False), "name": w.get("gpu"),
+        out.append(
+            {
+                "router": url,
+                "id": w["id"],
+                "model": w["model"],
+                "pool": w["pool"],
+                "engine": w.get("engine"),
+                "state": w.get("state", "ready"),
+                "healthy": w.get("healthy"),
+                "drain_left_s": w.get("drain_left_s"),
+                "kv_reserved_tokens": w["reserved_tokens"],
+                "kv_capacity_tokens": w["capacity_tokens"],
+                "kv_budget_tokens": w.get("budget_tokens"),
+                "kv_usage": w.get("kv_usage"),
+                "running": w["running"],
+                "engine_running": w.get("engine_running"),
+                "engine_waiting": w.get("engine_waiting"),
+                "max_num_seqs": w.get("max_num_seqs"),
+                "tokens_total": w.get("tokens_total"),
+                "tokens_per_s": tps,
+                "gpu": {
+                    "present": w.get("gpu_present", False),
+                    "name": w.get("gpu"),
                     "utilization_percent": w.get("gpu_utilization_percent"),
                     "memory_used_bytes": w.get("gpu_memory_used_bytes"),
                     "memory_total_bytes": w.get("gpu_memory_total_bytes"),
                     "temperature_celsius": w.get("gpu_temperature_celsius"),
-                    "power_watts": w.get("gpu_power_watts"), "block": w.get("gpu_block")},
-        })
+                    "power_watts": w.get("gpu_power_watts"),
+                    "block": w.get("gpu_block"),
+                },
+            }
+        )
     for wid in sorted((expected | set(before)) - seen):
         b = before.get(wid, {})
         out.append({"router": url, "id": wid, "model": b.get("model"), "pool": b.get("pool"), "state": "lost"})
@@ -247,17 +299,31 @@ def _tenants_view(cur: dict) -> list[dict]:
     out = []
     for name, t in sorted(cur["tenants"].get("tenants", {}).items()):
         usage = t.get("usage", {})
-        out.append({"tenant": name, "requests": usage.get("requests", 0),
-                    "prompt_tokens": usage.get("prompt_tokens", 0),
-                    "completion_tokens": usage.get("completion_tokens", 0),
-                    "budgets": t.get("budgets", {}), "refusals": t.get("refusals", {})})
+        out.append(
+            {
+                "tenant": name,
+                "requests": usage.get("requests", 0),
+                "prompt_tokens": usage.get("prompt_tokens", 0),
+                "completion_tokens": usage.get("completion_tokens", 0),
+                "budgets": t.get("budgets", {}),
+                "refusals": t.get("refusals", {}),
+            }
+        )
     for kid, budgets in sorted(cur["tenants"].get("keys", {}).items()):  # a key's own budgets (by its id)
-        out.append({"tenant": f"key {kid}", "requests": None, "prompt_tokens": None, "completion_tokens": None,
-                    "budgets": budgets, "refusals": {}})
+        out.append(
+            {
+                "tenant": f"key {kid}",
+                "requests": None,
+                "prompt_tokens": None,
+                "completion_tokens": None,
+                "budgets": budgets,
+                "refusals": {},
+            }
+        )
     return out
 
 
-def view(cur: dict, prev: Optional[dict], expected_workers: dict[str, set[str]]) -> dict:
+def view(cur: dict, prev: dict | None, expected_workers: dict[str, set[str]]) -> dict:
     """The snapshot ``--json`` prints and the live view draws.  ``expected_workers``:
     per router, the ids it should have (shown as lost where it does not)."""
     dt = cur["t"] - prev["t"] if prev else 0.0
@@ -268,12 +334,17 @@ def view(cur: dict, prev: Optional[dict], expected_workers: dict[str, set[str]])
         workers += _workers_view(url, r, pr, dt, expected_workers.get(url, set()))
         for t in _tenants_view(r):
             tenants.append({"router": url, **t})
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "interval_s": round(dt, 3),
-            "envoy": _envoy_view(cur["envoy"], prev["envoy"] if prev else None, dt, cur["envoy_error"]),
-            "routers": routers, "workers": workers, "tenants": tenants}
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "interval_s": round(dt, 3),
+        "envoy": _envoy_view(cur["envoy"], prev["envoy"] if prev else None, dt, cur["envoy_error"]),
+        "routers": routers,
+        "workers": workers,
+        "tenants": tenants,
+    }
 
 
-def stack_down(snap: dict) -> Optional[str]:
+def stack_down(snap: dict) -> str | None:
     """Why the stack is not running (nothing answers), or None."""
     if snap["envoy"]["reachable"] or any(r["reachable"] for r in snap["routers"]):
         return None
@@ -296,13 +367,14 @@ def _gib(b) -> str:
     return "-" if b is None else f"{b / (1 << 30):.1f}"
 
 
-def render(snap: dict, title: str):
+def render(snap: dict, title: str) -> Group:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    parts = [Text(f"weir stats  {title}  {snap['time']}  (every {snap['interval_s']:.1f} s; Ctrl-C quits)",
-                  style="bold")]
+    parts: list[RenderableType] = [
+        Text(f"weir stats  {title}  {snap['time']}  (every {snap['interval_s']:.1f} s; Ctrl-C quits)", style="bold")
+    ]
     e = snap["envoy"]
     t = Table(title="Envoy", title_justify="left", expand=True)
     if not e["reachable"]:
@@ -312,11 +384,17 @@ def render(snap: dict, title: str):
             t.add_column(col, justify="right")
         s = e["by_status"]
         up = e["upstream"]
-        t.add_row(_n(e["requests"]["per_s"]), *(_n(s[c]["per_s"]) for c in ("2xx", "4xx", "5xx")),
-                  _n(e["rate_limited_429"]["per_s"]), str(int(e["rate_limited_429"]["total"])),
-                  str(int(e["active_requests"])),
-                  Text(f"{int(up['healthy'])}/{int(up['total'])}",
-                       style="green" if up["total"] and up["healthy"] == up["total"] else "red"))
+        t.add_row(
+            _n(e["requests"]["per_s"]),
+            *(_n(s[c]["per_s"]) for c in ("2xx", "4xx", "5xx")),
+            _n(e["rate_limited_429"]["per_s"]),
+            str(int(e["rate_limited_429"]["total"])),
+            str(int(e["active_requests"])),
+            Text(
+                f"{int(up['healthy'])}/{int(up['total'])}",
+                style="green" if up["total"] and up["healthy"] == up["total"] else "red",
+            ),
+        )
         parts.append(t)
     for r in snap["routers"]:
         if not r["reachable"]:
@@ -324,11 +402,14 @@ def render(snap: dict, title: str):
             continue
         head = Text(f"router {r['url']}  ", style="bold")
         head.append("ready" if r["ready"] else "NOT READY", style="green" if r["ready"] else "bold red")
-        head.append(f"  jobs {r['jobs']}  finished/s {_n(r['admissions']['finished_per_s'])}"
-                    f"  dispatched {int(r['admissions']['dispatched'])}  tokens/s {_n(r['tokens_per_s'], '{:.0f}')}")
+        head.append(
+            f"  jobs {r['jobs']}  finished/s {_n(r['admissions']['finished_per_s'])}"
+            f"  dispatched {int(r['admissions']['dispatched'])}  tokens/s {_n(r['tokens_per_s'], '{:.0f}')}"
+        )
         parts.append(head)
-        parts.append(Text("models: " + ", ".join(f"{x['name']} {x['state']} ({x['ready_workers']} ready)"
-                                                 for x in r["models"])))
+        parts.append(
+            Text("models: " + ", ".join(f"{x['name']} {x['state']} ({x['ready_workers']} ready)" for x in r["models"]))
+        )
         q = Table(title="queues", title_justify="left", expand=True)
         for col in ("class", "pool", "queued", "by model", "oldest wait", "wait p50", "wait p99"):
             q.add_column(col, justify="right" if col not in ("class", "pool", "by model") else "left")
@@ -336,48 +417,94 @@ def render(snap: dict, title: str):
             if x["queued"] or x["wait_p50_s"] is not None:
                 p50 = x["window_wait_p50_s"] if x["window_wait_p50_s"] is not None else x["wait_p50_s"]
                 p99 = x["window_wait_p99_s"] if x["window_wait_p99_s"] is not None else x["wait_p99_s"]
-                q.add_row(x["class"], x["pool"], str(x["queued"]),
-                          ", ".join(f"{m}: {n}" for m, n in x["by_model"].items()) or "-",
-                          _ms(x["oldest_wait_s"]), _ms(p50), _ms(p99))
+                q.add_row(
+                    x["class"],
+                    x["pool"],
+                    str(x["queued"]),
+                    ", ".join(f"{m}: {n}" for m, n in x["by_model"].items()) or "-",
+                    _ms(x["oldest_wait_s"]),
+                    _ms(p50),
+                    _ms(p99),
+                )
         parts.append(q)
         if r["refusals"]:
-            parts.append(Text("refusals: " + ", ".join(
-                f"{reason} {int(v['total'])} ({_n(v['per_s'])}/s)" for reason, v in r["refusals"].items()),
-                style="yellow"))
+            parts.append(
+                Text(
+                    "refusals: "
+                    + ", ".join(
+                        f"{reason} {int(v['total'])} ({_n(v['per_s'])}/s)" for reason, v in r["refusals"].items()
+                    ),
+                    style="yellow",
+                )
+            )
     w = Table(title="workers", title_justify="left", expand=True)
-    for col in ("worker", "model", "pool", "state", "KV reserved/capacity", "running", "engine run/wait",
-                "tokens/s", "GPU util", "GPU mem GiB", "GPU °C", "GPU W"):
+    for col in (
+        "worker",
+        "model",
+        "pool",
+        "state",
+        "KV reserved/capacity",
+        "running",
+        "engine run/wait",
+        "tokens/s",
+        "GPU util",
+        "GPU mem GiB",
+        "GPU °C",
+        "GPU W",
+    ):
         w.add_column(col, justify="left" if col in ("worker", "model", "pool", "state") else "right")
     for x in snap["workers"]:
-        style = {"ready": "green", "draining": "yellow", "lost": "bold red"}.get(x["state"])
+        style = {"ready": "green", "draining": "yellow", "lost": "bold red"}.get(x["state"], "")
         if x["state"] == "lost":
-            w.add_row(x["id"], x.get("model") or "-", x.get("pool") or "-", Text("lost", style=style),
-                      *["-"] * 8)
+            w.add_row(x["id"], x.get("model") or "-", x.get("pool") or "-", Text("lost", style=style), *["-"] * 8)
             continue
         g = x["gpu"]
         state = x["state"] + (f" ({g['block']})" if g.get("block") else "")
         if g["present"]:
-            gpu = [_n(g["utilization_percent"], "{:.0f}%"),
-                   f"{_gib(g['memory_used_bytes'])}/{_gib(g['memory_total_bytes'])}",
-                   _n(g["temperature_celsius"], "{:.0f}"), _n(g["power_watts"], "{:.0f}")]
+            gpu = [
+                _n(g["utilization_percent"], "{:.0f}%"),
+                f"{_gib(g['memory_used_bytes'])}/{_gib(g['memory_total_bytes'])}",
+                _n(g["temperature_celsius"], "{:.0f}"),
+                _n(g["power_watts"], "{:.0f}"),
+            ]
         else:
             gpu = ["no GPU", "-", "-", "-"]
-        w.add_row(x["id"], x["model"], x["pool"], Text(state, style=style),
-                  f"{x['kv_reserved_tokens']}/{x['kv_capacity_tokens']}", f"{x['running']}/{x['max_num_seqs']}",
-                  f"{_n(x['engine_running'], '{}')}/{_n(x['engine_waiting'], '{}')}",
-                  _n(x["tokens_per_s"], "{:.0f}"), *gpu)
+        w.add_row(
+            x["id"],
+            x["model"],
+            x["pool"],
+            Text(state, style=style),
+            f"{x['kv_reserved_tokens']}/{x['kv_capacity_tokens']}",
+            f"{x['running']}/{x['max_num_seqs']}",
+            f"{_n(x['engine_running'], '{}')}/{_n(x['engine_waiting'], '{}')}",
+            _n(x["tokens_per_s"], "{:.0f}"),
+            *gpu,
+        )
     parts.append(w)
     if snap["tenants"]:
         tt = Table(title="tenants", title_justify="left", expand=True)
-        for col in ("tenant", "requests", "prompt tokens", "completion tokens", "budgets (remaining/limit)",
-                    "refusals"):
-            tt.add_column(col, justify="left" if col in ("tenant", "budgets (remaining/limit)", "refusals")
-                          else "right")
+        for col in (
+            "tenant",
+            "requests",
+            "prompt tokens",
+            "completion tokens",
+            "budgets (remaining/limit)",
+            "refusals",
+        ):
+            tt.add_column(
+                col, justify="left" if col in ("tenant", "budgets (remaining/limit)", "refusals") else "right"
+            )
         for x in snap["tenants"]:
             budgets = ", ".join(f"{f} {b.get('remaining', '?')}/{b['limit']}" for f, b in x["budgets"].items())
             refusals = ", ".join(f"{k} {v}" for k, v in x["refusals"].items())
-            tt.add_row(x["tenant"], _n(x["requests"], "{}"), _n(x["prompt_tokens"], "{}"),
-                       _n(x["completion_tokens"], "{}"), budgets or "unlimited", refusals or "-")
+            tt.add_row(
+                x["tenant"],
+                _n(x["requests"], "{}"),
+                _n(x["prompt_tokens"], "{}"),
+                _n(x["completion_tokens"], "{}"),
+                budgets or "unlimited",
+                refusals or "-",
+            )
         parts.append(tt)
     return Group(*parts)
 
@@ -385,9 +512,10 @@ def render(snap: dict, title: str):
 # ---------------------------------------------------------------- the command
 
 
-def targets(cfg: Config, routers: Optional[list[str]], envoy_admin: Optional[str]) -> tuple[str, list[str]]:
-    return (envoy_admin or _http_url(cfg.envoy.admin)).rstrip("/"), \
-        [u.rstrip("/") for u in (routers or [_http_url(cfg.router.http)])]
+def targets(cfg: Config, routers: list[str] | None, envoy_admin: str | None) -> tuple[str, list[str]]:
+    return (envoy_admin or _http_url(cfg.envoy.admin)).rstrip("/"), [
+        u.rstrip("/") for u in (routers or [_http_url(cfg.router.http)])
+    ]
 
 
 def _registered(expected: dict[str, set[str]], reading: dict) -> None:
@@ -397,8 +525,15 @@ def _registered(expected: dict[str, set[str]], reading: dict) -> None:
         expected.setdefault(url, set()).update(w["id"] for w in r.get("workers", []))
 
 
-def run(cfg: Config, *, routers: Optional[list[str]] = None, envoy_admin: Optional[str] = None,
-        as_json: bool = False, interval: float = 1.0, count: Optional[int] = None) -> int:
+def run(
+    cfg: Config,
+    *,
+    routers: list[str] | None = None,
+    envoy_admin: str | None = None,
+    as_json: bool = False,
+    interval: float = 1.0,
+    count: int | None = None,
+) -> int:
     admin, urls = targets(cfg, routers, envoy_admin)
     # the config's one router should have its workers; routers named on the
     # command line only those they have been seen with
@@ -408,8 +543,9 @@ def run(cfg: Config, *, routers: Optional[list[str]] = None, envoy_admin: Option
     _registered(expected, prev)
     why = stack_down(first)
     if why is not None:
-        print(f"weir stats: the stack is not running (nothing answers: {why}). Start it with `weir up`.",
-              file=sys.stderr)
+        print(
+            f"weir stats: the stack is not running (nothing answers: {why}). Start it with `weir up`.", file=sys.stderr
+        )
         return 1
     if as_json:
         time.sleep(interval)

@@ -1,0 +1,537 @@
+"""The Kubernetes objects of one weir config: names and labels, each role's view
+of the config (the ConfigMap), the Envoy, router and worker workloads, and the
+NetworkPolicies.  deploy.k8s lays them out as a kustomize base and overlays;
+deploy.k8s_scaling adds the autoscaling objects."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Any
+
+import msgspec
+import tomli_w
+
+from deploy import envoy_config
+from shared.config import Config, ConfigError, WorkerConfig, split_hostport
+
+CONFIG_DIR = "/etc/weir"
+MODELS_DIR = "/models"
+CONFIGMAP = "weir-config"
+ROUTERS_SERVICE = "weir-routers"  # headless: one DNS record per router pod, ready or not
+WORKERS_SERVICE = "weir-workers"  # headless: the StatefulSets' governing Service
+PROBE_PERIOD_S = 10
+SIM_STARTUP_S = 60  # the sim engine starts in ~1 s
+DRAIN_SLACK_S = 15  # Goodbye, engine shutdown, process exit
+APP = "app.kubernetes.io/name"
+PART = "app.kubernetes.io/component"
+MODEL_LABEL = "weir.io/model"
+POOL_LABEL = "weir.io/pool"
+CLIENT_LABEL = "weir.io/zmq-client"  # pods allowed to reach the routers' direct-client plane
+HASH_ANNOTATION = "weir.io/config-sha256"
+
+
+# ------------------------------------------------------------------ names
+
+
+def dns_name(text: str) -> str:
+    """A DNS-1123 label from a model or pool name."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    return name[:50] or "x"
+
+
+def routers_host(cfg: Config) -> str:
+    return f"{ROUTERS_SERVICE}.{cfg.kubernetes.namespace}.svc.cluster.local"
+
+
+def worker_router_backend(cfg: Config) -> str:
+    """Where a worker pod connects: THE one place that decides it.
+
+    Today a worker links to one router: ZeroMQ resolves the headless
+    Service's name to one router pod.  With several routers that each need
+    every worker (issue 10), this becomes the list the worker connects to
+    (the Service's per-pod records); nothing else here changes."""
+    _, port = split_hostport(cfg.router.backend.partition("://")[2])
+    return f"tcp://{routers_host(cfg)}:{port}"
+
+
+def _port(addr: str) -> int:
+    return split_hostport(addr.partition("://")[2] if "://" in addr else addr)[1]
+
+
+class WorkerGroup(msgspec.Struct, frozen=True):
+    """One StatefulSet: the [[workers]] of one model and pool."""
+
+    name: str
+    model: str
+    pool: str
+    engine: str
+    template: WorkerConfig  # the first entry's settings, run by every pod
+
+
+def worker_groups(cfg: Config) -> list[WorkerGroup]:
+    groups: dict[tuple[str, str], list[WorkerConfig]] = {}
+    for w in cfg.workers:
+        groups.setdefault((w.model, w.pool), []).append(w)
+    out = []
+    for (model, pool), ws in groups.items():
+        suffix = "" if pool == "any" else f"-{pool}"
+        out.append(WorkerGroup(f"weir-worker-{dns_name(model)}{suffix}", model, pool, cfg.model(model).engine, ws[0]))
+    return out
+
+
+STATEFULSET_NAME_MAX = 52
+
+
+def worker_grace_s(cfg: Config) -> int:
+    """preStop waits up to the drain timeout, SIGTERM's own drain may take it again."""
+    return math.ceil(2 * cfg.router.drain_timeout_s) + DRAIN_SLACK_S
+
+
+def check(cfg: Config) -> None:
+    """ConfigError for what these manifests cannot carry."""
+    k = cfg.kubernetes
+    if k.router_replicas < 2:
+        raise ConfigError("kubernetes.router_replicas must be >= 2 (a PodDisruptionBudget keeps one)")
+    if k.envoy_replicas < 1:
+        raise ConfigError("kubernetes.envoy_replicas must be >= 1")
+    if not 1 <= k.min_workers <= k.max_workers:
+        raise ConfigError("kubernetes: need 1 <= min_workers <= max_workers")
+    if not k.min_workers <= k.prescale_min_workers <= k.max_workers:
+        raise ConfigError("kubernetes.prescale_min_workers must lie within min_workers..max_workers")
+    if not 0 < k.target_slot_utilization <= 1:
+        raise ConfigError("kubernetes.target_slot_utilization must be in (0, 1]")
+    for f in ("scale_up_window_s", "scale_down_window_s"):
+        if not 0 <= getattr(k, f) <= 3600:  # the HPA's own bound
+            raise ConfigError(f"kubernetes.{f} must be within 0..3600")
+    if cfg.security.curve:
+        raise ConfigError(
+            "kubernetes: CURVE keys per pod are not rendered yet; use NetworkPolicies "
+            "(rendered) or set security.curve = false"
+        )
+    if cfg.envoy.tls_cert_file:
+        raise ConfigError("kubernetes: terminate TLS at your Ingress/Gateway; unset envoy.tls_*")
+    if not cfg.workers:
+        raise ConfigError("kubernetes: no [[workers]] to render")
+    seen: dict[str, str] = {}
+    for g in worker_groups(cfg):
+        # a StatefulSet's pods carry a controller-revision-hash label of its
+        # name + 11 characters, and a label value holds at most 63
+        if len(g.name) > STATEFULSET_NAME_MAX:
+            raise ConfigError(
+                f"kubernetes: model {g.model!r} makes the StatefulSet name {g.name!r}, "
+                f"{len(g.name)} characters (at most {STATEFULSET_NAME_MAX}): use a shorter model name"
+            )
+        if seen.setdefault(g.name, g.model) != g.model:
+            raise ConfigError(f"kubernetes: models {seen[g.name]!r} and {g.model!r} both render as {g.name!r}")
+
+
+# ------------------------------------------------------------------ each role's config
+
+
+def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict:
+    raw = msgspec.to_builtins(cfg)
+    # (the routers are one Deployment here, reached through its Services:
+    # [[routers]] and a worker's own `routers` list are for processes on hosts)
+    for key in ("base_dir", "kubernetes", "routers"):
+        raw.pop(key, None)
+    for w in raw["workers"]:
+        w.pop("routers", None)
+    e, r = raw["envoy"], raw["router"]
+    e["listen"] = f"0.0.0.0:{_port(cfg.envoy.listen)}"
+    e["admin"] = f"0.0.0.0:{_port(cfg.envoy.admin)}"  # Prometheus scrapes it (NetworkPolicy: monitoring only)
+    r["http"] = f"0.0.0.0:{_port(cfg.router.http)}"
+    r["frontend"] = f"tcp://0.0.0.0:{_port(cfg.router.frontend)}"
+    r["backend"] = f"tcp://0.0.0.0:{_port(cfg.router.backend)}"
+    if role == "worker":
+        r["backend"] = worker_router_backend(cfg)
+    if role == "envoy":
+        r["http"] = f"{routers_host(cfg)}:{_port(cfg.router.http)}"
+    for m in raw["models"]:
+        if m.get("path"):
+            m["path"] = f"{MODELS_DIR}/{dns_name(m['name'])}"
+    if gpu:
+        for w in raw["workers"]:
+            if cfg.model(w["model"]).engine == "vllm":
+                w["gpu_index"] = 0  # the one GPU the pod is given (CUDA_VISIBLE_DEVICES)
+                w["kv_cache_bytes"] = 0  # 0: vLLM sizes KV by gpu_memory_utilization
+    return _drop_none(raw)
+
+
+def _drop_none(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _drop_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_drop_none(x) for x in v]
+    return v
+
+
+def role_toml(cfg: Config, role: str, gpu: bool = False) -> str:
+    head = f"# weir config for the {role} pods, rendered by deploy/k8s.py -- do not edit.\n"
+    return head + tomli_w.dumps(_role_config(cfg, role, gpu))
+
+
+def envoy_yaml(cfg: Config) -> str:
+    view = msgspec.convert({**_role_config(cfg, "envoy"), "base_dir": CONFIG_DIR}, Config)
+    envoy_config.check(view)
+    return envoy_config.render(view)
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ objects
+
+
+def _meta(cfg: Config, name: str, part: str | None = None, **labels: str) -> dict:
+    lab = {APP: "weir"}
+    if part:
+        lab[PART] = part
+    lab.update(labels)
+    return {"name": name, "namespace": cfg.kubernetes.namespace, "labels": lab}
+
+
+def _selector(part: str, **labels: str) -> dict:
+    return {APP: "weir", PART: part, **labels}
+
+
+def _config_volume() -> dict:
+    return {"name": "config", "configMap": {"name": CONFIGMAP}}
+
+
+def _models_volume(cfg: Config) -> dict:
+    return {"name": "models", "persistentVolumeClaim": {"claimName": cfg.kubernetes.models_claim, "readOnly": True}}
+
+
+def _has_vllm(cfg: Config) -> bool:
+    return any(m.engine == "vllm" for m in cfg.models)
+
+
+def _http_probe(path: str, port: int, period: int, failures: int) -> dict:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+    }
+
+
+def configmap(cfg: Config, gpu: bool = False) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(cfg, CONFIGMAP),
+        "data": {
+            "router.toml": role_toml(cfg, "router"),
+            "worker.toml": role_toml(cfg, "worker", gpu),
+            "envoy.yaml": envoy_yaml(cfg),
+        },
+    }
+
+
+def envoy_objects(cfg: Config) -> list[dict]:
+    k = cfg.kubernetes
+    listen, admin = _port(cfg.envoy.listen), _port(cfg.envoy.admin)
+    sel = _selector("envoy")
+    pod = {
+        "metadata": {
+            "labels": sel,
+            "annotations": {
+                HASH_ANNOTATION: _sha(envoy_yaml(cfg)),
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(admin),
+                "prometheus.io/path": "/stats/prometheus",
+            },
+        },
+        "spec": {
+            "containers": [
+                {
+                    "name": "envoy",
+                    "image": k.image,
+                    "command": [
+                        "envoy",
+                        "-c",
+                        f"{CONFIG_DIR}/envoy.yaml",
+                        "--disable-hot-restart",
+                        "--concurrency",
+                        str(cfg.envoy.concurrency),
+                        "-l",
+                        "warning",
+                    ],
+                    "ports": [{"name": "http", "containerPort": listen}, {"name": "admin", "containerPort": admin}],
+                    # Envoy's own readiness, not its routers': a probe through the
+                    # rate-limited route would fail every Envoy at once under
+                    # overload.  With no healthy router it answers 503 + Retry-After.
+                    "readinessProbe": _http_probe("/ready", admin, 5, 2),
+                    "livenessProbe": _http_probe("/ready", admin, 10, 3),
+                    "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}},
+                    "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+                }
+            ],
+            "volumes": [_config_volume()],
+        },
+    }
+    return [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(cfg, "weir-envoy", "envoy"),
+            "spec": {"replicas": k.envoy_replicas, "selector": {"matchLabels": sel}, "template": pod},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cfg, "weir", "envoy"),
+            "spec": {"selector": sel, "ports": [{"name": "http", "port": listen, "targetPort": "http"}]},
+        },
+    ]
+
+
+def router_objects(cfg: Config) -> list[dict]:
+    k = cfg.kubernetes
+    http, front, back = _port(cfg.router.http), _port(cfg.router.frontend), _port(cfg.router.backend)
+    sel = _selector("router")
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    volumes = [_config_volume()]
+    if _has_vllm(cfg):  # the router tokenizes: it reads each model's tokenizer files
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+        volumes.append(_models_volume(cfg))
+    pod = {
+        "metadata": {
+            "labels": sel,
+            "annotations": {
+                HASH_ANNOTATION: _sha(role_toml(cfg, "router")),
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(http),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": {
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 100,
+                            "podAffinityTerm": {
+                                "labelSelector": {"matchLabels": sel},
+                                "topologyKey": "kubernetes.io/hostname",
+                            },
+                        }
+                    ]
+                }
+            },
+            "containers": [
+                {
+                    "name": "router",
+                    "image": k.image,
+                    "command": ["python", "-m", "router", "--config", f"{CONFIG_DIR}/router.toml"],
+                    "ports": [
+                        {"name": "http", "containerPort": http},
+                        {"name": "zmq-clients", "containerPort": front},
+                        {"name": "zmq-workers", "containerPort": back},
+                    ],
+                    # live: the process answers; ready: some worker takes new work (else Envoy's own
+                    # health check would skip it anyway)
+                    "livenessProbe": _http_probe("/health/live", http, 10, 3),
+                    "readinessProbe": _http_probe("/health/ready", http, 5, 2),
+                    "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+                    "volumeMounts": mounts,
+                }
+            ],
+            "terminationGracePeriodSeconds": 30,
+            "volumes": volumes,
+        },
+    }
+    ports = [
+        {"name": "http", "port": http, "targetPort": http},
+        {"name": "zmq-clients", "port": front},
+        {"name": "zmq-workers", "port": back},
+    ]
+    return [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(cfg, "weir-router", "router"),
+            "spec": {"replicas": k.router_replicas, "selector": {"matchLabels": sel}, "template": pod},
+        },
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _meta(cfg, "weir-router", "router"),
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": sel}},
+        },
+        # Workers and Envoy find every router here.  publishNotReadyAddresses: a router is
+        # ready only once a worker registered, so workers must reach unready ones.
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cfg, ROUTERS_SERVICE, "router"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": sel, "ports": ports},
+        },
+        # Direct ZeroMQ clients (shared.client): one router per connection.
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cfg, "weir-zmq", "router"),
+            "spec": {"selector": sel, "ports": [{"name": "zmq-clients", "port": front, "targetPort": front}]},
+        },
+    ]
+
+
+def _probe_exec(action: str) -> list[str]:
+    return ["python", "-m", "deploy.k8s_probe", action]
+
+
+def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
+    k = cfg.kubernetes
+    sel = _selector("worker", **{MODEL_LABEL: dns_name(g.model), POOL_LABEL: g.pool})
+    vllm = g.engine == "vllm"
+    startup_s = k.model_load_timeout_s if vllm else SIM_STARTUP_S
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    volumes = [_config_volume()]
+    if vllm:
+        mounts += [
+            {"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ]
+        volumes += [_models_volume(cfg), {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+    container = {
+        "name": "worker",
+        "image": k.image,
+        "command": [
+            "python",
+            "-m",
+            "engine_worker",
+            "--config",
+            f"{CONFIG_DIR}/worker.toml",
+            "--worker-id",
+            g.template.id,
+            "--instance-id",
+            "$(POD_NAME)",
+        ],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "WEIR_CONFIG", "value": f"{CONFIG_DIR}/worker.toml"},
+        ],
+        # Registered and taking work, as the router sees it (no port of its own to probe).
+        "startupProbe": {
+            "exec": {"command": _probe_exec("ready")},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": 5,
+            "failureThreshold": math.ceil(startup_s / PROBE_PERIOD_S),
+        },
+        "readinessProbe": {
+            "exec": {"command": _probe_exec("ready")},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": 5,
+            "failureThreshold": 2,
+        },
+        # Drain at the router first (no new work at once) and wait for what runs; SIGTERM follows.
+        "lifecycle": {"preStop": {"exec": {"command": _probe_exec("drain")}}},
+        "resources": {"requests": {"cpu": "1", "memory": "4Gi" if vllm else "512Mi"}},
+        "volumeMounts": mounts,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(cfg, g.name, "worker", **{MODEL_LABEL: dns_name(g.model), POOL_LABEL: g.pool}),
+        "spec": {
+            # no "replicas": the ScaledObject owns it (min_workers..max_workers), and a
+            # re-apply of these manifests must not reset what the autoscaler chose
+            "serviceName": WORKERS_SERVICE,
+            "podManagementPolicy": "Parallel",  # scale-ups load models side by side
+            "selector": {"matchLabels": sel},
+            "template": {
+                "metadata": {"labels": sel, "annotations": {HASH_ANNOTATION: _sha(role_toml(cfg, "worker"))}},
+                "spec": {
+                    "terminationGracePeriodSeconds": worker_grace_s(cfg),
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+
+
+def worker_objects(cfg: Config) -> list[dict]:
+    out: list[dict] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(cfg, WORKERS_SERVICE, "worker"),
+            "spec": {"clusterIP": "None", "selector": _selector("worker")},
+        }
+    ]
+    for g in worker_groups(cfg):
+        out.append(worker_statefulset(cfg, g))
+        out.append(
+            {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": _meta(cfg, g.name, "worker"),
+                "spec": {
+                    "maxUnavailable": 1,
+                    "selector": {"matchLabels": worker_statefulset(cfg, g)["spec"]["selector"]["matchLabels"]},
+                },
+            }
+        )
+    return out
+
+
+# ------------------------------------------------------------------ network
+
+
+def network_policies(cfg: Config) -> list[dict]:
+    k = cfg.kubernetes
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": k.monitoring_namespace}}}
+    http, front, back = _port(cfg.router.http), _port(cfg.router.frontend), _port(cfg.router.backend)
+
+    def pol(name: str, part: str, ingress: list[dict]) -> dict:
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(cfg, name),
+            "spec": {
+                "podSelector": {"matchLabels": {APP: "weir", PART: part}},
+                "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        }
+
+    def tcp(*ports: int) -> list[dict]:
+        return [{"protocol": "TCP", "port": p} for p in ports]
+
+    return [
+        # Everything else in the namespace -- the workers above all, which listen on
+        # nothing (they dial the router) -- takes no connection at all.
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(cfg, "weir-default-deny"),
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress"]},
+        },
+        pol(
+            "weir-envoy",
+            "envoy",
+            [
+                {"ports": tcp(_port(cfg.envoy.listen))},  # the OpenAI API: from anywhere
+                {"from": [monitoring], "ports": tcp(_port(cfg.envoy.admin))},
+            ],
+        ),
+        pol(
+            "weir-router",
+            "router",
+            [
+                {"from": [{"podSelector": {"matchLabels": _selector("envoy")}}], "ports": tcp(http)},
+                # workers: their link, and /admin/workers for their probes
+                {"from": [{"podSelector": {"matchLabels": _selector("worker")}}], "ports": tcp(back, http)},
+                {"from": [monitoring], "ports": tcp(http)},
+                {
+                    "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {CLIENT_LABEL: "true"}}}],
+                    "ports": tcp(front),
+                },
+            ],
+        ),
+    ]
