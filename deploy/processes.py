@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Optional
 
 
 class StackError(RuntimeError):
@@ -56,7 +55,7 @@ class Component:
         self.log_path = log_path
         self.env = env
         self.cwd = cwd
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.stopping = False
 
     def start(self) -> None:
@@ -73,10 +72,10 @@ class Component:
             )
 
     @property
-    def pid(self) -> Optional[int]:
+    def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def exited(self) -> Optional[int]:
+    def exited(self) -> int | None:
         """Exit status if the process has ended, else None."""
         return self.proc.poll() if self.proc else None
 
@@ -98,6 +97,4 @@ class Component:
     def failure(self, what: str) -> StackError:
         status = self.exited()
         state = f"exited with status {status}" if status is not None else "still running"
-        return StackError(
-            f"{self.name}: {what} ({state}); log {self.log_path}, last lines:\n{self.tail()}"
-        )
+        return StackError(f"{self.name}: {what} ({state}); log {self.log_path}, last lines:\n{self.tail()}")

@@ -41,8 +41,9 @@ _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def _call(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method="GET" if body is None else "POST", headers={"content-type": "application/json"}
+    )
     try:
         with _opener.open(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -93,8 +94,9 @@ class ModelReconciler:
                 self._write_config()
                 said.append(f"model {name} removed")
             else:  # the router restarted and knows only its config file
-                code, out = _call(stack.router_url + "/admin/models", {"model": spec["config"],
-                                                                       "workers": spec["workers"]})
+                code, out = _call(
+                    stack.router_url + "/admin/models", {"model": spec["config"], "workers": spec["workers"]}
+                )
                 said.append(f"router told again of model {name} ({code})")
         return said
 
@@ -106,8 +108,11 @@ class ModelReconciler:
         for w in m["workers"]:
             wid = w["id"]
             stack.worker_ids.append(wid)
-            stack.spawn(f"worker:{wid}", [sys.executable, "-m", "engine_worker", "--config", str(self.runtime_cfg),
-                                          "--worker-id", wid], w.get("env") or {})
+            stack.spawn(
+                f"worker:{wid}",
+                [sys.executable, "-m", "engine_worker", "--config", str(self.runtime_cfg), "--worker-id", wid],
+                w.get("env") or {},
+            )
         return said
 
     def _stop_workers(self, name: str, m: dict[str, Any]) -> list[str]:

@@ -30,8 +30,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from deploy import envoy_config
 from deploy.processes import Component, group_members
@@ -91,9 +91,9 @@ class Stack:
         cfg_path: str | os.PathLike | None = None,
         run_dir: str | os.PathLike | None = None,
         *,
-        workers: Optional[list[str]] = None,
-        progress: Optional[Callable[[str], None]] = None,
-        worker_ready_s: Optional[float] = None,
+        workers: list[str] | None = None,
+        progress: Callable[[str], None] | None = None,
+        worker_ready_s: float | None = None,
         envoy_log_level: str = "warning",
         supervise: bool = False,
     ):
@@ -125,7 +125,7 @@ class Stack:
         self._deaths: dict[str, list[float]] = {}  # restart times, for the crash-loop window
         self._down_since: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._supervisor: Optional[threading.Thread] = None
+        self._supervisor: threading.Thread | None = None
 
     # -------------------------------------------------------------- start
 
@@ -145,7 +145,7 @@ class Stack:
         self.progress(f"started {name} (pid {comp.pid}), log {log}")
         return comp
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         """Start everything and wait until all of it is ready; on any failure
         (or Ctrl-C meanwhile) stop what was started and raise."""
         try:
@@ -166,8 +166,10 @@ class Stack:
 
         py = sys.executable
         cfg = str(self.cfg_path)
-        routers = [self.spawn(name, [py, "-m", "router", "--config", cfg, "--index", str(i)])
-                   for i, name in enumerate(self.router_names)]
+        routers = [
+            self.spawn(name, [py, "-m", "router", "--config", cfg, "--index", str(i)])
+            for i, name in enumerate(self.router_names)
+        ]
         for router, url in zip(routers, self.router_urls, strict=True):
             self._wait(router, ROUTER_READY_S, "not healthy at " + url + "/health", _answers_ok(url + "/health"))
             self.progress(f"{router.name} ready ({time.monotonic() - t0:.1f} s)")
@@ -178,18 +180,35 @@ class Stack:
             argv = [py, "-m", "engine_worker", "--config", cfg, "--worker-id", wid]
             workers.append(self.spawn(f"worker:{wid}", argv, w.env))
 
-        envoy = self.spawn("envoy", [
-            envoy_config.envoy_binary(), "-c", str(self.envoy_yaml), "--disable-hot-restart",
-            "--concurrency", str(self.cfg.envoy.concurrency), "-l", self.envoy_log_level,
-        ])
+        envoy = self.spawn(
+            "envoy",
+            [
+                envoy_config.envoy_binary(),
+                "-c",
+                str(self.envoy_yaml),
+                "--disable-hot-restart",
+                "--concurrency",
+                str(self.cfg.envoy.concurrency),
+                "-l",
+                self.envoy_log_level,
+            ],
+        )
         self._wait(envoy, ENVOY_READY_S, "not live (admin /ready)", self._envoy_live)
         self._wait_for_workers(workers, t0, also_alive=[*routers, envoy])
         # Envoy's health check asks the router's readiness: it passes once a worker is in.
-        self._wait(envoy, ENVOY_READY_S, "not ready (/health through Envoy)",
-                   lambda: _get(self.envoy_url + "/health")[0] == 200)
+        self._wait(
+            envoy,
+            ENVOY_READY_S,
+            "not ready (/health through Envoy)",
+            lambda: _get(self.envoy_url + "/health")[0] == 200,
+        )
         if len(self.router_urls) > 1:  # and each router has passed Envoy's health check
-            self._wait(envoy, ENVOY_READY_S, "not sending to every router (admin /clusters)",
-                       lambda: self.envoy_healthy_routers() == len(self.router_urls))
+            self._wait(
+                envoy,
+                ENVOY_READY_S,
+                "not sending to every router (admin /clusters)",
+                lambda: self.envoy_healthy_routers() == len(self.router_urls),
+            )
         self.progress(f"envoy ready ({time.monotonic() - t0:.1f} s)")
 
     def _wait_for_workers(self, workers: list[Component], t0: float, also_alive: list[Component]) -> None:
@@ -239,8 +258,11 @@ class Stack:
     def envoy_healthy_routers(self) -> int:
         """Routers Envoy's health check passes (its admin /clusters)."""
         status, body = _get(self.admin_url + "/clusters")
-        return sum(1 for line in body.decode().splitlines()
-                   if line.startswith(f"{envoy_config.ROUTER_CLUSTER}::") and line.endswith("::health_flags::healthy"))
+        return sum(
+            1
+            for line in body.decode().splitlines()
+            if line.startswith(f"{envoy_config.ROUTER_CLUSTER}::") and line.endswith("::health_flags::healthy")
+        )
 
     def _registered_workers(self) -> set[str]:
         """Workers registered with every router."""
@@ -309,8 +331,10 @@ class Stack:
                 recent = [t for t in self._deaths.get(name, []) if now - t < CRASH_LOOP_WINDOW_S]
                 if len(recent) >= CRASH_LOOP_RESTARTS:
                     self.failed.add(name)
-                    said.append(f"{name}: {len(recent)} restarts in {CRASH_LOOP_WINDOW_S:.0f} s, a crash "
-                                f"loop: left down; log {comp.log_path}")
+                    said.append(
+                        f"{name}: {len(recent)} restarts in {CRASH_LOOP_WINDOW_S:.0f} s, a crash "
+                        f"loop: left down; log {comp.log_path}"
+                    )
                     continue
                 backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(recent))
                 if now - self._down_since[name] < backoff:
@@ -357,7 +381,7 @@ class Stack:
     def process_groups(self) -> list[int]:
         return [c.pid for c in self._started if c.pid]
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -47,8 +47,11 @@ def refusal(p: SamplingParams):
         what, param = "n > 1", "n"
     if what is None:
         return None
-    return bad_request(f"The simulated engine cannot honour {what}: it generates placeholder tokens, "
-                       f"not a model's. Use a real model for this request.", param)
+    return bad_request(
+        f"The simulated engine cannot honour {what}: it generates placeholder tokens, "
+        f"not a model's. Use a real model for this request.",
+        param,
+    )
 
 
 class SimEngine(EngineBase):
@@ -76,10 +79,17 @@ class SimEngine(EngineBase):
             step_s = (c.step_fixed_ms * 1e3 + c.decode_token_us * self.max_num_seqs) / 1e6
             request_s = c.admit_request_us / 1e6
         caching = c.prefix_caching
-        return EngineInfo(self.name, self.max_model_len, self.core.kv_capacity_tokens,
-                          self.core.block_size, self.max_num_seqs, step_time_s=step_s,
-                          request_overhead_s=request_s, prefix_caching=caching,
-                          prefix_hash="sim" if caching else "")
+        return EngineInfo(
+            self.name,
+            self.max_model_len,
+            self.core.kv_capacity_tokens,
+            self.core.block_size,
+            self.max_num_seqs,
+            step_time_s=step_s,
+            request_overhead_s=request_s,
+            prefix_caching=caching,
+            prefix_hash="sim" if caching else "",
+        )
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
         rid = req.request_id
@@ -88,8 +98,7 @@ class SimEngine(EngineBase):
             self._fail(rid, live, refused)
             return
         try:
-            self.core.add(rid, max(1, req.prompt_tokens), req.params.max_tokens, req.priority,
-                          req.block_hashes)
+            self.core.add(rid, max(1, req.prompt_tokens), req.params.max_tokens, req.priority, req.block_hashes)
         except ValueError as e:
             self._fail(rid, live, bad_request(str(e)))
             return
@@ -101,9 +110,14 @@ class SimEngine(EngineBase):
 
     def stats(self) -> WorkerStats:
         c = self.core
-        return WorkerStats(running=c.num_running, waiting=c.num_waiting, kv_usage=c.kv_usage,
-                           preemptions_total=c.preemptions_total, aborts_total=self.aborts_total,
-                           finished_total=self.finished_total)
+        return WorkerStats(
+            running=c.num_running,
+            waiting=c.num_waiting,
+            kv_usage=c.kv_usage,
+            preemptions_total=c.preemptions_total,
+            aborts_total=self.aborts_total,
+            finished_total=self.finished_total,
+        )
 
     async def shutdown(self) -> None:
         if self._handle is not None:
@@ -154,8 +168,14 @@ class SimEngine(EngineBase):
             for rid, n, finish in result.outputs:
                 live = live_map.get(rid)
                 if live is not None:  # else: aborted while the step "ran"
-                    self._output(rid, live, SIM_TOKEN_TEXT * n, [SIM_TOKEN_ID] * n, finish,
-                                 cached_tokens=cached.get(rid, 0) if cached else 0)
+                    self._output(
+                        rid,
+                        live,
+                        SIM_TOKEN_TEXT * n,
+                        [SIM_TOKEN_ID] * n,
+                        finish,
+                        cached_tokens=cached.get(rid, 0) if cached else 0,
+                    )
         except Exception as e:
             self._engine_failed(e)
             return

@@ -87,11 +87,24 @@ class StepResult:
 
 
 class _Seq:
-    __slots__ = ("id", "prompt", "max_tokens", "priority", "arrival", "admitted",
-                 "computed", "output", "blocks", "state", "started", "hashes", "held", "cached")
+    __slots__ = (
+        "id",
+        "prompt",
+        "max_tokens",
+        "priority",
+        "arrival",
+        "admitted",
+        "computed",
+        "output",
+        "blocks",
+        "state",
+        "started",
+        "hashes",
+        "held",
+        "cached",
+    )
 
-    def __init__(self, request_id: str, prompt: int, max_tokens: int, priority: int, arrival: int,
-                 hashes: tuple = ()):
+    def __init__(self, request_id: str, prompt: int, max_tokens: int, priority: int, arrival: int, hashes: tuple = ()):
         self.id = request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
@@ -126,8 +139,7 @@ class SimCore:
         # lone request could preempt itself forever.
         if self.kv_capacity_tokens < max_model_len:
             raise ValueError(
-                f"simulated KV capacity {self.kv_capacity_tokens} tokens is smaller than "
-                f"max_model_len {max_model_len}"
+                f"simulated KV capacity {self.kv_capacity_tokens} tokens is smaller than max_model_len {max_model_len}"
             )
         self.free_blocks = self.total_blocks
         self.preemptions_total = 0
@@ -140,7 +152,7 @@ class SimCore:
         # prefix cache: hash -> running holders; the free ones (0 holders) in LRU order
         self.prefix_caching = cfg.prefix_caching
         self._cache: dict[int, int] = {}
-        self._evictable: "OrderedDict[int, None]" = OrderedDict()
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._stored: list[int] = []
         self._removed: list[int] = []
 
@@ -164,8 +176,7 @@ class SimCore:
 
     # -- requests ------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_tokens: int, max_tokens: int, priority: int = 0,
-            block_hashes=()) -> None:
+    def add(self, request_id: str, prompt_tokens: int, max_tokens: int, priority: int = 0, block_hashes=()) -> None:
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already exists")
         if prompt_tokens < 1:
@@ -179,7 +190,7 @@ class SimCore:
                 f"no room for output tokens. Please reduce the length of the input prompt."
             )
         max_tokens = min(max_tokens, self.max_model_len - prompt_tokens)
-        hashes = tuple(block_hashes[:prompt_tokens // self.block_size]) if self.prefix_caching else ()
+        hashes = tuple(block_hashes[: prompt_tokens // self.block_size]) if self.prefix_caching else ()
         seq = _Seq(request_id, prompt_tokens, max_tokens, priority, next(self._arrivals), hashes)
         self._seqs[request_id] = seq
         self._push_waiting(seq)
@@ -280,8 +291,12 @@ class SimCore:
             duration = 0.0
         else:
             c = self.cfg
-            duration = (c.step_fixed_ms * 1e3 + c.prefill_token_us * prefill_tokens
-                        + c.decode_token_us * decodes + c.admit_request_us * new_requests) / 1e6
+            duration = (
+                c.step_fixed_ms * 1e3
+                + c.prefill_token_us * prefill_tokens
+                + c.decode_token_us * decodes
+                + c.admit_request_us * new_requests
+            ) / 1e6
         result = StepResult(duration, outputs, preempted)
         if self.prefix_caching:
             result.cached = cached

@@ -64,10 +64,16 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     link.serve(core)
     frontend.serve(core)
     host, port = split_hostport(cfg.router.http)
-    server = await start_http_server(core, views, metrics, host, port, operator=operator,
-                                     max_body_bytes=cfg.envoy.max_request_bytes)
-    log.info("router ready: http=%s frontend=%s backend=%s policy=%s",
-             cfg.router.http, cfg.router.frontend, cfg.router.backend, cfg.scheduler.policy)
+    server = await start_http_server(
+        core, views, metrics, host, port, operator=operator, max_body_bytes=cfg.envoy.max_request_bytes
+    )
+    log.info(
+        "router ready: http=%s frontend=%s backend=%s policy=%s",
+        cfg.router.http,
+        cfg.router.frontend,
+        cfg.router.backend,
+        cfg.scheduler.policy,
+    )
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -8,7 +8,7 @@ here, once.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from shared import protocol as p
 from shared.config import ApiKey, Config
@@ -23,7 +23,7 @@ DEFAULT_TIER = "normal"
 GREEDY_TEMPERATURE = 1e-5
 
 
-def check_shape(sub: p.Submit) -> Optional[p.ErrorInfo]:
+def check_shape(sub: p.Submit) -> p.ErrorInfo | None:
     """What the wire types cannot say: the prompt a kind needs, fields that
     conflict.  (What depends on the model -- token ids, grammars -- is
     router.prompts' ``check``; min_tokens against max_tokens is
@@ -35,8 +35,9 @@ def check_shape(sub: p.Submit) -> Optional[p.ErrorInfo]:
     params = sub.params
     if params is not None and params.n > 1 and params.temperature < GREEDY_TEMPERATURE:
         # vLLM refuses it too ("n must be 1 when using greedy sampling"): n copies of one answer
-        return error(Code.BAD_REQUEST, f"n must be 1 when using greedy sampling (temperature 0); got n={params.n}",
-                     param="n")
+        return error(
+            Code.BAD_REQUEST, f"n must be 1 when using greedy sampling (temperature 0); got n={params.n}", param="n"
+        )
     return None
 
 
@@ -71,8 +72,11 @@ class Keys:
         if sub.priority is not None:
             rank = self.rank.get(sub.priority)
             if rank is None:
-                return error(Code.BAD_REQUEST, f"Unknown priority {sub.priority!r}; one of "
-                             f"{', '.join(self.rank)}.", param="priority")
+                return error(
+                    Code.BAD_REQUEST,
+                    f"Unknown priority {sub.priority!r}; one of {', '.join(self.rank)}.",
+                    param="priority",
+                )
             if rank > self.rank[tier]:
                 klass = sub.priority
         return Identity(tenant, klass, weight, kid)
@@ -88,6 +92,9 @@ def resolve_max_tokens(sub: p.Submit, prompt_tokens: int, max_model_len: int) ->
     if max_tokens < 1 or prompt_tokens + max_tokens > max_model_len:
         return context_length(max_model_len, prompt_tokens, max(max_tokens, 1))
     if sub.params is not None and sub.params.min_tokens > max_tokens:
-        return error(Code.BAD_REQUEST, f"min_tokens ({sub.params.min_tokens}) must be at most max_tokens "
-                     f"({max_tokens})", param="min_tokens")
+        return error(
+            Code.BAD_REQUEST,
+            f"min_tokens ({sub.params.min_tokens}) must be at most max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     return max_tokens

@@ -93,7 +93,7 @@ class BlockHasher:
         out = []
         extra = first_extra
         for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = fn((parent, tuple(token_ids[start:start + bs]), extra))
+            parent = fn((parent, tuple(token_ids[start : start + bs]), extra))
             extra = None
             out.append(int.from_bytes(parent, "big") & _MASK64)
         return out
@@ -105,6 +105,6 @@ class BlockHasher:
         parent = self._none
         out = []
         for i in range(min(count // self.block_size, len(data) // span)):  # (only blocks of real text)
-            parent = hashlib.blake2b(parent + data[i * span:(i + 1) * span], digest_size=8).digest()
+            parent = hashlib.blake2b(parent + data[i * span : (i + 1) * span], digest_size=8).digest()
             out.append(int.from_bytes(parent, "big"))
         return out

@@ -57,9 +57,17 @@ class Admission(Protocol):
 class ClientFrontend(RouterPlane):
     side = "frontend"
 
-    def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
-                 security: SecurityConfig | None = None, base_dir: str = "") -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        loop: asyncio.AbstractEventLoop,
+        pump: SocketPump,
+        metrics: RouterMetrics,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        *,
+        security: SecurityConfig | None = None,
+        base_dir: str = "",
+    ) -> None:
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
         self.core: Admission  # set by serve(), before the socket can deliver anything
         self.clients: dict[bytes, dict[str, int]] = {}  # identity -> client request id -> handle
@@ -91,8 +99,7 @@ class ClientFrontend(RouterPlane):
         live = self.clients.setdefault(identity, {})
         client_rid = sub.request_id
         if client_rid in live:
-            err = error(Code.BAD_REQUEST, f"request_id {client_rid!r} is already in flight",
-                        param="request_id")
+            err = error(Code.BAD_REQUEST, f"request_id {client_rid!r} is already in flight", param="request_id")
         else:
             result = self.core.submit(sub, _ClientSink(self, identity, client_rid))
             if isinstance(result, int):
@@ -114,8 +121,7 @@ class ClientFrontend(RouterPlane):
         if not (isinstance(raw, list) and len(raw) > 1 and raw[0] == _SUBMIT_TAG and isinstance(raw[1], str)):
             return
         message, param = _explain(str(e))
-        self.outbox.put(identity, p.Delta(request_id=raw[1], error=error(Code.BAD_REQUEST, message,
-                                                                         param=param)))
+        self.outbox.put(identity, p.Delta(request_id=raw[1], error=error(Code.BAD_REQUEST, message, param=param)))
 
     # ------------------------------------------------------------ output
 
@@ -190,7 +196,7 @@ def _explain(text: str) -> tuple[str, str | None]:
         names.append(f.name)
         fields = _PARAM_FIELDS if f.name == "params" else None
     param = ".".join(names)
-    return f"{text[:at.start()]} (at '{param}')", param
+    return f"{text[: at.start()]} (at '{param}')", param
 
 
 if TYPE_CHECKING:  # each side of the frontend's two ports, checked where the port is read

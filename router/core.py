@@ -44,13 +44,12 @@ import concurrent.futures
 import functools
 import logging
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from router.admission import Identity, Keys, check_shape, resolve_max_tokens
-from router.jobs import (AWAITING_BUDGET, ENDED, QUEUED, RUNNING, JobMetrics, JobRecord, advance, job_id_of,
-                         log_end)
+from router.jobs import AWAITING_BUDGET, ENDED, QUEUED, RUNNING, JobMetrics, JobRecord, advance, job_id_of, log_end
 from router.metrics import RouterMetrics
 from router.model_registry import ModelRegistry, PromptTokens, tokenize_hashed
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
@@ -74,13 +73,20 @@ _FALLBACK_ON = frozenset((Code.NO_WORKER, Code.QUEUE_FULL, Code.QUEUE_WAIT_EXCEE
 
 
 class RouterCore:
-    def __init__(self, cfg: Config, loop: asyncio.AbstractEventLoop, workers: WorkerPort, *,
-                 metrics: Optional[RouterMetrics] = None, clock: Callable[[], float] = time.monotonic,
-                 prompts: Optional[dict[str, ModelPrompts]] = None,
-                 executor: Optional[concurrent.futures.Executor] = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        loop: asyncio.AbstractEventLoop,
+        workers: WorkerPort,
+        *,
+        metrics: RouterMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        prompts: dict[str, ModelPrompts] | None = None,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
         self._config = cfg  # as loaded: never changed (the models served now are the registry's)
         self._keys_config = cfg  # the API keys and budgets in use (the last reload's)
-        self._cfg_view: Optional[tuple[int, Config]] = None
+        self._cfg_view: tuple[int, Config] | None = None
         self.loop = loop
         self.workers = workers
         self.clock = clock
@@ -97,8 +103,8 @@ class RouterCore:
         self._job_metrics: dict[tuple[str, str], JobMetrics] = {}
         self._next_handle = 1
         self._policy_pending = False
-        self._wakeup: Optional[asyncio.TimerHandle] = None
-        self._wakeup_at: Optional[float] = None  # when self._wakeup fires (policy clock)
+        self._wakeup: asyncio.TimerHandle | None = None
+        self._wakeup_at: float | None = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
         self._log_requests = cfg.logging.requests
         stall = cfg.router.stall_timeout_s
@@ -111,8 +117,12 @@ class RouterCore:
         version = self.registry.version
         if self._cfg_view is None or self._cfg_view[0] != version:
             keys = self._keys_config
-            self._cfg_view = (version, msgspec.structs.replace(
-                self._config, models=self.registry.configs(), api_keys=keys.api_keys, tenants=keys.tenants))
+            self._cfg_view = (
+                version,
+                msgspec.structs.replace(
+                    self._config, models=self.registry.configs(), api_keys=keys.api_keys, tenants=keys.tenants
+                ),
+            )
         return self._cfg_view[1]
 
     # ------------------------------------------------------------ the frontends' API
@@ -128,8 +138,11 @@ class RouterCore:
         model = self.registry.get(sub.model)
         if err is not None or model is None or model.unloading:
             if err is None:
-                err = (error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
-                       if model is None else self._unloading_error(sub.model))
+                err = (
+                    error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
+                    if model is None
+                    else self._unloading_error(sub.model)
+                )
             return self._rejected(err, who.klass)
         if sub.user:
             self.metrics.saw_user(who.tenant, sub.user)
@@ -156,7 +169,7 @@ class RouterCore:
         if j is not None:
             self._end(j, "cancelled", abort_worker=j.worker)
 
-    def token_text(self, model: str) -> Optional[Callable[[int], str]]:
+    def token_text(self, model: str) -> Callable[[int], str] | None:
         """Token id -> text for rendering logprobs (None: unknown model or no tokenizer)."""
         served = self.registry.get(model)
         return served.prompts.token_text() if served is not None else None
@@ -191,8 +204,7 @@ class RouterCore:
         try:
             tokens = fut.result()
         except ValueError as e:
-            return self._end(j, "bad_request", error=error(Code.BAD_REQUEST, str(e),
-                                                           param=getattr(e, "param", None)))
+            return self._end(j, "bad_request", error=error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)))
         except Exception:
             log.exception("tokenizing request %s (job %s) failed", j.trace, job_id, extra={"request_id": j.trace})
             return self._end(j, "internal", error=error(Code.INTERNAL, "Tokenizing the prompt failed."))
@@ -200,7 +212,7 @@ class RouterCore:
         if err is not None:
             self._end(j, label(err), error=err)
 
-    def _admit(self, j: JobRecord, tokens: PromptTokens, now: float) -> Optional[p.ErrorInfo]:
+    def _admit(self, j: JobRecord, tokens: PromptTokens, now: float) -> p.ErrorInfo | None:
         """Price the prompt, queue the job in the policy; an error if refused."""
         sub = j.sub
         max_tokens = resolve_max_tokens(sub, tokens.count, self.registry.of(sub.model).config.max_model_len)
@@ -235,7 +247,7 @@ class RouterCore:
         if err is not None:
             self._end(j, label(err), error=err)
 
-    def _enqueue(self, j: JobRecord, tokens: PromptTokens, max_tokens: int, now: float) -> Optional[p.ErrorInfo]:
+    def _enqueue(self, j: JobRecord, tokens: PromptTokens, max_tokens: int, now: float) -> p.ErrorInfo | None:
         sub = j.sub
         job = self._policy_job(j, sub.model, tokens.count, max_tokens, j.arrival, tokens.hashes)
         refusal = self.policy.submit(job, now)
@@ -251,12 +263,24 @@ class RouterCore:
         return None
 
     @staticmethod
-    def _policy_job(j: JobRecord, model: str, prompt_tokens: int, max_tokens: int, arrival: float,
-                    hashes: Sequence[int]) -> Job:
+    def _policy_job(
+        j: JobRecord, model: str, prompt_tokens: int, max_tokens: int, arrival: float, hashes: Sequence[int]
+    ) -> Job:
         """A fresh value of what the policy is told of an attempt (it keeps its own copy)."""
         sub, who = j.sub, j.who
-        return Job(j.job_id, model, who.tenant, who.klass, prompt_tokens, max_tokens, sub.task_type, arrival,
-                   who.weight, sub.params.n if sub.params is not None else 1, hashes)
+        return Job(
+            j.job_id,
+            model,
+            who.tenant,
+            who.klass,
+            prompt_tokens,
+            max_tokens,
+            sub.task_type,
+            arrival,
+            who.weight,
+            sub.params.n if sub.params is not None else 1,
+            hashes,
+        )
 
     def _queued(self, j: JobRecord, model: str, tokens: PromptTokens, max_tokens: int, since: float) -> None:
         """The policy queued ``j`` for ``model``: what its worker gets, and the record's attempt."""
@@ -295,8 +319,10 @@ class RouterCore:
             max_tokens = resolve_max_tokens(j.sub, tokens.count, model.config.max_model_len)
             if not isinstance(max_tokens, int):
                 continue
-            if self.policy.submit(self._policy_job(j, name, tokens.count, max_tokens, now, tokens.hashes),
-                                  now) is not None:
+            if (
+                self.policy.submit(self._policy_job(j, name, tokens.count, max_tokens, now, tokens.hashes), now)
+                is not None
+            ):
                 continue
             j.served_by = name
             self._queued(j, name, tokens, max_tokens, now)
@@ -316,8 +342,15 @@ class RouterCore:
 
     # ------------------------------------------------------------ the one exit
 
-    def _end(self, j: JobRecord, outcome: str, *, error: Optional[p.ErrorInfo] = None,
-             deltas: Optional[list[p.Delta]] = None, abort_worker: Optional[str] = None) -> None:
+    def _end(
+        self,
+        j: JobRecord,
+        outcome: str,
+        *,
+        error: p.ErrorInfo | None = None,
+        deltas: list[p.Delta] | None = None,
+        abort_worker: str | None = None,
+    ) -> None:
         """Every job's end after submit: forget, release, abort where it runs, tell, count."""
         queued = j.state is QUEUED or j.state is RUNNING  # (else refused before it was ever queued)
         advance(j, ENDED)
@@ -331,8 +364,7 @@ class RouterCore:
         # hold taken before a reload that removed every key settles too)
         if self.quota.active or j.hold is not None:
             # (the prompt of the first attempt: a continuation's longer prompt is not charged again)
-            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.kept_dispatches else 0, j.completion_tokens,
-                             queued)
+            self.quota.ended(j.who, j.hold, j.prompt_tokens if j.kept_dispatches else 0, j.completion_tokens, queued)
             j.hold = None
             if j.rl is not None and error is not None and deltas is None:
                 error = msgspec.structs.replace(error, ratelimit=error.ratelimit or j.rl)
@@ -396,8 +428,13 @@ class RouterCore:
         if not self.workers.dispatch(action.worker_id, req):
             # The policy placed it on a worker the link no longer has: a bug
             # somewhere, but not the client's -- release and queue it again.
-            log.error("policy dispatched request %s (job %s) to unlinked worker %s", j.trace, j.job_id,
-                      action.worker_id, extra={"request_id": j.trace})
+            log.error(
+                "policy dispatched request %s (job %s) to unlinked worker %s",
+                j.trace,
+                j.job_id,
+                action.worker_id,
+                extra={"request_id": j.trace},
+            )
             self.policy.finish(j.job_id, now)
             self._requeue(j, now)
             return
@@ -405,15 +442,17 @@ class RouterCore:
         j.last_news = now
         j.kept_dispatches += 1
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
-            now - j.arrival)
+            now - j.arrival
+        )
 
     def _requeue(self, j: JobRecord, now: float) -> None:
         """Queue a job again whose worker went: it waits for a worker of its
         model (even while none is left) up to its queue deadline."""
         if not self.registry.serves(j.model):  # unloading: no worker of it will come back
             return self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(j.model))
-        job = self._policy_job(j, j.model, j.attempt_prompt_tokens, j.request.params.max_tokens, j.queued_since,
-                               j.block_hashes)
+        job = self._policy_job(
+            j, j.model, j.attempt_prompt_tokens, j.request.params.max_tokens, j.queued_since, j.block_hashes
+        )
         refusal = self.policy.submit(job, now, requeue=True)
         if refusal is not None:
             self._end(j, refusal.label, error=refusal.render())
@@ -426,8 +465,11 @@ class RouterCore:
         n = j.completion_tokens
         remaining = j.max_tokens - n
         if remaining < 1:  # all of it was generated; only the last word was lost
-            self._end(j, "length", deltas=[p.Delta(j.job_id, finish_reason="length",
-                                                   prompt_tokens=j.prompt_tokens, completion_tokens=n)])
+            self._end(
+                j,
+                "length",
+                deltas=[p.Delta(j.job_id, finish_reason="length", prompt_tokens=j.prompt_tokens, completion_tokens=n)],
+            )
             return
         sp = j.request.params
         if sp.n > 1 or sp.structured is not None or (j.prompt_ids and len(j.generated) != n):
@@ -439,18 +481,29 @@ class RouterCore:
         j.queued_since = now  # its queue deadline counts from now
         ids = j.prompt_ids + j.generated if j.prompt_ids else []
         params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
-        j.request = p.GenerateRequest(j.job_id, ids, j.attempt_prompt_tokens, params, trace_id=j.trace,
-                                      block_hashes=j.request.block_hashes)
+        j.request = p.GenerateRequest(
+            j.job_id, ids, j.attempt_prompt_tokens, params, trace_id=j.trace, block_hashes=j.request.block_hashes
+        )
         j.done_before = n
         j.resumes += 1
         self.metrics.child(self.metrics.resumed, j.model, why).inc()
-        log.info("request %s (job %s) resumes after %d tokens (%s), attempt %d", j.trace, j.job_id, n, why,
-                 j.resumes + 1, extra={"request_id": j.trace})
+        log.info(
+            "request %s (job %s) resumes after %d tokens (%s), attempt %d",
+            j.trace,
+            j.job_id,
+            n,
+            why,
+            j.resumes + 1,
+            extra={"request_id": j.trace},
+        )
         self._requeue(j, now)
 
     def _lost_error(self, why: str) -> p.ErrorInfo:
-        return error(Code.WORKER_LOST, f"The worker serving this request was lost ({why}) and it could "
-                     f"not be resumed.", retry_after=self._config.router.heartbeat_interval_s)
+        return error(
+            Code.WORKER_LOST,
+            f"The worker serving this request was lost ({why}) and it could not be resumed.",
+            retry_after=self._config.router.heartbeat_interval_s,
+        )
 
     def undeliverable(self, job_id: str, err: p.ErrorInfo) -> None:
         """The link could not send a job to its worker: end it, not leave it waiting."""
@@ -464,12 +517,21 @@ class RouterCore:
         worker silent as a whole is lost by its missed heartbeats first.)"""
         bound = self._config.router.stall_timeout_s
         now = self.clock()
-        stalled = [job_id for job_id, j in self.jobs.items()
-                   if j.state is RUNNING and j.last_news and now - j.last_news > bound]
+        stalled = [
+            job_id
+            for job_id, j in self.jobs.items()
+            if j.state is RUNNING and j.last_news and now - j.last_news > bound
+        ]
         for job_id in stalled:
             j = self.jobs[job_id]
-            log.warning("request %s (job %s): nothing from worker %s for %.1f s: moving it", j.trace, job_id,
-                        j.worker, now - j.last_news, extra={"request_id": j.trace})
+            log.warning(
+                "request %s (job %s): nothing from worker %s for %.1f s: moving it",
+                j.trace,
+                job_id,
+                j.worker,
+                now - j.last_news,
+                extra={"request_id": j.trace},
+            )
             self.move(job_id, "stalled")
         return stalled
 
@@ -496,22 +558,38 @@ class RouterCore:
 
     def worker_joined(self, reg: p.Register) -> None:
         now = self.clock()
-        lost = self.policy.add_worker(WorkerSpec(
-            worker_id=reg.worker_id, model=reg.model, pool=reg.pool,
-            capacity_tokens=reg.kv_capacity_tokens, block_size=reg.block_size,
-            max_num_seqs=reg.max_num_seqs, max_model_len=reg.max_model_len,
-            gpu_total_bytes=reg.gpu.total_bytes if reg.gpu.present else 0,
-            step_time_s=reg.step_time_s or None, request_overhead_s=reg.request_overhead_s or None,
-            shares_prompt=reg.prefix_caching, prefix_hash=reg.prefix_hash if reg.prefix_caching else "",
-            prefix_hash_seed=reg.prefix_hash_seed), now)
+        lost = self.policy.add_worker(
+            WorkerSpec(
+                worker_id=reg.worker_id,
+                model=reg.model,
+                pool=reg.pool,
+                capacity_tokens=reg.kv_capacity_tokens,
+                block_size=reg.block_size,
+                max_num_seqs=reg.max_num_seqs,
+                max_model_len=reg.max_model_len,
+                gpu_total_bytes=reg.gpu.total_bytes if reg.gpu.present else 0,
+                step_time_s=reg.step_time_s or None,
+                request_overhead_s=reg.request_overhead_s or None,
+                shares_prompt=reg.prefix_caching,
+                prefix_hash=reg.prefix_hash if reg.prefix_caching else "",
+                prefix_hash_seed=reg.prefix_hash_seed,
+            ),
+            now,
+        )
         self._after_loss(lost, "reregistered", now)  # a restarted worker runs nothing of before
         self._schedule_policy()
 
     def worker_stats(self, worker_id: str, stats: p.WorkerStats, accepting: bool = True) -> None:
         """A heartbeat's news; ``accepting`` False: draining, dispatch nothing new there."""
-        self.policy.update_worker(worker_id, self.clock(), healthy=accepting,
-                                  gpu_used_bytes=stats.gpu_used_bytes or None, gpu=stats.gpu,
-                                  other_tokens=stats.other_tokens, other_seqs=stats.other_seqs)
+        self.policy.update_worker(
+            worker_id,
+            self.clock(),
+            healthy=accepting,
+            gpu_used_bytes=stats.gpu_used_bytes or None,
+            gpu=stats.gpu,
+            other_tokens=stats.other_tokens,
+            other_seqs=stats.other_seqs,
+        )
         self._schedule_policy()
 
     def refused(self, worker_id: str, job_ids: list[str], other_tokens: int, other_seqs: int) -> None:
@@ -522,8 +600,9 @@ class RouterCore:
         at least as full as the worker, so it is not placed there again until
         something is released."""
         now = self.clock()
-        self.policy.update_worker(worker_id, now, healthy=self.policy.is_healthy(worker_id),
-                                  other_tokens=other_tokens, other_seqs=other_seqs)
+        self.policy.update_worker(
+            worker_id, now, healthy=self.policy.is_healthy(worker_id), other_tokens=other_tokens, other_seqs=other_seqs
+        )
         for job_id in job_ids:
             j = self.jobs.get(job_id)
             if j is None or j.worker != worker_id:
@@ -622,12 +701,12 @@ class RouterCore:
 
     # ------------------------------------------------------------ models at run time (router.model_registry)
 
-    def add_model(self, model: ModelConfig, workers: list[WorkerConfig]) -> Optional[str]:
+    def add_model(self, model: ModelConfig, workers: list[WorkerConfig]) -> str | None:
         """Serve a new model (its workers register as the supervisor starts
         them); an error message if it cannot be added."""
         return self.registry.add(model, workers)
 
-    def remove_model(self, name: str) -> Optional[str]:
+    def remove_model(self, name: str) -> str | None:
         """Unloading: new requests get 503 model_unloading, queued ones end
         with it now, running ones finish where they run (their workers drain:
         the caller's part); once no worker of it is left, it is forgotten (404)."""
@@ -640,8 +719,12 @@ class RouterCore:
         return None
 
     def _unloading_error(self, name: str) -> p.ErrorInfo:
-        return error(Code.MODEL_UNLOADING, f"The model `{name}` is being removed; it takes no new requests.",
-                     param="model", retry_after=self._config.router.heartbeat_interval_s)
+        return error(
+            Code.MODEL_UNLOADING,
+            f"The model `{name}` is being removed; it takes no new requests.",
+            param="model",
+            retry_after=self._config.router.heartbeat_interval_s,
+        )
 
     def _forget_unloaded(self) -> None:
         """Forget each unloading model once no worker and no job of it is left."""
@@ -674,7 +757,7 @@ class RouterCore:
         """Served or still unloading (a removed model is forgotten once its workers are gone)."""
         return self.registry.get(name) is not None
 
-    def runtime_workers_of(self, name: str) -> Optional[list[WorkerConfig]]:
+    def runtime_workers_of(self, name: str) -> list[WorkerConfig] | None:
         """The workers a model added at run time wants; None for a model of the config file."""
         workers = self.registry.runtime_workers().get(name)
         return None if workers is None else list(workers)

@@ -19,8 +19,7 @@ CHAT_TOKENS_PER_MESSAGE = 4  # role marker + separators around each message
 CHAT_REPLY_PRIMER = 3  # the generation prompt ("<|assistant|>\n" and the like)
 
 
-def kv_cost(prompt_tokens: int, max_tokens: int, block_size: int, n: int = 1,
-            shared_prompt: bool = False) -> int:
+def kv_cost(prompt_tokens: int, max_tokens: int, block_size: int, n: int = 1, shared_prompt: bool = False) -> int:
     """KV tokens a request can occupy at most: prompt + every token it may
     generate, rounded up to whole KV blocks (engines allocate by block), for
     each of its ``n`` sequences.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import http
 import time
 from email.utils import formatdate
-from typing import Optional
 
 from shared.errors import retry_after_header
 from shared.protocol import ErrorInfo, RateLimit
@@ -28,12 +27,19 @@ def _date() -> bytes:
     return _date_header
 
 
-def response_head(status: int, content_type: bytes, length: Optional[int], keep_alive: bool,
-          chunked: bool = False, extra: bytes = b"") -> bytes:
+def response_head(
+    status: int, content_type: bytes, length: int | None, keep_alive: bool, chunked: bool = False, extra: bytes = b""
+) -> bytes:
     """Status line + headers.  ``length`` None: chunked (HTTP/1.1) or, for
     HTTP/1.0 clients, a body delimited by closing the connection."""
-    parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status,
-             b"date: ", _date(), b"\r\ncontent-type: ", content_type, b"\r\n"]
+    parts = [
+        _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status,
+        b"date: ",
+        _date(),
+        b"\r\ncontent-type: ",
+        content_type,
+        b"\r\n",
+    ]
     if length is not None:
         parts.append(b"content-length: %d\r\n" % length)
     elif chunked:
@@ -69,11 +75,15 @@ def ratelimit_headers(rl: RateLimit) -> bytes:
     """OpenAI's x-ratelimit-* headers for a key's budgets (router/quota.py)."""
     out = b""
     if rl.limit_requests:
-        out += (b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
-                b"x-ratelimit-reset-requests: %b\r\n"
-                % (rl.limit_requests, rl.remaining_requests, reset_duration(rl.reset_requests_s)))
+        out += (
+            b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
+            b"x-ratelimit-reset-requests: %b\r\n"
+            % (rl.limit_requests, rl.remaining_requests, reset_duration(rl.reset_requests_s))
+        )
     if rl.limit_tokens:
-        out += (b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"
-                b"x-ratelimit-reset-tokens: %b\r\n"
-                % (rl.limit_tokens, rl.remaining_tokens, reset_duration(rl.reset_tokens_s)))
+        out += (
+            b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"
+            b"x-ratelimit-reset-tokens: %b\r\n"
+            % (rl.limit_tokens, rl.remaining_tokens, reset_duration(rl.reset_tokens_s))
+        )
     return out

@@ -11,7 +11,8 @@ Protocols declared here by their consumer.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 from router import openai_api as api
 from shared.errors import Code, error
@@ -36,7 +37,7 @@ class Views(Protocol):
 
     def admin_workers(self) -> list[dict[str, Any]]: ...
 
-    def admin_worker(self, worker_id: str) -> Optional[dict[str, Any]]: ...
+    def admin_worker(self, worker_id: str) -> dict[str, Any] | None: ...
 
     def admin_queues(self) -> list[dict[str, Any]]: ...
 
@@ -84,7 +85,7 @@ class Refusal(NamedTuple):
     extra: bytes = b""
 
 
-Answer = Union[Reply, Refusal]
+Answer = Reply | Refusal
 Handler = Callable[[Request], Answer]
 
 
@@ -103,8 +104,11 @@ class PatternRoute(NamedTuple):
     handler: Handler
 
     def matches(self, path: bytes, method: bytes) -> bool:
-        return (path.startswith(self.prefix) and (not self.suffixes or path.endswith(self.suffixes))
-                and (self.method == b"*" or method == self.method))
+        return (
+            path.startswith(self.prefix)
+            and (not self.suffixes or path.endswith(self.suffixes))
+            and (self.method == b"*" or method == self.method)
+        )
 
 
 def _json(status: int, obj: object) -> Reply:
@@ -123,12 +127,19 @@ def model_object(row: ModelRow, created: int) -> dict[str, Any]:
     """One model as OpenAI shows it; weir adds its context, its workers ready
     now and its state (loading / ready / unloading: models at run time)."""
     name, max_len, ready, state = row
-    return {"id": name, "object": "model", "created": created, "owned_by": "weir", "max_model_len": max_len,
-            "ready_workers": ready, "state": state}
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "weir",
+        "max_model_len": max_len,
+        "ready_workers": ready,
+        "state": state,
+    }
 
 
 def _name(req: Request, prefix: bytes, suffix: bytes = b"") -> str:
-    return req.path[len(prefix):len(req.path) - len(suffix)].decode("utf-8", "replace")
+    return req.path[len(prefix) : len(req.path) - len(suffix)].decode("utf-8", "replace")
 
 
 class Routes(NamedTuple):
@@ -136,7 +147,7 @@ class Routes(NamedTuple):
     patterns: list[PatternRoute]  # tried in order when no exact path matches
 
 
-def routes(views: Views, operator: Optional[Operator], created: int) -> Routes:
+def routes(views: Views, operator: Operator | None, created: int) -> Routes:
     """The table; without ``operator`` the routes that change state are absent (404)."""
 
     def models(req: Request) -> Answer:
@@ -208,7 +219,7 @@ def _drain_route(operator: Operator) -> PatternRoute:
         """POST /admin/workers/{id}/drain (or /undrain)."""
         if req.method != b"POST":
             return _not_allowed("POST", b"POST")
-        worker_id, _, action = req.path[len(b"/admin/workers/"):].rpartition(b"/")
+        worker_id, _, action = req.path[len(b"/admin/workers/") :].rpartition(b"/")
         wid = worker_id.decode("utf-8", "replace")
         if not operator.drain(wid, action == b"drain"):
             return _no_worker(wid)

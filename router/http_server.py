@@ -29,14 +29,15 @@ import logging
 import re
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import httptools
 
 from router import openai_api as api
+from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.http_routes import JSON as _JSON
 from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Views, routes
-from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.metrics import RouterMetrics
 from shared.errors import Code, error
 from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, Submit
@@ -45,8 +46,16 @@ log = logging.getLogger("weir.http")
 
 # Headers the ingress reads; every other header is skipped while parsing.
 _WANTED_HEADERS = frozenset(
-    (b"authorization", b"x-api-key", b"x-weir-priority", b"x-weir-task-type", b"x-weir-allow-fallback",
-     b"content-length", b"expect", b"x-request-id")
+    (
+        b"authorization",
+        b"x-api-key",
+        b"x-weir-priority",
+        b"x-weir-task-type",
+        b"x-weir-allow-fallback",
+        b"content-length",
+        b"expect",
+        b"x-request-id",
+    )
 )
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
@@ -58,10 +67,11 @@ STREAM_FLUSH_BYTES = 8192
 
 _CHUNK_END = b"0\r\n\r\n"
 
+
 class Generation(Protocol):
     """What generation requests need of the router (router.core.RouterCore)."""
 
-    def submit(self, sub: Submit, sink: "Exchange") -> int | ErrorInfo: ...
+    def submit(self, sub: Submit, sink: Exchange) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
@@ -75,7 +85,7 @@ class _BodyTooLarge(Exception):
 _REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_TRACE_ID)  # a regex: ~0.3 us, a loop over bytes ~3 us
 
 
-def _request_id(value: Optional[bytes]) -> Optional[str]:
+def _request_id(value: bytes | None) -> str | None:
     """The client's or Envoy's x-request-id, if it is one we can log and echo
     (printable ASCII, no spaces, at most MAX_TRACE_ID); else None (ours is used)."""
     if value is None or _REQUEST_ID.fullmatch(value) is None:
@@ -96,7 +106,7 @@ class _Request:
         self.t0 = time.perf_counter()
         self.rid = _request_id(headers.get(b"x-request-id"))  # generation: its own id if None
 
-    def header(self, name: bytes) -> Optional[str]:
+    def header(self, name: bytes) -> str | None:
         v = self.headers.get(name)
         return None if v is None else v.decode("latin-1")
 
@@ -104,8 +114,15 @@ class _Request:
 class _Ingress:
     """State shared by every connection of one server."""
 
-    def __init__(self, core: Generation, views: Views, operator: Optional[Operator], metrics: RouterMetrics,
-                 max_body_bytes: int, max_buffered_bytes: int):
+    def __init__(
+        self,
+        core: Generation,
+        views: Views,
+        operator: Operator | None,
+        metrics: RouterMetrics,
+        max_body_bytes: int,
+        max_buffered_bytes: int,
+    ):
         self.core = core
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
@@ -122,7 +139,7 @@ class _Ingress:
         }
         self.patterns: list[PatternRoute] = table.patterns  # when no path matches: in order
 
-    def flush_later(self, ex: "Exchange") -> None:
+    def flush_later(self, ex: Exchange) -> None:
         if not self._unflushed:
             self.loop.call_soon(self._flush)
         self._unflushed.append(ex)
@@ -136,15 +153,32 @@ class _Ingress:
 class Exchange:
     """One generation request in flight: the ``RequestSink`` the core feeds."""
 
-    __slots__ = ("conn", "req", "ctx", "label", "handle", "done", "started", "renderer", "texts", "counts",
-                 "out", "out_bytes", "head_unsent", "queued", "ended", "extra", "rl")
+    __slots__ = (
+        "conn",
+        "req",
+        "ctx",
+        "label",
+        "handle",
+        "done",
+        "started",
+        "renderer",
+        "texts",
+        "counts",
+        "out",
+        "out_bytes",
+        "head_unsent",
+        "queued",
+        "ended",
+        "extra",
+        "rl",
+    )
 
-    def __init__(self, conn: "HttpConnection", req: _Request, ctx: api.ResponseContext, label: str):
+    def __init__(self, conn: HttpConnection, req: _Request, ctx: api.ResponseContext, label: str):
         self.conn = conn
         self.req = req
         self.ctx = ctx
         self.label = label
-        self.handle: Optional[int] = None
+        self.handle: int | None = None
         self.done = False
         self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/quota.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
@@ -194,8 +228,9 @@ class Exchange:
             last = deltas[-1]
             if last.error is not None:
                 self.done = True
-                self.conn.respond_error(self.req, last.error, self.label,
-                                        self.rl if last.error.ratelimit is None else b"")
+                self.conn.respond_error(
+                    self.req, last.error, self.label, self.rl if last.error.ratelimit is None else b""
+                )
             elif last.finish_reason is not None:
                 self.done = True
                 self.conn.respond(self.req, 200, _JSON, counts.render(), self.label, self.extra + self.rl)
@@ -211,8 +246,9 @@ class Exchange:
             self.conn.respond_error(self.req, last.error, self.label, self.rl if last.error.ratelimit is None else b"")
         elif last.finish_reason is not None:
             self.done = True
-            body = api.render_completion(self.ctx, "".join(texts), last.finish_reason,
-                                         counts.prompt, counts.completion_total, counts.cached)
+            body = api.render_completion(
+                self.ctx, "".join(texts), last.finish_reason, counts.prompt, counts.completion_total, counts.cached
+            )
             self.conn.respond(self.req, 200, _JSON, body, self.label, self.extra + self.rl)
 
     def _stream(self, deltas: list[Delta]) -> None:
@@ -221,8 +257,9 @@ class Exchange:
             if last.error is not None and not any(d.text for d in deltas):
                 # Refused before any output (e.g. queue deadline): a real status.
                 self.done = True
-                self.conn.respond_error(self.req, last.error, self.label,
-                                        self.rl if last.error.ratelimit is None else b"")
+                self.conn.respond_error(
+                    self.req, last.error, self.label, self.rl if last.error.ratelimit is None else b""
+                )
                 return
             self.started = True
         payload = self.renderer.render(deltas)
@@ -253,8 +290,14 @@ class Exchange:
             self.ended = finished
             if self.head_unsent:
                 self.head_unsent = False
-                head = response_head(200, b"text/event-stream", None, req.keep_alive and req.http11,
-                                     chunked=req.http11, extra=b"cache-control: no-cache\r\n" + self.extra + self.rl)
+                head = response_head(
+                    200,
+                    b"text/event-stream",
+                    None,
+                    req.keep_alive and req.http11,
+                    chunked=req.http11,
+                    extra=b"cache-control: no-cache\r\n" + self.extra + self.rl,
+                )
             else:
                 head = b""
             if req.http11:
@@ -271,8 +314,11 @@ class Exchange:
             if finished:
                 conn.response_complete(req, 200, self.label, req.keep_alive and req.http11)
             elif conn.write_paused and conn.transport.get_write_buffer_size() > conn.ingress.max_buffered_bytes:
-                log.warning("client too slow for its stream (%d bytes unsent); cancelling %s",
-                            conn.transport.get_write_buffer_size(), self.ctx.id)
+                log.warning(
+                    "client too slow for its stream (%d bytes unsent); cancelling %s",
+                    conn.transport.get_write_buffer_size(),
+                    self.ctx.id,
+                )
                 conn.abort(self, STATUS_CLIENT_GONE)
         except Exception:  # a bug here must not escape into the loop
             log.exception("writing a stream failed; dropping connection")
@@ -287,12 +333,12 @@ class HttpConnection(asyncio.Protocol):
     def __init__(self, ingress: _Ingress):
         self.ingress = ingress
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: Optional[asyncio.Transport] = None
+        self.transport: asyncio.Transport | None = None
         self.closed = False  # closing or closed: write nothing more
         self.dead_input = False  # parse error seen: ignore further bytes
         self.write_paused = False
         self.reading_paused = False
-        self.current: Optional[Exchange] = None  # generation whose response is in progress
+        self.current: Exchange | None = None  # generation whose response is in progress
         self.busy = False  # a response is in progress (generation or not)
         self.pending: deque = deque()
         self._url = b""
@@ -315,8 +361,9 @@ class HttpConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
             if isinstance(e.__context__, _BodyTooLarge):
-                self._input_error(Code.REQUEST_TOO_LARGE,
-                                  f"Request body exceeds the limit of {self.ingress.max_body_bytes} bytes")
+                self._input_error(
+                    Code.REQUEST_TOO_LARGE, f"Request body exceeds the limit of {self.ingress.max_body_bytes} bytes"
+                )
             else:
                 log.error("HTTP request handling failed", exc_info=e.__context__ or e)
                 self._input_error(Code.INTERNAL, "Internal error while handling the request")
@@ -326,13 +373,13 @@ class HttpConnection(asyncio.Protocol):
             # on_message_complete); carry on with a fresh parser.
             if not self.dead_input:
                 self.parser = httptools.HttpRequestParser(self)
-                rest = data[e.args[0]:]
+                rest = data[e.args[0] :]
                 if rest:
                     self.data_received(rest)
         except httptools.HttpParserError as e:
             self._input_error(Code.BAD_REQUEST, f"Malformed HTTP request: {e}")
 
-    def connection_lost(self, exc: Optional[Exception]) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pending.clear()
         ex = self.current
@@ -392,8 +439,9 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._upgrade and self.parser.get_method() != b"GET":
             # llhttp hands a request's body to the upgraded protocol: it is lost.
-            return self._input_error(Code.BAD_REQUEST,
-                                     "HTTP protocol upgrade is not supported; send the request without Upgrade")
+            return self._input_error(
+                Code.BAD_REQUEST, "HTTP protocol upgrade is not supported; send the request without Upgrade"
+            )
         path = self._url.split(b"?", 1)[0]
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11)
@@ -415,14 +463,20 @@ class HttpConnection(asyncio.Protocol):
             label = req.path.decode()
             if req.method != method and method != b"*":
                 return self.respond_error(
-                    req, error(Code.METHOD_NOT_ALLOWED,
-                               f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}"),
-                    label, extra=b"allow: " + method + b"\r\n")
+                    req,
+                    error(
+                        Code.METHOD_NOT_ALLOWED,
+                        f"Method {req.method.decode()} not allowed on {label}; use {method.decode()}",
+                    ),
+                    label,
+                    extra=b"allow: " + method + b"\r\n",
+                )
         else:
             pattern = next((r for r in ingress.patterns if r.matches(req.path, req.method)), None)
             if pattern is None:
                 return self.respond_error(
-                    req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"), "other")
+                    req, error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"), "other"
+                )
             handler, label = _answering(pattern.handler), pattern.label
         try:
             handler(self, req, label)
@@ -432,9 +486,13 @@ class HttpConnection(asyncio.Protocol):
                 self.respond_error(req, error(Code.INTERNAL, "Internal error"), label)
 
     def _generate(self, req: _Request, label: str, parse: Callable) -> None:
-        meta = api.meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"),
-                                     req.header(b"x-weir-priority"), req.header(b"x-weir-task-type"),
-                                     req.header(b"x-weir-allow-fallback"))
+        meta = api.meta_from_headers(
+            req.header(b"authorization"),
+            req.header(b"x-api-key"),
+            req.header(b"x-weir-priority"),
+            req.header(b"x-weir-task-type"),
+            req.header(b"x-weir-allow-fallback"),
+        )
         try:
             sub, ctx = parse(req.body, meta, api.new_request_id())
         except api.RequestError as e:
@@ -481,8 +539,9 @@ class HttpConnection(asyncio.Protocol):
 
     # ---------------------------------------------------------- responses
 
-    def respond(self, req: _Request, status: int, content_type: bytes, body: bytes, label: str,
-                extra: bytes = b"") -> None:
+    def respond(
+        self, req: _Request, status: int, content_type: bytes, body: bytes, label: str, extra: bytes = b""
+    ) -> None:
         """A whole response (head + body) in one write."""
         if self.closed:
             return
@@ -566,9 +625,17 @@ def _answering(handler: Handler) -> Callable[[HttpConnection, _Request, str], No
     return lambda conn, req, label: conn.answer(req, handler(req), label)
 
 
-async def start_http_server(core: Generation, views: Views, metrics: RouterMetrics, host: str, port: int, *,
-                            operator: Optional[Operator] = None, max_body_bytes: int = 1 << 20,
-                            max_buffered_bytes: int = 4 << 20) -> asyncio.AbstractServer:
+async def start_http_server(
+    core: Generation,
+    views: Views,
+    metrics: RouterMetrics,
+    host: str,
+    port: int,
+    *,
+    operator: Operator | None = None,
+    max_body_bytes: int = 1 << 20,
+    max_buffered_bytes: int = 4 << 20,
+) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from router.admission import Identity
 from router.metrics import RouterMetrics
@@ -88,9 +88,9 @@ class JobRecord:
     who: Identity
     arrival: float
     state: JobState = TOKENIZING
-    worker: Optional[str] = None  # the worker it runs on: set exactly while RUNNING
-    request: Optional[p.GenerateRequest] = None  # the current attempt's message to its worker
-    mx: Optional[JobMetrics] = None  # set once queued
+    worker: str | None = None  # the worker it runs on: set exactly while RUNNING
+    request: p.GenerateRequest | None = None  # the current attempt's message to its worker
+    mx: JobMetrics | None = None  # set once queued
     first_token_at: float = 0.0
     completion_tokens: int = 0  # over every attempt
     last_news: float = 0.0  # dispatch or latest Delta (the stall watchdog)
@@ -114,8 +114,8 @@ class JobRecord:
     resumes: int = 0
     served_by: str = ""  # the fallback model answering it ("": the one asked for)
     announced: bool = False  # the client was told served_by
-    hold: Optional[Hold] = None  # its budget reservation (router.quota), returned at its end
-    rl: Optional[p.RateLimit] = None  # budget figures for its client's first Delta
+    hold: Hold | None = None  # its budget reservation (router.quota), returned at its end
+    rl: p.RateLimit | None = None  # budget figures for its client's first Delta
 
     @property
     def model(self) -> str:
@@ -158,7 +158,7 @@ class JobRecord:
             group[0].ratelimit, self.rl = self.rl, None
 
 
-def advance(j: JobRecord, to: JobState, worker: Optional[str] = None) -> None:
+def advance(j: JobRecord, to: JobState, worker: str | None = None) -> None:
     """The one place a job changes state; ``worker`` only (and always) with RUNNING."""
     if to not in TRANSITIONS[j.state] or (to is RUNNING) != (worker is not None):
         raise IllegalTransition(f"job {j.job_id}: {j.state.name} -> {to.name} (worker {worker!r})")
@@ -166,13 +166,24 @@ def advance(j: JobRecord, to: JobState, worker: Optional[str] = None) -> None:
     j.worker = worker
 
 
-def log_end(j: JobRecord, outcome: str, err: Optional[p.ErrorInfo], now: float) -> None:
+def log_end(j: JobRecord, outcome: str, err: p.ErrorInfo | None, now: float) -> None:
     """[logging] requests: one line per request, whatever its end."""
     rid = j.trace
     status = 200 if err is None else err.status
     if outcome == "cancelled":
         status = 499  # the client went away (as the HTTP ingress counts it)
-    log.info("request %s %s status=%d model=%s class=%s tenant=%s prompt_tokens=%d completion_tokens=%d "
-             "resumes=%d seconds=%.3f", rid, outcome, status, j.model, j.who.klass,
-             j.who.tenant, j.prompt_tokens, j.completion_tokens, j.resumes, now - j.arrival,
-             extra={"request_id": rid, "outcome": outcome, "status": status})
+    log.info(
+        "request %s %s status=%d model=%s class=%s tenant=%s prompt_tokens=%d completion_tokens=%d "
+        "resumes=%d seconds=%.3f",
+        rid,
+        outcome,
+        status,
+        j.model,
+        j.who.klass,
+        j.who.tenant,
+        j.prompt_tokens,
+        j.completion_tokens,
+        j.resumes,
+        now - j.arrival,
+        extra={"request_id": rid, "outcome": outcome, "status": status},
+    )

@@ -28,8 +28,24 @@ from prometheus_client.utils import floatToGoString
 
 # Latency buckets from sub-millisecond (sim, overhead) to minutes (long generations).
 _LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
 )
 
 
@@ -144,43 +160,74 @@ MAX_USERS_PER_TENANT = 10_000
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.requests = CounterFamily("weir_requests", "Requests finished, by model, class and outcome",
-                                      ["model", "klass", "outcome"])
-        self.rejected = CounterFamily("weir_rejected", "Requests refused, by class, pool and reason",
-                                      ["klass", "pool", "reason"])
+        self.requests = CounterFamily(
+            "weir_requests", "Requests finished, by model, class and outcome", ["model", "klass", "outcome"]
+        )
+        self.rejected = CounterFamily(
+            "weir_rejected", "Requests refused, by class, pool and reason", ["klass", "pool", "reason"]
+        )
         self.tokens = CounterFamily("weir_output_tokens", "Tokens generated", ["model"])
-        self.ttft = HistogramFamily("weir_time_to_first_token_seconds", "Arrival at the router to first token",
-                                    ["model", "klass"], _LATENCY_BUCKETS)
-        self.e2e = HistogramFamily("weir_request_duration_seconds", "Arrival at the router to last token",
-                                   ["model", "klass"], _LATENCY_BUCKETS)
-        self.queue_wait = HistogramFamily("weir_queue_wait_seconds", "Arrival to dispatch to a worker",
-                                          ["klass", "pool"], _LATENCY_BUCKETS)
-        self.worker_events = CounterFamily("weir_worker_events", "Worker registrations and losses",
-                                           ["worker", "event"])
-        self.fallbacks = CounterFamily("weir_fallbacks", "Requests answered by a fallback model, by the model "
-                                       "asked for and the one that answered", ["model", "fallback"])
-        self.resumed = CounterFamily("weir_resumed", "Requests continued on another worker after output "
-                                     "streamed, by model and why", ["model", "why"])
-        self.bad_frames = CounterFamily("weir_malformed_frames", "ZeroMQ frames dropped as undecodable",
-                                        ["socket"])
+        self.ttft = HistogramFamily(
+            "weir_time_to_first_token_seconds",
+            "Arrival at the router to first token",
+            ["model", "klass"],
+            _LATENCY_BUCKETS,
+        )
+        self.e2e = HistogramFamily(
+            "weir_request_duration_seconds", "Arrival at the router to last token", ["model", "klass"], _LATENCY_BUCKETS
+        )
+        self.queue_wait = HistogramFamily(
+            "weir_queue_wait_seconds", "Arrival to dispatch to a worker", ["klass", "pool"], _LATENCY_BUCKETS
+        )
+        self.worker_events = CounterFamily("weir_worker_events", "Worker registrations and losses", ["worker", "event"])
+        self.fallbacks = CounterFamily(
+            "weir_fallbacks",
+            "Requests answered by a fallback model, by the model asked for and the one that answered",
+            ["model", "fallback"],
+        )
+        self.resumed = CounterFamily(
+            "weir_resumed",
+            "Requests continued on another worker after output streamed, by model and why",
+            ["model", "why"],
+        )
+        self.bad_frames = CounterFamily("weir_malformed_frames", "ZeroMQ frames dropped as undecodable", ["socket"])
         # The HTTP ingress's (router.http_server); the path label is its route.
-        self.http_requests = CounterFamily("weir_http_requests", "HTTP requests answered by the router, by route "
-                                           "and status", ["path", "status"])
+        self.http_requests = CounterFamily(
+            "weir_http_requests", "HTTP requests answered by the router, by route and status", ["path", "status"]
+        )
         self.http_duration = HistogramFamily(
             "weir_http_request_duration_seconds",
-            "Time from a request's last byte to its response's last byte (whole stream for SSE)", ["path"],
-            _LATENCY_BUCKETS)
+            "Time from a request's last byte to its response's last byte (whole stream for SSE)",
+            ["path"],
+            _LATENCY_BUCKETS,
+        )
         # OpenAI's ``user`` field: recorded under the tenant the API key says,
         # never used as an identity; distinct ids are counted up to a bound.
-        self.user_requests = CounterFamily("weir_user_field_requests", "Requests that named an end user "
-                                           "(OpenAI's `user` field), by tenant", ["tenant"])
+        self.user_requests = CounterFamily(
+            "weir_user_field_requests", "Requests that named an end user (OpenAI's `user` field), by tenant", ["tenant"]
+        )
         self.users: dict[str, set[str]] = {}
-        self.auth_denied = CounterFamily("weir_zmq_auth_denied", "ZeroMQ peers refused by CURVE (unknown key), "
-                                         "by ZAP domain (clients, workers)", ["domain"])
+        self.auth_denied = CounterFamily(
+            "weir_zmq_auth_denied",
+            "ZeroMQ peers refused by CURVE (unknown key), by ZAP domain (clients, workers)",
+            ["domain"],
+        )
         self._families: list[CounterFamily | HistogramFamily] = [
-            self.auth_denied, self.requests, self.rejected, self.tokens, self.ttft, self.e2e, self.queue_wait,
-            self.worker_events, self.resumed, self.fallbacks, self.bad_frames, self.http_requests,
-            self.http_duration, self.user_requests]
+            self.auth_denied,
+            self.requests,
+            self.rejected,
+            self.tokens,
+            self.ttft,
+            self.e2e,
+            self.queue_wait,
+            self.worker_events,
+            self.resumed,
+            self.fallbacks,
+            self.bad_frames,
+            self.http_requests,
+            self.http_duration,
+            self.user_requests,
+        ]
         self.registry.register(self)
 
     def saw_user(self, tenant: str, user: str) -> None:
@@ -203,8 +250,11 @@ class RouterMetrics:
     def collect(self) -> Iterator[Metric]:
         for f in self._families:
             yield f.collect()
-        users = GaugeMetricFamily("weir_tenant_distinct_users", "Distinct `user` values seen per tenant "
-                                  f"(counted up to {MAX_USERS_PER_TENANT})", labels=["tenant"])
+        users = GaugeMetricFamily(
+            "weir_tenant_distinct_users",
+            f"Distinct `user` values seen per tenant (counted up to {MAX_USERS_PER_TENANT})",
+            labels=["tenant"],
+        )
         for tenant, seen in sorted(self.users.items()):
             users.add_metric([tenant], len(seen))
         yield users
@@ -229,8 +279,9 @@ class _StateCollector:
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         depth = GaugeMetricFamily("weir_queue_depth", "Queued requests", labels=["klass", "pool"])
-        oldest = GaugeMetricFamily("weir_queue_oldest_wait_seconds", "Oldest queued request's wait",
-                                   labels=["klass", "pool"])
+        oldest = GaugeMetricFamily(
+            "weir_queue_oldest_wait_seconds", "Oldest queued request's wait", labels=["klass", "pool"]
+        )
         for q in snap.get("queues", []):
             depth.add_metric([q["class"], q["pool"]], q["queued"])
             oldest.add_metric([q["class"], q["pool"]], q["oldest_wait_s"])
@@ -261,8 +312,11 @@ class _StateCollector:
                     v = w.get(name)
                     if v is not None:
                         g.add_metric([w["id"], w["model"]], float(v))
-        decisions = CounterMetricFamily("weir_policy_decisions", "Scheduling policy decisions, by kind "
-                                        "(router/policy.py Policy.counters)", labels=["decision"])
+        decisions = CounterMetricFamily(
+            "weir_policy_decisions",
+            "Scheduling policy decisions, by kind (router/policy.py Policy.counters)",
+            labels=["decision"],
+        )
         for name, n in sorted(snap.get("counters", {}).items()):
             decisions.add_metric([name], n)
         yield depth

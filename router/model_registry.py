@@ -14,8 +14,9 @@ its model's engines see (``tokenize_hashed``), since that is per model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 from router.block_hash import SIM, BlockHasher
 from router.prompts import ModelPrompts
@@ -33,7 +34,7 @@ class PromptTokens(NamedTuple):
     hashes: Sequence[int] = ()  # its full blocks as its model's engines hash them (router.block_hash)
 
 
-def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: Optional[BlockHasher]) -> PromptTokens:
+def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: BlockHasher | None) -> PromptTokens:
     """Tokens, and the prompt's block hashes as its model's engines compute
     them (prefix affinity): in the same place, on the tokenizing thread for
     long prompts, so hashing never stalls the loop either."""
@@ -41,8 +42,11 @@ def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: Optional[Block
     if hasher is None:
         return PromptTokens(ids, count)
     if hasher.algo == SIM:  # the simulated engine's blocks: the text it was counted by
-        text = sub.prompt if sub.kind == p.RequestKind.COMPLETION else "".join(
-            m.role + "\n" + m.content + "\n" for m in sub.messages)
+        text = (
+            sub.prompt
+            if sub.kind == p.RequestKind.COMPLETION
+            else "".join(m.role + "\n" + m.content + "\n" for m in sub.messages)
+        )
         return PromptTokens(ids, count, hasher.text_hashes(text, count))
     return PromptTokens(ids, count, hasher.hashes(ids) if ids else ())
 
@@ -53,12 +57,12 @@ class ServedModel:
     prompts: ModelPrompts  # its tokenizer and prompt checks
     # Added at run time: the workers it wants, for the supervisor (deploy/stack.py)
     # to start; None: it came with the loaded config.
-    runtime_workers: Optional[list[WorkerConfig]] = None
+    runtime_workers: list[WorkerConfig] | None = None
     unloading: bool = False
 
 
 class ModelRegistry:
-    def __init__(self, cfg: Config, prompts: Optional[dict[str, ModelPrompts]] = None) -> None:
+    def __init__(self, cfg: Config, prompts: dict[str, ModelPrompts] | None = None) -> None:
         self._resolve: Callable[[str], str] = cfg.resolve
         self._models: dict[str, ServedModel] = {}
         self.version = 0  # counts changes to the set (readers cache what they derive from it)
@@ -71,7 +75,7 @@ class ModelRegistry:
 
     # ------------------------------------------------------------ reading
 
-    def get(self, name: str) -> Optional[ServedModel]:
+    def get(self, name: str) -> ServedModel | None:
         """A model known now, unloading or not."""
         return self._models.get(name)
 
@@ -96,7 +100,7 @@ class ModelRegistry:
 
     # ------------------------------------------------------------ changing
 
-    def add(self, model: ModelConfig, workers: list[WorkerConfig]) -> Optional[str]:
+    def add(self, model: ModelConfig, workers: list[WorkerConfig]) -> str | None:
         """Serve a new model; an error message if it cannot be added."""
         known = self._models.get(model.name)
         if known is not None:

@@ -10,7 +10,8 @@ the supervisor (deploy/runtime_models.py), which reads ``GET /admin/models``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 
@@ -31,9 +32,9 @@ class ModelControl(Protocol):
 
     def model_state(self, name: str) -> str: ...
 
-    def add_model(self, model: ModelConfig, workers: list[WorkerConfig]) -> Optional[str]: ...
+    def add_model(self, model: ModelConfig, workers: list[WorkerConfig]) -> str | None: ...
 
-    def remove_model(self, name: str) -> Optional[str]: ...
+    def remove_model(self, name: str) -> str | None: ...
 
 
 class WorkerControl(Protocol):
@@ -54,7 +55,7 @@ class _AddModel(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class RouterOperator:
-    def __init__(self, core: ModelControl, link: WorkerControl, reload: Optional[Reload] = None) -> None:
+    def __init__(self, core: ModelControl, link: WorkerControl, reload: Reload | None = None) -> None:
         self.core = core
         self.link = link
         self._reload = reload

@@ -9,7 +9,8 @@ on the request path.
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -40,20 +41,28 @@ class OpsCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        depth = GaugeMetricFamily("weir_model_queue_depth", "Queued requests per model and pool (all classes)",
-                                  labels=["model", "pool"])
+        depth = GaugeMetricFamily(
+            "weir_model_queue_depth", "Queued requests per model and pool (all classes)", labels=["model", "pool"]
+        )
         queued = self.core.queued_by_model()
         models = self.core.served_models()
         for m in models:  # every model served, 0 before its first request
             for pool in ("short", "long"):
                 depth.add_metric([m.name, pool], queued.get((m.name, pool), 0))
-        ready = GaugeMetricFamily("weir_model_ready_workers", "Linked workers that take new work, per model",
-                                  labels=["model"])
+        ready = GaugeMetricFamily(
+            "weir_model_ready_workers", "Linked workers that take new work, per model", labels=["model"]
+        )
         counts = {m.name: 0 for m in models}
-        draining = GaugeMetricFamily("weir_worker_draining", "1 while the worker drains (SIGTERM or "
-                                     "POST /admin/workers/{id}/drain)", labels=["worker", "model"])
-        left = GaugeMetricFamily("weir_worker_drain_left_seconds", "Time left of a draining worker's "
-                                 "router.drain_timeout_s", labels=["worker", "model"])
+        draining = GaugeMetricFamily(
+            "weir_worker_draining",
+            "1 while the worker drains (SIGTERM or POST /admin/workers/{id}/drain)",
+            labels=["worker", "model"],
+        )
+        left = GaugeMetricFamily(
+            "weir_worker_drain_left_seconds",
+            "Time left of a draining worker's router.drain_timeout_s",
+            labels=["worker", "model"],
+        )
         for w in sorted(self.link.reports(), key=lambda w: w.worker_id):
             wid, model = w.worker_id, w.model
             if w.drain_left_s is None:

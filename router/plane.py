@@ -31,9 +31,17 @@ _Msg = TypeVar("_Msg")  # the messages one side's decoder gives
 class RouterPlane:
     side = ""  # "frontend" | "backend": its address in RouterConfig and its ZAP domain
 
-    def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
-                 security: SecurityConfig | None = None, base_dir: str = "") -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        loop: asyncio.AbstractEventLoop,
+        pump: SocketPump,
+        metrics: RouterMetrics,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        *,
+        security: SecurityConfig | None = None,
+        base_dir: str = "",
+    ) -> None:
         self.cfg = cfg
         self.security, self.base_dir = security, base_dir  # CURVE (shared.curve): [security]
         self.loop = loop
@@ -43,8 +51,9 @@ class RouterPlane:
         self.sock: zmq.Socket[bytes] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def _bind(self, on_message: Callable[[list[bytes]], None], tick: Callable[[], None],
-              **callbacks: Callable[[bytes], None]) -> None:
+    def _bind(
+        self, on_message: Callable[[list[bytes]], None], tick: Callable[[], None], **callbacks: Callable[[bytes], None]
+    ) -> None:
         """Bind this side's socket, let the pump drive it, start its timer."""
         addr = getattr(self.cfg, self.side)
         self.sock = bind_router(self.ctx, addr, self._curve())
@@ -60,12 +69,16 @@ class RouterPlane:
 
         d = Path(self.base_dir or ".") / os.path.expanduser(self.security.curve_dir)
         denied = self.metrics.auth_denied
-        return curve.server_configure(self.ctx, d.resolve(), self.side,
-                                      lambda domain, _name: self.metrics.child(denied, domain).inc())
+        return curve.server_configure(
+            self.ctx, d.resolve(), self.side, lambda domain, _name: self.metrics.child(denied, domain).inc()
+        )
 
-    def _decode(self, frames: list[bytes], decoder: msgspec.msgpack.Decoder[_Msg],
-                on_invalid: Callable[[list[bytes], msgspec.ValidationError], None] | None = None,
-                ) -> tuple[bytes, _Msg] | None:
+    def _decode(
+        self,
+        frames: list[bytes],
+        decoder: msgspec.msgpack.Decoder[_Msg],
+        on_invalid: Callable[[list[bytes], msgspec.ValidationError], None] | None = None,
+    ) -> tuple[bytes, _Msg] | None:
         """(identity, message) of a ROUTER socket's frames, or None: what does
         not decode is counted, logged and dropped (``on_invalid(frames, error)``
         may still answer a message that decodes but fails validation)."""

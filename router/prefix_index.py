@@ -146,8 +146,9 @@ class PrefixIndex:
             mi.live |= w.bit
             self._store(mi, w, hashes)
 
-    def events(self, worker_id: str, seq: int, stored: Sequence[int], removed: Sequence[int],
-               cleared: bool = False) -> bool:
+    def events(
+        self, worker_id: str, seq: int, stored: Sequence[int], removed: Sequence[int], cleared: bool = False
+    ) -> bool:
         """Apply one PrefixEvents.  False: out of order -- the worker is blind
         now and must be asked for a snapshot."""
         w = self.workers.get(worker_id)
@@ -263,12 +264,25 @@ class PrefixIndex:
     def view(self) -> dict[str, Any]:
         """JSON-shaped: per model, per worker, and the counters."""
         return {
-            "models": {name: {"blocks": len(mi.blocks), "speculative": len(mi.spec), "evicted": mi.evicted,
-                              "scheme": list(mi.hasher.key) if mi.hasher is not None else None}
-                       for name, mi in self.models.items()},
-            "workers": {w.worker_id: {"model": w.model, "trusted": w.trusted, "blocks": w.blocks if w.trusted else 0,
-                                      "seq": w.seq, "recoveries": w.recoveries}
-                        for w in self.workers.values()},
+            "models": {
+                name: {
+                    "blocks": len(mi.blocks),
+                    "speculative": len(mi.spec),
+                    "evicted": mi.evicted,
+                    "scheme": list(mi.hasher.key) if mi.hasher is not None else None,
+                }
+                for name, mi in self.models.items()
+            },
+            "workers": {
+                w.worker_id: {
+                    "model": w.model,
+                    "trusted": w.trusted,
+                    "blocks": w.blocks if w.trusted else 0,
+                    "seq": w.seq,
+                    "recoveries": w.recoveries,
+                }
+                for w in self.workers.values()
+            },
             **self.counters,
         }
 

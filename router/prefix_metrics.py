@@ -22,17 +22,32 @@ _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 class PrefixMetrics:
     def __init__(self, registry: CollectorRegistry, index: PrefixIndex) -> None:
         self.index = index
-        self.prompt_tokens = CounterFamily("weir_prefix_prompt_tokens", "Prompt tokens of finished requests, by "
-                                           "model and worker", ["model", "worker"])
-        self.cached_tokens = CounterFamily("weir_prefix_cached_tokens", "Of those, tokens the engine found in its "
-                                           "prefix cache (vLLM's num_cached_tokens)", ["model", "worker"])
-        self.lag = HistogramFamily("weir_prefix_event_lag_seconds", "Engine's KV event batch to the router "
-                                   "applying it (wall clocks of two hosts where they differ)", ["worker"],
-                                   _LAG_BUCKETS)
-        self.recoveries = CounterFamily("weir_prefix_recoveries", "Snapshots asked of a worker because its prefix "
-                                        "events had a gap or a heartbeat announced one never applied", ["worker"])
-        self._families: list[CounterFamily | HistogramFamily] = [self.prompt_tokens, self.cached_tokens, self.lag,
-                                                                  self.recoveries]
+        self.prompt_tokens = CounterFamily(
+            "weir_prefix_prompt_tokens", "Prompt tokens of finished requests, by model and worker", ["model", "worker"]
+        )
+        self.cached_tokens = CounterFamily(
+            "weir_prefix_cached_tokens",
+            "Of those, tokens the engine found in its prefix cache (vLLM's num_cached_tokens)",
+            ["model", "worker"],
+        )
+        self.lag = HistogramFamily(
+            "weir_prefix_event_lag_seconds",
+            "Engine's KV event batch to the router applying it (wall clocks of two hosts where they differ)",
+            ["worker"],
+            _LAG_BUCKETS,
+        )
+        self.recoveries = CounterFamily(
+            "weir_prefix_recoveries",
+            "Snapshots asked of a worker because its prefix "
+            "events had a gap or a heartbeat announced one never applied",
+            ["worker"],
+        )
+        self._families: list[CounterFamily | HistogramFamily] = [
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.lag,
+            self.recoveries,
+        ]
         registry.register(self)
 
     def describe(self) -> list[Metric]:
@@ -42,17 +57,25 @@ class PrefixMetrics:
         for f in self._families:
             yield f.collect()
         view = self.index.view()
-        size = GaugeMetricFamily("weir_prefix_index_blocks", "Block hashes in the router's prefix index",
-                                 labels=["model"])
-        evicted = CounterMetricFamily("weir_prefix_index_evicted", "Index entries evicted at its cap "
-                                      "(scheduler.prefix_index_max_blocks)", labels=["model"])
+        size = GaugeMetricFamily(
+            "weir_prefix_index_blocks", "Block hashes in the router's prefix index", labels=["model"]
+        )
+        evicted = CounterMetricFamily(
+            "weir_prefix_index_evicted",
+            "Index entries evicted at its cap (scheduler.prefix_index_max_blocks)",
+            labels=["model"],
+        )
         for name, m in sorted(view["models"].items()):
             size.add_metric([name], m["blocks"])
             evicted.add_metric([name], m["evicted"])
-        blocks = GaugeMetricFamily("weir_prefix_worker_blocks", "Blocks the index holds for a worker",
-                                   labels=["worker", "model"])
-        trusted = GaugeMetricFamily("weir_prefix_worker_trusted", "1 while the worker's prefix entries count "
-                                    "(0: cache-blind until its snapshot)", labels=["worker", "model"])
+        blocks = GaugeMetricFamily(
+            "weir_prefix_worker_blocks", "Blocks the index holds for a worker", labels=["worker", "model"]
+        )
+        trusted = GaugeMetricFamily(
+            "weir_prefix_worker_trusted",
+            "1 while the worker's prefix entries count (0: cache-blind until its snapshot)",
+            labels=["worker", "model"],
+        )
         for wid, w in sorted(view["workers"].items()):
             blocks.add_metric([wid, w["model"]], w["blocks"])
             trusted.add_metric([wid, w["model"]], 1.0 if w["trusted"] else 0.0)

@@ -88,8 +88,11 @@ def check_structured(so: StructuredOutput) -> None:
     """Compile the constraint as vLLM's xgrammar backend would, or BadInput."""
     kinds = so.kinds()
     if len(kinds) != 1:
-        raise BadInput("structured output needs exactly one of json, json_object, regex, choice, grammar; "
-                       f"got {', '.join(kinds) or 'none'}", param="structured_outputs")
+        raise BadInput(
+            "structured output needs exactly one of json, json_object, regex, choice, grammar; "
+            f"got {', '.join(kinds) or 'none'}",
+            param="structured_outputs",
+        )
     kind = kinds[0]
     if kind == "json_object":
         return
@@ -121,8 +124,9 @@ def check_structured(so: StructuredOutput) -> None:
         try:
             xgr.Grammar.from_ebnf(so.grammar)
         except Exception as e:
-            raise BadInput(f"The grammar does not compile: {_xgr_message(e)}",
-                           param="structured_outputs.grammar") from None
+            raise BadInput(
+                f"The grammar does not compile: {_xgr_message(e)}", param="structured_outputs.grammar"
+            ) from None
 
 
 def _xgr_message(e: Exception) -> str:
@@ -213,8 +217,11 @@ class ModelPrompts:
     def inline(self, sub: Submit) -> bool:
         """Cheap enough to tokenize (and check) on the event loop?"""
         so = sub.params.structured if sub.params is not None else None
-        if (so is not None and (so.json is not None or so.regex is not None or so.grammar is not None)
-                and (_xgr is None or _grammar_chars(so) > INLINE_MAX_GRAMMAR_CHARS)):
+        if (
+            so is not None
+            and (so.json is not None or so.regex is not None or so.grammar is not None)
+            and (_xgr is None or _grammar_chars(so) > INLINE_MAX_GRAMMAR_CHARS)
+        ):
             return False  # compiling it imports xgrammar, or takes milliseconds
         if self.tokenizer is None:
             return True  # an estimate is arithmetic
@@ -229,12 +236,18 @@ class ModelPrompts:
         if vocab:
             bad = [t for t in params.logit_bias if t >= vocab]
             if bad:
-                raise BadInput(f"logit_bias has token ids outside the vocabulary (size {vocab}): "
-                               f"{', '.join(map(str, sorted(bad)[:8]))}", param="logit_bias")
+                raise BadInput(
+                    f"logit_bias has token ids outside the vocabulary (size {vocab}): "
+                    f"{', '.join(map(str, sorted(bad)[:8]))}",
+                    param="logit_bias",
+                )
             bad = [t for t in params.stop_token_ids if t >= vocab]
             if bad:
-                raise BadInput(f"stop_token_ids has token ids outside the vocabulary (size {vocab}): "
-                               f"{', '.join(map(str, sorted(bad)[:8]))}", param="stop_token_ids")
+                raise BadInput(
+                    f"stop_token_ids has token ids outside the vocabulary (size {vocab}): "
+                    f"{', '.join(map(str, sorted(bad)[:8]))}",
+                    param="stop_token_ids",
+                )
         if params.structured is not None:
             check_structured(params.structured)
 
@@ -257,8 +270,9 @@ class ModelPrompts:
         if self._template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.content} for m in sub.messages]
-        return self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=True, **self._special)
+        return self._template.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=True, **self._special
+        )
 
 
 def _chat_template(model_dir: str) -> tuple[str | None, dict[str, str]]:
@@ -308,12 +322,16 @@ def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> NoReturn:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: object,
+        ensure_ascii: bool = False,
+        indent: int | str | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

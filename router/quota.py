@@ -62,8 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("weir.router.quota")
 
 # (config field, period in seconds, counts tokens?)
-KINDS = (("requests_per_minute", 60.0, False), ("tokens_per_minute", 60.0, True),
-         ("tokens_per_day", 86400.0, True))
+KINDS = (("requests_per_minute", 60.0, False), ("tokens_per_minute", 60.0, True), ("tokens_per_day", 86400.0, True))
 _SHORT = {"requests_per_minute": "rpm", "tokens_per_minute": "tpm", "tokens_per_day": "tpd"}
 STORE_RETRY_S = 1.0  # after a store error, answer without asking it for this long
 MAX_PENDING_CREDITS = 100_000  # settles kept for retry while the store is down
@@ -251,14 +250,19 @@ class RedisStore:
         from redis.retry import Retry
 
         # No retries inside the client: a failure is the Quota's to handle, at once.
-        client = self._client = aioredis.from_url(self.url, socket_timeout=self.timeout_s,
-                                                  socket_connect_timeout=self.timeout_s,
-                                                  retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+        client = self._client = aioredis.from_url(
+            self.url,
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+        )
         self._reserve = self._credit = None  # SHA1s, loaded on first use (and after a Redis restart)
         return client
 
-    def submit(self, op: str, buckets: tuple[Bucket, ...], amounts: Sequence[int], hold_id: str,
-               callback: StoreCallback | None) -> None:
+    def submit(
+        self, op: str, buckets: tuple[Bucket, ...], amounts: Sequence[int], hold_id: str, callback: StoreCallback | None
+    ) -> None:
         """``callback(result | exception)``: result is the reserve's (ok, why, levels).
         Never called before this returns (the lifecycle relies on it).  A
         credit applies only if the reserve of ``hold_id`` took, and once."""
@@ -361,13 +365,21 @@ class Quota:
     """What the lifecycle (router.core) asks: ``reserve`` at admission,
     ``ended`` at the one exit.  Also per-tenant usage counters."""
 
-    def __init__(self, cfg: Config, metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic,
-                 store: MemoryStore | RedisStore | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        store: MemoryStore | RedisStore | None = None,
+    ) -> None:
         self.clock = clock
         self.qcfg = cfg.quota
         if store is None:
-            store = (RedisStore(cfg.quota.redis_url, cfg.quota.redis_prefix, cfg.quota.redis_timeout_s)
-                     if cfg.quota.store == "redis" else MemoryStore())
+            store = (
+                RedisStore(cfg.quota.redis_url, cfg.quota.redis_prefix, cfg.quota.redis_timeout_s)
+                if cfg.quota.store == "redis"
+                else MemoryStore()
+            )
             if isinstance(store, RedisStore):
                 try:
                     asyncio.get_running_loop()
@@ -430,10 +442,13 @@ class Quota:
         for b in buckets:
             if b.tokens and tokens > b.cap:
                 self._refused(who.tenant, "too_large")
-                return error(Code.BUDGET_TOO_SMALL,
-                             f"This request needs {tokens} tokens (prompt + max_tokens), more than this "
-                             f"key's {b.field} budget of {b.cap}: it can never be served under it. Reduce "
-                             f"max_tokens or the prompt.", param="max_tokens")
+                return error(
+                    Code.BUDGET_TOO_SMALL,
+                    f"This request needs {tokens} tokens (prompt + max_tokens), more than this "
+                    f"key's {b.field} budget of {b.cap}: it can never be served under it. Reduce "
+                    f"max_tokens or the prompt.",
+                    param="max_tokens",
+                )
         amounts = costs(buckets, tokens)
         store = self.store
         if store.sync:
@@ -443,17 +458,30 @@ class Quota:
             return self._store_down(who, buckets, tokens, None)
         self._flush_credits()
         hold_id = self._new_hold_id()
-        store.submit("reserve", buckets, amounts, hold_id,  # (a reserve's callback gets Reserved or a failure)
-                     lambda res: on_answer(self._answer(who, buckets, tokens, cast("Reserved | BaseException", res),
-                                                        amounts, hold_id)))
+        store.submit(
+            "reserve",
+            buckets,
+            amounts,
+            hold_id,  # (a reserve's callback gets Reserved or a failure)
+            lambda res: on_answer(
+                self._answer(who, buckets, tokens, cast("Reserved | BaseException", res), amounts, hold_id)
+            ),
+        )
         return None
 
     def _new_hold_id(self) -> str:
         self._holds += 1
         return f"{self._hold_prefix}{self._holds:x}"
 
-    def _answer(self, who: Identity, buckets: tuple[Bucket, ...], tokens: int, res: Reserved | BaseException,
-                amounts: Sequence[int] = (), hold_id: str = "") -> Answer:
+    def _answer(
+        self,
+        who: Identity,
+        buckets: tuple[Bucket, ...],
+        tokens: int,
+        res: Reserved | BaseException,
+        amounts: Sequence[int] = (),
+        hold_id: str = "",
+    ) -> Answer:
         if isinstance(res, BaseException):
             if hold_id:  # it may have run before the error (a timeout): undone if it did, else nothing
                 self._unsent.append((buckets, amounts, hold_id))
@@ -471,21 +499,25 @@ class Quota:
         self._refused(who.tenant, budget)
         per = "minute" if b.period == 60.0 else "day"
         need = f"{tokens} tokens" if b.tokens else "1 request"
-        return error(Code.TOKENS_BUDGET if b.tokens else Code.REQUESTS_BUDGET,
-                     f"Rate limit reached on {budget} per {per} for this {scope} (`{b.field}`): limit "
-                     f"{b.cap}, remaining {max(0, math.floor(levels[i]))}, this request needs {need}. "
-                     f"Retry after {math.ceil(wait)} s.", retry_after=max(wait, 0.001), ratelimit=rl)
+        return error(
+            Code.TOKENS_BUDGET if b.tokens else Code.REQUESTS_BUDGET,
+            f"Rate limit reached on {budget} per {per} for this {scope} (`{b.field}`): limit "
+            f"{b.cap}, remaining {max(0, math.floor(levels[i]))}, this request needs {need}. "
+            f"Retry after {math.ceil(wait)} s.",
+            retry_after=max(wait, 0.001),
+            ratelimit=rl,
+        )
 
-    def _store_down(self, who: Identity, buckets: tuple[Bucket, ...], tokens: int,
-                    exc: BaseException | None) -> Answer:
+    def _store_down(self, who: Identity, buckets: tuple[Bucket, ...], tokens: int, exc: BaseException | None) -> Answer:
         now = self.clock()
         if exc is not None:
             self._down_until = now + STORE_RETRY_S
         self._store_error("reserve", exc)
         if self.qcfg.on_store_error == "closed":
             self._refused(who.tenant, "store_unavailable")
-            return error(Code.QUOTA_UNAVAILABLE, "The budget store is unreachable; retry shortly.",
-                         retry_after=STORE_RETRY_S)
+            return error(
+                Code.QUOTA_UNAVAILABLE, "The budget store is unreachable; retry shortly.", retry_after=STORE_RETRY_S
+            )
         return Hold(buckets, tokens, who.tenant, enforced=False)
 
     def _store_error(self, op: str, exc: BaseException | None) -> None:
@@ -496,10 +528,14 @@ class Quota:
         what = (op, self.qcfg.on_store_error)
         if now - self._warned.get(what, -1e9) > 10.0:  # a down store must not flood the log
             self._warned[what] = now
-            log.warning("quota store %s failed (%s); %s", op, "it failed within the last second" if exc is None
-                        else f"{type(exc).__name__}: {exc}",
-                        "failing open: requests admitted unmetered" if self.qcfg.on_store_error == "open"
-                        else "failing closed: requests refused with 503")
+            log.warning(
+                "quota store %s failed (%s); %s",
+                op,
+                "it failed within the last second" if exc is None else f"{type(exc).__name__}: {exc}",
+                "failing open: requests admitted unmetered"
+                if self.qcfg.on_store_error == "open"
+                else "failing closed: requests refused with 503",
+            )
 
     def _refused(self, tenant: str, budget: str) -> None:
         k = (tenant, budget)
@@ -541,8 +577,13 @@ class Quota:
             return  # a store without I/O settles at once: it never has credits queued
         unsent, self._unsent = self._unsent, []
         for buckets, amounts, hold_id in unsent:
-            store.submit("credit", buckets, amounts, hold_id, partial(self._credited, buckets=buckets,
-                                                                      amounts=amounts, hold_id=hold_id))
+            store.submit(
+                "credit",
+                buckets,
+                amounts,
+                hold_id,
+                partial(self._credited, buckets=buckets, amounts=amounts, hold_id=hold_id),
+            )
 
     def _credited(self, res: StoreAnswer, buckets: tuple[Bucket, ...], amounts: Sequence[int], hold_id: str) -> None:
         if isinstance(res, BaseException):
@@ -582,9 +623,15 @@ class Quota:
         for name, bs in self.by_tenant.items():
             tenants.setdefault(name, {})["budgets"] = budgets(bs)
         keys = {kid: budgets(bs) for kid, bs in self.by_key.items() if bs}
-        return {"store": self.qcfg.store, "store_url": redact_url(self.qcfg.redis_url) if self.qcfg.store == "redis"
-                else None, "on_store_error": self.qcfg.on_store_error, "outstanding": self.outstanding,
-                "store_errors": dict(self.store_errors), "tenants": tenants, "keys": keys}
+        return {
+            "store": self.qcfg.store,
+            "store_url": redact_url(self.qcfg.redis_url) if self.qcfg.store == "redis" else None,
+            "on_store_error": self.qcfg.on_store_error,
+            "outstanding": self.outstanding,
+            "store_errors": dict(self.store_errors),
+            "tenants": tenants,
+            "keys": keys,
+        }
 
     def _install_metrics(self, metrics: RouterMetrics) -> None:
         quota = self
@@ -596,21 +643,27 @@ class Quota:
             def collect(self) -> Iterator[Metric]:
                 from prometheus_client.core import CounterMetricFamily
 
-                tok = CounterMetricFamily("weir_tenant_tokens", "Tokens processed per tenant "
-                                          "(prompt: reached an engine; completion: generated)",
-                                          labels=["tenant", "kind"])
+                tok = CounterMetricFamily(
+                    "weir_tenant_tokens",
+                    "Tokens processed per tenant (prompt: reached an engine; completion: generated)",
+                    labels=["tenant", "kind"],
+                )
                 req = CounterMetricFamily("weir_tenant_requests", "Requests admitted per tenant", labels=["tenant"])
                 for t, (r, pr, co) in sorted(quota.usage.items()):
                     tok.add_metric([t, "prompt"], pr)
                     tok.add_metric([t, "completion"], co)
                     req.add_metric([t], r)
-                ref = CounterMetricFamily("weir_quota_refusals", "Requests refused by a budget, per tenant "
-                                          "and budget (requests, tokens, too_large, store_unavailable)",
-                                          labels=["tenant", "budget"])
+                ref = CounterMetricFamily(
+                    "weir_quota_refusals",
+                    "Requests refused by a budget, per tenant "
+                    "and budget (requests, tokens, too_large, store_unavailable)",
+                    labels=["tenant", "budget"],
+                )
                 for (t, b), n in sorted(quota.refusals.items()):
                     ref.add_metric([t, b], n)
-                err = CounterMetricFamily("weir_quota_store_errors", "Budget store calls that failed, by op",
-                                          labels=["op"])
+                err = CounterMetricFamily(
+                    "weir_quota_store_errors", "Budget store calls that failed, by op", labels=["op"]
+                )
                 for op, n in sorted(quota.store_errors.items()):
                     err.add_metric([op], n)
                 yield tok

@@ -9,7 +9,7 @@ that change state (drain, models at run time, reload) are router.operator's.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,7 +31,7 @@ class CoreReads(Protocol):
 
     def model_state(self, name: str) -> str: ...
 
-    def runtime_workers_of(self, name: str) -> Optional[list[WorkerConfig]]: ...
+    def runtime_workers_of(self, name: str) -> list[WorkerConfig] | None: ...
 
     def uptime_s(self) -> float: ...
 
@@ -51,7 +51,7 @@ class LinkReads(Protocol):
 
     def worker_count(self) -> int: ...
 
-    def report(self, worker_id: str) -> Optional[WorkerReport]: ...
+    def report(self, worker_id: str) -> WorkerReport | None: ...
 
     def reports(self) -> list[WorkerReport]: ...
 
@@ -68,8 +68,9 @@ class RouterViews:
         """(name, max_model_len, workers ready, state) per model served: state
         loading (no worker ready yet) / ready / unloading (router/core.py)."""
         ready = self.ready_workers()
-        return [(m.name, m.max_model_len, ready[m.name], self.core.model_state(m.name))
-                for m in self.core.served_models()]
+        return [
+            (m.name, m.max_model_len, ready[m.name], self.core.model_state(m.name)) for m in self.core.served_models()
+        ]
 
     def admin_models(self) -> list[dict[str, Any]]:
         """Every model and its state: what the supervisor (deploy/runtime_models.py) carries out."""
@@ -78,15 +79,26 @@ class RouterViews:
         out = []
         for m in core.served_models():
             runtime = core.runtime_workers_of(m.name)
-            out.append({"name": m.name, "state": core.model_state(m.name), "ready_workers": ready[m.name],
-                        "runtime": runtime is not None, "config": msgspec.to_builtins(m),
-                        "workers": [msgspec.to_builtins(w) for w in runtime or []]})
+            out.append(
+                {
+                    "name": m.name,
+                    "state": core.model_state(m.name),
+                    "ready_workers": ready[m.name],
+                    "runtime": runtime is not None,
+                    "config": msgspec.to_builtins(m),
+                    "workers": [msgspec.to_builtins(w) for w in runtime or []],
+                }
+            )
         return out
 
     def health(self) -> dict[str, Any]:
         """Liveness: the process answers (``/health``, ``/health/live``)."""
-        return {"status": "ok", "workers": self.link.worker_count(),
-                "uptime_s": round(self.core.uptime_s(), 3), "jobs": self.core.live_jobs()}
+        return {
+            "status": "ok",
+            "workers": self.link.worker_count(),
+            "uptime_s": round(self.core.uptime_s(), 3),
+            "jobs": self.core.live_jobs(),
+        }
 
     def ready_workers(self) -> dict[str, int]:
         """Per model served: linked workers that take new work."""
@@ -106,14 +118,18 @@ class RouterViews:
         workers: list[dict[str, Any]] = self.state()["workers"]
         return workers
 
-    def admin_worker(self, worker_id: str) -> Optional[dict[str, Any]]:
+    def admin_worker(self, worker_id: str) -> dict[str, Any] | None:
         """One worker's state in O(1) (``admin_workers`` is O(workers)): what each
         worker pod's probes ask every 10 s (deploy/k8s_probe.py)."""
         w = self.link.report(worker_id)
         if w is None:
             return None
-        out: dict[str, Any] = {"id": worker_id, "model": w.model, "state": "draining" if w.draining else "ready",
-                               "running": len(self.core.running_on(worker_id))}
+        out: dict[str, Any] = {
+            "id": worker_id,
+            "model": w.model,
+            "state": "draining" if w.draining else "ready",
+            "running": len(self.core.running_on(worker_id)),
+        }
         if w.drain_left_s is not None:
             out["drain_left_s"] = round(w.drain_left_s, 3)
         return out
@@ -143,11 +159,19 @@ class RouterViews:
             else:
                 w["state"] = "draining"
                 w["drain_left_s"] = round(live.drain_left_s, 3)
-            w.update(engine=live.engine, engine_running=s.running, engine_waiting=s.waiting,
-                     kv_usage=s.kv_usage, preemptions=s.preemptions_total,
-                     aborts=s.aborts_total, finished=s.finished_total, tokens_total=s.tokens_total,
-                     gpu_used_bytes=s.gpu_used_bytes, gpu_total_bytes=s.gpu_total_bytes,
-                     gpu=live.gpu.name if live.gpu.present else None)
+            w.update(
+                engine=live.engine,
+                engine_running=s.running,
+                engine_waiting=s.waiting,
+                kv_usage=s.kv_usage,
+                preemptions=s.preemptions_total,
+                aborts=s.aborts_total,
+                finished=s.finished_total,
+                tokens_total=s.tokens_total,
+                gpu_used_bytes=s.gpu_used_bytes,
+                gpu_total_bytes=s.gpu_total_bytes,
+                gpu=live.gpu.name if live.gpu.present else None,
+            )
             w.update(gpu_reading(s.gpu if s.gpu is not None else live.gpu))
         return snap
 
@@ -156,8 +180,19 @@ def gpu_reading(g: GpuInfo) -> dict[str, Any]:
     """A worker's last NVML reading for /admin/workers and /metrics;
     ``gpu_present`` False is the explicit "no GPU" state (the rest then None)."""
     if not g.present:
-        return {"gpu_present": False, "gpu_utilization_percent": None, "gpu_memory_used_bytes": None,
-                "gpu_memory_total_bytes": None, "gpu_temperature_celsius": None, "gpu_power_watts": None}
-    return {"gpu_present": True, "gpu_utilization_percent": g.utilization_percent,
-            "gpu_memory_used_bytes": g.used_bytes, "gpu_memory_total_bytes": g.total_bytes,
-            "gpu_temperature_celsius": g.temperature_c, "gpu_power_watts": g.power_w}
+        return {
+            "gpu_present": False,
+            "gpu_utilization_percent": None,
+            "gpu_memory_used_bytes": None,
+            "gpu_memory_total_bytes": None,
+            "gpu_temperature_celsius": None,
+            "gpu_power_watts": None,
+        }
+    return {
+        "gpu_present": True,
+        "gpu_utilization_percent": g.utilization_percent,
+        "gpu_memory_used_bytes": g.used_bytes,
+        "gpu_memory_total_bytes": g.total_bytes,
+        "gpu_temperature_celsius": g.temperature_c,
+        "gpu_power_watts": g.power_w,
+    }

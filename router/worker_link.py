@@ -98,10 +98,18 @@ class WorkerReport(NamedTuple):
 class WorkerLink(RouterPlane):
     side = "backend"
 
-    def __init__(self, cfg: RouterConfig, loop: asyncio.AbstractEventLoop, pump: SocketPump,
-                 metrics: RouterMetrics, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 clock: Callable[[], float] = time.monotonic, *, security: SecurityConfig | None = None,
-                 base_dir: str = "") -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        loop: asyncio.AbstractEventLoop,
+        pump: SocketPump,
+        metrics: RouterMetrics,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        security: SecurityConfig | None = None,
+        base_dir: str = "",
+    ) -> None:
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
         self.clock = clock
         self.workers: dict[str, LinkedWorker] = {}  # by worker id (== DEALER identity)
@@ -175,8 +183,10 @@ class WorkerLink(RouterPlane):
                 ok.append(r)
             except (OverflowError, TypeError, ValueError) as e:
                 log.error("request %s cannot be encoded for its worker: %s", r.request_id, e)
-                self.events.undeliverable(r.request_id, error(Code.INTERNAL, f"The request could not be sent to "
-                                                                  f"a worker ({e}); this is a router bug."))
+                self.events.undeliverable(
+                    r.request_id,
+                    error(Code.INTERNAL, f"The request could not be sent to a worker ({e}); this is a router bug."),
+                )
         return p.encoder.encode(p.Dispatch(requests=ok))
 
     def _send(self, identity: bytes, msg: p.RouterToWorker) -> None:
@@ -225,8 +235,7 @@ class WorkerLink(RouterPlane):
             # said so): a placement miss, the jobs queue again.
             if w is not None:
                 w.last_seen = now
-                self.metrics.child(self.metrics.worker_events, worker_id, "refused_dispatch").inc(
-                    len(msg.request_ids))
+                self.metrics.child(self.metrics.worker_events, worker_id, "refused_dispatch").inc(len(msg.request_ids))
                 self.events.refused(worker_id, msg.request_ids, msg.other_tokens, msg.other_seqs)
 
     def _on_register(self, identity: bytes, worker_id: str, reg: p.Register, now: float) -> None:
@@ -242,10 +251,17 @@ class WorkerLink(RouterPlane):
         self.workers[worker_id] = LinkedWorker(reg, identity, now)
         self.events.worker_joined(reg)
         self.metrics.child(self.metrics.worker_events, worker_id, "registered").inc()
-        log.info("worker %s registered: model=%s pool=%s engine=%s kv=%d tokens (block %d) "
-                 "max_num_seqs=%d gpu=%s", worker_id, reg.model, POOL_NAMES[reg.pool], reg.engine,
-                 reg.kv_capacity_tokens, reg.block_size, reg.max_num_seqs,
-                 reg.gpu.name if reg.gpu.present else "none")
+        log.info(
+            "worker %s registered: model=%s pool=%s engine=%s kv=%d tokens (block %d) max_num_seqs=%d gpu=%s",
+            worker_id,
+            reg.model,
+            POOL_NAMES[reg.pool],
+            reg.engine,
+            reg.kv_capacity_tokens,
+            reg.block_size,
+            reg.max_num_seqs,
+            reg.gpu.name if reg.gpu.present else "none",
+        )
         self._send(identity, p.Heartbeat())
 
     def _on_unreachable(self, identity: bytes) -> None:

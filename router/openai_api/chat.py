@@ -46,8 +46,11 @@ def _message_text(m: Message, i: int) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
-            raise invalid(f"Content part type {part.type!r} is not supported (only 'text')",
-                          param=f"messages[{i}].content[{j}]", code=Code.UNSUPPORTED_VALUE)
+            raise invalid(
+                f"Content part type {part.type!r} is not supported (only 'text')",
+                param=f"messages[{i}].content[{j}]",
+                code=Code.UNSUPPORTED_VALUE,
+            )
         texts.append(part.text)
     return "\n".join(texts)  # vLLM joins text parts the same way
 
@@ -63,9 +66,17 @@ def parse_chat(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit,
     params, task_type, priority = common_fields(req, meta, logprobs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sub = Submit(
-        request_id=request_id, model=req.model, kind=RequestKind.CHAT, messages=messages,
-        params=params, max_tokens=max_tokens, priority=priority, task_type=task_type, api_key=meta.api_key,
-        user=req.user, allow_fallback=bool(req.fallback) or meta.allow_fallback,
+        request_id=request_id,
+        model=req.model,
+        kind=RequestKind.CHAT,
+        messages=messages,
+        params=params,
+        max_tokens=max_tokens,
+        priority=priority,
+        task_type=task_type,
+        api_key=meta.api_key,
+        user=req.user,
+        allow_fallback=bool(req.fallback) or meta.allow_fallback,
     )
     check_submit_shape(sub)
     return sub, response_context(req, RequestKind.CHAT, request_id, logprobs)

@@ -40,12 +40,16 @@ def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[S
         elif prompt and all(isinstance(p, str) for p in prompt):
             raise invalid("Only one prompt per request is supported", param="prompt", code=Code.UNSUPPORTED_VALUE)
         else:
-            raise invalid("prompt must be a string (token-id prompts are not supported)", param="prompt",
-                          code=Code.UNSUPPORTED_VALUE)
+            raise invalid(
+                "prompt must be a string (token-id prompts are not supported)",
+                param="prompt",
+                code=Code.UNSUPPORTED_VALUE,
+            )
     if req.echo and req.logprobs is not None:
         # OpenAI then also returns the prompt's logprobs; weir does not compute those
-        raise invalid("echo together with logprobs is not supported (prompt logprobs)", param="echo",
-                      code=Code.UNSUPPORTED_VALUE)
+        raise invalid(
+            "echo together with logprobs is not supported (prompt logprobs)", param="echo", code=Code.UNSUPPORTED_VALUE
+        )
     if req.best_of not in (None, 1):
         raise invalid("best_of is not supported", param="best_of", code=Code.UNSUPPORTED_VALUE)
     if req.suffix:
@@ -53,9 +57,17 @@ def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[S
     params, task_type, priority = common_fields(req, meta, req.logprobs)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     sub = Submit(
-        request_id=request_id, model=req.model, kind=RequestKind.COMPLETION, prompt=prompt,
-        params=params, max_tokens=max_tokens, priority=priority, task_type=task_type, api_key=meta.api_key,
-        user=req.user, allow_fallback=bool(req.fallback) or meta.allow_fallback,
+        request_id=request_id,
+        model=req.model,
+        kind=RequestKind.COMPLETION,
+        prompt=prompt,
+        params=params,
+        max_tokens=max_tokens,
+        priority=priority,
+        task_type=task_type,
+        api_key=meta.api_key,
+        user=req.user,
+        allow_fallback=bool(req.fallback) or meta.allow_fallback,
     )
     check_submit_shape(sub)
     return sub, response_context(req, RequestKind.COMPLETION, request_id, req.logprobs, prompt if req.echo else "")

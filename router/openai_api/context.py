@@ -45,9 +45,19 @@ def new_request_id() -> str:
     return f"{_id_prefix}{_id_counter:x}"
 
 
-def response_context(req: SamplingFields, kind: RequestKind, request_id: str, logprobs: int | None = None,
-                     echo: str = "") -> ResponseContext:
+def response_context(
+    req: SamplingFields, kind: RequestKind, request_id: str, logprobs: int | None = None, echo: str = ""
+) -> ResponseContext:
     prefix = "cmpl-" if kind == RequestKind.COMPLETION else "chatcmpl-"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ResponseContext(prefix + request_id, kind, req.model, int(time.time()), bool(req.stream), include_usage,
-                           req.n or 1, logprobs, echo)
+    return ResponseContext(
+        prefix + request_id,
+        kind,
+        req.model,
+        int(time.time()),
+        bool(req.stream),
+        include_usage,
+        req.n or 1,
+        logprobs,
+        echo,
+    )

@@ -13,14 +13,36 @@ from router.openai_api.usage import TokenCounts, usage_of
 from shared.protocol import Delta, RequestKind
 
 
-def render_completion(ctx: ResponseContext, text: str, finish_reason: str | None,
-                      prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+def render_completion(
+    ctx: ResponseContext,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+) -> bytes:
     usage = usage_of(prompt_tokens, completion_tokens, cached_tokens)
     if ctx.kind == RequestKind.COMPLETION:
-        return encode(Completion(ctx.id, "text_completion", ctx.created, ctx.model,
-                                 [CompletionChoice(0, text, None, finish_reason)], usage))
-    return encode(ChatCompletion(ctx.id, "chat.completion", ctx.created, ctx.model,
-                                 [ChatChoice(0, AssistantMessage("assistant", text), None, finish_reason)], usage))
+        return encode(
+            Completion(
+                ctx.id,
+                "text_completion",
+                ctx.created,
+                ctx.model,
+                [CompletionChoice(0, text, None, finish_reason)],
+                usage,
+            )
+        )
+    return encode(
+        ChatCompletion(
+            ctx.id,
+            "chat.completion",
+            ctx.created,
+            ctx.model,
+            [ChatChoice(0, AssistantMessage("assistant", text), None, finish_reason)],
+            usage,
+        )
+    )
 
 
 class Accumulator:
@@ -57,22 +79,58 @@ class Accumulator:
         usage = self.counts.usage()
         lp = ctx.logprobs is not None
         if ctx.kind == RequestKind.COMPLETION:
-            return encode(Completion(ctx.id, "text_completion", ctx.created, ctx.model, [
-                CompletionChoice(i, ctx.echo + "".join(ch.texts), completion_logprobs(ctx, ch) if lp else None,
-                                 ch.finish) for i, ch in enumerate(self.choices)], usage))
-        return encode(ChatCompletion(ctx.id, "chat.completion", ctx.created, ctx.model, [
-            ChatChoice(i, AssistantMessage("assistant", "".join(ch.texts)), chat_logprobs(ctx, ch) if lp else None,
-                       ch.finish) for i, ch in enumerate(self.choices)], usage))
+            return encode(
+                Completion(
+                    ctx.id,
+                    "text_completion",
+                    ctx.created,
+                    ctx.model,
+                    [
+                        CompletionChoice(
+                            i, ctx.echo + "".join(ch.texts), completion_logprobs(ctx, ch) if lp else None, ch.finish
+                        )
+                        for i, ch in enumerate(self.choices)
+                    ],
+                    usage,
+                )
+            )
+        return encode(
+            ChatCompletion(
+                ctx.id,
+                "chat.completion",
+                ctx.created,
+                ctx.model,
+                [
+                    ChatChoice(
+                        i,
+                        AssistantMessage("assistant", "".join(ch.texts)),
+                        chat_logprobs(ctx, ch) if lp else None,
+                        ch.finish,
+                    )
+                    for i, ch in enumerate(self.choices)
+                ],
+                usage,
+            )
+        )
 
 
 def render_models(models: list[tuple[str, int, int, str]], created: int) -> bytes:
     """OpenAI's model list; weir adds each model's context, its workers ready
     now and its state (loading / ready / unloading: models at run time)."""
-    return encode({
-        "object": "list",
-        "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "weir", "max_model_len": max_len,
-             "ready_workers": ready, "state": state}
-            for name, max_len, ready, state in models
-        ],
-    })
+    return encode(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "weir",
+                    "max_model_len": max_len,
+                    "ready_workers": ready,
+                    "state": state,
+                }
+                for name, max_len, ready, state in models
+            ],
+        }
+    )

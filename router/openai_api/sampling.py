@@ -121,17 +121,30 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
             found.append(("response_format", StructuredOutput(json_object=True)))
         elif rf.type == "json_schema":
             if rf.json_schema is None or not _given(rf.json_schema.schema):
-                raise invalid("response_format of type json_schema needs json_schema.schema",
-                              param="response_format.json_schema")
+                raise invalid(
+                    "response_format of type json_schema needs json_schema.schema", param="response_format.json_schema"
+                )
             found.append(("response_format", StructuredOutput(json=_raw_text(rf.json_schema.schema))))
         else:
-            raise invalid(f"response_format type {rf.type!r} is not supported (text, json_object, json_schema)",
-                          param="response_format.type", code=Code.UNSUPPORTED_VALUE)
+            raise invalid(
+                f"response_format type {rf.type!r} is not supported (text, json_object, json_schema)",
+                param="response_format.type",
+                code=Code.UNSUPPORTED_VALUE,
+            )
     so = req.structured_outputs
     if so is not None:
-        found.append(("structured_outputs", StructuredOutput(
-            json=_raw_text(so.json) if _given(so.json) else None, json_object=bool(so.json_object),
-            regex=so.regex, choice=so.choice or [], grammar=so.grammar)))
+        found.append(
+            (
+                "structured_outputs",
+                StructuredOutput(
+                    json=_raw_text(so.json) if _given(so.json) else None,
+                    json_object=bool(so.json_object),
+                    regex=so.regex,
+                    choice=so.choice or [],
+                    grammar=so.grammar,
+                ),
+            )
+        )
     if _given(req.guided_json):
         found.append(("guided_json", StructuredOutput(json=_raw_text(req.guided_json))))
     if req.guided_regex is not None:
@@ -143,13 +156,16 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
     if not found:
         return None
     if len(found) > 1:
-        raise invalid(f"Only one structured-output constraint per request; got {', '.join(n for n, _ in found)}",
-                      param=found[1][0])
+        raise invalid(
+            f"Only one structured-output constraint per request; got {', '.join(n for n, _ in found)}",
+            param=found[1][0],
+        )
     return found[0][1]
 
 
-def common_fields(req: SamplingFields, meta: RequestMeta,
-                  logprobs: int | None = None) -> tuple[SamplingParams | None, TaskType, str | None]:
+def common_fields(
+    req: SamplingFields, meta: RequestMeta, logprobs: int | None = None
+) -> tuple[SamplingParams | None, TaskType, str | None]:
     """The shared fields as the wire has them: sampling params (None when all
     are defaults), the task type and the requested priority class."""
     if req.stream_options is not None and not req.stream:

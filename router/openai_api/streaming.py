@@ -48,8 +48,16 @@ class StreamRenderer:
 
     def _choice_event(self, body: bytes, finish_reason: str | None) -> bytes:
         fr = b"null" if finish_reason is None else encode(finish_reason)
-        return (self._pre + b'[{"index":0,' + body + b',"logprobs":null,"finish_reason":' + fr + b"}]"
-                + self._usage_null + b"}\n\n")
+        return (
+            self._pre
+            + b'[{"index":0,'
+            + body
+            + b',"logprobs":null,"finish_reason":'
+            + fr
+            + b"}]"
+            + self._usage_null
+            + b"}\n\n"
+        )
 
     def render(self, deltas: list[Delta]) -> bytes:
         """SSE events for one batch; after the request's last Delta they end
@@ -96,8 +104,20 @@ class StreamRenderer:
 
     def _event(self, index: int, body: bytes, logprobs: bytes | None, finish_reason: str | None) -> bytes:
         fr = b"null" if finish_reason is None else encode(finish_reason)
-        return (self._pre + b'[{"index":' + str(index).encode() + b"," + body + b',"logprobs":'
-                + (logprobs or b"null") + b',"finish_reason":' + fr + b"}]" + self._usage_null + b"}\n\n")
+        return (
+            self._pre
+            + b'[{"index":'
+            + str(index).encode()
+            + b","
+            + body
+            + b',"logprobs":'
+            + (logprobs or b"null")
+            + b',"finish_reason":'
+            + fr
+            + b"}]"
+            + self._usage_null
+            + b"}\n\n"
+        )
 
     def _render_rich(self, deltas: list[Delta], choices: list[ChoiceState]) -> bytes:
         """The general path: events per choice (index), logprobs, echo."""

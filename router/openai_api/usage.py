@@ -22,8 +22,7 @@ class Usage(msgspec.Struct, gc=False):
 
 
 def usage_of(prompt: int, completion: int, cached: int) -> Usage:
-    return Usage(prompt, completion, prompt + completion,
-                 PromptTokensDetails(cached) if cached else _NO_DETAILS)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached) if cached else _NO_DETAILS)
 
 
 class TokenCounts:

@@ -11,7 +11,7 @@ protection only -- is hit (class queue per model, tenant's queued total)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 from router.estimate import kv_cost
 from router.policy.jobs import JobTable
@@ -27,9 +27,17 @@ from shared.protocol import TaskType
 
 
 class Admission:
-    def __init__(self, cfg: SchedulerConfig, classes: list[ClassConfig], jobs: JobTable, ledger: Ledger,
-                 order: QueueOrder, placement: ScoredPlacement, waits: WaitModel,
-                 counters: dict[str, int]) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        classes: list[ClassConfig],
+        jobs: JobTable,
+        ledger: Ledger,
+        order: QueueOrder,
+        placement: ScoredPlacement,
+        waits: WaitModel,
+        counters: dict[str, int],
+    ) -> None:
         self.cfg = cfg
         self.classes = classes
         self.rank = {c.name: i for i, c in enumerate(classes)}
@@ -49,7 +57,7 @@ class Admission:
         total = max(1, job.prompt_tokens) + max(0, job.max_tokens)
         return SHORT if total <= self.cfg.short_threshold_tokens else LONG
 
-    def submit(self, job: Job, now: float, requeue: bool) -> Optional[Refusal]:
+    def submit(self, job: Job, now: float, requeue: bool) -> Refusal | None:
         """``Policy.submit`` for a job the policy does not hold."""
         self.counters["requeued" if requeue else "submitted"] += 1
         rank = self.rank.get(job.klass, self.n_classes - 1)  # unknown class: the lowest
@@ -69,29 +77,29 @@ class Admission:
         total = prompt + max(0, job.max_tokens)
         for w in eligible:  # can any worker ever hold it? (usually the first one says yes)
             spec = w.spec
-            if total <= spec.max_model_len and kv_cost(prompt, job.max_tokens, spec.block_size, job.n,
-                                                       spec.shares_prompt) <= w.budget:
+            if (
+                total <= spec.max_model_len
+                and kv_cost(prompt, job.max_tokens, spec.block_size, job.n, spec.shares_prompt) <= w.budget
+            ):
                 break
         else:
             if eligible:  # (a requeued job may wait for a worker that can)
                 self.counters["rejected_context_length"] += 1
                 max_len = max(w.spec.max_model_len for w in eligible)
-                facts: dict[str, Any] = {"prompt": prompt, "completion": job.max_tokens, "max_len": max_len,
-                                         "n": job.n}
+                facts: dict[str, Any] = {"prompt": prompt, "completion": job.max_tokens, "max_len": max_len, "n": job.n}
                 if total <= max_len:  # fits the context, not any worker's KV budget
                     facts["kv_tokens"] = max(w.budget for w in eligible)
-                return Refusal(Code.CONTEXT_LENGTH, None, facts,
-                               "n" if job.n > 1 and total <= max_len else "messages")
+                return Refusal(Code.CONTEXT_LENGTH, None, facts, "n" if job.n > 1 and total <= max_len else "messages")
         # Hard count bounds: memory protection only (a queued request costs
         # the router ~1 KB, bench/README.md), far above what the wait bound admits.
         if m.queues.class_count[rank] >= self.classes[rank].max_queue:
             self.counters["rejected_queue_full"] += 1
-            return Refusal(Code.QUEUE_FULL, self.waits.retry_after(m, rank, total, now),
-                           {"klass": self.classes[rank].name})
+            return Refusal(
+                Code.QUEUE_FULL, self.waits.retry_after(m, rank, total, now), {"klass": self.classes[rank].name}
+            )
         if self.jobs.tenant_count.get(job.tenant, 0) >= self.cfg.max_queue_per_tenant:
             self.counters["rejected_tenant_queue_full"] += 1
-            return Refusal(Code.TENANT_QUEUE_FULL, self.waits.retry_after(m, rank, total, now),
-                           {"tenant": job.tenant})
+            return Refusal(Code.TENANT_QUEUE_FULL, self.waits.retry_after(m, rank, total, now), {"tenant": job.tenant})
         jobs = self.jobs
         jobs.seq += 1
         e = Entry(job, rank, size, jobs.seq)
@@ -109,7 +117,8 @@ class Admission:
         key = self.order.key(rank, size)
         q = m.queues.by_key.get(key)
         if q is None:
-            q = m.queues.by_key[key] = TenantQueue(rank, size, self.cfg.short_threshold_tokens,
-                                                   by_tenant=self.order.by_tenant)
+            q = m.queues.by_key[key] = TenantQueue(
+                rank, size, self.cfg.short_threshold_tokens, by_tenant=self.order.by_tenant
+            )
         jobs.enqueue(m, q, e, now)
         return None

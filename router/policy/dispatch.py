@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Optional
 
 from router.policy.jobs import JobTable
 from router.policy.model import ModelState
@@ -28,9 +27,18 @@ from shared.errors import Code, Refusal
 
 
 class Dispatcher:
-    def __init__(self, cfg: SchedulerConfig, classes: list[ClassConfig], jobs: JobTable, ledger: Ledger,
-                 order: QueueOrder, placement: ScoredPlacement, waits: WaitModel, prefix: PrefixIndex,
-                 counters: dict[str, int]) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        classes: list[ClassConfig],
+        jobs: JobTable,
+        ledger: Ledger,
+        order: QueueOrder,
+        placement: ScoredPlacement,
+        waits: WaitModel,
+        prefix: PrefixIndex,
+        counters: dict[str, int],
+    ) -> None:
         self.cfg = cfg
         self.classes = classes
         self.jobs = jobs
@@ -105,8 +113,9 @@ class Dispatcher:
                 if target is not None:
                     reserved.add(target)
 
-    def _dispatch(self, m: ModelState, q: TenantQueue, e: Entry, w: WorkerState, cost: int, now: float,
-                  actions: list[Action]) -> None:
+    def _dispatch(
+        self, m: ModelState, q: TenantQueue, e: Entry, w: WorkerState, cost: int, now: float, actions: list[Action]
+    ) -> None:
         q.pop(e)
         q.last_dispatch = now
         job = e.job
@@ -149,9 +158,20 @@ class Dispatcher:
         self.jobs.drop_queued(m, e, now)
         self.counters["expired_queue_deadline"] += 1
         retry = self.waits.retry_after(m, e.rank, 0, now)
-        actions.append(RejectJob(job.job_id, Refusal(Code.QUEUE_DEADLINE, retry, {
-            "waited": now - job.arrival, "klass": self.classes[e.rank].name,
-            "deadline": self.classes[e.rank].queue_deadline_s})))
+        actions.append(
+            RejectJob(
+                job.job_id,
+                Refusal(
+                    Code.QUEUE_DEADLINE,
+                    retry,
+                    {
+                        "waited": now - job.arrival,
+                        "klass": self.classes[e.rank].name,
+                        "deadline": self.classes[e.rank].queue_deadline_s,
+                    },
+                ),
+            )
+        )
 
     def _expire_running(self, now: float, actions: list[Action]) -> None:
         h = self.deadlines
@@ -163,11 +183,16 @@ class Dispatcher:
             wid = e.worker
             self.ledger.release(e, now, count_rate=False)
             self.counters["aborted_generation_deadline"] += 1
-            actions.append(AbortJob(job_id, wid or "", Refusal(
-                Code.GENERATION_DEADLINE, None, {"deadline": self.cfg.generation_deadline_s})))
+            actions.append(
+                AbortJob(
+                    job_id,
+                    wid or "",
+                    Refusal(Code.GENERATION_DEADLINE, None, {"deadline": self.cfg.generation_deadline_s}),
+                )
+            )
 
-    def next_wakeup(self, now: float) -> Optional[float]:
-        t: Optional[float] = None
+    def next_wakeup(self, now: float) -> float | None:
+        t: float | None = None
         h = self.deadlines
         while h:
             deadline, seq, job_id = h[0]
@@ -198,4 +223,3 @@ class Dispatcher:
                         if due_at > now and (t is None or due_at < t):
                             t = due_at
         return t
-

@@ -5,7 +5,7 @@ ledger and the dispatch loop -- and answers the router's lookups."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any
 
 from router.gpu_gate import gpu_block
 from router.policy.admission import Admission
@@ -31,12 +31,23 @@ class Policy:
         self.classes = list(cfg.classes)
         self.n_classes = len(self.classes)
         self.counters: dict[str, int] = {
-            "submitted": 0, "requeued": 0, "dispatched": 0, "finished": 0, "released": 0,
-            "rejected_no_worker": 0, "rejected_context_length": 0, "rejected_queue_full": 0,
-            "rejected_tenant_queue_full": 0, "rejected_predicted_wait": 0,
-            "rejected_tenant_share": 0, "expired_queue_deadline": 0,
-            "aborted_generation_deadline": 0, "lost_with_worker": 0, "backfilled": 0,
-            "aged_dispatches": 0, "refused_by_worker": 0,
+            "submitted": 0,
+            "requeued": 0,
+            "dispatched": 0,
+            "finished": 0,
+            "released": 0,
+            "rejected_no_worker": 0,
+            "rejected_context_length": 0,
+            "rejected_queue_full": 0,
+            "rejected_tenant_queue_full": 0,
+            "rejected_predicted_wait": 0,
+            "rejected_tenant_share": 0,
+            "expired_queue_deadline": 0,
+            "aborted_generation_deadline": 0,
+            "lost_with_worker": 0,
+            "backfilled": 0,
+            "aged_dispatches": 0,
+            "refused_by_worker": 0,
         }
         self.prefix = PrefixIndex(cfg.prefix_index_max_blocks, cfg.prefix_speculative_ttl_s)
         # The strategies, chosen once: the order queued work is served in, and where it runs.
@@ -45,10 +56,20 @@ class Policy:
         self.jobs = JobTable()
         self.ledger = Ledger(cfg, self.n_classes, self.jobs.entries, self.counters)
         self.waits = WaitModel(self.classes, self.order, self.counters)
-        self.admission = Admission(cfg, self.classes, self.jobs, self.ledger, self.order, self.placement,
-                                   self.waits, self.counters)
-        self.dispatcher = Dispatcher(cfg, self.classes, self.jobs, self.ledger, self.order, self.placement,
-                                     self.waits, self.prefix, self.counters)
+        self.admission = Admission(
+            cfg, self.classes, self.jobs, self.ledger, self.order, self.placement, self.waits, self.counters
+        )
+        self.dispatcher = Dispatcher(
+            cfg,
+            self.classes,
+            self.jobs,
+            self.ledger,
+            self.order,
+            self.placement,
+            self.waits,
+            self.prefix,
+            self.counters,
+        )
         # The tables, shared with the parts above (read by the router's views and the tests).
         self.models = self.ledger.models
         self.workers = self.ledger.workers
@@ -74,13 +95,20 @@ class Policy:
         lost = self.remove_worker(spec.worker_id, now) if spec.worker_id in self.workers else []
         self.ledger.add_worker(spec, now)
         if spec.prefix_hash:
-            self.prefix.add_worker(spec.worker_id, spec.model, spec.prefix_hash, spec.block_size,
-                                   spec.prefix_hash_seed)
+            self.prefix.add_worker(spec.worker_id, spec.model, spec.prefix_hash, spec.block_size, spec.prefix_hash_seed)
         return lost
 
-    def update_worker(self, worker_id: str, now: float, *, healthy: bool = True,
-                      gpu_used_bytes: Optional[int] = None, gpu: Optional[GpuInfo] = None,
-                      other_tokens: Optional[int] = None, other_seqs: Optional[int] = None) -> None:
+    def update_worker(
+        self,
+        worker_id: str,
+        now: float,
+        *,
+        healthy: bool = True,
+        gpu_used_bytes: int | None = None,
+        gpu: GpuInfo | None = None,
+        other_tokens: int | None = None,
+        other_seqs: int | None = None,
+    ) -> None:
         """A worker's news.  ``other_*``: KV tokens and sequences it holds for
         other routers (several routers over one fleet: README, Scaling out)."""
         w = self.workers.get(worker_id)
@@ -104,7 +132,7 @@ class Policy:
 
     # ------------------------------------------------------------ jobs
 
-    def submit(self, job: Job, now: float, *, requeue: bool = False) -> Optional[Refusal]:
+    def submit(self, job: Job, now: float, *, requeue: bool = False) -> Refusal | None:
         """Queue a job, or say now why not (a code and its facts).
 
         ``requeue``: a job admitted before whose worker went (it may have
@@ -125,7 +153,7 @@ class Policy:
         jobs, which ``next_wakeup`` already times: callers may skip it."""
         return self.dispatcher.has_queued()
 
-    def next_wakeup(self, now: float) -> Optional[float]:
+    def next_wakeup(self, now: float) -> float | None:
         """When ``schedule`` has something to do next without news (None: nothing)."""
         return self.dispatcher.next_wakeup(now)
 
@@ -180,7 +208,7 @@ class Policy:
 
     # ------------------------------------------------------------ lookups
 
-    def worker_of(self, job_id: str) -> Optional[str]:
+    def worker_of(self, job_id: str) -> str | None:
         """The worker a job runs on (None: queued, ended or unknown)."""
         e = self.entries.get(job_id)
         return e.worker if e is not None and e.state == RUNNING else None
@@ -207,18 +235,31 @@ class Policy:
     def queued_by_model(self) -> dict[tuple[str, str], int]:
         """Queued requests per (model, pool), all classes: what an autoscaler of
         a model's workers reads (router/ops_metrics.py)."""
-        return {(m.name, SIZE_NAMES[size]): sum(c[size] for c in m.totals.size_count)
-                for m in self.models.values() for size in (SHORT, LONG)}
+        return {
+            (m.name, SIZE_NAMES[size]): sum(c[size] for c in m.totals.size_count)
+            for m in self.models.values()
+            for size in (SHORT, LONG)
+        }
 
     def snapshot(self, now: float) -> dict[str, Any]:
         gpu_ok = self.placement.gpu_ok
-        workers = [{
-            "id": w.spec.worker_id, "model": w.spec.model, "pool": POOL_NAMES.get(w.spec.pool, "any"),
-            "healthy": w.healthy and gpu_ok(w), "capacity_tokens": w.spec.capacity_tokens,
-            "budget_tokens": w.budget, "reserved_tokens": w.reserved, "running": len(w.running),
-            "max_num_seqs": w.spec.max_num_seqs, "gpu_block": w.gpu_block,
-            "other_routers_tokens": w.other_tokens, "other_routers_seqs": w.other_seqs,
-        } for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)]
+        workers = [
+            {
+                "id": w.spec.worker_id,
+                "model": w.spec.model,
+                "pool": POOL_NAMES.get(w.spec.pool, "any"),
+                "healthy": w.healthy and gpu_ok(w),
+                "capacity_tokens": w.spec.capacity_tokens,
+                "budget_tokens": w.budget,
+                "reserved_tokens": w.reserved,
+                "running": len(w.running),
+                "max_num_seqs": w.spec.max_num_seqs,
+                "gpu_block": w.gpu_block,
+                "other_routers_tokens": w.other_tokens,
+                "other_routers_seqs": w.other_seqs,
+            }
+            for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)
+        ]
         # O(classes x models): /metrics reads this at every scrape, also with 100,000 queued
         queues = []
         for r in range(self.n_classes):
@@ -233,18 +274,23 @@ class Policy:
                     e = m.queues.oldest(r, size)
                     if e is not None and (oldest is None or e.job.arrival < oldest):
                         oldest = e.job.arrival
-                queues.append({
-                    "class": self.classes[r].name, "pool": SIZE_NAMES[size], "queued": n,
-                    "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
-                    # |actual - predicted| queue wait of the class's last dispatches
-                    "wait_error_p50_s": _pct(samples, 50), "wait_error_p90_s": _pct(samples, 90),
-                    "wait_samples": len(samples), "by_model": by_model,
-                })
-        return {"workers": workers, "queues": queues, "counters": dict(self.counters),
-                "policy": self.cfg.policy}
+                queues.append(
+                    {
+                        "class": self.classes[r].name,
+                        "pool": SIZE_NAMES[size],
+                        "queued": n,
+                        "oldest_wait_s": 0.0 if oldest is None else max(0.0, now - oldest),
+                        # |actual - predicted| queue wait of the class's last dispatches
+                        "wait_error_p50_s": _pct(samples, 50),
+                        "wait_error_p90_s": _pct(samples, 90),
+                        "wait_samples": len(samples),
+                        "by_model": by_model,
+                    }
+                )
+        return {"workers": workers, "queues": queues, "counters": dict(self.counters), "policy": self.cfg.policy}
 
 
-def _pct(sorted_vals: list[float], q: float) -> Optional[float]:
+def _pct(sorted_vals: list[float], q: float) -> float | None:
     if not sorted_vals:
         return None
     return round(sorted_vals[min(len(sorted_vals) - 1, int(q / 100.0 * len(sorted_vals)))], 4)

@@ -5,8 +5,6 @@ over the queues exact."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from router.policy.model import ModelState
 from router.policy.queues import TenantQueue, insert_by_arrival
 from router.policy.records import DONE, Entry
@@ -34,7 +32,7 @@ class JobTable:
         tenant = e.job.tenant
         self.tenant_count[tenant] = self.tenant_count.get(tenant, 0) + 1
 
-    def unqueue(self, m: Optional[ModelState], e: Entry, now: float) -> None:
+    def unqueue(self, m: ModelState | None, e: Entry, now: float) -> None:
         """``e`` left the queued state (its queue already updated)."""
         if m is not None:
             mq = m.queues
@@ -48,7 +46,7 @@ class JobTable:
         else:
             self.tenant_count.pop(tenant, None)
 
-    def drop_queued(self, m: Optional[ModelState], e: Entry, now: float) -> None:
+    def drop_queued(self, m: ModelState | None, e: Entry, now: float) -> None:
         """A queued ``e`` ended without running (expired, cancelled)."""
         self.entries.pop(e.job.job_id, None)
         e.state = DONE

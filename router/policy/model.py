@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from router.policy.queues import ModelQueues
 from router.policy.records import FreeSlots, WorkerState
 from router.policy.wait_model import AdmissionTotals, CapacityGroup
@@ -21,11 +19,11 @@ class ModelState:
         self.workers: dict[str, WorkerState] = {}
         # per size: the workers a job of that size may ever use (admission's
         # checks); None after a worker came or went
-        self.eligible: Optional[dict[int, list[WorkerState]]] = None
+        self.eligible: dict[int, list[WorkerState]] | None = None
         self.free = FreeSlots()
         # the capacity model's inputs, workers grouped by what they registered
         # with (wait_model.capacity_rate); None after a change
-        self.capacity: Optional[list[CapacityGroup]] = None
+        self.capacity: list[CapacityGroup] | None = None
         self.queues = ModelQueues(n_classes)
         self.totals = AdmissionTotals(n_classes)
 

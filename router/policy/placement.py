@@ -9,8 +9,7 @@ score, chosen once per placement."""
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
-from typing import Callable, Optional
+from collections.abc import Callable, Collection
 
 from router.estimate import kv_cost
 from router.policy.model import ModelState
@@ -64,7 +63,7 @@ class ScoredPlacement:
             return True
         return w.spec.gpu_total_bytes - w.gpu_used >= floor
 
-    def pool_ok(self, w: WorkerState, size: int, m: Optional[ModelState]) -> bool:
+    def pool_ok(self, w: WorkerState, size: int, m: ModelState | None) -> bool:
         """May a job of this size run on this worker?  ``m`` None: ever (at
         submit), else now (the borrow condition is checked)."""
         pool = w.spec.pool
@@ -100,8 +99,9 @@ class ScoredPlacement:
 
     # ------------------------------------------------------------ placement
 
-    def place(self, m: ModelState, e: Entry, exclude: set[str], due: bool,
-              now: float, again: bool = False) -> Optional[Placed]:
+    def place(
+        self, m: ModelState, e: Entry, exclude: set[str], due: bool, now: float, again: bool = False
+    ) -> Placed | None:
         """Best worker that can take ``e`` now and its KV cost there, or None.
 
         Runs once per dispatch and per worker, so the checks of ``gpu_ok``
@@ -122,13 +122,13 @@ class ScoredPlacement:
         cost_shared = False
         cap_of = cap = -1  # the class's seq cap on a worker of cap_of slots, computed once per size
         kv_short = False  # a candidate lacked KV (not a slot): another draw may find one that has it
-        best: Optional[Placed] = None
+        best: Placed | None = None
         best_pref = -1
         best_score = 0.0
         score_of = self.scorer(m)
         candidates, complete = self.candidates(m, size, again)
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
-        cands: Optional[list[Candidate]] = [] if hits else None  # affinity chooses among them
+        cands: list[Candidate] | None = [] if hits else None  # affinity chooses among them
         if hits and not complete:  # a sample: the workers holding the prefix are scored too
             workers = m.workers
             candidates = [*candidates, *(workers[wid] for wid in hits if wid in workers)]
@@ -190,14 +190,15 @@ class ScoredPlacement:
             return self.affine(cands, best_pref, best_score, hits, prompt)
         return best
 
-    def affine(self, cands: list[Candidate], best_pref: int, best_score: float, hits: dict[str, int],
-               prompt: int) -> Optional[Placed]:
+    def affine(
+        self, cands: list[Candidate], best_pref: int, best_score: float, hits: dict[str, int], prompt: int
+    ) -> Placed | None:
         """Prefix affinity, bounded by load: among the candidates of the best
         pool preference within ``prefix_load_margin`` of the least loaded,
         the highest load score + weight x cached fraction of the prompt."""
         floor = best_score - self.cfg.prefix_load_margin
         weight = self.cfg.prefix_affinity_weight
-        best: Optional[Placed] = None
+        best: Placed | None = None
         best_total = 0.0
         for pref, score, w, cost in cands:  # (in worker id order: ties keep the lowest)
             if pref != best_pref or score < floor:
@@ -250,7 +251,7 @@ class ScoredPlacement:
                 i -= len(p)
         return out, False
 
-    def reserve_target(self, m: ModelState, e: Entry, exclude: set[str]) -> Optional[str]:
+    def reserve_target(self, m: ModelState, e: Entry, exclude: set[str]) -> str | None:
         """The worker a due head is waiting for: the eligible one closest to fitting it."""
         job = e.job
         prompt = max(1, job.prompt_tokens)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Optional
 
 from router.policy.records import QUEUED, Entry
 from router.policy.types import LONG, SHORT
@@ -27,8 +26,20 @@ class TenantQueue:
     """One (model, class, size) queue: FIFO per tenant, deficit round robin
     by tokens across tenants.  Entries that left (finish) are skipped lazily."""
 
-    __slots__ = ("rank", "size", "quantum", "by_tenant", "tenants", "active", "deficit", "weight",
-                 "visited", "count", "tokens", "last_dispatch")
+    __slots__ = (
+        "rank",
+        "size",
+        "quantum",
+        "by_tenant",
+        "tenants",
+        "active",
+        "deficit",
+        "weight",
+        "visited",
+        "count",
+        "tokens",
+        "last_dispatch",
+    )
 
     def __init__(self, rank: int, size: int, quantum: int, by_tenant: bool = True) -> None:
         self.rank = rank
@@ -65,7 +76,7 @@ class TenantQueue:
         self.tokens -= e.tokens
         e.queue = None
 
-    def _head(self, t: str) -> Optional[Entry]:
+    def _head(self, t: str) -> Entry | None:
         dq = self.tenants[t]
         while dq and dq[0].state != QUEUED:
             dq.popleft()
@@ -78,7 +89,7 @@ class TenantQueue:
         self.weight.pop(t, None)
         self.visited = False
 
-    def peek(self) -> Optional[Entry]:
+    def peek(self) -> Entry | None:
         """The entry DRR serves next (advances round state; idempotent until pop)."""
         misses = 0
         while self.active:
@@ -98,8 +109,11 @@ class TenantQueue:
             if misses >= len(self.active):
                 # A whole round served nobody: grant the rounds the closest
                 # tenant still needs in one go (exact DRR, bounded work).
-                need = [math.ceil((h.tokens - self.deficit[u]) / (self.quantum * self.weight[u]))
-                        for u in self.active if (h := self._head(u)) is not None]
+                need = [
+                    math.ceil((h.tokens - self.deficit[u]) / (self.quantum * self.weight[u]))
+                    for u in self.active
+                    if (h := self._head(u)) is not None
+                ]
                 rounds = min(need) if need else 0
                 if rounds > 1:
                     for u in self.active:
@@ -145,7 +159,8 @@ class ModelQueues:
         # per (class, size): queued entries by arrival, lazily pruned -- queue
         # deadlines and the oldest wait in O(1) whatever the number of tenants
         self.by_arrival: dict[QueueKey, deque[Entry]] = {
-            (r, s): deque() for r in range(n_classes) for s in (SHORT, LONG)}
+            (r, s): deque() for r in range(n_classes) for s in (SHORT, LONG)
+        }
         self.last_seen = [-math.inf] * n_classes  # last submit per class: which classes are active
 
     def dequeued(self, rank: int) -> None:
@@ -160,7 +175,7 @@ class ModelQueues:
     def long_queued(self) -> int:
         return sum(q.count for (_, size), q in self.by_key.items() if size == LONG)
 
-    def oldest(self, rank: int, size: int) -> Optional[Entry]:
+    def oldest(self, rank: int, size: int) -> Entry | None:
         """The longest-waiting queued entry of (class, size)."""
         index = self.by_arrival[(rank, size)]
         while index and index[0].state != QUEUED:
@@ -191,7 +206,7 @@ class QueueOrder:
         """How many classes, from the top, a job of class ``rank`` waits behind."""
         return rank + 1
 
-    def pick(self, mq: ModelQueues, now: float, skipped: set[QueueKey]) -> Optional[tuple[TenantQueue, bool]]:
+    def pick(self, mq: ModelQueues, now: float, skipped: set[QueueKey]) -> tuple[TenantQueue, bool] | None:
         """The queue to serve next and whether it is due (aged)."""
         raise NotImplementedError
 
@@ -210,7 +225,7 @@ class ClassOrder(QueueOrder):
         self.headroom = max(0.0, min(0.9, cfg.priority_headroom))
         self.promote_after = cfg.aging_bound_s / 2.0
 
-    def pick(self, mq: ModelQueues, now: float, skipped: set[QueueKey]) -> Optional[tuple[TenantQueue, bool]]:
+    def pick(self, mq: ModelQueues, now: float, skipped: set[QueueKey]) -> tuple[TenantQueue, bool] | None:
         promote_after = self.promote_after
         due_best = None
         due_start = 0.0
@@ -274,7 +289,7 @@ class FifoOrder(QueueOrder):
     def classes_ahead(self, rank: int) -> int:
         return self.n_classes  # everything queued is ahead
 
-    def pick(self, mq: ModelQueues, now: float, skipped: set[QueueKey]) -> Optional[tuple[TenantQueue, bool]]:
+    def pick(self, mq: ModelQueues, now: float, skipped: set[QueueKey]) -> tuple[TenantQueue, bool] | None:
         q = mq.by_key.get((0, 0))
         if q is None or q.count == 0 or (0, 0) in skipped:
             return None

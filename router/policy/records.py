@@ -3,7 +3,7 @@ per-pool sets of workers with a free slot."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from router.policy.types import POOL_ANY, POOL_LONG, POOL_SHORT, Job, WorkerSpec
 from shared.config import SchedulerConfig
@@ -31,24 +31,35 @@ class Entry:
         p, mt = job.prompt_tokens, job.max_tokens
         self.tokens = (p if p > 1 else 1) + (mt if mt > 0 else 0) * job.n  # max(1, p) + n * max(0, mt)
         self.state = QUEUED
-        self.worker: Optional[str] = None
+        self.worker: str | None = None
         self.cost = 0  # KV tokens reserved on self.worker
         self.seq = seq
-        self.queue: Optional[TenantQueue] = None
+        self.queue: TenantQueue | None = None
         self.predicted = -1.0  # queue wait predicted at admission (s); -1: none (no bound)
 
 
 class WorkerState:
     """A worker's ledger: its budget, what it holds and whether it may take work."""
 
-    __slots__ = ("spec", "healthy", "gpu_used", "gpu_block", "reserved", "running", "budget", "slots",
-                 "other_tokens", "other_seqs", "free_at")
+    __slots__ = (
+        "spec",
+        "healthy",
+        "gpu_used",
+        "gpu_block",
+        "reserved",
+        "running",
+        "budget",
+        "slots",
+        "other_tokens",
+        "other_seqs",
+        "free_at",
+    )
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
         self.spec = spec
         self.healthy = True
-        self.gpu_used: Optional[int] = None
-        self.gpu_block: Optional[str] = None  # router.gpu_gate: why its GPU takes no new work
+        self.gpu_used: int | None = None
+        self.gpu_block: str | None = None  # router.gpu_gate: why its GPU takes no new work
         self.reserved = 0
         self.running: dict[str, int] = {}  # job id -> reserved KV tokens
         self.budget = cfg.kv_budget(spec.capacity_tokens)

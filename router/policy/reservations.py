@@ -19,8 +19,9 @@ from shared.config import SchedulerConfig
 class Ledger:
     """The workers by id, and each model's records by name (made on first use)."""
 
-    def __init__(self, cfg: SchedulerConfig, n_classes: int, entries: dict[str, Entry],
-                 counters: dict[str, int]) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, n_classes: int, entries: dict[str, Entry], counters: dict[str, int]
+    ) -> None:
         self.cfg = cfg
         self.n_classes = n_classes
         self.models: dict[str, ModelState] = {}

@@ -3,8 +3,9 @@ given, the actions it returns, and the constants its decisions use."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple
 
 from shared.config import SimEngineConfig
 from shared.errors import Refusal
@@ -58,8 +59,8 @@ class WorkerSpec:
     # Seconds of one engine step with a full batch (max_num_seqs running), for
     # the wait prediction before anything was measured.  None: the sim
     # calibration, DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S x max_num_seqs.
-    step_time_s: Optional[float] = None
-    request_overhead_s: Optional[float] = None  # engine time per new request; None: DEFAULT_REQUEST_S
+    step_time_s: float | None = None
+    request_overhead_s: float | None = None  # engine time per new request; None: DEFAULT_REQUEST_S
     shares_prompt: bool = False  # prefix caching: n sequences hold one prompt (estimate.kv_cost)
     prefix_hash: str = ""  # its engine's block hash scheme (Register.prefix_hash); "": cache-blind
     prefix_hash_seed: str = ""
@@ -111,4 +112,4 @@ class AbortJob(NamedTuple):
     error: Refusal  # ran past the generation deadline; ledger already released
 
 
-Action = Union[DispatchJob, RejectJob, AbortJob]
+Action = DispatchJob | RejectJob | AbortJob

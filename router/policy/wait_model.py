@@ -10,12 +10,19 @@ fleet, less the inflow of higher classes."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from router.policy.queues import QueueOrder
 from router.policy.records import Entry
-from router.policy.types import (DEFAULT_PREFILL_TOKEN_S, MAX_RETRY_S, MIN_RETRY_S, NO_WORKER_RETRY_S, PRIOR_JOBS,
-                                 PRIOR_S, RATE_TAU_S)
+from router.policy.types import (
+    DEFAULT_PREFILL_TOKEN_S,
+    MAX_RETRY_S,
+    MIN_RETRY_S,
+    NO_WORKER_RETRY_S,
+    PRIOR_JOBS,
+    PRIOR_S,
+    RATE_TAU_S,
+)
 from shared.config import ClassConfig
 from shared.errors import Code, Refusal
 
@@ -44,7 +51,7 @@ class RateMeter:
         self.tokens = 0.0  # decayed tokens released while backlogged
         self.jobs = 0.0  # decayed count of those releases
         self.window = 0.0  # decayed seconds of backlog
-        self.t: Optional[float] = None
+        self.t: float | None = None
         self.busy = False
 
     def _decay(self, now: float) -> tuple[float, float, float]:
@@ -83,8 +90,8 @@ class Flow:
 
     def __init__(self) -> None:
         self.value = 0.0
-        self.t: Optional[float] = None
-        self.t0: Optional[float] = None
+        self.t: float | None = None
+        self.t0: float | None = None
 
     def add(self, now: float, tokens: float) -> None:
         if self.t is None:
@@ -104,8 +111,18 @@ class Flow:
 class AdmissionTotals:
     """What admission predicts from, kept up to date in O(1) per event (``account``)."""
 
-    __slots__ = ("queued", "size_count", "tokens", "decode", "tenants", "wsum", "fronts", "fronts_cap",
-                 "inflow", "meter")
+    __slots__ = (
+        "queued",
+        "size_count",
+        "tokens",
+        "decode",
+        "tenants",
+        "wsum",
+        "fronts",
+        "fronts_cap",
+        "inflow",
+        "meter",
+    )
 
     def __init__(self, n_classes: int) -> None:
         self.queued = 0  # queued entries, all classes
@@ -122,7 +139,7 @@ class AdmissionTotals:
         self.inflow = [Flow() for _ in range(n_classes)]  # per class: admitted tokens/s
         self.meter = RateMeter(RATE_TAU_S)
 
-    def account(self, e: Entry, sign: int, now: Optional[float]) -> None:
+    def account(self, e: Entry, sign: int, now: float | None) -> None:
         """``e`` entered (+1) or left (-1) the queued state: the totals, and
         whether the model is backlogged (None: a re-pricing)."""
         r = e.rank
@@ -233,7 +250,7 @@ class WaitModel:
     def _ahead_all(self, m: ModelState, e: Entry) -> tuple[float, float, float]:
         return float(sum(m.totals.tokens)), float(e.tokens), 0.0
 
-    def admit(self, m: ModelState, e: Entry, bound: float, now: float) -> Optional[Refusal]:
+    def admit(self, m: ModelState, e: Entry, bound: float, now: float) -> Refusal | None:
         """Admit ``e`` (recording its predicted wait) or refuse it with a Retry-After."""
         job = e.job
         t = m.totals
@@ -245,7 +262,7 @@ class WaitModel:
             # Higher classes that keep arriving go ahead of this job while it
             # waits: it drains at what they leave, W = ahead / (rate - inflow).
             # (At least 5 % of the rate: aging keeps every class moving.)
-            inflow = sum(f.rate(now) for f in t.inflow[:e.rank])
+            inflow = sum(f.rate(now) for f in t.inflow[: e.rank])
             rate = max(0.05 * rate, rate - inflow)
         wait = ahead / rate
         if wait <= bound:
@@ -273,8 +290,9 @@ class WaitModel:
         if w_others > 0 and mine > share * fits and others < (1.0 - share) * fits:
             # over its share while the others are not: this tenant, not the class, is full
             self.counters["rejected_tenant_share"] += 1
-            return Refusal(Code.TENANT_SHARE_EXCEEDED, retry,
-                           {"tenant": job.tenant, "klass": name, "wait": wait, "bound": bound})
+            return Refusal(
+                Code.TENANT_SHARE_EXCEEDED, retry, {"tenant": job.tenant, "klass": name, "wait": wait, "bound": bound}
+            )
         self.counters["rejected_predicted_wait"] += 1
         return Refusal(Code.QUEUE_WAIT_EXCEEDED, retry, {"klass": name, "wait": wait, "bound": bound})
 
