@@ -127,7 +127,9 @@ class SimEngine(EngineBase):
     # -- the step loop, as callbacks --------------------------------------------
 
     def _begin(self) -> None:
-        self._deadline = self._loop.time()  # an idle engine starts its next step now
+        loop = self._loop
+        assert loop is not None  # scheduled on it by _start
+        self._deadline = loop.time()  # an idle engine starts its next step now
         self._next_step()
 
     def _next_step(self) -> None:
@@ -144,6 +146,7 @@ class SimEngine(EngineBase):
         # rounds to 1 ms) averages out instead of accumulating; if the loop
         # fell far behind, restart the schedule rather than burst to catch up.
         loop = self._loop
+        assert loop is not None  # set by start(), before any step
         now = loop.time()
         if now - self._deadline > _MAX_LAG_S:
             self._deadline = now

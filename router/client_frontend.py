@@ -71,8 +71,7 @@ class ClientFrontend(RouterPlane):
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
         self.core: Admission  # set by serve(), before the socket can deliver anything
         self.clients: dict[bytes, dict[str, int]] = {}  # identity -> client request id -> handle
-        # (Outbox types its destinations as any Hashable; this one's are identities)
-        self.outbox = Outbox(loop, self._flush_to)  # type: ignore[arg-type]
+        self.outbox = Outbox(loop, self._flush_to)
 
     def serve(self, core: Admission) -> None:
         self.core = core

@@ -45,6 +45,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -378,7 +379,9 @@ class RouterCore:
         else:
             m.child(m.requests, j.model, j.who.klass, outcome).inc()
             if error is None:
-                j.mx.e2e.observe(now - j.arrival)
+                mx = j.mx
+                assert mx is not None  # set once queued
+                mx.e2e.observe(now - j.arrival)
         if self._log_requests:
             log_end(j, outcome, error, now)
         if self.policy.has_queued():  # only queued work can use what this freed
@@ -423,6 +426,7 @@ class RouterCore:
 
     def _dispatch(self, j: JobRecord, action: DispatchJob, now: float) -> None:
         req = j.request
+        assert req is not None  # set once queued
         req.priority = action.priority
         req.kv_tokens = self.policy.cost_of(j.job_id)  # what the worker's own ledger admits it on
         if not self.workers.dispatch(action.worker_id, req):
@@ -450,8 +454,10 @@ class RouterCore:
         model (even while none is left) up to its queue deadline."""
         if not self.registry.serves(j.model):  # unloading: no worker of it will come back
             return self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(j.model))
+        req = j.request
+        assert req is not None  # it was queued before
         job = self._policy_job(
-            j, j.model, j.attempt_prompt_tokens, j.request.params.max_tokens, j.queued_since, j.block_hashes
+            j, j.model, j.attempt_prompt_tokens, req.params.max_tokens, j.queued_since, j.block_hashes
         )
         refusal = self.policy.submit(job, now, requeue=True)
         if refusal is not None:
@@ -471,7 +477,9 @@ class RouterCore:
                 deltas=[p.Delta(j.job_id, finish_reason="length", prompt_tokens=j.prompt_tokens, completion_tokens=n)],
             )
             return
-        sp = j.request.params
+        req = j.request
+        assert req is not None  # it ran
+        sp = req.params
         if sp.n > 1 or sp.structured is not None or (j.prompt_ids and len(j.generated) != n):
             # Not continued: n choices interleave in one stream, a grammar's
             # state is not in the tokens, ids missing would not be exact.
@@ -482,7 +490,7 @@ class RouterCore:
         ids = j.prompt_ids + j.generated if j.prompt_ids else []
         params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
         j.request = p.GenerateRequest(
-            j.job_id, ids, j.attempt_prompt_tokens, params, trace_id=j.trace, block_hashes=j.request.block_hashes
+            j.job_id, ids, j.attempt_prompt_tokens, params, trace_id=j.trace, block_hashes=req.block_hashes
         )
         j.done_before = n
         j.resumes += 1
@@ -675,11 +683,13 @@ class RouterCore:
         else:
             new_tokens, prompt_tokens = d.num_tokens, d.prompt_tokens
         if new_tokens:
+            mx = j.mx
+            assert mx is not None  # it runs on worker_id: it was queued
             if not j.first_token_at:
                 j.first_token_at = now
-                j.mx.ttft.observe(now - j.arrival)
+                mx.ttft.observe(now - j.arrival)
             j.completion_tokens += new_tokens
-            j.mx.tokens.inc(new_tokens)
+            mx.tokens.inc(new_tokens)
         if j.engine_prompt(prompt_tokens):
             # The router counted the prompt itself; an engine that disagrees
             # (e.g. one that adds tokens) is believed, and the ledger re-priced.
@@ -697,6 +707,7 @@ class RouterCore:
         if d.error is not None:
             self._end(j, label(d.error), error=d.error, deltas=group)
         else:
+            assert d.finish_reason is not None  # d.finished, without an error
             self._end(j, d.finish_reason, deltas=group)
 
     # ------------------------------------------------------------ models at run time (router.model_registry)
@@ -771,13 +782,13 @@ class RouterCore:
     def live_jobs(self) -> int:
         return len(self.jobs)
 
-    def scheduler_snapshot(self) -> dict:
+    def scheduler_snapshot(self) -> dict[str, Any]:
         """The policy's workers, queues and counters now (a fresh dict)."""
         return self.policy.snapshot(self.clock())
 
     def queued_by_model(self) -> dict[tuple[str, str], int]:
         return self.policy.queued_by_model()
 
-    def tenants(self) -> dict:
+    def tenants(self) -> dict[str, Any]:
         """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
         return self.quota.snapshot()

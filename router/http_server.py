@@ -30,7 +30,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import httptools
 
@@ -96,7 +96,9 @@ def _request_id(value: bytes | None) -> str | None:
 class _Request:
     __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid")
 
-    def __init__(self, method: bytes, path: bytes, headers: dict, body: bytes, keep_alive: bool, http11: bool):
+    def __init__(
+        self, method: bytes, path: bytes, headers: dict[bytes, bytes], body: bytes, keep_alive: bool, http11: bool
+    ):
         self.method = method
         self.path = path
         self.headers = headers
@@ -182,7 +184,10 @@ class Exchange:
         self.done = False
         self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/quota.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
-        self.extra = b"x-request-id: %b\r\n" % req.rid.encode()  # + headers learnt from the core (x-weir-model)
+        rid = req.rid
+        assert rid is not None  # _generate gave it one
+        self.extra = b"x-request-id: %b\r\n" % rid.encode()  # + headers learnt from the core (x-weir-model)
+        self.renderer: api.StreamRenderer | None  # None: a whole (non-streamed) response
         if ctx.stream:
             self.renderer = api.StreamRenderer(ctx)
             self.out: list[bytes] = []  # SSE bytes of this turn, written by flush()
@@ -204,8 +209,9 @@ class Exchange:
         if deltas[0].ratelimit is not None:
             self.rl = ratelimit_headers(deltas[0].ratelimit)
         try:
-            if self.renderer is not None:
-                self._stream(deltas)
+            renderer = self.renderer
+            if renderer is not None:
+                self._stream(deltas, renderer)
             else:
                 self._accumulate(deltas)
         except Exception:  # a bug here must not escape into the core's loop
@@ -223,7 +229,7 @@ class Exchange:
 
     def _accumulate(self, deltas: list[Delta]) -> None:
         counts = self.counts
-        if type(counts) is api.Accumulator:
+        if isinstance(counts, api.Accumulator):
             counts.add(deltas)
             last = deltas[-1]
             if last.error is not None:
@@ -251,7 +257,7 @@ class Exchange:
             )
             self.conn.respond(self.req, 200, _JSON, body, self.label, self.extra + self.rl)
 
-    def _stream(self, deltas: list[Delta]) -> None:
+    def _stream(self, deltas: list[Delta], renderer: api.StreamRenderer) -> None:
         if not self.started:
             last = deltas[-1]
             if last.error is not None and not any(d.text for d in deltas):
@@ -262,11 +268,11 @@ class Exchange:
                 )
                 return
             self.started = True
-        payload = self.renderer.render(deltas)
+        payload = renderer.render(deltas)
         if payload:
             self.out.append(payload)
             self.out_bytes += len(payload)
-        if self.renderer.finished:
+        if renderer.finished:
             self.done = True
         if self.out_bytes >= STREAM_FLUSH_BYTES:
             self.flush()
@@ -281,12 +287,15 @@ class Exchange:
         if conn.closed or self.ended:
             return  # gone or aborted (the core was told already), or already complete
         try:
+            transport = conn.transport
             req = self.req
             out = self.out
             payload = out[0] if len(out) == 1 else b"".join(out)
             out.clear()
             self.out_bytes = 0
-            finished = self.renderer.finished
+            renderer = self.renderer
+            assert renderer is not None  # only a stream is flushed
+            finished = renderer.finished
             self.ended = finished
             if self.head_unsent:
                 self.head_unsent = False
@@ -310,13 +319,13 @@ class Exchange:
             else:
                 data = head + payload
             if data:
-                conn.transport.write(data)
+                transport.write(data)
             if finished:
                 conn.response_complete(req, 200, self.label, req.keep_alive and req.http11)
-            elif conn.write_paused and conn.transport.get_write_buffer_size() > conn.ingress.max_buffered_bytes:
+            elif conn.write_paused and transport.get_write_buffer_size() > conn.ingress.max_buffered_bytes:
                 log.warning(
                     "client too slow for its stream (%d bytes unsent); cancelling %s",
-                    conn.transport.get_write_buffer_size(),
+                    transport.get_write_buffer_size(),
                     self.ctx.id,
                 )
                 conn.abort(self, STATUS_CLIENT_GONE)
@@ -333,14 +342,15 @@ class HttpConnection(asyncio.Protocol):
     def __init__(self, ingress: _Ingress):
         self.ingress = ingress
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
+        # set by connection_made, before any data_received: every use below comes after it
+        self.transport: asyncio.Transport
         self.closed = False  # closing or closed: write nothing more
         self.dead_input = False  # parse error seen: ignore further bytes
         self.write_paused = False
         self.reading_paused = False
         self.current: Exchange | None = None  # generation whose response is in progress
         self.busy = False  # a response is in progress (generation or not)
-        self.pending: deque = deque()
+        self.pending: deque[_Request | ErrorInfo] = deque()  # requests, or an input error to answer
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
         self._body: list[bytes] = []
@@ -351,8 +361,9 @@ class HttpConnection(asyncio.Protocol):
 
     # ---------------------------------------------------------- asyncio
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (a stream server's transport: asyncio.Protocol's signature is BaseProtocol's)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self.dead_input or self.closed:
@@ -485,7 +496,12 @@ class HttpConnection(asyncio.Protocol):
             if not self.busy and not self.closed:
                 self.respond_error(req, error(Code.INTERNAL, "Internal error"), label)
 
-    def _generate(self, req: _Request, label: str, parse: Callable) -> None:
+    def _generate(
+        self,
+        req: _Request,
+        label: str,
+        parse: Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext]],
+    ) -> None:
         meta = api.meta_from_headers(
             req.header(b"authorization"),
             req.header(b"x-api-key"),

@@ -114,8 +114,7 @@ class WorkerLink(RouterPlane):
         self.clock = clock
         self.workers: dict[str, LinkedWorker] = {}  # by worker id (== DEALER identity)
         self.events: WorkerEvents  # set by serve(), before the socket can deliver anything
-        # (Outbox types its destinations as any Hashable; this one's are identities)
-        self._outbox = Outbox(loop, self._flush_to)  # type: ignore[arg-type]
+        self._outbox = Outbox(loop, self._flush_to)
         self._last_tick = clock()  # when the heartbeat timer last ran
 
     def serve(self, events: WorkerEvents) -> None:
