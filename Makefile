@@ -11,7 +11,8 @@ MODEL := models/tiny-llama/config.json
 run: setup
 	$(VENV)/bin/weir up $(if $(CONFIG),--config $(CONFIG))
 
-test: setup
+# Static checks first (seconds), then every tier: what CI runs.
+test: setup lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The unit and in-process tiers without the slow tests (tests/conftest.py): seconds, no processes.
