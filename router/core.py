@@ -6,7 +6,7 @@ ZeroMQ clients, the frontend ROUTER socket) and ``router.http_server``
 (OpenAI HTTP) -- own their sockets and call in; it calls out only through
 its ports (router.ports): a ``WorkerPort`` to reach workers and a
 ``RequestSink`` per request.  So it runs in-process under test with fakes
-(router.fakes, tests/test_lifecycle.py), and ``router/__main__.py`` wires
+(router.fakes, tests/inproc/test_lifecycle.py), and ``router/__main__.py`` wires
 the real ones.
 
 State, each piece with one owner:
