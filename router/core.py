@@ -742,7 +742,7 @@ class RouterCore:
         return "ready" if m is not None and any(w.healthy for w in m.workers.values()) else "loading"
 
     # ---- queries for the views
-    # What router.views and router.operator read (their Protocols declare it):
+    # What router.views and router.operator_actions read (their Protocols declare it):
     # values and copies, so that nothing outside reaches into the core's state.
 
     def served_models(self) -> list[ModelConfig]:
