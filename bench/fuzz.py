@@ -1,6 +1,6 @@
 """Hostile input for a running stack: generators and the checks every case must pass.
 
-Shared by the suite (tests/test_fuzz.py, a few hundred cases per target in
+Shared by the suite (tests/e2e/test_fuzz.py, a few hundred cases per target in
 seconds) and the long run (``python -m bench.scenarios.fuzz``, 10,000+ per
 target).  Targets:
 

@@ -5,7 +5,7 @@
 
 The worker is ``$POD_NAME`` (it registers under it: --instance-id), the
 config ``$WEIR_CONFIG``; the router is the host of the worker's
-``router.backend`` on ``router.http``'s port (deploy/k8s.py renders both).
+``router.backend`` on ``router.http``'s port (deploy/k8s_objects.py renders both).
 Standard library only: a probe runs every 10 s in every worker pod.
 """
 

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="weir TOML config (default: $WEIR_CONFIG or deploy/weir.toml)")
     ap.add_argument("--worker-id", required=True, help="a [[workers]] id from the config")
     # Kubernetes: every pod of a StatefulSet runs one [[workers]] entry's
-    # settings under its own pod name (deploy/k8s.py), so replicas differ.
+    # settings under its own pod name (deploy/k8s_objects.py), so replicas differ.
     ap.add_argument("--instance-id", help="register under this id instead (default: --worker-id)")
     args = ap.parse_args(argv)
 

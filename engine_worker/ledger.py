@@ -16,7 +16,7 @@ Pure: no I/O, no clock.  The worker process (engine_worker.worker) calls
 abort nobody is told of), ``drop`` when it loses a router, and reports
 ``others(router)`` in that router's heartbeats so each router's view
 converges on the worker's.  Property-tested over interleavings of K routers
-(tests/test_arbitration_properties.py).
+(tests/unit/test_arbitration_properties.py).
 """
 
 from __future__ import annotations

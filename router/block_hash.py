@@ -11,8 +11,9 @@ with ``H`` = sha256 of the pickled tuple ("sha256", vLLM's default) or of its
 canonical CBOR ("sha256_cbor"), and the seed PYTHONHASHSEED or the fixed
 "vllm-none-hash".  The same few lines here (no vLLM import: the router stays
 light) give the hashes its KV events carry, which a test checks against the
-real engine (tests/test_prefix_exact.py).  ``extra_keys`` are None unless a
-request has a LoRA, multimodal input, prompt embeddings or a ``cache_salt``;
+real engine (tests/e2e/test_engine_vllm.py::
+test_router_block_hashes_equal_the_engines_kv_events).  ``extra_keys`` are
+None unless a request has a LoRA, multimodal input, prompt embeddings or a ``cache_salt``;
 weir sends none of these, so every block's extra keys are None -- the
 hasher takes a first-block key anyway (vLLM puts ``("cache_salt", salt)``
 there), tested against vLLM's own function.

@@ -6,7 +6,7 @@ ZeroMQ clients, the frontend ROUTER socket) and ``router.http_server``
 (OpenAI HTTP) -- own their sockets and call in; it calls out only through
 its ports (router.ports): a ``WorkerPort`` to reach workers and a
 ``RequestSink`` per request.  So it runs in-process under test with fakes
-(router.fakes, tests/test_lifecycle.py), and ``router/__main__.py`` wires
+(router.fakes, tests/inproc/test_lifecycle.py), and ``router/__main__.py`` wires
 the real ones.
 
 State, each piece with one owner:
@@ -753,7 +753,7 @@ class RouterCore:
         return "ready" if m is not None and any(w.healthy for w in m.workers.values()) else "loading"
 
     # ---- queries for the views
-    # What router.views and router.operator read (their Protocols declare it):
+    # What router.views and router.operator_actions read (their Protocols declare it):
     # values and copies, so that nothing outside reaches into the core's state.
 
     def served_models(self) -> list[ModelConfig]:

@@ -1,5 +1,5 @@
 """Whether a worker's GPU may take new work: a pure check the policy consults
-on each heartbeat's NVML reading (router/policy.py ``update_worker``).
+on each heartbeat's NVML reading (router/policy/facade.py ``Policy.update_worker``).
 
 A GPU over ``gpu_max_temperature_c`` or with more than
 ``gpu_max_memory_fraction`` of its memory used gets no new work until a later

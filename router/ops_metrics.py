@@ -2,7 +2,7 @@
 
 ``weir_queue_depth`` is per class and pool over all models; a model's
 StatefulSet is scaled on its own demand, so this adds the per-model view
-(deploy/k8s.py's ScaledObjects, deploy/prometheus/ rules), and each worker's
+(deploy/k8s_scaling.py's ScaledObjects, deploy/prometheus/ rules), and each worker's
 drain state, which "draining too long" alerts on.  Nothing here is touched
 on the request path.
 """

@@ -3,7 +3,7 @@
 For a model with a tokenizer (``tokenizer.json`` in its directory) the
 router renders chat messages with the model's chat template, as vLLM's
 renderer does, and tokenizes exactly; the worker gets the token ids and
-never tokenizes again (tests/test_engine_vllm.py checks the ids equal
+never tokenizes again (tests/e2e/test_engine_vllm.py checks the ids equal
 vLLM's own rendering).  For a model without one (the simulated engine) it
 counts UTF-8 bytes / 4 plus a per-message template overhead, and the worker
 uses that count as the prompt's length.

@@ -185,7 +185,7 @@ class ModelConfig(_Cfg):
 
 class SimEngineConfig(_Cfg):
     """Parameters of the simulated continuous-batching engine (see
-    simulation/core.py).  Calibrated against vLLM on the tiny model:
+    engine_worker/sim_model.py).  Calibrated against vLLM on the tiny model:
     see that module's docstring."""
 
     kv_capacity_tokens: int = 65536
@@ -196,7 +196,7 @@ class SimEngineConfig(_Cfg):
     max_prefill_tokens: int = 2048  # chunked-prefill budget per step
     zero_cost: bool = False  # no sleeping at all: measures pure dataplane overhead
     admit_request_us: float = 1100.0  # per request newly admitted in the step (frontend/tokenizer work)
-    # A prefix cache after vLLM's (simulation/core.py): prompt blocks named by
+    # A prefix cache after vLLM's (engine_worker/sim_model.py): prompt blocks named by
     # the router's hashes (GenerateRequest.block_hashes) stay cached after
     # their request ends, LRU-evicted when blocks run out; cached tokens skip
     # prefill; the engine reports them as vLLM's KV events do.
@@ -231,7 +231,7 @@ class WorkerConfig(_Cfg):
 class ClassConfig(_Cfg):
     name: str
     # A request is queued only if its predicted queue wait (work queued ahead
-    # of it over the measured drain rate: router/policy.py) is within this
+    # of it over the measured drain rate: router/policy/wait_model.py) is within this
     # bound; else 429 at once, Retry-After = when to come back.  None: the
     # class's queue_deadline_s.  <= 0 (or no deadline): no wait bound.
     max_predicted_wait_s: float | None = None
@@ -262,14 +262,14 @@ class SchedulerConfig(_Cfg):
     gpu_max_memory_fraction: float = 0.0
     # Queued requests per tenant, all classes; beyond -> 429 tenant_queue_full.
     # Memory protection only: fairness between tenants is the wait bound's
-    # weighted share (router/policy.py), and a tenant alone may use all of it.
+    # weighted share (router/policy/wait_model.py), and a tenant alone may use all of it.
     max_queue_per_tenant: int = 200_000
     generation_deadline_s: float = 600.0
     backfill: bool = True
     # Class headroom: class rank r of K may fill a worker's KV budget and seq
     # slots only up to 1 - priority_headroom * (r - top)/(K-1), top = highest
     # class active within aging_bound_s, so higher classes start at once under
-    # overload (router/policy.py).  0.2: measured in simulation/des.py.
+    # overload (router/policy/placement.py).  0.2: measured in simulation/des.py.
     priority_headroom: float = 0.2
     # Jobs a worker may hold beyond its engine's max_num_seqs.  0: every
     # waiting job waits here, under this policy.  k > 0: up to k wait inside

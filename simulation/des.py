@@ -108,7 +108,7 @@ def simulate(cfg: SchedulerConfig, workers: list[SimWorker], workload: Workload,
 
 
 # ------------------------------------------------------------------ scenarios
-# Shared by tests/test_des.py and ``python -m simulation.des``.
+# Shared by tests/unit/test_des.py and ``python -m simulation.des``.
 
 SHORT = Kind("short", 0.8, prompt=(32, 256), max_tokens=(8, 64))
 LONG = Kind("long", 0.2, prompt=(1024, 3072), max_tokens=(128, 512))

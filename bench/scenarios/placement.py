@@ -1,6 +1,6 @@
 """Policy cost per request against fleet size and queue length (pure, in-process).
 
-The router's scheduling policy (router/policy.py) with W workers of 64
+The router's scheduling policy (router/policy/) with W workers of 64
 slots and 64k KV tokens each, fed 20,000 jobs of three classes and 50
 tenants (prompts 32-512 tokens, max_tokens 16-256), a scheduling pass after
 each submit, as the router runs it.  Two shapes:
@@ -13,10 +13,11 @@ each submit, as the router runs it.  Two shapes:
   before each; Q = 1,000, 10,000, 100,000.
 
 Reports microseconds per request (submit + scheduling pass + its share of
-finishes), best of ``--repeat`` runs.  ``--policy FILE`` measures another
-copy of router/policy.py (e.g. ``git show REV:router/policy.py > old.py``)
-for a before/after.  Target (issue 10): <= 25 us at 1,024 workers and at
-100,000 queued.
+finishes), best of ``--repeat`` runs.  ``--policy FILE`` measures a
+single-file policy module instead (e.g. ``git show REV:router/policy.py >
+old.py`` at a revision where the policy was one file) for a before/after;
+without it, the router/policy/ package.  Target: <= 25 us at 1,024 workers
+and at 100,000 queued.
 
     python -m bench.scenarios.placement [--jobs 20000] [--repeat 3] [--policy old.py]
 """
