@@ -314,7 +314,7 @@ class _StateCollector:
                         g.add_metric([w["id"], w["model"]], float(v))
         decisions = CounterMetricFamily(
             "weir_policy_decisions",
-            "Scheduling policy decisions, by kind (router/policy.py Policy.counters)",
+            "Scheduling policy decisions, by kind (router.policy: Policy.counters)",
             labels=["decision"],
         )
         for name, n in sorted(snap.get("counters", {}).items()):
