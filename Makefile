@@ -5,6 +5,7 @@ VENV := .venv
 ENGINE ?= cpu
 STAMP := $(VENV)/.weir-installed-$(ENGINE)
 MODEL := models/tiny-llama/config.json
+EMBED_MODEL := models/tiny-embed/config.json
 
 .PHONY: run test lint setup render-envoy render-k8s redis prometheus tmux
 
@@ -17,7 +18,7 @@ test: setup lint
 
 # The unit and in-process tiers without the slow tests (tests/conftest.py): seconds, no processes.
 .PHONY: test-fast
-test-fast: $(STAMP) $(MODEL)
+test-fast: $(STAMP) $(MODEL) $(EMBED_MODEL)
 	$(VENV)/bin/pytest -m "not slow" tests/unit tests/inproc $(PYTEST_ARGS)
 
 # Static checks (configured in pyproject.toml): lint, formatting, and types (strict on shared/ and router/).
@@ -27,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
-setup: $(STAMP) $(MODEL) redis prometheus tmux
+setup: $(STAMP) $(MODEL) $(EMBED_MODEL) redis prometheus tmux
 
 # The Redis quota store's tests run a real redis-server on a loopback port:
 # Debian's package, installed when missing (root, or sudo).
@@ -65,6 +66,10 @@ endif
 
 $(MODEL): | $(STAMP)
 	$(VENV)/bin/python -m deploy.make_model models/tiny-llama
+
+# The tiny embedding model (a pooling LlamaModel) that `make run` serves on /v1/embeddings.
+$(EMBED_MODEL): | $(STAMP)
+	$(VENV)/bin/python -m deploy.make_model --embed models/tiny-embed
 
 render-envoy: setup
 	$(VENV)/bin/weir render-envoy > envoy/envoy.yaml

@@ -117,7 +117,9 @@ def _target(obj: dict) -> dict:
 
 def _make_model_init(cfg: Config, image: str) -> dict:
     paths = " && ".join(
-        f"python -m deploy.make_model {MODELS_DIR}/{dns_name(m.name)}" for m in cfg.models if m.engine == "vllm"
+        f"python -m deploy.make_model {'--embed ' if m.task == 'embed' else ''}{MODELS_DIR}/{dns_name(m.name)}"
+        for m in cfg.models
+        if m.engine == "vllm"
     )
     return {
         "name": "make-model",

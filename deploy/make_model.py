@@ -1,9 +1,15 @@
-"""Build the tiny random-weight Llama that the default stack serves on CPU.
+"""Build the tiny random-weight models that the default stack serves on CPU.
 
-No model can be downloaded here, so we make one: a ~512-token byte-level BPE
+No model can be downloaded here, so we make them: a ~512-token byte-level BPE
 trained on a small built-in corpus, and a 2-layer Llama with head_dim 64 (the
 CPU attention backend supports 32/64/80/...).  Deterministic (seeded), ~1 MB,
 a few seconds.  Its output is gibberish; its shapes and costs are real.
+
+``--embed`` builds the embedding model instead (``models/tiny-embed``): the
+same tokenizer and layers saved as a bare ``LlamaModel`` (no LM head), which
+vLLM serves as a pooling model (last-token pooling, normalized: vLLM's
+defaults for a decoder used for embeddings), marked Matryoshka so that
+``dimensions`` may shorten its 128-wide vectors.
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ Paris is the capital of France. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
 )
 
 
-def build(out_dir: str) -> Path:
+def build(out_dir: str, *, embed: bool = False) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, PreTrainedTokenizerFast
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -65,11 +71,17 @@ def build(out_dir: str) -> Path:
         tie_word_embeddings=True,
         torch_dtype="bfloat16",
     )
+    if embed:
+        cfg.is_matryoshka = True  # vLLM: `dimensions` may take its first 1..128 values
+        LlamaModel(cfg).to(torch.bfloat16).save_pretrained(out)  # architectures: ["LlamaModel"]
+        return out
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
     return out
 
 
 if __name__ == "__main__":
-    path = build(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-llama")
-    print(f"tiny model written to {path}")
+    args = [a for a in sys.argv[1:] if a != "--embed"]
+    embed = "--embed" in sys.argv[1:]
+    path = build(args[0] if args else ("models/tiny-embed" if embed else "models/tiny-llama"), embed=embed)
+    print(f"tiny {'embedding ' if embed else ''}model written to {path}")

@@ -48,6 +48,7 @@ class EngineInfo:
     prefix_hash_seed: str = ""
     kv_events_endpoint: str = ""  # vLLM: its KV event publisher (engine_worker.vllm_events)
     kv_events_replay: str = ""
+    embeds: bool = False  # a pooling model: it serves embedding requests (GenerateRequest.embed) only
 
 
 class Live:
@@ -186,6 +187,22 @@ class EngineBase:
             d.prompt_tokens, d.cached_tokens = live.prompt_tokens, live.cached
         live.sent = True
         live.emit(d)
+
+    def _embedded(self, rid: str, live: Live, vector: bytes, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        """An embedding request's one Delta: its vector (``Delta.embedding``), finished."""
+        if self._live.get(rid) is not live:
+            return  # aborted (or failed) meanwhile: its final Delta went already
+        del self._live[rid]
+        self.finished_total += 1
+        live.emit(
+            Delta(
+                rid,
+                finish_reason="stop",
+                prompt_tokens=prompt_tokens or live.prompt_tokens,
+                cached_tokens=cached_tokens,
+                embedding=vector,
+            )
+        )
 
     def _fail(self, rid: str, live: Live, err: ErrorInfo) -> None:
         """End a live request with an error instead of output."""

@@ -12,12 +12,22 @@ Parameters that only choose *which* token comes (temperature, top_p,
 top_k, min_p, penalties, seed) do not change its output's length or cost
 and are accepted, as temperature always was; min_tokens holds trivially
 (it always generates max_tokens).
+
+A sim model with ``task = "embed"`` answers embedding requests instead:
+each costs its prefill and one step (the calibrated cost of a prompt
+through the engine), and its vector is a placeholder -- SIM_EMBEDDING_SIZE
+values, deterministic per prompt (seeded by its length and block hashes),
+unit length, truncated to ``dimensions`` and normalized again as vLLM
+does for Matryoshka models.  It means nothing; its size and cost are real.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
+import struct
 
 from shared.config import SimEngineConfig
 from shared.protocol import GenerateRequest, SamplingParams, WorkerStats
@@ -29,6 +39,18 @@ log = logging.getLogger(__name__)
 
 SIM_TOKEN_TEXT = " tok"
 SIM_TOKEN_ID = 0
+SIM_EMBEDDING_SIZE = 64  # (router.embedding_model.SIM_EMBEDDING_SIZE: the width the router checks against)
+
+
+def sim_vector(prompt_tokens: int, block_hashes: list[int], dimensions: int = 0) -> bytes:
+    """The placeholder embedding of a prompt: float32 little-endian, unit length."""
+    seed = hashlib.sha256(struct.pack("<q", prompt_tokens) + b"".join(h.to_bytes(8, "little") for h in block_hashes))
+    raw = (seed.digest() * (SIM_EMBEDDING_SIZE // 32 + 1))[:SIM_EMBEDDING_SIZE]
+    values = [b / 127.5 - 1.0 for b in raw][: dimensions or SIM_EMBEDDING_SIZE]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return struct.pack(f"<{len(values)}f", *(v / norm for v in values))
+
+
 _MAX_LAG_S = 0.02
 
 
@@ -57,8 +79,10 @@ def refusal(p: SamplingParams):
 class SimEngine(EngineBase):
     name = "sim"
 
-    def __init__(self, cfg: SimEngineConfig, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, cfg: SimEngineConfig, max_num_seqs: int, max_model_len: int, *, embeds: bool = False) -> None:
         super().__init__()
+        self.embeds = embeds  # an embedding model: embedding requests only
+        self._vectors: dict[str, bytes] = {}  # embedding requests running: their vector, sent when the step ends
         self.cfg = cfg
         self.core = SimCore(cfg, max_num_seqs, max_model_len)
         self.max_num_seqs = max_num_seqs
@@ -89,17 +113,29 @@ class SimEngine(EngineBase):
             request_overhead_s=request_s,
             prefix_caching=caching,
             prefix_hash="sim" if caching else "",
+            embeds=self.embeds,
         )
 
     def _start(self, req: GenerateRequest, live: Live) -> None:
         rid = req.request_id
         refused = refusal(req.params)
+        if refused is None and req.embed != self.embeds:
+            refused = bad_request(
+                "This simulated model serves embeddings only."
+                if self.embeds
+                else "This simulated model embeds nothing."
+            )
         if refused is not None:
             self._fail(rid, live, refused)
             return
+        prompt, max_tokens = max(1, req.prompt_tokens), req.params.max_tokens
+        if req.embed:  # its prefill and one step (a prompt of the whole context is priced one token short)
+            self._vectors[rid] = sim_vector(req.prompt_tokens, req.block_hashes, req.dimensions)
+            prompt, max_tokens = min(prompt, self.max_model_len - 1), 1
         try:
-            self.core.add(rid, max(1, req.prompt_tokens), req.params.max_tokens, req.priority, req.block_hashes)
+            self.core.add(rid, prompt, max_tokens, req.priority, req.block_hashes)
         except ValueError as e:
+            self._vectors.pop(rid, None)
             self._fail(rid, live, bad_request(str(e)))
             return
         if self._handle is None and self.fatal_error is None and self._loop is not None:
@@ -107,6 +143,7 @@ class SimEngine(EngineBase):
 
     def _stop(self, rid: str, live: Live) -> None:
         self.core.abort(rid)
+        self._vectors.pop(rid, None)
 
     def stats(self) -> WorkerStats:
         c = self.core
@@ -170,7 +207,12 @@ class SimEngine(EngineBase):
             cached = result.cached
             for rid, n, finish in result.outputs:
                 live = live_map.get(rid)
-                if live is not None:  # else: aborted while the step "ran"
+                if live is not None and rid in self._vectors:  # an embedding: its one step is done
+                    if finish is not None:
+                        self._embedded(
+                            rid, live, self._vectors.pop(rid), live.prompt_tokens, cached.get(rid, 0) if cached else 0
+                        )
+                elif live is not None:  # else: aborted while the step "ran"
                     self._output(
                         rid,
                         live,

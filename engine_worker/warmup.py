@@ -39,7 +39,9 @@ async def warm_up(engine: EngineBase, info: EngineInfo, timeout_s: float) -> flo
     # Small ids exist in every vocabulary; the simulated engine reads only the count.
     ids = [1 + i % 64 for i in range(n)]
     reqs = [GenerateRequest(WARMUP_ID, ids, n, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))]
-    if info.engine == "vllm":
+    if info.embeds:  # an embedding model: one prompt through its pooler instead
+        reqs = [GenerateRequest(WARMUP_ID, ids, n, SamplingParams(), embed=True)]
+    elif info.engine == "vllm":
         reqs.append(
             GenerateRequest(
                 WARMUP_ID + "-sampled",

@@ -88,11 +88,16 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
     if model.engine == "sim":
         from .sim_engine import SimEngine
 
-        return SimEngine(wcfg.sim, wcfg.max_num_seqs, max_model_len)
+        return SimEngine(wcfg.sim, wcfg.max_num_seqs, max_model_len, embeds=model.task == "embed")
     from .vllm_engine import VllmEngine  # imports vLLM: seconds
 
     assert model.path is not None, "config validation: a vllm model has a path"
-    return VllmEngine(
+    engine_class = VllmEngine
+    if model.task == "embed":  # a pooling model: AsyncLLM.encode
+        from .vllm_pooling import VllmPoolingEngine
+
+        engine_class = VllmPoolingEngine
+    return engine_class(
         cfg.resolve(model.path),
         model.name,
         max_model_len=max_model_len,

@@ -32,6 +32,13 @@ def check_shape(sub: p.Submit) -> p.ErrorInfo | None:
         return error(Code.BAD_REQUEST, "messages must be a non-empty list", param="messages")
     if sub.kind == p.RequestKind.COMPLETION and not sub.prompt:
         return error(Code.BAD_REQUEST, "prompt must be a non-empty string", param="prompt")
+    if sub.kind == p.RequestKind.EMBEDDING:
+        if not sub.prompt and not sub.prompt_token_ids:
+            return error(Code.BAD_REQUEST, "input must not be empty", param="input")
+        if sub.prompt and sub.prompt_token_ids:
+            return error(Code.BAD_REQUEST, "input is either text or token ids, not both", param="input")
+    elif sub.prompt_token_ids or sub.dimensions is not None:
+        return error(Code.BAD_REQUEST, "prompt_token_ids and dimensions are for embedding requests", param="input")
     params = sub.params
     if params is not None and params.n > 1 and params.temperature < GREEDY_TEMPERATURE:
         # vLLM refuses it too ("n must be 1 when using greedy sampling"): n copies of one answer
@@ -86,6 +93,16 @@ def resolve_max_tokens(sub: p.Submit, prompt_tokens: int, max_model_len: int) ->
     """The one resolution of how many tokens a request may generate:
     ``Submit.max_tokens``, else the rest of the context.  The prompt plus
     that must fit the context (the error names the numbers)."""
+    if sub.kind == p.RequestKind.EMBEDDING:  # prefill only: nothing is generated
+        if prompt_tokens > max_model_len:
+            return error(
+                Code.CONTEXT_LENGTH,
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_tokens} tokens in the input for embedding generation. Please reduce the length "
+                f"of the input.",
+                param="input",
+            )
+        return 0
     max_tokens = sub.max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - prompt_tokens

@@ -73,6 +73,18 @@ _DEFAULT_PARAMS = p.SamplingParams()
 _FALLBACK_ON = frozenset((Code.NO_WORKER, Code.QUEUE_FULL, Code.QUEUE_WAIT_EXCEEDED, Code.QUEUE_DEADLINE))
 
 
+def _task_mismatch(sub: p.Submit, model: ModelConfig) -> p.ErrorInfo | None:
+    """An embedding request for a generation model, or the reverse: refused before anything is reserved."""
+    embedding = sub.kind == p.RequestKind.EMBEDDING
+    if embedding == (model.task == "embed"):
+        return None
+    if embedding:
+        why = f"The model `{model.name}` is a generation model; it does not serve embeddings."
+    else:
+        why = f"The model `{model.name}` is an embedding model; it serves /v1/embeddings only."
+    return error(Code.BAD_REQUEST, why, param="model")
+
+
 class RouterCore:
     def __init__(
         self,
@@ -137,6 +149,8 @@ class RouterCore:
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)
         model = self.registry.get(sub.model)
+        if err is None and model is not None:
+            err = _task_mismatch(sub, model.config)
         if err is not None or model is None or model.unloading:
             if err is None:
                 err = (
@@ -288,6 +302,8 @@ class RouterCore:
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
         j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=j.trace)
+        if j.sub.kind == p.RequestKind.EMBEDDING:  # prefill only (max_tokens 0); the vector comes back
+            j.request.embed, j.request.dimensions = True, j.sub.dimensions or 0
         if tokens.hashes and not tokens.ids:  # the simulated engine names its cached blocks by them
             j.request.block_hashes = list(tokens.hashes)
         j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens

@@ -35,10 +35,12 @@ from typing import Any, Protocol, cast
 import httptools
 
 from router import openai_api as api
+from router.http_embeddings import EmbeddingBatch, start_embeddings
 from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.http_routes import JSON as _JSON
 from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Views, routes
 from router.metrics import RouterMetrics
+from router.ports import RequestSink
 from shared.errors import Code, error
 from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, Submit
 
@@ -71,7 +73,7 @@ _CHUNK_END = b"0\r\n\r\n"
 class Generation(Protocol):
     """What generation requests need of the router (router.core.RouterCore)."""
 
-    def submit(self, sub: Submit, sink: Exchange) -> int | ErrorInfo: ...
+    def submit(self, sub: Submit, sink: RequestSink) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
@@ -137,6 +139,7 @@ class _Ingress:
         self.routes: dict[bytes, tuple[bytes, Callable[[HttpConnection, _Request, str], None]]] = {
             b"/v1/completions": (b"POST", HttpConnection.completions),
             b"/v1/chat/completions": (b"POST", HttpConnection.chat),
+            b"/v1/embeddings": (b"POST", HttpConnection.embeddings),
             **{path: (r.method, _answering(r.handler)) for path, r in table.exact.items()},
         }
         self.patterns: list[PatternRoute] = table.patterns  # when no path matches: in order
@@ -348,7 +351,7 @@ class HttpConnection(asyncio.Protocol):
         self.dead_input = False  # parse error seen: ignore further bytes
         self.write_paused = False
         self.reading_paused = False
-        self.current: Exchange | None = None  # generation whose response is in progress
+        self.current: Exchange | EmbeddingBatch | None = None  # generation whose response is in progress
         self.busy = False  # a response is in progress (generation or not)
         self.pending: deque[_Request | ErrorInfo] = deque()  # requests, or an input error to answer
         self._url = b""
@@ -394,6 +397,9 @@ class HttpConnection(asyncio.Protocol):
         self.closed = True
         self.pending.clear()
         ex = self.current
+        if isinstance(ex, EmbeddingBatch):
+            self.current = None
+            return ex.client_gone()
         # A stream whose end is rendered but not yet written (flush pending) is
         # finished for the core, yet its client never got it: count it as gone too.
         if ex is not None and (not ex.done or (ex.renderer is not None and ex.queued)):
@@ -545,6 +551,9 @@ class HttpConnection(asyncio.Protocol):
 
     def chat(self, req: _Request, label: str) -> None:
         self._generate(req, label, api.parse_chat)
+
+    def embeddings(self, req: _Request, label: str) -> None:
+        start_embeddings(self, req, label, self.ingress.core)
 
     def answer(self, req: _Request, answer: Answer, label: str) -> None:
         """A route's answer (router.http_routes) as a whole response."""

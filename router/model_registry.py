@@ -44,7 +44,7 @@ def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: BlockHasher | 
     if hasher.algo == SIM:  # the simulated engine's blocks: the text it was counted by
         text = (
             sub.prompt
-            if sub.kind == p.RequestKind.COMPLETION
+            if sub.kind != p.RequestKind.CHAT
             else "".join(m.role + "\n" + m.content + "\n" for m in sub.messages)
         )
         return PromptTokens(ids, count, hasher.text_hashes(text, count))

@@ -41,6 +41,7 @@ from datetime import datetime
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
+from router.embedding_model import dimensions_error, read_shape
 from router.estimate import estimate_chat, estimate_text
 from shared.protocol import RequestKind, StructuredOutput, Submit
 
@@ -194,6 +195,7 @@ class ModelPrompts:
         self._special: dict[str, str] = {}
         self.vocab_size = 0
         self._token_text: TokenText | None = None
+        self.embedding = read_shape(model_dir)  # judged only for embedding requests (``dimensions``)
         if model_dir:
             path = os.path.join(model_dir, "tokenizer.json")
             if os.path.isfile(path):
@@ -229,6 +231,10 @@ class ModelPrompts:
 
     def check(self, sub: Submit) -> None:
         """What the model decides about a request's parameters (BadInput)."""
+        if sub.dimensions is not None:
+            refused = dimensions_error(self.embedding, sub.model, sub.dimensions)
+            if refused is not None:
+                raise BadInput(refused, param="dimensions")
         params = sub.params
         if params is None:
             return
@@ -253,6 +259,11 @@ class ModelPrompts:
 
     def tokenize(self, sub: Submit) -> PromptTokens:
         self.check(sub)
+        if sub.prompt_token_ids:  # an embedding's input as token ids: used as they are
+            ids = sub.prompt_token_ids
+            if self.vocab_size and max(ids) >= self.vocab_size:
+                raise BadInput(f"input has token ids outside the vocabulary (size {self.vocab_size})", param="input")
+            return PromptTokens(list(ids), len(ids))
         tok = self.tokenizer
         if tok is None:
             n = estimate_chat(sub.messages) if sub.kind == RequestKind.CHAT else estimate_text(sub.prompt)

@@ -181,6 +181,10 @@ class ModelConfig(_Cfg):
     # (no worker, queue full, predicted wait over the bound, queue deadline),
     # in order -- only for requests that allow it (``fallback``).
     fallbacks: list[str] = []
+    # "generate": completions and chat; "embed": a pooling model that serves
+    # /v1/embeddings only (vLLM's runner="pooling"; the simulated engine
+    # answers with a deterministic placeholder vector).
+    task: Literal["generate", "embed"] = "generate"
 
 
 class SimEngineConfig(_Cfg):
@@ -407,6 +411,8 @@ def _validate(cfg: Config) -> None:
         for fb in m.fallbacks:
             if fb not in names or fb == m.name:
                 raise ConfigError(f"model {m.name!r}: fallback {fb!r} is not another configured model")
+            if cfg.model(fb).task != m.task:
+                raise ConfigError(f"model {m.name!r}: fallback {fb!r} serves another task ({cfg.model(fb).task})")
     for w in cfg.workers:
         if w.model not in names:
             raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")

@@ -50,6 +50,7 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_fi
 class RequestKind(enum.IntEnum):
     COMPLETION = 0  # prompt is a string
     CHAT = 1  # messages are rendered with the model's chat template
+    EMBEDDING = 2  # prompt (or prompt_token_ids) -> one vector; a pooling model, nothing generated
 
 
 class TaskType(enum.IntEnum):
@@ -213,6 +214,9 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # Prompt tokens the engine found in its prefix cache (vLLM's
     # ``num_cached_tokens``: whole blocks), set with ``prompt_tokens``.
     cached_tokens: int = 0
+    # An embedding request's vector, on its final Delta: float32 little-endian
+    # (``pack_floats``), as the engine computed it (vLLM pools in float32).
+    embedding: bytes = b""
 
     @property
     def finished(self) -> bool:
@@ -239,6 +243,11 @@ def unpack_logprobs(data: bytes) -> array.array[float]:
     return a
 
 
+# Embedding vectors travel the same way (Delta.embedding).
+pack_floats = pack_logprobs
+unpack_floats = unpack_logprobs
+
+
 # ---------------------------------------------------------------- client link
 
 
@@ -261,6 +270,11 @@ class Submit(_Msg, tag=1):
     # The id its log lines (router and worker) carry; HTTP: Envoy's or the
     # client's x-request-id.  None: the router uses its own job id.
     trace_id: TraceId | None = None
+    # EMBEDDING: the input as token ids instead of ``prompt`` (checked against
+    # the model's vocabulary), and the vector's length where the model is
+    # Matryoshka (None: its full width).
+    prompt_token_ids: list[TokenId] = []
+    dimensions: PositiveInt | None = None
 
 
 class Cancel(_Msg, tag=2):
@@ -377,6 +391,11 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # hashes as the router computed them (router.block_hash), the identities
     # of the blocks its modelled prefix cache holds.
     block_hashes: list[BlockHashInt] = []
+    # An embedding (pooling) request: prefill only (``params.max_tokens`` 0);
+    # its final Delta carries the vector (``Delta.embedding``) of
+    # ``dimensions`` values (0: the model's full width).
+    embed: bool = False
+    dimensions: int = 0
 
 
 class Dispatch(_Msg, tag=13):

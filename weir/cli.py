@@ -4,7 +4,7 @@ weir up [--config PATH] [--run-dir DIR]   whole stack in the foreground
 weir render-envoy [--config PATH] [-o FILE] [--validate]
 weir render-k8s [--config PATH] [-o DIR]   Kubernetes manifests (deploy/k8s/)
 weir bench ...                            load generator (bench/cli.py)
-weir make-model [DIR]                     tiny local Llama for CPU runs
+weir make-model [DIR] [--embed]           tiny local Llama (or embedding model) for CPU runs
 weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, printed once
 weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
 weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
@@ -158,7 +158,9 @@ def cmd_stats(args) -> int:
 def cmd_make_model(args) -> int:
     from deploy.make_model import build
 
-    print(f"tiny model written to {build(args.dir)}")
+    embed = args.embed
+    path = build(args.dir or ("models/tiny-embed" if embed else "models/tiny-llama"), embed=embed)
+    print(f"tiny {'embedding ' if embed else ''}model written to {path}")
     return 0
 
 
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)  # refreshes, then exit (tests)
     st.set_defaults(func=cmd_stats)
     mm = sub.add_parser("make-model", help="build the tiny random Llama used on CPU")
-    mm.add_argument("dir", nargs="?", default="models/tiny-llama")
+    mm.add_argument("dir", nargs="?", default=None, help="default: models/tiny-llama (models/tiny-embed with --embed)")
+    mm.add_argument("--embed", action="store_true", help="the tiny embedding (pooling) model instead")
     mm.set_defaults(func=cmd_make_model)
     from weir import keys_cli, models_cli
 

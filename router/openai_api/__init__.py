@@ -46,6 +46,14 @@ from router.openai_api.completions import (
     parse_completion,
 )
 from router.openai_api.context import ResponseContext, new_request_id
+from router.openai_api.embeddings import (
+    MAX_EMBEDDING_INPUTS,
+    EmbeddingContext,
+    EmbeddingList,
+    EmbeddingRequest,
+    parse_embeddings,
+    render_embeddings,
+)
 from router.openai_api.encoding import encode
 from router.openai_api.errors import ErrorBody, ErrorEnvelope, RequestError, error_body, invalid
 from router.openai_api.logprobs import MIN_LOGPROB, chat_logprobs, completion_logprobs, token_id_text
@@ -57,6 +65,12 @@ from router.openai_api.usage import PromptTokensDetails, TokenCounts, Usage
 
 __all__ = [
     "DEFAULT_COMPLETION_MAX_TOKENS",
+    "MAX_EMBEDDING_INPUTS",
+    "EmbeddingContext",
+    "EmbeddingList",
+    "EmbeddingRequest",
+    "parse_embeddings",
+    "render_embeddings",
     "MIN_LOGPROB",
     "SSE_DONE",
     "Accumulator",

@@ -123,7 +123,11 @@ def test_worker_statefulsets_probes_drain_and_grace(cfg):
     objs = k8s.built(cfg)
     groups = {g.name: g for g in k8s.worker_groups(cfg)}
     sets = _by(objs, "StatefulSet")
-    assert {s["metadata"]["name"] for s in sets} == set(groups) == {"weir-worker-tiny-llama", "weir-worker-sim-tiny"}
+    assert {s["metadata"]["name"] for s in sets} == set(groups) == {
+        "weir-worker-tiny-llama",
+        "weir-worker-tiny-embed",
+        "weir-worker-sim-tiny",
+    }
     for s in sets:
         g = groups[s["metadata"]["name"]]
         pod = s["spec"]["template"]["spec"]
