@@ -357,9 +357,10 @@ class Stack:
         comps = list(reversed(self._started))
         for c in comps:
             c.stopping = True
-            # A worker drains on SIGTERM (finishes its requests); with the
-            # whole stack going there is nobody to finish them for: SIGINT.
-            c.signal_group(signal.SIGINT if c.name.startswith("worker:") else signal.SIGTERM)
+            # A worker or router drains on SIGTERM (finishes its requests);
+            # with the whole stack going there is nobody to finish them for:
+            # SIGINT (a router ends what it has with error events).
+            c.signal_group(signal.SIGINT if c.name.startswith(("worker:", "router")) else signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for c in comps:
             if c.proc is None:

@@ -1,0 +1,213 @@
+"""Router drain with real processes: a SIGTERM to a router loses no stream.
+
+Envoy, routers and sim workers on loopback, supervised as ``weir up`` runs
+them.  Each stream is read as raw SSE and classified: complete (every token,
+then ``[DONE]``), ended with an error event (then ``[DONE]``), refused (a
+status with Retry-After before anything was sent), or cut (the body ended
+any other way) -- which must never happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import requests
+from stackutil import SIM_MODEL, sim_worker, write_config
+
+from bench.localconfig import routers
+from deploy.stack import Stack
+
+STREAM_TOKENS = 300
+SIM = {"step_fixed_ms": 5.0, "decode_token_us": 20.0}  # ~1.6 s a 300-token stream
+
+
+def _stack(cfg, tmp_path, said: list[str]) -> Stack:
+    def progress(msg: str) -> None:
+        said.append(msg)
+        print(f"[stack] {msg}", file=sys.stderr)
+
+    return Stack(cfg, tmp_path / "run", progress=progress, supervise=True)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, tokens: int, started: list[int]) -> tuple[str, int]:
+    """One streamed completion: (outcome, tokens seen); outcome is complete,
+    error (an error event then [DONE]), refused (a status before any output) or cut."""
+    body = {"model": SIM_MODEL, "prompt": "tell me a long story", "max_tokens": tokens, "stream": True}
+    n, error, done = 0, False, False
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                ok = r.status_code == 503 and "retry-after" in r.headers
+                return ("refused" if ok else f"status {r.status_code}"), 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    error = event["error"]["code"] == "router_draining"
+                elif event["choices"]:
+                    n += 1
+                    started[0] += 1
+    except httpx.HTTPError:
+        return "cut", n
+    if not done:
+        return "cut", n
+    if error:
+        return "error", n
+    return ("complete" if n == tokens else f"short {n}"), n
+
+
+async def _streams(url: str, n: int, tokens: int, on_started) -> list[str]:
+    started = [0]
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n + 4)) as client:
+        tasks = [asyncio.ensure_future(_stream(client, url, tokens, started)) for _ in range(n)]
+        while started[0] < n * 5 and not all(t.done() for t in tasks):  # every stream going
+            await asyncio.sleep(0.01)
+        on_started()
+        return [outcome for outcome, _ in await asyncio.gather(*tasks)]
+
+
+def _exit_status(said: list[str], name: str, timeout: float = 40.0) -> str | None:
+    """The supervisor's word on how ``name`` exited (it restarts it after)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for msg in said:
+            if msg.startswith(f"{name} exited with status"):
+                return msg.rsplit(" ", 1)[1]
+        time.sleep(0.02)
+    return None
+
+
+def _wait(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class _Trickle:
+    """New non-streamed requests every ``every_s`` on a thread: their statuses."""
+
+    def __init__(self, url: str, every_s: float = 0.05) -> None:
+        self.url, self.every_s = url, every_s
+        self.statuses: list[tuple[int, bool]] = []  # (status, had Retry-After)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        s = requests.Session()
+        body = {"model": SIM_MODEL, "prompt": "hi", "max_tokens": 4}
+        while not self._stop.is_set():
+            try:
+                r = s.post(self.url + "/v1/completions", json=body, timeout=30)
+                self.statuses.append((r.status_code, "retry-after" in r.headers))
+            except requests.RequestException:
+                self.statuses.append((0, False))
+            time.sleep(self.every_s)
+
+    def __enter__(self) -> _Trickle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def test_sigterm_to_the_only_router_lets_every_stream_finish(tmp_path):
+    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", sim=SIM)], router={"heartbeat_interval_s": 0.25})
+    said: list[str] = []
+    with _stack(cfg, tmp_path, said) as stack:
+        router = stack.components["router"]
+        old = router.pid
+        with _Trickle(stack.envoy_url, every_s=0.1) as trickle:
+            outcomes = asyncio.run(
+                _streams(stack.envoy_url, 10, STREAM_TOKENS, lambda: router.signal_group(signal.SIGTERM))
+            )
+            assert _exit_status(said, "router") == "0"
+            assert _wait(lambda: router.pid != old and "sim-a" in stack.registered_at(stack.router_url))
+            assert _wait(lambda: requests.get(stack.envoy_url + "/health", timeout=5).status_code == 200)
+            time.sleep(0.3)
+        assert outcomes == ["complete"] * 10, outcomes
+        # During the gap: served (late) or refused with Retry-After; never a bare failure.
+        assert all(status == 200 or (status == 503 and ra) for status, ra in trickle.statuses), trickle.statuses
+        print(f"\n1 router SIGTERM: {outcomes.count('complete')}/10 complete; gap requests {trickle.statuses}")
+
+
+def test_sigterm_to_one_of_two_routers_under_load_loses_nothing(tmp_path):
+    workers = [sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)]
+    cfg = write_config(tmp_path, routers=routers(2), workers=workers, router={"heartbeat_interval_s": 0.25})
+    said: list[str] = []
+    with _stack(cfg, tmp_path, said) as stack:
+        victim = stack.components["router:1"]
+        host = stack.router_urls[1].removeprefix("http://")
+        t: dict[str, float] = {}
+
+        def sigterm() -> None:
+            t["sigterm"] = time.monotonic()
+            victim.signal_group(signal.SIGTERM)
+
+            def watch() -> None:  # when Envoy's health check takes it out
+                while "out" not in t and time.monotonic() - t["sigterm"] < 10:
+                    body = requests.get(stack.admin_url + "/clusters", timeout=5).text
+                    if f"::{host}::health_flags::/failed_active_hc" in body:
+                        t["out"] = time.monotonic()
+                    time.sleep(0.01)
+
+            threading.Thread(target=watch, daemon=True).start()
+
+        with _Trickle(stack.envoy_url) as trickle:
+            outcomes = asyncio.run(_streams(stack.envoy_url, 20, STREAM_TOKENS, sigterm))
+            assert _exit_status(said, "router:1") == "0"
+        assert outcomes == ["complete"] * 20, outcomes
+        assert trickle.statuses and all(s == 200 for s, _ in trickle.statuses), trickle.statuses
+        out = t.get("out", float("nan")) - t["sigterm"]
+        print(f"\n2 routers, SIGTERM 1: 20/20 complete, {len(trickle.statuses)} new requests all 200; "
+              f"Envoy took the router out {out * 1000:.0f} ms after SIGTERM")
+
+
+def test_a_drain_timeout_shorter_than_the_streams_ends_them_with_an_error_event(tmp_path):
+    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", sim=SIM)],
+                       router={"heartbeat_interval_s": 0.25, "drain_timeout_s": 0.5})
+    said: list[str] = []
+    with _stack(cfg, tmp_path, said) as stack:
+        from shared.client import Client, WeirError
+
+        router = stack.components["router"]
+        zmq_outcome: list[str] = []
+
+        def zmq_stream() -> None:
+            with Client(stack.zmq_frontend) as c:
+                try:
+                    for _ in c.stream(SIM_MODEL, prompt="a long one", max_tokens=3000):
+                        pass
+                    zmq_outcome.append("complete")
+                except WeirError as e:
+                    zmq_outcome.append(e.error.code or "")
+
+        zt = threading.Thread(target=zmq_stream)
+        zt.start()
+        outcomes = asyncio.run(_streams(stack.envoy_url, 6, 3000, lambda: router.signal_group(signal.SIGTERM)))
+        zt.join(timeout=30)
+        assert _exit_status(said, "router") == "0"
+        assert outcomes == ["error"] * 6, outcomes  # an error event and [DONE]: none cut
+        assert zmq_outcome == ["router_draining"]
+        print(f"\ndrain timeout 0.5 s: {outcomes.count('error')}/6 streams ended with an error event, 0 cut")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-s"]))
