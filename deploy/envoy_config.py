@@ -519,6 +519,9 @@ def render_dict(cfg: Config) -> dict:
                 {
                     "name": "weir_http",
                     "address": _address(listen_host, listen_port),
+                    # (Envoy's default on Linux, stated: a restart starts the new Envoy
+                    # on the same port before the old one drains -- deploy/restart.py)
+                    "enable_reuse_port": True,
                     "filter_chains": [chain],
                 }
             ],

@@ -50,9 +50,9 @@ from typing import Any
 import msgspec
 
 from router.admission import Identity, Keys, check_shape, resolve_max_tokens
+from router.drain import draining_error
 from router.jobs import AWAITING_BUDGET, ENDED, QUEUED, RUNNING, JobMetrics, JobRecord, advance, job_id_of, log_end
 from router.metrics import RouterMetrics
-from router.drain import draining_error
 from router.model_registry import ModelRegistry, PromptTokens, tokenize_hashed
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
 from router.ports import RequestSink, WorkerPort

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ from stackutil import SIM_MODEL, sim_worker, write_config
 
 from bench.localconfig import routers
 from deploy.stack import Stack
+from shared.config import load
 
 STREAM_TOKENS = 300
 SIM = {"step_fixed_ms": 5.0, "decode_token_us": 20.0}  # ~1.6 s a 300-token stream
@@ -73,8 +76,9 @@ async def _streams(url: str, n: int, tokens: int, on_started) -> list[str]:
     started = [0]
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n + 4)) as client:
         tasks = [asyncio.ensure_future(_stream(client, url, tokens, started)) for _ in range(n)]
-        while started[0] < n * 5 and not all(t.done() for t in tasks):  # every stream going
-            await asyncio.sleep(0.01)
+        # every stream going (5 tokens in, on average), or all already over
+        while started[0] < n * 5 and not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.01)
         on_started()
         return [outcome for outcome, _ in await asyncio.gather(*tasks)]
 
@@ -207,6 +211,103 @@ def test_a_drain_timeout_shorter_than_the_streams_ends_them_with_an_error_event(
         assert outcomes == ["error"] * 6, outcomes  # an error event and [DONE]: none cut
         assert zmq_outcome == ["router_draining"]
         print(f"\ndrain timeout 0.5 s: {outcomes.count('error')}/6 streams ended with an error event, 0 cut")
+
+
+async def _steady_load(url: str, rps: float, stop: threading.Event) -> list[tuple[float, str, float]]:
+    """A streamed request every 1/rps s until ``stop``: (start, outcome, ttft) each."""
+    out: list[tuple[float, str, float]] = []
+
+    async def one(client: httpx.AsyncClient) -> None:
+        t0 = time.monotonic()
+        body = {"model": SIM_MODEL, "prompt": "hello there", "max_tokens": 20, "stream": True}
+        ttft, n, done = float("nan"), 0, False
+        try:
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    out.append((t0, f"status {r.status_code}", ttft))
+                    return
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: ") and '"choices":[{' in line:
+                        n += 1
+                        if n == 1:
+                            ttft = time.monotonic() - t0
+        except httpx.HTTPError as e:
+            out.append((t0, f"{type(e).__name__}", ttft))
+            return
+        out.append((t0, "complete" if done and n == 20 else f"cut at {n}", ttft))
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        tasks = []
+        while not stop.is_set():
+            tasks.append(asyncio.ensure_future(one(client)))
+            await asyncio.sleep(1 / rps)
+        await asyncio.gather(*tasks)
+    return out
+
+
+def _p99(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x == x)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+
+
+def test_weir_restart_all_under_steady_load_fails_no_request(tmp_path):
+    workers = [sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)]
+    cfg_path = write_config(tmp_path, routers=routers(2), workers=workers, router={"heartbeat_interval_s": 0.25})
+    weir = Path(sys.executable).parent / "weir"
+    up = subprocess.Popen([str(weir), "up", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run")],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert _wait_line(up, "Ctrl-C (or SIGTERM) stops everything.", 60)
+        envoy_url = "http://" + load(cfg_path).envoy.listen
+        stop = threading.Event()
+        marks: dict[str, float] = {}
+
+        def restart_all() -> None:
+            time.sleep(3.0)  # a baseline first
+            marks["start"] = time.monotonic()
+            done = subprocess.run([str(weir), "restart", "all", "--config", str(cfg_path), "--timeout", "120"],
+                                  capture_output=True, text=True)
+            marks["end"] = time.monotonic()
+            marks["rc"] = done.returncode
+            print(done.stdout, done.stderr, file=sys.stderr)
+            time.sleep(1.0)
+            stop.set()
+
+        t = threading.Thread(target=restart_all)
+        t.start()
+        results = asyncio.run(_steady_load(envoy_url, 20, stop))
+        t.join()
+        assert marks["rc"] == 0
+        failed = [r for r in results if r[1] != "complete"]
+        assert not failed, failed
+        before = [ttft for t0, _, ttft in results if t0 < marks["start"]]
+        during = [ttft for t0, _, ttft in results if marks["start"] <= t0 < marks["end"]]
+        print(f"\nweir restart all at 20 req/s: {len(results)} requests, {len(failed)} failed; restart took "
+              f"{marks['end'] - marks['start']:.1f} s; p99 TTFT before {_p99(before) * 1000:.0f} ms, "
+              f"during {_p99(during) * 1000:.0f} ms")
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+
+
+def _wait_line(proc: subprocess.Popen, text: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            return False
+        if text in line:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep it drained
+            return True
+    return False
 
 
 if __name__ == "__main__":
