@@ -174,11 +174,29 @@ def test_sigterm_to_one_of_two_routers_under_load_loses_nothing(tmp_path):
 
             threading.Thread(target=watch, daemon=True).start()
 
+        from shared.client import Client
+
+        # A direct ZeroMQ client that knows both routers, the victim first: it moves on.
+        zmq_done: list[str] = []
+        zmq_stop = threading.Event()
+
+        def zmq_client() -> None:
+            with Client(stack.zmq_frontends[::-1], timeout_s=30) as c:
+                while not zmq_stop.is_set():
+                    zmq_done.append(c.complete(SIM_MODEL, prompt="hi", max_tokens=4).finish_reason or "")
+                    time.sleep(0.05)
+                zmq_done.append(c.address)
+
+        zt = threading.Thread(target=zmq_client)
+        zt.start()
         with _Trickle(stack.envoy_url) as trickle:
             outcomes = asyncio.run(_streams(stack.envoy_url, 20, STREAM_TOKENS, sigterm))
             assert _exit_status(said, "router:1") == "0"
+        zmq_stop.set()
+        zt.join(timeout=30)
         assert outcomes == ["complete"] * 20, outcomes
         assert trickle.statuses and all(s == 200 for s, _ in trickle.statuses), trickle.statuses
+        assert zmq_done[-1] == stack.zmq_frontends[0] and set(zmq_done[:-1]) == {"length"}, zmq_done
         out = t.get("out", float("nan")) - t["sigterm"]
         print(f"\n2 routers, SIGTERM 1: 20/20 complete, {len(trickle.statuses)} new requests all 200; "
               f"Envoy took the router out {out * 1000:.0f} ms after SIGTERM")
