@@ -87,13 +87,16 @@ def restart_routers(stack: Any, say: Callable[[str], None]) -> bool:
     """Each router in turn: drain (SIGTERM), exit 0, restarted, ready, back in Envoy."""
     from deploy.stack import _get
 
+    def restarted(comp: Component, url: str, old: int | None) -> Callable[[], bool]:
+        return lambda: comp.pid != old and _get(url + "/health/ready")[0] == 200
+
     timeout = stack.cfg.router.drain_timeout_s + READY_MARGIN_S
     for name, url in zip(stack.router_names, stack.router_urls, strict=True):
         comp: Component = stack.components[name]
         old = comp.pid
         t0 = time.monotonic()
         comp.signal_group(signal.SIGTERM)
-        back = _wait(lambda c=comp, u=url, o=old: c.pid != o and _get(u + "/health/ready")[0] == 200, timeout)
+        back = _wait(restarted(comp, url, old), timeout)
         back = back and _wait(lambda: stack.envoy_healthy_routers() == len(stack.router_urls), timeout)
         say(
             f"{name} {'drained and back' if back else 'NOT back'} in {time.monotonic() - t0:.1f} s "

@@ -7,7 +7,7 @@ Output goes to ``<run_dir>/<component>.log`` (appended across restarts).
 ``weir up`` and the tests both use this.
 
 Supervision (``supervise=True``, as ``weir up`` runs it): a component that
-exits without being asked -- crash, SIGKILL, a drained worker -- is started
+exits without being asked -- crash, SIGKILL, a drained worker or router -- is started
 again after a back-off that doubles from ``RESTART_BACKOFF_S`` to
 ``RESTART_BACKOFF_MAX_S``; more than ``CRASH_LOOP_RESTARTS`` restarts within
 ``CRASH_LOOP_WINDOW_S`` is a crash loop, and that component is left down

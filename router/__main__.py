@@ -75,9 +75,15 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         left = None if drain.deadline is None else max(0.0, drain.deadline - loop.time())
         return {"ok": True, "draining": True, "jobs": core.live_jobs(), "drain_left_s": left}
 
+    terms = [0]
+
     def on_signal(sig: signal.Signals) -> None:
-        """SIGTERM: drain; a second one, or SIGINT: end now (with error events)."""
-        if sig == signal.SIGTERM and not drain.started:
+        """SIGTERM: drain (also after POST /admin/drain, as a preStop hook may
+        send it: Kubernetes' SIGTERM follows); a second SIGTERM, or SIGINT:
+        end now, each request with an error event."""
+        if sig == signal.SIGTERM:
+            terms[0] += 1
+        if sig == signal.SIGTERM and terms[0] == 1:
             drain.start("SIGTERM")
         else:
             drain.finish_now(sig.name)

@@ -100,7 +100,6 @@ class RouterViews:
             "workers": self.link.worker_count(),
             "uptime_s": round(self.core.uptime_s(), 3),
             "jobs": self.core.live_jobs(),
-            "draining": self.core.draining,
         }
 
     def ready_workers(self) -> dict[str, int]:

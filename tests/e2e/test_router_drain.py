@@ -209,7 +209,6 @@ def test_a_drain_timeout_shorter_than_the_streams_ends_them_with_an_error_event(
     with _stack(cfg, tmp_path, said) as stack:
         from shared.client import Client, WeirError
 
-        router = stack.components["router"]
         zmq_outcome: list[str] = []
 
         def zmq_stream() -> None:
@@ -223,7 +222,11 @@ def test_a_drain_timeout_shorter_than_the_streams_ends_them_with_an_error_event(
 
         zt = threading.Thread(target=zmq_stream)
         zt.start()
-        outcomes = asyncio.run(_streams(stack.envoy_url, 6, 3000, lambda: router.signal_group(signal.SIGTERM)))
+        def drain() -> None:  # the operator's way (SIGTERM's: the tests above)
+            r = requests.post(stack.router_url + "/admin/drain", timeout=5)
+            assert r.status_code == 200 and r.json()["draining"], r.text
+
+        outcomes = asyncio.run(_streams(stack.envoy_url, 6, 3000, drain))
         zt.join(timeout=30)
         assert _exit_status(said, "router") == "0"
         assert outcomes == ["error"] * 6, outcomes  # an error event and [DONE]: none cut
