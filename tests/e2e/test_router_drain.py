@@ -61,7 +61,8 @@ async def _stream(client: httpx.AsyncClient, url: str, tokens: int, started: lis
                 if "error" in event:
                     error = event["error"]["code"] == "router_draining"
                 elif event["choices"]:
-                    n += 1
+                    # (an event may carry several tokens: a worker batches steps when it is behind)
+                    n += event["choices"][0]["text"].count(" tok")
                     started[0] += 1
     except httpx.HTTPError:
         return "cut", n
@@ -241,7 +242,7 @@ async def _steady_load(url: str, rps: float, stop: threading.Event) -> list[tupl
     async def one(client: httpx.AsyncClient) -> None:
         t0 = time.monotonic()
         body = {"model": SIM_MODEL, "prompt": "hello there", "max_tokens": 20, "stream": True}
-        ttft, n, done = float("nan"), 0, False
+        ttft, text, done = float("nan"), [], False
         try:
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 if r.status_code != 200:
@@ -251,14 +252,18 @@ async def _steady_load(url: str, rps: float, stop: threading.Event) -> list[tupl
                 async for line in r.aiter_lines():
                     if line == "data: [DONE]":
                         done = True
-                    elif line.startswith("data: ") and '"choices":[{' in line:
-                        n += 1
-                        if n == 1:
-                            ttft = time.monotonic() - t0
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if event.get("choices"):
+                            if not text:
+                                ttft = time.monotonic() - t0
+                            text.append(event["choices"][0]["text"])
         except httpx.HTTPError as e:
             out.append((t0, f"{type(e).__name__}", ttft))
             return
-        out.append((t0, "complete" if done and n == 20 else f"cut at {n}", ttft))
+        # (an event may carry several tokens: a worker batches steps when it is behind)
+        got = "".join(text)
+        out.append((t0, "complete" if done and got == " tok" * 20 else f"cut: {done=} {got!r}", ttft))
 
     async with httpx.AsyncClient(timeout=60) as client:
         tasks = []
