@@ -33,6 +33,7 @@ HEADER = (
 
 ROUTER_CLUSTER = "router"
 RATE_LIMIT_STAT_PREFIX = "weir_api"  # -> weir_api.http_local_rate_limit.*
+DRAINING_HEADER = "x-weir-draining"  # on a draining router's 503 (router/http_headers.py): retried elsewhere
 RETRY_AFTER_S = 1  # 503s; a 429's Retry-After is Envoy's own, computed from the bucket
 KEY_HEADER = "x-weir-rate-limit-key"  # set by the Lua filter: the request's API key, whichever header held it
 
@@ -274,9 +275,12 @@ def _route(match: dict, idle: str, cfg: Config) -> dict:
     route: dict[str, Any] = {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}
     if cfg.envoy.retries > 0:
         # Only failures before the request reached a router are retried (it
-        # cannot have started there): a router restarting or being replaced.
+        # cannot have started there): a router restarting or being replaced;
+        # and a draining router's 503, which it marks x-weir-draining and
+        # gives only before starting anything (router/drain.py).
         route["retry_policy"] = {
-            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "retry_on": "connect-failure,refused-stream,reset-before-request,retriable-headers",
+            "retriable_headers": [{"name": DRAINING_HEADER, "present_match": True}],
             "num_retries": cfg.envoy.retries,
             "retry_back_off": {
                 "base_interval": _seconds(cfg.envoy.retry_base_s),
@@ -515,6 +519,9 @@ def render_dict(cfg: Config) -> dict:
                 {
                     "name": "weir_http",
                     "address": _address(listen_host, listen_port),
+                    # (Envoy's default on Linux, stated: a restart starts the new Envoy
+                    # on the same port before the old one drains -- deploy/restart.py)
+                    "enable_reuse_port": True,
                     "filter_chains": [chain],
                 }
             ],

@@ -7,7 +7,7 @@ Output goes to ``<run_dir>/<component>.log`` (appended across restarts).
 ``weir up`` and the tests both use this.
 
 Supervision (``supervise=True``, as ``weir up`` runs it): a component that
-exits without being asked -- crash, SIGKILL, a drained worker -- is started
+exits without being asked -- crash, SIGKILL, a drained worker or router -- is started
 again after a back-off that doubles from ``RESTART_BACKOFF_S`` to
 ``RESTART_BACKOFF_MAX_S``; more than ``CRASH_LOOP_RESTARTS`` restarts within
 ``CRASH_LOOP_WINDOW_S`` is a crash loop, and that component is left down
@@ -43,6 +43,7 @@ ROUTER_READY_S = 30.0
 ENVOY_READY_S = 15.0
 WORKER_READY_S = {"sim": 30.0, "vllm": 300.0}  # vLLM takes ~16-25 s on an idle CPU
 STOP_GRACE_S = 10.0
+ENVOY_DRAIN_S = 1  # Envoy's listener drain time on a graceful stop (its default, 600 s, would hold a restart)
 POLL_S = 0.1
 RESTART_BACKOFF_S = 0.2  # a router back in ~1 s: workers re-register within a heartbeat
 RESTART_BACKOFF_MAX_S = 30.0
@@ -180,19 +181,7 @@ class Stack:
             argv = [py, "-m", "engine_worker", "--config", cfg, "--worker-id", wid]
             workers.append(self.spawn(f"worker:{wid}", argv, w.env))
 
-        envoy = self.spawn(
-            "envoy",
-            [
-                envoy_config.envoy_binary(),
-                "-c",
-                str(self.envoy_yaml),
-                "--disable-hot-restart",
-                "--concurrency",
-                str(self.cfg.envoy.concurrency),
-                "-l",
-                self.envoy_log_level,
-            ],
-        )
+        envoy = self.spawn("envoy", self.envoy_argv(self.envoy_yaml))
         self._wait(envoy, ENVOY_READY_S, "not live (admin /ready)", self._envoy_live)
         self._wait_for_workers(workers, t0, also_alive=[*routers, envoy])
         # Envoy's health check asks the router's readiness: it passes once a worker is in.
@@ -210,6 +199,25 @@ class Stack:
                 lambda: self.envoy_healthy_routers() == len(self.router_urls),
             )
         self.progress(f"envoy ready ({time.monotonic() - t0:.1f} s)")
+
+    def envoy_argv(self, yaml_path: Path) -> list[str]:
+        return [
+            envoy_config.envoy_binary(),
+            "-c",
+            str(yaml_path),
+            "--disable-hot-restart",
+            "--concurrency",
+            str(self.cfg.envoy.concurrency),
+            "-l",
+            self.envoy_log_level,
+            # A graceful stop (deploy/restart.py: admin drain_listeners?graceful)
+            # tells every client connection to close at once and stops accepting
+            # after this long; in-flight streams then run to their end.
+            "--drain-time-s",
+            str(ENVOY_DRAIN_S),
+            "--drain-strategy",
+            "immediate",
+        ]
 
     def _wait_for_workers(self, workers: list[Component], t0: float, also_alive: list[Component]) -> None:
         """Until each worker's id shows up in every router's /admin/workers."""
@@ -357,9 +365,10 @@ class Stack:
         comps = list(reversed(self._started))
         for c in comps:
             c.stopping = True
-            # A worker drains on SIGTERM (finishes its requests); with the
-            # whole stack going there is nobody to finish them for: SIGINT.
-            c.signal_group(signal.SIGINT if c.name.startswith("worker:") else signal.SIGTERM)
+            # A worker or router drains on SIGTERM (finishes its requests);
+            # with the whole stack going there is nobody to finish them for:
+            # SIGINT (a router ends what it has with error events).
+            c.signal_group(signal.SIGINT if c.name.startswith(("worker:", "router")) else signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for c in comps:
             if c.proc is None:

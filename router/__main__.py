@@ -1,5 +1,10 @@
 """``python -m router --config weir.toml``: the router process (uvloop).
 
+SIGTERM (or ``POST /admin/drain``) drains it -- no new requests, the
+admitted ones finish up to ``router.drain_timeout_s`` (router/drain.py) --
+then it says Goodbye to its workers and exits 0; a second SIGTERM, or a
+SIGINT, ends what is left at once, each request with an error event.
+
 Wires the socket-free lifecycle (router.core) to its adapters: the worker
 link (backend socket), the direct-client frontend (frontend socket) and the
 HTTP ingress, all on one event loop and one SocketPump.
@@ -18,7 +23,8 @@ import uvloop
 
 from router.client_frontend import ClientFrontend
 from router.core import RouterCore
-from router.http_server import start_http_server
+from router.drain import Drain
+from router.http_server import HttpConnection, start_http_server, written_out
 from router.metrics import RouterMetrics
 from router.operator_actions import RouterOperator
 from router.views import RouterViews
@@ -29,6 +35,8 @@ from shared.logs import use_json
 from shared.transport import SocketPump
 
 log = logging.getLogger("weir.router")
+
+FLUSH_S = 2.0  # after a drain, how long the last responses get to be written before the process exits
 
 
 async def serve(config_path: str | None, index: int = 0) -> None:
@@ -59,13 +67,42 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         log.info("reloaded %d api keys and %d tenant budgets", len(new.api_keys), len(new.tenants))
         return {"ok": True, "api_keys": len(new.api_keys), "tenants": len(new.tenants)}
 
+    drain = Drain(core, loop, cfg.router.drain_timeout_s, loop.time)
+
+    def drain_router() -> dict[str, Any]:
+        """POST /admin/drain: as SIGTERM."""
+        drain.start("POST /admin/drain")
+        left = None if drain.deadline is None else max(0.0, drain.deadline - loop.time())
+        return {"ok": True, "draining": True, "jobs": core.live_jobs(), "drain_left_s": left}
+
+    terms = [0]
+
+    def on_signal(sig: signal.Signals) -> None:
+        """SIGTERM: drain (also after POST /admin/drain, as a preStop hook may
+        send it: Kubernetes' SIGTERM follows); a second SIGTERM, or SIGINT:
+        end now, each request with an error event."""
+        if sig == signal.SIGTERM:
+            terms[0] += 1
+        if sig == signal.SIGTERM and terms[0] == 1:
+            drain.start("SIGTERM")
+        else:
+            drain.finish_now(sig.name)
+
     views = RouterViews(core, link, metrics)
-    operator = RouterOperator(core, link, reload)
+    operator = RouterOperator(core, link, reload, drain_router)
     link.serve(core)
     frontend.serve(core)
     host, port = split_hostport(cfg.router.http)
+    connections: set[HttpConnection] = set()
     server = await start_http_server(
-        core, views, metrics, host, port, operator=operator, max_body_bytes=cfg.envoy.max_request_bytes
+        core,
+        views,
+        metrics,
+        host,
+        port,
+        operator=operator,
+        max_body_bytes=cfg.envoy.max_request_bytes,
+        connections=connections,
     )
     log.info(
         "router ready: http=%s frontend=%s backend=%s policy=%s",
@@ -74,13 +111,16 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         cfg.router.backend,
         cfg.scheduler.policy,
     )
-    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     loop.add_signal_handler(signal.SIGHUP, reload)
-    await stop.wait()
-    log.info("router shutting down")
-    server.close()
+    await drain.done.wait()
+    server.close()  # (no new connection; the open ones get their last bytes out first)
+    if not await written_out(connections, FLUSH_S):
+        log.warning("some responses were still being written after %.1f s", FLUSH_S)
+    frontend.outbox.flush()  # direct clients' last deltas (the socket lingers to send them)
+    log.info("router shutting down: goodbye to its workers")
+    drain.close()
     frontend.close()
     link.close()
     core.close()

@@ -50,6 +50,7 @@ from typing import Any
 import msgspec
 
 from router.admission import Identity, Keys, check_shape, resolve_max_tokens
+from router.drain import draining_error
 from router.jobs import AWAITING_BUDGET, ENDED, QUEUED, RUNNING, JobMetrics, JobRecord, advance, job_id_of, log_end
 from router.metrics import RouterMetrics
 from router.model_registry import ModelRegistry, PromptTokens, tokenize_hashed
@@ -119,6 +120,7 @@ class RouterCore:
         self._wakeup: asyncio.TimerHandle | None = None
         self._wakeup_at: float | None = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
+        self.draining = False  # router.drain: every new request is refused (503 router_draining)
         self._log_requests = cfg.logging.requests
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
@@ -143,6 +145,8 @@ class RouterCore:
     def submit(self, sub: p.Submit, sink: RequestSink) -> int | p.ErrorInfo:
         """Admit a request (its handle) or refuse it now.  Later news, a
         refusal after tokenizing included, reaches ``sink``."""
+        if self.draining:  # before anything is started: safe for Envoy (or a client) to retry elsewhere
+            return self._rejected(draining_error(), self.keys.default_tier)
         now = self.clock()
         who = self.keys.identify(sub)
         if not isinstance(who, Identity):
@@ -193,6 +197,29 @@ class RouterCore:
         """Live and nothing generated yet (queued, tokenizing or prefilling)."""
         j = self.jobs.get(job_id_of(handle))
         return j is not None and not j.first_token_at
+
+    # ---- router.drain: what it reads and does
+
+    def drain_view(self, now: float) -> tuple[list[tuple[str, int]], list[tuple[float, int]]]:
+        """(job id, max_tokens) of each job with no output yet; (seconds since
+        its first token, tokens) of each streaming one."""
+        waiting, streaming = [], []
+        for j in self.jobs.values():
+            if j.completion_tokens == 0:
+                waiting.append((j.job_id, j.max_tokens))
+            elif j.state is RUNNING:
+                streaming.append((now - j.first_token_at, j.completion_tokens))
+        return waiting, streaming
+
+    def job_ids(self) -> list[str]:
+        return list(self.jobs)
+
+    def end_job(self, job_id: str, err: p.ErrorInfo) -> None:
+        """End a live job with ``err`` (a drain's refusal or deadline), aborting it where it runs."""
+        j = self.jobs.get(job_id)
+        if j is not None:
+            self._end(j, label(err), error=err, abort_worker=j.worker)
+            self.workers.flush()
 
     def reload_keys(self, cfg: Config) -> None:
         """New API keys and budgets (SIGHUP / POST /admin/reload): later

@@ -51,10 +51,20 @@ def response_head(
     return b"".join(parts)
 
 
+# A draining router's refusal (router/drain.py): nothing was started, so Envoy
+# retries it on another router (its retry policy matches x-weir-draining), and
+# takes this router out of its load balancing at once rather than at its next
+# health check (Envoy honours x-envoy-immediate-health-check-fail on any reply).
+DRAINING = "router_draining"
+DRAINING_HEADERS = b"x-weir-draining: 1\r\nx-envoy-immediate-health-check-fail: true\r\n"
+
+
 def error_headers(info: ErrorInfo) -> bytes:
     """An error reply's retry-after and, for a budget refusal, x-ratelimit-* lines."""
     seconds = retry_after_header(info)
     head = b"" if seconds is None else b"retry-after: %d\r\n" % seconds
+    if info.code == DRAINING:
+        head += DRAINING_HEADERS
     return head if info.ratelimit is None else head + ratelimit_headers(info.ratelimit)
 
 

@@ -57,6 +57,8 @@ class Operator(Protocol):
 
     def reload(self) -> dict[str, Any]: ...
 
+    def drain_router(self) -> dict[str, Any]: ...
+
 
 class Request(Protocol):
     """What a handler reads of a request (router.http_server's parsed request)."""
@@ -211,7 +213,16 @@ def _operator_routes(views: Views, operator: Operator) -> dict[bytes, Route]:
         result = operator.reload()
         return _json(200 if result.get("ok") else 400, result)
 
-    return {b"/admin/models": Route(b"*", admin_models), b"/admin/reload": Route(b"POST", reload)}
+    def drain_router(req: Request) -> Answer:
+        """POST /admin/drain: this router drains and exits, as on SIGTERM (router/drain.py)."""
+        result = operator.drain_router()
+        return _json(200 if result.get("ok") else 409, result)
+
+    return {
+        b"/admin/models": Route(b"*", admin_models),
+        b"/admin/reload": Route(b"POST", reload),
+        b"/admin/drain": Route(b"POST", drain_router),
+    }
 
 
 def _drain_route(operator: Operator) -> PatternRoute:

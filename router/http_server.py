@@ -126,8 +126,10 @@ class _Ingress:
         metrics: RouterMetrics,
         max_body_bytes: int,
         max_buffered_bytes: int,
+        connections: set[HttpConnection],
     ):
         self.core = core
+        self.connections = connections  # open ones: what a drain waits on (``written_out``)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
@@ -367,6 +369,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (a stream server's transport: asyncio.Protocol's signature is BaseProtocol's)
         self.transport = cast(asyncio.Transport, transport)
+        self.ingress.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self.dead_input or self.closed:
@@ -395,6 +398,7 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.ingress.connections.discard(self)
         self.pending.clear()
         ex = self.current
         if isinstance(ex, EmbeddingBatch):
@@ -660,13 +664,29 @@ async def start_http_server(
     operator: Operator | None = None,
     max_body_bytes: int = 1 << 20,
     max_buffered_bytes: int = 4 << 20,
+    connections: set[HttpConnection] | None = None,
 ) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
 
     ``max_buffered_bytes``: a stream whose unsent output exceeds this while
     the client is not reading is cancelled and its connection dropped.
+    ``connections``: a set this server keeps its open connections in (for ``written_out``).
     """
-    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes)
+    conns = connections if connections is not None else set()
+    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes, conns)
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)
+
+
+async def written_out(connections: set[HttpConnection], timeout_s: float) -> bool:
+    """Wait until no connection has a response in progress or bytes unsent
+    (the last events a drain wrote), up to ``timeout_s``; True if so."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        if all(c.closed or (not c.busy and c.transport.get_write_buffer_size() == 0) for c in connections):
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.02)

@@ -19,6 +19,8 @@ from shared.config import Config, ConfigError, ModelConfig, WorkerConfig, valida
 
 # A reload's outcome: {"ok": True, ...} or {"ok": False, "error": ...}.
 Reload = Callable[[], dict[str, Any]]
+# Starting this router's drain (router/drain.py): its state, as a reload's.
+DrainRouter = Callable[[], dict[str, Any]]
 
 
 class ModelControl(Protocol):
@@ -55,10 +57,17 @@ class _AddModel(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class RouterOperator:
-    def __init__(self, core: ModelControl, link: WorkerControl, reload: Reload | None = None) -> None:
+    def __init__(
+        self,
+        core: ModelControl,
+        link: WorkerControl,
+        reload: Reload | None = None,
+        drain_router: DrainRouter | None = None,
+    ) -> None:
         self.core = core
         self.link = link
         self._reload = reload
+        self._drain_router = drain_router
 
     def add_model(self, body: bytes) -> tuple[int, dict[str, Any]]:
         """POST /admin/models {"model": {...}, "workers": [{...}]}: the config's own fields and checks."""
@@ -100,3 +109,10 @@ class RouterOperator:
         if self._reload is None:
             return {"ok": False, "error": "reload is not wired in this router"}
         return self._reload()
+
+    def drain_router(self) -> dict[str, Any]:
+        """POST /admin/drain: this router stops taking work, finishes what it
+        has (up to ``router.drain_timeout_s``) and exits 0."""
+        if self._drain_router is None:
+            return {"ok": False, "error": "drain is not wired in this router"}
+        return self._drain_router()

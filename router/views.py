@@ -27,6 +27,8 @@ ModelRow = tuple[str, int, int, str]
 class CoreReads(Protocol):
     """What the views read of the lifecycle (router.core.RouterCore)."""
 
+    draining: bool  # router.drain: readiness fails
+
     def served_models(self) -> list[ModelConfig]: ...
 
     def model_state(self, name: str) -> str: ...
@@ -109,8 +111,10 @@ class RouterViews:
         return counts
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Ready to serve: at least one worker (of any model) takes new work."""
+        """Ready to serve: not draining, and at least one worker (of any model) takes new work."""
         models = self.ready_workers()
+        if self.core.draining:
+            return False, {"status": "draining", "models": models}
         ready = any(models.values())
         return ready, {"status": "ready" if ready else "not_ready", "models": models}
 

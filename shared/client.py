@@ -171,11 +171,29 @@ def _collect(deltas: Iterable[p.Delta], n: int = 1, k: int | None = None, echo: 
     )
 
 
+DRAINING = "router_draining"  # a router shutting down refused it before starting anything: go to another
+
+
+def _moves(err: p.ErrorInfo, produced: bool) -> bool:
+    """A refusal this client answers by sending the request to its next router."""
+    return err.code == DRAINING and not produced
+
+
 class _Base:
-    def __init__(self, address: str, api_key: str | None, curve: tuple[str, str] | None = None) -> None:
-        self.address, self.api_key = address, api_key
+    def __init__(self, address: str | Sequence[str], api_key: str | None, curve: tuple[str, str] | None = None) -> None:
+        # Several routers: requests go to one until it drains (its refusal
+        # router_draining, before any output), then to the next.
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ValueError("no router address")
+        self.address, self.api_key = self.addresses[0], api_key
+        self._current = 0  # index of the router new requests go to
         # CURVE (shared.curve): (this client's .key_secret file, the router's public .key file)
         self.curve = curve
+
+    def _next_router(self) -> None:
+        self._current = (self._current + 1) % len(self.addresses)
+        self.address = self.addresses[self._current]
 
     def _secure(self, sock: zmq.Socket[bytes]) -> None:
         if self.curve is not None:
@@ -205,11 +223,15 @@ class AsyncClient(_Base):
     """Many concurrent requests over one DEALER socket, driven by a SocketPump."""
 
     def __init__(
-        self, address: str = "tcp://127.0.0.1:5555", api_key: str | None = None, curve: tuple[str, str] | None = None
+        self,
+        address: str | Sequence[str] = "tcp://127.0.0.1:5555",
+        api_key: str | None = None,
+        curve: tuple[str, str] | None = None,
     ) -> None:
         super().__init__(address, api_key, curve)
         self._streams: dict[str, _Stream] = {}
-        self._sock: zmq.Socket[bytes] | None = None
+        self._socks: list[zmq.Socket[bytes]] = []  # one per router address
+        self._sock: zmq.Socket[bytes] | None = None  # the current router's
         self._pump: SocketPump | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -221,28 +243,36 @@ class AsyncClient(_Base):
 
     def connect(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock = sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        self._secure(sock)
-        sock.connect(self.address)
         self._pump = SocketPump(asyncio.get_running_loop())
-        self._pump.add(sock, self._on_message)
+        for address in self.addresses:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            self._secure(sock)
+            sock.connect(address)
+            self._pump.add(sock, self._on_message)
+            self._socks.append(sock)
+        self._sock = self._socks[self._current]
 
     def close(self) -> None:
         if self._sock is not None:
             if self._pump is not None:
-                if self._streams:
-                    self._send(p.Cancel(request_ids=list(self._streams)))
-                self._pump.remove(self._sock)
-            self._sock.close(linger=CLOSE_LINGER_MS)
+                if self._streams:  # (each router ignores the ids it does not have)
+                    for sock in self._socks:
+                        self._send(p.Cancel(request_ids=list(self._streams)), sock)
+                for sock in self._socks:
+                    self._pump.remove(sock)
+            for sock in self._socks:
+                sock.close(linger=CLOSE_LINGER_MS)
+            self._socks = []
             self._sock = None
 
-    def _send(self, msg: p.Submit | p.Cancel) -> None:
-        if self._sock is None or self._pump is None:
+    def _send(self, msg: p.Submit | p.Cancel, sock: zmq.Socket[bytes] | None = None) -> None:
+        sock = sock or self._sock
+        if sock is None or self._pump is None:
             raise RuntimeError("AsyncClient: not connected (use `async with` or connect())")
-        self._pump.send(self._sock, [p.encoder.encode(msg)])
+        self._pump.send(sock, [p.encoder.encode(msg)])
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
@@ -277,7 +307,9 @@ class AsyncClient(_Base):
         s = self._streams[rid] = _Stream()
         deltas = s.deltas
         loop = self._pump.loop
-        done = False
+        done = produced = False
+        sock = self._sock
+        tries = len(self.addresses)
         try:
             self._send(_submit(rid, model, prompt, messages, max_tokens, priority, task_type, self.api_key, **params))
             while True:
@@ -286,16 +318,33 @@ class AsyncClient(_Base):
                     await waiter
                 d = deltas.popleft()
                 if d.error is not None:
+                    tries -= 1
+                    if tries > 0 and _moves(d.error, produced):
+                        self._move(sock)
+                        sock = self._sock
+                        sub = _submit(
+                            rid, model, prompt, messages, max_tokens, priority, task_type, self.api_key, **params
+                        )
+                        self._send(sub)
+                        continue
                     done = True
                     raise WeirError(d.error)
+                produced = True
                 done = _is_final(d)
                 yield d
                 if done:
                     return
         finally:
             self._streams.pop(rid, None)
-            if not done and self._sock is not None:
-                self._send(p.Cancel(request_ids=[rid]))
+            if not done and sock is not None and self._socks:
+                self._send(p.Cancel(request_ids=[rid]), sock)
+
+    def _move(self, draining: zmq.Socket[bytes] | None) -> None:
+        """The router behind ``draining`` drains: new requests to the next one
+        (unless an earlier request moved on already)."""
+        if draining is self._sock:
+            self._next_router()
+            self._sock = self._socks[self._current]
 
     async def complete(
         self, model: str, prompt: str | None = None, messages: Messages | None = None, echo: bool = False, **kw: Any
@@ -313,7 +362,7 @@ class Client(_Base):
 
     def __init__(
         self,
-        address: str = "tcp://127.0.0.1:5555",
+        address: str | Sequence[str] = "tcp://127.0.0.1:5555",
         api_key: str | None = None,
         timeout_s: float = 300.0,
         curve: tuple[str, str] | None = None,
@@ -321,10 +370,14 @@ class Client(_Base):
         super().__init__(address, api_key, curve)
         self.timeout_ms = int(timeout_s * 1000)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._secure(self._sock)
-        self._sock.connect(address)
+        self._socks: list[zmq.Socket[bytes]] = []
+        for addr in self.addresses:  # one per router; requests go to the current one's
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            self._secure(sock)
+            sock.connect(addr)
+            self._socks.append(sock)
+        self._sock = self._socks[0]
 
     def __enter__(self) -> Client:
         return self
@@ -333,7 +386,8 @@ class Client(_Base):
         self.close()
 
     def close(self) -> None:
-        self._sock.close(linger=CLOSE_LINGER_MS)
+        for sock in self._socks:
+            sock.close(linger=CLOSE_LINGER_MS)
 
     def _send_within_timeout(self, payload: bytes) -> None:
         """A DEALER with no live connection (router down, or CURVE refused us)
@@ -361,12 +415,12 @@ class Client(_Base):
         **params: Any,
     ) -> Iterator[p.Delta]:
         rid = self._new_id()
-        self._send_within_timeout(
-            p.encoder.encode(
-                _submit(rid, model, prompt, messages, max_tokens, priority, task_type, self.api_key, **params)
-            )
+        submit = p.encoder.encode(
+            _submit(rid, model, prompt, messages, max_tokens, priority, task_type, self.api_key, **params)
         )
-        done = False
+        self._send_within_timeout(submit)
+        done = produced = False
+        tries = len(self.addresses)
         try:
             while not done:
                 if not self._sock.poll(self.timeout_ms):
@@ -379,8 +433,15 @@ class Client(_Base):
                     if d.request_id != rid:
                         continue  # late news of an earlier, abandoned request
                     if d.error is not None:
+                        tries -= 1
+                        if tries > 0 and _moves(d.error, produced):  # that router drains: the next one
+                            self._next_router()
+                            self._sock = self._socks[self._current]
+                            self._send_within_timeout(submit)
+                            break
                         done = True
                         raise WeirError(d.error)
+                    produced = True
                     done = _is_final(d)
                     yield d
         finally:

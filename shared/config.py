@@ -91,6 +91,9 @@ class RouterConfig(_Cfg):
     max_resumes: int = 2
     # A worker told to stop (SIGTERM) or drained by an operator takes no new
     # work and has this long to finish what it runs; the rest then resumes elsewhere.
+    # A router told to stop (SIGTERM, POST /admin/drain) likewise: no new
+    # requests (503 router_draining), the admitted ones finish within this,
+    # what still runs then ends with an error event (router/drain.py).
     drain_timeout_s: float = 30.0
     # A dispatched request that hears nothing from its (heartbeating) worker
     # for this long is aborted there and resumed elsewhere.  0: off.  The

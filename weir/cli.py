@@ -9,6 +9,7 @@ weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, pri
 weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
 weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
 weir models list|add|remove ...           models of a running stack (weir up carries them out)
+weir restart [router|workers|envoy|all]   restart a running `weir up`'s components one by one, losing no request
 weir router|worker ...                    one component (python -m router / engine_worker)
 """
 
@@ -70,6 +71,7 @@ Ctrl-C (or SIGTERM) stops everything.
 
 
 def cmd_up(args) -> int:
+    from deploy import restart
     from deploy.envoy_config import EnvoyValidationError
     from deploy.stack import Stack, StackError
 
@@ -83,12 +85,15 @@ def cmd_up(args) -> int:
         signal.signal(sig, _raise_shutdown)
     rolling = threading.Event()  # SIGHUP: restart every worker, one by one, losing no request
     signal.signal(signal.SIGHUP, lambda *_: rolling.set())
+    restart_asked = threading.Event()  # SIGUSR1: `weir restart` left a request in the run dir
+    signal.signal(signal.SIGUSR1, lambda *_: restart_asked.set())
     t0 = time.monotonic()
     say(f"config {stack.cfg_path}; run dir {stack.run_dir}")
     rc = 0
     try:
         stack.start()
         say(f"everything ready in {time.monotonic() - t0:.1f} s")
+        restart.announce(stack.cfg_path, stack.run_dir)
         print(_banner(stack), flush=True)
         # The supervisor restarts whatever exits (it says so); a crash loop of
         # Envoy or of every router ends the stack, a worker's leaves it down.
@@ -102,6 +107,9 @@ def cmd_up(args) -> int:
                 for name in stack.router_names:
                     stack.components[name].signal_group(signal.SIGHUP)
                 stack.rolling_restart()
+            if restart_asked.is_set():
+                restart_asked.clear()
+                restart.serve_request(stack, say)
             down = stack.failed & {"envoy", *stack.router_names}
             if "envoy" in down or set(stack.router_names) <= down:  # (while a router is left, it serves)
                 say(f"error: {', '.join(sorted(down))} in a crash loop: stopping")
@@ -115,9 +123,21 @@ def cmd_up(args) -> int:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        restart.forget(stack.cfg_path)
         stack.stop()
         say("stopped")
     return rc
+
+
+def cmd_restart(args) -> int:
+    from pathlib import Path
+
+    from deploy import restart
+    from shared.config import DEFAULT_CONFIG
+
+    cfg_path = Path(args.config or os.environ.get("WEIR_CONFIG") or DEFAULT_CONFIG)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    return restart.ask(cfg_path, args.what, run_dir, args.timeout, lambda line: print(f"[weir] {line}", flush=True))
 
 
 def cmd_render_envoy(args) -> int:
@@ -184,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--config", help="TOML config (default: $WEIR_CONFIG or deploy/weir.toml)")
     up.add_argument("--run-dir", help="where logs and the rendered Envoy config go (default: a new temp dir)")
     up.set_defaults(func=cmd_up)
+    rs = sub.add_parser("restart", help="restart a running `weir up`'s components one by one, losing no request")
+    rs.add_argument("what", nargs="?", default="all", choices=["router", "workers", "envoy", "all"])
+    rs.add_argument("--config", help="the config `weir up` runs (default: $WEIR_CONFIG or deploy/weir.toml)")
+    rs.add_argument("--run-dir", help="the run dir of that `weir up` (instead of finding it by its config)")
+    rs.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for it all (default 600)")
+    rs.set_defaults(func=cmd_restart)
     rend = sub.add_parser("render-envoy", help="print Envoy's YAML rendered from the config")
     rend.add_argument("--config")
     rend.add_argument("-o", "--output", help="write to FILE instead of stdout")

@@ -183,6 +183,6 @@ def test_health_queues_tenants_metrics_and_reload(router):
 
 def test_without_an_operator_nothing_changes_state(router):
     read_only = routes(router.views, None, created=7)
-    assert set(read_only.exact) == set(router.routes.exact) - {b"/admin/reload"}
+    assert set(read_only.exact) == set(router.routes.exact) - {b"/admin/reload", b"/admin/drain"}
     assert read_only.exact[b"/admin/models"].method == b"GET"
     assert not any(r.matches(b"/admin/models/m/remove", b"POST") for r in read_only.patterns)
