@@ -107,6 +107,7 @@ def test_completion_validation_errors(body, param, code):
     assert info.message
 
 
+TOOL_F = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 BAD_CHATS = [
     (b'{"model": "m"}', "messages", None),
     (_chat(messages=[]), "messages", None),
@@ -128,14 +129,14 @@ BAD_CHATS = [
     (_chat(logprobs=3), "logprobs", None),
     (_chat(tools=[]), "tools", None),
     (_chat(tool_choice="required"), "tool_choice", None),  # tool_choice without tools
-    (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], tool_choice="sometimes"), "tool_choice", None),
-    (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice", None),
-    (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], tool_choice={"type": "function", "function": {}}), "tool_choice.function.name", None),
+    (_chat(tools=TOOL_F, tool_choice="sometimes"), "tool_choice", None),
+    (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice", None),
+    (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {}}), "tool_choice.function.name", None),
     (_chat(tools=[{"type": "function"}]), "tools[0].function", None),
-    (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], tool_choice={"type": "function", "function": {"name": "f"}}, guided_regex="a+"),
+    (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {"name": "f"}}, guided_regex="a+"),
      "tool_choice", None),
     (_chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}],
-           tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+           tools=TOOL_F),
      "messages[0].tool_calls", None),
     (_chat(add_generation_prompt=True, continue_final_message=True), "continue_final_message", None),
     (_chat(chat_template="{{ messages }}"), "chat_template", None),
