@@ -296,7 +296,10 @@ class ModelPrompts:
         self.check(sub)
         tok = self.tokenizer
         if tok is None:
-            n = estimate_chat(sub.messages) if sub.kind == RequestKind.CHAT else estimate_text(sub.prompt)
+            if sub.kind == RequestKind.CHAT:
+                n = estimate_chat(sub.messages) + (estimate_text(sub.chat.tools) if sub.chat and sub.chat.tools else 0)
+            else:
+                n = estimate_text(sub.prompt)
             return PromptTokens([], max(1, n))
         if sub.kind == RequestKind.CHAT:
             # vLLM tokenizes a rendered chat without special tokens (the
