@@ -190,3 +190,19 @@ def test_a_model_without_a_parser_refuses_tool_choices_that_need_one(choice):
         ModelPrompts(None).tokenize(_tool_sub(choice))  # the simulated engine's model: no parser configured
     assert e.value.param == "tool_choice" and "tool_call_parser" in str(e.value)
     assert ModelPrompts(None).tokenize(_tool_sub("none")).count > 0
+
+
+@pytest.mark.parametrize("opts,param", [
+    (ChatOptions(tools="not json", tool_choice="none"), "tools"),
+    (ChatOptions(tools='{"a": 1}', tool_choice="none"), "tools"),
+    (ChatOptions(tools='["x"]', tool_choice="none"), "tools"),
+    (ChatOptions(template_kwargs="[1]"), "chat_template_kwargs"),
+    (ChatOptions(documents='"doc"'), "documents"),
+    (ChatOptions(tool_choice="sometimes"), "tool_choice"),
+])
+def test_chat_options_from_zeromq_are_checked_not_trusted(opts, param):
+    """A ZeroMQ client's Submit.chat is whatever it sent: a 400 naming the field, never a crash."""
+    sub = Submit("r", "m", RequestKind.CHAT, messages=[ChatMessage("user", "x")], chat=opts)
+    with pytest.raises(BadInput) as e:
+        ModelPrompts(None).tokenize(sub)
+    assert e.value.param == param
