@@ -188,6 +188,11 @@ class ModelConfig(_Cfg):
     # /v1/embeddings only (vLLM's runner="pooling"; the simulated engine
     # answers with a deterministic placeholder vector).
     task: Literal["generate", "embed"] = "generate"
+    # Tool calling (as vLLM's --tool-call-parser / --enable-auto-tool-choice):
+    # the format the model writes tool calls in; without it, a request whose
+    # tool_choice needs parsing gets 400.  docs/api.md#tool-calling
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) parses calls
 
 
 class SimEngineConfig(_Cfg):
@@ -410,6 +415,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"sim model {m.name!r}: simulated models must be named 'sim-...'")
         if m.engine == "vllm" and not m.path:
             raise ConfigError(f"vllm model {m.name!r} needs a path")
+        if m.enable_auto_tool_choice and m.tool_call_parser is None:
+            raise ConfigError(f"model {m.name!r}: enable_auto_tool_choice needs a tool_call_parser")
     for m in cfg.models:
         for fb in m.fallbacks:
             if fb not in names or fb == m.name:
