@@ -4,7 +4,7 @@ Built from the state's owners -- the lifecycle's job table, the policy's
 ledger and queues, the worker link's engine stats -- at the moment they
 are asked for, so nothing is mirrored on the hot path.  What they read is
 declared here (``CoreReads``, ``LinkReads``) and nothing else; the actions
-that change state (drain, models at run time, reload) are router.operator's.
+that change state (drain, models at run time, reload) are router.operator_actions'.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class RouterViews:
         return workers
 
     def admin_worker(self, worker_id: str) -> dict[str, Any] | None:
-        """One worker's state in O(1) (``admin_workers`` is O(workers)): what each
+        """One worker's state in O(its running jobs) (``admin_workers`` is O(workers)): what each
         worker pod's probes ask every 10 s (deploy/k8s_probe.py)."""
         w = self.link.report(worker_id)
         if w is None:

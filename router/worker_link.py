@@ -290,7 +290,7 @@ class WorkerLink(RouterPlane):
             self.events.worker_stats(worker_id, w.stats, accepting=True)
         return True
 
-    # ------------------------------------------------------------ queries (router.views, router.operator)
+    # ------------------------------------------------------------ queries (router.views, router.operator_actions)
 
     def worker_count(self) -> int:
         return len(self.workers)

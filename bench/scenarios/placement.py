@@ -105,10 +105,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, nargs="*", default=[1, 16, 64, 256, 1024])
     ap.add_argument("--queued", type=int, nargs="*", default=[1_000, 10_000, 100_000])
     ap.add_argument("--queue-workers", type=int, default=1024)
-    ap.add_argument("--policy", default=None, help="another copy of router/policy.py to measure")
+    ap.add_argument("--policy", default=None, help="another policy module to measure (a single-file copy, e.g. an old router/policy.py)")
     args = ap.parse_args(argv)
     mod = load_policy(args.policy)
-    print(f"policy {args.policy or 'router/policy.py'}; {args.jobs} jobs; best of {args.repeat}")
+    print(f"policy {args.policy or 'router.policy'}; {args.jobs} jobs; best of {args.repeat}")
     for w in args.workers:
         us = min(run(mod, w, args.jobs) for _ in range(args.repeat))
         print(f"  fleet  W={w:>5}            {us:7.1f} us/request", flush=True)

@@ -148,12 +148,11 @@ def insert_by_arrival(index: deque[Entry], e: Entry) -> None:
 class ModelQueues:
     """A model's queued work: its queues and the counts and indexes over them."""
 
-    __slots__ = ("by_key", "class_count", "size_count", "wrr", "by_arrival", "last_seen")
+    __slots__ = ("by_key", "class_count", "wrr", "by_arrival", "last_seen")
 
     def __init__(self, n_classes: int) -> None:
         self.by_key: dict[QueueKey, TenantQueue] = {}
         self.class_count = [0] * n_classes
-        self.size_count = [[0, 0] for _ in range(n_classes)]  # per class and size: queued entries
         # per class: tokens dispatched (short, long) while both waited
         self.wrr = [[0, 0] for _ in range(n_classes)]
         # per (class, size): queued entries by arrival, lazily pruned -- queue
