@@ -41,7 +41,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -532,13 +531,7 @@ class RouterCore:
         m = self.policy.models.get(name)
         return "ready" if m is not None and any(w.healthy for w in m.workers.values()) else "loading"
 
-    # ---- queries for the views
-    # What router.views and router.operator_actions read (their Protocols declare it):
-    # values and copies, so that nothing outside reaches into the core's state.
-
-    def served_models(self) -> list[ModelConfig]:
-        """The models served now (the config file's, then those added at run time)."""
-        return self.registry.configs()
+    # ---- queries for router.operator_actions and router.drain (the views read through router.core_reads)
 
     def served_config(self) -> Config:
         """The loaded config with the models served now: what an added model is checked against."""
@@ -548,27 +541,8 @@ class RouterCore:
         """Served or still unloading (a removed model is forgotten once its workers are gone)."""
         return self.registry.get(name) is not None
 
-    def runtime_workers_of(self, name: str) -> list[WorkerConfig] | None:
-        """The workers a model added at run time wants; None for a model of the config file."""
-        workers = self.registry.runtime_workers().get(name)
-        return None if workers is None else list(workers)
-
     def runtime_worker_ids(self) -> set[str]:
         return {w.id for ws in self.registry.runtime_workers().values() for w in ws}
 
-    def uptime_s(self) -> float:
-        return self.clock() - self.started_at
-
     def live_jobs(self) -> int:
         return len(self.jobs)
-
-    def scheduler_snapshot(self) -> dict[str, Any]:
-        """The policy's workers, queues and counters now (a fresh dict)."""
-        return self.policy.snapshot(self.clock())
-
-    def queued_by_model(self) -> dict[tuple[str, str], int]:
-        return self.policy.queued_by_model()
-
-    def tenants(self) -> dict[str, Any]:
-        """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
-        return self.quota.snapshot()
