@@ -23,6 +23,7 @@ import uvloop
 
 from router.client_frontend import ClientFrontend
 from router.core import RouterCore
+from router.core_reads import CoreView
 from router.drain import Drain
 from router.http_server import HttpConnection, start_http_server, written_out
 from router.metrics import RouterMetrics
@@ -88,7 +89,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         else:
             drain.finish_now(sig.name)
 
-    views = RouterViews(core, link, metrics)
+    views = RouterViews(CoreView(core), link, metrics)
     operator = RouterOperator(core, link, reload, drain_router)
     link.serve(core)
     frontend.serve(core)

@@ -27,14 +27,10 @@ once and counts the outcome.  A refusal before a job was queued is
 ``rejected``; an end after it is an outcome of ``requests``.  A refusal
 during ``submit`` itself is its return value, not news to the sink.
 
-Losing a worker loses no request: one that produced nothing yet is queued
-again; one that streamed output is *resumed* -- queued again as a
-continuation whose prompt is the original prompt's token ids plus those
-generated so far, with ``max_tokens`` reduced by as many and the same
-sampling parameters -- and its Deltas are rewritten (cumulative counts,
-the original prompt count) so the client sees one uninterrupted stream.
-News is taken only from the worker the job is RUNNING on, so a lost or
-aborted attempt's late output can never interleave with its resumption.
+Losing a worker loses no request (router.recovery: requeued, or resumed as
+a continuation).  News is taken only from the worker the job is RUNNING on,
+so a lost or aborted attempt's late output can never interleave with its
+resumption.
 """
 
 from __future__ import annotations
@@ -44,22 +40,23 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import msgspec
 
-from router.admission import Identity, Keys, check_shape, resolve_max_tokens
+from router.admission import Identity, Keys, check_shape
 from router.drain import draining_error
-from router.jobs import AWAITING_BUDGET, ENDED, QUEUED, RUNNING, JobMetrics, JobRecord, advance, job_id_of, log_end
+from router.intake import FALLBACK_ON, Intake, task_mismatch, unloading_error
+from router.jobs import ENDED, QUEUED, RUNNING, JobRecord, advance, job_id_of, log_end
 from router.metrics import RouterMetrics
 from router.model_registry import ModelRegistry, PromptTokens, tokenize_hashed
-from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
+from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
 from router.ports import RequestSink, WorkerPort
 from router.prefix_metrics import PrefixMetrics
 from router.prefix_relay import PrefixRelay
 from router.prompts import ModelPrompts
-from router.quota import Answer, Hold, Quota
+from router.quota import Quota
+from router.recovery import Recovery
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
 from shared.errors import Code, error, label
@@ -68,22 +65,6 @@ from shared.errors import Code, error, label
 __all__ = ["RouterCore", "RequestSink", "WorkerPort", "PromptTokens", "tokenize_hashed"]
 
 log = logging.getLogger("weir.router")
-
-_DEFAULT_PARAMS = p.SamplingParams()
-# Refusals for want of workers or room, which a fallback model may answer instead.
-_FALLBACK_ON = frozenset((Code.NO_WORKER, Code.QUEUE_FULL, Code.QUEUE_WAIT_EXCEEDED, Code.QUEUE_DEADLINE))
-
-
-def _task_mismatch(sub: p.Submit, model: ModelConfig) -> p.ErrorInfo | None:
-    """An embedding request for a generation model, or the reverse: refused before anything is reserved."""
-    embedding = sub.kind == p.RequestKind.EMBEDDING
-    if embedding == (model.task == "embed"):
-        return None
-    if embedding:
-        why = f"The model `{model.name}` is a generation model; it does not serve embeddings."
-    else:
-        why = f"The model `{model.name}` is an embedding model; it serves /v1/embeddings only."
-    return error(Code.BAD_REQUEST, why, param="model")
 
 
 class RouterCore:
@@ -114,7 +95,6 @@ class RouterCore:
         # One thread: long prompts are tokenized in arrival order, with the GIL released.
         self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.jobs: dict[str, JobRecord] = {}
-        self._job_metrics: dict[tuple[str, str], JobMetrics] = {}
         self._next_handle = 1
         self._policy_pending = False
         self._wakeup: asyncio.TimerHandle | None = None
@@ -122,6 +102,9 @@ class RouterCore:
         self.started_at = clock()
         self.draining = False  # router.drain: every new request is refused (503 router_draining)
         self._log_requests = cfg.logging.requests
+        jobs, registry, policy, end, schedule = self.jobs, self.registry, self.policy, self._end, self._schedule_policy
+        self._intake = Intake(jobs, registry, policy, self.quota, self.metrics, clock, end, schedule)
+        self._recovery = Recovery(jobs, registry, policy, workers, self.metrics, cfg.router, clock, end, schedule)
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
@@ -154,13 +137,13 @@ class RouterCore:
         err = check_shape(sub)
         model = self.registry.get(sub.model)
         if err is None and model is not None:
-            err = _task_mismatch(sub, model.config)
+            err = task_mismatch(sub, model.config)
         if err is not None or model is None or model.unloading:
             if err is None:
                 err = (
                     error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
                     if model is None
-                    else self._unloading_error(sub.model)
+                    else unloading_error(sub.model, self._config.router.heartbeat_interval_s)
                 )
             return self._rejected(err, who.klass)
         if sub.user:
@@ -176,10 +159,10 @@ class RouterCore:
                 tokens = tokenize_hashed(model.prompts, sub, hasher)
             except ValueError as e:  # router.prompts.BadInput names the field
                 return self._refused_at_submit(j, error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)))
-            err = self._admit(j, tokens, now)
+            err = self._intake.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
         fut = self.loop.run_in_executor(self.executor, tokenize_hashed, model.prompts, sub, hasher)
-        fut.add_done_callback(functools.partial(self._tokenized, j.job_id))
+        fut.add_done_callback(functools.partial(self._intake.tokenized, j.job_id))
         return handle
 
     def cancel(self, handle: int) -> None:
@@ -243,143 +226,7 @@ class RouterCore:
             self._stall_timer.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------ admission: TOKENIZING -> AWAITING_BUDGET -> QUEUED
-
-    def _tokenized(self, job_id: str, fut: asyncio.Future[PromptTokens]) -> None:
-        """The tokenizing thread's answer for a long prompt."""
-        j = self.jobs.get(job_id)
-        if j is None or fut.cancelled():
-            return  # cancelled while tokenizing
-        try:
-            tokens = fut.result()
-        except ValueError as e:
-            return self._end(j, "bad_request", error=error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)))
-        except Exception:
-            log.exception("tokenizing request %s (job %s) failed", j.trace, job_id, extra={"request_id": j.trace})
-            return self._end(j, "internal", error=error(Code.INTERNAL, "Tokenizing the prompt failed."))
-        err = self._admit(j, tokens, self.clock())
-        if err is not None:
-            self._end(j, label(err), error=err)
-
-    def _admit(self, j: JobRecord, tokens: PromptTokens, now: float) -> p.ErrorInfo | None:
-        """Price the prompt, queue the job in the policy; an error if refused."""
-        sub = j.sub
-        max_tokens = resolve_max_tokens(sub, tokens.count, self.registry.of(sub.model).config.max_model_len)
-        if not isinstance(max_tokens, int):
-            return max_tokens
-        if self.quota.active:
-            # usage sums the completion tokens of all n choices: reserve for all of them
-            n = sub.params.n if sub.params is not None else 1
-
-            def answered(got: Answer) -> None:
-                self._reserved(j, got, tokens, max_tokens)
-
-            advance(j, AWAITING_BUDGET)  # (before asking: a store may answer at once, either way)
-            got = self.quota.reserve(j.who, tokens.count + max_tokens * n, answered)
-            if got is None:  # the budget store answers later: _reserved
-                return None
-            if not isinstance(got, Hold):
-                return got
-            j.hold, j.rl = got, got.ratelimit
-        return self._enqueue(j, tokens, max_tokens, now)
-
-    def _reserved(self, j: JobRecord, got: Answer, tokens: PromptTokens, max_tokens: int) -> None:
-        """The budget store's answer for a job that waited for it."""
-        if j.state is ENDED:  # cancelled meanwhile: give it back at once
-            if isinstance(got, Hold):
-                self.quota.release(got, 0, refund_request=True)
-            return
-        if not isinstance(got, Hold):
-            return self._end(j, label(got), error=got)
-        j.hold, j.rl = got, got.ratelimit
-        err = self._enqueue(j, tokens, max_tokens, self.clock())
-        if err is not None:
-            self._end(j, label(err), error=err)
-
-    def _enqueue(self, j: JobRecord, tokens: PromptTokens, max_tokens: int, now: float) -> p.ErrorInfo | None:
-        sub = j.sub
-        job = self._policy_job(j, sub.model, tokens.count, max_tokens, j.arrival, tokens.hashes)
-        refusal = self.policy.submit(job, now)
-        if refusal is not None:
-            if sub.allow_fallback and refusal.kind in _FALLBACK_ON:
-                if self._fall_back(j, now):
-                    return None  # (its budget reservation stands: the job goes on)
-            if j.hold is not None:  # never queued: everything goes back
-                self.quota.release(j.hold, 0, refund_request=True)
-                j.hold = None
-            return refusal.render() if j.rl is None else msgspec.structs.replace(refusal.render(), ratelimit=j.rl)
-        self._queued(j, sub.model, tokens, max_tokens, j.arrival)
-        return None
-
-    @staticmethod
-    def _policy_job(
-        j: JobRecord, model: str, prompt_tokens: int, max_tokens: int, arrival: float, hashes: Sequence[int]
-    ) -> Job:
-        """A fresh value of what the policy is told of an attempt (it keeps its own copy)."""
-        sub, who = j.sub, j.who
-        return Job(
-            j.job_id,
-            model,
-            who.tenant,
-            who.klass,
-            prompt_tokens,
-            max_tokens,
-            sub.task_type,
-            arrival,
-            who.weight,
-            sub.params.n if sub.params is not None else 1,
-            hashes,
-        )
-
-    def _queued(self, j: JobRecord, model: str, tokens: PromptTokens, max_tokens: int, since: float) -> None:
-        """The policy queued ``j`` for ``model``: what its worker gets, and the record's attempt."""
-        # The client's message is left as it came; the worker gets the resolution.
-        params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
-        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=j.trace)
-        if j.sub.kind == p.RequestKind.EMBEDDING:  # prefill only (max_tokens 0); the vector comes back
-            j.request.embed, j.request.dimensions = True, j.sub.dimensions or 0
-        if tokens.hashes and not tokens.ids:  # the simulated engine names its cached blocks by them
-            j.request.block_hashes = list(tokens.hashes)
-        j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
-        j.queued_since, j.attempt_prompt_tokens, j.block_hashes = since, tokens.count, tokens.hashes
-        j.mx = self._metrics_for(model, j.who.klass)
-        advance(j, QUEUED)
-        self._schedule_policy()
-
-    def _metrics_for(self, model: str, klass: str) -> JobMetrics:
-        mx = self._job_metrics.get((model, klass))
-        if mx is None:
-            mx = self._job_metrics[(model, klass)] = JobMetrics(self.metrics, model, klass)
-        return mx
-
-    def _fall_back(self, j: JobRecord, now: float) -> bool:
-        """Queue ``j`` for the first of its model's fallbacks that takes it."""
-        registry = self.registry
-        asked = registry.get(j.sub.model)
-        if asked is None:  # removed at run time while a fallback served the job
-            return False
-        for name in asked.config.fallbacks:  # (never the model itself: config)
-            model = registry.get(name)
-            if name == j.served_by or model is None or model.unloading:
-                continue  # the one that just refused it; one being (or already) removed at run time
-            try:
-                # (a rare path: inline whatever its length)
-                tokens = tokenize_hashed(model.prompts, j.sub, self.policy.prefix.hasher(name))
-            except ValueError:
-                continue
-            max_tokens = resolve_max_tokens(j.sub, tokens.count, model.config.max_model_len)
-            if not isinstance(max_tokens, int):
-                continue
-            if (
-                self.policy.submit(self._policy_job(j, name, tokens.count, max_tokens, now, tokens.hashes), now)
-                is not None
-            ):
-                continue
-            j.served_by = name
-            self._queued(j, name, tokens, max_tokens, now)
-            self.metrics.child(self.metrics.fallbacks, j.sub.model, name).inc()
-            return True
-        return False
+    # ------------------------------------------------------------ refusals at submit
 
     def _rejected(self, err: p.ErrorInfo, klass: str) -> p.ErrorInfo:
         self.metrics.child(self.metrics.rejected, klass, "-", label(err)).inc()
@@ -455,7 +302,7 @@ class RouterCore:
             if isinstance(action, DispatchJob):
                 self._dispatch(j, action, now)
             elif isinstance(action, RejectJob):
-                if not (j.sub.allow_fallback and action.error.kind in _FALLBACK_ON and self._fall_back(j, now)):
+                if not (j.sub.allow_fallback and action.error.kind in FALLBACK_ON and self._intake.fall_back(j, now)):
                     self._end(j, action.error.label, error=action.error.render())
             elif isinstance(action, AbortJob):
                 self._end(j, action.error.label, error=action.error.render(), abort_worker=action.worker_id)
@@ -490,7 +337,7 @@ class RouterCore:
                 extra={"request_id": j.trace},
             )
             self.policy.finish(j.job_id, now)
-            self._requeue(j, now)
+            self._recovery.requeue(j, now)
             return
         advance(j, RUNNING, action.worker_id)
         j.last_news = now
@@ -499,115 +346,23 @@ class RouterCore:
             now - j.arrival
         )
 
-    def _requeue(self, j: JobRecord, now: float) -> None:
-        """Queue a job again whose worker went: it waits for a worker of its
-        model (even while none is left) up to its queue deadline."""
-        if not self.registry.serves(j.model):  # unloading: no worker of it will come back
-            return self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(j.model))
-        req = j.request
-        assert req is not None  # it was queued before
-        job = self._policy_job(
-            j, j.model, j.attempt_prompt_tokens, req.params.max_tokens, j.queued_since, j.block_hashes
-        )
-        refusal = self.policy.submit(job, now, requeue=True)
-        if refusal is not None:
-            self._end(j, refusal.label, error=refusal.render())
-        else:
-            advance(j, QUEUED)
-            self._schedule_policy()
-
-    def _resume(self, j: JobRecord, why: str, now: float) -> None:
-        """Continue a job that streamed output, from where it got, elsewhere."""
-        n = j.completion_tokens
-        remaining = j.max_tokens - n
-        if remaining < 1:  # all of it was generated; only the last word was lost
-            self._end(
-                j,
-                "length",
-                deltas=[p.Delta(j.job_id, finish_reason="length", prompt_tokens=j.prompt_tokens, completion_tokens=n)],
-            )
-            return
-        req = j.request
-        assert req is not None  # it ran
-        sp = req.params
-        if sp.n > 1 or sp.structured is not None or (j.prompt_ids and len(j.generated) != n):
-            # Not continued: n choices interleave in one stream, a grammar's
-            # state is not in the tokens, ids missing would not be exact.
-            self._end(j, "worker_lost", error=self._lost_error(why))
-            return
-        j.attempt_prompt_tokens = j.prompt_tokens + n
-        j.queued_since = now  # its queue deadline counts from now
-        ids = j.prompt_ids + j.generated if j.prompt_ids else []
-        params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
-        j.request = p.GenerateRequest(
-            j.job_id, ids, j.attempt_prompt_tokens, params, trace_id=j.trace, block_hashes=req.block_hashes
-        )
-        j.done_before = n
-        j.resumes += 1
-        self.metrics.child(self.metrics.resumed, j.model, why).inc()
-        log.info(
-            "request %s (job %s) resumes after %d tokens (%s), attempt %d",
-            j.trace,
-            j.job_id,
-            n,
-            why,
-            j.resumes + 1,
-            extra={"request_id": j.trace},
-        )
-        self._requeue(j, now)
-
-    def _lost_error(self, why: str) -> p.ErrorInfo:
-        return error(
-            Code.WORKER_LOST,
-            f"The worker serving this request was lost ({why}) and it could not be resumed.",
-            retry_after=self._config.router.heartbeat_interval_s,
-        )
-
     def undeliverable(self, job_id: str, err: p.ErrorInfo) -> None:
         """The link could not send a job to its worker: end it, not leave it waiting."""
         j = self.jobs.get(job_id)
         if j is not None:
             self._end(j, label(err), error=err)
 
-    def check_stalls(self) -> list[str]:
-        """The hang watchdog: a running job that heard nothing from its worker
-        for ``stall_timeout_s`` is taken off it and resumed elsewhere.  (A
-        worker silent as a whole is lost by its missed heartbeats first.)"""
-        bound = self._config.router.stall_timeout_s
-        now = self.clock()
-        stalled = [
-            job_id
-            for job_id, j in self.jobs.items()
-            if j.state is RUNNING and j.last_news and now - j.last_news > bound
-        ]
-        for job_id in stalled:
-            j = self.jobs[job_id]
-            log.warning(
-                "request %s (job %s): nothing from worker %s for %.1f s: moving it",
-                j.trace,
-                job_id,
-                j.worker,
-                now - j.last_news,
-                extra={"request_id": j.trace},
-            )
-            self.move(job_id, "stalled")
-        return stalled
-
     def _stall_tick(self) -> None:
         self.check_stalls()
         self._stall_timer = self.loop.call_later(self._config.router.stall_timeout_s / 4, self._stall_tick)
 
+    def check_stalls(self) -> list[str]:
+        """The hang watchdog (router.recovery): the stalled jobs it moved."""
+        return self._recovery.check_stalls()
+
     def move(self, job_id: str, why: str) -> None:
-        """Take a running job off its worker (stalled, drain timed out) and
-        resume it elsewhere."""
-        j = self.jobs.get(job_id)
-        if j is None or j.worker is None:
-            return
-        self.workers.abort(j.worker, job_id)
-        now = self.clock()
-        self.policy.finish(job_id, now)
-        self._after_loss([job_id], why, now)
-        self.workers.flush()
+        """Take a running job off its worker (stalled, drain timed out) and resume it elsewhere."""
+        self._recovery.move(job_id, why)
 
     # ------------------------------------------------------------ worker events (router.worker_link)
 
@@ -634,7 +389,7 @@ class RouterCore:
             ),
             now,
         )
-        self._after_loss(lost, "reregistered", now)  # a restarted worker runs nothing of before
+        self._recovery.after_loss(lost, "reregistered", now)  # a restarted worker runs nothing of before
         self._schedule_policy()
 
     def worker_stats(self, worker_id: str, stats: p.WorkerStats, accepting: bool = True) -> None:
@@ -667,7 +422,7 @@ class RouterCore:
                 continue  # ended or moved meanwhile
             self.policy.refused(job_id, now)
             j.kept_dispatches -= 1  # nothing of it ran there
-            self._requeue(j, now)
+            self._recovery.requeue(j, now)
 
     def running_on(self, worker_id: str) -> list[str]:
         return self.policy.running_on(worker_id)
@@ -683,22 +438,9 @@ class RouterCore:
 
     def worker_left(self, worker_id: str, why: str) -> None:
         now = self.clock()
-        self._after_loss(self.policy.remove_worker(worker_id, now), why, now)
+        self._recovery.after_loss(self.policy.remove_worker(worker_id, now), why, now)
         self._schedule_policy()
         self._forget_unloaded()
-
-    def _after_loss(self, job_ids: list[str], why: str, now: float) -> None:
-        """Jobs of a lost worker, already released by the policy."""
-        for job_id in job_ids:
-            j = self.jobs.get(job_id)
-            if j is None:
-                continue
-            if j.completion_tokens == 0:
-                self._requeue(j, now)  # nothing streamed yet: nobody can tell it moved
-            elif j.resumes < self._config.router.max_resumes:
-                self._resume(j, why, now)
-            else:
-                self._end(j, "worker_lost", error=self._lost_error(f"{why}, after {j.resumes} resumes"))
 
     # ------------------------------------------------------------ job news: RUNNING -> ENDED
 
@@ -775,17 +517,11 @@ class RouterCore:
             return f"no model {name!r}"
         if self.registry.start_unloading(name):
             for j in [j for j in self.jobs.values() if j.model == name and j.state is not RUNNING]:
-                self._end(j, Code.MODEL_UNLOADING.label, error=self._unloading_error(name))
+                self._end(
+                    j, Code.MODEL_UNLOADING.label, error=unloading_error(name, self._config.router.heartbeat_interval_s)
+                )
         self._forget_unloaded()
         return None
-
-    def _unloading_error(self, name: str) -> p.ErrorInfo:
-        return error(
-            Code.MODEL_UNLOADING,
-            f"The model `{name}` is being removed; it takes no new requests.",
-            param="model",
-            retry_after=self._config.router.heartbeat_interval_s,
-        )
 
     def _forget_unloaded(self) -> None:
         """Forget each unloading model once no worker and no job of it is left."""
@@ -802,13 +538,7 @@ class RouterCore:
         m = self.policy.models.get(name)
         return "ready" if m is not None and any(w.healthy for w in m.workers.values()) else "loading"
 
-    # ---- queries for the views
-    # What router.views and router.operator_actions read (their Protocols declare it):
-    # values and copies, so that nothing outside reaches into the core's state.
-
-    def served_models(self) -> list[ModelConfig]:
-        """The models served now (the config file's, then those added at run time)."""
-        return self.registry.configs()
+    # ---- queries for router.operator_actions and router.drain (the views read through router.core_reads)
 
     def served_config(self) -> Config:
         """The loaded config with the models served now: what an added model is checked against."""
@@ -818,27 +548,8 @@ class RouterCore:
         """Served or still unloading (a removed model is forgotten once its workers are gone)."""
         return self.registry.get(name) is not None
 
-    def runtime_workers_of(self, name: str) -> list[WorkerConfig] | None:
-        """The workers a model added at run time wants; None for a model of the config file."""
-        workers = self.registry.runtime_workers().get(name)
-        return None if workers is None else list(workers)
-
     def runtime_worker_ids(self) -> set[str]:
         return {w.id for ws in self.registry.runtime_workers().values() for w in ws}
 
-    def uptime_s(self) -> float:
-        return self.clock() - self.started_at
-
     def live_jobs(self) -> int:
         return len(self.jobs)
-
-    def scheduler_snapshot(self) -> dict[str, Any]:
-        """The policy's workers, queues and counters now (a fresh dict)."""
-        return self.policy.snapshot(self.clock())
-
-    def queued_by_model(self) -> dict[tuple[str, str], int]:
-        return self.policy.queued_by_model()
-
-    def tenants(self) -> dict[str, Any]:
-        """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
-        return self.quota.snapshot()

@@ -25,9 +25,10 @@ ModelRow = tuple[str, int, int, str]
 
 
 class CoreReads(Protocol):
-    """What the views read of the lifecycle (router.core.RouterCore)."""
+    """What the views read of the lifecycle (router.core_reads.CoreView over router.core.RouterCore)."""
 
-    draining: bool  # router.drain: readiness fails
+    @property
+    def draining(self) -> bool: ...  # router.drain: readiness fails
 
     def served_models(self) -> list[ModelConfig]: ...
 

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from router.core import RouterCore
+from router.core_reads import CoreView
 from router.http_routes import Refusal, Reply, Routes, routes
 from router.metrics import RouterMetrics
 from router.operator_actions import RouterOperator
@@ -83,7 +84,7 @@ class Router:
         self.link = FakeLink()
         self.metrics = RouterMetrics()
         self.core = RouterCore(_config(), self.loop, self.link, metrics=self.metrics)
-        self.views = RouterViews(self.core, self.link, self.metrics)
+        self.views = RouterViews(CoreView(self.core), self.link, self.metrics)
         self.reloads = 0
         self.operator = RouterOperator(self.core, self.link, self._reload)
         self.routes: Routes = routes(self.views, self.operator, created=7)

@@ -161,7 +161,7 @@ class Fleet:
         self.down.add((r, w))
         self._worker_forgets(r, w)
         lost = self.policies[r].remove_worker(f"w{w}", self.now)
-        for job_id in lost:  # RouterCore._after_loss: nothing streamed in this model: queued again
+        for job_id in lost:  # Recovery.after_loss (router.recovery): nothing streamed in this model: queued again
             self._requeue_lost(r, job_id)
         self.schedule(r)
 
