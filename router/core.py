@@ -13,7 +13,10 @@ State, each piece with one owner:
   * ``jobs`` here: every live request, from submit to its end, each with its
     explicit state (router.jobs: the transitions and the one place they happen);
   * the model registry (router.model_registry): the models served now;
-  * the ``Policy``: queues, the KV ledger, and which job runs on which worker;
+  * the ``Policy``: queues and the KV ledger (what each worker holds);
+    ``JobRecord.worker`` is the lifecycle's copy of where a job runs, set and
+    cleared only by ``router.jobs.advance`` on the policy's DispatchJob and
+    the job's requeue or end (tests/inproc/test_lifecycle.py checks they agree);
   * the worker link: identities, liveness and engine stats of workers.
 
 A job: submit (into the job table, TOKENIZING) -> tokenized, inline or on a
@@ -159,6 +162,9 @@ class RouterCore:
                 tokens = tokenize_hashed(model.prompts, sub, hasher)
             except ValueError as e:  # router.prompts.BadInput names the field
                 return self._refused_at_submit(j, error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)))
+            except Exception:  # a defect: the job must still leave the table (as on the tokenizing thread)
+                log.exception("tokenizing request %s (job %s) failed", j.trace, j.job_id, extra={"request_id": j.trace})
+                return self._refused_at_submit(j, error(Code.INTERNAL, "Tokenizing the prompt failed."))
             err = self._intake.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
         fut = self.loop.run_in_executor(self.executor, tokenize_hashed, model.prompts, sub, hasher)
