@@ -65,7 +65,14 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     frontend.serve(core)
     host, port = split_hostport(cfg.router.http)
     server = await start_http_server(
-        core, views, metrics, host, port, operator=operator, max_body_bytes=cfg.envoy.max_request_bytes
+        core,
+        views,
+        metrics,
+        host,
+        port,
+        operator=operator,
+        max_body_bytes=cfg.envoy.max_request_bytes,
+        max_prompts=cfg.router.max_prompts_per_request,
     )
     log.info(
         "router ready: http=%s frontend=%s backend=%s policy=%s",

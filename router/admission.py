@@ -30,7 +30,7 @@ def check_shape(sub: p.Submit) -> p.ErrorInfo | None:
     ``resolve_max_tokens``'.)"""
     if sub.kind == p.RequestKind.CHAT and not sub.messages:
         return error(Code.BAD_REQUEST, "messages must be a non-empty list", param="messages")
-    if sub.kind == p.RequestKind.COMPLETION and not sub.prompt:
+    if sub.kind == p.RequestKind.COMPLETION and not sub.prompt and not sub.prompt_token_ids:
         return error(Code.BAD_REQUEST, "prompt must be a non-empty string", param="prompt")
     params = sub.params
     if params is not None and params.n > 1 and params.temperature < GREEDY_TEMPERATURE:

@@ -45,14 +45,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from router.admission import Identity, Keys, check_shape, resolve_max_tokens
 from router.jobs import AWAITING_BUDGET, ENDED, QUEUED, RUNNING, JobMetrics, JobRecord, advance, job_id_of, log_end
 from router.metrics import RouterMetrics
-from router.model_registry import ModelRegistry, PromptTokens, tokenize_hashed
+from router.model_registry import ModelRegistry, PromptTokens, ServedModel, tokenize_hashed
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
 from router.ports import RequestSink, WorkerPort
 from router.prefix_metrics import PrefixMetrics
@@ -62,6 +62,8 @@ from router.quota import Answer, Hold, Quota
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
 from shared.errors import Code, error, label
+
+T = TypeVar("T")
 
 # (tokenize_hashed, PromptTokens and the ports are named here too, where callers found them)
 __all__ = ["RouterCore", "RequestSink", "WorkerPort", "PromptTokens", "tokenize_hashed"]
@@ -174,6 +176,15 @@ class RouterCore:
         """Token id -> text for rendering logprobs (None: unknown model or no tokenizer)."""
         served = self.registry.get(model)
         return served.prompts.token_text() if served is not None else None
+
+    def served_model(self, model: str) -> ServedModel | None:
+        """A model's config and tokenizer (/tokenize, echo of token ids); None: unknown."""
+        return self.registry.get(model)
+
+    def off_loop(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``fn(*args)`` on the tokenizing thread (long /tokenize texts): in
+        arrival order with the prompts, never on the event loop."""
+        return self.loop.run_in_executor(self.executor, fn, *args)
 
     def awaiting_output(self, handle: int) -> bool:
         """Live and nothing generated yet (queued, tokenizing or prefilling)."""

@@ -30,7 +30,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import httptools
 
@@ -39,8 +39,14 @@ from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.http_routes import JSON as _JSON
 from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Views, routes
 from router.metrics import RouterMetrics
+from router.model_registry import ServedModel
+from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
+from router.ports import RequestSink
+from router.prompt_fanout import PromptFanOut
 from shared.errors import Code, error
 from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, Submit
+
+T = TypeVar("T")
 
 log = logging.getLogger("weir.http")
 
@@ -71,11 +77,15 @@ _CHUNK_END = b"0\r\n\r\n"
 class Generation(Protocol):
     """What generation requests need of the router (router.core.RouterCore)."""
 
-    def submit(self, sub: Submit, sink: Exchange) -> int | ErrorInfo: ...
+    def submit(self, sub: Submit, sink: RequestSink) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
     def token_text(self, model: str) -> Any: ...
+
+    def served_model(self, model: str) -> ServedModel | None: ...
+
+    def off_loop(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]: ...
 
 
 class _BodyTooLarge(Exception):
@@ -124,8 +134,10 @@ class _Ingress:
         metrics: RouterMetrics,
         max_body_bytes: int,
         max_buffered_bytes: int,
+        max_prompts: int,
     ):
         self.core = core
+        self.max_prompts = max_prompts  # per completion request (router.max_prompts_per_request)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
@@ -173,6 +185,7 @@ class Exchange:
         "ended",
         "extra",
         "rl",
+        "fan",
     )
 
     def __init__(self, conn: HttpConnection, req: _Request, ctx: api.ResponseContext, label: str):
@@ -181,6 +194,7 @@ class Exchange:
         self.ctx = ctx
         self.label = label
         self.handle: int | None = None
+        self.fan: PromptFanOut | None = None  # several prompts: their jobs (instead of ``handle``)
         self.done = False
         self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/quota.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
@@ -200,6 +214,13 @@ class Exchange:
             self.texts: list[str] = []
             # n > 1, logprobs, echo: the general accumulator; else the plain one below
             self.counts = api.Accumulator(ctx) if ctx.rich else api.TokenCounts()
+
+    def cancel_jobs(self) -> None:
+        """The client is gone or the response abandoned: end its job(s) in the core."""
+        if self.fan is not None:
+            self.fan.cancel()
+        elif self.handle is not None:
+            self.conn.ingress.core.cancel(self.handle)
 
     def on_deltas(self, deltas: list[Delta]) -> None:
         if self.done or self.conn.closed or not deltas:
@@ -400,8 +421,7 @@ class HttpConnection(asyncio.Protocol):
             self.current = None
             if not ex.done:
                 ex.done = True
-                if ex.handle is not None:
-                    self.ingress.core.cancel(ex.handle)
+                ex.cancel_jobs()
             self.ingress.metrics.observe_http(ex.label, STATUS_CLIENT_GONE, time.perf_counter() - ex.req.t0)
 
     def pause_writing(self) -> None:
@@ -500,7 +520,7 @@ class HttpConnection(asyncio.Protocol):
         self,
         req: _Request,
         label: str,
-        parse: Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext]],
+        parse: Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext] | api.CompletionJobs],
     ) -> None:
         meta = api.meta_from_headers(
             req.header(b"authorization"),
@@ -510,25 +530,37 @@ class HttpConnection(asyncio.Protocol):
             req.header(b"x-weir-allow-fallback"),
         )
         try:
-            sub, ctx = parse(req.body, meta, api.new_request_id())
+            got = parse(req.body, meta, api.new_request_id())
         except api.RequestError as e:
             if req.rid is None:
                 req.rid = api.new_request_id()
             return self.respond_error(req, e.info, label)
+        jobs = got if isinstance(got, api.CompletionJobs) else api.CompletionJobs([got[0]], got[1], 1, [])
+        subs, ctx = jobs.subs, jobs.ctx
         if req.rid is None:
             req.rid = ctx.id  # router-direct without x-request-id: the response's own id
-        sub.trace_id = ctx.request_id = req.rid
+        ctx.request_id = req.rid
+        for sub in subs:
+            sub.trace_id = req.rid
         req.body = b""  # a stream may live for minutes; its body is not needed
+        core = self.ingress.core
         if ctx.logprobs is not None:
             # (None: an unknown model, refused by submit, or one without a tokenizer --
             # the simulated engine, which refuses logprobs -- so ids as vLLM's
             # return_tokens_as_token_ids would show them)
-            ctx.token_text = self.ingress.core.token_text(sub.model) or api.token_id_text
+            ctx.token_text = core.token_text(subs[0].model) or api.token_id_text
+        echoes = self._echoes(jobs)
+        if len(subs) == 1 and echoes:
+            ctx.echo = echoes[0]
         ex = Exchange(self, req, ctx, label)
         self.current = ex
         self.busy = True
         try:
-            result = self.ingress.core.submit(sub, ex)
+            if len(subs) == 1:
+                result: int | ErrorInfo | None = core.submit(subs[0], ex)
+            else:
+                ex.fan = PromptFanOut(core, ex, jobs.n, len(subs), echoes)
+                result = ex.fan.submit(subs)
         except Exception:
             self.current = None
             self.busy = False
@@ -540,8 +572,22 @@ class HttpConnection(asyncio.Protocol):
             return self.respond_error(req, result, label)
         ex.handle = result
 
+    def _echoes(self, jobs: api.CompletionJobs) -> list[str]:
+        """Each prompt's text for ``echo``; token ids decoded as vLLM decodes them."""
+        if not jobs.echoes:
+            return []
+        if all(e is not None for e in jobs.echoes):
+            return [e or "" for e in jobs.echoes]
+        served = self.ingress.core.served_model(jobs.subs[0].model)
+        prompts = served.prompts if served is not None and served.prompts.exact else None
+        return [
+            e if e is not None else (prompts.decode(sub.prompt_token_ids) if prompts is not None else "")
+            for e, sub in zip(jobs.echoes, jobs.subs, strict=True)
+        ]
+
     def completions(self, req: _Request, label: str) -> None:
-        self._generate(req, label, api.parse_completion)
+        max_prompts = self.ingress.max_prompts
+        self._generate(req, label, lambda body, meta, rid: api.parse_completions(body, meta, rid, max_prompts))
 
     def chat(self, req: _Request, label: str) -> None:
         self._generate(req, label, api.parse_chat)
@@ -623,8 +669,7 @@ class HttpConnection(asyncio.Protocol):
         """Give up on a generation mid-response: cancel it and drop the connection."""
         ex.done = True
         self.current = None
-        if ex.handle is not None:
-            self.ingress.core.cancel(ex.handle)
+        ex.cancel_jobs()
         self.ingress.metrics.observe_http(ex.label, status, time.perf_counter() - ex.req.t0)
         self.closed = True
         self.pending.clear()
@@ -651,13 +696,15 @@ async def start_http_server(
     operator: Operator | None = None,
     max_body_bytes: int = 1 << 20,
     max_buffered_bytes: int = 4 << 20,
+    max_prompts: int = DEFAULT_MAX_PROMPTS,
 ) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
 
     ``max_buffered_bytes``: a stream whose unsent output exceeds this while
     the client is not reading is cancelled and its connection dropped.
+    ``max_prompts``: a completion's most prompts (a longer list: 400).
     """
-    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes)
+    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes, max_prompts)
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)

@@ -182,6 +182,8 @@ class PromptTokens(NamedTuple):
 def prompt_chars(sub: Submit) -> int:
     if sub.kind == RequestKind.CHAT:
         return sum(len(m.content) for m in sub.messages)
+    if sub.prompt_token_ids:  # checking an id costs about what tokenizing ~4 characters does
+        return 4 * len(sub.prompt_token_ids)
     return len(sub.prompt)
 
 
@@ -253,6 +255,8 @@ class ModelPrompts:
 
     def tokenize(self, sub: Submit) -> PromptTokens:
         self.check(sub)
+        if sub.prompt_token_ids:
+            return self._given_ids(sub.prompt_token_ids)
         tok = self.tokenizer
         if tok is None:
             n = estimate_chat(sub.messages) if sub.kind == RequestKind.CHAT else estimate_text(sub.prompt)
@@ -265,6 +269,33 @@ class ModelPrompts:
             text, special = sub.prompt, True
         ids = tok.encode_batch([text], add_special_tokens=special)[0].ids
         return PromptTokens(ids, len(ids))
+
+    def _given_ids(self, ids: list[int]) -> PromptTokens:
+        """A prompt given as token ids: checked against the vocabulary, sent
+        as they are (the simulated engine, with no tokenizer, only counts them)."""
+        vocab = self.vocab_size
+        if vocab:
+            top = max(ids)
+            if top >= vocab:
+                raise BadInput(f"Token id {top} is out of vocabulary (size {vocab})", param="prompt")
+            return PromptTokens(list(ids), len(ids))
+        return PromptTokens([], len(ids))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (``encode_batch``: releases the GIL on a thread)."""
+        assert self.tokenizer is not None
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text as vLLM's /detokenize and echo decode them (special tokens kept)."""
+        assert self.tokenizer is not None
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The vocabulary's strings for ``ids`` (transformers' convert_ids_to_tokens)."""
+        assert self.tokenizer is not None
+        tok = self.tokenizer
+        return [tok.id_to_token(i) or "" for i in ids]
 
     def render_chat(self, sub: Submit) -> str:
         if self._template is None:

@@ -261,6 +261,9 @@ class Submit(_Msg, tag=1):
     # The id its log lines (router and worker) carry; HTTP: Envoy's or the
     # client's x-request-id.  None: the router uses its own job id.
     trace_id: TraceId | None = None
+    # A completion's prompt given as token ids (``prompt`` then empty): the
+    # router checks them against the vocabulary and sends them as they are.
+    prompt_token_ids: list[NonNegativeInt] = []
 
 
 class Cancel(_Msg, tag=2):
