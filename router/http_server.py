@@ -30,10 +30,11 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
 import httptools
 
+from router import http_tokenize
 from router import openai_api as api
 from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.http_routes import JSON as _JSON
@@ -42,11 +43,9 @@ from router.metrics import RouterMetrics
 from router.model_registry import ServedModel
 from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
 from router.ports import RequestSink
-from router.prompt_fanout import PromptFanOut
+from router.prompt_fanout import PromptFanOut, echo_texts
 from shared.errors import Code, error
 from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, Submit
-
-T = TypeVar("T")
 
 log = logging.getLogger("weir.http")
 
@@ -85,7 +84,7 @@ class Generation(Protocol):
 
     def served_model(self, model: str) -> ServedModel | None: ...
 
-    def off_loop(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]: ...
+    def off_loop(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]: ...
 
 
 class _BodyTooLarge(Exception):
@@ -149,6 +148,8 @@ class _Ingress:
         self.routes: dict[bytes, tuple[bytes, Callable[[HttpConnection, _Request, str], None]]] = {
             b"/v1/completions": (b"POST", HttpConnection.completions),
             b"/v1/chat/completions": (b"POST", HttpConnection.chat),
+            b"/tokenize": (b"POST", http_tokenize.tokenize),
+            b"/detokenize": (b"POST", http_tokenize.detokenize),
             **{path: (r.method, _answering(r.handler)) for path, r in table.exact.items()},
         }
         self.patterns: list[PatternRoute] = table.patterns  # when no path matches: in order
@@ -549,7 +550,7 @@ class HttpConnection(asyncio.Protocol):
             # the simulated engine, which refuses logprobs -- so ids as vLLM's
             # return_tokens_as_token_ids would show them)
             ctx.token_text = core.token_text(subs[0].model) or api.token_id_text
-        echoes = self._echoes(jobs)
+        echoes = echo_texts(core, jobs)
         if len(subs) == 1 and echoes:
             ctx.echo = echoes[0]
         ex = Exchange(self, req, ctx, label)
@@ -571,19 +572,6 @@ class HttpConnection(asyncio.Protocol):
             self.busy = False
             return self.respond_error(req, result, label)
         ex.handle = result
-
-    def _echoes(self, jobs: api.CompletionJobs) -> list[str]:
-        """Each prompt's text for ``echo``; token ids decoded as vLLM decodes them."""
-        if not jobs.echoes:
-            return []
-        if all(e is not None for e in jobs.echoes):
-            return [e or "" for e in jobs.echoes]
-        served = self.ingress.core.served_model(jobs.subs[0].model)
-        prompts = served.prompts if served is not None and served.prompts.exact else None
-        return [
-            e if e is not None else (prompts.decode(sub.prompt_token_ids) if prompts is not None else "")
-            for e, sub in zip(jobs.echoes, jobs.subs, strict=True)
-        ]
 
     def completions(self, req: _Request, label: str) -> None:
         max_prompts = self.ingress.max_prompts

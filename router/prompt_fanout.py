@@ -20,6 +20,8 @@ from typing import Protocol
 
 import msgspec
 
+from router.model_registry import ServedModel
+from router.openai_api import CompletionJobs
 from router.ports import RequestSink
 from shared.protocol import Delta, ErrorInfo, Submit
 
@@ -30,6 +32,23 @@ class Submitter(Protocol):
     def submit(self, sub: Submit, sink: RequestSink) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
+
+    def served_model(self, model: str) -> ServedModel | None: ...
+
+
+def echo_texts(core: Submitter, jobs: CompletionJobs) -> list[str]:
+    """Each prompt's text for ``echo``; token ids decoded as vLLM decodes them
+    (on the loop: ~1 us a token, and echo of token ids is rare)."""
+    if not jobs.echoes:
+        return []
+    if all(e is not None for e in jobs.echoes):
+        return [e or "" for e in jobs.echoes]
+    served = core.served_model(jobs.subs[0].model)
+    prompts = served.prompts if served is not None and served.prompts.exact else None
+    return [
+        e if e is not None else (prompts.decode(sub.prompt_token_ids) if prompts is not None else "")
+        for e, sub in zip(jobs.echoes, jobs.subs, strict=True)
+    ]
 
 
 class PromptFanOut:
