@@ -181,6 +181,11 @@ class RouterCore:
         """A model's config and tokenizer (/tokenize, echo of token ids); None: unknown."""
         return self.registry.get(model)
 
+    def check_key(self, api_key: str | None) -> p.ErrorInfo | None:
+        """The key check of ``submit`` alone (/tokenize): None if the key may be served."""
+        who = self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
+        return who if isinstance(who, p.ErrorInfo) else None
+
     def off_loop(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """``fn(*args)`` on the tokenizing thread (long /tokenize texts): in
         arrival order with the prompts, never on the event loop."""

@@ -36,7 +36,14 @@ def _answer(conn: HttpConnection, req: _Request, label: str, body: Callable[[], 
 
 
 def _tokenizer(conn: HttpConnection, req: _Request, model: str, label: str) -> ServedModel | None:
-    """The model's tokenizer, or None after answering why not."""
+    """The model's tokenizer, or None after answering why not.  Where API
+    keys are configured a valid one is needed, as for generation (vLLM's
+    --api-key guards only /v1/)."""
+    meta = api.meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"), None, None, None)
+    refused = conn.ingress.core.check_key(meta.api_key)
+    if refused is not None:
+        conn.respond_error(req, refused, label)
+        return None
     served = conn.ingress.core.served_model(model)
     if served is None:
         conn.respond_error(
