@@ -32,6 +32,8 @@ def check_shape(sub: p.Submit) -> p.ErrorInfo | None:
         return error(Code.BAD_REQUEST, "messages must be a non-empty list", param="messages")
     if sub.kind == p.RequestKind.COMPLETION and not sub.prompt and not sub.prompt_token_ids:
         return error(Code.BAD_REQUEST, "prompt must be a non-empty string", param="prompt")
+    if sub.prompt_token_ids and (sub.prompt or sub.kind != p.RequestKind.COMPLETION):
+        return error(Code.BAD_REQUEST, "prompt_token_ids is for a completion without prompt", param="prompt_token_ids")
     params = sub.params
     if params is not None and params.n > 1 and params.temperature < GREEDY_TEMPERATURE:
         # vLLM refuses it too ("n must be 1 when using greedy sampling"): n copies of one answer

@@ -4,11 +4,16 @@ response (numbering, usage, ends, failures), rendered by the real renderers."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from router import openai_api as api
+from router.admission import check_shape
 from router.prompt_fanout import PromptFanOut
+from router.prompts import BadInput, ModelPrompts
 from shared.errors import Code, error
-from shared.protocol import Delta, ErrorInfo
+from shared.protocol import Delta, ErrorInfo, Submit
 
 NO_META = api.meta_from_headers(None, None, None, None, None)
 
@@ -169,3 +174,28 @@ def test_echo_prefixes_each_prompts_choices():
     acc.add(out.all)
     texts = [c["text"] for c in json.loads(acc.render())["choices"]]
     assert texts == ["p", "p1", "q2", "q"]
+
+
+# ------------------------------------------------------------ token-id prompts in router.prompts
+
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
+
+
+def test_token_id_prompts_are_checked_against_the_vocabulary_and_sent_as_they_are():
+    prompts = ModelPrompts(str(TINY))
+    ids = prompts.encode("Hello there", add_special_tokens=True)
+    sub = Submit(request_id="r", model="m", prompt_token_ids=ids)
+    assert tuple(prompts.tokenize(sub)) == (ids, len(ids))
+    assert prompts.decode(prompts.encode("Hello there", add_special_tokens=False)) == "Hello there"
+    bad = Submit(request_id="r", model="m", prompt_token_ids=[1, prompts.vocab_size])
+    with pytest.raises(BadInput) as e:
+        prompts.tokenize(bad)
+    assert e.value.param == "prompt"
+    # the simulated engine (no tokenizer) counts them
+    assert tuple(ModelPrompts(None).tokenize(sub)) == ([], len(ids))
+
+
+def test_prompt_and_token_ids_together_are_refused_over_zeromq_too():
+    err = check_shape(Submit(request_id="r", model="m", prompt="x", prompt_token_ids=[1]))
+    assert err is not None and err.status == 400 and err.param == "prompt_token_ids"
+    assert check_shape(Submit(request_id="r", model="m", prompt_token_ids=[1])) is None
