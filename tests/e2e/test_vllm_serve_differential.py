@@ -46,6 +46,7 @@ class Case:
     body: Any  # a dict (sent as JSON) or raw bytes
     exact: bool = False  # deterministic: outputs must agree token for token
     stream: bool = False
+    known: str = ""  # a documented output difference (docs/api.md): counted, reported, not a failure
 
 
 def _c(name: str, exact: bool = True, **body: Any) -> Case:
@@ -93,6 +94,17 @@ CORPUS: list[Case] = [
     _c("stop", prompt="Once upon a time", stop=[" "], max_tokens=16, **GREEDY),
     _c("penalties", prompt="The river", presence_penalty=1.0, frequency_penalty=0.5, **SEEDED),
     _c("max-tokens-1", prompt=["a", "b", "c", "d"], max_tokens=1, **GREEDY),
+    Case(
+        "ids-logprobs",
+        "/v1/completions",
+        {"model": MODEL, "max_tokens": 8, "prompt": [IDS, [1, 50, 60]], "logprobs": 1, **GREEDY},
+        exact=True,
+        # vLLM 0.32 re-decodes a logprob token ending in U+FFFD with up to 4 preceding
+        # sampled tokens (vllm/v1/engine/logprobs.py) and names an unfinished one "";
+        # weir names each token decoded alone
+        known="logprob token text of a byte token that is part of a multi-byte character",
+    ),
+    _c("long-prompt-in-list", prompt=["a", "word " * 300], **GREEDY),  # tokenized off the loop
     # --- completions: bad input
     _c("empty-list", prompt=[]),
     _c("mixed-list", prompt=[1, "a"]),
@@ -103,6 +115,7 @@ CORPUS: list[Case] = [
     _c("temperature-3", prompt="x", temperature=3),
     _c("unknown-model", prompt="x", model="no-such-model"),
     _c("greedy-n2", prompt="x", n=2, temperature=0),
+    _c("one-prompt-over-context", prompt=["a", [1] + [50] * (stackutil.STACK_VLLM_MAX_LEN + 10)]),
     _c("top-logprobs-too-many", prompt="x", logprobs=100),
     Case("malformed-json", "/v1/completions", b'{"model": "tiny-llama", "prompt": '),
     # --- chat
@@ -119,6 +132,9 @@ CORPUS: list[Case] = [
     Case("tokenize-chat", "/tokenize", {"model": MODEL, "messages": CHAT}, exact=True),
     Case("tokenize-chat-strs", "/tokenize", {"model": MODEL, "messages": CHAT, "return_token_strs": True}, True),
     Case("detokenize", "/detokenize", {"model": MODEL, "tokens": IDS}, exact=True),
+    Case("tokenize-long", "/tokenize", {"model": MODEL, "prompt": "The river runs. " * 150}, exact=True),
+    Case("detokenize-empty", "/detokenize", {"model": MODEL, "tokens": []}, exact=True),
+    Case("detokenize-out-of-vocab", "/detokenize", {"model": MODEL, "tokens": [72, 999999, 101]}, exact=True),
     Case("tokenize-unknown-model", "/tokenize", {"model": "no-such-model", "prompt": "x"}),
     Case("tokenize-nothing", "/tokenize", {"model": MODEL}),
     Case("detokenize-negative", "/detokenize", {"model": MODEL, "tokens": [-1]}),
@@ -283,6 +299,7 @@ def test_weir_answers_as_vllm_serve_does(stack, vllm_serve):
     statuses = shapes = outputs = errors = 0
     shape_cases = output_cases = error_cases = 0
     problems: list[str] = []
+    known: list[str] = []
     for case in CORPUS:
         theirs = _send(vllm_serve, case, {})
         ours = _send(stack.envoy_url, case, weir_headers)
@@ -318,10 +335,13 @@ def test_weir_answers_as_vllm_serve_does(stack, vllm_serve):
             a, b = _outputs(case, theirs), _outputs(case, ours)
             if a == b:
                 outputs += 1
+            elif case.known:
+                known.append(f"{case.name}: {case.known}")
             else:
                 problems.append(f"{case.name}: outputs differ:\n  vllm {a}\n  weir {b}")
     print(
         f"\ndifferential vs vllm serve: statuses {statuses}/{len(CORPUS)}, shapes {shapes}/{shape_cases}, "
-        f"deterministic outputs {outputs}/{output_cases}, error bodies {errors}/{error_cases}"
+        f"deterministic outputs {outputs}/{output_cases} (known differences: {known or 'none'}), "
+        f"error bodies {errors}/{error_cases}"
     )
     assert not problems, "\n".join(problems)
