@@ -325,8 +325,11 @@ def _http_connection_manager(cfg: Config) -> dict:
                     "routes": [
                         _route({"prefix": "/v1/"}, idle, cfg),
                         _route({"path": "/health"}, idle, cfg),
+                        # vLLM's tokenizer endpoints (the router answers them, same keys and buckets)
+                        _route({"path": "/tokenize"}, idle, cfg),
+                        _route({"path": "/detokenize"}, idle, cfg),
                     ],
-                    # One instance for the virtual host: both routes share its buckets.
+                    # One instance for the virtual host: every route shares its buckets.
                     "typed_per_filter_config": {_RL_FILTER: _rate_limit(cfg)},
                 }
             ],

@@ -104,6 +104,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         operator=operator,
         max_body_bytes=cfg.envoy.max_request_bytes,
         connections=connections,
+        max_prompts=cfg.router.max_prompts_per_request,
     )
     log.info(
         "router ready: http=%s frontend=%s backend=%s policy=%s",

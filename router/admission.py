@@ -30,15 +30,20 @@ def check_shape(sub: p.Submit) -> p.ErrorInfo | None:
     ``resolve_max_tokens``'.)"""
     if sub.kind == p.RequestKind.CHAT and not sub.messages:
         return error(Code.BAD_REQUEST, "messages must be a non-empty list", param="messages")
-    if sub.kind == p.RequestKind.COMPLETION and not sub.prompt:
+    if sub.kind == p.RequestKind.COMPLETION and not sub.prompt and not sub.prompt_token_ids:
         return error(Code.BAD_REQUEST, "prompt must be a non-empty string", param="prompt")
     if sub.kind == p.RequestKind.EMBEDDING:
         if not sub.prompt and not sub.prompt_token_ids:
             return error(Code.BAD_REQUEST, "input must not be empty", param="input")
         if sub.prompt and sub.prompt_token_ids:
             return error(Code.BAD_REQUEST, "input is either text or token ids, not both", param="input")
-    elif sub.prompt_token_ids or sub.dimensions is not None:
-        return error(Code.BAD_REQUEST, "prompt_token_ids and dimensions are for embedding requests", param="input")
+    else:
+        if sub.dimensions is not None:
+            return error(Code.BAD_REQUEST, "dimensions is for embedding requests", param="dimensions")
+        if sub.prompt_token_ids and (sub.prompt or sub.kind != p.RequestKind.COMPLETION):
+            return error(
+                Code.BAD_REQUEST, "prompt_token_ids is for a completion without prompt", param="prompt_token_ids"
+            )
     params = sub.params
     if params is not None and params.n > 1 and params.temperature < GREEDY_TEMPERATURE:
         # vLLM refuses it too ("n must be 1 when using greedy sampling"): n copies of one answer

@@ -44,6 +44,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -52,7 +53,7 @@ from router.drain import draining_error
 from router.intake import FALLBACK_ON, Intake, task_mismatch, unloading_error
 from router.jobs import ENDED, QUEUED, RUNNING, JobRecord, advance, job_id_of, log_end
 from router.metrics import RouterMetrics
-from router.model_registry import ModelRegistry, PromptTokens, tokenize_hashed
+from router.model_registry import ModelRegistry, PromptTokens, ServedModel, tokenize_hashed
 from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
 from router.ports import RequestSink, WorkerPort
 from router.prefix_metrics import PrefixMetrics
@@ -63,6 +64,8 @@ from router.recovery import Recovery
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
 from shared.errors import Code, error, label
+
+T = TypeVar("T")
 
 # (tokenize_hashed, PromptTokens and the ports are named here too, where callers found them)
 __all__ = ["RouterCore", "RequestSink", "WorkerPort", "PromptTokens", "tokenize_hashed"]
@@ -188,6 +191,20 @@ class RouterCore:
         if served is None:
             return None, False
         return served.config.tool_call_parser, served.config.enable_auto_tool_choice
+
+    def served_model(self, model: str) -> ServedModel | None:
+        """A model's config and tokenizer (/tokenize, echo of token ids); None: unknown."""
+        return self.registry.get(model)
+
+    def check_key(self, api_key: str | None) -> p.ErrorInfo | None:
+        """The key check of ``submit`` alone (/tokenize): None if the key may be served."""
+        who = self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
+        return who if isinstance(who, p.ErrorInfo) else None
+
+    def off_loop(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``fn(*args)`` on the tokenizing thread (long /tokenize texts): in
+        arrival order with the prompts, never on the event loop."""
+        return self.loop.run_in_executor(self.executor, fn, *args)
 
     def awaiting_output(self, handle: int) -> bool:
         """Live and nothing generated yet (queued, tokenizing or prefilling)."""

@@ -34,13 +34,17 @@ from typing import Any, Protocol, cast
 
 import httptools
 
+from router import http_tokenize
 from router import openai_api as api
 from router.http_embeddings import EmbeddingBatch, start_embeddings
 from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.http_routes import JSON as _JSON
 from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Views, routes
 from router.metrics import RouterMetrics
+from router.model_registry import ServedModel
+from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
 from router.ports import RequestSink
+from router.prompt_fanout import PromptFanOut, echo_texts
 from shared.errors import Code, error
 from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, Submit
 
@@ -79,6 +83,12 @@ class Generation(Protocol):
 
     def token_text(self, model: str) -> Any: ...
     def tool_parser(self, model: str) -> tuple[str | None, bool]: ...
+
+    def served_model(self, model: str) -> ServedModel | None: ...
+
+    def check_key(self, api_key: str | None) -> ErrorInfo | None: ...
+
+    def off_loop(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]: ...
 
 
 class _BodyTooLarge(Exception):
@@ -128,9 +138,11 @@ class _Ingress:
         max_body_bytes: int,
         max_buffered_bytes: int,
         connections: set[HttpConnection],
+        max_prompts: int,
     ):
         self.core = core
         self.connections = connections  # open ones: what a drain waits on (``written_out``)
+        self.max_prompts = max_prompts  # per completion request (router.max_prompts_per_request)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
@@ -143,6 +155,8 @@ class _Ingress:
             b"/v1/completions": (b"POST", HttpConnection.completions),
             b"/v1/chat/completions": (b"POST", HttpConnection.chat),
             b"/v1/embeddings": (b"POST", HttpConnection.embeddings),
+            b"/tokenize": (b"POST", http_tokenize.tokenize),
+            b"/detokenize": (b"POST", http_tokenize.detokenize),
             **{path: (r.method, _answering(r.handler)) for path, r in table.exact.items()},
         }
         self.patterns: list[PatternRoute] = table.patterns  # when no path matches: in order
@@ -179,6 +193,7 @@ class Exchange:
         "ended",
         "extra",
         "rl",
+        "fan",
     )
 
     def __init__(self, conn: HttpConnection, req: _Request, ctx: api.ResponseContext, label: str):
@@ -187,6 +202,7 @@ class Exchange:
         self.ctx = ctx
         self.label = label
         self.handle: int | None = None
+        self.fan: PromptFanOut | None = None  # several prompts: their jobs (instead of ``handle``)
         self.done = False
         self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/quota.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
@@ -206,6 +222,13 @@ class Exchange:
             self.texts: list[str] = []
             # n > 1, logprobs, echo: the general accumulator; else the plain one below
             self.counts = api.Accumulator(ctx) if ctx.rich else api.TokenCounts()
+
+    def cancel_jobs(self) -> None:
+        """The client is gone or the response abandoned: end its job(s) in the core."""
+        if self.fan is not None:
+            self.fan.cancel()
+        elif self.handle is not None:
+            self.conn.ingress.core.cancel(self.handle)
 
     def on_deltas(self, deltas: list[Delta]) -> None:
         if self.done or self.conn.closed or not deltas:
@@ -411,8 +434,7 @@ class HttpConnection(asyncio.Protocol):
             self.current = None
             if not ex.done:
                 ex.done = True
-                if ex.handle is not None:
-                    self.ingress.core.cancel(ex.handle)
+                ex.cancel_jobs()
             self.ingress.metrics.observe_http(ex.label, STATUS_CLIENT_GONE, time.perf_counter() - ex.req.t0)
 
     def pause_writing(self) -> None:
@@ -511,7 +533,7 @@ class HttpConnection(asyncio.Protocol):
         self,
         req: _Request,
         label: str,
-        parse: Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext]],
+        parse: Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext] | api.CompletionJobs],
     ) -> None:
         meta = api.meta_from_headers(
             req.header(b"authorization"),
@@ -521,27 +543,39 @@ class HttpConnection(asyncio.Protocol):
             req.header(b"x-weir-allow-fallback"),
         )
         try:
-            sub, ctx = parse(req.body, meta, api.new_request_id())
+            got = parse(req.body, meta, api.new_request_id())
         except api.RequestError as e:
             if req.rid is None:
                 req.rid = api.new_request_id()
             return self.respond_error(req, e.info, label)
+        jobs = got if isinstance(got, api.CompletionJobs) else api.CompletionJobs([got[0]], got[1], 1, [])
+        subs, ctx = jobs.subs, jobs.ctx
         if req.rid is None:
             req.rid = ctx.id  # router-direct without x-request-id: the response's own id
-        sub.trace_id = ctx.request_id = req.rid
+        ctx.request_id = req.rid
+        for sub in subs:
+            sub.trace_id = req.rid
         req.body = b""  # a stream may live for minutes; its body is not needed
+        core = self.ingress.core
         if ctx.logprobs is not None:
             # (None: an unknown model, refused by submit, or one without a tokenizer --
             # the simulated engine, which refuses logprobs -- so ids as vLLM's
             # return_tokens_as_token_ids would show them)
-            ctx.token_text = self.ingress.core.token_text(sub.model) or api.token_id_text
+            ctx.token_text = core.token_text(subs[0].model) or api.token_id_text
+        echoes = echo_texts(core, jobs)
+        if len(subs) == 1 and echoes:
+            ctx.echo = echoes[0]
         if ctx.tools is not None:  # how the model writes tool calls (its config; None: refused by submit)
-            ctx.tools.parser, ctx.tools.auto_enabled = self.ingress.core.tool_parser(sub.model)
+            ctx.tools.parser, ctx.tools.auto_enabled = core.tool_parser(subs[0].model)
         ex = Exchange(self, req, ctx, label)
         self.current = ex
         self.busy = True
         try:
-            result = self.ingress.core.submit(sub, ex)
+            if len(subs) == 1:
+                result: int | ErrorInfo | None = core.submit(subs[0], ex)
+            else:
+                ex.fan = PromptFanOut(core, ex, jobs.n, len(subs), echoes)
+                result = ex.fan.submit(subs)
         except Exception:
             self.current = None
             self.busy = False
@@ -554,7 +588,8 @@ class HttpConnection(asyncio.Protocol):
         ex.handle = result
 
     def completions(self, req: _Request, label: str) -> None:
-        self._generate(req, label, api.parse_completion)
+        max_prompts = self.ingress.max_prompts
+        self._generate(req, label, lambda body, meta, rid: api.parse_completions(body, meta, rid, max_prompts))
 
     def chat(self, req: _Request, label: str) -> None:
         self._generate(req, label, api.parse_chat)
@@ -639,8 +674,7 @@ class HttpConnection(asyncio.Protocol):
         """Give up on a generation mid-response: cancel it and drop the connection."""
         ex.done = True
         self.current = None
-        if ex.handle is not None:
-            self.ingress.core.cancel(ex.handle)
+        ex.cancel_jobs()
         self.ingress.metrics.observe_http(ex.label, status, time.perf_counter() - ex.req.t0)
         self.closed = True
         self.pending.clear()
@@ -668,6 +702,7 @@ async def start_http_server(
     max_body_bytes: int = 1 << 20,
     max_buffered_bytes: int = 4 << 20,
     connections: set[HttpConnection] | None = None,
+    max_prompts: int = DEFAULT_MAX_PROMPTS,
 ) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
@@ -675,9 +710,10 @@ async def start_http_server(
     ``max_buffered_bytes``: a stream whose unsent output exceeds this while
     the client is not reading is cancelled and its connection dropped.
     ``connections``: a set this server keeps its open connections in (for ``written_out``).
+    ``max_prompts``: a completion's most prompts (a longer list: 400).
     """
     conns = connections if connections is not None else set()
-    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes, conns)
+    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes, conns, max_prompts)
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)
 

@@ -187,6 +187,8 @@ def prompt_chars(sub: Submit) -> int:
         chat = sub.chat
         extra = len(chat.tools or "") + len(chat.documents or "") if chat is not None else 0
         return sum(len(m.content) for m in sub.messages) + extra  # (tools and documents may be rendered)
+    if sub.prompt_token_ids:  # checking an id costs about what tokenizing ~4 characters does
+        return 4 * len(sub.prompt_token_ids)
     return len(sub.prompt)
 
 
@@ -308,11 +310,8 @@ class ModelPrompts:
     def tokenize(self, sub: Submit) -> PromptTokens:
         self.check_tools(sub)
         self.check(sub)
-        if sub.prompt_token_ids:  # an embedding's input as token ids: used as they are
-            ids = sub.prompt_token_ids
-            if self.vocab_size and max(ids) >= self.vocab_size:
-                raise BadInput(f"input has token ids outside the vocabulary (size {self.vocab_size})", param="input")
-            return PromptTokens(list(ids), len(ids))
+        if sub.prompt_token_ids:  # a completion's prompt or an embedding's input as token ids
+            return self._given_ids(sub.prompt_token_ids, "input" if sub.kind == RequestKind.EMBEDDING else "prompt")
         tok = self.tokenizer
         if tok is None:
             if sub.kind == RequestKind.CHAT:
@@ -329,6 +328,33 @@ class ModelPrompts:
             text, special = sub.prompt, True
         ids = tok.encode_batch([text], add_special_tokens=special)[0].ids
         return PromptTokens(ids, len(ids))
+
+    def _given_ids(self, ids: list[int], param: str) -> PromptTokens:
+        """A prompt (or embedding input) given as token ids: checked against
+        the vocabulary, sent as they are (no tokenizer -- the simulated engine's
+        models -- nothing to check them against)."""
+        vocab = self.vocab_size
+        if vocab:
+            top = max(ids)
+            if top >= vocab:
+                raise BadInput(f"Token id {top} is out of vocabulary (size {vocab})", param=param)
+        return PromptTokens(list(ids), len(ids))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (``encode_batch``: releases the GIL on a thread)."""
+        assert self.tokenizer is not None
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text as vLLM's /detokenize and echo decode them (special tokens kept)."""
+        assert self.tokenizer is not None
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The vocabulary's strings for ``ids`` (transformers' convert_ids_to_tokens)."""
+        assert self.tokenizer is not None
+        tok = self.tokenizer
+        return [tok.id_to_token(i) or "" for i in ids]
 
     def render_chat(self, sub: Submit) -> str:
         """The chat as vLLM renders it (vllm/renderers/hf.py, transformers'

@@ -99,6 +99,9 @@ class RouterConfig(_Cfg):
     # for this long is aborted there and resumed elsewhere.  0: off.  The
     # tiny model's longest step here is ~50 ms, a 2k-token prefill ~0.3 s.
     stall_timeout_s: float = 10.0
+    # A completion whose ``prompt`` is a list (strings or token-id lists) runs
+    # one job per prompt; a longer list is refused (400, param ``prompt``).
+    max_prompts_per_request: int = 128
 
 
 class LoggingConfig(_Cfg):
@@ -408,6 +411,8 @@ def _validate(cfg: Config) -> None:
     ids = [w.id for w in cfg.workers]
     if len(set(ids)) != len(ids):
         raise ConfigError("duplicate worker ids")
+    if cfg.router.max_prompts_per_request < 1:
+        raise ConfigError("router.max_prompts_per_request must be at least 1")
     classes = {c.name for c in cfg.scheduler.classes}
     for m in cfg.models:
         # A simulated engine must never answer under a real model's name.

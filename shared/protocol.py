@@ -297,8 +297,9 @@ class Submit(_Msg, tag=1):
     # The id its log lines (router and worker) carry; HTTP: Envoy's or the
     # client's x-request-id.  None: the router uses its own job id.
     trace_id: TraceId | None = None
-    # EMBEDDING: the input as token ids instead of ``prompt`` (checked against
-    # the model's vocabulary), and the vector's length where the model is
+    # The prompt (a completion's) or input (an embedding's) as token ids
+    # instead of ``prompt``: checked against the model's vocabulary and sent as
+    # they are.  ``dimensions``: an embedding's length where the model is
     # Matryoshka (None: its full width).
     prompt_token_ids: list[TokenId] = []
     dimensions: PositiveInt | None = None

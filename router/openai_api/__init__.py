@@ -41,9 +41,11 @@ from router.openai_api.completions import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     Completion,
     CompletionChoice,
+    CompletionJobs,
     CompletionLogprobs,
     CompletionRequest,
     parse_completion,
+    parse_completions,
 )
 from router.openai_api.context import ResponseContext, new_request_id
 from router.openai_api.embeddings import (
@@ -82,6 +84,7 @@ __all__ = [
     "ChatTokenLogprob",
     "Completion",
     "CompletionChoice",
+    "CompletionJobs",
     "CompletionLogprobs",
     "CompletionRequest",
     "ErrorBody",
@@ -109,6 +112,7 @@ __all__ = [
     "new_request_id",
     "parse_chat",
     "parse_completion",
+    "parse_completions",
     "render_completion",
     "render_models",
     "token_id_text",

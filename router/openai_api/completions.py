@@ -3,12 +3,13 @@ the response's JSON shapes."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from router.openai_api.context import ResponseContext, response_context
 from router.openai_api.errors import invalid
+from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS, split_prompt
 from router.openai_api.request import RequestMeta, check_submit_shape, decode_body
 from router.openai_api.sampling import SamplingFields, common_fields
 from router.openai_api.usage import Usage
@@ -21,56 +22,76 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[Any]  # list: validated below (one string only)
+    # a string, or a list: of strings, of token ids, of token-id lists (router.openai_api.prompt_forms)
+    prompt: str | list[Any]
     logprobs: TopLogprobs | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: int | None = None  # accepted and ignored, as vLLM 0.32 does (docs/api.md)
     suffix: str | None = None
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 
-def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit, ResponseContext]:
+class CompletionJobs(NamedTuple):
+    """A completion request as jobs: one ``Submit`` per prompt, each with
+    ``n`` choices; the response numbers prompt ``i``'s choice ``j`` as
+    ``i * n + j`` (vLLM's numbering).  ``ctx.n`` is the total."""
+
+    subs: list[Submit]
+    ctx: ResponseContext
+    n: int
+    # echo: each prompt's text, None for token ids (the ingress decodes them); [] without echo
+    echoes: list[str | None]
+
+
+def parse_completions(
+    body: bytes, meta: RequestMeta, request_id: str, max_prompts: int = DEFAULT_MAX_PROMPTS
+) -> CompletionJobs:
     req = decode_body(_completion_decoder, body)
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        elif prompt and all(isinstance(p, str) for p in prompt):
-            raise invalid("Only one prompt per request is supported", param="prompt", code=Code.UNSUPPORTED_VALUE)
-        else:
-            raise invalid(
-                "prompt must be a string (token-id prompts are not supported)",
-                param="prompt",
-                code=Code.UNSUPPORTED_VALUE,
-            )
+    prompts = split_prompt(req.prompt, max_prompts)
     if req.echo and req.logprobs is not None:
         # OpenAI then also returns the prompt's logprobs; weir does not compute those
         raise invalid(
             "echo together with logprobs is not supported (prompt logprobs)", param="echo", code=Code.UNSUPPORTED_VALUE
         )
-    if req.best_of not in (None, 1):
-        raise invalid("best_of is not supported", param="best_of", code=Code.UNSUPPORTED_VALUE)
     if req.suffix:
         raise invalid("suffix is not supported", param="suffix", code=Code.UNSUPPORTED_VALUE)
     params, task_type, priority = common_fields(req, meta, req.logprobs)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    sub = Submit(
-        request_id=request_id,
-        model=req.model,
-        kind=RequestKind.COMPLETION,
-        prompt=prompt,
-        params=params,
-        max_tokens=max_tokens,
-        priority=priority,
-        task_type=task_type,
-        api_key=meta.api_key,
-        user=req.user,
-        allow_fallback=bool(req.fallback) or meta.allow_fallback,
-    )
-    check_submit_shape(sub)
-    return sub, response_context(req, RequestKind.COMPLETION, request_id, req.logprobs, prompt if req.echo else "")
+    subs = []
+    for i, prompt in enumerate(prompts):
+        sub = Submit(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+            model=req.model,
+            kind=RequestKind.COMPLETION,
+            prompt=prompt if isinstance(prompt, str) else "",
+            params=params,
+            max_tokens=max_tokens,
+            priority=priority,
+            task_type=task_type,
+            api_key=meta.api_key,
+            user=req.user,
+            allow_fallback=bool(req.fallback) or meta.allow_fallback,
+            prompt_token_ids=[] if isinstance(prompt, str) else prompt,
+        )
+        check_submit_shape(sub)
+        subs.append(sub)
+    echoes: list[str | None] = [p if isinstance(p, str) else None for p in prompts] if req.echo else []
+    first = prompts[0]
+    one_text = first if req.echo and len(prompts) == 1 and isinstance(first, str) else ""
+    ctx = response_context(req, RequestKind.COMPLETION, request_id, req.logprobs, one_text)
+    n = ctx.n
+    ctx.n = n * len(prompts)
+    return CompletionJobs(subs, ctx, n, echoes)
+
+
+def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit, ResponseContext]:
+    """A one-prompt completion (``parse_completions`` for any number)."""
+    jobs = parse_completions(body, meta, request_id)
+    if len(jobs.subs) != 1:
+        raise invalid("expected one prompt", param="prompt")
+    return jobs.subs[0], jobs.ctx
 
 
 # ------------------------------------------------------------ response shapes

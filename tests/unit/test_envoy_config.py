@@ -57,8 +57,13 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
     cfg = load(write_config(tmp_path, api_keys=API_KEYS, rate_limit={"max_keys": 77}))
     d = render_dict(cfg)
     hcm, vhost = _hcm(d), _vhost(d)
-    # Only /v1/ and /health are routed; /admin and /metrics fall through to 404.
-    assert [r["match"] for r in vhost["routes"]] == [{"prefix": "/v1/"}, {"path": "/health"}]
+    # Only /v1/, /health and the tokenizer endpoints are routed; /admin and /metrics fall through to 404.
+    assert [r["match"] for r in vhost["routes"]] == [
+        {"prefix": "/v1/"},
+        {"path": "/health"},
+        {"path": "/tokenize"},
+        {"path": "/detokenize"},
+    ]
     for r in vhost["routes"]:
         assert r["route"]["timeout"] == "0s"  # SSE streams are never cut by a route timeout
         assert r["route"]["cluster"] == "router"
