@@ -224,8 +224,13 @@ class WorkerConfig(_Cfg):
     warmup_timeout_s: float = 120.0
     # The routers' backend addresses this worker dials, one link each (default:
     # every router of the config, ``RouterEndpoint.dial``).  A worker on
-    # another host needs only these and its CURVE key.
+    # another host needs only these and its CURVE key.  An address given by
+    # DNS name stands for every address the name resolves to (a Kubernetes
+    # headless Service: every router pod): one link each, resolved again every
+    # discovery_interval_s and when a link is lost (engine_worker/discovery.py).
+    # 0: the name is one link, resolved once by ZeroMQ.
     routers: list[str] = []
+    discovery_interval_s: float = 5.0
 
 
 class ClassConfig(_Cfg):
@@ -437,6 +442,9 @@ def _validate(cfg: Config) -> None:
         addrs = [getattr(ep, field) for ep in cfg.routers]
         if len(set(addrs)) != len(addrs):
             raise ConfigError(f"[[routers]]: two routers share the {field} address")
+    for w in cfg.workers:
+        if w.discovery_interval_s < 0:
+            raise ConfigError(f"worker {w.id!r}: discovery_interval_s must be >= 0 (0: off)")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 
