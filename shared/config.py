@@ -317,6 +317,10 @@ class KubernetesConfig(_Cfg):
     gpu_image: str = "weir:0.1.0-gpu"  # ENGINE=gpu: the GPU overlay's
     envoy_replicas: int = 2
     router_replicas: int = 2  # >= 2: a PodDisruptionBudget keeps one
+    # A terminating router or Envoy pod keeps serving this long (preStop)
+    # before it drains, while Endpoints, DNS, kube-proxy and Envoy's health
+    # checks stop sending it new work; its grace period adds the drain timeout.
+    endpoint_propagation_s: int = 5
     models_claim: str = "weir-models"  # PVC (ReadOnlyMany) with [[models]] under /models/<name>
     # vLLM workers' startupProbe budget: model load + compile (the tiny model
     # ~16-25 s on an idle CPU; a 70B model from network storage: minutes).
