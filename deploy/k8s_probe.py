@@ -112,7 +112,11 @@ def envoy_drain(admin_port: int, pause_s: float, max_s: float) -> str:
     while time.monotonic() < deadline:
         with opener.open(f"{base}/stats?filter=downstream_rq_active$&format=json", timeout=TIMEOUT_S) as resp:
             stats = json.loads(resp.read()).get("stats", [])
-        if not any(s.get("value") for s in stats if s.get("name", "").startswith("http.")):
+        # every HTTP listener's active requests but the admin's own (this very query)
+        active = [
+            st for st in stats if st.get("name", "").startswith("http.") and not st["name"].startswith("http.admin.")
+        ]
+        if not any(st.get("value") for st in active):
             return "drained"
         time.sleep(POLL_S)
     return "timeout"

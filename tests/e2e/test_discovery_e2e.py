@@ -16,32 +16,18 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
 import requests
 
 from bench.localconfig import free_ports
+import hostsfile
 from stackutil import REPO, SIM_MODEL, sim_worker, write_config
 
-HOSTS = "/etc/hosts"
 INTERVAL_S = 0.5
 IPS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
-pytestmark = pytest.mark.skipif(not os.access(HOSTS, os.W_OK), reason="needs a writable /etc/hosts (root)")
-
-
-class _Hosts:
-    """Lines for one unique name in /etc/hosts, rewritten in place (it may be a bind mount), removed after."""
-
-    def __init__(self) -> None:
-        self.name = f"weir-routers-{uuid.uuid4().hex[:8]}.test"
-
-    def set(self, ips: list[str]) -> None:
-        with open(HOSTS) as f:
-            keep = [line for line in f.read().splitlines() if not line.endswith(f" {self.name}")]
-        with open(HOSTS, "w") as f:
-            f.write("\n".join([*keep, *(f"{ip} {self.name}" for ip in ips)]) + "\n")
+pytestmark = pytest.mark.skipif(not hostsfile.writable(), reason="needs a writable /etc/hosts (root)")
 
 
 def _worker_ids(http: str) -> set[str]:
@@ -62,7 +48,7 @@ def _wait(pred, timeout: float) -> float:
 
 
 def test_worker_links_every_address_of_a_name_and_follows_changes(tmp_path):
-    hosts = _Hosts()
+    hosts = hostsfile.HostsName()
     http, front, back = free_ports(3)
     routers = [
         {"http": f"{ip}:{http}", "frontend": f"tcp://{ip}:{front}", "backend": f"tcp://{ip}:{back}"} for ip in IPS
