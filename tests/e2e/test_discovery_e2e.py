@@ -115,9 +115,28 @@ def test_worker_links_every_address_of_a_name_and_follows_changes(tmp_path):
         )
         assert r.status_code == 200, r.text
 
-        hosts.set(IPS[1:])  # one disappears (its router still up: the worker's Goodbye drops it there)
+        # One disappears while it streams to this worker (a router pod draining, still up): its
+        # stream ends whole, then the worker's Goodbye drops it there.
+        body: dict[str, str] = {}
+
+        def stream() -> None:
+            with requests.post(f"http://{https[0]}/v1/completions", timeout=30, stream=True,
+                               json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 800, "stream": True}) as r:
+                body["text"] = r.content.decode()
+
+        s = threading.Thread(target=stream)
+        s.start()
+        time.sleep(0.2)
+        hosts.set(IPS[1:])
+        t_gone = time.monotonic()
+        time.sleep(2 * INTERVAL_S)
+        assert s.is_alive() and "sim-0" in _worker_ids(https[0])  # kept while it holds a request here
+        s.join(timeout=30)
+        assert body["text"].rstrip().endswith("data: [DONE]") and '"error"' not in body["text"], body["text"][-300:]
+        ended = time.monotonic()
         dropped = _wait(lambda: "sim-0" not in _worker_ids(https[0]), 10)
-        print(f"discovery: a removed router was dropped {dropped:.2f} s after its record went")
+        print(f"discovery: a removed router, streaming, kept its link {ended - t_gone:.2f} s until the stream "
+              f"ended, then dropped {dropped:.2f} s later")
         assert dropped < INTERVAL_S + 1.5
         time.sleep(0.5)
         stop.set()
