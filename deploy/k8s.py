@@ -47,12 +47,12 @@ from deploy.k8s_objects import (
     ROUTERS_SERVICE,
     _drop_none,
     _has_vllm,
-    _sha,
     check,
     configmap,
     dns_name,
     envoy_objects,
     network_policies,
+    pod_config_sha,
     router_objects,
     routers_host,
     worker_groups,
@@ -172,7 +172,7 @@ def gpu_patches(cfg: Config) -> dict[str, dict]:
         p = _target(worker_statefulset(cfg, g))
         p["spec"] = {
             "template": {
-                "metadata": {"annotations": {HASH_ANNOTATION: _sha(cm["data"]["worker.toml"])}},
+                "metadata": {"annotations": {HASH_ANNOTATION: pod_config_sha(cfg, cm["data"]["worker.toml"])}},
                 "spec": {
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                     "containers": [

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import tomli_w
 
-from deploy import envoy_config
+from deploy import envoy_config, k8s_security
 from shared.config import Config, ConfigError, WorkerConfig, split_hostport
 
 CONFIG_DIR = "/etc/weir"
@@ -48,10 +48,10 @@ def routers_host(cfg: Config) -> str:
 def worker_router_backend(cfg: Config) -> str:
     """Where a worker pod connects: THE one place that decides it.
 
-    Today a worker links to one router: ZeroMQ resolves the headless
-    Service's name to one router pod.  With several routers that each need
-    every worker (issue 10), this becomes the list the worker connects to
-    (the Service's per-pod records); nothing else here changes."""
+    The routers' headless Service name, which resolves to every router pod:
+    the worker links to each address (engine_worker/discovery.py), joins a
+    router pod that appears within ``discovery_interval_s`` and drops one
+    that is gone."""
     _, port = split_hostport(cfg.router.backend.partition("://")[2])
     return f"tcp://{routers_host(cfg)}:{port}"
 
@@ -89,6 +89,19 @@ def worker_grace_s(cfg: Config) -> int:
     return math.ceil(2 * cfg.router.drain_timeout_s) + DRAIN_SLACK_S
 
 
+def router_grace_s(cfg: Config) -> int:
+    """preStop's pause (endpoints catch up), then SIGTERM's drain up to its timeout."""
+    return cfg.kubernetes.endpoint_propagation_s + math.ceil(cfg.router.drain_timeout_s) + DRAIN_SLACK_S
+
+
+def envoy_grace_s(cfg: Config) -> int:
+    """preStop: listeners drain for the pause, then streams run up to the drain timeout."""
+    return router_grace_s(cfg)
+
+
+_ROLLING = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+
+
 def check(cfg: Config) -> None:
     """ConfigError for what these manifests cannot carry."""
     k = cfg.kubernetes
@@ -105,13 +118,8 @@ def check(cfg: Config) -> None:
     for f in ("scale_up_window_s", "scale_down_window_s"):
         if not 0 <= getattr(k, f) <= 3600:  # the HPA's own bound
             raise ConfigError(f"kubernetes.{f} must be within 0..3600")
-    if cfg.security.curve:
-        raise ConfigError(
-            "kubernetes: CURVE keys per pod are not rendered yet; use NetworkPolicies "
-            "(rendered) or set security.curve = false"
-        )
-    if cfg.envoy.tls_cert_file:
-        raise ConfigError("kubernetes: terminate TLS at your Ingress/Gateway; unset envoy.tls_*")
+    if k.endpoint_propagation_s < 0:
+        raise ConfigError("kubernetes.endpoint_propagation_s must be >= 0")
     if not cfg.workers:
         raise ConfigError("kubernetes: no [[workers]] to render")
     seen: dict[str, str] = {}
@@ -125,6 +133,7 @@ def check(cfg: Config) -> None:
             )
         if seen.setdefault(g.name, g.model) != g.model:
             raise ConfigError(f"kubernetes: models {seen[g.name]!r} and {g.model!r} both render as {g.name!r}")
+    k8s_security.check(cfg, worker_groups(cfg))
 
 
 # ------------------------------------------------------------------ each role's config
@@ -151,6 +160,13 @@ def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict:
     for m in raw["models"]:
         if m.get("path"):
             m["path"] = f"{MODELS_DIR}/{dns_name(m['name'])}"
+    if cfg.security.curve:  # the keys as the pods mount them (deploy/k8s_security.py)
+        raw["security"]["curve_dir"] = k8s_security.CURVE_DIR
+        for w in raw["workers"]:
+            w["curve_secret_key"] = f"{k8s_security.CURVE_DIR}/{k8s_security.WORKER_KEY}"
+    if cfg.envoy.tls_cert_file:
+        e["tls_cert_file"] = f"{k8s_security.TLS_DIR}/tls.crt"
+        e["tls_key_file"] = f"{k8s_security.TLS_DIR}/tls.key"
     if gpu:
         for w in raw["workers"]:
             if cfg.model(w["model"]).engine == "vllm":
@@ -180,6 +196,14 @@ def envoy_yaml(cfg: Config) -> str:
 
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pod_config_sha(cfg: Config, role_text: str) -> str:
+    """A pod template's annotation: its config view and, with CURVE, the public
+    keys -- so a changed config or key rolls the pods."""
+    if not cfg.security.curve:
+        return _sha(role_text)
+    return _sha(_sha(role_text) + k8s_security.public_keys_sha(cfg, worker_groups(cfg)))
 
 
 # ------------------------------------------------------------------ objects
@@ -235,6 +259,12 @@ def envoy_objects(cfg: Config) -> list[dict]:
     k = cfg.kubernetes
     listen, admin = _port(cfg.envoy.listen), _port(cfg.envoy.admin)
     sel = _selector("envoy")
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    volumes = [_config_volume()]
+    if cfg.envoy.tls_cert_file:  # the listener's certificate: a kubernetes.io/tls Secret (cert-manager's shape)
+        mounts.append(k8s_security.tls_mount())
+        volumes.append(k8s_security.envoy_tls_volume())
+    pause = k.endpoint_propagation_s
     pod = {
         "metadata": {
             "labels": sel,
@@ -259,6 +289,12 @@ def envoy_objects(cfg: Config) -> list[dict]:
                         str(cfg.envoy.concurrency),
                         "-l",
                         "warning",
+                        # preStop's drain_listeners?graceful: every connection is told to
+                        # close at once, new ones are taken for this long, then the listeners close
+                        "--drain-time-s",
+                        str(max(1, pause)),
+                        "--drain-strategy",
+                        "immediate",
                     ],
                     "ports": [{"name": "http", "containerPort": listen}, {"name": "admin", "containerPort": admin}],
                     # Envoy's own readiness, not its routers': a probe through the
@@ -266,11 +302,23 @@ def envoy_objects(cfg: Config) -> list[dict]:
                     # overload.  With no healthy router it answers 503 + Retry-After.
                     "readinessProbe": _http_probe("/ready", admin, 5, 2),
                     "livenessProbe": _http_probe("/ready", admin, 10, 3),
+                    # A rollout cuts no stream: listeners drain gracefully, then the
+                    # streams in flight get up to the drain timeout (deploy/k8s_probe.py).
+                    "lifecycle": {
+                        "preStop": {
+                            "exec": {
+                                "command": _probe_exec(
+                                    "envoy-drain", str(admin), str(pause), str(math.ceil(cfg.router.drain_timeout_s))
+                                )
+                            }
+                        }
+                    },
                     "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}},
-                    "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+                    "volumeMounts": mounts,
                 }
             ],
-            "volumes": [_config_volume()],
+            "terminationGracePeriodSeconds": envoy_grace_s(cfg),
+            "volumes": volumes,
         },
     }
     return [
@@ -278,7 +326,12 @@ def envoy_objects(cfg: Config) -> list[dict]:
             "apiVersion": "apps/v1",
             "kind": "Deployment",
             "metadata": _meta(cfg, "weir-envoy", "envoy"),
-            "spec": {"replicas": k.envoy_replicas, "selector": {"matchLabels": sel}, "template": pod},
+            "spec": {
+                "replicas": k.envoy_replicas,
+                "strategy": _ROLLING,
+                "selector": {"matchLabels": sel},
+                "template": pod,
+            },
         },
         {
             "apiVersion": "v1",
@@ -298,11 +351,14 @@ def router_objects(cfg: Config) -> list[dict]:
     if _has_vllm(cfg):  # the router tokenizes: it reads each model's tokenizer files
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append(_models_volume(cfg))
+    if cfg.security.curve:  # its key pair and the public keys it lets in (Secret weir-curve-router)
+        mounts.append(k8s_security.curve_mount())
+        volumes.append(k8s_security.router_curve_volume(cfg, worker_groups(cfg)))
     pod = {
         "metadata": {
             "labels": sel,
             "annotations": {
-                HASH_ANNOTATION: _sha(role_toml(cfg, "router")),
+                HASH_ANNOTATION: pod_config_sha(cfg, role_toml(cfg, "router")),
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(http),
                 "prometheus.io/path": "/metrics",
@@ -336,11 +392,14 @@ def router_objects(cfg: Config) -> list[dict]:
                     # health check would skip it anyway)
                     "livenessProbe": _http_probe("/health/live", http, 10, 3),
                     "readinessProbe": _http_probe("/health/ready", http, 5, 2),
+                    # Serve on while Endpoints, DNS and Envoy catch up; SIGTERM then drains
+                    # (new work refused and retried elsewhere, admitted work finished).
+                    "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(k.endpoint_propagation_s)]}}},
                     "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
                     "volumeMounts": mounts,
                 }
             ],
-            "terminationGracePeriodSeconds": 30,
+            "terminationGracePeriodSeconds": router_grace_s(cfg),
             "volumes": volumes,
         },
     }
@@ -354,7 +413,12 @@ def router_objects(cfg: Config) -> list[dict]:
             "apiVersion": "apps/v1",
             "kind": "Deployment",
             "metadata": _meta(cfg, "weir-router", "router"),
-            "spec": {"replicas": k.router_replicas, "selector": {"matchLabels": sel}, "template": pod},
+            "spec": {
+                "replicas": k.router_replicas,
+                "strategy": _ROLLING,  # a new router is ready before an old one drains
+                "selector": {"matchLabels": sel},
+                "template": pod,
+            },
         },
         {
             "apiVersion": "policy/v1",
@@ -380,8 +444,8 @@ def router_objects(cfg: Config) -> list[dict]:
     ]
 
 
-def _probe_exec(action: str) -> list[str]:
-    return ["python", "-m", "deploy.k8s_probe", action]
+def _probe_exec(*args: str) -> list[str]:
+    return ["python", "-m", "deploy.k8s_probe", *args]
 
 
 def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
@@ -397,6 +461,9 @@ def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
             {"name": "dshm", "mountPath": "/dev/shm"},
         ]
         volumes += [_models_volume(cfg), {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+    if cfg.security.curve:  # the StatefulSet's key pair, shared by its replicas (deploy/k8s_security.py)
+        mounts.append(k8s_security.curve_mount())
+        volumes.append(k8s_security.worker_curve_volume(g))
     container = {
         "name": "worker",
         "image": k.image,
@@ -444,7 +511,10 @@ def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
             "podManagementPolicy": "Parallel",  # scale-ups load models side by side
             "selector": {"matchLabels": sel},
             "template": {
-                "metadata": {"labels": sel, "annotations": {HASH_ANNOTATION: _sha(role_toml(cfg, "worker"))}},
+                "metadata": {
+                    "labels": sel,
+                    "annotations": {HASH_ANNOTATION: pod_config_sha(cfg, role_toml(cfg, "worker"))},
+                },
                 "spec": {
                     "terminationGracePeriodSeconds": worker_grace_s(cfg),
                     "containers": [container],

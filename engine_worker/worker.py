@@ -27,6 +27,12 @@ Every dispatch passes the worker's own ledger (engine_worker.ledger) first:
 one that would exceed its KV budget or sequence slots with what all routers
 hold here is refused at once (``Refuse``) and that router queues it again.
 Losing one router (silent, Goodbye) stops only that router's requests.
+
+A router address given by DNS name (Kubernetes' headless Service) stands for
+every router behind it: engine_worker.discovery resolves it every
+``discovery_interval_s`` and when a link is lost, links each address that
+appears and unlinks one that disappears (``_remove_link``, the one removal
+path) once that router holds nothing here.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from shared.protocol import (
 from shared.transport import Outbox, SocketPump
 
 from .base import Emit, EngineBase
+from .discovery import RouterDiscovery, parse
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
 from .prefix_feed import PrefixFeed
@@ -111,7 +118,18 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
 class _Link:
     """One router: its socket, when it was last heard, its back-off."""
 
-    __slots__ = ("index", "address", "prefix", "sock", "last_heard", "missed", "backoff", "reconnecting", "emit")
+    __slots__ = (
+        "index",
+        "address",
+        "prefix",
+        "sock",
+        "last_heard",
+        "missed",
+        "backoff",
+        "reconnecting",
+        "emit",
+        "removed",
+    )
 
     def __init__(self, index: int, address: str) -> None:
         self.index = index
@@ -123,6 +141,7 @@ class _Link:
         self.backoff = BACKOFF_INITIAL_S
         self.reconnecting = False
         self.emit: Emit | None = None  # its requests' Deltas: Worker._emit_for bound to this link
+        self.removed = False  # unlinked (its address left DNS): never reconnected
 
 
 class Worker:
@@ -136,9 +155,18 @@ class Worker:
         self.ctx = zmq.Context()
         self.pump = SocketPump(self.loop)
         self.outbox = Outbox(self.loop, self._flush_outputs)
-        self.links = [_Link(i, addr) for i, addr in enumerate(cfg.worker_backends(wcfg))]
-        for link in self.links:
-            link.emit = functools.partial(self._emit_for, link)
+        # index -> link; an index is never reused, so a new link's engine ids never meet an old one's
+        self.links: dict[int, _Link] = {}
+        self._next_link = 0
+        backends = cfg.worker_backends(wcfg)
+        discover = wcfg.discovery_interval_s > 0
+        self._static = [a for a in backends if not discover or parse(a) is None]
+        names = [n for a in backends if discover and (n := parse(a)) is not None]
+        self.discovery: RouterDiscovery | None = None
+        if names:
+            self.discovery = RouterDiscovery(
+                self.loop, names, wcfg.discovery_interval_s, self._add_link, self._unlink_address
+            )
         self.ledger: Ledger | None = None  # once the engine says what it has
         self.register_msg: Register | None = None
         self.exit_code = 0
@@ -165,7 +193,7 @@ class Worker:
         """Take no new work, finish what runs (up to the drain timeout), then stop."""
         if self._draining is None and not self._stop.is_set():
             log.info("worker %s draining: %d requests running", self.wcfg.id, len(self.engine.live_ids()))
-            for link in self.links:
+            for link in self.links.values():
                 self._send(link, Drain("SIGTERM"))
             self._draining = self.loop.create_task(self._drain_then_stop())
 
@@ -232,8 +260,9 @@ class Worker:
         sched = self.cfg.scheduler
         self.ledger = Ledger(sched.kv_budget(info.kv_capacity_tokens), sched.seq_slots(info.max_num_seqs))
         if not self._stop.is_set():
-            for link in self.links:
-                self._connect(link)
+            for address in self._static:
+                self._add_link(address)
+            discovering = None if self.discovery is None else self.loop.create_task(self.discovery.run())
             log.info(
                 "worker %s registered: engine=%s capacity=%d tokens block=%d max_num_seqs=%d "
                 "max_model_len=%d routers=%s",
@@ -243,18 +272,20 @@ class Worker:
                 info.block_size,
                 info.max_num_seqs,
                 info.max_model_len,
-                ",".join(link.address for link in self.links),
+                ",".join([*self._static, *(f"{h}:{p} (every address)" for h, p in self._names())]),
             )
             heartbeats = self.loop.create_task(self._heartbeat_loop())
             await self._stop.wait()
             heartbeats.cancel()
+            if discovering is not None:
+                discovering.cancel()
         await self._shutdown()
         return self.exit_code
 
     async def _shutdown(self) -> None:
         log.info("worker %s stopping (%s)", self.wcfg.id, self._stop_reason)
         self.outbox.flush()
-        for link in self.links:
+        for link in self.links.values():
             if link.sock is not None:
                 self._send(link, Goodbye(self._stop_reason))
                 self._close_socket(link, linger_ms=GOODBYE_LINGER_MS)
@@ -267,6 +298,41 @@ class Worker:
         self.ctx.term()
 
     # -- the links -----------------------------------------------------------
+
+    def _names(self) -> list[tuple[str, int]]:
+        return [] if self.discovery is None else self.discovery.names
+
+    def _add_link(self, address: str) -> None:
+        link = _Link(self._next_link, address)
+        self._next_link += 1
+        link.emit = functools.partial(self._emit_for, link)
+        self.links[link.index] = link
+        self._connect(link)
+
+    def _remove_link(self, link: _Link, reason: str) -> None:
+        """The one way a link ends before the process does: its router is told
+        (Goodbye: it resumes elsewhere whatever it still had here), its socket
+        closed, its requests stopped here."""
+        if self.links.pop(link.index, None) is None:
+            return
+        link.removed = True
+        if link.sock is not None:
+            self._send(link, Goodbye(reason))
+            self._close_socket(link, linger_ms=GOODBYE_LINGER_MS)
+        self._forget_inflight(link)
+
+    def _unlink_address(self, address: str) -> bool:
+        """Discovery: ``address`` left DNS.  A router that still holds requests
+        here and answers (a draining one, still finishing its streams) keeps
+        its link until they end; False = ask again next round."""
+        link = next((lk for lk in self.links.values() if lk.address == address), None)
+        if link is None:
+            return True
+        assert self.ledger is not None, "links exist once the engine has started"
+        if self.ledger.held_by(link.index)[1] and not link.reconnecting:
+            return False
+        self._remove_link(link, "router address gone")
+        return True
 
     def _connect(self, link: _Link) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -293,7 +359,7 @@ class Worker:
 
     def _broadcast(self, msg: PrefixEvents | PrefixSnapshot) -> None:
         """The prefix feed's messages go to every linked router, in one seq."""
-        for link in self.links:
+        for link in self.links.values():
             if not link.reconnecting:
                 self._send(link, msg)
 
@@ -318,7 +384,9 @@ class Worker:
         self.outbox.put(link.index, d)
 
     def _flush_outputs(self, index: int, deltas: list[Delta]) -> None:
-        link = self.links[index]
+        link = self.links.get(index)
+        if link is None:  # unlinked since: its router resumed those requests elsewhere
+            return
         self._send(link, Outputs(deltas))
         if self._log_requests:
             for d in deltas:
@@ -356,13 +424,15 @@ class Worker:
             stats = None
             gpu = await self._read_gpu()
             assert self.ledger is not None, "heartbeats start once the engine has started"
-            for link in self.links:
+            for link in self.links.values():
                 if link.reconnecting:
                     continue
                 link.missed = 0 if link.last_heard >= tick else link.missed + 1
                 if link.missed >= self.liveness:
                     link.reconnecting = True
                     self.loop.create_task(self._reconnect(link))
+                    if self.discovery is not None:  # its router may have moved: look now
+                        self.discovery.poke()
                     continue
                 if stats is None:
                     stats = self.stats(gpu)
@@ -382,7 +452,7 @@ class Worker:
         self._forget_inflight(link)
         try:
             await asyncio.sleep(delay)
-            if not self._stop.is_set():
+            if not self._stop.is_set() and not link.removed:
                 self._connect(link)
         finally:
             link.reconnecting = False
@@ -442,6 +512,8 @@ class Worker:
             )
             self._forget_inflight(link)
             self._register(link)
+            if self.discovery is not None:  # a router restarting may come back elsewhere
+                self.discovery.poke()
         # Heartbeat: liveness only, recorded above.
 
     def _on_dispatch(self, link: _Link, requests: list[GenerateRequest]) -> None:

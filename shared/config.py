@@ -239,8 +239,13 @@ class WorkerConfig(_Cfg):
     warmup_timeout_s: float = 120.0
     # The routers' backend addresses this worker dials, one link each (default:
     # every router of the config, ``RouterEndpoint.dial``).  A worker on
-    # another host needs only these and its CURVE key.
+    # another host needs only these and its CURVE key.  An address given by
+    # DNS name stands for every address the name resolves to (a Kubernetes
+    # headless Service: every router pod): one link each, resolved again every
+    # discovery_interval_s and when a link is lost (engine_worker/discovery.py).
+    # 0: the name is one link, resolved once by ZeroMQ.
     routers: list[str] = []
+    discovery_interval_s: float = 5.0
 
 
 class ClassConfig(_Cfg):
@@ -327,6 +332,10 @@ class KubernetesConfig(_Cfg):
     gpu_image: str = "weir:0.1.0-gpu"  # ENGINE=gpu: the GPU overlay's
     envoy_replicas: int = 2
     router_replicas: int = 2  # >= 2: a PodDisruptionBudget keeps one
+    # A terminating router or Envoy pod keeps serving this long (preStop)
+    # before it drains, while Endpoints, DNS, kube-proxy and Envoy's health
+    # checks stop sending it new work; its grace period adds the drain timeout.
+    endpoint_propagation_s: int = 5
     models_claim: str = "weir-models"  # PVC (ReadOnlyMany) with [[models]] under /models/<name>
     # vLLM workers' startupProbe budget: model load + compile (the tiny model
     # ~16-25 s on an idle CPU; a 70B model from network storage: minutes).
@@ -458,6 +467,9 @@ def _validate(cfg: Config) -> None:
         addrs = [getattr(ep, field) for ep in cfg.routers]
         if len(set(addrs)) != len(addrs):
             raise ConfigError(f"[[routers]]: two routers share the {field} address")
+    for w in cfg.workers:
+        if w.discovery_interval_s < 0:
+            raise ConfigError(f"worker {w.id!r}: discovery_interval_s must be >= 0 (0: off)")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 

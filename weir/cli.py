@@ -157,8 +157,16 @@ def cmd_render_envoy(args) -> int:
 def cmd_render_k8s(args) -> int:
     from deploy import k8s
 
-    for path in k8s.write(load(args.config), args.output):
+    cfg = load(args.config)
+    for path in k8s.write(cfg, args.output):
         print(path)
+    from deploy.k8s_security import secret_commands
+
+    commands = secret_commands(cfg, k8s.worker_groups(cfg))
+    if commands:  # key material stays out of the manifests: the Secrets they mount come from these
+        print("\n# create the Secrets the pods mount (key material is never rendered):", file=sys.stderr)
+        for cmd in commands:
+            print(shlex.join(cmd), file=sys.stderr)
     return 0
 
 

@@ -10,11 +10,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import requests
 
+import hostsfile
 from deploy import k8s
 from shared.config import DEFAULT_CONFIG, load
 from stackutil import REPO
@@ -108,88 +110,209 @@ def test_worker_pod_path_instance_id_probe_and_drain(sim_stack):
 
 
 
-def _envoy_router_healthy(admin_port: int) -> bool:
+def _envoy_healthy_routers(admin_port: int) -> int:
     from deploy.envoy_config import ROUTER_CLUSTER
     body = requests.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=2).text
-    return any(line.startswith(f"{ROUTER_CLUSTER}::") and line.endswith("::health_flags::healthy")
+    return sum(line.startswith(f"{ROUTER_CLUSTER}::") and line.endswith("::health_flags::healthy")
                for line in body.splitlines())
 
 
+ROUTER_IPS = ["127.0.0.1", "127.0.0.2"]  # two router pods: one address each, the same ports
+
+
+def _secret_files(cfg) -> dict[str, dict[str, str]]:
+    """What the printed `kubectl create secret` commands put in each Secret: name -> key -> local file."""
+    from deploy.k8s_security import secret_commands
+
+    out: dict[str, dict[str, str]] = {}
+    for cmd in secret_commands(cfg, k8s.worker_groups(cfg)):
+        files = out.setdefault(cmd[6], {})
+        for arg in cmd[7:]:
+            flag, _, value = arg.partition("=")
+            if flag == "--from-file":
+                key, _, path = value.partition("=")
+                files[key] = path
+            else:  # secret tls --cert / --key
+                files["tls.crt" if flag == "--cert" else "tls.key"] = value
+    return out
+
+
+def _mount(volume: dict, secrets: dict[str, dict[str, str]], where) -> None:
+    """A pod's Secret volume as the kubelet lays it out, from the Secrets' files."""
+    import shutil
+
+    if "projected" in volume:
+        items = [(src["secret"]["name"], i["key"], i["path"]) for src in volume["projected"]["sources"]
+                 for i in src["secret"]["items"]]
+    else:
+        name = volume["secret"]["secretName"]
+        items = [(name, key, key) for key in secrets[name]]
+    for name, key, path in items:
+        (where / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(secrets[name][key], where / path)
+
+
+@pytest.mark.skipif(not hostsfile.writable(), reason="needs a writable /etc/hosts (root) for the Service name")
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")  # a self-signed test certificate
 def test_pods_run_as_rendered(tmp_path):
-    """The containers' own commands, environment, probes and preStop, run as local
-    processes on the ConfigMap's files (all interfaces -> loopback, the routers'
-    Service name -> 127.0.0.1, free ports): Envoy -> router -> worker serves."""
+    """The containers' own commands, environment, probes, Secret volumes and
+    preStop hooks, run as local processes on the ConfigMap's files, with CURVE
+    on both ZeroMQ planes and TLS at Envoy: two router pods (127.0.0.1 and
+    127.0.0.2, the same ports, behind one name as the headless Service), a
+    worker pod that finds both by that name, Envoy over both; then Envoy's
+    preStop under a stream (it completes; the listener closes after), the
+    worker's preStop drain at both routers, SIGTERM."""
     from deploy.envoy_config import envoy_binary
+    from deploy.k8s_security import CURVE_DIR, TLS_DIR
+    from shared import curve
     from stackutil import SIM_MODEL, sim_worker, write_config
 
+    keys = tmp_path / "keys"
+    curve.generate(keys, ["sim-0"], ["client"])
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt")],
+                   check=True, capture_output=True)
     cfg_path = write_config(tmp_path, models=[{"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096}],
-                            workers=[sim_worker("sim-0")])
+                            workers=[sim_worker("sim-0", discovery_interval_s=0.5)],
+                            router={"heartbeat_interval_s": 0.25},
+                            security={"curve": True, "curve_dir": str(keys)},
+                            envoy={"tls_cert_file": str(tmp_path / "tls.crt"),
+                                   "tls_key_file": str(tmp_path / "tls.key")},
+                            kubernetes={"endpoint_propagation_s": 1})
     cfg = load(cfg_path)
     objs = k8s.built(cfg)
-    etc = tmp_path / "etc-weir"
-    etc.mkdir()
-    for name, text in _by(objs, "ConfigMap")[0]["data"].items():
-        (etc / name).write_text(text.replace("0.0.0.0", "127.0.0.1").replace(k8s.routers_host(cfg), "127.0.0.1"))
+    secrets = _secret_files(cfg)
+    data = _by(objs, "ConfigMap")[0]["data"]
+    hosts = hostsfile.HostsName()
     pod_name = "weir-worker-sim-tiny-0"
 
-    def local(argv: list[str]) -> list[str]:
-        out = [a.replace(k8s.CONFIG_DIR, str(etc)).replace("$(POD_NAME)", pod_name) for a in argv]
+    def pod_spec(kind: str, name: str) -> dict:
+        return _by(objs, kind, name)[0]["spec"]["template"]["spec"]
+
+    # each pod's filesystem: the ConfigMap at CONFIG_DIR, its Secret volumes at their mount paths
+    pods = {"router-0": ("Deployment", "weir-router", ROUTER_IPS[0]),
+            "router-1": ("Deployment", "weir-router", ROUTER_IPS[1]),
+            "worker": ("StatefulSet", "weir-worker-sim-tiny", "127.0.0.1"),
+            "envoy": ("Deployment", "weir-envoy", "127.0.0.1")}
+    paths: dict[str, dict[str, str]] = {}
+    for key, (kind, name, ip) in pods.items():
+        spec = pod_spec(kind, name)
+        root = tmp_path / key
+        paths[key] = {k8s.CONFIG_DIR: str(root / "etc-weir")}
+        for m in spec["containers"][0]["volumeMounts"]:
+            vol = next(v for v in spec["volumes"] if v["name"] == m["name"])
+            if "secret" in vol or "projected" in vol:
+                local = root / m["mountPath"].strip("/").replace("/", "-")
+                _mount(vol, secrets, local)
+                paths[key][m["mountPath"]] = str(local)
+        (root / "etc-weir").mkdir(parents=True)
+        for fname, text in data.items():
+            for pod_path, local in paths[key].items():
+                text = text.replace(pod_path, local)
+            (root / "etc-weir" / fname).write_text(
+                text.replace("0.0.0.0", ip).replace(k8s.routers_host(cfg), hosts.name))
+    assert {CURVE_DIR} <= set(paths["router-0"]) and {CURVE_DIR} <= set(paths["worker"]) and {TLS_DIR} <= set(paths["envoy"])
+
+    def local(key: str, argv: list[str]) -> list[str]:
+        out = [a.replace(k8s.CONFIG_DIR, paths[key][k8s.CONFIG_DIR]).replace("$(POD_NAME)", pod_name) for a in argv]
         return [sys.executable if out[0] == "python" else envoy_binary() if out[0] == "envoy" else out[0], *out[1:]]
 
-    def container(kind: str, name: str) -> dict:
-        return _by(objs, kind, name)[0]["spec"]["template"]["spec"]["containers"][0]
-
-    worker = container("StatefulSet", "weir-worker-sim-tiny")
+    worker = pod_spec("StatefulSet", "weir-worker-sim-tiny")["containers"][0]
+    router = pod_spec("Deployment", "weir-router")["containers"][0]
+    envoy = pod_spec("Deployment", "weir-envoy")["containers"][0]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.update({e["name"]: e.get("value", pod_name).replace(k8s.CONFIG_DIR, str(etc)) for e in worker["env"]})
+    wenv = {**env, **{e["name"]: e.get("value", pod_name).replace(k8s.CONFIG_DIR, paths["worker"][k8s.CONFIG_DIR])
+                      for e in worker["env"]}}
     procs: dict[str, subprocess.Popen] = {}
+    hosts.set(ROUTER_IPS)
     try:
-        for key, c in (("router", container("Deployment", "weir-router")), ("worker", worker),
-                       ("envoy", container("Deployment", "weir-envoy"))):
-            procs[key] = subprocess.Popen(local(c["command"]), env=env, cwd=REPO, start_new_session=True,
-                                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{key}.log", "wb"))
+        for key, c in (("router-0", router), ("router-1", router), ("worker", worker), ("envoy", envoy)):
+            procs[key] = subprocess.Popen(local(key, c["command"]), env=wenv if key == "worker" else env, cwd=REPO,
+                                          start_new_session=True, stdout=subprocess.DEVNULL,
+                                          stderr=open(tmp_path / f"{key}.log", "wb"))
 
-        def probe_ok(c: dict, kind: str) -> bool:
+        def probe_ok(key: str, c: dict, kind: str) -> bool:
             p = c[kind]
             if "exec" in p:
-                return subprocess.run(local(p["exec"]["command"]), env=env, cwd=REPO, capture_output=True).returncode == 0
+                return subprocess.run(local(key, p["exec"]["command"]), env=wenv, cwd=REPO,
+                                      capture_output=True).returncode == 0
             try:
-                return requests.get(f"http://127.0.0.1:{p['httpGet']['port']}{p['httpGet']['path']}", timeout=2).ok
+                ip = pods[key][2]
+                return requests.get(f"http://{ip}:{p['httpGet']['port']}{p['httpGet']['path']}", timeout=2).ok
             except requests.ConnectionError:
                 return False
 
-        router, envoy = container("Deployment", "weir-router"), container("Deployment", "weir-envoy")
+        def logs() -> str:
+            return "\n".join(f"{k}: {(tmp_path / f'{k}.log').read_text()[-1500:]}" for k in procs)
+
         deadline = time.monotonic() + 60
-        for c, kind in ((worker, "startupProbe"), (worker, "readinessProbe"), (router, "livenessProbe"),
-                        (router, "readinessProbe"), (envoy, "readinessProbe")):
-            while not probe_ok(c, kind):
+        for key, c, kind in (("worker", worker, "startupProbe"), ("worker", worker, "readinessProbe"),
+                             ("router-0", router, "livenessProbe"), ("router-0", router, "readinessProbe"),
+                             ("router-1", router, "readinessProbe"), ("envoy", envoy, "readinessProbe")):
+            while not probe_ok(key, c, kind):
                 dead = {k: p.returncode for k, p in procs.items() if p.poll() is not None}
-                assert not dead, f"exited: {dead}; {(tmp_path / 'router.log').read_text()[-2000:]}"
-                assert time.monotonic() < deadline, f"{c['name']} {kind} never passed"
+                assert not dead, f"exited: {dead}; {logs()}"
+                assert time.monotonic() < deadline, f"{key} {kind} never passed; {logs()}"
                 time.sleep(0.2)
+        http = next(p["containerPort"] for p in router["ports"] if p["name"] == "http")
+        for ip in ROUTER_IPS:  # the worker found both routers by the one name, over CURVE
+            w = requests.get(f"http://{ip}:{http}/admin/workers/{pod_name}", timeout=5).json()
+            assert w["state"] == "ready", (ip, w)
         # Envoy's readiness is Envoy's own (/ready), not its routers': a probe
         # through the rate-limited route would take every Envoy out under
-        # overload.  Its health check of the router runs every interval, so the
-        # router's turning ready reaches Envoy up to one interval later (CI
-        # once sent in that gap and got Envoy's 503 "no healthy upstream").
+        # overload.  Its health checks reach each router up to an interval later.
         admin = next(p["containerPort"] for p in envoy["ports"] if p["name"] == "admin")
-        while not _envoy_router_healthy(admin):
-            assert time.monotonic() < deadline, "Envoy never saw the router healthy"
+        while _envoy_healthy_routers(admin) < 2:
+            assert time.monotonic() < deadline, "Envoy never saw both routers healthy"
             time.sleep(0.2)
         port = next(p["containerPort"] for p in envoy["ports"] if p["name"] == "http")
-        r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10,
-                          json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 4})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 4
-        stop = subprocess.run(local(worker["lifecycle"]["preStop"]["exec"]["command"]), env=env, cwd=REPO,
+        url = f"https://127.0.0.1:{port}/v1/completions"
+        for _ in range(4):
+            r = requests.post(url, timeout=10, verify=False,
+                              json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+        with pytest.raises(requests.ConnectionError):  # TLS only
+            requests.post(url.replace("https", "http"), timeout=5, json={"model": SIM_MODEL, "prompt": "x"})
+
+        # Envoy's preStop under a stream: the stream completes, then the listener is gone
+        stream = {}
+
+        def read_stream() -> None:
+            with requests.post(url, timeout=30, verify=False, stream=True,
+                               json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 1500, "stream": True}) as resp:
+                stream["body"] = resp.content.decode()
+
+        t = threading.Thread(target=read_stream)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        stop = subprocess.run(local("envoy", envoy["lifecycle"]["preStop"]["exec"]["command"]), env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=envoy_grace(objs))
+        t.join(timeout=1)
+        assert not t.is_alive(), "preStop returned before the stream in flight ended"
+        assert stop.stdout.strip() == "drained", stop.stderr
+        assert stream["body"].rstrip().endswith("data: [DONE]") and '"error"' not in stream["body"]
+        print(f"\nEnvoy preStop: drained in {time.monotonic() - t0:.2f} s with a stream in flight")
+        with pytest.raises(requests.ConnectionError):
+            requests.post(url, timeout=5, verify=False, json={"model": SIM_MODEL, "prompt": "x"})
+        procs["envoy"].send_signal(signal.SIGTERM)  # what the kubelet sends after preStop
+        assert procs["envoy"].wait(timeout=10) == 0
+
+        # the worker's preStop drains it at both routers
+        stop = subprocess.run(local("worker", worker["lifecycle"]["preStop"]["exec"]["command"]), env=wenv, cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert stop.stdout.strip() == "drained"
-        assert not probe_ok(worker, "readinessProbe")
+        for ip in ROUTER_IPS:
+            w = requests.get(f"http://{ip}:{http}/admin/workers/{pod_name}", timeout=5).json()
+            assert w["state"] == "draining", (ip, w)
+        assert not probe_ok("worker", worker, "readinessProbe")
         procs["worker"].send_signal(signal.SIGTERM)
         grace = _by(objs, "StatefulSet", "weir-worker-sim-tiny")[0]["spec"]["template"]["spec"][
             "terminationGracePeriodSeconds"]
         assert procs["worker"].wait(timeout=grace) == 0
     finally:
+        hosts.set([])
         for p in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -199,3 +322,7 @@ def test_pods_run_as_rendered(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def envoy_grace(objs) -> int:
+    return _by(objs, "Deployment", "weir-envoy")[0]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]

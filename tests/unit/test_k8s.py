@@ -162,7 +162,7 @@ def test_gpu_overlay_gives_each_vllm_worker_a_gpu_and_a_gpu_config(cfg):
     worker_toml = _by(objs, "ConfigMap")[0]["data"]["worker.toml"]
     w = loads(worker_toml).worker("cpu-vllm-0")
     assert w.gpu_index == 0 and w.kv_cache_bytes == 0
-    assert vllm["metadata"]["annotations"][k8s.HASH_ANNOTATION] == k8s._sha(worker_toml)  # a change rolls the pods
+    assert vllm["metadata"]["annotations"][k8s.HASH_ANNOTATION] == k8s.pod_config_sha(cfg, worker_toml)  # a change rolls the pods
     so = _by(objs, "ScaledObject", "weir-worker-tiny-llama")[0]
     assert [t["name"] for t in so["spec"]["triggers"]] == ["demand", "gpu-utilization"]
 
@@ -237,3 +237,122 @@ def test_containerfile_copies_every_package_the_project_installs():
     assert packages <= copied, f"deploy/Containerfile does not COPY {sorted(packages - copied)}"
     assert 'pip install ".[${ENGINE}]"' in text
 
+
+
+# ------------------------------------------------------------------ CURVE and TLS, rollouts
+
+
+def _secure(tmp_path, cfg, clients=("client",)):
+    """The default config with CURVE on (keys made in tmp_path) and Envoy TLS."""
+    import msgspec
+
+    from shared import curve
+
+    keys = tmp_path / "curve"
+    curve.generate(keys, [g.template.id for g in k8s.worker_groups(cfg)], list(clients))
+    raw = msgspec.to_builtins(cfg)
+    raw["security"] = {"curve": True, "curve_dir": str(keys)}
+    raw["envoy"]["tls_cert_file"] = str(tmp_path / "tls.crt")
+    raw["envoy"]["tls_key_file"] = str(tmp_path / "tls.key")
+    return msgspec.convert(raw, type(cfg)), keys
+
+
+def _key_texts(keys) -> list[str]:
+    """Every z85 key (public and secret) in the key directory."""
+    return re.findall(r'(?:public|secret)-key = "([^"]+)"', "".join(p.read_text() for p in keys.rglob("*.key*")))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_curve_and_tls_render_validate_and_keep_keys_out_of_configmaps(tmp_path, cfg, overlay):
+    from deploy import k8s_security as sec
+
+    secure, keys = _secure(tmp_path, cfg)
+    objs = k8s.built(secure, overlay)
+    for o in objs:
+        _validate(o)
+    texts = _key_texts(keys)
+    assert len(texts) >= 6
+    rendered = "".join(k8s.files(secure).values())
+    assert not [t for t in texts if t in rendered], "key material in the rendered files"
+    data = _by(objs, "ConfigMap")[0]["data"]
+    assert not [t for t in texts if t in json.dumps(data)]
+    router, worker = loads(data["router.toml"]), loads(data["worker.toml"])
+    assert router.security.curve and router.security.curve_dir == sec.CURVE_DIR
+    assert all(w.curve_secret_key == f"{sec.CURVE_DIR}/{sec.WORKER_KEY}" for w in worker.workers)
+    envoy = yaml.safe_load(data["envoy.yaml"])
+    tls = json.dumps(envoy["static_resources"]["listeners"][0])
+    assert f"{sec.TLS_DIR}/tls.crt" in tls and f"{sec.TLS_DIR}/tls.key" in tls
+
+    def pod(kind, name):
+        return _by(objs, kind, name)[0]["spec"]["template"]["spec"]
+
+    r = pod("Deployment", "weir-router")
+    vol = next(v for v in r["volumes"] if v["name"] == "curve")["projected"]["sources"][0]["secret"]
+    assert vol["name"] == sec.ROUTER_CURVE_SECRET
+    paths = {i["path"] for i in vol["items"]}
+    assert {"router.key", "router.key_secret", "clients/client.key"} <= paths
+    assert {f"workers/{g.template.id}.key" for g in k8s.worker_groups(cfg)} <= paths
+    assert {"mountPath": sec.CURVE_DIR, "name": "curve", "readOnly": True} in r["containers"][0]["volumeMounts"]
+    for g in k8s.worker_groups(cfg):
+        w = pod("StatefulSet", g.name)
+        vol = next(v for v in w["volumes"] if v["name"] == "curve")["projected"]["sources"][0]["secret"]
+        assert vol["name"] == sec.worker_secret(g)  # one pair per StatefulSet, shared by its replicas
+        assert {i["path"] for i in vol["items"]} == {sec.WORKER_KEY, "router.key"}
+    e = pod("Deployment", "weir-envoy")
+    assert {"name": "tls", "secret": {"secretName": sec.ENVOY_TLS_SECRET, "defaultMode": 0o444}} in e["volumes"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_the_printed_secret_commands_make_the_secrets_the_pods_mount(tmp_path, cfg):
+    """`kubectl create secret` as printed (dry run): each Secret holds exactly the keys the pods project."""
+    from deploy import k8s_security as sec
+
+    secure, keys = _secure(tmp_path, cfg)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=weir",
+                    "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt")],
+                   check=True, capture_output=True)
+    secrets = {}
+    for cmd in sec.secret_commands(secure, k8s.worker_groups(secure)):
+        out = subprocess.run([*cmd, "--dry-run=client", "-o", "yaml"], capture_output=True, text=True, check=True)
+        s = yaml.safe_load(out.stdout)
+        _validate(s)
+        secrets[s["metadata"]["name"]] = s
+    k8s.write(secure, tmp_path / "k8s")  # kustomize takes the secure rendering as it is (no key files in it)
+    for d in ("base", "overlays/cpu-demo", "overlays/gpu"):
+        subprocess.run(["kubectl", "kustomize", str(tmp_path / "k8s" / d)], capture_output=True, check=True)
+    assert secrets[sec.ENVOY_TLS_SECRET]["type"] == "kubernetes.io/tls"
+    assert set(secrets[sec.ENVOY_TLS_SECRET]["data"]) == {"tls.crt", "tls.key"}
+    for o in k8s.built(secure):
+        for v in o.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
+            for src in v.get("projected", {}).get("sources", []):
+                name = src["secret"]["name"]
+                assert name in secrets, f"{o['metadata']['name']} mounts {name}, which no command creates"
+                assert {i["key"] for i in src["secret"]["items"]} <= set(secrets[name]["data"])
+
+
+def test_curve_with_a_missing_key_file_is_a_config_error(tmp_path, cfg):
+    secure, keys = _secure(tmp_path, cfg)
+    group = k8s.worker_groups(cfg)[0]
+    (keys / "workers" / f"{group.template.id}.key_secret").unlink()
+    with pytest.raises(ConfigError, match=f"key files missing: .*{group.template.id}.key_secret"):
+        k8s.files(secure)
+    (keys / "router.key_secret").unlink()
+    with pytest.raises(ConfigError, match="router.key_secret"):
+        k8s.files(secure)
+
+
+def test_rollouts_keep_capacity_and_drain_before_exit(cfg):
+    objs = k8s.built(cfg)
+    pause = cfg.kubernetes.endpoint_propagation_s
+    for name in ("weir-router", "weir-envoy"):
+        dep = _by(objs, "Deployment", name)[0]
+        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+        pod = dep["spec"]["template"]["spec"]
+        # preStop's pause, then the drain timeout, then a margin to exit
+        assert pod["terminationGracePeriodSeconds"] >= pause + cfg.router.drain_timeout_s + 5
+    router = _by(objs, "Deployment", "weir-router")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert router["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pause)]
+    envoy = _by(objs, "Deployment", "weir-envoy")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert envoy["lifecycle"]["preStop"]["exec"]["command"][3:] == [
+        "envoy-drain", "9901", str(pause), str(int(cfg.router.drain_timeout_s))]
+    assert envoy["command"][envoy["command"].index("--drain-time-s") + 1] == str(pause)
