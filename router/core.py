@@ -128,11 +128,14 @@ class RouterCore:
 
     # ------------------------------------------------------------ the frontends' API
 
-    def submit(self, sub: p.Submit, sink: RequestSink) -> int | p.ErrorInfo:
+    def submit(self, sub: p.Submit, sink: RequestSink, who: Identity | p.ErrorInfo | None = None) -> int | p.ErrorInfo:
         """Admit a request (its handle) or refuse it now.  Later news, a
-        refusal after tokenizing included, reaches ``sink``."""
+        refusal after tokenizing included, reaches ``sink``.  ``who``: an
+        identity established already (a batch line runs as its batch's key,
+        whose text is never stored: router.batch), instead of ``sub.api_key``'s."""
         now = self.clock()
-        who = self.keys.identify(sub)
+        if who is None:
+            who = self.keys.identify(sub)
         if not isinstance(who, Identity):
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)
