@@ -148,7 +148,7 @@ def result_id(batch_id: str, line: int) -> str:
     return f"batch_req_{batch_id[6:]}_{line}"
 
 
-_LINE_OF = re.compile(rb'"id":"batch_req_[0-9a-f]+_([0-9]+)"')
+_LINE_OF = re.compile(rb'"id": ?"batch_req_[0-9a-f]+_([0-9]+)"')
 
 
 class ResultLog:
