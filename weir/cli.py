@@ -9,6 +9,7 @@ weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, pri
 weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
 weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
 weir models list|add|remove ...           models of a running stack (weir up carries them out)
+weir batches submit|list|show|download|cancel ...   offline batches (OpenAI's Batch API)
 weir router|worker ...                    one component (python -m router / engine_worker)
 """
 
@@ -202,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     mm = sub.add_parser("make-model", help="build the tiny random Llama used on CPU")
     mm.add_argument("dir", nargs="?", default="models/tiny-llama")
     mm.set_defaults(func=cmd_make_model)
-    from weir import keys_cli, models_cli
+    from weir import batches_cli, keys_cli, models_cli
 
     keys_cli.add_parser(sub)
     models_cli.add_parser(sub)
+    batches_cli.add_parser(sub)
     sub.add_parser("bench", help="load generator: weir bench --help")
     sub.add_parser("router", help="run the router alone (python -m router ...)")
     sub.add_parser("worker", help="run one engine worker (python -m engine_worker ...)")

@@ -225,3 +225,18 @@ def _holder(stack, batch_id: str) -> str:
         if f'batch="{batch_id}"' in requests.get(url, timeout=5).text:
             return name
     raise AssertionError("no router runs the batch")
+
+
+def test_weir_batches_cli_submits_watches_and_downloads(batch_stack, tmp_path, capsys):
+    from weir.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(_jsonl(_lines(20)))
+    cfg = str(batch_stack.cfg_path)
+    assert main(["batches", "submit", str(src), "--endpoint", "/v1/completions", "--config", cfg, "--watch"]) == 0
+    batch_id = next(w for w in capsys.readouterr().out.split() if w.startswith("batch_"))
+    assert main(["batches", "list", "--config", cfg]) == 0
+    assert batch_id in capsys.readouterr().out
+    assert main(["batches", "download", batch_id, "-o", str(tmp_path / "res"), "--config", cfg]) == 0
+    out = (tmp_path / "res" / f"{batch_id}_output.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(20))
