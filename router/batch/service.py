@@ -26,6 +26,7 @@ from router.batch.feeder import BatchRun
 from router.batch.files import FileStore
 from router.batch.lease import FileLease, Lease, RedisLease
 from router.batch.store import BatchRecord, BatchStore
+from router.jobs import job_id_of
 from shared.config import Config
 
 if TYPE_CHECKING:
@@ -214,6 +215,24 @@ class _Collector:
         left = GaugeMetricFamily(
             "weir_batch_window_left_seconds", "Time left in each running batch's completion window", labels=["batch"]
         )
+        by_model = GaugeMetricFamily(
+            "weir_batch_model_lines",
+            "Batch lines queued or running per model (what autoscaling leaves out: [batch] autoscale_weight)",
+            labels=["model", "state"],
+        )
+        from router.jobs import RUNNING
+
+        per_model: dict[tuple[str, str], int] = {}
+        jobs = svc.core.jobs
+        for run in svc.runs.values():
+            for handle in run.in_flight:
+                j = jobs.get(job_id_of(handle))
+                if j is not None:
+                    key = (j.sub.model, "running" if j.state is RUNNING else "queued")
+                    per_model[key] = per_model.get(key, 0) + 1
+        for (model, state), n in sorted(per_model.items()):
+            by_model.add_metric([model, state], n)
+        yield by_model
         now = time.time()
         running_batch = 0
         for bid, run in sorted(svc.runs.items()):
@@ -234,8 +253,6 @@ class _Collector:
             "weir_batch_slot_share", "Batch lines among the jobs running on engines (0..1), this router's"
         )
         core = svc.core
-        from router.jobs import RUNNING
-
         total_running = sum(1 for j in core.jobs.values() if j.state is RUNNING) if svc.runs else 0
         share.add_metric([], running_batch / total_running if total_running else 0.0)
         done_t = CounterMetricFamily(

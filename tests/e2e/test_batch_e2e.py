@@ -222,7 +222,12 @@ def _holder(stack, batch_id: str) -> str:
             continue
         idx = 0 if name == "router" else int(name.split(":")[-1].split("-")[-1])
         url = "http://" + stack.cfg.router_endpoints()[idx].http + "/metrics"
-        if f'batch="{batch_id}"' in requests.get(url, timeout=5).text:
+        text = requests.get(url, timeout=5).text
+        if f'weir_batch_window_left_seconds{{batch="{batch_id}"}}' in text:
+            # what the dashboard and the missed-window alert read, while it runs
+            assert f'weir_batch_eta_seconds{{batch="{batch_id}"}}' in text
+            assert f'weir_batch_lines{{batch="{batch_id}",state="done"}}' in text
+            assert 'weir_batch_model_lines{model="sim-tiny"' in text and "weir_batch_lines_done_total{" in text
             return name
     raise AssertionError("no router runs the batch")
 
