@@ -108,6 +108,7 @@ class RouterCore:
         self._wakeup_at: float | None = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
         self._log_requests = cfg.logging.requests
+        self.batch_tenants: Callable[[], dict[str, Any]] | None = None  # set by router.batch.service
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
@@ -794,4 +795,7 @@ class RouterCore:
 
     def tenants(self) -> dict[str, Any]:
         """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
-        return self.quota.snapshot()
+        snap = self.quota.snapshot()
+        if self.batch_tenants is not None:  # the batch tier's lines and tokens per tenant (router.batch)
+            snap["batch"] = self.batch_tenants()
+        return snap

@@ -132,6 +132,9 @@ class Budgets(_Cfg):
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
+    # Tokens of batch lines (router/batch/) per day, on top of the budgets
+    # above; [[tenants]] only.  Exhausted: the tenant's batches wait.
+    batch_tokens_per_day: int | None = None
 
 
 class ApiKey(Budgets, kw_only=True):
@@ -455,7 +458,7 @@ def _validate(cfg: Config) -> None:
     if len(set(tenants)) != len(tenants):
         raise ConfigError("duplicate [[tenants]] names")
     for b in [*cfg.api_keys, *cfg.tenants]:
-        for f in ("requests_per_minute", "tokens_per_minute", "tokens_per_day"):
+        for f in ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "batch_tokens_per_day"):
             v = getattr(b, f)
             if v is not None and v < 1:
                 raise ConfigError(f"{f} = {v}: must be >= 1 (leave it out for no limit)")

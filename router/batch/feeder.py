@@ -275,6 +275,8 @@ class BatchRun:
         want = m.lines_to_send(m.FeedState(len(self.in_flight), self.queued(), self.window, self.queue_target))
         reads = 0
         now = time.monotonic()
+        if want > 0 and not self.svc.budget_allows(self.rec.owner):
+            return  # batch_tokens_per_day spent: the batch waits (checked again at each scan)
         while want > 0 and reads < READ_PER_PASS:
             if self.retry and self.retry[0][0] <= now:
                 _, line, raw = self.retry.popleft()
@@ -351,11 +353,14 @@ class BatchRun:
         pend = self._pending
         pend[0] += 1
         usage = _usage_decoder.decode(body).usage
+        tokens = 0
         if usage is not None:
             pend[2] += usage.prompt_tokens
             pend[3] += usage.completion_tokens
             pend[4] += (usage.prompt_tokens_details or {}).get("cached_tokens", 0)
-        self.svc.stats.line_done(self.rec.owner, 1, 0)
+            tokens = usage.prompt_tokens + usage.completion_tokens
+            self.svc.charge(self.rec.owner, tokens)
+        self.svc.stats.line_done(self.rec.owner, 1, 0, tokens)
         self._flush_soon()
         self.kick()
 

@@ -124,3 +124,29 @@ def eta_seconds(done: int, total: int, elapsed_s: float) -> float | None:
     if done <= 0 or elapsed_s <= 0:
         return None
     return max(0.0, (total - done) * elapsed_s / done)
+
+
+class DayBudget:
+    """A tenant's ``batch_tokens_per_day``: a bucket of N tokens refilled at
+    N/86,400 per second, charged with each finished line's tokens.  Lines are
+    sent while it holds any (a line in flight may take it below zero: at most
+    the window's worth), so an exhausted tenant's batches wait, not fail."""
+
+    __slots__ = ("capacity", "level", "at")
+
+    def __init__(self, capacity: int, now: float) -> None:
+        self.capacity = capacity
+        self.level = float(capacity)
+        self.at = now
+
+    def _refill(self, now: float) -> None:
+        self.level = min(float(self.capacity), self.level + (now - self.at) * self.capacity / 86400.0)
+        self.at = now
+
+    def allows(self, now: float) -> bool:
+        self._refill(now)
+        return self.level > 0
+
+    def charge(self, tokens: int, now: float) -> None:
+        self._refill(now)
+        self.level -= tokens

@@ -41,12 +41,13 @@ class BatchStats:
     def __init__(self) -> None:
         self.sent = 0
         self.retried = 0
-        self.by_tenant: dict[str, list[int]] = {}  # tenant -> [completed, failed]
+        self.by_tenant: dict[str, list[int]] = {}  # tenant -> [completed, failed, tokens]
 
-    def line_done(self, tenant: str, completed: int, failed: int) -> None:
-        row = self.by_tenant.setdefault(tenant, [0, 0])
+    def line_done(self, tenant: str, completed: int, failed: int, tokens: int = 0) -> None:
+        row = self.by_tenant.setdefault(tenant, [0, 0, 0])
         row[0] += completed
         row[1] += failed
+        row[2] += tokens
 
 
 class BatchService:
@@ -71,7 +72,9 @@ class BatchService:
         self._ended: set[str] = set()  # batch ids seen terminal: not read again
         self.stats = BatchStats()
         self._task: asyncio.Task[None] | None = None
+        self._budgets: dict[str, m.DayBudget] = {}
         core.metrics.registry.register(_Collector(self))
+        core.batch_tenants = self.tenants
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._scan_forever())
@@ -190,9 +193,35 @@ class BatchService:
             shown.stamps[m.STAMP[m.CANCELLING]] = int(time.time())
         return shown
 
+    def _budget(self, tenant: str) -> m.DayBudget | None:
+        """The tenant's batch_tokens_per_day bucket (this router's), as the config reads now."""
+        limit = next((t.batch_tokens_per_day for t in self.core.cfg.tenants if t.name == tenant), None)
+        if limit is None:
+            self._budgets.pop(tenant, None)
+            return None
+        b = self._budgets.get(tenant)
+        if b is None or b.capacity != limit:
+            b = self._budgets[tenant] = m.DayBudget(limit, time.monotonic())
+        return b
+
+    def budget_allows(self, tenant: str) -> bool:
+        b = self._budget(tenant)
+        return b is None or b.allows(time.monotonic())
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        b = self._budget(tenant)
+        if b is not None:
+            b.charge(tokens, time.monotonic())
+
     def tenants(self) -> dict[str, Any]:
-        """Batch lines per tenant finished on this router (for /admin/tenants)."""
-        return {t: {"completed": c, "failed": f} for t, (c, f) in sorted(self.stats.by_tenant.items())}
+        """Batch lines and tokens per tenant finished on this router (for /admin/tenants)."""
+        out: dict[str, Any] = {}
+        for t, (c, f, tok) in sorted(self.stats.by_tenant.items()):
+            b = self._budgets.get(t)
+            out[t] = {"completed": c, "failed": f, "tokens": tok}
+            if b is not None:
+                out[t]["batch_tokens_per_day"] = {"limit": b.capacity, "left": int(b.level)}
+        return out
 
 
 class _Collector:
@@ -258,9 +287,14 @@ class _Collector:
         done_t = CounterMetricFamily(
             "weir_batch_lines_done", "Batch lines finished per tenant on this router", labels=["tenant", "outcome"]
         )
-        for t, (c, f) in sorted(svc.stats.by_tenant.items()):
+        tokens_t = CounterMetricFamily(
+            "weir_batch_tokens", "Batch tokens (prompt + completion) per tenant", labels=["tenant"]
+        )
+        for t, (c, f, tok) in sorted(svc.stats.by_tenant.items()):
             done_t.add_metric([t, "completed"], c)
             done_t.add_metric([t, "failed"], f)
+            tokens_t.add_metric([t], tok)
+        yield tokens_t
         sent = CounterMetricFamily("weir_batch_lines_sent", "Batch lines submitted to the scheduler (retries included)")
         sent.add_metric([], svc.stats.sent)
         retried = CounterMetricFamily(

@@ -108,6 +108,10 @@ def test_upload_create_poll_download_with_bad_lines_through_envoy(batch_stack):
     assert errs["unknown-model"]["status_code"] == 404
     assert errs["bad-field"]["status_code"] == 400 and errs["bad-field"]["body"]["error"]["param"] == "max_tokens"
     assert b.id in [x.id for x in client.batches.list()]
+    import requests
+
+    tenants = requests.get(batch_stack.router_url + "/admin/tenants", timeout=5).json()["batch"]
+    assert tenants["anonymous"]["completed"] >= 30 and tenants["anonymous"]["tokens"] >= 30 * 16
 
 
 def test_a_file_that_is_not_jsonl_fails_validation_and_duplicates_are_named(batch_stack):

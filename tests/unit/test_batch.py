@@ -144,3 +144,13 @@ def test_one_host_lease_one_holder_at_a_time(tmp_path):
         assert await b.acquire(rec.id)
 
     asyncio.run(run())
+
+
+def test_a_tenants_batch_day_budget_makes_its_batches_wait_then_refills():
+    b = m.DayBudget(86_400, now=0.0)  # refills 1 token a second
+    assert b.allows(0.0)
+    b.charge(86_400 + 100, now=0.0)  # a line in flight may take it below zero
+    assert not b.allows(50.0)  # -50: still waiting
+    assert b.allows(101.0)  # +1
+    b.charge(0, now=10 * 86_400.0)
+    assert b.level == 86_400  # never above its capacity
