@@ -154,3 +154,27 @@ def test_a_tenants_batch_day_budget_makes_its_batches_wait_then_refills():
     assert b.allows(101.0)  # +1
     b.charge(0, now=10 * 86_400.0)
     assert b.level == 86_400  # never above its capacity
+
+
+def test_weir_stats_shows_a_line_per_running_batch():
+    from weir.stats import _batches_view, render
+
+    def reading(done):
+        lines = [({"batch": "batch_a", "state": s}, v) for s, v in (("done", done), ("running", 8), ("queued", 16),
+                                                                       ("pending", 900 - done))]
+        return {"metrics": {"weir_batch_lines": lines,
+                            "weir_batch_eta_seconds": [({"batch": "batch_a"}, 120.0)],
+                            "weir_batch_window_left_seconds": [({"batch": "batch_a"}, 86000.0)]}}
+
+    rows = _batches_view("r0", reading(150), reading(100), 2.0)
+    assert rows == [{"router": "r0", "batch": "batch_a", "done": 150, "running": 8, "queued": 16, "pending": 750,
+                     "lines_per_s": 25.0, "eta_s": 120.0, "window_left_s": 86000.0}]
+    assert _batches_view("r0", {"error": "down"}, None, 0.0) == []
+    from rich.console import Console
+
+    snap = {"time": "now", "interval_s": 2.0, "envoy": {"reachable": False, "error": "x"}, "routers": [],
+            "workers": [], "tenants": [], "batches": rows}
+    console = Console(width=160, record=True)
+    console.print(render(snap, "t"))
+    text = console.export_text()
+    assert "batch_a" in text and "25.0" in text and "120 s" in text
