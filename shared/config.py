@@ -356,6 +356,9 @@ class BatchConfig(_Cfg):
     lease_ttl_s: float = 10.0  # [quota] store = "redis": a dead holder's batches move after this
     scan_interval_s: float = 0.5  # new batches, cancels, leases, state saved
     retry_s: float = 1.0  # a line refused for room (429/503) waits at least this long
+    # Interactive work waiting for room while batch lines run on its model:
+    # the newest batch lines leave their workers and resume later (router/batch/service.py).
+    preempt: bool = True
     # Weight of queued/running batch lines in the autoscaling demand (deploy/k8s_scaling.py).
     # 0: batch work never adds workers; it fills idle ones.
     autoscale_weight: float = 0.0

@@ -26,13 +26,15 @@ from router.batch.feeder import BatchRun
 from router.batch.files import FileStore
 from router.batch.lease import FileLease, Lease, RedisLease
 from router.batch.store import BatchRecord, BatchStore
-from router.jobs import job_id_of
+from router.jobs import RUNNING, job_id_of
 from shared.config import Config
 
 if TYPE_CHECKING:
     from router.core import RouterCore
 
 log = logging.getLogger("weir.batch")
+
+PREEMPT_S = 0.01  # how often interactive work waiting behind batch lines is looked for
 
 
 class BatchStats:
@@ -65,6 +67,9 @@ class BatchService:
         )
         names = [c.name for c in cfg.scheduler.classes]
         self.batch_class = "batch" if "batch" in names else names[-1]  # the lowest
+        self._batch_rank = names.index(self.batch_class)
+        self._preempt_timer: asyncio.TimerHandle | None = None
+        self.preempted = 0
         self.windows = {w: s for w in cfg.batch.completion_windows if (s := m.window_seconds(w)) is not None}
         self.io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-io")  # in order
         self.runs: dict[str, BatchRun] = {}
@@ -78,10 +83,49 @@ class BatchService:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._scan_forever())
+        if self.bcfg.preempt:
+            self._preempt_timer = asyncio.get_running_loop().call_later(PREEMPT_S, self._preempt_tick)
+
+    def _preempt_tick(self) -> None:
+        self._preempt_timer = asyncio.get_running_loop().call_later(PREEMPT_S, self._preempt_tick)
+        if self.runs:
+            try:
+                self.preempt()
+            except Exception:
+                log.exception("batch preemption failed")
+
+    def preempt(self) -> int:
+        """Interactive work waits while batch lines run on its model: take as
+        many batch lines off their workers (the newest first: the least work
+        redone); the slots go to the waiting work, and the lines resume as
+        continuations in the batch class (router.core ``move``), so nothing is
+        lost or run twice.  The cost: an interactive burst waits one
+        scheduling pass, not a batch line's whole generation."""
+        rank = self._batch_rank
+        waiting: dict[str, int] = {}
+        for name, mq in self.core.policy.models.items():
+            n = sum(c[0] + c[1] for r, c in enumerate(mq.totals.size_count) if r != rank)
+            if n:
+                waiting[name] = n
+        if not waiting:
+            return 0
+        jobs, moved = self.core.jobs, 0
+        for run in list(self.runs.values()):
+            for handle in reversed(list(run.in_flight)):
+                j = jobs.get(job_id_of(handle))
+                if j is None or j.state is not RUNNING or waiting.get(j.sub.model, 0) <= 0:
+                    continue
+                waiting[j.sub.model] -= 1
+                self.core.move(j.job_id, "preempted by interactive work")
+                moved += 1
+        self.preempted += moved
+        return moved
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._preempt_timer is not None:
+            self._preempt_timer.cancel()
         for bid, run in list(self.runs.items()):
             run.stop()
             await self.lease.release(bid)
@@ -249,7 +293,6 @@ class _Collector:
             "Batch lines queued or running per model (what autoscaling leaves out: [batch] autoscale_weight)",
             labels=["model", "state"],
         )
-        from router.jobs import RUNNING
 
         per_model: dict[tuple[str, str], int] = {}
         jobs = svc.core.jobs
@@ -301,4 +344,8 @@ class _Collector:
             "weir_batch_lines_retried", "Batch lines refused for room or budget and sent again later"
         )
         retried.add_metric([], svc.stats.retried)
-        yield from (lines, eta, left, share, done_t, sent, retried)
+        pre = CounterMetricFamily(
+            "weir_batch_lines_preempted", "Running batch lines taken off a worker for waiting interactive work"
+        )
+        pre.add_metric([], svc.preempted)
+        yield from (lines, eta, left, share, done_t, sent, retried, pre)

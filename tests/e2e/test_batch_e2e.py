@@ -249,3 +249,37 @@ def test_weir_batches_cli_submits_watches_and_downloads(batch_stack, tmp_path, c
     assert main(["batches", "download", batch_id, "-o", str(tmp_path / "res"), "--config", cfg]) == 0
     out = (tmp_path / "res" / f"{batch_id}_output.jsonl").read_text().splitlines()
     assert sorted(json.loads(x)["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(20))
+
+
+def test_interactive_work_preempts_running_batch_lines_which_still_finish_once(tmp_path):
+    """8 slots full of batch lines of ~1.3 s each: an interactive request gets
+    a slot at once (a batch line steps aside and resumes later), not after one."""
+    import requests
+
+    cfg = _config(tmp_path, workers=[sim_worker("sim-0", max_num_seqs=8, sim={"step_fixed_ms": 20.0})])
+    n = 40
+    with start_stack(cfg, tmp_path / "run") as stack:
+        client = _client(stack)
+        f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=64))), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 20
+        while not any(line.startswith("weir_worker_running{") and line.endswith(" 8.0")
+                      for line in requests.get(stack.metrics_url, timeout=5).text.splitlines()):
+            assert time.monotonic() < deadline, "the batch never filled the worker"
+            time.sleep(0.05)
+        ttfts = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            with requests.post(stack.envoy_url + "/v1/completions", stream=True, timeout=30,
+                               json={"model": SIM_MODEL, "prompt": "now", "max_tokens": 4, "stream": True}) as r:
+                assert r.status_code == 200
+                next(r.iter_lines(chunk_size=1))
+                ttfts.append(time.monotonic() - t0)
+        assert max(ttfts) < 0.6, ttfts  # a batch line runs ~1.3 s: it did not wait for one to end
+        metrics = requests.get(stack.metrics_url, timeout=5).text
+        assert "weir_batch_lines_preempted_total 0.0" not in metrics
+        done = _wait(client, b.id, {"completed", "failed"}, timeout=60)
+        ids = [r["custom_id"] for r in _results(client, done.output_file_id)]
+        assert done.status == "completed" and len(ids) == n and len(set(ids)) == n
+        assert all(r["response"]["body"]["usage"]["completion_tokens"] == 64
+                   for r in _results(client, done.output_file_id))
