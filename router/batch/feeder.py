@@ -64,7 +64,7 @@ _encode = msgspec.json.Encoder().encode
 class LineSink:
     """One line in flight: the RequestSink its job reports to (a non-streamed body)."""
 
-    __slots__ = ("run", "line", "raw", "custom_id", "ctx", "counts", "texts", "handle", "muted")
+    __slots__ = ("run", "line", "raw", "custom_id", "ctx", "counts", "texts", "handle", "muted", "preempted")
 
     def __init__(self, run: BatchRun, line: int, raw: bytes, custom_id: str, ctx: api.ResponseContext) -> None:
         self.run = run
@@ -76,6 +76,7 @@ class LineSink:
         self.texts: list[str] = []
         self.handle = 0
         self.muted = False  # cancelled by the batch (expiry, cancel, lease lost): news is ignored
+        self.preempted = False  # stepped aside for interactive work once already
 
     def on_deltas(self, deltas: list[p.Delta]) -> None:
         if self.muted or not deltas:

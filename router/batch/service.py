@@ -111,10 +111,13 @@ class BatchService:
             return 0
         jobs, moved = self.core.jobs, 0
         for run in list(self.runs.values()):
-            for handle in reversed(list(run.in_flight)):
+            for handle, sink in reversed(list(run.in_flight.items())):
                 j = jobs.get(job_id_of(handle))
-                if j is None or j.state is not RUNNING or waiting.get(j.sub.model, 0) <= 0:
+                if sink.preempted or j is None or j.state is not RUNNING or waiting.get(j.sub.model, 0) <= 0:
                     continue
+                # once per line: interactive work that a freed slot cannot help (another
+                # pool's, say) must not keep a batch line from ever finishing
+                sink.preempted = True
                 waiting[j.sub.model] -= 1
                 self.core.move(j.job_id, "preempted by interactive work")
                 moved += 1
