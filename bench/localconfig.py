@@ -120,6 +120,8 @@ def write_config(directory: os.PathLike, name: str = "weir.toml", *,
     ``overrides`` merged in (see merge) to ``directory/name`` (created if
     needed) and return the path, validated by loading it."""
     cfg = merge(base_config(**(defaults or {})), overrides)
+    # batch files and state beside the config, not in the user's home
+    cfg["batch"] = {"directory": str(Path(directory).resolve() / "batches"), **cfg.get("batch", {})}
     path = Path(directory) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:

@@ -298,6 +298,21 @@ def _route(match: dict, idle: str, cfg: Config) -> dict:
     return {"match": match, "route": route}
 
 
+def _upload_routes(idle: str, cfg: Config) -> list[dict]:
+    """Batch input uploads (POST /v1/files) may be up to ``batch.max_file_bytes``;
+    every other request keeps ``envoy.max_request_bytes``."""
+    if not cfg.batch.enabled:
+        return []
+    route = _route({"prefix": "/v1/files"}, idle, cfg)
+    route["typed_per_filter_config"] = {
+        "envoy.filters.http.buffer": {
+            "@type": f"{_TYPES}.filters.http.buffer.v3.BufferPerRoute",
+            "buffer": {"max_request_bytes": max(cfg.batch.max_file_bytes, cfg.envoy.max_request_bytes)},
+        }
+    }
+    return [route]
+
+
 def _http_connection_manager(cfg: Config) -> dict:
     idle = _seconds(cfg.envoy.stream_idle_timeout_s)
     hcm: dict[str, Any] = {
@@ -323,6 +338,7 @@ def _http_connection_manager(cfg: Config) -> dict:
                     "domains": ["*"],
                     # No other route: /admin, /metrics and the rest get 404 NR.
                     "routes": [
+                        *_upload_routes(idle, cfg),
                         _route({"prefix": "/v1/"}, idle, cfg),
                         _route({"path": "/health"}, idle, cfg),
                         # vLLM's tokenizer endpoints (the router answers them, same keys and buckets)

@@ -13,14 +13,20 @@ KUBECTL_IMAGE = "registry.k8s.io/kubectl:v1.32.4"
 # ------------------------------------------------------------------ autoscaling
 
 
-def demand_query(g: WorkerGroup) -> str:
+def demand_query(g: WorkerGroup, batch_weight: float = 1.0) -> str:
     """Requests queued for this group's model (and pool) plus those running on
-    its workers, summed over every router: KEDA divides by the threshold."""
+    its workers, summed over every router: KEDA divides by the threshold.
+    Batch lines count ``batch_weight`` each (``[batch] autoscale_weight``,
+    default 0: offline work fills idle workers and never adds one)."""
     queue = f'model="{g.model}"' + ("" if g.pool == "any" else f',pool="{g.pool}"')
     running = f'model="{g.model}"' + ("" if g.pool == "any" else f',pool="{g.pool}"')
-    return (
+    demand = (
         f"(sum(weir_model_queue_depth{{{queue}}}) or vector(0)) + (sum(weir_worker_running{{{running}}}) or vector(0))"
     )
+    if batch_weight >= 1.0:
+        return demand
+    batch = f'(sum(weir_batch_model_lines{{model="{g.model}"}}) or vector(0))'
+    return f"clamp_min({demand} - {1.0 - batch_weight:g} * {batch}, 0)"
 
 
 def gpu_query(g: WorkerGroup) -> str:
@@ -47,7 +53,14 @@ def _trigger(cfg: Config, name: str, query: str, threshold: float) -> dict:
 
 def scaled_object(cfg: Config, g: WorkerGroup, gpu: bool = False) -> dict:
     k = cfg.kubernetes
-    triggers = [_trigger(cfg, "demand", demand_query(g), g.template.max_num_seqs * k.target_slot_utilization)]
+    triggers = [
+        _trigger(
+            cfg,
+            "demand",
+            demand_query(g, cfg.batch.autoscale_weight),
+            g.template.max_num_seqs * k.target_slot_utilization,
+        )
+    ]
     if gpu and g.engine == "vllm":
         triggers.append(_trigger(cfg, "gpu-utilization", gpu_query(g), k.gpu_utilization_target_percent))
     return {

@@ -21,16 +21,18 @@ from typing import Any
 
 import uvloop
 
+from router.batch.service import BatchService
 from router.client_frontend import ClientFrontend
 from router.core import RouterCore
 from router.core_reads import CoreView
 from router.drain import Drain
+from router.http_routes import Routes
 from router.http_server import HttpConnection, start_http_server, written_out
 from router.metrics import RouterMetrics
 from router.operator_actions import RouterOperator
 from router.views import RouterViews
 from router.worker_link import WorkerLink
-from shared.config import DEFAULT_CONFIG, ConfigError, load, split_hostport
+from shared.config import DEFAULT_CONFIG, Config, ConfigError, load, split_hostport
 from shared.keys import secret_warnings
 from shared.logs import use_json
 from shared.transport import SocketPump
@@ -95,6 +97,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     frontend.serve(core)
     host, port = split_hostport(cfg.router.http)
     connections: set[HttpConnection] = set()
+    batches, batch_routes = _batch_tier(core, cfg)
     server = await start_http_server(
         core,
         views,
@@ -105,6 +108,8 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         max_body_bytes=cfg.envoy.max_request_bytes,
         connections=connections,
         max_prompts=cfg.router.max_prompts_per_request,
+        extra_routes=batch_routes,
+        max_upload_bytes=cfg.batch.max_file_bytes if batches is not None else 0,
     )
     log.info(
         "router ready: http=%s frontend=%s backend=%s policy=%s",
@@ -125,12 +130,25 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     drain.close()
     frontend.close()
     link.close()
+    if batches is not None:
+        await batches.close()
     core.close()
     await core.quota.close()
     if cfg.security.curve:
         from shared.curve import stop_authenticators
 
         stop_authenticators()
+
+
+def _batch_tier(core: RouterCore, cfg: Config) -> tuple[BatchService | None, Routes | None]:
+    """The Batch API and the runner of batches ([batch]; router/batch/), unless disabled."""
+    if not cfg.batch.enabled:
+        return None, None
+    from router.openai_api.files_batches import batch_routes, owner_of_key
+
+    svc = BatchService(core, cfg)
+    svc.start()
+    return svc, batch_routes(svc, owner_of_key(core), cfg.batch.max_file_bytes)
 
 
 def main() -> None:

@@ -111,6 +111,7 @@ class RouterCore:
         jobs, registry, policy, end, schedule = self.jobs, self.registry, self.policy, self._end, self._schedule_policy
         self._intake = Intake(jobs, registry, policy, self.quota, self.metrics, clock, end, schedule)
         self._recovery = Recovery(jobs, registry, policy, workers, self.metrics, cfg.router, clock, end, schedule)
+        self.batch_tenants: Callable[[], dict[str, Any]] | None = None  # set by router.batch.service
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
@@ -131,13 +132,17 @@ class RouterCore:
 
     # ------------------------------------------------------------ the frontends' API
 
-    def submit(self, sub: p.Submit, sink: RequestSink) -> int | p.ErrorInfo:
+    def submit(self, sub: p.Submit, sink: RequestSink, who: Identity | p.ErrorInfo | None = None) -> int | p.ErrorInfo:
         """Admit a request (its handle) or refuse it now.  Later news, a
-        refusal after tokenizing included, reaches ``sink``."""
+        refusal after tokenizing included, reaches ``sink``.  ``who``: an
+        identity established already (a batch line runs as its batch's key,
+        whose text is never stored: router.batch), instead of ``sub.api_key``'s."""
         if self.draining:  # before anything is started: safe for Envoy (or a client) to retry elsewhere
             return self._rejected(draining_error(), self.keys.default_tier)
+
         now = self.clock()
-        who = self.keys.identify(sub)
+        if who is None:
+            who = self.keys.identify(sub)
         if not isinstance(who, Identity):
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)

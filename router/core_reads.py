@@ -52,4 +52,7 @@ class CoreView:
 
     def tenants(self) -> dict[str, Any]:
         """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
-        return self.core.quota.snapshot()
+        snap = self.core.quota.snapshot()
+        if self.core.batch_tenants is not None:  # the batch tier's lines and tokens per tenant (router.batch)
+            snap["batch"] = self.core.batch_tenants()
+        return snap

@@ -39,7 +39,7 @@ from router import openai_api as api
 from router.http_embeddings import EmbeddingBatch, start_embeddings
 from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.http_routes import JSON as _JSON
-from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Views, routes
+from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Routes, Views, routes
 from router.metrics import RouterMetrics
 from router.model_registry import ServedModel
 from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
@@ -61,8 +61,10 @@ _WANTED_HEADERS = frozenset(
         b"content-length",
         b"expect",
         b"x-request-id",
+        b"content-type",  # multipart uploads (/v1/files)
     )
 )
+UPLOAD_PREFIX = b"/v1/files"  # bodies here may be up to max_upload_bytes
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
 STATUS_CLIENT_GONE = 499  # metrics label for requests the client abandoned (nginx's convention)
@@ -139,12 +141,15 @@ class _Ingress:
         max_buffered_bytes: int,
         connections: set[HttpConnection],
         max_prompts: int,
+        extra: Routes | None = None,
+        max_upload_bytes: int = 0,
     ):
         self.core = core
         self.connections = connections  # open ones: what a drain waits on (``written_out``)
         self.max_prompts = max_prompts  # per completion request (router.max_prompts_per_request)
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max(max_upload_bytes, max_body_bytes)
         self.max_buffered_bytes = max_buffered_bytes
         self.started = int(time.time())
         self.loop = asyncio.get_running_loop()
@@ -160,6 +165,9 @@ class _Ingress:
             **{path: (r.method, _answering(r.handler)) for path, r in table.exact.items()},
         }
         self.patterns: list[PatternRoute] = table.patterns  # when no path matches: in order
+        if extra is not None:  # (the Batch API: router.openai_api.files_batches)
+            self.routes.update({path: (r.method, _answering(r.handler)) for path, r in extra.exact.items()})
+            self.patterns = [*extra.patterns, *self.patterns]
 
     def flush_later(self, ex: Exchange) -> None:
         if not self._unflushed:
@@ -384,6 +392,7 @@ class HttpConnection(asyncio.Protocol):
         self._headers: dict[bytes, bytes] = {}
         self._body: list[bytes] = []
         self._body_len = 0
+        self._body_limit = ingress.max_body_bytes
         self._keep_alive = True
         self._http11 = True
         self._upgrade = False
@@ -402,9 +411,7 @@ class HttpConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
             if isinstance(e.__context__, _BodyTooLarge):
-                self._input_error(
-                    Code.REQUEST_TOO_LARGE, f"Request body exceeds the limit of {self.ingress.max_body_bytes} bytes"
-                )
+                self._input_error(Code.REQUEST_TOO_LARGE, f"Request body exceeds the limit of {self._body_limit} bytes")
             else:
                 log.error("HTTP request handling failed", exc_info=e.__context__ or e)
                 self._input_error(Code.INTERNAL, "Internal error while handling the request")
@@ -466,7 +473,9 @@ class HttpConnection(asyncio.Protocol):
         self._keep_alive = self._http11 and parser.should_keep_alive()
         self._upgrade = parser.should_upgrade()
         length = self._headers.get(b"content-length")
-        if length is not None and length.strip().isdigit() and int(length) > self.ingress.max_body_bytes:
+        ingress = self.ingress
+        self._body_limit = ingress.max_upload_bytes if self._url.startswith(UPLOAD_PREFIX) else ingress.max_body_bytes
+        if length is not None and length.strip().isdigit() and int(length) > self._body_limit:
             raise _BodyTooLarge()
         expect = self._headers.get(b"expect")
         if expect is not None and expect.lower() == b"100-continue" and not self.busy and self._http11:
@@ -474,7 +483,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
-        if self._body_len > self.ingress.max_body_bytes:
+        if self._body_len > self._body_limit:
             raise _BodyTooLarge()
         self._body.append(body)
 
@@ -703,6 +712,8 @@ async def start_http_server(
     max_buffered_bytes: int = 4 << 20,
     connections: set[HttpConnection] | None = None,
     max_prompts: int = DEFAULT_MAX_PROMPTS,
+    extra_routes: Routes | None = None,
+    max_upload_bytes: int = 0,
 ) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
@@ -713,7 +724,18 @@ async def start_http_server(
     ``max_prompts``: a completion's most prompts (a longer list: 400).
     """
     conns = connections if connections is not None else set()
-    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes, conns, max_prompts)
+    ingress = _Ingress(
+        core,
+        views,
+        operator,
+        metrics,
+        max_body_bytes,
+        max_buffered_bytes,
+        conns,
+        max_prompts,
+        extra_routes,
+        max_upload_bytes,
+    )
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)
 

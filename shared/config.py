@@ -9,6 +9,7 @@ back to a default.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -137,6 +138,9 @@ class Budgets(_Cfg):
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
+    # Tokens of batch lines (router/batch/) per day, on top of the budgets
+    # above; [[tenants]] only.  Exhausted: the tenant's batches wait.
+    batch_tokens_per_day: int | None = None
 
 
 class ApiKey(Budgets, kw_only=True):
@@ -357,6 +361,33 @@ class KubernetesConfig(_Cfg):
     prescale_end_schedule: str = "0 19 * * 1-5"
 
 
+class BatchConfig(_Cfg):
+    """The Batch API (/v1/files, /v1/batches; router/batch/): offline work in
+    the lowest scheduler class, fed in only as fast as slots free up."""
+
+    enabled: bool = True
+    # Files and batch state (relative to the config file).  Several routers
+    # running batches share it (one host, or a shared filesystem + Redis).
+    directory: str = "~/.local/state/weir/batches"
+    # An upload over this is refused (413).  The router holds an upload in
+    # memory while it writes it to disk; Envoy buffers it too.
+    max_file_bytes: int = 100 << 20
+    completion_windows: list[str] = msgspec.field(default_factory=lambda: ["24h"])  # may ask for (<n>s|m|h|d)
+    # Lines of one batch in the router at once (queued + running), and how
+    # many of them wait queued for a free slot; the rest of the file stays on disk.
+    max_in_flight: int = 256
+    queued_target: int = 16
+    lease_ttl_s: float = 10.0  # [quota] store = "redis": a dead holder's batches move after this
+    scan_interval_s: float = 0.5  # new batches, cancels, leases, state saved
+    retry_s: float = 1.0  # a line refused for room (429/503) waits at least this long
+    # Interactive work waiting for room while batch lines run on its model:
+    # the newest batch lines leave their workers and resume later (router/batch/service.py).
+    preempt: bool = True
+    # Weight of queued/running batch lines in the autoscaling demand (deploy/k8s_scaling.py).
+    # 0: batch work never adds workers; it fills idle ones.
+    autoscale_weight: float = 0.0
+
+
 class Config(_Cfg):
     envoy: EnvoyConfig = msgspec.field(default_factory=EnvoyConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
@@ -374,6 +405,7 @@ class Config(_Cfg):
     models: list[ModelConfig] = []
     workers: list[WorkerConfig] = []
     kubernetes: KubernetesConfig = msgspec.field(default_factory=KubernetesConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     base_dir: str = ""  # set by load(): relative paths resolve against it
 
     def model(self, name: str) -> ModelConfig:
@@ -459,7 +491,7 @@ def _validate(cfg: Config) -> None:
     if len(set(tenants)) != len(tenants):
         raise ConfigError("duplicate [[tenants]] names")
     for b in [*cfg.api_keys, *cfg.tenants]:
-        for f in ("requests_per_minute", "tokens_per_minute", "tokens_per_day"):
+        for f in ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "batch_tokens_per_day"):
             v = getattr(b, f)
             if v is not None and v < 1:
                 raise ConfigError(f"{f} = {v}: must be >= 1 (leave it out for no limit)")
@@ -470,6 +502,12 @@ def _validate(cfg: Config) -> None:
     for w in cfg.workers:
         if w.discovery_interval_s < 0:
             raise ConfigError(f"worker {w.id!r}: discovery_interval_s must be >= 0 (0: off)")
+    bc = cfg.batch
+    for window in bc.completion_windows:
+        if not re.fullmatch(r"[1-9][0-9]{0,6}[smhd]", window):
+            raise ConfigError(f"batch.completion_windows: {window!r} is not <n>s, <n>m, <n>h or <n>d")
+    if bc.max_in_flight < 1 or bc.queued_target < 1 or bc.max_file_bytes < 1:
+        raise ConfigError("batch.max_in_flight, queued_target and max_file_bytes must be >= 1")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 

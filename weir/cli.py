@@ -10,6 +10,7 @@ weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
 weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
 weir models list|add|remove ...           models of a running stack (weir up carries them out)
 weir restart [router|workers|envoy|all]   restart a running `weir up`'s components one by one, losing no request
+weir batches submit|list|show|download|cancel ...   offline batches (OpenAI's Batch API)
 weir router|worker ...                    one component (python -m router / engine_worker)
 """
 
@@ -239,10 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("dir", nargs="?", default=None, help="default: models/tiny-llama (models/tiny-embed with --embed)")
     mm.add_argument("--embed", action="store_true", help="the tiny embedding (pooling) model instead")
     mm.set_defaults(func=cmd_make_model)
-    from weir import keys_cli, models_cli
+    from weir import batches_cli, keys_cli, models_cli
 
     keys_cli.add_parser(sub)
     models_cli.add_parser(sub)
+    batches_cli.add_parser(sub)
     sub.add_parser("bench", help="load generator: weir bench --help")
     sub.add_parser("router", help="run the router alone (python -m router ...)")
     sub.add_parser("worker", help="run one engine worker (python -m engine_worker ...)")

@@ -323,14 +323,34 @@ def _tenants_view(cur: dict) -> list[dict]:
     return out
 
 
+def _batches_view(url: str, cur: dict, prev: dict | None, dt: float) -> list[dict]:
+    """One row per batch this router runs (router/batch: weir_batch_* gauges)."""
+    if "error" in cur:
+        return []
+    metrics = cur["metrics"]
+    before = prev.get("metrics", {}) if prev and "error" not in prev else {}
+    rows: dict[str, dict] = {}
+    for labels, v in metrics.get("weir_batch_lines", []):
+        rows.setdefault(labels["batch"], {"router": url, "batch": labels["batch"]})[labels["state"]] = int(v)
+    for bid, row in rows.items():
+        done_before = _sum(before, "weir_batch_lines", batch=bid, state="done") if before else None
+        row["lines_per_s"] = _rate(row.get("done", 0), done_before, dt) if before else None
+        eta = [v for labels, v in metrics.get("weir_batch_eta_seconds", []) if labels.get("batch") == bid]
+        left = [v for labels, v in metrics.get("weir_batch_window_left_seconds", []) if labels.get("batch") == bid]
+        row["eta_s"] = eta[0] if eta else None
+        row["window_left_s"] = left[0] if left else None
+    return [rows[b] for b in sorted(rows)]
+
+
 def view(cur: dict, prev: dict | None, expected_workers: dict[str, set[str]]) -> dict:
     """The snapshot ``--json`` prints and the live view draws.  ``expected_workers``:
     per router, the ids it should have (shown as lost where it does not)."""
     dt = cur["t"] - prev["t"] if prev else 0.0
-    routers, workers, tenants = [], [], []
+    routers, workers, tenants, batches = [], [], [], []
     for url, r in cur["routers"].items():
         pr = prev["routers"].get(url) if prev else None
         routers.append(_router_view(url, r, pr, dt))
+        batches += _batches_view(url, r, pr, dt)
         workers += _workers_view(url, r, pr, dt, expected_workers.get(url, set()))
         for t in _tenants_view(r):
             tenants.append({"router": url, **t})
@@ -341,6 +361,7 @@ def view(cur: dict, prev: dict | None, expected_workers: dict[str, set[str]]) ->
         "routers": routers,
         "workers": workers,
         "tenants": tenants,
+        "batches": batches,
     }
 
 
@@ -506,6 +527,22 @@ def render(snap: dict, title: str) -> Group:
                 refusals or "-",
             )
         parts.append(tt)
+    if snap.get("batches"):
+        bt = Table(title="batches", title_justify="left", expand=True)
+        for col in ("batch", "done", "running", "queued", "pending", "lines/s", "ETA", "window left"):
+            bt.add_column(col, justify="left" if col == "batch" else "right")
+        for x in snap["batches"]:
+            bt.add_row(
+                x["batch"],
+                _n(x.get("done"), "{}"),
+                _n(x.get("running"), "{}"),
+                _n(x.get("queued"), "{}"),
+                _n(x.get("pending"), "{}"),
+                _n(x["lines_per_s"], "{:.1f}"),
+                _n(x["eta_s"], "{:.0f} s"),
+                _n(x["window_left_s"], "{:.0f} s"),
+            )
+        parts.append(bt)
     return Group(*parts)
 
 

@@ -58,12 +58,16 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
     d = render_dict(cfg)
     hcm, vhost = _hcm(d), _vhost(d)
     # Only /v1/, /health and the tokenizer endpoints are routed; /admin and /metrics fall through to 404.
+    # /v1/files first: batch uploads may be up to batch.max_file_bytes.
     assert [r["match"] for r in vhost["routes"]] == [
+        {"prefix": "/v1/files"},
         {"prefix": "/v1/"},
         {"path": "/health"},
         {"path": "/tokenize"},
         {"path": "/detokenize"},
     ]
+    upload = vhost["routes"][0]["typed_per_filter_config"]["envoy.filters.http.buffer"]
+    assert upload["buffer"]["max_request_bytes"] == cfg.batch.max_file_bytes
     for r in vhost["routes"]:
         assert r["route"]["timeout"] == "0s"  # SSE streams are never cut by a route timeout
         assert r["route"]["cluster"] == "router"

@@ -1,0 +1,575 @@
+"""One batch running on this router: its lines fed into the normal submit path.
+
+``BatchRun`` streams the input file (never loaded whole) and submits each
+line through ``RouterCore.submit`` -- the same admission, budgets, policy and
+workers as a live request -- in the lowest class (``batch``, or the config's
+last), as the key that created the batch.  The policy's class headroom and
+ordering keep interactive work ahead of it; the feeder keeps only
+``queued_target`` lines waiting and ``max_in_flight`` in the router at once
+(router.batch.model.lines_to_send), topping up as lines end.
+
+A line refused for room or budget (429/503: router.batch.model.retryable)
+waits ``retry_s`` (or its Retry-After) and is sent again: batch lines are
+never refused for predicted wait, their deadline is the completion window.
+Any other refusal, or a line that does not parse, is an entry in the error
+file, keyed by its custom_id.  Results are appended and fsync'ed on a
+thread, in groups (router.batch.store.ResultLog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any
+
+import msgspec
+
+from router import openai_api as api
+from router.admission import ANONYMOUS_TENANT, Identity
+from router.batch import model as m
+from router.batch.store import BatchError, BatchRecord, ResultLog, is_done, mark_done, result_id
+from router.batch.validate import check_file, decode_line, to_submit
+from router.jobs import RUNNING, job_id_of
+from shared import protocol as p
+from shared.errors import Code, error
+from shared.keys import key_id
+
+if TYPE_CHECKING:
+    from router.batch.service import BatchService
+
+log = logging.getLogger("weir.batch")
+
+FLUSH_S = 0.05  # results wait at most this long for their group's fsync
+READ_PER_PASS = 4096  # input lines read per feeding pass at most (bad lines cost no slot)
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+
+
+class _UsageOnly(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class _BodyUsage(msgspec.Struct):
+    usage: _UsageOnly | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_BodyUsage)
+_encode = msgspec.json.Encoder().encode
+
+
+class LineSink:
+    """One line in flight: the RequestSink its job reports to (a non-streamed body)."""
+
+    __slots__ = ("run", "line", "raw", "custom_id", "ctx", "counts", "texts", "handle", "muted", "preempted")
+
+    def __init__(self, run: BatchRun, line: int, raw: bytes, custom_id: str, ctx: api.ResponseContext) -> None:
+        self.run = run
+        self.line = line
+        self.raw = raw  # the input line, for a retry (in flight only: bounded by the window)
+        self.custom_id = custom_id
+        self.ctx = ctx
+        self.counts: api.Accumulator | api.TokenCounts = api.Accumulator(ctx) if ctx.rich else api.TokenCounts()
+        self.texts: list[str] = []
+        self.handle = 0
+        self.muted = False  # cancelled by the batch (expiry, cancel, lease lost): news is ignored
+        self.preempted = False  # stepped aside for interactive work once already
+
+    def on_deltas(self, deltas: list[p.Delta]) -> None:
+        if self.muted or not deltas:
+            return
+        if deltas[0].model and deltas[0].model != self.ctx.model:  # a fallback model answers
+            self.ctx.model = deltas[0].model
+        counts = self.counts
+        if isinstance(counts, api.Accumulator):
+            counts.add(deltas)
+        else:
+            for d in deltas:
+                counts.add(d)
+                if d.text:
+                    self.texts.append(d.text)
+        last = deltas[-1]
+        if last.error is not None:
+            self.muted = True
+            self.run.line_refused(self, last.error)
+        elif last.finish_reason is not None:
+            self.muted = True
+            if isinstance(counts, api.Accumulator):
+                body = counts.render()
+            else:
+                body = api.render_completion(
+                    self.ctx,
+                    "".join(self.texts),
+                    last.finish_reason,
+                    counts.prompt,
+                    counts.completion_total,
+                    counts.cached,
+                )
+            self.run.line_ok(self, body)
+
+
+class BatchRun:
+    def __init__(self, service: BatchService, rec: BatchRecord) -> None:
+        self.svc = service
+        self.core = service.core
+        self.rec = rec
+        bcfg = service.bcfg
+        self.window, self.queue_target, self.retry_s = bcfg.max_in_flight, bcfg.queued_target, bcfg.retry_s
+        self.max_body = service.max_body_bytes
+        self.input_path = service.files.data_path(rec.input_file_id)
+        self.out = ResultLog(service.files.data_path(rec.output_file_id))
+        self.err = ResultLog(service.files.data_path(rec.error_file_id))
+        self.done = bytearray()
+        self.cursor = 0  # the next physical input line to read
+        self._input: IO[bytes] | None = None
+        self.eof = False
+        self.in_flight: dict[int, LineSink] = {}
+        self.retry: collections.deque[tuple[float, int, bytes]] = collections.deque()  # (not before, line, raw)
+        self._out_buf: list[bytes] = []
+        self._err_buf: list[bytes] = []
+        self._flushing: asyncio.Future[Any] | None = None
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._pending = [0, 0, 0, 0, 0]  # unflushed: completed, failed, input, output, cached tokens
+        self._kicked = False
+        self.wake = asyncio.Event()
+        self.ended = False
+        self.stopped = False
+        self.started_mono = time.monotonic()
+        self.done_at_start = 0
+        self.dirty = True
+        self.who: Identity | p.ErrorInfo = self._identity()
+
+    # ------------------------------------------------------------ identity and class
+
+    def _identity(self) -> Identity | p.ErrorInfo:
+        keys = self.core.keys
+        klass = self.svc.batch_class
+        if not keys.by_key:
+            return Identity(ANONYMOUS_TENANT, klass, 1.0, "")
+        key = keys.by_key.get(self.rec.key_digest)
+        if key is None:
+            return error(Code.INVALID_API_KEY, "The API key that created this batch is no longer valid.")
+        return Identity(key.tenant, klass, key.weight, key_id(self.rec.key_digest))
+
+    # ------------------------------------------------------------ the run
+
+    async def main(self) -> None:
+        """Validate (a new batch) or recover (one this or another router ran), then feed until it ends."""
+        try:
+            if self.rec.status == m.VALIDATING:
+                if not await self._validate():
+                    return
+            await self._recover()
+            while not self.stopped:
+                await self.step()
+                if self.ended:
+                    return
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), self.svc.bcfg.scan_interval_s)
+                except TimeoutError:
+                    pass
+        except Exception as e:
+            log.exception("batch %s failed", self.rec.id)
+            if not self.stopped:
+                await self._fail("internal_error", f"The batch failed: {e}")
+        finally:
+            self._close()
+
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.svc.io, fn, *args)
+
+    async def _validate(self) -> bool:
+        rec = self.rec
+        if self.svc.store.cancel_requested(rec.id):
+            rec.move(m.CANCELLED)
+            await self._save()
+            self.ended = True
+            return False
+        try:
+            checked = await self._io(check_file, self.input_path)
+        except OSError as e:
+            checked = None
+            rec.errors = [BatchError("input_file_unreadable", f"The input file could not be read: {e}")]
+        if checked is not None:
+            rec.total, rec.input_lines = checked.total, checked.lines
+            if checked.errors:
+                rec.errors = checked.errors
+        if rec.errors:
+            rec.move(m.FAILED)
+            await self._save()
+            self.ended = True
+            return False
+        rec.move(m.IN_PROGRESS)
+        await self._save()
+        return True
+
+    async def _recover(self) -> None:
+        """What is done already: from the result files alone (a line written is never sent again)."""
+        self.done = bytearray((self.rec.input_lines + 7) // 8)
+        await self._io(self.out.recover, self.done)
+        await self._io(self.err.recover, self.done)
+        rec = self.rec
+        if (rec.completed, rec.failed) != (self.out.lines, self.err.lines):
+            rec.completed, rec.failed = self.out.lines, self.err.lines
+            self.dirty = True
+        self.done_at_start = rec.completed + rec.failed
+        self.started_mono = time.monotonic()
+        self._input = await self._io(open, self.input_path, "rb")
+
+    async def step(self) -> None:
+        rec = self.rec
+        if rec.status == m.FINALIZING:
+            return await self._finish(m.COMPLETED)
+        if time.time() >= rec.expires_at and rec.status in (m.IN_PROGRESS, m.CANCELLING):
+            return await self._expire()
+        if rec.status == m.IN_PROGRESS and self.svc.store.cancel_requested(rec.id):
+            rec.move(m.CANCELLING)
+            self.dirty = True
+            self._cancel_queued()
+        if rec.status == m.IN_PROGRESS:
+            self.feed()
+            if self.eof and not self.retry and not self.in_flight:
+                await self._drain()
+                if self.stopped or rec.status != m.IN_PROGRESS:
+                    return
+                rec.move(m.FINALIZING)
+                return await self._finish(m.COMPLETED)
+        elif rec.status == m.CANCELLING and not self.in_flight:
+            return await self._finish(m.CANCELLED)
+        if self.dirty:
+            await self._save()
+
+    # ------------------------------------------------------------ feeding
+
+    def kick(self) -> None:
+        """A line ended: top the queue up at the end of this loop turn (once per turn)."""
+        if not self._kicked:
+            self._kicked = True
+            asyncio.get_running_loop().call_soon(self._kick)
+
+    def _kick(self) -> None:
+        self._kicked = False
+        if not self.stopped and self.rec.status == m.IN_PROGRESS:
+            self.feed()
+            if self.eof and not self.retry and not self.in_flight:
+                self.wake.set()
+        elif self.rec.status == m.CANCELLING and not self.in_flight:
+            self.wake.set()
+
+    def queued(self) -> int:
+        jobs = self.core.jobs
+        n = 0
+        for handle in self.in_flight:
+            j = jobs.get(job_id_of(handle))
+            if j is not None and j.state is not RUNNING:
+                n += 1
+        return n
+
+    def running(self) -> int:
+        return len(self.in_flight) - self.queued()
+
+    def feed(self) -> None:
+        want = m.lines_to_send(m.FeedState(len(self.in_flight), self.queued(), self.window, self.queue_target))
+        reads = 0
+        now = time.monotonic()
+        if want > 0 and not self.svc.budget_allows(self.rec.owner):
+            return  # batch_tokens_per_day spent: the batch waits (checked again at each scan)
+        while want > 0 and reads < READ_PER_PASS:
+            if self.retry and self.retry[0][0] <= now:
+                _, line, raw = self.retry.popleft()
+            else:
+                got = self._next_line()
+                if got is None:
+                    break
+                line, raw = got
+                reads += 1
+            if self._send(line, raw):
+                want -= 1
+
+    def _next_line(self) -> tuple[int, bytes] | None:
+        f = self._input
+        if f is None or self.eof:
+            return None
+        while True:
+            raw = f.readline()
+            if not raw:
+                self.eof = True
+                return None
+            line = self.cursor
+            self.cursor += 1
+            if raw.strip() and line < self.rec.input_lines and not is_done(self.done, line):
+                return line, raw
+
+    def _send(self, line: int, raw: bytes) -> bool:
+        """Submit one line; True if it is now in flight."""
+        rec = self.rec
+        decoded = decode_line(raw)
+        if decoded is None:
+            self._error_entry(line, "", error(Code.BAD_REQUEST, "This line is not a valid request object."))
+            return False
+        rid = result_id(rec.id, line)
+        try:
+            sub, ctx = to_submit(decoded, rec.endpoint, self.max_body, rid)
+        except api.RequestError as e:
+            self._error_entry(line, decoded.custom_id, e.info)
+            return False
+        if isinstance(self.who, p.ErrorInfo):
+            self._error_entry(line, decoded.custom_id, self.who)
+            return False
+        sub.trace_id = ctx.request_id = rid
+        sink = LineSink(self, line, raw, decoded.custom_id, ctx)
+        result = self.core.submit(sub, sink, self.who)
+        if isinstance(result, int):
+            sink.handle = result
+            self.in_flight[result] = sink
+            self.svc.stats.sent += 1
+            return True
+        if m.retryable(result.status, result.code, result.type):
+            self._retry_later(line, raw, result)
+        else:
+            self._error_entry(line, decoded.custom_id, result)
+        return False
+
+    def _retry_later(self, line: int, raw: bytes, err: p.ErrorInfo) -> None:
+        wait = max(self.retry_s, err.retry_after or 0.0)
+        self.retry.append((time.monotonic() + wait, line, raw))
+        self.svc.stats.retried += 1
+
+    # ------------------------------------------------------------ results
+
+    def line_ok(self, sink: LineSink, body: bytes) -> None:
+        self.in_flight.pop(sink.handle, None)
+        entry = {
+            "id": result_id(self.rec.id, sink.line),
+            "custom_id": sink.custom_id,
+            "response": {"status_code": 200, "request_id": sink.ctx.id, "body": msgspec.Raw(body)},
+            "error": None,
+        }
+        mark_done(self.done, sink.line)
+        self._out_buf.append(_encode(entry) + b"\n")
+        pend = self._pending
+        pend[0] += 1
+        usage = _usage_decoder.decode(body).usage
+        tokens = 0
+        if usage is not None:
+            pend[2] += usage.prompt_tokens
+            pend[3] += usage.completion_tokens
+            pend[4] += (usage.prompt_tokens_details or {}).get("cached_tokens", 0)
+            tokens = usage.prompt_tokens + usage.completion_tokens
+            self.svc.charge(self.rec.owner, tokens)
+        self.svc.stats.line_done(self.rec.owner, 1, 0, tokens)
+        self._flush_soon()
+        self.kick()
+
+    def line_refused(self, sink: LineSink, err: p.ErrorInfo) -> None:
+        self.in_flight.pop(sink.handle, None)
+        if m.retryable(err.status, err.code, err.type) and self.rec.status == m.IN_PROGRESS:
+            self._retry_later(sink.line, sink.raw, err)
+            self.kick()
+            return
+        self._error_entry(sink.line, sink.custom_id, err)
+        self.kick()
+
+    def _error_entry(self, line: int, custom_id: str, err: p.ErrorInfo) -> None:
+        rid = result_id(self.rec.id, line)
+        entry = {
+            "id": rid,
+            "custom_id": custom_id,
+            "response": {"status_code": err.status, "request_id": rid, "body": msgspec.Raw(api.error_body(err, rid))},
+            "error": None,
+        }
+        mark_done(self.done, line)
+        self._err_buf.append(_encode(entry) + b"\n")
+        self._pending[1] += 1
+        self.svc.stats.line_done(self.rec.owner, 0, 1)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if self._flush_timer is None and self._flushing is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_timer = None
+        if self._flushing is not None or self.stopped or not (self._out_buf or self._err_buf):
+            return
+        out, self._out_buf = self._out_buf, []
+        err, self._err_buf = self._err_buf, []
+        counts, self._pending = self._pending, [0, 0, 0, 0, 0]
+        fut = asyncio.get_running_loop().run_in_executor(self.svc.io, self._write, out, err)
+        self._flushing = fut
+        fut.add_done_callback(lambda f: self._flushed(f, counts))
+
+    def _write(self, out: list[bytes], err: list[bytes]) -> None:
+        if out:
+            self.out.append(out)
+        if err:
+            self.err.append(err)
+
+    def _flushed(self, fut: asyncio.Future[Any], counts: list[int]) -> None:
+        self._flushing = None
+        exc = fut.exception()
+        if exc is not None:
+            log.error("batch %s: writing results failed: %s", self.rec.id, exc)
+            if not self.stopped:
+                asyncio.get_running_loop().create_task(
+                    self._fail("results_write_failed", f"Writing results failed ({exc}); what was written is kept.")
+                )
+            return
+        rec = self.rec
+        rec.completed += counts[0]
+        rec.failed += counts[1]
+        rec.usage.input_tokens += counts[2]
+        rec.usage.output_tokens += counts[3]
+        rec.usage.cached_tokens += counts[4]
+        self.dirty = True
+        if self._out_buf or self._err_buf:
+            self._flush_soon()
+
+    async def _drain(self) -> None:
+        """Every result so far on disk."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        while not self.stopped:
+            if self._flushing is not None:
+                await asyncio.wait([self._flushing])
+                continue
+            if not (self._out_buf or self._err_buf):
+                return
+            self._flush()
+
+    # ------------------------------------------------------------ ends
+
+    def _cancel_queued(self) -> None:
+        """Cancel: lines still waiting in the queue are withdrawn; running ones finish."""
+        jobs = self.core.jobs
+        for handle, sink in list(self.in_flight.items()):
+            j = jobs.get(job_id_of(handle))
+            if j is None or j.state is not RUNNING:
+                self._withdraw(handle, sink)
+        self.retry.clear()
+
+    def _withdraw(self, handle: int, sink: LineSink) -> None:
+        sink.muted = True
+        del self.in_flight[handle]
+        self.core.cancel(handle)
+
+    def _withdraw_all(self) -> None:
+        for handle, sink in list(self.in_flight.items()):
+            self._withdraw(handle, sink)
+        self.retry.clear()
+
+    async def _expire(self) -> None:
+        """The window passed: what finished stays; every other line gets a batch_expired entry."""
+        self._withdraw_all()
+        await self._drain()
+        if self.stopped:
+            return
+        rec = self.rec
+        try:
+            n = await self._io(self._write_expired)
+        except OSError as e:
+            return await self._fail("results_write_failed", f"Writing expiry entries failed ({e}).")
+        rec.failed += n
+        rec.move(m.EXPIRED)
+        await self._end_files()
+
+    def _write_expired(self) -> int:
+        rec, n, chunk = self.rec, 0, []
+        with open(self.input_path, "rb") as f:
+            for line, raw in enumerate(f):
+                if not raw.strip() or line >= rec.input_lines or is_done(self.done, line):
+                    continue
+                head = decode_line(raw)
+                entry = {
+                    "id": result_id(rec.id, line),
+                    "custom_id": head.custom_id if head is not None else "",
+                    "response": None,
+                    "error": {"code": "batch_expired", "message": EXPIRED_MESSAGE},
+                }
+                chunk.append(_encode(entry) + b"\n")
+                mark_done(self.done, line)
+                n += 1
+                if len(chunk) >= 4096:
+                    self.err.append(chunk)
+                    chunk = []
+        if chunk:
+            self.err.append(chunk)
+        return n
+
+    async def _finish(self, status: str) -> None:
+        await self._drain()
+        if self.stopped:
+            return
+        if status == m.COMPLETED and self.rec.status != m.FINALIZING:
+            self.rec.move(m.FINALIZING)
+        self.rec.move(status)
+        await self._end_files()
+
+    async def _end_files(self) -> None:
+        """Output and error files become visible (/v1/files), then the batch's end is saved."""
+        rec = self.rec
+        try:
+            await self._io(self._register)
+        except OSError as e:
+            log.error("batch %s: registering result files failed: %s", rec.id, e)
+        await self._save()
+        self.ended = True
+        log.info("batch %s %s: %d completed, %d failed of %d", rec.id, rec.status, rec.completed, rec.failed, rec.total)
+
+    def _register(self) -> None:
+        rec, files = self.rec, self.svc.files
+        self.out.close()
+        self.err.close()
+        if rec.completed:
+            files.register(rec.owner, rec.output_file_id, f"{rec.id}_output.jsonl", "batch_output")
+        if rec.failed:
+            files.register(rec.owner, rec.error_file_id, f"{rec.id}_error.jsonl", "batch_output")
+
+    async def _fail(self, code: str, message: str) -> None:
+        self._withdraw_all()
+        rec = self.rec
+        rec.errors = [*rec.errors, BatchError(code, message)]
+        if rec.status not in m.TERMINAL:
+            rec.status = m.FAILED  # from any state: a failure is always recorded
+            rec.stamps[m.STAMP[m.FAILED]] = int(time.time())
+        try:
+            await self._io(self._register)
+        except OSError:
+            pass
+        try:
+            await self._save()
+        except OSError as e:
+            log.error("batch %s: saving its failed state failed too: %s", rec.id, e)
+        self.ended = True
+
+    async def _save(self) -> None:
+        self.dirty = False
+        await self._io(self.svc.store.save, msgspec.structs.replace(self.rec))
+
+    def stop(self) -> None:
+        """The lease is lost (or the router stops): drop out at once, write nothing more."""
+        self.stopped = True
+        self._withdraw_all()
+        self._out_buf.clear()
+        self._err_buf.clear()
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        self.wake.set()
+
+    def _close(self) -> None:
+        if self._input is not None:
+            self._input.close()
+            self._input = None
+
+    # ------------------------------------------------------------ views
+
+    def eta_s(self) -> float | None:
+        rec = self.rec
+        done = rec.completed + rec.failed - self.done_at_start
+        return m.eta_seconds(done, rec.total - self.done_at_start, time.monotonic() - self.started_mono)

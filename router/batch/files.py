@@ -1,0 +1,143 @@
+"""Files on disk: ``/v1/files`` (purpose ``batch`` uploads, batch output and error files).
+
+One directory (``[batch] directory``/files): ``<id>.data`` holds the bytes,
+``<id>.json`` what OpenAI's file object shows plus its owner (the tenant
+that uploaded it; other tenants are told it does not exist).  Every write
+is atomic -- a temporary file, fsync, rename, fsync of the directory -- so
+a router killed mid-upload leaves either the whole file or none.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+import msgspec
+
+UPLOAD_PURPOSES = ("batch",)
+OUTPUT_PURPOSES = ("batch_output",)
+
+
+class FileMeta(msgspec.Struct, kw_only=True):
+    id: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    owner: str
+    status: str = "processed"
+
+    def public(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": self.status,
+            "expires_at": None,
+            "status_details": None,
+        }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Either the old content or all of ``data``, never a part, even if killed."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+_meta_decoder = msgspec.json.Decoder(FileMeta)
+
+
+class FileStore:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory / "files"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def data_path(self, file_id: str) -> Path:
+        return self.dir / f"{file_id}.data"
+
+    def _meta_path(self, file_id: str) -> Path:
+        return self.dir / f"{file_id}.json"
+
+    def create(self, owner: str, filename: str, purpose: str, data: bytes) -> FileMeta:
+        meta = FileMeta(
+            id=new_id("file-"),
+            bytes=len(data),
+            created_at=int(time.time()),
+            filename=filename,
+            purpose=purpose,
+            owner=owner,
+        )
+        write_atomic(self.data_path(meta.id), data)
+        write_atomic(self._meta_path(meta.id), msgspec.json.encode(meta))  # last: the file exists from here
+        return meta
+
+    def register(self, owner: str, file_id: str, filename: str, purpose: str) -> FileMeta:
+        """A file written in place (a batch's output or errors) becomes visible."""
+        meta = FileMeta(
+            id=file_id,
+            bytes=self.data_path(file_id).stat().st_size,
+            created_at=int(time.time()),
+            filename=filename,
+            purpose=purpose,
+            owner=owner,
+        )
+        write_atomic(self._meta_path(file_id), msgspec.json.encode(meta))
+        return meta
+
+    def get(self, owner: str, file_id: str) -> FileMeta | None:
+        if not _safe_id(file_id):
+            return None
+        try:
+            meta = _meta_decoder.decode(self._meta_path(file_id).read_bytes())
+        except (OSError, msgspec.DecodeError):
+            return None
+        return meta if meta.owner == owner else None
+
+    def list(self, owner: str, purpose: str | None = None) -> list[FileMeta]:
+        out = []
+        for path in self.dir.glob("file-*.json"):
+            try:
+                meta = _meta_decoder.decode(path.read_bytes())
+            except (OSError, msgspec.DecodeError):
+                continue
+            if meta.owner == owner and (purpose is None or meta.purpose == purpose):
+                out.append(meta)
+        out.sort(key=lambda m: (m.created_at, m.id), reverse=True)
+        return out
+
+    def delete(self, owner: str, file_id: str) -> bool:
+        if self.get(owner, file_id) is None:
+            return False
+        self._meta_path(file_id).unlink(missing_ok=True)  # first: gone for readers from here
+        self.data_path(file_id).unlink(missing_ok=True)
+        return True
+
+
+def _safe_id(file_id: str) -> bool:
+    return file_id.startswith("file-") and file_id[5:].isalnum() and len(file_id) <= 64

@@ -1,0 +1,285 @@
+"""The Batch API end to end: the openai SDK through Envoy, sim workers, real processes.
+
+One stack per test that breaks it (SIGKILL, two routers); the API walk, the
+bad lines, cancel and expiry share one supervised stack.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import openai
+import pytest
+
+from test_tenancy_e2e import redis_url  # noqa: F401 (a fixture: one redis-server for this module)
+
+from stackutil import SIM_MODEL, localconfig, sim_worker, start_stack, write_config
+
+# A sim line of 64 tokens takes ~0.2 s on 8 slots: a few hundred lines take seconds.
+SLOW_SIM = {"step_fixed_ms": 3.0, "decode_token_us": 60.0}
+
+
+def _lines(n: int, max_tokens: int = 16, url: str = "/v1/completions", start: int = 0) -> list[dict]:
+    return [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": url,
+            "body": {"model": SIM_MODEL, "prompt": f"line {i}", "max_tokens": max_tokens},
+        }
+        for i in range(start, start + n)
+    ]
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def _client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.envoy_url + "/v1", api_key="none", max_retries=5, timeout=30)
+
+
+def _wait(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if b.status in statuses:
+            return b
+        assert time.monotonic() < deadline, f"batch stuck in {b.status}: {b.request_counts}"
+        time.sleep(0.2)
+
+
+def _results(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).content.splitlines()]
+
+
+def _config(tmp_path, **over):
+    batch = {"directory": str(tmp_path / "batches"), "completion_windows": ["24h", "3s"], "scan_interval_s": 0.2}
+    return write_config(tmp_path, batch={**batch, **over.pop("batch", {})}, **over)
+
+
+@pytest.fixture(scope="module")
+def batch_stack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batch_stack")
+    cfg = _config(d, workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM)])
+    with start_stack(cfg, d / "run") as s:
+        yield s
+
+
+def test_upload_create_poll_download_with_bad_lines_through_envoy(batch_stack):
+    client = _client(batch_stack)
+    good = _lines(30)
+    bad = [
+        {"custom_id": "other-endpoint", "method": "POST", "url": "/v1/chat/completions", "body": {"model": SIM_MODEL}},
+        {
+            "custom_id": "unknown-model",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "no-such-model", "prompt": "x", "max_tokens": 2},
+        },
+        {
+            "custom_id": "bad-field",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": SIM_MODEL, "prompt": "x", "max_tokens": -1},
+        },
+    ]
+    f = client.files.create(file=("in.jsonl", _jsonl(good + bad)), purpose="batch")
+    assert f.purpose == "batch" and f.bytes > 0 and client.files.retrieve(f.id).id == f.id
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="24h", metadata={"job": "e2e"}
+    )
+    assert b.status in ("validating", "in_progress") and b.metadata == {"job": "e2e"}
+    done = _wait(client, b.id, {"completed", "failed"})
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (33, 30, 3)
+    assert done.usage.output_tokens == 30 * 16
+    out = _results(client, done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(x["custom_id"] for x in good)
+    assert all(
+        r["response"]["status_code"] == 200 and r["response"]["body"]["usage"]["completion_tokens"] == 16 for r in out
+    )
+    errs = {r["custom_id"]: r["response"] for r in _results(client, done.error_file_id)}
+    assert errs["other-endpoint"]["status_code"] == 400 and errs["other-endpoint"]["body"]["error"]["param"] == "url"
+    assert errs["unknown-model"]["status_code"] == 404
+    assert errs["bad-field"]["status_code"] == 400 and errs["bad-field"]["body"]["error"]["param"] == "max_tokens"
+    assert b.id in [x.id for x in client.batches.list()]
+    import requests
+
+    tenants = requests.get(batch_stack.router_url + "/admin/tenants", timeout=5).json()["batch"]
+    assert tenants["anonymous"]["completed"] >= 30 and tenants["anonymous"]["tokens"] >= 30 * 16
+
+
+def test_a_file_that_is_not_jsonl_fails_validation_and_duplicates_are_named(batch_stack):
+    client = _client(batch_stack)
+    f = client.files.create(file=("bad.jsonl", b'{"custom_id": "a"}\nnot json\n'), purpose="batch")
+    b = _wait(
+        client,
+        client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h").id,
+        {"failed"},
+    )
+    assert b.errors.data[0].code == "invalid_json_line" and b.errors.data[0].line == 2
+    dup = _jsonl(_lines(2) + _lines(1))
+    f = client.files.create(file=("dup.jsonl", dup), purpose="batch")
+    b = _wait(
+        client,
+        client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h").id,
+        {"failed"},
+    )
+    assert [(e.code, e.line) for e in b.errors.data] == [("duplicate_custom_id", 3)]
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="7d")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_" + "0" * 24)
+
+
+def test_cancel_stops_feeding_and_keeps_what_finished(batch_stack):
+    client = _client(batch_stack)
+    f = client.files.create(file=("big.jsonl", _jsonl(_lines(400, max_tokens=64))), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    _wait(client, b.id, {"in_progress"})
+    time.sleep(0.5)
+    c = client.batches.cancel(b.id)
+    assert c.status == "cancelling"
+    done = _wait(client, b.id, {"cancelled"})
+    counts = done.request_counts
+    assert counts.completed + counts.failed < 400, counts
+    out = _results(client, done.output_file_id)
+    assert len(out) == counts.completed and len({r["custom_id"] for r in out}) == len(out)
+
+
+def test_expiry_writes_what_finished_and_marks_the_rest_expired(batch_stack):
+    client = _client(batch_stack)
+    f = client.files.create(file=("slow.jsonl", _jsonl(_lines(600, max_tokens=64))), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="3s")
+    done = _wait(client, b.id, {"expired", "completed"}, timeout=30)
+    assert done.status == "expired", done.request_counts
+    out = _results(client, done.output_file_id)
+    errs = _results(client, done.error_file_id)
+    assert len(out) + len(errs) == 600 and len(errs) > 0
+    assert {e["error"]["code"] for e in errs} == {"batch_expired"}
+    assert len({r["custom_id"] for r in out + errs}) == 600
+
+
+def test_router_sigkill_mid_batch_every_custom_id_exactly_once(tmp_path):
+    cfg = _config(
+        tmp_path, workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM)], router={"heartbeat_interval_s": 0.25}
+    )
+    n = 500
+    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
+        client = _client(stack)
+        f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=32))), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 30
+        while client.batches.retrieve(b.id).request_counts.completed < 100:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        stack.components["router"].signal_group(signal.SIGKILL)
+        t_kill = time.monotonic()
+        done = _wait(client, b.id, {"completed", "failed"}, timeout=60)
+        assert done.status == "completed", done
+        out = _results(client, done.output_file_id)
+        ids = [r["custom_id"] for r in out]
+        assert len(ids) == n and len(set(ids)) == n, (len(ids), len(set(ids)))
+        assert done.request_counts.completed == n and stack.restarts == {"router": 1}
+        print(f"SIGKILL mid-batch: {n} lines, 0 lost, 0 duplicated; done {time.monotonic() - t_kill:.1f} s after")
+
+
+def test_two_routers_and_a_redis_lease_kill_the_one_running_the_batch_the_other_finishes_it(tmp_path, redis_url):
+    cfg = _config(
+        tmp_path,
+        routers=localconfig.routers(2),
+        workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM)],
+        router={"heartbeat_interval_s": 0.25},
+        quota={"store": "redis", "redis_url": redis_url},
+        batch={"lease_ttl_s": 2.0},
+    )
+    n = 400
+    with start_stack(cfg, tmp_path / "run") as stack:
+        client = _client(stack)
+        f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=32))), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 30
+        while client.batches.retrieve(b.id).request_counts.completed < 80:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        holder = _holder(stack, b.id)
+        stack.components[holder].signal_group(signal.SIGKILL)
+        done = _wait(client, b.id, {"completed", "failed"}, timeout=60)
+        assert done.status == "completed", done
+        ids = [r["custom_id"] for r in _results(client, done.output_file_id)]
+        assert len(ids) == n and len(set(ids)) == n
+
+
+def _holder(stack, batch_id: str) -> str:
+    """The router component whose /metrics shows the batch running."""
+    import requests
+
+    for name, comp in stack.components.items():
+        if not name.startswith("router"):
+            continue
+        idx = 0 if name == "router" else int(name.split(":")[-1].split("-")[-1])
+        url = "http://" + stack.cfg.router_endpoints()[idx].http + "/metrics"
+        text = requests.get(url, timeout=5).text
+        if f'weir_batch_window_left_seconds{{batch="{batch_id}"}}' in text:
+            # what the dashboard and the missed-window alert read, while it runs
+            assert f'weir_batch_eta_seconds{{batch="{batch_id}"}}' in text
+            assert f'weir_batch_lines{{batch="{batch_id}",state="done"}}' in text
+            assert 'weir_batch_model_lines{model="sim-tiny"' in text and "weir_batch_lines_done_total{" in text
+            return name
+    raise AssertionError("no router runs the batch")
+
+
+def test_weir_batches_cli_submits_watches_and_downloads(batch_stack, tmp_path, capsys):
+    from weir.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(_jsonl(_lines(20)))
+    cfg = str(batch_stack.cfg_path)
+    assert main(["batches", "submit", str(src), "--endpoint", "/v1/completions", "--config", cfg, "--watch"]) == 0
+    batch_id = next(w for w in capsys.readouterr().out.split() if w.startswith("batch_"))
+    assert main(["batches", "list", "--config", cfg]) == 0
+    assert batch_id in capsys.readouterr().out
+    assert main(["batches", "download", batch_id, "-o", str(tmp_path / "res"), "--config", cfg]) == 0
+    out = (tmp_path / "res" / f"{batch_id}_output.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(20))
+
+
+def test_interactive_work_preempts_running_batch_lines_which_still_finish_once(tmp_path):
+    """8 slots full of batch lines of ~1.3 s each: an interactive request gets
+    a slot at once (a batch line steps aside and resumes later), not after one."""
+    import requests
+
+    cfg = _config(tmp_path, workers=[sim_worker("sim-0", max_num_seqs=8, sim={"step_fixed_ms": 20.0})])
+    n = 40
+    with start_stack(cfg, tmp_path / "run") as stack:
+        client = _client(stack)
+        f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=64))), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 20
+        while not any(line.startswith("weir_worker_running{") and line.endswith(" 8.0")
+                      for line in requests.get(stack.metrics_url, timeout=5).text.splitlines()):
+            assert time.monotonic() < deadline, "the batch never filled the worker"
+            time.sleep(0.05)
+        ttfts = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            with requests.post(stack.envoy_url + "/v1/completions", stream=True, timeout=30,
+                               json={"model": SIM_MODEL, "prompt": "now", "max_tokens": 4, "stream": True}) as r:
+                assert r.status_code == 200
+                next(r.iter_lines(chunk_size=1))
+                ttfts.append(time.monotonic() - t0)
+        assert max(ttfts) < 0.6, ttfts  # a batch line runs ~1.3 s: it did not wait for one to end
+        metrics = requests.get(stack.metrics_url, timeout=5).text
+        assert "weir_batch_lines_preempted_total 0.0" not in metrics
+        done = _wait(client, b.id, {"completed", "failed"}, timeout=60)
+        ids = [r["custom_id"] for r in _results(client, done.output_file_id)]
+        assert done.status == "completed" and len(ids) == n and len(set(ids)) == n
+        assert all(r["response"]["body"]["usage"]["completion_tokens"] == 64
+                   for r in _results(client, done.output_file_id))

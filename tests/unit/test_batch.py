@@ -1,0 +1,180 @@
+"""The batch tier's pure and on-disk parts: statuses, windows, the feeder's
+decision, the input check, the result files' recovery, the one-host lease."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from router import openai_api as api
+from router.batch import model as m
+from router.batch.lease import FileLease
+from router.batch.store import BatchStore, ResultLog, is_done, result_id
+from router.batch.validate import check_file, decode_line, to_submit
+from shared.errors import Code
+
+
+def test_statuses_move_only_as_openai_documents():
+    assert m.can_move(m.VALIDATING, m.IN_PROGRESS) and m.can_move(m.IN_PROGRESS, m.FINALIZING)
+    assert m.can_move(m.FINALIZING, m.COMPLETED) and m.can_move(m.IN_PROGRESS, m.CANCELLING)
+    assert m.can_move(m.CANCELLING, m.CANCELLED) and m.can_move(m.IN_PROGRESS, m.EXPIRED)
+    for ended in m.TERMINAL:
+        assert not any(m.can_move(ended, to) for to in (*m.TERMINAL, m.IN_PROGRESS, m.VALIDATING))
+    assert not m.can_move(m.IN_PROGRESS, m.COMPLETED)  # always through finalizing
+    assert not m.can_move(m.CANCELLING, m.IN_PROGRESS)
+    with pytest.raises(m.BadMove):
+        m.check_move(m.COMPLETED, m.CANCELLING)
+
+
+def test_a_record_stamps_each_move(tmp_path):
+    rec = BatchStore(tmp_path).new(
+        owner="t", key_digest="", input_file_id="file-x", endpoint="/v1/completions",
+        completion_window="24h", created_at=1, expires_at=2,
+    )
+    rec.move(m.IN_PROGRESS, now=10)
+    rec.move(m.CANCELLING, now=11)
+    obj = rec.public()
+    assert (obj["status"], obj["in_progress_at"], obj["cancelling_at"], obj["completed_at"]) == ("cancelling", 10, 11, None)
+    assert obj["output_file_id"] is None  # shown once the batch ends with output
+
+
+def test_windows():
+    assert m.window_seconds("24h") == 86400 and m.window_seconds("3s") == 3 and m.window_seconds("2d") == 172800
+    for bad in ("", "24", "0h", "1w", "h", "-1h"):
+        assert m.window_seconds(bad) is None
+
+
+@pytest.mark.parametrize(
+    "state, want",
+    [
+        (m.FeedState(in_flight=0, queued=0, window=256, queue_target=16), 16),  # start: fill the queue target
+        (m.FeedState(in_flight=100, queued=16, window=256, queue_target=16), 0),  # enough waiting for free slots
+        (m.FeedState(in_flight=100, queued=3, window=256, queue_target=16), 13),  # slots took some: top up
+        (m.FeedState(in_flight=250, queued=0, window=256, queue_target=16), 6),  # the window bounds it
+        (m.FeedState(in_flight=256, queued=0, window=256, queue_target=16), 0),
+        (m.FeedState(in_flight=300, queued=40, window=256, queue_target=16), 0),  # never negative
+    ],
+)
+def test_the_feeder_keeps_a_short_queue_within_the_window(state, want):
+    assert m.lines_to_send(state) == want
+
+
+def test_refusals_for_room_or_budget_are_retried_others_are_results():
+    for code in (Code.QUEUE_WAIT_EXCEEDED, Code.QUEUE_FULL, Code.QUEUE_DEADLINE, Code.TOKENS_BUDGET, Code.NO_WORKER,
+                 Code.WORKER_LOST, Code.REQUESTS_BUDGET):
+        assert m.retryable(code.status, code.wire, code.type), code
+    for code in (Code.BAD_REQUEST, Code.MODEL_NOT_FOUND, Code.CONTEXT_LENGTH, Code.BUDGET_TOO_SMALL,
+                 Code.INVALID_API_KEY, Code.ENGINE_ERROR, Code.GENERATION_DEADLINE):
+        assert not m.retryable(code.status, code.wire, code.type), code
+    assert not m.retryable(Code.RATE_LIMITED.status, Code.RATE_LIMITED.wire, Code.RATE_LIMITED.type)  # Envoy's, not ours
+
+
+def test_eta():
+    assert m.eta_seconds(0, 100, 5.0) is None
+    assert m.eta_seconds(25, 100, 5.0) == pytest.approx(15.0)
+
+
+def _write(path, rows):
+    path.write_bytes(b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows))
+    return path
+
+
+def test_the_file_check_names_bad_lines_and_repeated_custom_ids(tmp_path):
+    ok = [{"custom_id": f"c{i}", "url": "/v1/completions", "body": {}} for i in range(5)]
+    got = check_file(_write(tmp_path / "ok.jsonl", [*ok[:2], b"", *ok[2:]]))
+    assert (got.lines, got.total, got.errors) == (6, 5, [])
+    got = check_file(_write(tmp_path / "bad.jsonl", [ok[0], b"{nope", {"custom_id": 3}, {"custom_id": ""}, ok[0], ok[1]]))
+    assert [(e.code, e.line) for e in got.errors] == [
+        ("invalid_json_line", 2), ("invalid_request", 3), ("empty_custom_id", 4), ("duplicate_custom_id", 5)
+    ]
+    assert [e.code for e in check_file(_write(tmp_path / "empty.jsonl", [b"", b" "])).errors] == ["empty_file"]
+
+
+def test_each_line_is_checked_as_a_live_request():
+    def line(url="/v1/completions", **body):
+        raw = json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}).encode()
+        decoded = decode_line(raw)
+        assert decoded is not None
+        return decoded
+
+    sub, ctx = to_submit(line(model="m", prompt="hi", max_tokens=3), "/v1/completions", 1 << 20, "rid")
+    assert (sub.model, sub.prompt, sub.max_tokens, ctx.stream) == ("m", "hi", 3, False)
+    cases = [
+        (line(url="/v1/chat/completions", model="m"), "url", 400),
+        (line(model="m", prompt="hi", max_tokens=0), "max_tokens", 400),
+        (line(model="m", prompt="hi", stream=True), "stream", 400),
+        (line(model="m", prompt="x" * 200), "body", 413),
+    ]
+    for decoded, param, status in cases:
+        with pytest.raises(api.RequestError) as e:
+            to_submit(decoded, "/v1/completions", 100, "rid")
+        assert (e.value.info.param, e.value.info.status) == (param, status)
+
+
+def test_recovery_reads_done_lines_back_and_cuts_a_torn_last_line(tmp_path):
+    bid = "batch_" + "ab" * 12
+    path = tmp_path / "out.data"
+    log = ResultLog(path)
+    log.append([json.dumps({"id": result_id(bid, n), "custom_id": f"c{n}"}).encode() + b"\n" for n in (0, 3, 17)])
+    log.close()
+    with open(path, "ab") as f:
+        f.write(b'{"id":"' + result_id(bid, 5).encode() + b'","custom_')  # killed mid-write
+    again = ResultLog(path)
+    done = bytearray(3)
+    again.recover(done)
+    assert again.lines == 3 and [n for n in range(24) if is_done(done, n)] == [0, 3, 17]
+    assert path.read_bytes().endswith(b"\n")  # the torn line is gone; the three written lines stay
+    again.append([b'{"id":"' + result_id(bid, 5).encode() + b'"}\n'])
+    assert len(path.read_bytes().splitlines()) == 4
+
+
+def test_one_host_lease_one_holder_at_a_time(tmp_path):
+    store = BatchStore(tmp_path)
+    rec = store.new(owner="t", key_digest="", input_file_id="file-x", endpoint="/v1/completions",
+                    completion_window="24h", created_at=1, expires_at=2)
+
+    async def run():
+        a, b = FileLease(store.dir), FileLease(store.dir)
+        assert await a.acquire(rec.id) and await a.renew(rec.id)
+        assert not await b.acquire(rec.id)  # (a process's flock conflicts with its own other open too)
+        await a.release(rec.id)
+        assert not await a.renew(rec.id)
+        assert await b.acquire(rec.id)
+
+    asyncio.run(run())
+
+
+def test_a_tenants_batch_day_budget_makes_its_batches_wait_then_refills():
+    b = m.DayBudget(86_400, now=0.0)  # refills 1 token a second
+    assert b.allows(0.0)
+    b.charge(86_400 + 100, now=0.0)  # a line in flight may take it below zero
+    assert not b.allows(50.0)  # -50: still waiting
+    assert b.allows(101.0)  # +1
+    b.charge(0, now=10 * 86_400.0)
+    assert b.level == 86_400  # never above its capacity
+
+
+def test_weir_stats_shows_a_line_per_running_batch():
+    from weir.stats import _batches_view, render
+
+    def reading(done):
+        lines = [({"batch": "batch_a", "state": s}, v) for s, v in (("done", done), ("running", 8), ("queued", 16),
+                                                                       ("pending", 900 - done))]
+        return {"metrics": {"weir_batch_lines": lines,
+                            "weir_batch_eta_seconds": [({"batch": "batch_a"}, 120.0)],
+                            "weir_batch_window_left_seconds": [({"batch": "batch_a"}, 86000.0)]}}
+
+    rows = _batches_view("r0", reading(150), reading(100), 2.0)
+    assert rows == [{"router": "r0", "batch": "batch_a", "done": 150, "running": 8, "queued": 16, "pending": 750,
+                     "lines_per_s": 25.0, "eta_s": 120.0, "window_left_s": 86000.0}]
+    assert _batches_view("r0", {"error": "down"}, None, 0.0) == []
+    from rich.console import Console
+
+    snap = {"time": "now", "interval_s": 2.0, "envoy": {"reachable": False, "error": "x"}, "routers": [],
+            "workers": [], "tenants": [], "batches": rows}
+    console = Console(width=160, record=True)
+    console.print(render(snap, "t"))
+    text = console.export_text()
+    assert "batch_a" in text and "25.0" in text and "120 s" in text
