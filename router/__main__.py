@@ -21,6 +21,8 @@ from router.core import RouterCore
 from router.http_server import start_http_server
 from router.metrics import RouterMetrics
 from router.operator_actions import RouterOperator
+from router.response_store import StoreCollector, make_store
+from router.responses_http import ResponsesService
 from router.views import RouterViews
 from router.worker_link import WorkerLink
 from shared.config import DEFAULT_CONFIG, ConfigError, load, split_hostport
@@ -63,9 +65,18 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     operator = RouterOperator(core, link, reload)
     link.serve(core)
     frontend.serve(core)
+    response_store = make_store(cfg)
+    metrics.registry.register(StoreCollector(response_store))
     host, port = split_hostport(cfg.router.http)
     server = await start_http_server(
-        core, views, metrics, host, port, operator=operator, max_body_bytes=cfg.envoy.max_request_bytes
+        core,
+        views,
+        metrics,
+        host,
+        port,
+        operator=operator,
+        max_body_bytes=cfg.envoy.max_request_bytes,
+        responses=ResponsesService(core, response_store),
     )
     log.info(
         "router ready: http=%s frontend=%s backend=%s policy=%s",
@@ -85,6 +96,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     link.close()
     core.close()
     await core.quota.close()
+    await response_store.close()
     if cfg.security.curve:
         from shared.curve import stop_authenticators
 

@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, cast
 
 import httptools
@@ -37,8 +37,9 @@ import httptools
 from router import openai_api as api
 from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.http_routes import JSON as _JSON
-from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Views, routes
+from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Reply, Request, Views, routes
 from router.metrics import RouterMetrics
+from router.ports import RequestSink
 from shared.errors import Code, error
 from shared.protocol import MAX_TRACE_ID, Delta, ErrorInfo, Submit
 
@@ -71,11 +72,19 @@ _CHUNK_END = b"0\r\n\r\n"
 class Generation(Protocol):
     """What generation requests need of the router (router.core.RouterCore)."""
 
-    def submit(self, sub: Submit, sink: Exchange) -> int | ErrorInfo: ...
+    def submit(self, sub: Submit, sink: RequestSink) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
     def token_text(self, model: str) -> Any: ...
+
+
+class ResponsesApi(Protocol):
+    """/v1/responses (router.responses_http.ResponsesService)."""
+
+    def create(self, conn: HttpConnection, req: _Request, label: str) -> None: ...
+
+    def by_id(self, req: Request) -> Answer | Awaitable[Answer]: ...
 
 
 class _BodyTooLarge(Exception):
@@ -124,8 +133,10 @@ class _Ingress:
         metrics: RouterMetrics,
         max_body_bytes: int,
         max_buffered_bytes: int,
+        responses: ResponsesApi | None = None,
     ):
         self.core = core
+        self.responses = responses
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
@@ -140,6 +151,9 @@ class _Ingress:
             **{path: (r.method, _answering(r.handler)) for path, r in table.exact.items()},
         }
         self.patterns: list[PatternRoute] = table.patterns  # when no path matches: in order
+        if responses is not None:
+            self.routes[b"/v1/responses"] = (b"POST", HttpConnection.responses)
+            self.patterns.append(PatternRoute(b"/v1/responses/", (), b"*", "/v1/responses/{id}", responses.by_id))
 
     def flush_later(self, ex: Exchange) -> None:
         if not self._unflushed:
@@ -502,19 +516,38 @@ class HttpConnection(asyncio.Protocol):
         label: str,
         parse: Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext]],
     ) -> None:
-        meta = api.meta_from_headers(
+        try:
+            sub, ctx = parse(req.body, self.meta(req), api.new_request_id())
+        except api.RequestError as e:
+            return self.refuse(req, e.info, label)
+        self.run(req, label, sub, ctx)
+
+    @staticmethod
+    def meta(req: _Request) -> api.RequestMeta:
+        return api.meta_from_headers(
             req.header(b"authorization"),
             req.header(b"x-api-key"),
             req.header(b"x-weir-priority"),
             req.header(b"x-weir-task-type"),
             req.header(b"x-weir-allow-fallback"),
         )
-        try:
-            sub, ctx = parse(req.body, meta, api.new_request_id())
-        except api.RequestError as e:
-            if req.rid is None:
-                req.rid = api.new_request_id()
-            return self.respond_error(req, e.info, label)
+
+    def refuse(self, req: _Request, info: ErrorInfo, label: str) -> None:
+        """A request refused before it is submitted (its own id for the log)."""
+        if req.rid is None:
+            req.rid = api.new_request_id()
+        self.respond_error(req, info, label)
+
+    def run(
+        self,
+        req: _Request,
+        label: str,
+        sub: Submit,
+        ctx: api.ResponseContext,
+        exchange: Callable[[HttpConnection, _Request, api.ResponseContext, str], Exchange] | None = None,
+    ) -> None:
+        """Submit a parsed request; its Exchange (``exchange`` makes another
+        kind: /v1/responses's) writes the answer."""
         if req.rid is None:
             req.rid = ctx.id  # router-direct without x-request-id: the response's own id
         sub.trace_id = ctx.request_id = req.rid
@@ -524,7 +557,7 @@ class HttpConnection(asyncio.Protocol):
             # the simulated engine, which refuses logprobs -- so ids as vLLM's
             # return_tokens_as_token_ids would show them)
             ctx.token_text = self.ingress.core.token_text(sub.model) or api.token_id_text
-        ex = Exchange(self, req, ctx, label)
+        ex = (exchange or Exchange)(self, req, ctx, label)
         self.current = ex
         self.busy = True
         try:
@@ -545,6 +578,27 @@ class HttpConnection(asyncio.Protocol):
 
     def chat(self, req: _Request, label: str) -> None:
         self._generate(req, label, api.parse_chat)
+
+    def responses(self, req: _Request, label: str) -> None:
+        service = self.ingress.responses
+        assert service is not None  # routed only when the server has one
+        service.create(self, req, label)
+
+    def answer_later(self, req: _Request, pending: Awaitable[Answer], label: str) -> None:
+        """A route whose answer needs I/O (a store lookup): later requests
+        on this connection wait behind it, as behind a generation."""
+        self.busy = True
+
+        async def wait() -> None:
+            try:
+                answer = await pending
+            except Exception:
+                log.exception("handler for %s failed", label)
+                answer = Refusal(error(Code.INTERNAL, "Internal error"))
+            if not self.closed:
+                self.answer(req, answer, label)
+
+        asyncio.get_running_loop().create_task(wait())
 
     def answer(self, req: _Request, answer: Answer, label: str) -> None:
         """A route's answer (router.http_routes) as a whole response."""
@@ -637,8 +691,16 @@ class HttpConnection(asyncio.Protocol):
 
 
 def _answering(handler: Handler) -> Callable[[HttpConnection, _Request, str], None]:
-    """A route's handler (request -> answer) as a connection writes it."""
-    return lambda conn, req, label: conn.answer(req, handler(req), label)
+    """A route's handler (request -> answer, or an awaitable answer) as a connection writes it."""
+
+    def run(conn: HttpConnection, req: _Request, label: str) -> None:
+        answer = handler(req)
+        if isinstance(answer, (Reply, Refusal)):
+            conn.answer(req, answer, label)
+        else:
+            conn.answer_later(req, answer, label)
+
+    return run
 
 
 async def start_http_server(
@@ -651,6 +713,7 @@ async def start_http_server(
     operator: Operator | None = None,
     max_body_bytes: int = 1 << 20,
     max_buffered_bytes: int = 4 << 20,
+    responses: ResponsesApi | None = None,
 ) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
@@ -658,6 +721,6 @@ async def start_http_server(
     ``max_buffered_bytes``: a stream whose unsent output exceeds this while
     the client is not reading is cancelled and its connection dropped.
     """
-    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes)
+    ingress = _Ingress(core, views, operator, metrics, max_body_bytes, max_buffered_bytes, responses)
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)
