@@ -65,8 +65,10 @@ def test_unknown_ids_and_store_false_get_openais_404(sim_stack):
     assert e.value.body["param"] == "previous_response_id" and "resp_nope" in e.value.body["message"]
     unstored = c.responses.create(model=SIM_MODEL, input="hi", store=False, max_output_tokens=2)
     assert unstored.store is False and unstored.status == "incomplete"
-    for call in (lambda: c.responses.retrieve(unstored.id),
-                 lambda: c.responses.create(model=SIM_MODEL, input="hi", previous_response_id=unstored.id)):
+    for call in (
+        lambda: c.responses.retrieve(unstored.id),
+        lambda: c.responses.create(model=SIM_MODEL, input="hi", previous_response_id=unstored.id),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     r = requests.delete(f"{sim_stack.envoy_url}/v1/responses/resp_nope", headers=_auth(), timeout=10)
@@ -77,10 +79,18 @@ def test_streamed_events_in_openais_order_and_stored_before_the_last(sim_stack):
     c = _sdk(sim_stack)
     events = list(c.responses.create(model=SIM_MODEL, input="Count.", max_output_tokens=6, stream=True))
     types = [e.type for e in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert set(types[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -89,8 +99,9 @@ def test_streamed_events_in_openais_order_and_stored_before_the_last(sim_stack):
     assert final.output_text == text == events[-4].text and final.usage.output_tokens == 6
     # stored before its last event was sent: retrievable and continuable at once
     assert c.responses.retrieve(final.id).output_text == text
-    with c.responses.stream(model=SIM_MODEL, input="More.", previous_response_id=final.id,
-                            max_output_tokens=2) as stream:
+    with c.responses.stream(
+        model=SIM_MODEL, input="More.", previous_response_id=final.id, max_output_tokens=2
+    ) as stream:
         done = stream.get_final_response()
     assert done.previous_response_id == final.id and done.usage.output_tokens == 2
 
@@ -101,8 +112,7 @@ def test_bad_input_refused_with_param_before_anything_is_reserved(sim_stack):
         ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input[0].content[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "truncation": "auto"}, "truncation"),
@@ -110,8 +120,9 @@ def test_bad_input_refused_with_param_before_anything_is_reserved(sim_stack):
         ({"input": "hi", "background": True, "store": False}, "background"),
     ]
     for body, param in cases:
-        r = requests.post(f"{sim_stack.envoy_url}/v1/responses", json={"model": SIM_MODEL, **body},
-                          headers=_auth(), timeout=10)
+        r = requests.post(
+            f"{sim_stack.envoy_url}/v1/responses", json={"model": SIM_MODEL, **body}, headers=_auth(), timeout=10
+        )
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
     with pytest.raises(openai.NotFoundError):
@@ -134,8 +145,9 @@ def test_background_runs_on_and_cancel(sim_stack):
     assert cancelled.status == "cancelled"
     assert c.responses.retrieve(long.id).status == "cancelled"
     rows = requests.get(sim_stack.router_url + "/admin/workers", timeout=5).json()
-    assert wait_until(lambda: all(w["running"] == 0 for w in
-                                  requests.get(sim_stack.router_url + "/admin/workers", timeout=5).json()))
+    assert wait_until(
+        lambda: all(w["running"] == 0 for w in requests.get(sim_stack.router_url + "/admin/workers", timeout=5).json())
+    )
     assert rows
     with pytest.raises(openai.NotFoundError):
         c.responses.cancel("resp_nope")
@@ -151,8 +163,11 @@ def test_two_routers_share_stored_responses_over_redis(tmp_path, redis_url):  # 
         ca, cb = _sdk(sa), _sdk(sb)
         first = ca.responses.create(model=SIM_MODEL, input="Remember this.", max_output_tokens=3)
         assert cb.responses.retrieve(first.id).output_text == first.output_text
-        events = list(cb.responses.create(model=SIM_MODEL, input="And?", previous_response_id=first.id,
-                                          max_output_tokens=2, stream=True))
+        events = list(
+            cb.responses.create(
+                model=SIM_MODEL, input="And?", previous_response_id=first.id, max_output_tokens=2, stream=True
+            )
+        )
         second = events[-1].response
         assert second.previous_response_id == first.id
         assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens - 6
@@ -161,8 +176,10 @@ def test_two_routers_share_stored_responses_over_redis(tmp_path, redis_url):  # 
         with pytest.raises(openai.NotFoundError):
             ca.responses.retrieve(second.id)
         # the count bound holds across routers: the oldest are evicted
-        ids = [(ca if i % 2 else cb).responses.create(model=SIM_MODEL, input=str(i), max_output_tokens=1).id
-               for i in range(4)]
+        ids = [
+            (ca if i % 2 else cb).responses.create(model=SIM_MODEL, input=str(i), max_output_tokens=1).id
+            for i in range(4)
+        ]
         with pytest.raises(openai.NotFoundError):
             cb.responses.retrieve(ids[0])
         assert cb.responses.retrieve(ids[-1]).id == ids[-1]
@@ -174,13 +191,26 @@ def test_real_model_turn_answers_what_chat_answers(stack):
     """Greedy: a Responses turn is the chat request it translates to, token for token."""
     c = sdk(stack)
     kw = {"temperature": 0, "extra_body": {}}
-    chat = c.chat.completions.create(model=VLLM_MODEL, max_tokens=8, messages=[
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}], **kw)
-    resp = c.responses.create(model=VLLM_MODEL, instructions="You are terse.", input="Name a colour.",
-                              max_output_tokens=8, **kw)
+    chat = c.chat.completions.create(
+        model=VLLM_MODEL,
+        max_tokens=8,
+        messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}],
+        **kw,
+    )
+    resp = c.responses.create(
+        model=VLLM_MODEL, instructions="You are terse.", input="Name a colour.", max_output_tokens=8, **kw
+    )
     assert resp.output_text == chat.choices[0].message.content
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
     assert resp.usage.output_tokens == chat.usage.completion_tokens
-    events = list(c.responses.create(model=VLLM_MODEL, instructions="You are terse.", input="Name a colour.",
-                                     max_output_tokens=8, stream=True, **kw))
+    events = list(
+        c.responses.create(
+            model=VLLM_MODEL,
+            instructions="You are terse.",
+            input="Name a colour.",
+            max_output_tokens=8,
+            stream=True,
+            **kw,
+        )
+    )
     assert events[-1].response.output_text == resp.output_text
