@@ -175,6 +175,13 @@ class RouterCore:
         served = self.registry.get(model)
         return served.prompts.token_text() if served is not None else None
 
+    def tool_parser(self, model: str) -> tuple[str | None, bool]:
+        """The model's tool-call parser and whether ``auto`` parses calls (its config)."""
+        served = self.registry.get(model)
+        if served is None:
+            return None, False
+        return served.config.tool_call_parser, served.config.enable_auto_tool_choice
+
     def awaiting_output(self, handle: int) -> bool:
         """Live and nothing generated yet (queued, tokenizing or prefilling)."""
         j = self.jobs.get(job_id_of(handle))

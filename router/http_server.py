@@ -77,6 +77,7 @@ class Generation(Protocol):
     def cancel(self, handle: int) -> None: ...
 
     def token_text(self, model: str) -> Any: ...
+    def tool_parser(self, model: str) -> tuple[str | None, bool]: ...
 
 
 class ResponsesApi(Protocol):
@@ -557,6 +558,8 @@ class HttpConnection(asyncio.Protocol):
             # the simulated engine, which refuses logprobs -- so ids as vLLM's
             # return_tokens_as_token_ids would show them)
             ctx.token_text = self.ingress.core.token_text(sub.model) or api.token_id_text
+        if ctx.tools is not None:  # how the model writes tool calls (its config; None: refused by submit)
+            ctx.tools.parser, ctx.tools.auto_enabled = self.ingress.core.tool_parser(sub.model)
         ex = (exchange or Exchange)(self, req, ctx, label)
         self.current = ex
         self.busy = True

@@ -71,7 +71,9 @@ class ModelRegistry:
             self._models[m.name] = ServedModel(m, given if given is not None else self._prompts_for(m))
 
     def _prompts_for(self, model: ModelConfig) -> ModelPrompts:
-        return ModelPrompts(self._resolve(model.path) if model.path else None)
+        return ModelPrompts(
+            self._resolve(model.path) if model.path else None, model.tool_call_parser, model.enable_auto_tool_choice
+        )
 
     # ------------------------------------------------------------ reading
 

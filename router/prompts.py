@@ -42,7 +42,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from router.estimate import estimate_chat, estimate_text
-from shared.protocol import RequestKind, StructuredOutput, Submit
+from shared.protocol import ChatMessage, ChatOptions, RequestKind, StructuredOutput, Submit
+
+_DEFAULT_CHAT = ChatOptions()
 
 if TYPE_CHECKING:  # (both imported where first needed: the router starts without them)
     import jinja2
@@ -188,9 +190,15 @@ def prompt_chars(sub: Submit) -> int:
 class ModelPrompts:
     """One model's prompt rendering and tokenization (thread-safe)."""
 
-    def __init__(self, model_dir: str | None = None) -> None:
+    def __init__(
+        self, model_dir: str | None = None, tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False
+    ) -> None:
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tokenizer: Tokenizer | None = None
         self._template: jinja2.Template | None = None  # the compiled chat template
+        self._template_source = ""
+        self._template_vars: frozenset[str] = frozenset()  # the variables it reads (chat_template_kwargs filter)
         self._special: dict[str, str] = {}
         self.vocab_size = 0
         self._token_text: TokenText | None = None
@@ -204,6 +212,8 @@ class ModelPrompts:
                 source, self._special = _chat_template(model_dir)
                 if source is not None:
                     self._template = _compile_template(source)
+                    self._template_source = source
+                    self._template_vars = _template_variables(source)
 
     @property
     def exact(self) -> bool:
@@ -223,6 +233,10 @@ class ModelPrompts:
             and (_xgr is None or _grammar_chars(so) > INLINE_MAX_GRAMMAR_CHARS)
         ):
             return False  # compiling it imports xgrammar, or takes milliseconds
+        chat = sub.chat
+        if chat is not None and chat.tools and chat.tool_choice == "auto":
+            if _xgr is None or len(chat.tools) > INLINE_MAX_GRAMMAR_CHARS:
+                return False  # its tools' schemas are compiled (below)
         if self.tokenizer is None:
             return True  # an estimate is arithmetic
         return prompt_chars(sub) <= INLINE_MAX_CHARS
@@ -249,9 +263,36 @@ class ModelPrompts:
                     param="stop_token_ids",
                 )
         if params.structured is not None:
-            check_structured(params.structured)
+            try:
+                check_structured(params.structured)
+            except BadInput as e:
+                if sub.chat is not None and sub.chat.tool_choice in ("required", "named"):
+                    raise BadInput(f"{e} (the tools' parameters schema)", param="tools") from None
+                raise
+
+    def check_tools(self, sub: Submit) -> None:
+        """Tools the model can serve: its config names a tool-call parser
+        where the choice needs one (vLLM's 400s); with ``auto``, every tool's
+        parameters schema compiles (as vLLM's strict tool calling compiles them)."""
+        chat = sub.chat
+        if chat is None or chat.tool_choice == "none":
+            return
+        from router.openai_api.tools import unsupported_tool_choice
+
+        message = unsupported_tool_choice(chat.tool_choice, self.tool_call_parser, self.enable_auto_tool_choice)
+        if message is not None:
+            raise BadInput(message, param="tool_choice")
+        if chat.tool_choice == "auto" and chat.tools:
+            for i, tool in enumerate(json.loads(chat.tools)):
+                schema = (tool.get("function") or {}).get("parameters")
+                if schema:
+                    try:
+                        check_structured(StructuredOutput(json=json.dumps(schema)))
+                    except BadInput as e:
+                        raise BadInput(str(e), param=f"tools[{i}].function.parameters") from None
 
     def tokenize(self, sub: Submit) -> PromptTokens:
+        self.check_tools(sub)
         self.check(sub)
         tok = self.tokenizer
         if tok is None:
@@ -259,20 +300,94 @@ class ModelPrompts:
             return PromptTokens([], max(1, n))
         if sub.kind == RequestKind.CHAT:
             # vLLM tokenizes a rendered chat without special tokens (the
-            # template writes them) and a completion with them (BOS).
-            text, special = self.render_chat(sub), False
+            # template writes them; add_special_tokens asks for them) and a
+            # completion with them (BOS).
+            text, special = self.render_chat(sub), sub.chat is not None and sub.chat.add_special_tokens
         else:
             text, special = sub.prompt, True
         ids = tok.encode_batch([text], add_special_tokens=special)[0].ids
         return PromptTokens(ids, len(ids))
 
     def render_chat(self, sub: Submit) -> str:
+        """The chat as vLLM renders it (vllm/renderers/hf.py, transformers'
+        ``apply_chat_template``): tools, documents, the generation prompt or
+        the final message continued, and the template kwargs the template reads."""
         if self._template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.content} for m in sub.messages]
-        return self._template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=True, **self._special
-        )
+        opts = sub.chat or _DEFAULT_CHAT
+        messages = [_template_message(m) for m in sub.messages]
+        kwargs: dict[str, Any] = dict(self._special)
+        if opts.template_kwargs:
+            given = json.loads(opts.template_kwargs)
+            kwargs.update({k: v for k, v in given.items() if k in self._template_vars})
+        kwargs["add_generation_prompt"] = opts.add_generation_prompt
+        if opts.documents is not None:
+            kwargs["documents"] = json.loads(opts.documents)
+        kwargs.setdefault("documents", None)
+        tools = json.loads(opts.tools) if opts.tools else None
+        tag = ""
+        if opts.continue_final_message:
+            last = messages[-1]
+            final = last["content"]
+            if "content" not in self._template_source:
+                raise BadInput(
+                    'continue_final_message is set to "content" but this is not an accepted field in the chat_template',
+                    param="continue_final_message",
+                )
+            last["content"] = final + _CONTINUE_TAG
+        try:
+            rendered = self._template.render(messages=messages, tools=tools, **kwargs)
+        except Exception as e:  # the template refuses the input (raise_exception): a 400, as vLLM
+            raise BadInput(f"The chat template refused the request: {e}", param="messages") from None
+        if opts.continue_final_message:
+            tag = _CONTINUE_TAG.strip()
+            if final.strip() not in rendered or tag not in rendered:
+                raise BadInput(
+                    "continue_final_message is set but the final message does not appear in the chat "
+                    "after applying the chat template",
+                    param="continue_final_message",
+                )
+            at = rendered.rindex(tag)
+            rendered = (
+                rendered[:at] if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else rendered[:at].rstrip()
+            )
+        return rendered
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as vLLM hands it to the template (vllm/renderers/chat_utils.py):
+    tool calls' arguments parsed to objects (bad JSON: ``{}``), ids and names kept."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            args: Any = {}
+            if c.arguments:
+                try:
+                    args = json.loads(c.arguments)
+                except ValueError:
+                    args = {}
+                if not isinstance(args, dict):
+                    args = {}
+            calls.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
+        out["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads: vLLM passes only those of
+    ``chat_template_kwargs`` (vllm/renderers/hf.py resolve_chat_template_kwargs)."""
+    import jinja2.meta
+
+    env = _compile_template("").environment
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 def _chat_template(model_dir: str) -> tuple[str | None, dict[str, str]]:

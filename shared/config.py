@@ -193,6 +193,11 @@ class ModelConfig(_Cfg):
     # (no worker, queue full, predicted wait over the bound, queue deadline),
     # in order -- only for requests that allow it (``fallback``).
     fallbacks: list[str] = []
+    # Tool calling (as vLLM's --tool-call-parser / --enable-auto-tool-choice):
+    # the format the model writes tool calls in; without it, a request whose
+    # tool_choice needs parsing gets 400.  docs/api.md#tool-calling
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) parses calls
 
 
 class SimEngineConfig(_Cfg):

@@ -64,9 +64,36 @@ class Pool(enum.IntEnum):
     LONG = 2
 
 
+class ToolCallRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tool call an earlier assistant message made (chat history), as the
+    chat template sees it; ``arguments`` is the client's JSON text."""
+
+    id: str
+    name: str
+    arguments: str = ""
+
+
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     role: str
     content: str
+    tool_calls: list[ToolCallRef] = []  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message's answer to which call
+    name: str | None = None
+
+
+class ChatOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How a chat is rendered into its prompt, as vLLM's chat endpoint does
+    (router.prompts): the tools shown to the template, its options, and the
+    tool choice (the model's tool-call parser decides if it may be served).
+    JSON fields are JSON text: the router parses them where it renders."""
+
+    tools: str | None = None  # the tool dicts for the template (a JSON array)
+    tool_choice: str = "none"  # "none" | "auto" | "required" | "named"
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: str | None = None  # chat_template_kwargs (a JSON object)
+    documents: str | None = None  # a JSON array of objects
+    add_special_tokens: bool = False
 
 
 # OpenAI's ranges, declared once for the HTTP decoder and ZeroMQ submissions alike.
@@ -261,6 +288,7 @@ class Submit(_Msg, tag=1):
     # The id its log lines (router and worker) carry; HTTP: Envoy's or the
     # client's x-request-id.  None: the router uses its own job id.
     trace_id: TraceId | None = None
+    chat: ChatOptions | None = None  # chat only; None: the defaults (no tools, a generation prompt)
 
 
 class Cancel(_Msg, tag=2):

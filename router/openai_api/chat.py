@@ -3,6 +3,7 @@ and the response's JSON shapes."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import msgspec
@@ -11,9 +12,19 @@ from router.openai_api.context import ResponseContext, response_context
 from router.openai_api.errors import invalid
 from router.openai_api.request import RequestMeta, check_submit_shape, decode_body
 from router.openai_api.sampling import SamplingFields, common_fields
+from router.openai_api.tools import ChatTool, ToolCall, ToolChoice, ToolSpec, template_tools, tool_constraint, tool_spec
 from router.openai_api.usage import Usage
 from shared.errors import Code
-from shared.protocol import ChatMessage, PositiveInt, RequestKind, Submit, TopLogprobs
+from shared.protocol import (
+    ChatMessage,
+    ChatOptions,
+    PositiveInt,
+    RequestKind,
+    SamplingParams,
+    Submit,
+    ToolCallRef,
+    TopLogprobs,
+)
 
 
 class TextPart(msgspec.Struct):
@@ -21,9 +32,23 @@ class TextPart(msgspec.Struct):
     text: str | None = None
 
 
-class Message(msgspec.Struct):
+class MessageFunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
+class Message(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    name: str | None = None
 
 
 class ChatRequest(SamplingFields, kw_only=True):
@@ -31,7 +56,16 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat-template fields (router.prompts renders them as vLLM does)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False
+    chat_template: str | None = None  # refused: a request may not bring its own template
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -42,6 +76,8 @@ def _message_text(m: Message, i: int) -> str:
     if isinstance(content, str):
         return content
     if content is None:
+        if m.role == "assistant":
+            return ""  # an assistant turn that only called tools (vLLM renders it empty)
         raise invalid("Message content must be a string or a list of text parts", param=f"messages[{i}].content")
     texts = []
     for j, part in enumerate(content):
@@ -55,15 +91,69 @@ def _message_text(m: Message, i: int) -> str:
     return "\n".join(texts)  # vLLM joins text parts the same way
 
 
+def _chat_message(m: Message, i: int) -> ChatMessage:
+    calls: list[ToolCallRef] = []
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise invalid("Only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+        for c in m.tool_calls:
+            args = c.function.arguments
+            text = args if isinstance(args, str) else "" if args is None else json.dumps(args, ensure_ascii=False)
+            calls.append(ToolCallRef(c.id, c.function.name, text))
+    return ChatMessage(m.role, _message_text(m, i), calls, m.tool_call_id, m.name)
+
+
+def chat_options(req: ChatRequest, spec: ToolSpec | None) -> ChatOptions | None:
+    """The chat-template fields as the router renders them (None: all defaults)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise invalid(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    if req.continue_final_message and req.messages and req.messages[-1].content is None:
+        raise invalid(
+            'continue_final_message is set but the final message has no "content" to continue!',
+            param="continue_final_message",
+        )
+    kwargs = req.chat_template_kwargs
+    if req.chat_template is not None or (kwargs and kwargs.get("chat_template") is not None):
+        raise invalid(
+            "Chat template is passed with request, but this server does not trust request chat templates. "
+            "Refused request with untrusted chat template.",
+            param="chat_template",
+        )
+    if kwargs and "tokenize" in kwargs:
+        raise invalid("Found unexpected chat template kwargs from request: {'tokenize'}", param="chat_template_kwargs")
+    opts = ChatOptions(
+        tools=template_tools(spec) if spec is not None else None,
+        tool_choice=spec.choice if spec is not None else "none",
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        template_kwargs=json.dumps(kwargs, ensure_ascii=False) if kwargs else None,
+        documents=json.dumps(req.documents, ensure_ascii=False) if req.documents is not None else None,
+        add_special_tokens=req.add_special_tokens,
+    )
+    return None if opts == _DEFAULT_OPTIONS else opts
+
+
+_DEFAULT_OPTIONS = ChatOptions()
+
+
 def parse_chat(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit, ResponseContext]:
     req = decode_body(_chat_decoder, body)
-    messages = [ChatMessage(m.role, _message_text(m, i)) for i, m in enumerate(req.messages)]
+    messages = [_chat_message(m, i) for i, m in enumerate(req.messages)]
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    if req.tools:
-        raise invalid("tools are not supported", param="tools", code=Code.UNSUPPORTED_VALUE)
+    spec = tool_spec(req.tools, req.tool_choice, req.parallel_tool_calls)
     params, task_type, priority = common_fields(req, meta, logprobs)
+    constraint = tool_constraint(spec) if spec is not None else None
+    if constraint is not None:
+        if params is not None and params.structured is not None:
+            raise invalid(
+                "You can only either use constraints for structured outputs or tools, not both.", param="tool_choice"
+            )
+        params = msgspec.structs.replace(params or SamplingParams(), structured=constraint)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sub = Submit(
         request_id=request_id,
@@ -77,9 +167,13 @@ def parse_chat(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit,
         api_key=meta.api_key,
         user=req.user,
         allow_fallback=bool(req.fallback) or meta.allow_fallback,
+        chat=chat_options(req, spec),
     )
     check_submit_shape(sub)
-    return sub, response_context(req, RequestKind.CHAT, request_id, logprobs)
+    ctx = response_context(req, RequestKind.CHAT, request_id, logprobs)
+    if spec is not None and spec.choice != "none":
+        ctx.tools = spec  # the ingress sets the model's parser on it
+    return sub, ctx
 
 
 # ------------------------------------------------------------ response shapes
@@ -102,9 +196,10 @@ class ChatLogprobs(msgspec.Struct, gc=False):
     content: list[ChatTokenLogprob]
 
 
-class AssistantMessage(msgspec.Struct, gc=False):
+class AssistantMessage(msgspec.Struct, gc=False, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # None: only tool calls (always in the body, as OpenAI's)
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(msgspec.Struct, gc=False):
@@ -121,3 +216,4 @@ class ChatCompletion(msgspec.Struct, gc=False):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None

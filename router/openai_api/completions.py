@@ -97,3 +97,4 @@ class Completion(msgspec.Struct, gc=False):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    system_fingerprint: str | None = None

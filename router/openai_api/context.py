@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Any
@@ -26,11 +27,34 @@ class ResponseContext(msgspec.Struct, gc=False):
     echo: str = ""  # completions with echo: the prompt, prepended to each choice's text
     token_text: Any = None  # token id -> text (router.prompts.TokenText), set by the ingress
     request_id: str | None = None  # x-request-id, for an error event's body (set by the ingress)
+    # Chat with tools (router.openai_api.tools.ToolSpec): the output may become tool calls
+    tools: Any = None
 
     @property
     def rich(self) -> bool:
-        """Needs the general renderer (several choices, logprobs or echo)."""
-        return self.n > 1 or self.logprobs is not None or bool(self.echo)
+        """Needs the general renderer (several choices, logprobs, echo or tools)."""
+        return self.n > 1 or self.logprobs is not None or bool(self.echo) or self.tools is not None
+
+    @property
+    def fingerprint(self) -> str:
+        return system_fingerprint(self.model)
+
+
+_VERSION = "0.1.0"
+_fingerprints: dict[str, str] = {}
+
+
+def system_fingerprint(model: str) -> str:
+    """OpenAI's ``system_fingerprint``: what served the request, as
+    ``weir-<version>-<8 hex>`` (the hex: a hash of the weir version and the
+    model's name); it changes when either does."""
+    fp = _fingerprints.get(model)
+    if fp is None:
+        if len(_fingerprints) > 1024:  # model names come from requests: bounded
+            _fingerprints.clear()
+        digest = hashlib.blake2b(f"{_VERSION}\0{model}".encode(), digest_size=4).hexdigest()
+        fp = _fingerprints[model] = f"weir-{_VERSION}-{digest}"
+    return fp
 
 
 _id_prefix = os.urandom(4).hex()

@@ -9,6 +9,7 @@ from router.openai_api.completions import Completion, CompletionChoice
 from router.openai_api.context import ResponseContext
 from router.openai_api.encoding import encode
 from router.openai_api.logprobs import ChoiceState, add_logprobs, chat_logprobs, completion_logprobs
+from router.openai_api.tools import extract_calls, tool_finish_reason
 from router.openai_api.usage import TokenCounts, usage_of
 from shared.protocol import Delta, RequestKind
 
@@ -31,6 +32,7 @@ def render_completion(
                 ctx.model,
                 [CompletionChoice(0, text, None, finish_reason)],
                 usage,
+                ctx.fingerprint,
             )
         )
     return encode(
@@ -41,6 +43,7 @@ def render_completion(
             ctx.model,
             [ChatChoice(0, AssistantMessage("assistant", text), None, finish_reason)],
             usage,
+            ctx.fingerprint,
         )
     )
 
@@ -92,25 +95,22 @@ class Accumulator:
                         for i, ch in enumerate(self.choices)
                     ],
                     usage,
+                    ctx.fingerprint,
                 )
             )
+        spec = ctx.tools
+        choices = []
+        for i, ch in enumerate(self.choices):
+            text = "".join(ch.texts)
+            if spec is not None and spec.parses:
+                content, calls = extract_calls(spec, text)
+                message = AssistantMessage("assistant", content, calls)
+                finish = tool_finish_reason(spec, bool(calls), ch.finish)
+            else:
+                message, finish = AssistantMessage("assistant", text), ch.finish
+            choices.append(ChatChoice(i, message, chat_logprobs(ctx, ch) if lp else None, finish))
         return encode(
-            ChatCompletion(
-                ctx.id,
-                "chat.completion",
-                ctx.created,
-                ctx.model,
-                [
-                    ChatChoice(
-                        i,
-                        AssistantMessage("assistant", "".join(ch.texts)),
-                        chat_logprobs(ctx, ch) if lp else None,
-                        ch.finish,
-                    )
-                    for i, ch in enumerate(self.choices)
-                ],
-                usage,
-            )
+            ChatCompletion(ctx.id, "chat.completion", ctx.created, ctx.model, choices, usage, ctx.fingerprint)
         )
 
 

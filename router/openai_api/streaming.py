@@ -19,6 +19,7 @@ from router.openai_api.context import ResponseContext
 from router.openai_api.encoding import encode
 from router.openai_api.errors import error_body
 from router.openai_api.logprobs import ChoiceState, add_logprobs, chat_logprobs, completion_logprobs
+from router.openai_api.tools import ChoiceToolStream, tool_finish_reason
 from router.openai_api.usage import TokenCounts
 from shared.protocol import Delta, RequestKind
 
@@ -32,19 +33,23 @@ class StreamRenderer:
     chunk event (fewer events, same text), so the server writes it at once.
     """
 
-    __slots__ = ("ctx", "counts", "_pre", "_usage_null", "_started", "finished", "_choices")
+    __slots__ = ("ctx", "counts", "_pre", "_usage_null", "_started", "finished", "_choices", "_tools")
 
     def __init__(self, ctx: ResponseContext) -> None:
         self.ctx = ctx
         self.counts = TokenCounts()
         head = b'data: {"id":' + encode(ctx.id) + b',"object":'
         head += b'"text_completion"' if ctx.kind == RequestKind.COMPLETION else b'"chat.completion.chunk"'
-        head += b',"created":' + str(ctx.created).encode() + b',"model":' + encode(ctx.model) + b',"choices":'
+        head += b',"created":' + str(ctx.created).encode() + b',"model":' + encode(ctx.model)
+        head += b',"system_fingerprint":' + encode(ctx.fingerprint) + b',"choices":'
         self._pre = head  # followed by the choices array
         self._usage_null = b',"usage":null' if ctx.include_usage else b""
         self._started = False
         self.finished = False
         self._choices = [ChoiceState() for _ in range(max(1, ctx.n))] if ctx.rich else None
+        spec = ctx.tools
+        parses = spec is not None and spec.parses and ctx.kind == RequestKind.CHAT
+        self._tools = [ChoiceToolStream(spec) for _ in range(max(1, ctx.n))] if parses else None
 
     def _choice_event(self, body: bytes, finish_reason: str | None) -> bytes:
         fr = b"null" if finish_reason is None else encode(finish_reason)
@@ -164,7 +169,9 @@ class StreamRenderer:
             logprobs = None
             if lp and len(c.tokens) > start:
                 logprobs = encode(chat_logprobs(ctx, c, start) if chat else completion_logprobs(ctx, c, start))
-            if chat:
+            if chat and self._tools is not None:
+                out.extend(self._tool_events(i, self._tools[i], text, logprobs, fin))
+            elif chat:
                 if text or tokens:
                     out.append(self._event(i, b'"delta":{"content":' + encode(text) + b"}", logprobs, None))
                 if fin is not None:
@@ -186,6 +193,23 @@ class StreamRenderer:
             out.append(SSE_DONE)
             self.finished = True
         return b"".join(out)
+
+    def _tool_events(
+        self, i: int, stream: ChoiceToolStream, text: str, logprobs: bytes | None, fin: str | None
+    ) -> list[bytes]:
+        """A choice whose output may be tool calls: content and tool-call deltas."""
+        bodies = stream.feed(text) if text else []
+        if fin is not None:
+            bodies += stream.finish()
+        out = [
+            self._event(i, b'"delta":' + encode(body), logprobs if k == 0 else None, None)
+            for k, body in enumerate(bodies)
+        ]
+        if logprobs is not None and not bodies:
+            out.append(self._event(i, b'"delta":{}', logprobs, None))
+        if fin is not None:
+            out.append(self._event(i, b'"delta":{}', None, tool_finish_reason(stream.spec, stream.called, fin)))
+        return out
 
     def usage_event(self) -> bytes:
         return self._pre + b'[],"usage":' + encode(self.counts.usage()) + b"}\n\n"

@@ -13,6 +13,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from router import openai_api as api
+from router.openai_api.context import system_fingerprint
 from shared.protocol import Delta, ErrorInfo, RequestKind, TaskType
 
 NO_META = api.RequestMeta()
@@ -106,6 +107,7 @@ def test_completion_validation_errors(body, param, code):
     assert info.message
 
 
+TOOL_F = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 BAD_CHATS = [
     (b'{"model": "m"}', "messages", None),
     (_chat(messages=[]), "messages", None),
@@ -125,7 +127,21 @@ BAD_CHATS = [
     (_chat(top_logprobs=2), "top_logprobs", None),  # needs logprobs: true
     (_chat(logprobs=True, top_logprobs=21), "top_logprobs", None),
     (_chat(logprobs=3), "logprobs", None),
-    (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_value"),
+    (_chat(tools=[]), "tools", None),
+    (_chat(tool_choice="required"), "tool_choice", None),  # tool_choice without tools
+    (_chat(tools=TOOL_F, tool_choice="sometimes"), "tool_choice", None),
+    (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice", None),
+    (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {}}), "tool_choice.function.name", None),
+    (_chat(tools=[{"type": "function"}]), "tools[0].function", None),
+    (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {"name": "f"}}, guided_regex="a+"),
+     "tool_choice", None),
+    (_chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}],
+           tools=TOOL_F),
+     "messages[0].tool_calls", None),
+    (_chat(add_generation_prompt=True, continue_final_message=True), "continue_final_message", None),
+    (_chat(chat_template="{{ messages }}"), "chat_template", None),
+    (_chat(chat_template_kwargs={"chat_template": "x"}), "chat_template", None),
+    (_chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs", None),
     (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema",
      None),
     (_chat(stream_options={"include_usage": True}), "stream_options", None),
@@ -249,6 +265,9 @@ def test_request_ids_are_unique():
 # ------------------------------------------------------------------ rendering
 
 
+FP = system_fingerprint("tiny")
+
+
 def _ctx(kind=RequestKind.COMPLETION, stream=True, include_usage=False, model="tiny"):
     prefix = "cmpl-" if kind == RequestKind.COMPLETION else "chatcmpl-"
     return api.ResponseContext(prefix + "x1", kind, model, 1700000000, stream, include_usage)
@@ -273,6 +292,7 @@ def test_non_stream_completion_shape():
         "choices": [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                   "prompt_tokens_details": {"cached_tokens": 0}},
+        "system_fingerprint": FP,
     }
     parsed = Completion.model_validate(obj)
     assert parsed.choices[0].text == "hello world" and parsed.usage.total_tokens == 5
@@ -302,8 +322,10 @@ def test_completion_stream_events():
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks == [
         {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
+         "system_fingerprint": FP,
          "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None}]},
         {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
+         "system_fingerprint": FP,
          "choices": [{"index": 0, "text": "!", "logprobs": None, "finish_reason": "stop"}]},
     ]
     # The SDK builds stream chunks without validation (its Completion type insists on a
@@ -538,4 +560,5 @@ def test_plain_stream_is_unchanged_by_the_rich_path():
     assert r._choices is None
     out = r.render([Delta("x1", "a", 1, prompt_tokens=1, completion_tokens=1)])
     assert out == (b'data: {"id":"cmpl-x1","object":"text_completion","created":1700000000,"model":"tiny",'
+                   b'"system_fingerprint":"' + FP.encode() + b'",'
                    b'"choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null}]}\n\n')

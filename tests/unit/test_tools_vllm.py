@@ -1,0 +1,188 @@
+"""weir's tool calling and chat rendering against vLLM's own code, imported
+(no server): the tool parsers on one corpus, the tool dicts the template
+gets, and chat prompts rendered token for token -- add_generation_prompt,
+continue_final_message, chat_template_kwargs, documents, tools and a tool
+turn in the history.  Importing vLLM takes ~15 s: marked slow (make test)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from router.openai_api import parse_chat
+from router.openai_api.request import RequestMeta
+from router.openai_api.tool_parsers import extract
+from router.openai_api.tools import ChatTool, template_tools, tool_spec
+from router.prompts import BadInput, ModelPrompts
+
+pytestmark = pytest.mark.slow
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
+if not (MODEL / "tokenizer.json").exists():
+    pytest.skip("models/tiny-llama not built", allow_module_level=True)
+
+# A template that shows the model its tools, tool calls and tool results, and
+# reads a template kwarg and documents (the tiny model's own reads none of them).
+TOOLS_TEMPLATE = """{% if tools %}<|system|>
+Tools:{% for t in tools %} {{ t['function']['name'] }}={{ t['function'] | tojson }}{% endfor %}</s>
+{% endif %}{% if documents %}<|system|>
+Docs: {{ documents | tojson }}</s>
+{% endif %}{% for m in messages %}<|{{ m['role'] }}|>
+{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'],
+'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}{% endif %}{% if m['role'] == 'tool' %}[{{
+m['tool_call_id'] }}] {% endif %}{{ m['content'] }}</s>
+{% endfor %}{% if add_generation_prompt %}<|assistant|>
+{% if enable_thinking %}<think>
+{% endif %}{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def vllm_side():
+    from vllm.config import ModelConfig
+    from vllm.renderers.chat_utils import parse_chat_messages
+    from vllm.renderers.hf import safe_apply_chat_template
+    from vllm.tokenizers import get_tokenizer
+
+    cfg = ModelConfig(model=str(MODEL), tokenizer=str(MODEL), max_model_len=512)
+    tok = get_tokenizer(str(MODEL))
+
+    def render(body: dict, template: str | None) -> list[int]:
+        """vLLM's chat endpoint's rendering: its request model, its message
+        parsing and its apply_chat_template, with the kwargs it builds."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        req = ChatCompletionRequest.model_validate(body)
+        conv, _, _ = parse_chat_messages(req.messages, cfg, content_format="string")
+        params = req.build_chat_params(template, "string")
+        tools = [t.model_dump() for t in req.tools] if req.tools else None
+        return safe_apply_chat_template(
+            cfg, tok, conv, tools=tools, chat_template=params.chat_template or tok.chat_template,
+            tokenize=True, **params.chat_template_kwargs,
+        )
+
+    return render, tok
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tools-model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(MODEL / name, d / name)
+    (d / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return d
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "strict": True}},
+]
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "call-1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}},
+                    {"id": "call-2", "type": "function", "function": {"name": "now", "arguments": "not json"}}]},
+    {"role": "tool", "tool_call_id": "call-1", "content": "-3 C"},
+]
+USER = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi! How can"}]
+
+CASES = {
+    "plain": {"messages": USER[:1]},
+    "no-generation-prompt": {"messages": USER, "add_generation_prompt": False},
+    "continue-final": {"messages": USER, "add_generation_prompt": False, "continue_final_message": True},
+    "continue-final-spaces": {"messages": [USER[0], {"role": "assistant", "content": "Sure  "}],
+                              "add_generation_prompt": False, "continue_final_message": True},
+    "kwargs-read": {"messages": USER[:1], "chat_template_kwargs": {"enable_thinking": True}},
+    "kwargs-unread": {"messages": USER[:1], "chat_template_kwargs": {"nobody_reads_this": 1}},
+    "kwargs-generation-prompt": {"messages": USER[:1], "chat_template_kwargs": {"add_generation_prompt": False}},
+    "documents": {"messages": USER[:1], "documents": [{"title": "a", "text": "b"}]},
+    "tools": {"messages": USER[:1], "tools": TOOLS},
+    "tools-none": {"messages": USER[:1], "tools": TOOLS, "tool_choice": "none"},
+    "tool-turn": {"messages": HISTORY, "tools": TOOLS},
+    "special-tokens": {"messages": USER[:1], "add_special_tokens": True},
+}
+
+
+@pytest.mark.parametrize("template", ["tiny", "tools"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rendered_ids_equal_vllms(vllm_side, tools_model, template, case):
+    render, _ = vllm_side
+    body = {"model": "tiny-llama", **CASES[case]}
+    model_dir = MODEL if template == "tiny" else tools_model
+    ours = ModelPrompts(str(model_dir), "hermes", True)
+    sub, _ = parse_chat(json.dumps(body).encode(), RequestMeta(), "r")
+    theirs = render(body, None if template == "tiny" else TOOLS_TEMPLATE)
+    if body.get("add_special_tokens"):
+        # vLLM's chat endpoint tokenizes the rendered text itself with add_special_tokens
+        _, tok = vllm_side
+        theirs = tok.encode(tok.decode(theirs), add_special_tokens=True)
+    assert ours.tokenize(sub).ids == list(theirs)
+
+
+def test_tool_dicts_are_vllms_model_dump():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+
+    spec = tool_spec(msgspec.convert(TOOLS, list[ChatTool]), None)
+    assert spec is not None
+    assert json.loads(template_tools(spec)) == [ChatCompletionToolsParam.model_validate(t).model_dump() for t in TOOLS]
+
+
+OUTPUTS = [
+    "plain text, no call",
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+    'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Ösló"}}</tool_call>'
+    '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}',  # unterminated
+    "<tool_call>not json</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>["a list"]</tool_call>',
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}; {"name": "now", "parameters": {}}',
+    '<|python_tag|>{"name": "now", "arguments": {"x": [1, 2]}}',
+    'Here: {"name": "now"}',  # llama3_json: a key missing -> content
+    "{not json at all",
+    "   ",
+    "",
+]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_parsers_equal_vllms(vllm_side, parser):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    _, tok = vllm_side
+    class LlamaVocab:  # llama3_json insists on Llama 3's tag in the vocabulary, which tiny-llama lacks
+        def get_vocab(self) -> dict[str, int]:
+            return {"<|python_tag|>": 128010}
+
+    theirs_parser = ToolParserManager.get_tool_parser(parser)(LlamaVocab() if parser == "llama3_json" else tok)
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                "tools": TOOLS})
+    for text in OUTPUTS:
+        got = theirs_parser.extract_tool_calls(text, req)
+        theirs = ([(c.function.name, c.function.arguments) for c in got.tool_calls], got.content)
+        calls, content = extract(parser, text)
+        assert ([tuple(c) for c in calls], content) == theirs, text
+
+
+def test_bad_tool_schema_is_a_400_naming_the_tool():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                       "properties": {"a": {"type": "no-such-type"}}}}}]}
+    sub, _ = parse_chat(json.dumps(body).encode(), RequestMeta(), "r")
+    with pytest.raises(BadInput) as e:
+        ModelPrompts(str(MODEL), "hermes", True).tokenize(sub)
+    assert e.value.param == "tools[0].function.parameters"
+    body["tool_choice"] = "required"
+    sub, _ = parse_chat(json.dumps(body).encode(), RequestMeta(), "r")
+    with pytest.raises(BadInput) as e:
+        ModelPrompts(str(MODEL), "hermes", True).tokenize(sub)
+    assert e.value.param == "tools"
