@@ -31,7 +31,7 @@ from router.openai_api import responses as rs
 from router.openai_api.responses_stream import ResponsesAccumulator, ResponsesStream
 from router.response_store import MemoryResponseStore, decode_record, encode_record
 from shared.errors import Code, error
-from shared.protocol import Delta, ErrorInfo, RequestKind, Submit
+from shared.protocol import Delta, ErrorInfo, Submit
 
 log = logging.getLogger("weir.responses")
 
@@ -91,16 +91,20 @@ class ResponsesService:
         except api.RequestError as e:
             return conn.refuse(req, e.info, label)
         if rq.background:
-            return self._start_background(conn, req, label, sub, turn)
+            return self._start_background(conn, req, label, sub, ctx, turn)
 
         def exchange(c: HttpConnection, r: _Request, x: api.ResponseContext, lb: str) -> Exchange:
             return ResponsesExchange(c, r, x, lb, turn, self)
 
         conn.run(req, label, sub, ctx, exchange)
 
-    def _start_background(self, conn: HttpConnection, req: _Request, label: str, sub: Submit, turn: rs.Turn) -> None:
+    def _start_background(
+        self, conn: HttpConnection, req: _Request, label: str, sub: Submit, ctx: api.ResponseContext, turn: rs.Turn
+    ) -> None:
         """Answer at once with the queued object; the turn runs on, its end stored."""
-        sink = BackgroundTurn(self, turn)
+        if ctx.tools is not None:  # as HttpConnection.run does
+            ctx.tools.parser, ctx.tools.auto_enabled = self.core.tool_parser(sub.model)
+        sink = BackgroundTurn(self, ctx, turn)
         sub.trace_id = turn.id
         result = self.core.submit(sub, sink)
         if isinstance(result, ErrorInfo):
@@ -252,10 +256,9 @@ class ResponsesExchange(Exchange):
 class BackgroundTurn:
     """The sink of a background response: no connection; its end is stored."""
 
-    def __init__(self, service: ResponsesService, turn: rs.Turn) -> None:
+    def __init__(self, service: ResponsesService, ctx: api.ResponseContext, turn: rs.Turn) -> None:
         self.service = service
         self.turn = turn
-        ctx = api.ResponseContext(turn.id, RequestKind.CHAT, turn.req.model, turn.created_at, False, False)
         self.acc = ResponsesAccumulator(ctx, turn)
         self.ended = False
 

@@ -63,6 +63,17 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     service_tier: str | None = None
+    # vLLM's sampling extras on its Responses endpoint: passed to the chat
+    # request as they are (checked there, refusals naming the same field)
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    stop: Any = None
+    stop_token_ids: Any = None
     # OpenAI's, not honoured: refused when given
     prompt: Any = None
     conversation: Any = None
@@ -211,6 +222,19 @@ _PARAMS = (  # the chat field a refusal names -> the Responses field
 )
 
 
+_VLLM_EXTRAS = (
+    "seed",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop",
+    "stop_token_ids",
+)
+
+
 def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     for name, value in (
@@ -219,6 +243,7 @@ def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str
         ("top_p", req.top_p),
         ("user", req.user),
         ("parallel_tool_calls", req.parallel_tool_calls),
+        *((name, getattr(req, name)) for name in _VLLM_EXTRAS),
     ):
         if value is not None:
             body[name] = value

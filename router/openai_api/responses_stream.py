@@ -33,12 +33,31 @@ from router.openai_api.responses import (
     usage_object,
 )
 from router.openai_api.streaming import StreamRenderer
+from router.openai_api.tools import extract_calls
 from shared.protocol import Delta, ErrorInfo
 
 
-def output_items(turn: Turn, text: str) -> list[dict[str, Any]]:
-    """A finished turn's output items (its text as one assistant message)."""
-    return [message_item(turn, text, "completed")]
+def output_items(ctx: ResponseContext, turn: Turn, text: str) -> list[dict[str, Any]]:
+    """A finished turn's output items: its text as one assistant message or,
+    with tools, the calls the model's parser finds (router.openai_api.tools,
+    as chat reads them) as ``function_call`` items after any content."""
+    spec = ctx.tools
+    if spec is None or not spec.parses:
+        return [message_item(turn, text, "completed")]
+    content, calls = extract_calls(spec, text)
+    items = [message_item(turn, content, "completed")] if content else []
+    for call in calls:
+        items.append(
+            {
+                "id": "fc_" + call.id.rpartition("-")[2],
+                "type": "function_call",
+                "call_id": call.id,
+                "name": call.function.name,
+                "arguments": call.function.arguments,
+                "status": "completed",
+            }
+        )
+    return items
 
 
 def _error_object(err: ErrorInfo) -> dict[str, Any]:
@@ -59,7 +78,7 @@ class ResponsesAccumulator(Accumulator):
 
     def response(self) -> dict[str, Any]:
         c = self.choices[0]
-        self.output = output_items(self.turn, "".join(c.texts))
+        self.output = output_items(self.ctx, self.turn, "".join(c.texts))
         status, incomplete = status_of(c.finish)
         return response_object(self.turn, status, self.output, usage_object(self.counts), incomplete)
 
@@ -77,7 +96,7 @@ class ResponsesStream(StreamRenderer):
         self.turn = turn
         self.seq = 0
         self.texts: list[str] = []
-        self.buffered = bool(turn.req.tools)  # tool calls: the items when the text is whole
+        self.buffered = ctx.tools is not None  # tool calls: the items when the text is whole
         self.final: bytes | None = None  # the last event, until stored (see the module's note)
         self.response: dict[str, Any] | None = None  # the finished object
         self.output: list[dict[str, Any]] = []
@@ -110,22 +129,58 @@ class ResponsesStream(StreamRenderer):
 
     def _close(self, finish: str | None) -> list[bytes]:
         text = "".join(self.texts)
-        self.output = output_items(self.turn, text)
-        out = [] if not self.buffered else self._open_message()
-        if self.buffered and text:
-            out.append(self._delta(text))
-        ids = {"item_id": self.turn.message_id, "output_index": 0, "content_index": 0}
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        out.append(self.event("response.output_text.done", {**ids, "text": text, "logprobs": []}))
-        out.append(self.event("response.content_part.done", {**ids, "part": part}))
-        for i, item in enumerate(self.output):
-            out.append(self.event("response.output_item.done", {"output_index": i, "item": item}))
+        self.output = output_items(self.ctx, self.turn, text)
+        if self.buffered:
+            out = []
+            for i, item in enumerate(self.output):
+                out += self._whole_item(i, item)
+        else:
+            out = self._close_message(text)
         status, incomplete = status_of(finish)
         self.response = response_object(self.turn, status, self.output, usage_object(self.counts), incomplete)
         # response.completed whatever the status (incomplete included), as vLLM
         # sends it: the openai SDK's stream helper waits for that event alone
         self.final = self.event("response.completed", {"response": self.response})
         return out
+
+    def _close_message(self, text: str) -> list[bytes]:
+        ids = {"item_id": self.turn.message_id, "output_index": 0, "content_index": 0}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_text.done", {**ids, "text": text, "logprobs": []}),
+            self.event("response.content_part.done", {**ids, "part": part}),
+            self.event("response.output_item.done", {"output_index": 0, "item": self.output[0]}),
+        ]
+
+    def _whole_item(self, index: int, item: dict[str, Any]) -> list[bytes]:
+        """An item streamed at once, when the turn ends (requests with tools)."""
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            return [
+                self.event(
+                    "response.output_item.added",
+                    {"output_index": index, "item": {**item, "content": [], "status": "in_progress"}},
+                ),
+                self.event("response.content_part.added", {**ids, "part": part}),
+                self.event("response.output_text.delta", {**ids, "delta": text, "logprobs": []}),
+                self.event("response.output_text.done", {**ids, "text": text, "logprobs": []}),
+                self.event("response.content_part.done", {**ids, "part": {**part, "text": text}}),
+                self.event("response.output_item.done", {"output_index": index, "item": item}),
+            ]
+        ids = {"item_id": item["id"], "output_index": index}
+        return [
+            self.event(
+                "response.output_item.added",
+                {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}},
+            ),
+            self.event("response.function_call_arguments.delta", {**ids, "delta": item["arguments"]}),
+            self.event(
+                "response.function_call_arguments.done", {**ids, "arguments": item["arguments"], "name": item["name"]}
+            ),
+            self.event("response.output_item.done", {"output_index": index, "item": item}),
+        ]
 
     def _fail(self, err: ErrorInfo) -> list[bytes]:
         out = [self.event("error", {"code": err.code or err.type, "message": err.message, "param": err.param})]

@@ -192,16 +192,42 @@ def test_stream_failure_is_an_error_event_then_response_failed():
     assert r.finished and r.final is None
 
 
+TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}]
+
+
 def test_with_tools_the_items_come_when_the_turn_ends():
-    _, ctx, turn = _turn(input="hi")
-    turn.req = msgspec.structs.replace(turn.req, tools=[{"type": "function", "name": "f"}])
-    r = ResponsesStream(_ctx(turn, True), turn)
-    assert [e["type"] for e in _events(r.render(_deltas("a", finish=None)))] == [
-        "response.created",
-        "response.in_progress",
+    sub, ctx, turn = _turn(input="hi", tools=TOOLS, tool_choice={"type": "function", "name": "f"})
+    assert sub.params.structured is not None  # a named call: the arguments constrained to f's schema
+    ctx.stream = True
+    r = ResponsesStream(ctx, turn)
+    first = _events(r.render(_deltas('{"a":', finish=None)))
+    assert [e["type"] for e in first] == ["response.created", "response.in_progress"]
+    rest = _events(r.render(_deltas("1}")))
+    assert [e["type"] for e in rest] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
     ]
-    kinds = [e["type"] for e in _events(r.render(_deltas("b")))]
-    assert kinds[0] == "response.output_item.added" and kinds[-1] == "response.output_item.done"
+    call = rest[-1]["item"]
+    assert call["type"] == "function_call" and call["name"] == "f" and call["arguments"] == '{"a":1}'
+    assert rest[0]["item"]["arguments"] == "" and rest[1]["delta"] == '{"a":1}'
+    [last] = _events(r.release_final())
+    assert last["response"]["output"] == [call] and last["response"]["status"] == "completed"
+    # the stored conversation continues with the call, then the tool's output
+    assert rs.output_messages([call])[0]["tool_calls"][0]["id"] == call["call_id"]
+
+
+def test_required_tool_calls_whole():
+    _, ctx, turn = _turn(input="hi", tools=TOOLS, tool_choice="required")
+    acc = ResponsesAccumulator(ctx, turn)
+    acc.add(_deltas('[{"name": "f", "parameters": {"a": 1}}, {"name": "f", "parameters": {"a": 2}}]'))
+    body = json.loads(acc.render())
+    assert [(o["type"], o["name"], json.loads(o["arguments"])) for o in body["output"]] == [
+        ("function_call", "f", {"a": 1}),
+        ("function_call", "f", {"a": 2}),
+    ]
+    assert len({o["call_id"] for o in body["output"]}) == 2
 
 
 def test_whole_response_object_and_length_is_incomplete():
