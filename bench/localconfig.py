@@ -69,7 +69,7 @@ def models(vllm_max_model_len: int = 512) -> list[dict]:
     """The tiny real model (vLLM) and a simulated one."""
     return [
         {"name": VLLM_MODEL, "engine": "vllm", "path": str(TINY_MODEL_DIR),
-         "max_model_len": vllm_max_model_len},
+         "max_model_len": vllm_max_model_len, "tool_call_parser": "hermes", "enable_auto_tool_choice": True},
         {"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
     ]
 

@@ -183,7 +183,9 @@ class PromptTokens(NamedTuple):
 
 def prompt_chars(sub: Submit) -> int:
     if sub.kind == RequestKind.CHAT:
-        return sum(len(m.content) for m in sub.messages)
+        chat = sub.chat
+        extra = len(chat.tools or "") + len(chat.documents or "") if chat is not None else 0
+        return sum(len(m.content) for m in sub.messages) + extra  # (tools and documents may be rendered)
     return len(sub.prompt)
 
 
@@ -275,7 +277,12 @@ class ModelPrompts:
         where the choice needs one (vLLM's 400s); with ``auto``, every tool's
         parameters schema compiles (as vLLM's strict tool calling compiles them)."""
         chat = sub.chat
-        if chat is None or chat.tool_choice == "none":
+        if chat is None:
+            return
+        _chat_json(chat)  # (ZeroMQ submissions come unchecked)
+        if chat.tool_choice not in ("none", "auto", "required", "named"):
+            raise BadInput("tool_choice must be none, auto, required or named", param="tool_choice")
+        if chat.tool_choice == "none":
             return
         from router.openai_api.tools import unsupported_tool_choice
 
@@ -284,7 +291,8 @@ class ModelPrompts:
             raise BadInput(message, param="tool_choice")
         if chat.tool_choice == "auto" and chat.tools:
             for i, tool in enumerate(json.loads(chat.tools)):
-                schema = (tool.get("function") or {}).get("parameters")
+                function = tool.get("function")
+                schema = function.get("parameters") if isinstance(function, dict) else None
                 if schema:
                     try:
                         check_structured(StructuredOutput(json=json.dumps(schema)))
@@ -296,7 +304,10 @@ class ModelPrompts:
         self.check(sub)
         tok = self.tokenizer
         if tok is None:
-            n = estimate_chat(sub.messages) if sub.kind == RequestKind.CHAT else estimate_text(sub.prompt)
+            if sub.kind == RequestKind.CHAT:
+                n = estimate_chat(sub.messages) + (estimate_text(sub.chat.tools) if sub.chat and sub.chat.tools else 0)
+            else:
+                n = estimate_text(sub.prompt)
             return PromptTokens([], max(1, n))
         if sub.kind == RequestKind.CHAT:
             # vLLM tokenizes a rendered chat without special tokens (the
@@ -316,15 +327,13 @@ class ModelPrompts:
             raise ValueError("this model has no chat template; use /v1/completions")
         opts = sub.chat or _DEFAULT_CHAT
         messages = [_template_message(m) for m in sub.messages]
+        tools, given, documents = _chat_json(opts)
         kwargs: dict[str, Any] = dict(self._special)
-        if opts.template_kwargs:
-            given = json.loads(opts.template_kwargs)
-            kwargs.update({k: v for k, v in given.items() if k in self._template_vars})
+        kwargs.update({k: v for k, v in given.items() if k in self._template_vars})
         kwargs["add_generation_prompt"] = opts.add_generation_prompt
-        if opts.documents is not None:
-            kwargs["documents"] = json.loads(opts.documents)
+        if documents is not None:
+            kwargs["documents"] = documents
         kwargs.setdefault("documents", None)
-        tools = json.loads(opts.tools) if opts.tools else None
         tag = ""
         if opts.continue_final_message:
             last = messages[-1]
@@ -352,6 +361,28 @@ class ModelPrompts:
                 rendered[:at] if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else rendered[:at].rstrip()
             )
         return rendered
+
+
+def _chat_json(opts: ChatOptions) -> tuple[list[dict[str, Any]] | None, dict[str, Any], list[Any] | None]:
+    """ChatOptions' JSON fields parsed and type-checked: (tools, template kwargs, documents)."""
+
+    def load(text: str | None, kind: type, param: str) -> Any:
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise BadInput(f"{param} is not valid JSON", param=param) from None
+        if not isinstance(value, kind) or (isinstance(value, list) and not all(isinstance(v, dict) for v in value)):
+            raise BadInput(f"{param} must be a JSON {'array of objects' if kind is list else 'object'}", param=param)
+        return value
+
+    tools = load(opts.tools, list, "tools") if opts.tools else None
+    return (
+        tools,
+        load(opts.template_kwargs, dict, "chat_template_kwargs") or {},
+        load(opts.documents, list, "documents"),
+    )
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message

@@ -421,6 +421,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"sim model {m.name!r}: simulated models must be named 'sim-...'")
         if m.engine == "vllm" and not m.path:
             raise ConfigError(f"vllm model {m.name!r} needs a path")
+        if m.enable_auto_tool_choice and m.tool_call_parser is None:
+            raise ConfigError(f"model {m.name!r}: enable_auto_tool_choice needs a tool_call_parser")
     for m in cfg.models:
         for fb in m.fallbacks:
             if fb not in names or fb == m.name:

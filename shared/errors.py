@@ -201,8 +201,8 @@ class Refusal(NamedTuple):
 # the catalogue so a new code cannot be added without them.
 WHEN: dict[Code, str] = {
     Code.BAD_REQUEST: "a field is malformed or out of range, or the body is not JSON (`param` names the field)",
-    Code.UNSUPPORTED_VALUE: "a known field weir cannot honour (`best_of` > 1, `suffix`, `tools`, ...; "
-    "structured output or `logprobs` on a simulated engine)",
+    Code.UNSUPPORTED_VALUE: "a known field weir cannot honour (`best_of` > 1, `suffix`, vLLM extensions such as "
+    "`echo` in chat, ...; structured output or `logprobs` on a simulated engine)",
     Code.CONTEXT_LENGTH: "prompt + `max_tokens` exceeds the model's context, or the KV any worker can hold",
     Code.INVALID_API_KEY: "keys are configured and this one is unknown or malformed",
     Code.MODEL_NOT_FOUND: "no such model is served (or it was removed at run time)",

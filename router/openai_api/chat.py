@@ -66,6 +66,48 @@ class ChatRequest(SamplingFields, kw_only=True):
     documents: list[dict[str, Any]] | None = None
     add_special_tokens: bool = False
     chat_template: str | None = None  # refused: a request may not bring its own template
+    reasoning_effort: str | None = None  # to the template, as vLLM passes it (with enable_thinking)
+    # vLLM's chat extensions weir does not implement: refused unless left at their defaults
+    echo: bool = False
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+
+# (field, its default): a request that sets one otherwise is refused, never served without it
+_UNSUPPORTED_EXTRAS = (
+    ("echo", False),
+    ("return_token_ids", None),
+    ("return_tokens_as_token_ids", None),
+    ("prompt_logprobs", None),
+    ("truncate_prompt_tokens", None),
+    ("skip_special_tokens", True),
+    ("spaces_between_special_tokens", True),
+    ("use_beam_search", False),
+    ("length_penalty", 1.0),
+    ("allowed_token_ids", None),
+    ("bad_words", None),
+    ("logprob_token_ids", None),
+    ("mm_processor_kwargs", None),
+    ("vllm_xargs", None),
+)
+
+
+def _refuse_unsupported_extras(req: ChatRequest) -> None:
+    for name, default in _UNSUPPORTED_EXTRAS:
+        value = getattr(req, name)
+        if value != default and not (value == [] and default is None) and not (value is False and default is None):
+            raise invalid(f"{name} is not supported by this server", param=name, code=Code.UNSUPPORTED_VALUE)
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -116,6 +158,11 @@ def chat_options(req: ChatRequest, spec: ToolSpec | None) -> ChatOptions | None:
             param="continue_final_message",
         )
     kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None:  # vLLM: an explicit field wins over chat_template_kwargs
+        kwargs = dict(kwargs or {})
+        if "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = req.reasoning_effort != "none"
+        kwargs["reasoning_effort"] = req.reasoning_effort
     if req.chat_template is not None or (kwargs and kwargs.get("chat_template") is not None):
         raise invalid(
             "Chat template is passed with request, but this server does not trust request chat templates. "
@@ -141,6 +188,7 @@ _DEFAULT_OPTIONS = ChatOptions()
 
 def parse_chat(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit, ResponseContext]:
     req = decode_body(_chat_decoder, body)
+    _refuse_unsupported_extras(req)
     messages = [_chat_message(m, i) for i, m in enumerate(req.messages)]
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs to be true", param="top_logprobs")

@@ -1,0 +1,178 @@
+"""Tool calling through Envoy with the openai SDK, on the real tiny vLLM model
+(the session ``stack``: tiny-llama with the hermes tool-call parser).
+
+``required`` and named choices are constrained by structured output, so
+every call's arguments validate against the tool's schema, whatever the
+random model would have written; ``auto`` parses the model's own format (the
+tiny model never writes one, so its answers are content).  Also: streamed
+calls equal the whole response's, a tool-result turn, the chat-template
+options, and the 400s before anything is reserved.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+import requests
+
+from tokenizers import Tokenizer
+
+from stackutil import KEY_ALPHA, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Paris", "Lima"]},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ALERT = {
+    "type": "object",
+    "properties": {"on": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
+    "required": ["on"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "set_alert", "parameters": ALERT}},
+]
+SCHEMAS = {"get_weather": WEATHER, "set_alert": ALERT}
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _whitespace_ids() -> dict[str, int]:
+    """The random model loves whitespace, which a JSON grammar allows between
+    any two tokens: biased away, its constrained calls end within max_tokens
+    (vLLM serve: the same; its --structured-outputs-config disable_any_whitespace)."""
+    tok = Tokenizer.from_file(str(TINY_MODEL_DIR / "tokenizer.json"))
+    return {str(i): -100 for i in range(tok.get_vocab_size()) if tok.decode([i]) and not tok.decode([i]).strip()}
+
+
+NO_WS = _whitespace_ids()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.envoy_url + "/v1", api_key=KEY_ALPHA, max_retries=0, timeout=120)
+
+
+def _valid(calls) -> list[bool]:
+    out = []
+    for c in calls:
+        try:
+            jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+            out.append(True)
+        except (ValueError, jsonschema.ValidationError):
+            out.append(False)
+    return out
+
+
+def test_required_and_named_calls_always_validate(client):
+    """Seeded sampling over the random model: every call is a valid call."""
+    ok, total = 0, 0
+    for seed in range(6):
+        for choice in ("required", {"type": "function", "function": {"name": "set_alert"}}):
+            r = client.chat.completions.create(model=VLLM_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=200, temperature=1.0, seed=seed, logit_bias=NO_WS,
+                                               parallel_tool_calls=False)
+            ch = r.choices[0]
+            assert ch.finish_reason == ("tool_calls" if choice == "required" else "stop"), ch
+            calls = ch.message.tool_calls or []
+            assert calls and ch.message.content in (None, "")
+            assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in calls)
+            if choice != "required":
+                assert [c.function.name for c in calls] == ["set_alert"]
+            results = _valid(calls)
+            ok += sum(results)
+            total += len(results)
+            assert r.system_fingerprint and r.system_fingerprint.startswith("weir-")
+    print(f"\ntool calls whose arguments validate against the schema: {ok}/{total}")
+    assert ok == total
+
+
+def _streamed_calls(client, **kw) -> tuple[list[tuple[str, str]], str | None]:
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, ["", ""])
+            if tc.function and tc.function.name:
+                slot[0] += tc.function.name
+            if tc.function and tc.function.arguments:
+                slot[1] += tc.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return [(n, a) for _, (n, a) in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_streamed_calls_equal_the_whole_response(client, choice):
+    kw = {"model": VLLM_MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 200,
+          "temperature": 1.0, "seed": 7, "logit_bias": NO_WS, "parallel_tool_calls": False}
+    whole = client.chat.completions.create(**kw).choices[0]
+    streamed, finish = _streamed_calls(client, **kw)
+    assert whole.message.tool_calls and len(whole.message.tool_calls) == 1
+    assert streamed == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert finish == whole.finish_reason
+
+
+def test_auto_parses_the_models_format_and_a_tool_result_turn_is_served(client):
+    r = client.chat.completions.create(model=VLLM_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=12,
+                                       temperature=0)
+    ch = r.choices[0]
+    assert not ch.message.tool_calls and ch.message.content  # the tiny model writes no <tool_call>
+    assert ch.finish_reason in ("stop", "length")
+    call = {"id": "call-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call-1", "content": "-3 C and snow"}]
+    turn = client.chat.completions.create(model=VLLM_MODEL, messages=history, tools=TOOLS, max_tokens=8,
+                                          temperature=0)
+    assert turn.choices[0].message.content is not None
+    assert turn.usage.prompt_tokens > r.usage.prompt_tokens  # the tool result was rendered into the prompt
+
+
+def test_chat_template_options_change_the_prompt(client):
+    msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"}]
+    counts = {}
+    for name, extra in [("default", {}), ("no-generation-prompt", {"add_generation_prompt": False}),
+                        ("continue", {"add_generation_prompt": False, "continue_final_message": True})]:
+        r = client.chat.completions.create(model=VLLM_MODEL, messages=msgs, max_tokens=1, extra_body=extra)
+        counts[name] = r.usage.prompt_tokens
+    # the generation prompt is "<|assistant|>\n"; continuing drops the final "</s>\n" too
+    assert counts["default"] > counts["no-generation-prompt"] > counts["continue"]
+
+
+BAD = [
+    ({"model": SIM_MODEL, "tools": TOOLS}, "tool_choice"),  # no tool-call parser configured for it
+    ({"model": SIM_MODEL, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "no-such-type"}}}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "no-such-type"}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": []}, "tools"),
+    ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD, ids=[p for _, p in BAD])
+def test_bad_tool_requests_are_400s_that_reserve_nothing(stack, extra, param):
+    body = {"model": VLLM_MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
+    r = requests.post(stack.envoy_url + "/v1/chat/completions", json=body,
+                      headers={"authorization": f"Bearer {KEY_ALPHA}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    rows = requests.get(stack.router_url + "/admin/workers", timeout=5).json()
+    assert all(row.get("reserved_tokens", 0) == 0 for row in rows), rows

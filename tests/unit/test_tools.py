@@ -1,0 +1,208 @@
+"""Tool calling's pure parts: the request's tool fields, the constraint for
+required / named choices, and tool calls out of whole and streamed text
+(streamed calls always equal the whole response's)."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router import openai_api as api
+from router.openai_api.tools import (
+    ChatTool,
+    ChoiceToolStream,
+    NamedFunction,
+    NamedToolChoice,
+    extract_calls,
+    tool_finish_reason,
+    tool_schema,
+    tool_spec,
+    unsupported_tool_choice,
+)
+from router.prompts import BadInput, ModelPrompts
+from shared.protocol import ChatMessage, ChatOptions, Delta, RequestKind, Submit
+
+TOOLS = msgspec.convert(
+    [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "now"}},
+    ],
+    list[ChatTool],
+)
+
+
+def _spec(choice, parallel=None, parser="hermes", auto=True):
+    spec = tool_spec(TOOLS, choice, parallel)
+    assert spec is not None
+    spec.parser, spec.auto_enabled = parser, auto
+    return spec
+
+
+def test_tool_choice_defaults_to_auto_and_none_keeps_tools_out_of_parsing():
+    assert _spec(None).choice == "auto"
+    assert not _spec("none").parses
+    assert not _spec("auto", auto=False).parses  # a parser without enable_auto_tool_choice: content
+    assert _spec(NamedToolChoice(function=NamedFunction("now"))).named == "now"
+    assert tool_spec(None, "none") is None
+
+
+def test_required_schema_is_an_array_of_calls_and_named_the_arguments():
+    req = tool_schema(_spec("required"))
+    assert req is not None and req["type"] == "array" and req["minItems"] == 1 and "maxItems" not in req
+    names = [item["properties"]["name"]["enum"] for item in req["items"]["anyOf"]]
+    assert names == [["get_weather"], ["now"]]
+    assert req["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert tool_schema(_spec("required", parallel=False))["maxItems"] == 1  # type: ignore[index]
+    named = tool_schema(_spec(NamedToolChoice(function=NamedFunction("get_weather"))))
+    assert named == TOOLS[0].function.parameters
+    assert tool_schema(_spec("auto")) is None
+
+
+def test_whole_text_to_calls_per_choice():
+    content, calls = extract_calls(_spec("required"), '[{"name": "now", "parameters": {}}, '
+                                   '{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("now", {}), ("get_weather", {"city": "Oslo"})]
+    assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in calls)
+    _, calls = extract_calls(_spec("required", parallel=False), '[{"name": "now", "parameters": {}}, '
+                             '{"name": "now", "parameters": {}}]')
+    assert len(calls) == 1
+    content, calls = extract_calls(_spec(NamedToolChoice(function=NamedFunction("now"))), '{"x": 1}')
+    assert content is None and calls[0].function.name == "now" and calls[0].function.arguments == '{"x": 1}'
+    content, calls = extract_calls(_spec("auto"), 'Sure. <tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    assert content == "Sure. " and calls[0].function.arguments == "{}"
+    assert extract_calls(_spec("auto"), "just words") == ("just words", [])
+    assert extract_calls(_spec("auto", auto=False), "<tool_call>{}</tool_call>") == ("<tool_call>{}</tool_call>", [])
+
+
+def test_finish_reasons_as_openai():
+    assert tool_finish_reason(_spec("required"), True, "stop") == "tool_calls"
+    assert tool_finish_reason(_spec("required"), True, "length") == "length"
+    assert tool_finish_reason(_spec("auto"), True, "stop") == "tool_calls"
+    assert tool_finish_reason(_spec("auto"), False, "stop") == "stop"
+    assert tool_finish_reason(_spec(NamedToolChoice(function=NamedFunction("now"))), True, "stop") == "stop"
+
+
+def _stream(spec, pieces):
+    s = ChoiceToolStream(spec)
+    bodies = []
+    for p in pieces:
+        bodies += s.feed(p)
+    bodies += s.finish()
+    content = "".join(b.get("content", "") for b in bodies) or None
+    calls: dict[int, dict] = {}
+    for b in bodies:
+        for tc in b.get("tool_calls", []):
+            c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            c["name"] += tc.get("function", {}).get("name", "")
+            c["arguments"] += tc.get("function", {}).get("arguments", "")
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+
+
+AUTO_TEXTS = [
+    "no call at all <tool",
+    'I will call. <tool_call>{"name": "now", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Ösló"}}</tool_call>\n'
+    '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+    "<tool_call>broken",
+    "a < b and <tool_ c",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(AUTO_TEXTS), st.lists(st.integers(1, 9), min_size=1, max_size=40))
+def test_streamed_auto_calls_equal_the_whole_responses(text, cuts):
+    pieces, i = [], 0
+    for c in cuts:
+        pieces.append(text[i:i + c])
+        i += c
+    pieces.append(text[i:])
+    spec = _spec("auto")
+    whole_content, whole_calls = extract_calls(spec, text)
+    content, calls = _stream(spec, pieces)
+    assert calls == [(c.function.name, c.function.arguments) for c in whole_calls]
+    assert (content or None) == (whole_content or None)
+
+
+def test_streamed_named_call_sends_its_header_then_arguments_as_made():
+    s = ChoiceToolStream(_spec(NamedToolChoice(function=NamedFunction("get_weather"))))
+    assert s.feed("  ") == []  # whitespace only: no call yet
+    first = s.feed('{"city"')
+    assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert first[1]["tool_calls"][0]["function"] == {"arguments": '  {"city"'}
+    assert s.feed(': "Oslo"}') == [{"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}]
+    assert s.finish() == [] and s.called
+
+
+def _ctx(spec, stream):
+    ctx = api.ResponseContext("chatcmpl-1", RequestKind.CHAT, "m", 1, stream, False)
+    ctx.tools = spec
+    return ctx
+
+
+def test_rendered_bodies_are_openai_shapes():
+    """Non-streamed and streamed chat with tools, parsed by the openai SDK's types."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    acc = api.Accumulator(_ctx(_spec("required"), False))
+    acc.add([Delta("1", text, 9, finish_reason="stop", prompt_tokens=3, completion_tokens=9)])
+    body = ChatCompletion.model_validate_json(acc.render())
+    msg = body.choices[0].message
+    assert body.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert msg.tool_calls is not None and msg.tool_calls[0].function.name == "get_weather"
+    assert body.system_fingerprint and body.system_fingerprint.startswith("weir-")
+    r = api.StreamRenderer(_ctx(_spec("required"), True))
+    out = r.render([Delta("1", text[:10], 3)]) + r.render([Delta("1", text[10:], 6, finish_reason="stop")])
+    chunks = [ChatCompletionChunk.model_validate_json(e[6:]) for e in out.decode().split("\n\n") if e[6:7] == "{"]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", '{"city": "Oslo"}')]  # type: ignore[union-attr]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_bad_tool_fields_are_400s_before_anything_else():
+    for tools, choice, param in [
+        ([], None, "tools"),
+        (None, "auto", "tool_choice"),
+        (TOOLS, "sometimes", "tool_choice"),
+        (TOOLS, NamedToolChoice(function=NamedFunction("unknown")), "tool_choice"),
+    ]:
+        with pytest.raises(api.RequestError) as e:
+            tool_spec(tools, choice)
+        assert e.value.info.status == 400 and e.value.info.param == param
+
+
+def _tool_sub(choice: str) -> Submit:
+    return Submit("r", "m", RequestKind.CHAT, messages=[ChatMessage("user", "x")],
+                  chat=ChatOptions(tools=json.dumps([{"type": "function", "function": {"name": "f"}}]),
+                                   tool_choice=choice))
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "named"])
+def test_a_model_without_a_parser_refuses_tool_choices_that_need_one(choice):
+    assert unsupported_tool_choice(choice, "hermes", True) is None
+    with pytest.raises(BadInput) as e:
+        ModelPrompts(None).tokenize(_tool_sub(choice))  # the simulated engine's model: no parser configured
+    assert e.value.param == "tool_choice" and "tool_call_parser" in str(e.value)
+    assert ModelPrompts(None).tokenize(_tool_sub("none")).count > 0
+
+
+@pytest.mark.parametrize("opts,param", [
+    (ChatOptions(tools="not json", tool_choice="none"), "tools"),
+    (ChatOptions(tools='{"a": 1}', tool_choice="none"), "tools"),
+    (ChatOptions(tools='["x"]', tool_choice="none"), "tools"),
+    (ChatOptions(template_kwargs="[1]"), "chat_template_kwargs"),
+    (ChatOptions(documents='"doc"'), "documents"),
+    (ChatOptions(tool_choice="sometimes"), "tool_choice"),
+])
+def test_chat_options_from_zeromq_are_checked_not_trusted(opts, param):
+    """A ZeroMQ client's Submit.chat is whatever it sent: a 400 naming the field, never a crash."""
+    sub = Submit("r", "m", RequestKind.CHAT, messages=[ChatMessage("user", "x")], chat=opts)
+    with pytest.raises(BadInput) as e:
+        ModelPrompts(None).tokenize(sub)
+    assert e.value.param == param
