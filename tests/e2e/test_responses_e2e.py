@@ -15,7 +15,6 @@ import jsonschema
 import openai
 import pytest
 import requests
-import stackutil
 from stackutil import SIM_MODEL, VLLM_MODEL, sim_worker, start_stack, write_config
 from test_e2e_api import metric, sdk, wait_until
 from test_tenancy_e2e import redis_url  # noqa: F401  (the module's real redis-server fixture)
@@ -219,7 +218,7 @@ def test_real_model_turn_answers_what_chat_answers(stack):
     assert events[-1].response.output_text == resp.output_text
 
 
-# ------------------------------------------------------------------ tools (real model, hermes parser)
+# ------------------------------------------------------------------ tools (the real model, its hermes parser)
 
 WEATHER = {
     "type": "function",
@@ -234,17 +233,6 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def tool_stack(tmp_path_factory):
-    """The tiny model with vLLM's hermes tool-call parser (the default config's setting)."""
-    d = tmp_path_factory.mktemp("tool_stack")
-    models = stackutil.localconfig.models(vllm_max_model_len=1024)
-    models[0] = {**models[0], "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
-    cfg = write_config(d, models=models, workers=[stackutil.vllm_worker("vllm-tools")])
-    with start_stack(cfg, d / "run") as s:
-        yield s
-
-
 def _valid_call(item) -> dict:
     assert item.type == "function_call" and item.name == "get_weather" and item.call_id
     args = json.loads(item.arguments)
@@ -252,8 +240,8 @@ def _valid_call(item) -> dict:
     return args
 
 
-def test_tool_calls_named_required_streamed_and_a_tool_result_turn(tool_stack):
-    c = _sdk(tool_stack)
+def test_tool_calls_named_required_streamed_and_a_tool_result_turn(stack):
+    c = sdk(stack)  # the session stack: tiny-llama with the hermes parser
     named = {"type": "function", "name": "get_weather"}
     calls = []
     # seeded sampling (vLLM's extra): greedy, the random-weight model may write whitespace to the limit
