@@ -30,6 +30,8 @@ from router.http_routes import Routes
 from router.http_server import HttpConnection, start_http_server, written_out
 from router.metrics import RouterMetrics
 from router.operator_actions import RouterOperator
+from router.response_store import StoreCollector, make_store
+from router.responses_http import ResponsesService
 from router.views import RouterViews
 from router.worker_link import WorkerLink
 from shared.config import DEFAULT_CONFIG, Config, ConfigError, load, split_hostport
@@ -95,6 +97,8 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     operator = RouterOperator(core, link, reload, drain_router)
     link.serve(core)
     frontend.serve(core)
+    response_store = make_store(cfg)
+    metrics.registry.register(StoreCollector(response_store))
     host, port = split_hostport(cfg.router.http)
     connections: set[HttpConnection] = set()
     batches, batch_routes = _batch_tier(core, cfg)
@@ -110,6 +114,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         max_prompts=cfg.router.max_prompts_per_request,
         extra_routes=batch_routes,
         max_upload_bytes=cfg.batch.max_file_bytes if batches is not None else 0,
+        responses=ResponsesService(core, response_store),
     )
     log.info(
         "router ready: http=%s frontend=%s backend=%s policy=%s",
@@ -134,6 +139,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         await batches.close()
     core.close()
     await core.quota.close()
+    await response_store.close()
     if cfg.security.curve:
         from shared.curve import stop_authenticators
 

@@ -11,7 +11,7 @@ Protocols declared here by their consumer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, Protocol
 
 from router import openai_api as api
@@ -88,7 +88,7 @@ class Refusal(NamedTuple):
 
 
 Answer = Reply | Refusal
-Handler = Callable[[Request], Answer]
+Handler = Callable[[Request], Answer | Awaitable[Answer]]  # awaitable: answered when it completes
 
 
 class Route(NamedTuple):

@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, cast
 
 import httptools
@@ -39,7 +39,7 @@ from router import openai_api as api
 from router.http_embeddings import EmbeddingBatch, start_embeddings
 from router.http_headers import error_headers, ratelimit_headers, response_head
 from router.http_routes import JSON as _JSON
-from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Routes, Views, routes
+from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Reply, Request, Routes, Views, routes
 from router.metrics import RouterMetrics
 from router.model_registry import ServedModel
 from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
@@ -93,6 +93,14 @@ class Generation(Protocol):
     def off_loop(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]: ...
 
 
+class ResponsesApi(Protocol):
+    """/v1/responses (router.responses_http.ResponsesService)."""
+
+    def create(self, conn: HttpConnection, req: _Request, label: str) -> None: ...
+
+    def by_id(self, req: Request) -> Answer | Awaitable[Answer]: ...
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -143,10 +151,12 @@ class _Ingress:
         max_prompts: int,
         extra: Routes | None = None,
         max_upload_bytes: int = 0,
+        responses: ResponsesApi | None = None,
     ):
         self.core = core
         self.connections = connections  # open ones: what a drain waits on (``written_out``)
         self.max_prompts = max_prompts  # per completion request (router.max_prompts_per_request)
+        self.responses = responses
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_upload_bytes = max(max_upload_bytes, max_body_bytes)
@@ -168,6 +178,9 @@ class _Ingress:
         if extra is not None:  # (the Batch API: router.openai_api.files_batches)
             self.routes.update({path: (r.method, _answering(r.handler)) for path, r in extra.exact.items()})
             self.patterns = [*extra.patterns, *self.patterns]
+        if responses is not None:
+            self.routes[b"/v1/responses"] = (b"POST", HttpConnection.responses)
+            self.patterns.append(PatternRoute(b"/v1/responses/", (), b"*", "/v1/responses/{id}", responses.by_id))
 
     def flush_later(self, ex: Exchange) -> None:
         if not self._unflushed:
@@ -544,20 +557,51 @@ class HttpConnection(asyncio.Protocol):
         label: str,
         parse: Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext] | api.CompletionJobs],
     ) -> None:
-        meta = api.meta_from_headers(
+        try:
+            got = parse(req.body, self.meta(req), api.new_request_id())
+        except api.RequestError as e:
+            return self.refuse(req, e.info, label)
+        if isinstance(got, api.CompletionJobs):
+            self.run_jobs(req, label, got)
+        else:
+            self.run(req, label, *got)
+
+    @staticmethod
+    def meta(req: _Request) -> api.RequestMeta:
+        return api.meta_from_headers(
             req.header(b"authorization"),
             req.header(b"x-api-key"),
             req.header(b"x-weir-priority"),
             req.header(b"x-weir-task-type"),
             req.header(b"x-weir-allow-fallback"),
         )
-        try:
-            got = parse(req.body, meta, api.new_request_id())
-        except api.RequestError as e:
-            if req.rid is None:
-                req.rid = api.new_request_id()
-            return self.respond_error(req, e.info, label)
-        jobs = got if isinstance(got, api.CompletionJobs) else api.CompletionJobs([got[0]], got[1], 1, [])
+
+    def refuse(self, req: _Request, info: ErrorInfo, label: str) -> None:
+        """A request refused before it is submitted (its own id for the log)."""
+        if req.rid is None:
+            req.rid = api.new_request_id()
+        self.respond_error(req, info, label)
+
+    def run(
+        self,
+        req: _Request,
+        label: str,
+        sub: Submit,
+        ctx: api.ResponseContext,
+        exchange: Callable[[HttpConnection, _Request, api.ResponseContext, str], Exchange] | None = None,
+    ) -> None:
+        """Submit a parsed request; its Exchange (``exchange`` makes another
+        kind: /v1/responses's) writes the answer."""
+        self.run_jobs(req, label, api.CompletionJobs([sub], ctx, 1, []), exchange)
+
+    def run_jobs(
+        self,
+        req: _Request,
+        label: str,
+        jobs: api.CompletionJobs,
+        exchange: Callable[[HttpConnection, _Request, api.ResponseContext, str], Exchange] | None = None,
+    ) -> None:
+        """Submit a parsed request's jobs (one, or one per prompt of a completion)."""
         subs, ctx = jobs.subs, jobs.ctx
         if req.rid is None:
             req.rid = ctx.id  # router-direct without x-request-id: the response's own id
@@ -576,7 +620,7 @@ class HttpConnection(asyncio.Protocol):
             ctx.echo = echoes[0]
         if ctx.tools is not None:  # how the model writes tool calls (its config; None: refused by submit)
             ctx.tools.parser, ctx.tools.auto_enabled = core.tool_parser(subs[0].model)
-        ex = Exchange(self, req, ctx, label)
+        ex = (exchange or Exchange)(self, req, ctx, label)
         self.current = ex
         self.busy = True
         try:
@@ -605,6 +649,27 @@ class HttpConnection(asyncio.Protocol):
 
     def embeddings(self, req: _Request, label: str) -> None:
         start_embeddings(self, req, label, self.ingress.core)
+
+    def responses(self, req: _Request, label: str) -> None:
+        service = self.ingress.responses
+        assert service is not None  # routed only when the server has one
+        service.create(self, req, label)
+
+    def answer_later(self, req: _Request, pending: Awaitable[Answer], label: str) -> None:
+        """A route whose answer needs I/O (a store lookup): later requests
+        on this connection wait behind it, as behind a generation."""
+        self.busy = True
+
+        async def wait() -> None:
+            try:
+                answer = await pending
+            except Exception:
+                log.exception("handler for %s failed", label)
+                answer = Refusal(error(Code.INTERNAL, "Internal error"))
+            if not self.closed:
+                self.answer(req, answer, label)
+
+        asyncio.get_running_loop().create_task(wait())
 
     def answer(self, req: _Request, answer: Answer, label: str) -> None:
         """A route's answer (router.http_routes) as a whole response."""
@@ -696,8 +761,16 @@ class HttpConnection(asyncio.Protocol):
 
 
 def _answering(handler: Handler) -> Callable[[HttpConnection, _Request, str], None]:
-    """A route's handler (request -> answer) as a connection writes it."""
-    return lambda conn, req, label: conn.answer(req, handler(req), label)
+    """A route's handler (request -> answer, or an awaitable answer) as a connection writes it."""
+
+    def run(conn: HttpConnection, req: _Request, label: str) -> None:
+        answer = handler(req)
+        if isinstance(answer, (Reply, Refusal)):
+            conn.answer(req, answer, label)
+        else:
+            conn.answer_later(req, answer, label)
+
+    return run
 
 
 async def start_http_server(
@@ -714,6 +787,7 @@ async def start_http_server(
     max_prompts: int = DEFAULT_MAX_PROMPTS,
     extra_routes: Routes | None = None,
     max_upload_bytes: int = 0,
+    responses: ResponsesApi | None = None,
 ) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
@@ -735,6 +809,7 @@ async def start_http_server(
         max_prompts,
         extra_routes,
         max_upload_bytes,
+        responses,
     )
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)

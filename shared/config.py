@@ -173,6 +173,18 @@ class QuotaConfig(_Cfg):
     on_store_error: Literal["open", "closed"] = "open"
 
 
+class ResponsesConfig(_Cfg):
+    """/v1/responses: where stored responses live (router/response_store.py)."""
+
+    # memory: this router alone; redis: shared by every router naming it
+    # (the [quota] Redis: redis_url and redis_timeout_s there).
+    store: Literal["memory", "redis"] = "memory"
+    redis_prefix: str = "weir:responses:"
+    max_stored: int = 10_000  # beyond: the oldest is evicted
+    max_age_s: float = 3600.0  # older: gone (404), as if deleted
+    max_stored_bytes: int = 1 << 20  # one response + its conversation; larger: served, not stored
+
+
 class SecurityConfig(_Cfg):
     """CURVE on the router's two ZeroMQ planes (`weir keys curve DIR` makes
     the keys): only the public keys in ``curve_dir``/clients (frontend) and
@@ -400,6 +412,7 @@ class Config(_Cfg):
     api_keys: list[ApiKey] = []
     tenants: list[TenantConfig] = []
     quota: QuotaConfig = msgspec.field(default_factory=QuotaConfig)
+    responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     models: list[ModelConfig] = []
@@ -508,6 +521,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"batch.completion_windows: {window!r} is not <n>s, <n>m, <n>h or <n>d")
     if bc.max_in_flight < 1 or bc.queued_target < 1 or bc.max_file_bytes < 1:
         raise ConfigError("batch.max_in_flight, queued_target and max_file_bytes must be >= 1")
+    if cfg.responses.max_stored < 1 or cfg.responses.max_age_s <= 0:
+        raise ConfigError("[responses] max_stored must be >= 1 and max_age_s > 0")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 
