@@ -26,6 +26,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    return_token_ids: bool | None = None  # vLLM's: prompt_token_ids and token_ids on each choice
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -68,9 +69,14 @@ def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[S
         api_key=meta.api_key,
         user=req.user,
         allow_fallback=bool(req.fallback) or meta.allow_fallback,
+        return_token_ids=bool(req.return_token_ids),
     )
     check_submit_shape(sub)
-    return sub, response_context(req, RequestKind.COMPLETION, request_id, req.logprobs, prompt if req.echo else "")
+    # (as vLLM: with return_token_ids, echo leaves the prompt's text out -- its ids are there)
+    echo = prompt if req.echo and not sub.return_token_ids else ""
+    ctx = response_context(req, RequestKind.COMPLETION, request_id, req.logprobs, echo)
+    ctx.return_token_ids = sub.return_token_ids
+    return sub, ctx
 
 
 # ------------------------------------------------------------ response shapes
@@ -88,6 +94,9 @@ class CompletionChoice(msgspec.Struct, gc=False):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM puts the prompt's on each choice)
+    token_ids: list[int] | None = None
 
 
 class Completion(msgspec.Struct, gc=False):
