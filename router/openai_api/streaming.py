@@ -24,6 +24,7 @@ from router.openai_api.usage import TokenCounts
 from shared.protocol import Delta, RequestKind
 
 SSE_DONE = b"data: [DONE]\n\n"
+_STOP_NULL = b',"stop_reason":null'
 
 
 class StreamRenderer:
@@ -88,7 +89,8 @@ class StreamRenderer:
         # still empty (a byte-level BPE token can end mid-character): as vLLM's
         # server does, so a client sees the first token when it is made.
         # vLLM's stop_reason: on every completions chunk, on chat's finishing one
-        stop = b',"stop_reason":' + encode(last.stop_reason if finish and error is None else None)
+        reason = last.stop_reason if finish and error is None else None
+        stop = _STOP_NULL if reason is None else b',"stop_reason":' + encode(reason)
         if self.ctx.kind == RequestKind.COMPLETION:
             if text or tokens or (finish and error is None):
                 out.append(self._choice_event(b'"text":' + encode(text), None if error else finish, stop))

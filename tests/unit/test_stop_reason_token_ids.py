@@ -157,3 +157,20 @@ def test_streamed_chat_token_ids_and_prompt_ids_on_the_role_chunk():
     assert chunks[-1]["choices"][0]["stop_reason"] == "!" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
     for c in chunks:
         ChatCompletionChunk.model_validate(c)
+
+
+def test_streamed_tool_calls_carry_every_token_id_and_the_stop_reason():
+    from test_tools import _spec  # the tools fixture of the tool-calling tests
+
+    ctx = _ctx(RequestKind.CHAT, ids=True)
+    ctx.tools = _spec("required")
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    r = api.StreamRenderer(ctx)
+    out = r.render([Delta("1", text[:10], 3, token_ids=[1, 2, 3], prompt_token_ids=PROMPT)])
+    out += r.render([Delta("1", text[10:], 2, token_ids=[4, 5], finish_reason="stop", stop_reason="]")])
+    chunks = _events(out)
+    assert chunks[0]["prompt_token_ids"] == PROMPT
+    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks), []) == [1, 2, 3, 4, 5]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1]["choices"][0]["stop_reason"] == "]"
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
