@@ -150,9 +150,11 @@ class EngineBase:
         logprobs: bytes = b"",
         top_ids: list[int] | None = None,
         cached_tokens: int = 0,
+        stop_reason: str | int | None = None,
     ) -> None:
         """New tokens of a live request's choice ``index``; ``finish_reason``
-        ends that choice (and the request with its last open choice)."""
+        ends that choice (and the request with its last open choice), with
+        ``stop_reason`` where a stop string or stop token id ended it."""
         if self._live.get(rid) is not live:
             return  # aborted (or failed) meanwhile: its final Delta went already
         if prompt_tokens:
@@ -171,6 +173,8 @@ class EngineBase:
                 d.top_ids = top_ids
         if finish_reason is not None:
             reason = finish_reason if finish_reason in _FINISH_REASONS else "stop"
+            if stop_reason is not None:
+                d.stop_reason = stop_reason
             live.open -= 1
             if live.open > 0:  # this choice ended; others go on
                 d.choice_finish = reason

@@ -281,8 +281,19 @@ class VllmEngine(EngineBase):
                         if finish is None and out.finished and p.n == 1:
                             finish = "stop"
                         ids = list(c.token_ids)
+                        stop_reason = c.stop_reason if finish is not None else None
                         if k is None or not ids:
-                            self._output(rid, live, c.text, ids, finish, prompt_tokens, c.index, cached_tokens=cached)
+                            self._output(
+                                rid,
+                                live,
+                                c.text,
+                                ids,
+                                finish,
+                                prompt_tokens,
+                                c.index,
+                                cached_tokens=cached,
+                                stop_reason=stop_reason,
+                            )
                         else:
                             values, top = _pack(c.logprobs, ids, k)
                             self._output(
@@ -296,6 +307,7 @@ class VllmEngine(EngineBase):
                                 values,
                                 top,
                                 cached_tokens=cached,
+                                stop_reason=stop_reason,
                             )
                     if out.finished:
                         if self._is_live(rid, live):  # a choice vLLM never ended (should not happen)

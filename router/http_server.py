@@ -303,7 +303,13 @@ class Exchange:
         elif last.finish_reason is not None:
             self.done = True
             body = api.render_completion(
-                self.ctx, "".join(texts), last.finish_reason, counts.prompt, counts.completion_total, counts.cached
+                self.ctx,
+                "".join(texts),
+                last.finish_reason,
+                counts.prompt,
+                counts.completion_total,
+                counts.cached,
+                last.stop_reason,
             )
             self.conn.respond(self.req, 200, _JSON, body, self.label, self.extra + self.rl)
 

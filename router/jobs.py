@@ -114,6 +114,7 @@ class JobRecord:
     resumes: int = 0
     served_by: str = ""  # the fallback model answering it ("": the one asked for)
     announced: bool = False  # the client was told served_by
+    prompt_ids_told: bool = False  # Submit.return_token_ids: its first news carried prompt_ids
     hold: Hold | None = None  # its budget reservation (router.quota), returned at its end
     rl: p.RateLimit | None = None  # budget figures for its client's first Delta
 
@@ -141,7 +142,8 @@ class JobRecord:
         """Rewrite one worker message's Deltas of this job so its client sees
         one uninterrupted stream: the fallback model named once, counts
         cumulative over every attempt with the client's prompt, its budget
-        figures on its first news; and keep the generated ids a resume needs."""
+        figures (and prompt ids, if asked) on its first news; and keep the
+        generated ids a resume needs."""
         if self.served_by and not self.announced:
             self.announced = True
             group[0].model = self.served_by  # the client learns which model answers, with its first news
@@ -156,6 +158,9 @@ class JobRecord:
                     x.prompt_tokens = self.prompt_tokens
         if self.rl is not None:  # the client's first news carries its budget figures
             group[0].ratelimit, self.rl = self.rl, None
+        if self.sub.return_token_ids and not self.prompt_ids_told:  # (vLLM's return_token_ids)
+            self.prompt_ids_told = True
+            group[0].prompt_token_ids = self.prompt_ids
 
 
 def advance(j: JobRecord, to: JobState, worker: str | None = None) -> None:

@@ -244,6 +244,12 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # An embedding request's vector, on its final Delta: float32 little-endian
     # (``pack_floats``), as the engine computed it (vLLM pools in float32).
     embedding: bytes = b""
+    # vLLM's ``stop_reason``: the stop string or stop token id that ended the
+    # choice (with ``finish_reason`` or ``choice_finish``); None for any other end.
+    stop_reason: str | int | None = None
+    # router -> client, on a request's first Delta when its Submit asked for
+    # ``return_token_ids``: the prompt's token ids as the router tokenized them.
+    prompt_token_ids: list[int] = []
 
     @property
     def finished(self) -> bool:
@@ -304,6 +310,9 @@ class Submit(_Msg, tag=1):
     prompt_token_ids: list[TokenId] = []
     dimensions: PositiveInt | None = None
     chat: ChatOptions | None = None  # chat only; None: the defaults (no tools, a generation prompt)
+    # The prompt's token ids on the first Delta (``Delta.prompt_token_ids``):
+    # vLLM's ``return_token_ids`` (the generated ids are in every Delta's ``token_ids``).
+    return_token_ids: bool = False
 
 
 class Cancel(_Msg, tag=2):

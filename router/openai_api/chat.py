@@ -67,9 +67,9 @@ class ChatRequest(SamplingFields, kw_only=True):
     add_special_tokens: bool = False
     chat_template: str | None = None  # refused: a request may not bring its own template
     reasoning_effort: str | None = None  # to the template, as vLLM passes it (with enable_thinking)
+    return_token_ids: bool | None = None  # vLLM's: prompt_token_ids on the response, token_ids per choice
     # vLLM's chat extensions weir does not implement: refused unless left at their defaults
     echo: bool = False
-    return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
@@ -87,7 +87,6 @@ class ChatRequest(SamplingFields, kw_only=True):
 # (field, its default): a request that sets one otherwise is refused, never served without it
 _UNSUPPORTED_EXTRAS = (
     ("echo", False),
-    ("return_token_ids", None),
     ("return_tokens_as_token_ids", None),
     ("prompt_logprobs", None),
     ("truncate_prompt_tokens", None),
@@ -216,9 +215,11 @@ def parse_chat(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit,
         user=req.user,
         allow_fallback=bool(req.fallback) or meta.allow_fallback,
         chat=chat_options(req, spec),
+        return_token_ids=bool(req.return_token_ids),
     )
     check_submit_shape(sub)
     ctx = response_context(req, RequestKind.CHAT, request_id, logprobs)
+    ctx.return_token_ids = sub.return_token_ids
     if spec is not None and spec.choice != "none":
         ctx.tools = spec  # the ingress sets the model's parser on it
     return sub, ctx
@@ -255,6 +256,8 @@ class ChatChoice(msgspec.Struct, gc=False):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletion(msgspec.Struct, gc=False):
@@ -265,3 +268,4 @@ class ChatCompletion(msgspec.Struct, gc=False):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids

@@ -28,6 +28,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     best_of: int | None = None  # accepted and ignored, as vLLM 0.32 does (docs/api.md)
     suffix: str | None = None
+    return_token_ids: bool | None = None  # vLLM's: prompt_token_ids and token_ids on each choice
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -59,6 +60,9 @@ def parse_completions(
         raise invalid("suffix is not supported", param="suffix", code=Code.UNSUPPORTED_VALUE)
     params, task_type, priority = common_fields(req, meta, req.logprobs)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    return_token_ids = bool(req.return_token_ids)
+    # (as vLLM: with return_token_ids, echo leaves the prompt's text out -- its ids are there)
+    echo = req.echo and not return_token_ids
     subs = []
     for i, prompt in enumerate(prompts):
         sub = Submit(
@@ -74,13 +78,15 @@ def parse_completions(
             user=req.user,
             allow_fallback=bool(req.fallback) or meta.allow_fallback,
             prompt_token_ids=[] if isinstance(prompt, str) else prompt,
+            return_token_ids=return_token_ids,
         )
         check_submit_shape(sub)
         subs.append(sub)
-    echoes: list[str | None] = [p if isinstance(p, str) else None for p in prompts] if req.echo else []
+    echoes: list[str | None] = [p if isinstance(p, str) else None for p in prompts] if echo else []
     first = prompts[0]
-    one_text = first if req.echo and len(prompts) == 1 and isinstance(first, str) else ""
+    one_text = first if echo and len(prompts) == 1 and isinstance(first, str) else ""
     ctx = response_context(req, RequestKind.COMPLETION, request_id, req.logprobs, one_text)
+    ctx.return_token_ids = return_token_ids
     n = ctx.n
     ctx.n = n * len(prompts)
     return CompletionJobs(subs, ctx, n, echoes)
@@ -109,6 +115,9 @@ class CompletionChoice(msgspec.Struct, gc=False):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM puts the prompt's on each choice)
+    token_ids: list[int] | None = None
 
 
 class Completion(msgspec.Struct, gc=False):

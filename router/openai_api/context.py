@@ -29,11 +29,19 @@ class ResponseContext(msgspec.Struct, gc=False):
     request_id: str | None = None  # x-request-id, for an error event's body (set by the ingress)
     # Chat with tools (router.openai_api.tools.ToolSpec): the output may become tool calls
     tools: Any = None
+    # vLLM's return_token_ids: the prompt's ids (from the first Delta) and each choice's generated ids
+    return_token_ids: bool = False
 
     @property
     def rich(self) -> bool:
-        """Needs the general renderer (several choices, logprobs, echo or tools)."""
-        return self.n > 1 or self.logprobs is not None or bool(self.echo) or self.tools is not None
+        """Needs the general renderer (several choices, logprobs, echo, tools or token ids)."""
+        return (
+            self.n > 1
+            or self.logprobs is not None
+            or bool(self.echo)
+            or self.tools is not None
+            or self.return_token_ids
+        )
 
     @property
     def fingerprint(self) -> str:

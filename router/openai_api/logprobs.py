@@ -31,7 +31,7 @@ def _utf8(s: str) -> list[int]:
 class ChoiceState:
     """One choice's output so far (the general renderers)."""
 
-    __slots__ = ("texts", "finish", "tokens", "values", "tops", "offset", "started")
+    __slots__ = ("texts", "finish", "tokens", "values", "tops", "offset", "started", "stop_reason", "ids")
 
     def __init__(self) -> None:
         self.texts: list[str] = []
@@ -41,6 +41,8 @@ class ChoiceState:
         self.tops: list[int] = []  # ...and the top-k ids
         self.offset = 0  # text_offset of the next token
         self.started = False  # chat stream: the role event went
+        self.stop_reason: str | int | None = None  # the stop string / token id that ended it
+        self.ids: list[int] = []  # return_token_ids: every generated token's id
 
 
 def add_logprobs(c: ChoiceState, d: Delta) -> None:

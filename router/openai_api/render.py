@@ -21,6 +21,7 @@ def render_completion(
     prompt_tokens: int,
     completion_tokens: int,
     cached_tokens: int = 0,
+    stop_reason: str | int | None = None,
 ) -> bytes:
     usage = usage_of(prompt_tokens, completion_tokens, cached_tokens)
     if ctx.kind == RequestKind.COMPLETION:
@@ -30,7 +31,7 @@ def render_completion(
                 "text_completion",
                 ctx.created,
                 ctx.model,
-                [CompletionChoice(0, text, None, finish_reason)],
+                [CompletionChoice(0, text, None, finish_reason, stop_reason)],
                 usage,
                 ctx.fingerprint,
             )
@@ -41,7 +42,7 @@ def render_completion(
             "chat.completion",
             ctx.created,
             ctx.model,
-            [ChatChoice(0, AssistantMessage("assistant", text), None, finish_reason)],
+            [ChatChoice(0, AssistantMessage("assistant", text), None, finish_reason, stop_reason)],
             usage,
             ctx.fingerprint,
         )
@@ -51,18 +52,22 @@ def render_completion(
 class Accumulator:
     """A non-streamed response of any shape: choices by index, logprobs, echo."""
 
-    __slots__ = ("ctx", "counts", "choices")
+    __slots__ = ("ctx", "counts", "choices", "prompt_ids")
 
     def __init__(self, ctx: ResponseContext) -> None:
         self.ctx = ctx
         self.counts = TokenCounts()
         self.choices = [ChoiceState() for _ in range(max(1, ctx.n))]
+        self.prompt_ids: list[int] | None = [] if ctx.return_token_ids else None
 
     def add(self, deltas: list[Delta]) -> None:
         lp = self.ctx.logprobs is not None
+        ids = self.ctx.return_token_ids
         choices = self.choices
         for d in deltas:
             self.counts.add(d)
+            if d.prompt_token_ids and ids:
+                self.prompt_ids = d.prompt_token_ids
             if d.index >= len(choices):
                 continue  # an engine bug; never index past the request's n
             c = choices[d.index]
@@ -70,9 +75,13 @@ class Accumulator:
                 c.texts.append(d.text)
             if lp:
                 add_logprobs(c, d)
+            if ids and d.token_ids:
+                c.ids.extend(d.token_ids)
             if d.choice_finish is not None:
-                c.finish = d.choice_finish
+                c.finish, c.stop_reason = d.choice_finish, d.stop_reason
             if d.finish_reason is not None:
+                if c.finish is None:
+                    c.stop_reason = d.stop_reason  # (its own choice's; the others' came with choice_finish)
                 for other in choices:  # the last choice's reason; an abort ends every open one
                     if other.finish is None:
                         other.finish = d.finish_reason
@@ -81,6 +90,7 @@ class Accumulator:
         ctx = self.ctx
         usage = self.counts.usage()
         lp = ctx.logprobs is not None
+        ids = ctx.return_token_ids
         if ctx.kind == RequestKind.COMPLETION:
             return encode(
                 Completion(
@@ -90,7 +100,13 @@ class Accumulator:
                     ctx.model,
                     [
                         CompletionChoice(
-                            i, ctx.echo + "".join(ch.texts), completion_logprobs(ctx, ch) if lp else None, ch.finish
+                            i,
+                            ctx.echo + "".join(ch.texts),
+                            completion_logprobs(ctx, ch) if lp else None,
+                            ch.finish,
+                            ch.stop_reason,
+                            self.prompt_ids,
+                            ch.ids if ids else None,
                         )
                         for i, ch in enumerate(self.choices)
                     ],
@@ -108,9 +124,15 @@ class Accumulator:
                 finish = tool_finish_reason(spec, bool(calls), ch.finish)
             else:
                 message, finish = AssistantMessage("assistant", text), ch.finish
-            choices.append(ChatChoice(i, message, chat_logprobs(ctx, ch) if lp else None, finish))
+            choices.append(
+                ChatChoice(
+                    i, message, chat_logprobs(ctx, ch) if lp else None, finish, ch.stop_reason, ch.ids if ids else None
+                )
+            )
         return encode(
-            ChatCompletion(ctx.id, "chat.completion", ctx.created, ctx.model, choices, usage, ctx.fingerprint)
+            ChatCompletion(
+                ctx.id, "chat.completion", ctx.created, ctx.model, choices, usage, ctx.fingerprint, self.prompt_ids
+            )
         )
 
 

@@ -184,3 +184,45 @@ def test_the_same_fields_over_zeromq(stack):
                 zc.complete(VLLM_MODEL, prompt=PROMPT, max_tokens=4, **kw)
             assert e.value.status == 400 and e.value.error.param == param, kw
     assert worker_row(stack, "vllm-0")["reserved_tokens"] == 0
+
+
+def test_stop_reason_and_return_token_ids_as_vllm_gives_them(stack):
+    c = client(stack)
+    ids_body = {"return_token_ids": True, "ignore_eos": True}
+    # return_token_ids: the prompt's ids as the router tokenized them; the generated ones are the text
+    r = c.completions.create(model=VLLM_MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=ids_body)
+    ch = r.choices[0].model_dump()
+    assert ch["prompt_token_ids"] == TOK.encode(PROMPT).ids
+    assert len(ch["token_ids"]) == r.usage.completion_tokens == 8
+    assert TOK.decode(ch["token_ids"]) == ch["text"]
+    assert ch["finish_reason"] == "length" and ch["stop_reason"] is None
+    chunks = [x.choices[0].model_dump() for x in c.completions.create(
+        model=VLLM_MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body=ids_body)]
+    assert chunks[0]["prompt_token_ids"] == ch["prompt_token_ids"]
+    assert sum((x["token_ids"] for x in chunks), []) == ch["token_ids"]
+    # chat: the rendered prompt's ids on the response (streamed: on the first chunk)
+    msgs = [{"role": "user", "content": "Hello! How are you today?"}]
+    w = c.chat.completions.create(model=VLLM_MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body=ids_body)
+    wd = w.model_dump()
+    assert len(wd["prompt_token_ids"]) == w.usage.prompt_tokens and "How are you today?" in TOK.decode(
+        wd["prompt_token_ids"])
+    assert TOK.decode(wd["choices"][0]["token_ids"]) == w.choices[0].message.content
+    chunks = [x.model_dump() for x in c.chat.completions.create(
+        model=VLLM_MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True, extra_body=ids_body)]
+    assert chunks[0]["prompt_token_ids"] == wd["prompt_token_ids"]
+    assert sum((x["choices"][0].get("token_ids") or [] for x in chunks), []) == wd["choices"][0]["token_ids"]
+    # stop_reason: the stop string that ended the choice (" fox" forced), whole and streamed
+    forced = {"model": VLLM_MODEL, "prompt": PROMPT, "max_tokens": 8, "stop": ["zzz", "fox"],
+              "logit_bias": {str(TOK.token_to_id("Ġfox")): 100}}
+    r = c.completions.create(**forced)
+    assert (r.choices[0].finish_reason, r.choices[0].model_dump()["stop_reason"]) == ("stop", "fox")
+    last = list(c.completions.create(**forced, stream=True))[-1].choices[0].model_dump()
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", "fox")
+    # ... or the stop token id (an int), on chat
+    forced = {"model": VLLM_MODEL, "messages": msgs, "max_tokens": 8, "logit_bias": {"7": 100},
+              "extra_body": {"stop_token_ids": [7], "min_tokens": 2}}
+    w = c.chat.completions.create(**forced)
+    assert (w.choices[0].finish_reason, w.choices[0].model_dump()["stop_reason"]) == ("stop", 7)
+    last = list(c.chat.completions.create(**forced, stream=True))[-1].choices[0].model_dump()
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", 7)
+    assert worker_row(stack, "vllm-0")["reserved_tokens"] == 0

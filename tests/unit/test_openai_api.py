@@ -148,7 +148,6 @@ BAD_CHATS = [
     (_chat(chat_template_kwargs={"chat_template": "x"}), "chat_template", None),
     (_chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs", None),
     (_chat(echo=True), "echo", "unsupported_value"),
-    (_chat(return_token_ids=True), "return_token_ids", "unsupported_value"),
     (_chat(skip_special_tokens=False), "skip_special_tokens", "unsupported_value"),
     (_chat(use_beam_search=True), "use_beam_search", "unsupported_value"),
     (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema",
@@ -298,7 +297,8 @@ def test_non_stream_completion_shape():
     obj = json.loads(body)
     assert obj == {
         "id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
-        "choices": [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "length"}],
+        "choices": [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "length",
+                     "stop_reason": None, "prompt_token_ids": None, "token_ids": None}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                   "prompt_tokens_details": {"cached_tokens": 0}},
         "system_fingerprint": FP,
@@ -312,7 +312,7 @@ def test_non_stream_chat_shape():
     obj = json.loads(body)
     assert obj["object"] == "chat.completion" and obj["id"] == "chatcmpl-x1"
     assert obj["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                               "logprobs": None, "finish_reason": "stop"}]
+                               "logprobs": None, "finish_reason": "stop", "stop_reason": None, "token_ids": None}]
     assert obj["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11,
                             "prompt_tokens_details": {"cached_tokens": 0}}
     parsed = ChatCompletion.model_validate(obj)
@@ -332,10 +332,10 @@ def test_completion_stream_events():
     assert chunks == [
         {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
          "system_fingerprint": FP,
-         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None}]},
+         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None, "stop_reason": None}]},
         {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
          "system_fingerprint": FP,
-         "choices": [{"index": 0, "text": "!", "logprobs": None, "finish_reason": "stop"}]},
+         "choices": [{"index": 0, "text": "!", "logprobs": None, "finish_reason": "stop", "stop_reason": None}]},
     ]
     # The SDK builds stream chunks without validation (its Completion type insists on a
     # finish_reason, which OpenAI's own mid-stream chunks lack); the final one validates.
@@ -570,4 +570,4 @@ def test_plain_stream_is_unchanged_by_the_rich_path():
     out = r.render([Delta("x1", "a", 1, prompt_tokens=1, completion_tokens=1)])
     assert out == (b'data: {"id":"cmpl-x1","object":"text_completion","created":1700000000,"model":"tiny",'
                    b'"system_fingerprint":"' + FP.encode() + b'",'
-                   b'"choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null}]}\n\n')
+                   b'"choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n')
