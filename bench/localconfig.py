@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / "models" / "tiny-llama"  # built by `weir make-model`
 VLLM_MODEL = "tiny-llama"
 SIM_MODEL = "sim-tiny"
+SIM_EMBED_MODEL = "sim-embed"  # a simulated embedding model (task = "embed"): see sim_embed_model
 # vLLM on a small CPU host shared with the dataplane (deploy/weir.toml has the
 # same): one OpenMP thread the kernel may move, not one pinned to a core the
 # router and Envoy also need.  bench/README.md has the measurements.
@@ -72,6 +73,12 @@ def models(vllm_max_model_len: int = 512) -> list[dict]:
          "max_model_len": vllm_max_model_len, "tool_call_parser": "hermes", "enable_auto_tool_choice": True},
         {"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
     ]
+
+
+def sim_embed_model(max_model_len: int = 512) -> dict:
+    """A simulated embedding model (``/v1/embeddings`` only; serve it with
+    ``sim_worker(..., model=SIM_EMBED_MODEL)``): add it to ``models()``."""
+    return {"name": SIM_EMBED_MODEL, "engine": "sim", "task": "embed", "max_model_len": max_model_len}
 
 
 def merge(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:

@@ -12,7 +12,9 @@ A line refused for room or budget (429/503: router.batch.model.retryable)
 waits ``retry_s`` (or its Retry-After) and is sent again: batch lines are
 never refused for predicted wait, their deadline is the completion window.
 Any other refusal, or a line that does not parse, is an entry in the error
-file, keyed by its custom_id.  Results are appended and fsync'ed on a
+file, keyed by its custom_id.  A line of several jobs (an embeddings line's
+inputs, a completions line's prompt list: router.batch.lines) counts each
+job against the window; one refused or failed ends the whole line.  Results are appended and fsync'ed on a
 thread, in groups (router.batch.store.ResultLog).
 """
 
@@ -30,9 +32,11 @@ import msgspec
 from router import openai_api as api
 from router.admission import ANONYMOUS_TENANT, Identity
 from router.batch import model as m
+from router.batch.lines import AsOwner, EmbeddingLine
 from router.batch.store import BatchError, BatchRecord, ResultLog, is_done, mark_done, result_id
-from router.batch.validate import check_file, decode_line, to_submit
+from router.batch.validate import LineJobs, check_file, decode_line, to_jobs
 from router.jobs import RUNNING, job_id_of
+from router.prompt_fanout import PromptFanOut, echo_texts
 from shared import protocol as p
 from shared.errors import Code, error
 from shared.keys import key_id
@@ -62,9 +66,10 @@ _encode = msgspec.json.Encoder().encode
 
 
 class LineSink:
-    """One line in flight: the RequestSink its job reports to (a non-streamed body)."""
+    """One chat or completions line in flight: the RequestSink its job reports to
+    (a non-streamed body); for a prompt list, the sink of the merge of its jobs."""
 
-    __slots__ = ("run", "line", "raw", "custom_id", "ctx", "counts", "texts", "handle", "muted", "preempted")
+    __slots__ = ("run", "line", "raw", "custom_id", "ctx", "counts", "texts", "handles", "muted", "preempted")
 
     def __init__(self, run: BatchRun, line: int, raw: bytes, custom_id: str, ctx: api.ResponseContext) -> None:
         self.run = run
@@ -74,7 +79,7 @@ class LineSink:
         self.ctx = ctx
         self.counts: api.Accumulator | api.TokenCounts = api.Accumulator(ctx) if ctx.rich else api.TokenCounts()
         self.texts: list[str] = []
-        self.handle = 0
+        self.handles: list[int] = []
         self.muted = False  # cancelled by the batch (expiry, cancel, lease lost): news is ignored
         self.preempted = False  # stepped aside for interactive work once already
 
@@ -119,6 +124,7 @@ class BatchRun:
         bcfg = service.bcfg
         self.window, self.queue_target, self.retry_s = bcfg.max_in_flight, bcfg.queued_target, bcfg.retry_s
         self.max_body = service.max_body_bytes
+        self.max_prompts = service.max_prompts
         self.input_path = service.files.data_path(rec.input_file_id)
         self.out = ResultLog(service.files.data_path(rec.output_file_id))
         self.err = ResultLog(service.files.data_path(rec.error_file_id))
@@ -126,7 +132,7 @@ class BatchRun:
         self.cursor = 0  # the next physical input line to read
         self._input: IO[bytes] | None = None
         self.eof = False
-        self.in_flight: dict[int, LineSink] = {}
+        self.in_flight: dict[int, LineSink | EmbeddingLine] = {}  # job handle -> its line
         self.retry: collections.deque[tuple[float, int, bytes]] = collections.deque()  # (not before, line, raw)
         self._out_buf: list[bytes] = []
         self._err_buf: list[bytes] = []
@@ -287,8 +293,7 @@ class BatchRun:
                     break
                 line, raw = got
                 reads += 1
-            if self._send(line, raw):
-                want -= 1
+            want -= self._send(line, raw)
 
     def _next_line(self) -> tuple[int, bytes] | None:
         f = self._input
@@ -304,35 +309,61 @@ class BatchRun:
             if raw.strip() and line < self.rec.input_lines and not is_done(self.done, line):
                 return line, raw
 
-    def _send(self, line: int, raw: bytes) -> bool:
-        """Submit one line; True if it is now in flight."""
+    def _send(self, line: int, raw: bytes) -> int:
+        """Submit one line; the number of its jobs now in flight (0: it is not)."""
         rec = self.rec
         decoded = decode_line(raw)
         if decoded is None:
             self._error_entry(line, "", error(Code.BAD_REQUEST, "This line is not a valid request object."))
-            return False
+            return 0
         rid = result_id(rec.id, line)
         try:
-            sub, ctx = to_submit(decoded, rec.endpoint, self.max_body, rid)
+            jobs = to_jobs(decoded, rec.endpoint, self.max_body, rid, self.max_prompts)
         except api.RequestError as e:
             self._error_entry(line, decoded.custom_id, e.info)
-            return False
+            return 0
         if isinstance(self.who, p.ErrorInfo):
             self._error_entry(line, decoded.custom_id, self.who)
-            return False
-        sub.trace_id = ctx.request_id = rid
-        sink = LineSink(self, line, raw, decoded.custom_id, ctx)
-        result = self.core.submit(sub, sink, self.who)
-        if isinstance(result, int):
-            sink.handle = result
-            self.in_flight[result] = sink
+            return 0
+        for sub in jobs.subs:
+            sub.trace_id = rid
+        sink, result = self._submit(line, raw, decoded.custom_id, jobs, AsOwner(self.core, self.who))
+        if result is None:
+            for h in sink.handles:
+                self.in_flight[h] = sink
             self.svc.stats.sent += 1
-            return True
+            return len(sink.handles)
         if m.retryable(result.status, result.code, result.type):
             self._retry_later(line, raw, result)
         else:
             self._error_entry(line, decoded.custom_id, result)
-        return False
+        return 0
+
+    def _submit(
+        self, line: int, raw: bytes, custom_id: str, jobs: LineJobs, who: AsOwner
+    ) -> tuple[LineSink | EmbeddingLine, p.ErrorInfo | None]:
+        """The line's jobs into the core, as the live ingress submits them; a refusal withdraws them all."""
+        ctx, subs = jobs.ctx, jobs.subs
+        if isinstance(ctx, api.EmbeddingContext):
+            emb = EmbeddingLine(self, line, raw, custom_id, ctx)
+            return emb, emb.submit(who, subs)
+        ctx.request_id = subs[0].trace_id
+        if ctx.logprobs is not None:  # as router.http_server: token ids shown as text
+            ctx.token_text = self.core.token_text(subs[0].model) or api.token_id_text
+        echoes = echo_texts(who, api.CompletionJobs(subs, ctx, jobs.n, jobs.echoes))
+        if len(subs) == 1 and echoes:
+            ctx.echo = echoes[0]
+        sink = LineSink(self, line, raw, custom_id, ctx)
+        if len(subs) == 1:
+            got = who.submit(subs[0], sink)
+            if isinstance(got, p.ErrorInfo):
+                return sink, got
+            sink.handles.append(got)
+            return sink, None
+        fan = PromptFanOut(who, sink, jobs.n, len(subs), echoes)
+        err = fan.submit(subs)
+        sink.handles = fan.handles
+        return sink, err
 
     def _retry_later(self, line: int, raw: bytes, err: p.ErrorInfo) -> None:
         wait = max(self.retry_s, err.retry_after or 0.0)
@@ -341,8 +372,14 @@ class BatchRun:
 
     # ------------------------------------------------------------ results
 
-    def line_ok(self, sink: LineSink, body: bytes) -> None:
-        self.in_flight.pop(sink.handle, None)
+    def _end_line(self, sink: LineSink | EmbeddingLine) -> None:
+        """The line is over: none of its jobs is in flight (those still running are cancelled)."""
+        for h in sink.handles:
+            if self.in_flight.pop(h, None) is not None and len(sink.handles) > 1:
+                self.core.cancel(h)  # (a job that ended already: a no-op)
+
+    def line_ok(self, sink: LineSink | EmbeddingLine, body: bytes) -> None:
+        self._end_line(sink)
         entry = {
             "id": result_id(self.rec.id, sink.line),
             "custom_id": sink.custom_id,
@@ -365,8 +402,8 @@ class BatchRun:
         self._flush_soon()
         self.kick()
 
-    def line_refused(self, sink: LineSink, err: p.ErrorInfo) -> None:
-        self.in_flight.pop(sink.handle, None)
+    def line_refused(self, sink: LineSink | EmbeddingLine, err: p.ErrorInfo) -> None:
+        self._end_line(sink)
         if m.retryable(err.status, err.code, err.type) and self.rec.status == m.IN_PROGRESS:
             self._retry_later(sink.line, sink.raw, err)
             self.kick()
@@ -445,22 +482,24 @@ class BatchRun:
     # ------------------------------------------------------------ ends
 
     def _cancel_queued(self) -> None:
-        """Cancel: lines still waiting in the queue are withdrawn; running ones finish."""
+        """Cancel: lines still waiting in the queue are withdrawn; running ones finish
+        (a line of several jobs with any of them still queued is withdrawn whole)."""
         jobs = self.core.jobs
         for handle, sink in list(self.in_flight.items()):
             j = jobs.get(job_id_of(handle))
-            if j is None or j.state is not RUNNING:
-                self._withdraw(handle, sink)
+            if handle in self.in_flight and (j is None or j.state is not RUNNING):
+                self._withdraw(sink)
         self.retry.clear()
 
-    def _withdraw(self, handle: int, sink: LineSink) -> None:
+    def _withdraw(self, sink: LineSink | EmbeddingLine) -> None:
         sink.muted = True
-        del self.in_flight[handle]
-        self.core.cancel(handle)
+        for h in sink.handles:
+            if self.in_flight.pop(h, None) is not None:
+                self.core.cancel(h)
 
     def _withdraw_all(self) -> None:
-        for handle, sink in list(self.in_flight.items()):
-            self._withdraw(handle, sink)
+        for sink in list(self.in_flight.values()):
+            self._withdraw(sink)
         self.retry.clear()
 
     async def _expire(self) -> None:

@@ -57,6 +57,7 @@ class BatchService:
         self.core = core
         self.bcfg = cfg.batch
         self.max_body_bytes = cfg.envoy.max_request_bytes
+        self.max_prompts = cfg.router.max_prompts_per_request  # a completions line's, as a live request's
         root = Path(cfg.resolve(cfg.batch.directory))
         self.files = FileStore(root)
         self.store = BatchStore(root)

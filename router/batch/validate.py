@@ -10,7 +10,9 @@ Each line is then checked when it is sent, as a live request is
 (``to_submit``): its ``url`` must be the batch's endpoint, its body within
 the router's body limit, and the body is parsed by the endpoint's own parser
 (router.openai_api), so a bad field is the same 400 a live client gets --
-written to the error file, keyed by its custom_id.
+written to the error file, keyed by its custom_id.  A line may stand for
+several jobs, as the live request would: an embeddings line one per input,
+a completions line one per prompt of a prompt list (``LineJobs``).
 """
 
 from __future__ import annotations
@@ -19,20 +21,48 @@ import hashlib
 from array import array
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
 from router import openai_api as api
 from router.batch.store import BatchError
+from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
 from shared.errors import Code, error
 from shared.protocol import Submit
 
 MAX_FILE_ERRORS = 100  # problems named in a failed batch's ``errors`` (the rest are counted)
 
-Parser = Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext]]
+
+class LineJobs(NamedTuple):
+    """A line as the jobs its live request would run, and how its response is rendered."""
+
+    subs: list[Submit]
+    ctx: api.ResponseContext | api.EmbeddingContext
+    n: int  # completions: choices per prompt (router.prompt_fanout numbers them)
+    echoes: list[str | None]  # completions with echo: each prompt's text (None: token ids); else []
+
+
+def _chat(body: bytes, meta: api.RequestMeta, rid: str, max_prompts: int) -> LineJobs:
+    sub, ctx = api.parse_chat(body, meta, rid)
+    return LineJobs([sub], ctx, 1, [])
+
+
+def _completions(body: bytes, meta: api.RequestMeta, rid: str, max_prompts: int) -> LineJobs:
+    jobs = api.parse_completions(body, meta, rid, max_prompts)
+    return LineJobs(jobs.subs, jobs.ctx, jobs.n, jobs.echoes)
+
+
+def _embeddings(body: bytes, meta: api.RequestMeta, rid: str, max_prompts: int) -> LineJobs:
+    subs, ctx = api.parse_embeddings(body, meta, rid)
+    return LineJobs(subs, ctx, 1, [])
+
+
+Parser = Callable[[bytes, api.RequestMeta, str, int], LineJobs]
 PARSERS: dict[str, Parser] = {
-    "/v1/chat/completions": api.parse_chat,
-    "/v1/completions": api.parse_completion,
+    "/v1/chat/completions": _chat,
+    "/v1/completions": _completions,
+    "/v1/embeddings": _embeddings,
 }
 
 
@@ -127,10 +157,11 @@ def decode_line(raw: bytes) -> BatchLine | None:
         return None
 
 
-def to_submit(
-    line: BatchLine, endpoint: str, max_body_bytes: int, request_id: str
-) -> tuple[Submit, api.ResponseContext]:
-    """The line as the live request it stands for, or RequestError (400/413) naming why not."""
+def to_jobs(
+    line: BatchLine, endpoint: str, max_body_bytes: int, request_id: str, max_prompts: int = DEFAULT_MAX_PROMPTS
+) -> LineJobs:
+    """The line as the live request it stands for, or RequestError (400/413) naming why not.
+    ``max_prompts``: a completions line's most prompts (``router.max_prompts_per_request``)."""
     if line.url != endpoint:
         raise api.invalid(f"This line's url {line.url!r} is not the batch's endpoint {endpoint!r}.", param="url")
     if line.method.upper() != "POST":
@@ -143,7 +174,7 @@ def to_submit(
     parser = PARSERS.get(endpoint)
     if parser is None:
         raise api.invalid(f"The endpoint {endpoint!r} is not served by this router.", param="url")
-    sub, ctx = parser(body, api.RequestMeta(), request_id)
-    if ctx.stream:
+    jobs = parser(body, api.RequestMeta(), request_id, max_prompts)
+    if isinstance(jobs.ctx, api.ResponseContext) and jobs.ctx.stream:
         raise api.invalid("stream is not supported in a batch", param="stream")
-    return sub, ctx
+    return jobs

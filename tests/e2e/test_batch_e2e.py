@@ -65,7 +65,12 @@ def _config(tmp_path, **over):
 @pytest.fixture(scope="module")
 def batch_stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("batch_stack")
-    cfg = _config(d, workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM)])
+    cfg = _config(
+        d,
+        models=[*localconfig.models(), localconfig.sim_embed_model()],
+        workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM),
+                 sim_worker("sim-e", model=localconfig.SIM_EMBED_MODEL, max_num_seqs=8)],
+    )
     with start_stack(cfg, d / "run") as s:
         yield s
 
@@ -112,6 +117,55 @@ def test_upload_create_poll_download_with_bad_lines_through_envoy(batch_stack):
 
     tenants = requests.get(batch_stack.router_url + "/admin/tenants", timeout=5).json()["batch"]
     assert tenants["anonymous"]["completed"] >= 30 and tenants["anonymous"]["tokens"] >= 30 * 16
+
+
+def test_embeddings_and_prompt_list_lines_run_as_several_jobs_with_one_result_each(batch_stack):
+    """An embeddings batch (lines of one or several inputs, one for a generation
+    model), then a completions batch whose lines hold prompt lists and token ids."""
+    client = _client(batch_stack)
+    emb = localconfig.SIM_EMBED_MODEL
+    inputs = {f"e-{i}": [f"text {i}.{k}" for k in range(1 + i % 3)] for i in range(12)}
+    inputs["e-tokens"] = [[1, 2, 3], [4, 5]]
+    rows = [{"custom_id": c, "method": "POST", "url": "/v1/embeddings", "body": {"model": emb, "input": x}}
+            for c, x in inputs.items()]
+    rows.append({"custom_id": "wrong-task", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": SIM_MODEL, "input": ["a", "b"]}})
+    rows.append({"custom_id": "one-too-long", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": emb, "input": ["short", "word " * 3000]}})
+    f = client.files.create(file=("emb.jsonl", _jsonl(rows)), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    done = _wait(client, b.id, {"completed", "failed"})
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (13, 2)
+    out = _results(client, done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(inputs)
+    for r in out:
+        body = r["response"]["body"]
+        assert body["object"] == "list" and body["model"] == emb
+        assert [d["index"] for d in body["data"]] == list(range(len(inputs[r["custom_id"]])))
+        assert all(len(d["embedding"]) > 0 and isinstance(d["embedding"][0], float) for d in body["data"])
+        assert body["usage"]["prompt_tokens"] > 0
+    assert done.usage.input_tokens == sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in out) > 0
+    errs = {r["custom_id"]: r for r in _results(client, done.error_file_id)}
+    assert errs["one-too-long"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    err = errs["wrong-task"]
+    live = openai.OpenAI(base_url=batch_stack.envoy_url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        live.embeddings.create(model=SIM_MODEL, input=["a", "b"])
+    assert err["response"]["status_code"] == 400
+    assert err["response"]["body"]["error"]["message"] == refused.value.body["message"]
+
+    prompts = {"one": "alone", "list": ["a", "b", "c"], "ids": [7, 8, 9], "id-lists": [[7, 8], [9]]}
+    rows = [{"custom_id": c, "method": "POST", "url": "/v1/completions",
+             "body": {"model": SIM_MODEL, "prompt": x, "max_tokens": 4}} for c, x in prompts.items()]
+    f = client.files.create(file=("multi.jsonl", _jsonl(rows)), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    done = _wait(client, b.id, {"completed", "failed"})
+    assert done.status == "completed" and done.request_counts.completed == 4, done
+    bodies = {r["custom_id"]: r["response"]["body"] for r in _results(client, done.output_file_id)}
+    for c, x in prompts.items():
+        jobs = len(x) if isinstance(x, list) and not isinstance(x[0], int) else 1
+        assert [ch["index"] for ch in bodies[c]["choices"]] == list(range(jobs)), bodies[c]  # (the sim has no n > 1)
+        assert bodies[c]["usage"]["completion_tokens"] == jobs * 4 and bodies[c]["choices"][0]["text"]
 
 
 def test_a_file_that_is_not_jsonl_fails_validation_and_duplicates_are_named(batch_stack):

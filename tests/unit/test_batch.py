@@ -12,7 +12,8 @@ from router import openai_api as api
 from router.batch import model as m
 from router.batch.lease import FileLease
 from router.batch.store import BatchStore, ResultLog, is_done, result_id
-from router.batch.validate import check_file, decode_line, to_submit
+from router.batch.validate import BatchLine, check_file, decode_line, to_jobs
+from shared import protocol as p
 from shared.errors import Code
 
 
@@ -99,7 +100,9 @@ def test_each_line_is_checked_as_a_live_request():
         assert decoded is not None
         return decoded
 
-    sub, ctx = to_submit(line(model="m", prompt="hi", max_tokens=3), "/v1/completions", 1 << 20, "rid")
+    jobs = to_jobs(line(model="m", prompt="hi", max_tokens=3), "/v1/completions", 1 << 20, "rid")
+    (sub,), ctx = jobs.subs, jobs.ctx
+    assert isinstance(ctx, api.ResponseContext)
     assert (sub.model, sub.prompt, sub.max_tokens, ctx.stream) == ("m", "hi", 3, False)
     cases = [
         (line(url="/v1/chat/completions", model="m"), "url", 400),
@@ -109,8 +112,45 @@ def test_each_line_is_checked_as_a_live_request():
     ]
     for decoded, param, status in cases:
         with pytest.raises(api.RequestError) as e:
-            to_submit(decoded, "/v1/completions", 100, "rid")
+            to_jobs(decoded, "/v1/completions", 100, "rid")
         assert (e.value.info.param, e.value.info.status) == (param, status)
+
+
+def _line(url: str, **body: object) -> BatchLine:
+    decoded = decode_line(json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}).encode())
+    assert decoded is not None
+    return decoded
+
+
+def test_an_embeddings_line_is_one_job_per_input_parsed_as_the_live_endpoint():
+    emb = "/v1/embeddings"
+    jobs = to_jobs(_line(emb, model="e", input=["a", "b", "c"], dimensions=8), emb, 1 << 20, "rid")
+    assert isinstance(jobs.ctx, api.EmbeddingContext) and jobs.ctx.count == 3
+    assert [(s.kind, s.prompt, s.dimensions) for s in jobs.subs] == [(p.RequestKind.EMBEDDING, x, 8) for x in "abc"]
+    (tokens,) = to_jobs(_line(emb, model="e", input=[1, 2, 3]), emb, 1 << 20, "rid").subs
+    assert tokens.prompt_token_ids == [1, 2, 3]
+    cases = [
+        (_line(emb, model="e", input=[]), "input", 400),
+        (_line(emb, model="e", input="x", truncate_prompt_tokens=4), "truncate_prompt_tokens", 400),
+        (_line(emb, model="e", input="x", encoding_format="hex"), "encoding_format", 400),
+        (_line("/v1/completions", model="e", prompt="x"), "url", 400),
+        (_line(emb, model="e", input="x" * 200), "body", 413),
+    ]
+    for decoded, param, status in cases:
+        with pytest.raises(api.RequestError) as e:
+            to_jobs(decoded, emb, 100, "rid")
+        assert (e.value.info.param, e.value.info.status) == (param, status), e.value.info
+
+
+def test_a_completions_line_with_a_prompt_list_is_one_job_per_prompt_within_the_configured_bound():
+    url = "/v1/completions"
+    jobs = to_jobs(_line(url, model="m", prompt=["a", "b"], n=2, max_tokens=3), url, 1 << 20, "rid", max_prompts=4)
+    assert [s.prompt for s in jobs.subs] == ["a", "b"] and jobs.n == 2 and jobs.ctx.n == 4
+    (ids,) = to_jobs(_line(url, model="m", prompt=[5, 6]), url, 1 << 20, "rid").subs
+    assert ids.prompt_token_ids == [5, 6]
+    with pytest.raises(api.RequestError) as e:
+        to_jobs(_line(url, model="m", prompt=["a", "b", "c"]), url, 1 << 20, "rid", max_prompts=2)
+    assert (e.value.info.param, e.value.info.status) == ("prompt", 400)
 
 
 def test_recovery_reads_done_lines_back_and_cuts_a_torn_last_line(tmp_path):
@@ -178,3 +218,62 @@ def test_weir_stats_shows_a_line_per_running_batch():
     console.print(render(snap, "t"))
     text = console.export_text()
     assert "batch_a" in text and "25.0" in text and "120 s" in text
+
+
+class _Run:
+    """What an EmbeddingLine reports to (router.batch.feeder.BatchRun): its one end."""
+
+    def __init__(self):
+        self.ends = []
+
+    def line_ok(self, sink, body):
+        self.ends.append(("ok", json.loads(body)))
+
+    def line_refused(self, sink, err):
+        self.ends.append(("refused", err.code))
+
+
+class _Core:
+    def __init__(self, refuse_at=None):
+        self.sinks, self.cancelled, self.refuse_at = [], [], refuse_at
+
+    def submit(self, sub, sink, who=None):
+        if len(self.sinks) == self.refuse_at:
+            return p.ErrorInfo(429, "queue full", "rate_limit_error", code="queue_full")
+        self.sinks.append(sink)
+        return len(self.sinks)
+
+    def cancel(self, handle):
+        self.cancelled.append(handle)
+
+
+def test_an_embeddings_line_ends_once_with_every_vector_in_order_or_with_the_first_failure():
+    import struct
+
+    from router.batch.lines import AsOwner, EmbeddingLine
+
+    emb = "/v1/embeddings"
+    jobs = to_jobs(_line(emb, model="e", input=["a", "b", "c"]), emb, 1 << 20, "rid")
+    vec = [struct.pack("<2f", i, 1.0) for i in range(3)]
+
+    run, core = _Run(), _Core()
+    line = EmbeddingLine(run, 0, b"", "a", jobs.ctx)
+    assert line.submit(AsOwner(core, None), jobs.subs) is None and line.handles == [1, 2, 3]
+    for i in (2, 0, 1):  # any order: the response keeps the inputs'
+        core.sinks[i].on_deltas([p.Delta(f"r-{i}", finish_reason="stop", prompt_tokens=2, embedding=vec[i])])
+    ((kind, body),) = run.ends
+    assert kind == "ok" and [d["embedding"][0] for d in body["data"]] == [0.0, 1.0, 2.0]
+    assert body["usage"]["prompt_tokens"] == 6
+
+    run, core = _Run(), _Core()
+    line = EmbeddingLine(run, 0, b"", "a", jobs.ctx)
+    line.submit(AsOwner(core, None), jobs.subs)
+    core.sinks[0].on_deltas([p.Delta("r-0", finish_reason="stop", prompt_tokens=2, embedding=vec[0])])
+    core.sinks[1].on_deltas([p.Delta("r-1", error=p.ErrorInfo(503, "lost", "server_error", code="worker_lost"))])
+    core.sinks[2].on_deltas([p.Delta("r-2", finish_reason="stop", prompt_tokens=2, embedding=vec[2])])
+    assert run.ends == [("refused", "worker_lost")]  # once; the later vector is ignored
+
+    core = _Core(refuse_at=2)  # the third input refused at submit: the two before are cancelled
+    line = EmbeddingLine(_Run(), 0, b"", "a", jobs.ctx)
+    got = line.submit(AsOwner(core, None), jobs.subs)
+    assert got is not None and got.code == "queue_full" and core.cancelled == [1, 2] and line.handles == []
