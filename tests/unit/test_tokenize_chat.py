@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 
 import pytest
 from test_tools_vllm import HISTORY, MODEL, TOOLS, TOOLS_TEMPLATE, USER
 
+from router import prompts as prompts_module
 from router.openai_api import RequestError, parse_chat
 from router.openai_api.request import RequestMeta
 from router.openai_api.tokenize import answer_tokenize, parse_tokenize
@@ -29,12 +31,16 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, ModelPrompts]:
+def models(tmp_path_factory) -> Iterator[dict[str, ModelPrompts]]:
+    # "auto" tools compile their schemas, which imports xgrammar: the process
+    # forgets it afterwards (test_lifecycle checks the first import's path).
+    first = prompts_module._xgr
     d = tmp_path_factory.mktemp("tools-model")
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(MODEL / name, d / name)
     (d / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    return {"tiny": ModelPrompts(str(MODEL), "hermes", True), "tools": ModelPrompts(str(d), "hermes", True)}
+    yield {"tiny": ModelPrompts(str(MODEL), "hermes", True), "tools": ModelPrompts(str(d), "hermes", True)}
+    prompts_module._xgr = first
 
 
 def _tokenize(prompts: ModelPrompts, body: dict) -> list[int]:
