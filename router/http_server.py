@@ -37,7 +37,8 @@ import httptools
 from router import http_tokenize
 from router import openai_api as api
 from router.http_embeddings import EmbeddingBatch, start_embeddings
-from router.http_exchange import STATUS_CLIENT_GONE, Exchange
+from router.http_exchange import STATUS_CLIENT_GONE
+from router.http_exchange import Exchange as Exchange  # (re-exported: router.responses_http subclasses it)
 from router.http_headers import error_headers, response_head
 from router.http_routes import JSON as _JSON
 from router.http_routes import Answer, Handler, Operator, PatternRoute, Refusal, Reply, Request, Routes, Views, routes
