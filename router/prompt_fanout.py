@@ -58,7 +58,7 @@ class PromptFanOut:
 
     def __init__(self, core: Submitter, sink: RequestSink, n: int, prompts: int, echoes: list[str]) -> None:
         self.core = core
-        self.sink = sink  # the response (router.http_server.Exchange)
+        self.sink = sink  # the response (router.http_exchange.Exchange)
         self.n = n  # choices per prompt
         self.echoes = echoes  # per prompt, prepended to each of its choices' text; [] without echo
         self.handles: list[int] = []

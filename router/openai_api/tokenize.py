@@ -13,14 +13,14 @@ from typing import Any
 
 import msgspec
 
-from router.openai_api.chat import Message
-from router.openai_api.chat import _message_text as message_text
+from router.openai_api.chat import ChatRequest, Message, chat_options
+from router.openai_api.chat import _chat_message as chat_message
 from router.openai_api.encoding import encode
 from router.openai_api.errors import invalid
 from router.openai_api.request import decode_body
+from router.openai_api.tools import ChatTool, ToolSpec
 from router.prompts import BadInput, ModelPrompts
-from shared.errors import Code
-from shared.protocol import ChatMessage, NonNegativeInt, RequestKind, Submit
+from shared.protocol import NonNegativeInt, RequestKind, Submit
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -35,7 +35,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -72,7 +72,8 @@ class TokenizeJob(msgspec.Struct):
         if self.text is not None:
             return len(self.text)
         assert self.chat is not None
-        return sum(len(m.content) for m in self.chat.messages)
+        tools = self.chat.chat.tools if self.chat.chat is not None else None
+        return sum(len(m.content) for m in self.chat.messages) + len(tools or "")
 
 
 def _model(model: str | None) -> str:
@@ -91,25 +92,26 @@ def parse_tokenize(body: bytes) -> TokenizeJob:
         assert req.prompt is not None
         special = True if req.add_special_tokens is None else req.add_special_tokens
         return TokenizeJob(model, req.prompt, None, special, bool(req.return_token_strs))
-    if req.continue_final_message and req.add_generation_prompt:
-        raise invalid(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-            param="continue_final_message",
-        )
-    for name, given in (
-        ("add_generation_prompt", not req.add_generation_prompt),
-        ("continue_final_message", req.continue_final_message),
-        ("chat_template", req.chat_template is not None),
-        ("chat_template_kwargs", bool(req.chat_template_kwargs)),
-        ("tools", bool(req.tools)),
-    ):
-        if given:
-            raise invalid(f"{name} is not supported by /tokenize", param=name, code=Code.UNSUPPORTED_VALUE)
     if not req.messages:
         raise invalid("messages must be a non-empty list", param="messages")
-    messages = [ChatMessage(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
-    chat = Submit(request_id="tokenize", model=model, kind=RequestKind.CHAT, messages=messages)
     special = False if req.add_special_tokens is None else req.add_special_tokens
+    # The chat path's own checks and options (chat_template refused as there):
+    # the ids are those a chat completion with these fields would be given.
+    # vLLM's /tokenize shows the tools to the template whatever the choice.
+    as_chat = ChatRequest(
+        model=model,
+        messages=req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        chat_template=req.chat_template,
+        chat_template_kwargs=req.chat_template_kwargs,
+        add_special_tokens=special,
+    )
+    spec = None if req.tools is None else ToolSpec([t.function for t in req.tools], "none")
+    messages = [chat_message(m, i) for i, m in enumerate(req.messages)]
+    chat = Submit(
+        request_id="tokenize", model=model, kind=RequestKind.CHAT, messages=messages, chat=chat_options(as_chat, spec)
+    )
     return TokenizeJob(model, None, chat, special, bool(req.return_token_strs))
 
 

@@ -118,6 +118,16 @@ def test_tokenize_and_detokenize_through_envoy(stack):
         model=VLLM_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
     )
     assert chat["count"] == done.usage.prompt_tokens  # the same ids a chat request sends
+    # ... with the chat-template fields too: a final assistant message continued
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": 1}}
+    continued = _tokenize(stack, messages=prefill, **fields)
+    done = sdk(stack).chat.completions.create(model=VLLM_MODEL, messages=prefill, max_tokens=1, extra_body=fields)
+    assert continued["count"] == done.usage.prompt_tokens != chat["count"]
+    own_template = {"model": VLLM_MODEL, "messages": prefill, "chat_template": "{{ messages }}"}
+    auth = {"authorization": f"Bearer {KEY_ALPHA}"}
+    r = requests.post(stack.envoy_url + "/tokenize", json=own_template, headers=auth, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
     plain = _tokenize(stack, prompt="Hello, world", add_special_tokens=False)["tokens"]
     r = requests.post(stack.envoy_url + "/detokenize", json={"model": VLLM_MODEL, "tokens": plain},
                       headers={"authorization": f"Bearer {KEY_ALPHA}"}, timeout=30)  # fmt: skip
