@@ -321,19 +321,25 @@ class VllmEngine(EngineBase):
                 await outputs.aclose()
         except asyncio.CancelledError:
             raise
-        except (VLLMClientError, ValueError, TypeError) as e:
-            self._fail(rid, live, bad_request(_message(e), getattr(e, "parameter", None)))
-        except EngineDeadError as e:
-            self.fatal_error = e
-            self._fail(rid, live, engine_error("The inference engine stopped; please retry.", unavailable=True))
         except Exception as e:
-            log.exception("request %s failed", rid)
-            self._fail(rid, live, engine_error(f"Internal error in the engine: {type(e).__name__}"))
-            if self.engine is not None and self.engine.errored:
-                self.fatal_error = e
+            self._failed(rid, live, e)
         else:
             # Stream ended without a finished output (should not happen): still end it once.
             self._fail(rid, live, engine_error("The engine ended the request without a result."))
+
+    def _failed(self, rid: str, live: Live, e: Exception) -> None:
+        """A request's end when vLLM raised: a 400 for what it refused, 503 if
+        the engine died (the worker then exits), else an internal error."""
+        if isinstance(e, (VLLMClientError, ValueError, TypeError)):
+            self._fail(rid, live, bad_request(_message(e), getattr(e, "parameter", None)))
+        elif isinstance(e, EngineDeadError):
+            self.fatal_error = e
+            self._fail(rid, live, engine_error("The inference engine stopped; please retry.", unavailable=True))
+        else:
+            log.exception("request %s failed", rid, exc_info=e)
+            self._fail(rid, live, engine_error(f"Internal error in the engine: {type(e).__name__}"))
+            if self.engine is not None and self.engine.errored:
+                self.fatal_error = e
 
 
 _GAVE_UP = {"error": "failed", "abort": "aborted"}

@@ -19,13 +19,11 @@ import dataclasses
 import logging
 
 from vllm import PoolingParams
-from vllm.exceptions import VLLMClientError
-from vllm.v1.engine.exceptions import EngineDeadError
 
 from shared.protocol import GenerateRequest
 
 from .base import EngineInfo, Live, bad_request, engine_error
-from .vllm_engine import VllmEngine, _message
+from .vllm_engine import VllmEngine
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +71,7 @@ class VllmPoolingEngine(VllmEngine):
                 await outputs.aclose()
         except asyncio.CancelledError:
             raise
-        except (VLLMClientError, ValueError, TypeError) as e:
-            self._fail(rid, live, bad_request(_message(e), getattr(e, "parameter", None)))
-        except EngineDeadError as e:
-            self.fatal_error = e
-            self._fail(rid, live, engine_error("The inference engine stopped; please retry.", unavailable=True))
         except Exception as e:
-            log.exception("request %s failed", rid)
-            self._fail(rid, live, engine_error(f"Internal error in the engine: {type(e).__name__}"))
-            if self.engine is not None and self.engine.errored:
-                self.fatal_error = e
+            self._failed(rid, live, e)  # (VllmEngine's mapping: 400, engine dead, internal)
         else:
             self._fail(rid, live, engine_error("The engine ended the request without a result."))
