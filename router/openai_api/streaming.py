@@ -21,7 +21,7 @@ from router.openai_api.errors import error_body
 from router.openai_api.logprobs import ChoiceState, add_logprobs, chat_logprobs, completion_logprobs
 from router.openai_api.tools import ChoiceToolStream, tool_finish_reason
 from router.openai_api.usage import TokenCounts
-from shared.protocol import Delta, RequestKind
+from shared.protocol import Delta, ErrorInfo, RequestKind
 
 SSE_DONE = b"data: [DONE]\n\n"
 _STOP_NULL = b',"stop_reason":null'
@@ -102,6 +102,11 @@ class StreamRenderer:
             if finish and error is None:
                 out.append(self._choice_event(b'"delta":{}', finish, stop))
         self._started = True
+        self._end(out, error, finish)
+        return b"".join(out)
+
+    def _end(self, out: list[bytes], error: ErrorInfo | None, finish: str | None) -> None:
+        """The stream's last events: an error event, or (usage and) ``[DONE]``."""
         if error is not None:
             out.append(b"data: " + error_body(error, self.ctx.request_id) + b"\n\n")
             out.append(SSE_DONE)
@@ -111,7 +116,6 @@ class StreamRenderer:
                 out.append(self.usage_event())
             out.append(SSE_DONE)
             self.finished = True
-        return b"".join(out)
 
     def _event(
         self,
@@ -216,15 +220,7 @@ class StreamRenderer:
                 if text or tokens or fin is not None:
                     out.append(self._event(i, b'"text":' + encode(text), logprobs, fin, stop + ids))
         self._started = True
-        if error is not None:
-            out.append(b"data: " + error_body(error, self.ctx.request_id) + b"\n\n")
-            out.append(SSE_DONE)
-            self.finished = True
-        elif finish:
-            if ctx.include_usage:
-                out.append(self.usage_event())
-            out.append(SSE_DONE)
-            self.finished = True
+        self._end(out, error, finish)
         return b"".join(out)
 
     def _tool_events(
