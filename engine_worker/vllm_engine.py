@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.config.kv_events import KVEventsConfig
@@ -243,16 +244,21 @@ class VllmEngine(EngineBase):
         except Exception:
             log.exception("vLLM abort failed")
 
+    async def _render(self, req: GenerateRequest) -> tuple[Any, Any]:
+        """The engine and the request's prompt as vLLM's token-prompt path
+        renders it (checks the ids against the context, no tokenizing)."""
+        engine = self.engine
+        assert engine is not None, "requests run between start() and shutdown()"
+        if not req.prompt_token_ids:
+            raise ValueError("the request carries no prompt token ids (the router has no tokenizer for this model)")
+        (engine_input,) = await engine.renderer.render_cmpl_async([{"prompt_token_ids": req.prompt_token_ids}])
+        return engine, engine_input
+
     async def _generate(self, req: GenerateRequest, live: Live) -> None:
         rid = req.request_id
         p = req.params
         try:
-            engine = self.engine
-            assert engine is not None, "requests run between start() and shutdown()"
-            if not req.prompt_token_ids:
-                raise ValueError("the request carries no prompt token ids (the router has no tokenizer for this model)")
-            # vLLM's token-prompt path: checks the ids against the context, no tokenizing.
-            (engine_input,) = await engine.renderer.render_cmpl_async([{"prompt_token_ids": req.prompt_token_ids}])
+            engine, engine_input = await self._render(req)
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
             params = vllm_params(p)
@@ -282,33 +288,20 @@ class VllmEngine(EngineBase):
                             finish = "stop"
                         ids = list(c.token_ids)
                         stop_reason = c.stop_reason if finish is not None else None
-                        if k is None or not ids:
-                            self._output(
-                                rid,
-                                live,
-                                c.text,
-                                ids,
-                                finish,
-                                prompt_tokens,
-                                c.index,
-                                cached_tokens=cached,
-                                stop_reason=stop_reason,
-                            )
-                        else:
-                            values, top = _pack(c.logprobs, ids, k)
-                            self._output(
-                                rid,
-                                live,
-                                c.text,
-                                ids,
-                                finish,
-                                prompt_tokens,
-                                c.index,
-                                values,
-                                top,
-                                cached_tokens=cached,
-                                stop_reason=stop_reason,
-                            )
+                        values, top = (b"", None) if k is None or not ids else _pack(c.logprobs, ids, k)
+                        self._output(
+                            rid,
+                            live,
+                            c.text,
+                            ids,
+                            finish,
+                            prompt_tokens,
+                            c.index,
+                            values,
+                            top,
+                            cached_tokens=cached,
+                            stop_reason=stop_reason,
+                        )
                     if out.finished:
                         if self._is_live(rid, live):  # a choice vLLM never ended (should not happen)
                             self._fail(

@@ -49,11 +49,7 @@ class VllmPoolingEngine(VllmEngine):
     async def _embed(self, req: GenerateRequest, live: Live) -> None:
         rid = req.request_id
         try:
-            engine = self.engine
-            assert engine is not None, "requests run between start() and shutdown()"
-            if not req.prompt_token_ids:
-                raise ValueError("the request carries no prompt token ids (the router has no tokenizer for this model)")
-            (engine_input,) = await engine.renderer.render_cmpl_async([{"prompt_token_ids": req.prompt_token_ids}])
+            engine, engine_input = await self._render(req)
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
             params = PoolingParams(task="embed", dimensions=req.dimensions or None)
