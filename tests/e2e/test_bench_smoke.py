@@ -67,7 +67,9 @@ def test_smoke_run_every_target(sim_stack, tmp_path, kind, mode):
     assert [r["prompt_tokens"] for r in reqs] == [len(p.prompt) // 4 for p in planned]
     for r in reqs:
         assert r["status"] == 200 and r["finish_reason"] == "length"
-        assert r["events"] == r["output_tokens"]  # sim: one streamed event per token
+        # the sim streams one event per engine step and token, but a worker that
+        # falls a step behind on a loaded machine sends two steps' tokens in one
+        assert r["output_tokens"] * 0.5 <= r["events"] <= r["output_tokens"]
         assert len(r["itl"]) == r["events"] - 1
         assert 0 < r["ttft"] <= r["end"] - r["start"]
 

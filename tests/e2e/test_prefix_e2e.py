@@ -136,8 +136,12 @@ def test_two_vllm_workers_share_a_prefix(tmp_path):
     cfg = stackutil.write_config(
         tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=1024),
         workers=[stackutil.vllm_worker("vllm-0", max_num_seqs=4), stackutil.vllm_worker("vllm-1", max_num_seqs=4)],
-        # a loaded machine's KV events may take longer than the default 2 s to confirm a dispatch
-        scheduler={"prefix_speculative_ttl_s": 10.0})
+        # a loaded machine's KV events may take longer than the default 2 s to confirm a dispatch;
+        # with 4 slots one running sequence moves a worker's load score by 0.25 + its KV share,
+        # just past the default margin: a tenant's second request arriving while its first runs
+        # would spill to the idle worker (by design), and arrival order within a round is the
+        # thread pool's.  A margin of two sequences keeps every follower on its prefix.
+        scheduler={"prefix_speculative_ttl_s": 10.0, "prefix_load_margin": 0.6})
     systems = [("You are assistant %s. " % t) + " ".join(f"rule {t}{i} keep answers short." for i in range(12))
                for t in "AB"]
     with stackutil.start_stack(cfg, tmp_path / "run") as s:
