@@ -1,9 +1,15 @@
 """The batch tier under interactive load: does a big batch cost interactive users anything?
 
     python -m bench.scenarios.batch [--seconds 40] [--rate 14] [--lines 10000] [--rss-lines 1000000]
+    python -m bench.scenarios.batch --engine vllm --rate R   # the real tiny model; phases A and B only
 
 One sim worker (16 slots, ~21 ms steps: ~24 requests/s of 32 tokens at
-most).  Phase A: interactive streams alone at ``--rate`` (Poisson, ~60 %% of
+most), or (``--engine vllm``) one vLLM worker on the tiny model with 16
+slots, requests ignoring EOS so every one costs its 32 tokens; its capacity
+depends on the machine, so ``--rate`` is chosen from a first probe
+(``--probe``: interactive load alone at several rates).
+
+Phase A: interactive streams alone at ``--rate`` (Poisson, ~60 %% of
 capacity).  Phase B: the same while a ``--lines`` batch runs.  Reported:
 interactive TTFT p50/p99 in both, batch lines/s, and the engine's slot
 utilisation (``weir_worker_running`` / slots, sampled every 0.25 s) --
@@ -30,15 +36,19 @@ from typing import Any
 import requests
 
 from bench.httpclient import Pool
-from bench.scenarios.common import SIM_MODEL, header, results_dir, sim_worker, stack, write_config
+from bench.scenarios.common import (SIM_MODEL, VLLM_MODEL, header, results_dir, sim_worker, stack, vllm_worker,
+                                    write_config)
 
 SLOTS = 16
 SIM = {"step_fixed_ms": 20.0, "decode_token_us": 60.0}
 TOKENS = 32
 
 
+MODEL = SIM_MODEL  # (--engine vllm: VLLM_MODEL)
+
+
 def _line(i: int) -> bytes:
-    body = {"model": SIM_MODEL, "prompt": f"document {i}: summarise it", "max_tokens": TOKENS}
+    body = {"model": MODEL, "prompt": f"document {i}: summarise it", "max_tokens": TOKENS, "ignore_eos": True}
     return json.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/completions", "body": body}).encode()
 
 
@@ -81,7 +91,8 @@ def _running(metrics_url: str) -> float:
 async def _interactive(envoy: str, rate: float, seconds: float) -> list[float]:
     pool = Pool(envoy)
     ttfts: list[float] = []
-    body = json.dumps({"model": SIM_MODEL, "prompt": "hello there", "max_tokens": TOKENS, "stream": True}).encode()
+    body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": TOKENS, "stream": True,
+                       "ignore_eos": True}).encode()
     rng = random.Random(7)
 
     async def one() -> None:
@@ -146,14 +157,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=14.0, help="interactive requests/s (~60 %% of capacity)")
     ap.add_argument("--lines", type=int, default=10_000)
     ap.add_argument("--rss-lines", type=int, default=1_000_000)
+    ap.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                    help="vllm: the real tiny model; runs the two load phases only")
+    ap.add_argument("--probe", default="", help="comma-separated rates: interactive alone at each, then stop")
     args = ap.parse_args(argv)
-    out = results_dir("batch")
+    global MODEL
+    vllm = args.engine == "vllm"
+    if vllm:
+        MODEL = VLLM_MODEL
+    out = results_dir("batch-vllm" if vllm else "batch")
     tmp = Path(tempfile.mkdtemp(prefix="weir-batch-bench-"))
     report: dict[str, Any] = {"args": vars(args)}
-    cfg = write_config(tmp, workers=[sim_worker("sim-0", max_num_seqs=SLOTS, **SIM)],
+    worker = vllm_worker(max_num_seqs=SLOTS) if vllm else sim_worker("sim-0", max_num_seqs=SLOTS, **SIM)
+    cfg = write_config(tmp, workers=[worker],
                        batch={"max_file_bytes": 1 << 30, "directory": str(tmp / "batches")},
                        envoy={"max_request_bytes": 1 << 20})
     with stack(cfg, tmp / "run") as s:
+        if vllm:  # warm-up: the first requests compile and allocate
+            _phase(s, 2.0, 5.0)
+        if args.probe:
+            for rate in (float(x) for x in args.probe.split(",")):
+                print(f"probe {rate}/s:", _phase(s, rate, args.seconds), file=sys.stderr)
+            return 0
         alone = _phase(s, args.rate, args.seconds)
         report["interactive_alone"] = alone
         print("alone:", alone, file=sys.stderr)
@@ -175,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         requests.post(f"{s.envoy_url}/v1/batches/{bid}/cancel", timeout=30)
         while _batch(s.envoy_url, bid)["status"] != "cancelled":
             time.sleep(0.2)
+        if vllm:  # memory and SIGKILL do not depend on the engine: the sim run measures them
+            (out / "batch.json").write_text(json.dumps(report, indent=1))
+            _markdown(out, report, argv)
+            return 0
         # Router memory with a million-line batch submitted
         router_pid = s.components["router"].pid
         rss0 = _rss_kib(router_pid)
@@ -243,6 +272,10 @@ def _markdown(out: Path, r: dict, argv: list[str] | None) -> None:
         f"p99 ratio {b['ttft_p99_ms'] / a['ttft_p99_ms']:.2f}x; the batch used {b['batch_share_of_idle']:.0%} "
         f"of the slots interactive traffic left ({b['preempted']:.0f} batch lines preempted for interactive work).\n\n"
     )
+    if "rss" not in r:
+        (out / "README.md").write_text(text)
+        print(text)
+        return
     m = r["rss"]
     text += (f"Router RSS: {m['router_rss_before_mib']:.0f} MiB before, {m['router_rss_running_mib']:.0f} MiB with a "
              f"{m['lines']:,}-line ({m['file_mib']:.0f} MiB) batch running; upload + create {m['upload_and_create_s']:.1f} s.\n\n")
@@ -254,4 +287,4 @@ def _markdown(out: Path, r: dict, argv: list[str] | None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

