@@ -47,6 +47,7 @@ import msgspec
 import zmq
 
 from shared.config import Config, WorkerConfig
+from shared.gc_tuning import freeze_startup_heap
 from shared.protocol import (
     Abort,
     Delta,
@@ -240,6 +241,7 @@ class Worker:
                 self.ctx.term()
                 return 1
             log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
+        freeze_startup_heap()  # the engine is loaded and warm: what it holds now lives on
         gpu = read_gpu(self.wcfg.gpu_index)
         self.register_msg = Register(
             worker_id=self.wcfg.id,

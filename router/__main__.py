@@ -35,6 +35,7 @@ from router.responses_http import ResponsesService
 from router.views import RouterViews
 from router.worker_link import WorkerLink
 from shared.config import DEFAULT_CONFIG, Config, ConfigError, load, split_hostport
+from shared.gc_tuning import freeze_startup_heap
 from shared.keys import secret_warnings
 from shared.logs import use_json
 from shared.transport import SocketPump
@@ -116,6 +117,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         max_upload_bytes=cfg.batch.max_file_bytes if batches is not None else 0,
         responses=ResponsesService(core, response_store),
     )
+    freeze_startup_heap()  # tokenizers and templates are loaded: what start-up built lives on
     log.info(
         "router ready: http=%s frontend=%s backend=%s policy=%s",
         cfg.router.http,
