@@ -11,7 +11,7 @@ as prometheus_client formats them (byte for byte the same exposition) -- by
 as they go.  ``render`` runs them on the loop in slices of ``SLICE_S``,
 letting the loop serve everything else between slices; the small collectors
 still registered in the prometheus_client registry (queues, tenants, stores)
-are rendered by ``generate_latest`` in one slice.
+are rendered by ``generate_latest`` in one slice first.
 
 Staleness: each series is read when its slice runs, so a page shows the
 router's state from the start to the end of its own render (a few
@@ -37,7 +37,7 @@ from prometheus_client.utils import floatToGoString
 # Loop time one slice of a render may hold before it lets the loop run.
 SLICE_S = 0.002
 # Pieces written between two looks at the clock (a look costs ~0.1 us).
-_PIECES_PER_LOOK = 64
+_PIECES_PER_LOOK = 32
 
 TextSource = Callable[[], Iterator[str]]
 
@@ -72,20 +72,21 @@ def header(name: str, doc: str, kind: str) -> str:
 
 
 async def render(registry: CollectorRegistry, sources: Sequence[TextSource]) -> bytes:
-    """The whole page: each source's text, then the registry's (see the module's docstring)."""
+    """The whole page: the registry's collectors, then each source's text (see the module's docstring)."""
     clock = time.perf_counter
-    parts: list[str] = []
+    parts = [generate_latest(registry).decode()]  # small: one slice
+    await asyncio.sleep(0)
     deadline = clock() + SLICE_S
     for source in sources:
         n = 0
-        for piece in source():
+        for piece in source():  # a source's first piece may follow a snapshot of its state: look at once
             parts.append(piece)
-            n += 1
             if n % _PIECES_PER_LOOK == 0 and clock() > deadline:
                 await asyncio.sleep(0)  # one turn of the loop: its ready callbacks and I/O run
                 deadline = clock() + SLICE_S
-    await asyncio.sleep(0)  # the registry's collectors in a slice of their own
-    return "".join(parts).encode() + generate_latest(registry)
+            n += 1
+    await asyncio.sleep(0)  # the join (~1 ms a megabyte) in a slice of its own
+    return "".join(parts).encode()
 
 
 class MetricsPage:

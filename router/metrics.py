@@ -100,6 +100,7 @@ class _Family(Generic[_Child]):
         raise NotImplementedError
 
     def collect(self) -> Metric:
+        """The family as prometheus_client's (the reference ``text()`` is tested against)."""
         raise NotImplementedError
 
     def text(self) -> Iterator[str]:

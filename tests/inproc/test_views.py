@@ -11,7 +11,6 @@ from typing import Iterator, Optional
 
 import msgspec
 import pytest
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from router import exposition

@@ -35,7 +35,7 @@ def test_counter_text_is_generate_latests():
     c = CounterFamily("weir_x", "Doc with \\ and\nnewline", ["worker", "event"])
     _same(c)  # no children: the header only
     for i, v in enumerate(AWKWARD):
-        c.labels(v, "registered" if i % 2 else 200).inc(10 ** i + 0.5)
+        c.labels(v, "registered" if i % 2 else 200).inc(10**i + 0.5)
     c.labels("big", "x").inc(123456789.0)
     c.labels("neg", "x").inc(-3)
     c.labels("inf", "x").inc(math.inf)
