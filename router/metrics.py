@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
@@ -53,11 +53,12 @@ _LATENCY_BUCKETS = (
 
 
 class _CounterChild:
-    __slots__ = ("value", "created", "label_text")
+    __slots__ = ("value", "created", "sort_key", "label_text")
 
-    def __init__(self, label_text: str) -> None:
+    def __init__(self, sort_key: tuple[str, ...], label_text: str) -> None:
         self.value = 0.0
         self.created = time.time()
+        self.sort_key = sort_key  # its label values as strings: the order of the exposition
         self.label_text = label_text  # ``{a="x",b="y"}``: its labels as the exposition writes them
 
     def inc(self, amount: float = 1.0) -> None:
@@ -65,13 +66,16 @@ class _CounterChild:
 
 
 class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum", "created", "label_text", "bucket_labels")
+    __slots__ = ("bounds", "counts", "sum", "created", "sort_key", "label_text", "bucket_labels")
 
-    def __init__(self, bounds: tuple[float, ...], label_text: str, bucket_labels: list[str]) -> None:
+    def __init__(
+        self, bounds: tuple[float, ...], sort_key: tuple[str, ...], label_text: str, bucket_labels: list[str]
+    ) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
         self.created = time.time()
+        self.sort_key = sort_key
         self.label_text = label_text
         self.bucket_labels = bucket_labels  # label_text with each bucket's ``le``, +Inf last
 
@@ -82,6 +86,10 @@ class _HistogramChild:
 
 
 _Child = TypeVar("_Child", _CounterChild, _HistogramChild)
+
+
+def _sort_key(child: _CounterChild | _HistogramChild) -> tuple[str, ...]:
+    return child.sort_key
 
 
 class _Family(Generic[_Child]):
@@ -96,7 +104,7 @@ class _Family(Generic[_Child]):
         # by label values, both as the caller passed them and as strings
         self.children: dict[tuple[object, ...], _Child] = {}
 
-    def _new_child(self, values: list[str]) -> _Child:
+    def _new_child(self, values: tuple[str, ...]) -> _Child:
         raise NotImplementedError
 
     def collect(self) -> Metric:
@@ -112,10 +120,16 @@ class _Family(Generic[_Child]):
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values!r}")
-            child = self._new_child([str(v) for v in values])
-            self.children[tuple(str(v) for v in values)] = child
+            key = tuple(str(v) for v in values)
+            child = self._new_child(key)
+            self.children[key] = child
             self.children[values] = child  # the same child under the caller's exact key
         return child
+
+    def _sorted(self) -> list[_Child]:
+        """Each child once, in ``_unique``'s order, allocating no object per child (a scrape's garbage
+        is what sets off the interpreter's full collections, tens of ms each in a large router)."""
+        return sorted({id(c): c for c in self.children.values()}.values(), key=_sort_key)
 
     def _unique(self) -> Iterator[tuple[list[str], _Child]]:
         seen = set()
@@ -128,8 +142,8 @@ class _Family(Generic[_Child]):
 class CounterFamily(_Family[_CounterChild]):
     __slots__ = ()
 
-    def _new_child(self, values: list[str]) -> _CounterChild:
-        return _CounterChild(label_text(self.labelnames, values))
+    def _new_child(self, values: tuple[str, ...]) -> _CounterChild:
+        return _CounterChild(values, label_text(self.labelnames, values))
 
     def collect(self) -> CounterMetricFamily:
         fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -138,7 +152,7 @@ class CounterFamily(_Family[_CounterChild]):
         return fam
 
     def text(self) -> Iterator[str]:
-        children = [c for _, c in self._unique()]  # taken now: children added meanwhile wait for the next scrape
+        children = self._sorted()  # taken now: children added meanwhile wait for the next scrape
         total = self.name + "_total"
         yield header(total, self.doc, "counter")
         for c in children:
@@ -157,15 +171,14 @@ class HistogramFamily(_Family[_HistogramChild]):
         super().__init__(name, doc, labelnames)
         self.buckets = buckets
 
-    def _new_child(self, values: list[str]) -> _HistogramChild:
+    def _new_child(self, values: tuple[str, ...]) -> _HistogramChild:
         names = [*self.labelnames, "le"]
         bounds = [number(b) for b in self.buckets] + ["+Inf"]
-        return _HistogramChild(
-            self.buckets, label_text(self.labelnames, values), [label_text(names, [*values, b]) for b in bounds]
-        )
+        labels = label_text(self.labelnames, values)
+        return _HistogramChild(self.buckets, values, labels, [label_text(names, [*values, b]) for b in bounds])
 
     def text(self) -> Iterator[str]:
-        children = [h for _, h in self._unique()]
+        children = self._sorted()
         bucket, count, total = self.name + "_bucket", self.name + "_count", self.name + "_sum"
         yield header(self.name, self.doc, "histogram")
         for h in children:
@@ -303,37 +316,3 @@ class RouterMetrics:
     def observe_http(self, path: str, status: int, seconds: float) -> None:
         self.child(self.http_requests, path, status).inc()
         self.child(self.http_duration, path).observe(seconds)
-
-    def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self.registry.register(_StateCollector(snapshot))
-
-
-class _StateCollector:
-    """Gauges read from the router's live state at scrape time (the per-worker
-    ones: router.worker_series)."""
-
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self._snapshot = snapshot  # JSON-shaped: the policy's snapshot
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
-        depth = GaugeMetricFamily("weir_queue_depth", "Queued requests", labels=["klass", "pool"])
-        oldest = GaugeMetricFamily(
-            "weir_queue_oldest_wait_seconds", "Oldest queued request's wait", labels=["klass", "pool"]
-        )
-        for q in snap.get("queues", []):
-            depth.add_metric([q["class"], q["pool"]], q["queued"])
-            oldest.add_metric([q["class"], q["pool"]], q["oldest_wait_s"])
-        decisions = CounterMetricFamily(
-            "weir_policy_decisions",
-            "Scheduling policy decisions, by kind (router.policy: Policy.counters)",
-            labels=["decision"],
-        )
-        for name, n in sorted(snap.get("counters", {}).items()):
-            decisions.add_metric([name], n)
-        yield depth
-        yield oldest
-        yield decisions

@@ -65,7 +65,6 @@ class RouterViews:
         self.core = core
         self.link = link
         self.metrics = metrics
-        metrics.add_state_collector(core.scheduler_snapshot)  # queues and decisions
         metrics.registry.register(OpsCollector(core, link))
         metrics.add_text_source(WorkerSeries(core, link).text)
         self.page = MetricsPage(metrics.registry, metrics.sources)

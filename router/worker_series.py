@@ -1,13 +1,15 @@
-"""The per-worker series of /metrics, written as text (router.exposition).
+"""The policy's and the workers' series of /metrics, written as text (router.exposition).
 
-They are most of the page with a large fleet: the policy's view of each
-worker (capacity, reservations, dispatches, health), its engine's last
-heartbeat (engine queue, KV use, counters, NVML readings) and its drain
-state.  Names, labels and values are what operators' rules and dashboards
-read (deploy/prometheus/, deploy/grafana/, docs/operating.md).  The policy's
-snapshot and the linked workers' reports are taken when the source starts --
-both are copies -- so the lines are one consistent reading, written over as
-many loop turns as router.exposition's slices need.
+With a large fleet they are most of the page: the queues and the policy's
+decisions, then per worker the policy's view (capacity, reservations,
+dispatches, health), its engine's last heartbeat (engine queue, KV use,
+counters, NVML readings) and its drain state.  Names, labels and values are
+what operators' rules and dashboards read (deploy/prometheus/,
+deploy/grafana/, docs/operating.md).  One policy snapshot and one copy of the
+linked workers' reports are taken when the source starts, so the lines are
+one consistent reading, written over as many loop turns as
+router.exposition's slices need; per worker nothing is allocated but its
+lines (a scrape's garbage sets off the interpreter's full collections).
 """
 
 from __future__ import annotations
@@ -61,63 +63,91 @@ class LinkReports(Protocol):
 
 
 class WorkerSeries:
-    """Every per-worker family; ``text`` is a router.exposition.TextSource."""
+    """The queues', the policy's and every per-worker family; ``text`` is a router.exposition.TextSource."""
 
     def __init__(self, core: FleetReads, link: LinkReports) -> None:
         self.core = core
         self.link = link
-        self._labels: dict[tuple[str, ...], str] = {}  # label values -> label text, kept across scrapes
+        # label text by worker id, with the (model, pool) it was built for; kept across scrapes
+        self._three: dict[str, tuple[str, str, str]] = {}
+        self._two: dict[str, tuple[str, str]] = {}
 
-    def _label(self, names: list[str], values: tuple[str, ...]) -> str:
-        text = self._labels.get(values)
-        if text is None:
-            text = self._labels[values] = label_text(names, values)
-        return text
+    def _labels3(self, w: dict[str, Any]) -> str:
+        """``{model=..,pool=..,worker=..}`` of a policy snapshot's worker."""
+        wid, model, pool = w["id"], w["model"], w["pool"]
+        got = self._three.get(wid)
+        if got is None or got[0] != model or got[1] != pool:
+            got = self._three[wid] = (model, pool, label_text(["worker", "model", "pool"], [wid, model, pool]))
+        return got[2]
+
+    def _labels2(self, wid: str, model: str) -> str:
+        """``{model=..,worker=..}``."""
+        got = self._two.get(wid)
+        if got is None or got[0] != model:
+            got = self._two[wid] = (model, label_text(["worker", "model"], [wid, model]))
+        return got[1]
 
     def text(self) -> Iterator[str]:
-        workers = self.core.scheduler_snapshot()["workers"]
-        reports = sorted(self.link.reports(), key=lambda r: r.worker_id)
-        if len(self._labels) > 4 * (len(workers) + len(reports)) + 64:
-            self._labels.clear()  # workers that left: forget their labels, not per scrape
+        snap = self.core.scheduler_snapshot()
+        workers: list[dict[str, Any]] = snap["workers"]
+        reports = self.link.reports()
+        if len(self._three) + len(self._two) > 4 * (len(workers) + len(reports)) + 64:
+            self._three.clear()  # workers that left: forget their labels, not per scrape
+            self._two.clear()
+        yield from _queues(snap)
         linked = {r.worker_id: r for r in reports}
-        three = ["worker", "model", "pool"]
-        placed = [(self._label(three, (w["id"], w["model"], w["pool"])), w) for w in workers]
         for name, doc in _POLICY_GAUGES:
             family = "weir_worker_" + name
             yield header(family, doc, "gauge")
-            for labels, w in placed:
-                yield f"{family}{labels} {number(w[name])}\n"
-        engines = [(labels, r) for labels, w in placed if (r := linked.get(w["id"])) is not None]
+            for w in workers:
+                yield f"{family}{self._labels3(w)} {number(w[name])}\n"
         for name, doc, read in _ENGINE_GAUGES:
             family = "weir_worker_" + name
             yield header(family, doc, "gauge")
-            for labels, r in engines:
-                yield f"{family}{labels} {number(read(r.stats))}\n"
-        two = ["worker", "model"]
-        gpus = [
-            (self._label(two, (w["id"], w["model"])), r.stats.gpu if r.stats.gpu is not None else r.gpu)
-            for _, w in placed
-            if (r := linked.get(w["id"])) is not None
-        ]
+            for w in workers:
+                r = linked.get(w["id"])
+                if r is not None:
+                    yield f"{family}{self._labels3(w)} {number(read(r.stats))}\n"
         for name, doc, reading in _GPU_GAUGES:
             family = "weir_" + name
             yield header(family, doc, "gauge")
-            for labels, g in gpus:
+            for w in workers:
+                r = linked.get(w["id"])
+                if r is None:
+                    continue
+                g = r.stats.gpu if r.stats.gpu is not None else r.gpu
                 v = reading(g)
                 if v is not None and (g.present or name == "gpu_present"):  # no GPU: only weir_gpu_present 0
-                    yield f"{family}{labels} {number(v)}\n"
-        yield from self._drains(reports)
+                    yield f"{family}{self._labels2(w['id'], w['model'])} {number(v)}\n"
+        yield from self._drains(linked)
 
-    def _drains(self, reports: list[WorkerReport]) -> Iterator[str]:
+    def _drains(self, linked: dict[str, WorkerReport]) -> Iterator[str]:
         """Each linked worker's drain state: "draining too long" alerts on these."""
-        two = ["worker", "model"]
-        labelled = [(self._label(two, (r.worker_id, r.model)), r.drain_left_s) for r in reports]
+        ids = sorted(linked)
         family = "weir_worker_draining"
         yield header(family, "1 while the worker drains (SIGTERM or POST /admin/workers/{id}/drain)", "gauge")
-        for labels, left in labelled:
-            yield f"{family}{labels} {'0.0' if left is None else '1.0'}\n"
+        for wid in ids:
+            r = linked[wid]
+            yield f"{family}{self._labels2(wid, r.model)} {'0.0' if r.drain_left_s is None else '1.0'}\n"
         family = "weir_worker_drain_left_seconds"
         yield header(family, "Time left of a draining worker's router.drain_timeout_s", "gauge")
-        for labels, left in labelled:
-            if left is not None:
-                yield f"{family}{labels} {number(left)}\n"
+        for wid in ids:
+            r = linked[wid]
+            if r.drain_left_s is not None:
+                yield f"{family}{self._labels2(wid, r.model)} {number(r.drain_left_s)}\n"
+
+
+def _queues(snap: dict[str, Any]) -> Iterator[str]:
+    """Queue depth and oldest wait per class and pool, and the policy's decision counters."""
+    queues = snap.get("queues", [])
+    for family, key, doc in (
+        ("weir_queue_depth", "queued", "Queued requests"),
+        ("weir_queue_oldest_wait_seconds", "oldest_wait_s", "Oldest queued request's wait"),
+    ):
+        yield header(family, doc, "gauge")
+        for q in queues:
+            yield f"{family}{label_text(['klass', 'pool'], [q['class'], q['pool']])} {number(q[key])}\n"
+    family = "weir_policy_decisions_total"
+    yield header(family, "Scheduling policy decisions, by kind (router.policy: Policy.counters)", "counter")
+    for name, n in sorted(snap.get("counters", {}).items()):
+        yield f"{family}{label_text(['decision'], [name])} {number(n)}\n"
