@@ -30,8 +30,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 # Loop time one slice of a render may hold before it lets the loop run.
@@ -40,6 +44,28 @@ SLICE_S = 0.002
 _PIECES_PER_LOOK = 32
 
 TextSource = Callable[[], Iterator[str]]
+
+# True while a page renders the registry (in that thread): collectors that
+# are text sources yield nothing then, their text being on the page already.
+_WRITING_PAGE: ContextVar[bool] = ContextVar("weir_writing_metrics_page", default=False)
+
+
+class TextCollector(Collector):
+    """A text source that is also registered as a prometheus_client collector,
+    so the registry stays whole for its other readers (``get_sample_value``,
+    tests): they get the same text parsed back.  The page's own pass over the
+    registry skips it."""
+
+    def text(self) -> Iterator[str]:
+        raise NotImplementedError
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if _WRITING_PAGE.get():
+            return iter(())
+        return iter(text_string_to_metric_families("".join(self.text())))
 
 
 def number(v: float | int | bool) -> str:
@@ -74,7 +100,11 @@ def header(name: str, doc: str, kind: str) -> str:
 async def render(registry: CollectorRegistry, sources: Sequence[TextSource]) -> bytes:
     """The whole page: the registry's collectors, then each source's text (see the module's docstring)."""
     clock = time.perf_counter
-    parts = [generate_latest(registry).decode()]  # small: one slice
+    writing = _WRITING_PAGE.set(True)
+    try:
+        parts = [generate_latest(registry).decode()]  # the small collectors: one slice
+    finally:
+        _WRITING_PAGE.reset(writing)
     await asyncio.sleep(0)
     deadline = clock() + SLICE_S
     for source in sources:

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from router.exposition import TextSource, header, label_text, number
+from router.exposition import TextCollector, TextSource, header, label_text, number
 
 # Latency buckets from sub-millisecond (sim, overhead) to minutes (long generations).
 _LATENCY_BUCKETS = (
@@ -214,7 +214,7 @@ class HistogramFamily(_Family[_HistogramChild]):
 MAX_USERS_PER_TENANT = 10_000
 
 
-class RouterMetrics:
+class RouterMetrics(TextCollector):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.requests = CounterFamily(
@@ -285,11 +285,14 @@ class RouterMetrics:
             self.http_duration,
             self.user_requests,
         ]
-        # What /metrics writes as text (router.exposition), before the registry's collectors.
+        # What /metrics writes as text (router.exposition), after the registry's other collectors.
         self.sources: list[TextSource] = [self.text]
+        self.registry.register(self)
 
-    def add_text_source(self, source: TextSource) -> None:
-        self.sources.append(source)
+    def add_text_source(self, source: TextCollector) -> None:
+        """A text source on /metrics, and in the registry for its other readers."""
+        self.sources.append(source.text)
+        self.registry.register(source)
 
     def saw_user(self, tenant: str, user: str) -> None:
         self.child(self.user_requests, tenant).inc()

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from router.exposition import header, label_text, number
+from router.exposition import TextCollector, header, label_text, number
 from router.metrics import CounterFamily, HistogramFamily, RouterMetrics
 from router.prefix_index import PrefixIndex
 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-class PrefixMetrics:
+class PrefixMetrics(TextCollector):
     def __init__(self, metrics: RouterMetrics, index: PrefixIndex) -> None:
         self.index = index
         self.prompt_tokens = CounterFamily(
@@ -46,7 +46,7 @@ class PrefixMetrics:
             self.lag,
             self.recoveries,
         ]
-        metrics.add_text_source(self.text)  # per worker: written as text (router.exposition)
+        metrics.add_text_source(self)  # per worker: written as text (router.exposition)
 
     def text(self) -> Iterator[str]:
         for f in self._families:

@@ -66,7 +66,7 @@ class RouterViews:
         self.link = link
         self.metrics = metrics
         metrics.registry.register(OpsCollector(core, link))
-        metrics.add_text_source(WorkerSeries(core, link).text)
+        metrics.add_text_source(WorkerSeries(core, link))
         self.page = MetricsPage(metrics.registry, metrics.sources)
 
     def models(self) -> list[ModelRow]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from router.exposition import header, label_text, number
+from router.exposition import TextCollector, header, label_text, number
 from router.worker_link import WorkerReport
 from shared.protocol import GpuInfo, WorkerStats
 
@@ -62,7 +62,7 @@ class LinkReports(Protocol):
     def reports(self) -> list[WorkerReport]: ...
 
 
-class WorkerSeries:
+class WorkerSeries(TextCollector):
     """The queues', the policy's and every per-worker family; ``text`` is a router.exposition.TextSource."""
 
     def __init__(self, core: FleetReads, link: LinkReports) -> None:

@@ -252,6 +252,8 @@ def test_a_scrape_of_a_large_fleet_lets_the_loop_serve_others_and_shows_every_wo
     assert got[("weir_worker_drain_left_seconds", (("model", "sim-m"), ("worker", "w005")))] == 12.5
     assert sum(1 for name, _ in got if name == "weir_worker_drain_left_seconds") == 1
     assert got[("weir_model_ready_workers", (("model", "sim-m"),))] == n - 1
+    helps = [line for line in page.splitlines() if line.startswith(b"# HELP ")]
+    assert len(helps) == len(set(helps)) > 40  # each family once: the registry's pass skips what is text
 
 
 def test_scrapes_share_a_render_in_flight_and_the_next_one_reads_the_last_heartbeat(router):
@@ -276,3 +278,7 @@ def test_scrapes_share_a_render_in_flight_and_the_next_one_reads_the_last_heartb
     assert got[("weir_gpu_present", two)] == 1 and got[("weir_gpu_memory_used_bytes", two)] == 3_000_000
     assert got[("weir_gpu_memory_total_bytes", two)] == 80 << 30 and got[("weir_gpu_utilization_percent", two)] == 40
     assert ("weir_gpu_power_watts", two) not in got  # a reading the board does not give: no sample, not 0
+    # the registry stays whole for prometheus_client's readers: the same values, parsed back
+    registry = router.metrics.registry
+    assert registry.get_sample_value("weir_worker_engine_running", dict(key[1])) == 7
+    assert registry.get_sample_value("weir_gpu_memory_used_bytes", dict(two)) == 3_000_000
