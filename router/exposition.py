@@ -10,12 +10,15 @@ as prometheus_client formats them (byte for byte the same exposition) -- by
 *text sources*: generators of text pieces that read the router's live state
 as they go.  ``render`` runs them on the loop in slices of ``SLICE_S``,
 letting the loop serve everything else between slices; the small collectors
-still registered in the prometheus_client registry (queues, tenants, stores)
-are rendered by ``generate_latest`` in one slice first.
+in the prometheus_client registry (per-model gauges, tenants, stores) are
+rendered by ``generate_latest`` in one slice first.  Text sources are
+registered collectors too (``TextCollector``), so the registry stays whole
+for its other readers; the page's pass over it skips them.
 
-Staleness: each series is read when its slice runs, so a page shows the
-router's state from the start to the end of its own render (a few
-milliseconds per thousand workers of CPU, spread over loop turns); scrapes
+Staleness: each source reads the router's state as its slices run (the
+per-worker series from one snapshot taken when they start), so a page shows
+the router's state from the start to the end of its own render (~12 ms of
+CPU at 1,024 workers, spread over loop turns); scrapes
 that arrive while a render is in flight share it (``MetricsPage``), so their
 data is at most that render's duration older than their arrival.  Nothing
 is cached between renders and nothing runs off the loop, so no locks.
