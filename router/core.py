@@ -93,7 +93,7 @@ class RouterCore:
         self.clock = clock
         self.metrics = metrics or RouterMetrics()
         self.policy = Policy(cfg.scheduler)
-        self.prefix_metrics = PrefixMetrics(self.metrics.registry, self.policy.prefix)
+        self.prefix_metrics = PrefixMetrics(self.metrics, self.policy.prefix)
         self._prefix = PrefixRelay(self.policy.prefix, self.prefix_metrics)
         self.keys = Keys(cfg)
         self.quota = Quota(cfg, self.metrics, clock)

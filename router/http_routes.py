@@ -43,7 +43,7 @@ class Views(Protocol):
 
     def admin_tenants(self) -> dict[str, Any]: ...
 
-    def metrics_payload(self) -> tuple[bytes, str]: ...
+    def metrics_payload(self) -> Awaitable[tuple[bytes, str]]: ...
 
 
 class Operator(Protocol):
@@ -166,8 +166,8 @@ def routes(views: Views, operator: Operator | None, created: int) -> Routes:
         ok, body = views.readiness()
         return Reply(200 if ok else 503, api.encode(body), extra=b"" if ok else b"retry-after: 1\r\n")
 
-    def metrics(req: Request) -> Answer:
-        body, content_type = views.metrics_payload()
+    async def metrics(req: Request) -> Answer:
+        body, content_type = await views.metrics_payload()  # over several loop turns at a large fleet
         return Reply(200, body, content_type.encode())
 
     def admin_worker(req: Request) -> Answer:

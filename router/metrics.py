@@ -6,8 +6,9 @@ into Prometheus families only when scraped: prometheus_client's own
 loop over the buckets), and a request makes five or six of them.  Here an
 increment is an attribute add and an observation a ``bisect``.  The
 exposition is the same as prometheus_client's (``_total``, ``_created``,
-``_bucket``/``_count``/``_sum``).  Everything runs on the router's event
-loop, so no locks.
+``_bucket``/``_count``/``_sum``), written as text by ``text()`` (router.exposition:
+each child's label string built once, when it is created).  Everything runs
+on the router's event loop, so no locks.
 
 State that already lives elsewhere -- queue depths, reservations, worker
 stats -- is read at scrape time by a collector instead of being mirrored on
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from router.exposition import TextCollector, TextSource, header, label_text, number
 
 # Latency buckets from sub-millisecond (sim, overhead) to minutes (long generations).
 _LATENCY_BUCKETS = (
@@ -50,24 +53,31 @@ _LATENCY_BUCKETS = (
 
 
 class _CounterChild:
-    __slots__ = ("value", "created")
+    __slots__ = ("value", "created", "sort_key", "label_text")
 
-    def __init__(self) -> None:
+    def __init__(self, sort_key: tuple[str, ...], label_text: str) -> None:
         self.value = 0.0
         self.created = time.time()
+        self.sort_key = sort_key  # its label values as strings: the order of the exposition
+        self.label_text = label_text  # ``{a="x",b="y"}``: its labels as the exposition writes them
 
     def inc(self, amount: float = 1.0) -> None:
         self.value += amount
 
 
 class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum", "created")
+    __slots__ = ("bounds", "counts", "sum", "created", "sort_key", "label_text", "bucket_labels")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
+    def __init__(
+        self, bounds: tuple[float, ...], sort_key: tuple[str, ...], label_text: str, bucket_labels: list[str]
+    ) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
         self.created = time.time()
+        self.sort_key = sort_key
+        self.label_text = label_text
+        self.bucket_labels = bucket_labels  # label_text with each bucket's ``le``, +Inf last
 
     def observe(self, value: float) -> None:
         # bucket ``le=b`` counts values <= b: the first bound >= value
@@ -76,6 +86,10 @@ class _HistogramChild:
 
 
 _Child = TypeVar("_Child", _CounterChild, _HistogramChild)
+
+
+def _sort_key(child: _CounterChild | _HistogramChild) -> tuple[str, ...]:
+    return child.sort_key
 
 
 class _Family(Generic[_Child]):
@@ -90,10 +104,15 @@ class _Family(Generic[_Child]):
         # by label values, both as the caller passed them and as strings
         self.children: dict[tuple[object, ...], _Child] = {}
 
-    def _new_child(self) -> _Child:
+    def _new_child(self, values: tuple[str, ...]) -> _Child:
         raise NotImplementedError
 
     def collect(self) -> Metric:
+        """The family as prometheus_client's (the reference ``text()`` is tested against)."""
+        raise NotImplementedError
+
+    def text(self) -> Iterator[str]:
+        """The family in the text exposition, as ``generate_latest`` writes ``collect()``."""
         raise NotImplementedError
 
     def labels(self, *values: object) -> _Child:
@@ -101,10 +120,16 @@ class _Family(Generic[_Child]):
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values!r}")
-            child = self._new_child()
-            self.children[tuple(str(v) for v in values)] = child
+            key = tuple(str(v) for v in values)
+            child = self._new_child(key)
+            self.children[key] = child
             self.children[values] = child  # the same child under the caller's exact key
         return child
+
+    def _sorted(self) -> list[_Child]:
+        """Each child once, in ``_unique``'s order, allocating no object per child (a scrape's garbage
+        is what sets off the interpreter's full collections, tens of ms each in a large router)."""
+        return sorted({id(c): c for c in self.children.values()}.values(), key=_sort_key)
 
     def _unique(self) -> Iterator[tuple[list[str], _Child]]:
         seen = set()
@@ -117,14 +142,26 @@ class _Family(Generic[_Child]):
 class CounterFamily(_Family[_CounterChild]):
     __slots__ = ()
 
-    def _new_child(self) -> _CounterChild:
-        return _CounterChild()
+    def _new_child(self, values: tuple[str, ...]) -> _CounterChild:
+        return _CounterChild(values, label_text(self.labelnames, values))
 
     def collect(self) -> CounterMetricFamily:
         fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
         for values, c in self._unique():
             fam.add_metric(values, c.value, created=c.created)
         return fam
+
+    def text(self) -> Iterator[str]:
+        children = self._sorted()  # taken now: children added meanwhile wait for the next scrape
+        total = self.name + "_total"
+        yield header(total, self.doc, "counter")
+        for c in children:
+            yield f"{total}{c.label_text} {number(c.value)}\n"
+        if children:
+            created = self.name + "_created"
+            yield header(created, self.doc, "gauge")
+            for c in children:
+                yield f"{created}{c.label_text} {number(c.created)}\n"
 
 
 class HistogramFamily(_Family[_HistogramChild]):
@@ -134,8 +171,28 @@ class HistogramFamily(_Family[_HistogramChild]):
         super().__init__(name, doc, labelnames)
         self.buckets = buckets
 
-    def _new_child(self) -> _HistogramChild:
-        return _HistogramChild(self.buckets)
+    def _new_child(self, values: tuple[str, ...]) -> _HistogramChild:
+        names = [*self.labelnames, "le"]
+        bounds = [number(b) for b in self.buckets] + ["+Inf"]
+        labels = label_text(self.labelnames, values)
+        return _HistogramChild(self.buckets, values, labels, [label_text(names, [*values, b]) for b in bounds])
+
+    def text(self) -> Iterator[str]:
+        children = self._sorted()
+        bucket, count, total = self.name + "_bucket", self.name + "_count", self.name + "_sum"
+        yield header(self.name, self.doc, "histogram")
+        for h in children:
+            lines, cumulative = [], 0
+            for labels, n in zip(h.bucket_labels, h.counts):  # one piece per child: its buckets agree with its count
+                cumulative += n
+                lines.append(f"{bucket}{labels} {number(cumulative)}\n")
+            lines.append(f"{count}{h.label_text} {number(cumulative)}\n{total}{h.label_text} {number(h.sum)}\n")
+            yield "".join(lines)
+        if children:
+            created = self.name + "_created"
+            yield header(created, self.doc, "gauge")
+            for h in children:
+                yield f"{created}{h.label_text} {number(h.created)}\n"
 
     def collect(self) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -157,7 +214,7 @@ class HistogramFamily(_Family[_HistogramChild]):
 MAX_USERS_PER_TENANT = 10_000
 
 
-class RouterMetrics:
+class RouterMetrics(TextCollector):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.requests = CounterFamily(
@@ -228,7 +285,14 @@ class RouterMetrics:
             self.http_duration,
             self.user_requests,
         ]
+        # What /metrics writes as text (router.exposition), after the registry's other collectors.
+        self.sources: list[TextSource] = [self.text]
         self.registry.register(self)
+
+    def add_text_source(self, source: TextCollector) -> None:
+        """A text source on /metrics, and in the registry for its other readers."""
+        self.sources.append(source.text)
+        self.registry.register(source)
 
     def saw_user(self, tenant: str, user: str) -> None:
         self.child(self.user_requests, tenant).inc()
@@ -244,95 +308,14 @@ class RouterMetrics:
         child = metric.children.get(labels)
         return child if child is not None else metric.labels(*labels)
 
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
+    def text(self) -> Iterator[str]:
         for f in self._families:
-            yield f.collect()
-        users = GaugeMetricFamily(
-            "weir_tenant_distinct_users",
-            f"Distinct `user` values seen per tenant (counted up to {MAX_USERS_PER_TENANT})",
-            labels=["tenant"],
-        )
+            yield from f.text()
+        name = "weir_tenant_distinct_users"
+        yield header(name, f"Distinct `user` values seen per tenant (counted up to {MAX_USERS_PER_TENANT})", "gauge")
         for tenant, seen in sorted(self.users.items()):
-            users.add_metric([tenant], len(seen))
-        yield users
+            yield f"{name}{label_text(['tenant'], [tenant])} {number(len(seen))}\n"
 
     def observe_http(self, path: str, status: int, seconds: float) -> None:
         self.child(self.http_requests, path, status).inc()
         self.child(self.http_duration, path).observe(seconds)
-
-    def add_state_collector(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self.registry.register(_StateCollector(snapshot))
-
-
-class _StateCollector:
-    """Gauges read from the router's live state at scrape time."""
-
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self._snapshot = snapshot  # JSON-shaped: the policy's snapshot
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
-        depth = GaugeMetricFamily("weir_queue_depth", "Queued requests", labels=["klass", "pool"])
-        oldest = GaugeMetricFamily(
-            "weir_queue_oldest_wait_seconds", "Oldest queued request's wait", labels=["klass", "pool"]
-        )
-        for q in snap.get("queues", []):
-            depth.add_metric([q["class"], q["pool"]], q["queued"])
-            oldest.add_metric([q["class"], q["pool"]], q["oldest_wait_s"])
-        gauges = {
-            name: GaugeMetricFamily(f"weir_worker_{name}", doc, labels=["worker", "model", "pool"])
-            for name, doc in (
-                ("capacity_tokens", "KV capacity reported by the engine"),
-                ("reserved_tokens", "KV tokens reserved by the router's ledger"),
-                ("running", "Requests dispatched and not finished"),
-                ("healthy", "1 if the worker is alive and accepting work"),
-                ("engine_running", "Requests running inside the engine (its own report)"),
-                ("engine_waiting", "Requests waiting inside the engine (its own report)"),
-                ("kv_usage", "Fraction of KV blocks in use (engine's report)"),
-                ("preemptions", "Engine preemptions since start"),
-                ("aborts", "Requests aborted in the engine since start"),
-                ("gpu_used_bytes", "GPU memory used (NVML; 0 without a GPU)"),
-                ("gpu_total_bytes", "GPU memory total (NVML; 0 without a GPU)"),
-            )
-        }
-        gpu = {name: GaugeMetricFamily(f"weir_{name}", doc, labels=["worker", "model"]) for name, doc in _GPU_GAUGES}
-        for w in snap.get("workers", []):
-            labels = [w["id"], w["model"], w["pool"]]
-            for name, g in gauges.items():
-                if name in w:
-                    g.add_metric(labels, float(w[name]))
-            if "gpu_present" in w:  # linked (router.views.gpu_reading); no GPU: only weir_gpu_present 0
-                for name, g in gpu.items():
-                    v = w.get(name)
-                    if v is not None:
-                        g.add_metric([w["id"], w["model"]], float(v))
-        decisions = CounterMetricFamily(
-            "weir_policy_decisions",
-            "Scheduling policy decisions, by kind (router.policy: Policy.counters)",
-            labels=["decision"],
-        )
-        for name, n in sorted(snap.get("counters", {}).items()):
-            decisions.add_metric([name], n)
-        yield depth
-        yield oldest
-        yield decisions
-        yield from gauges.values()
-        yield from gpu.values()
-
-
-# NVML readings from the workers' heartbeats (names an HPA or alert rule uses);
-# a worker without a GPU has no samples but weir_gpu_present 0, never a 0 reading.
-_GPU_GAUGES = (
-    ("gpu_present", "1 if the worker reports a GPU (NVML), 0 if it has none"),
-    ("gpu_utilization_percent", "GPU utilisation, percent (NVML)"),
-    ("gpu_memory_used_bytes", "GPU memory used (NVML)"),
-    ("gpu_memory_total_bytes", "GPU memory total (NVML)"),
-    ("gpu_temperature_celsius", "GPU temperature, degrees Celsius (NVML)"),
-    ("gpu_power_watts", "GPU power draw, watts (NVML)"),
-)

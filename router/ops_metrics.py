@@ -2,8 +2,8 @@
 
 ``weir_queue_depth`` is per class and pool over all models; a model's
 StatefulSet is scaled on its own demand, so this adds the per-model view
-(deploy/k8s_scaling.py's ScaledObjects, deploy/prometheus/ rules), and each worker's
-drain state, which "draining too long" alerts on.  Nothing here is touched
+(deploy/k8s_scaling.py's ScaledObjects, deploy/prometheus/ rules), and the
+workers ready per model.  (Each worker's drain state: router.worker_series.)  Nothing here is touched
 on the request path.
 """
 
@@ -53,28 +53,10 @@ class OpsCollector:
             "weir_model_ready_workers", "Linked workers that take new work, per model", labels=["model"]
         )
         counts = {m.name: 0 for m in models}
-        draining = GaugeMetricFamily(
-            "weir_worker_draining",
-            "1 while the worker drains (SIGTERM or POST /admin/workers/{id}/drain)",
-            labels=["worker", "model"],
-        )
-        left = GaugeMetricFamily(
-            "weir_worker_drain_left_seconds",
-            "Time left of a draining worker's router.drain_timeout_s",
-            labels=["worker", "model"],
-        )
-        for w in sorted(self.link.reports(), key=lambda w: w.worker_id):
-            wid, model = w.worker_id, w.model
-            if w.drain_left_s is None:
-                if model in counts:
-                    counts[model] += 1
-                draining.add_metric([wid, model], 0)
-            else:
-                draining.add_metric([wid, model], 1)
-                left.add_metric([wid, model], w.drain_left_s)
+        for w in self.link.reports():
+            if w.drain_left_s is None and w.model in counts:
+                counts[w.model] += 1
         for model, n in counts.items():
             ready.add_metric([model], n)
         yield depth
         yield ready
-        yield draining
-        yield left

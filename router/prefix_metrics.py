@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-from router.metrics import CounterFamily, HistogramFamily
+from router.exposition import TextCollector, header, label_text, number
+from router.metrics import CounterFamily, HistogramFamily, RouterMetrics
 from router.prefix_index import PrefixIndex
 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-class PrefixMetrics:
-    def __init__(self, registry: CollectorRegistry, index: PrefixIndex) -> None:
+class PrefixMetrics(TextCollector):
+    def __init__(self, metrics: RouterMetrics, index: PrefixIndex) -> None:
         self.index = index
         self.prompt_tokens = CounterFamily(
             "weir_prefix_prompt_tokens", "Prompt tokens of finished requests, by model and worker", ["model", "worker"]
@@ -48,38 +46,27 @@ class PrefixMetrics:
             self.lag,
             self.recoveries,
         ]
-        registry.register(self)
+        metrics.add_text_source(self)  # per worker: written as text (router.exposition)
 
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
+    def text(self) -> Iterator[str]:
         for f in self._families:
-            yield f.collect()
+            yield from f.text()
         view = self.index.view()
-        size = GaugeMetricFamily(
-            "weir_prefix_index_blocks", "Block hashes in the router's prefix index", labels=["model"]
-        )
-        evicted = CounterMetricFamily(
-            "weir_prefix_index_evicted",
-            "Index entries evicted at its cap (scheduler.prefix_index_max_blocks)",
-            labels=["model"],
-        )
-        for name, m in sorted(view["models"].items()):
-            size.add_metric([name], m["blocks"])
-            evicted.add_metric([name], m["evicted"])
-        blocks = GaugeMetricFamily(
-            "weir_prefix_worker_blocks", "Blocks the index holds for a worker", labels=["worker", "model"]
-        )
-        trusted = GaugeMetricFamily(
-            "weir_prefix_worker_trusted",
-            "1 while the worker's prefix entries count (0: cache-blind until its snapshot)",
-            labels=["worker", "model"],
-        )
-        for wid, w in sorted(view["workers"].items()):
-            blocks.add_metric([wid, w["model"]], w["blocks"])
-            trusted.add_metric([wid, w["model"]], 1.0 if w["trusted"] else 0.0)
-        yield size
-        yield evicted
-        yield blocks
-        yield trusted
+        models = sorted(view["models"].items())
+        size, evicted = "weir_prefix_index_blocks", "weir_prefix_index_evicted_total"
+        yield header(size, "Block hashes in the router's prefix index", "gauge")
+        for name, m in models:
+            yield f"{size}{label_text(['model'], [name])} {number(m['blocks'])}\n"
+        yield header(evicted, "Index entries evicted at its cap (scheduler.prefix_index_max_blocks)", "counter")
+        for name, m in models:
+            yield f"{evicted}{label_text(['model'], [name])} {number(m['evicted'])}\n"
+        workers = [
+            (label_text(["worker", "model"], [wid, w["model"]]), w) for wid, w in sorted(view["workers"].items())
+        ]
+        blocks, trusted = "weir_prefix_worker_blocks", "weir_prefix_worker_trusted"
+        yield header(blocks, "Blocks the index holds for a worker", "gauge")
+        for labels, w in workers:
+            yield f"{blocks}{labels} {number(w['blocks'])}\n"
+        yield header(trusted, "1 while the worker's prefix entries count (0: cache-blind until its snapshot)", "gauge")
+        for labels, w in workers:
+            yield f"{trusted}{labels} {'1.0' if w['trusted'] else '0.0'}\n"

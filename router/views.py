@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.exposition import MetricsPage
 from router.metrics import RouterMetrics
 from router.ops_metrics import OpsCollector
 from router.worker_link import WorkerReport
+from router.worker_series import WorkerSeries
 from shared.config import ModelConfig, WorkerConfig
 from shared.protocol import GpuInfo
 
@@ -64,8 +65,9 @@ class RouterViews:
         self.core = core
         self.link = link
         self.metrics = metrics
-        metrics.add_state_collector(self.state)
         metrics.registry.register(OpsCollector(core, link))
+        metrics.add_text_source(WorkerSeries(core, link))
+        self.page = MetricsPage(metrics.registry, metrics.sources)
 
     def models(self) -> list[ModelRow]:
         """(name, max_model_len, workers ready, state) per model served: state
@@ -147,8 +149,9 @@ class RouterViews:
         """Per-tenant usage, refusals and budgets (keys by their id, never the key)."""
         return self.core.tenants()
 
-    def metrics_payload(self) -> tuple[bytes, str]:
-        return generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
+    async def metrics_payload(self) -> tuple[bytes, str]:
+        """The /metrics page, rendered in slices of the loop (router.exposition)."""
+        return await self.page.payload()
 
     def state(self) -> dict[str, Any]:
         """The policy's snapshot, each worker joined with its engine's own report."""

@@ -23,6 +23,7 @@ import requests
 import uvloop
 
 from router.http_server import start_http_server
+from router.exposition import MetricsPage
 from router.metrics import RouterMetrics
 from shared.protocol import Delta, ErrorInfo, RequestKind, Submit
 
@@ -159,8 +160,8 @@ class ScriptedCore:
     def admin_queues(self):
         return [{"class": "normal", "queued": 0}]
 
-    def metrics_payload(self):
-        return prometheus_client.generate_latest(self.registry), prometheus_client.CONTENT_TYPE_LATEST
+    async def metrics_payload(self):
+        return await self.page.payload()
 
 
 class Server:
@@ -193,8 +194,11 @@ def server():
     thread.start()
     core = ScriptedCore()
 
+    metrics = RouterMetrics(core.registry)
+    core.page = MetricsPage(core.registry, metrics.sources)
+
     async def start():
-        return await start_http_server(core, core, RouterMetrics(core.registry), "127.0.0.1", 0,
+        return await start_http_server(core, core, metrics, "127.0.0.1", 0,
                                        max_body_bytes=MAX_BODY, max_buffered_bytes=MAX_BUFFERED)
 
     srv = asyncio.run_coroutine_threadsafe(start(), loop).result(10)

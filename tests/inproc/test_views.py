@@ -5,12 +5,15 @@ fake worker link: no sockets, no processes."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from typing import Iterator, Optional
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from router import exposition
 from router.core import RouterCore
 from router.core_reads import CoreView
 from router.http_routes import Refusal, Reply, Routes, routes
@@ -28,6 +31,7 @@ class FakeLink:
     def __init__(self) -> None:
         self.models: dict[str, str] = {}  # worker id -> model
         self.drain_left: dict[str, float] = {}  # draining workers -> seconds left
+        self.stats: dict[str, p.WorkerStats] = {}  # a worker's last heartbeat (default: one running)
 
     def dispatch(self, worker_id: str, req: p.GenerateRequest) -> bool:
         return worker_id in self.models
@@ -51,7 +55,7 @@ class FakeLink:
         model = self.models.get(worker_id)
         if model is None:
             return None
-        return WorkerReport(worker_id, model, "sim", p.GpuInfo(), p.WorkerStats(running=1),
+        return WorkerReport(worker_id, model, "sim", p.GpuInfo(), self.stats.get(worker_id, p.WorkerStats(running=1)),
                             self.drain_left.get(worker_id))
 
     def reports(self) -> list[WorkerReport]:
@@ -107,6 +111,8 @@ class Router:
         else:
             pattern = next(r for r in self.routes.patterns if r.matches(req.path, req.method))
             answer = pattern.handler(req)
+        if inspect.isawaitable(answer):  # /metrics: rendered over loop turns (router.exposition)
+            answer = self.loop.run_until_complete(answer)
         if isinstance(answer, Refusal):
             return answer.info.status, answer.info.code
         assert isinstance(answer, Reply)
@@ -187,3 +193,92 @@ def test_without_an_operator_nothing_changes_state(router):
     assert set(read_only.exact) == set(router.routes.exact) - {b"/admin/reload", b"/admin/drain"}
     assert read_only.exact[b"/admin/models"].method == b"GET"
     assert not any(r.matches(b"/admin/models/m/remove", b"POST") for r in read_only.patterns)
+
+
+def _samples(page: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a /metrics page by (name, sorted labels), as Prometheus would read it."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(page.decode()) for s in fam.samples}
+
+
+def _scrape(router: Router) -> tuple[bytes, int]:
+    """GET /metrics as the HTTP server answers it, and the loop turns other callbacks got meanwhile."""
+    turns, done = 0, False
+
+    def other_work() -> None:  # another stream's callback: ready at every turn of the loop
+        nonlocal turns
+        if not done:
+            turns += 1
+            router.loop.call_soon(other_work)
+
+    async def scrape() -> bytes:
+        nonlocal done
+        answer = router.routes.exact[b"/metrics"].handler(Req(b"GET", b"/metrics"))
+        assert inspect.isawaitable(answer)  # answered later: the server serves others meanwhile
+        router.loop.call_soon(other_work)
+        reply = await answer
+        done = True
+        assert isinstance(reply, Reply) and reply.status == 200
+        return reply.body
+
+    return router.loop.run_until_complete(scrape()), turns
+
+
+def test_a_scrape_of_a_large_fleet_lets_the_loop_serve_others_and_shows_every_worker(router, monkeypatch):
+    # Slices of no time: the loop gets a turn at every look at the clock, however fast this machine is.
+    monkeypatch.setattr(exposition, "SLICE_S", 0.0)
+    n = 200
+    for i in range(n):
+        router.join(f"w{i:03}")
+        router.link.stats[f"w{i:03}"] = p.WorkerStats(running=i % 5, waiting=i % 3, kv_usage=i / 1000)
+        router.metrics.child(router.metrics.worker_events, f"w{i:03}", "registered").inc()  # as the link counts
+    router.link.drain_left["w005"] = 12.5
+    page, turns = _scrape(router)
+    # 200 workers' ~3,800 lines in pieces of 64: dozens of turns (a page written in one go gets about 3)
+    assert turns >= 30
+    got = _samples(page)
+    for i in range(n):
+        wid = f"w{i:03}"
+        three = (("model", "sim-m"), ("pool", "any"), ("worker", wid))
+        assert got[("weir_worker_capacity_tokens", three)] == 8192
+        assert got[("weir_worker_healthy", three)] == 1
+        assert got[("weir_worker_engine_running", three)] == i % 5
+        assert got[("weir_worker_engine_waiting", three)] == i % 3
+        assert got[("weir_worker_kv_usage", three)] == pytest.approx(i / 1000)
+        two = (("model", "sim-m"), ("worker", wid))
+        assert got[("weir_gpu_present", two)] == 0 and ("weir_gpu_memory_used_bytes", two) not in got
+        assert got[("weir_worker_draining", two)] == (1 if i == 5 else 0)
+        assert got[("weir_worker_events_total", (("event", "registered"), ("worker", wid)))] == 1
+    assert got[("weir_worker_drain_left_seconds", (("model", "sim-m"), ("worker", "w005")))] == 12.5
+    assert sum(1 for name, _ in got if name == "weir_worker_drain_left_seconds") == 1
+    assert got[("weir_model_ready_workers", (("model", "sim-m"),))] == n - 1
+    helps = [line for line in page.splitlines() if line.startswith(b"# HELP ")]
+    assert len(helps) == len(set(helps)) > 40  # each family once: the registry's pass skips what is text
+
+
+def test_scrapes_share_a_render_in_flight_and_the_next_one_reads_the_last_heartbeat(router):
+    for wid in ("w0", "w1"):
+        router.join(wid)
+    gpu = p.GpuInfo(present=True, name="H100", total_bytes=80 << 30, used_bytes=3_000_000, utilization_percent=40.0)
+
+    async def two_at_once() -> tuple[bytes, bytes]:
+        a, b = await asyncio.gather(router.views.metrics_payload(), router.views.metrics_payload())
+        return a[0], b[0]
+
+    renders = router.views.page.renders
+    first, second = router.loop.run_until_complete(two_at_once())
+    assert first == second and router.views.page.renders == renders + 1
+    key = ("weir_worker_engine_running", (("model", "sim-m"), ("pool", "any"), ("worker", "w1")))
+    assert _samples(first)[key] == 1
+    # a heartbeat arrives: the next scrape renders anew and shows it (nothing is cached between renders)
+    router.link.stats["w1"] = p.WorkerStats(running=7, gpu=gpu)
+    got = _samples(_scrape(router)[0])
+    assert router.views.page.renders == renders + 2 and got[key] == 7
+    two = (("model", "sim-m"), ("worker", "w1"))
+    assert got[("weir_gpu_present", two)] == 1 and got[("weir_gpu_memory_used_bytes", two)] == 3_000_000
+    assert got[("weir_gpu_memory_total_bytes", two)] == 80 << 30 and got[("weir_gpu_utilization_percent", two)] == 40
+    assert ("weir_gpu_power_watts", two) not in got  # a reading the board does not give: no sample, not 0
+    # the registry stays whole for prometheus_client's readers: the same values, parsed back
+    registry = router.metrics.registry
+    assert registry.get_sample_value("weir_worker_engine_running", dict(key[1])) == 7
+    assert registry.get_sample_value("weir_gpu_memory_used_bytes", dict(two)) == 3_000_000
