@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("sim", "vllm"), default="sim",
                     help="vllm: the real tiny model; runs the two load phases only")
     ap.add_argument("--probe", default="", help="comma-separated rates: interactive alone at each, then stop")
+    ap.add_argument("--priority-headroom", type=float, default=None,
+                    help="scheduler.priority_headroom: the share of a worker kept from the batch class")
     args = ap.parse_args(argv)
     global MODEL
     vllm = args.engine == "vllm"
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     worker = vllm_worker(max_num_seqs=SLOTS) if vllm else sim_worker("sim-0", max_num_seqs=SLOTS, **SIM)
     cfg = write_config(tmp, workers=[worker],
                        batch={"max_file_bytes": 1 << 30, "directory": str(tmp / "batches")},
-                       envoy={"max_request_bytes": 1 << 20})
+                       envoy={"max_request_bytes": 1 << 20},
+                       scheduler=None if args.priority_headroom is None else {"priority_headroom": args.priority_headroom})
     with stack(cfg, tmp / "run") as s:
         if vllm:  # warm-up: the first requests compile and allocate
             _phase(s, 2.0, 5.0)
