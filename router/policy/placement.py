@@ -37,6 +37,7 @@ class ScoredPlacement:
         self.affinity = cfg.prefix_affinity
         self.rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
         self.scan_all: float = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
+        self.shortcut = True  # ``held_back`` may answer for ``place`` (False: the tests compare)
 
     # ------------------------------------------------------------ checks
 
@@ -112,6 +113,9 @@ class ScoredPlacement:
         total = prompt + max(0, max_tokens)
         limit = 1.0 if due else self.limit(m, e.rank, now)
         size = e.size
+        if limit < 1.0 and not exclude and not again and self.shortcut and not (job.block_hashes and self.affinity):
+            if self.held_back(m, e, limit):
+                return None
         own_pool = POOL_SHORT if size == SHORT else POOL_LONG
         floor = self.cfg.gpu_free_floor_bytes
         may_borrow = self.cfg.borrow_idle_long
@@ -190,6 +194,55 @@ class ScoredPlacement:
             return self.affine(cands, best_pref, best_score, hits, prompt)
         return best
 
+    def held_back(self, m: ModelState, e: Entry, limit: float) -> bool:
+        """Is ``e``, of a class held to ``limit`` of each worker, provably
+        placed nowhere now, because every worker with a free slot already holds
+        the class's cap of sequences?  Then ``place`` would return None, and
+        this returns True after drawing from the sampler exactly what ``place``
+        would have drawn, so that the runs with and without it decide alike.
+
+        Why: behind a full fleet most heads of lower classes are held back
+        this way at every pass; ``place`` sampled candidates for each of them
+        (bench.scenarios.placement, 100,000 queued behind 1,024 workers: two
+        placements of three per pass).  Needs one seq-slot count across the
+        model's workers (else False: ``place`` decides)."""
+        slots, block = m.fleet_shape()
+        if slots < 0:
+            return False
+        occ = m.occupancy
+        fewest = occ.min_seqs()
+        if fewest is not None and fewest < max(1, int(slots * limit)):
+            return False  # a worker below the cap may take it: place decides
+        # Every candidate fails (unhealthy, GPU, pool, length, KV or the cap).
+        # Scoring all workers, or all of a small free set, draws nothing.
+        if fewest is None or len(m.workers) <= self.scan_all:
+            return True
+        pools = self.pools(m, e.size)
+        total = 0
+        for p in pools:
+            total += len(p)
+        if total <= PLACE_SAMPLE:
+            return True
+        # A sample: ``place`` draws once, and again only if a candidate was
+        # short of KV -- which none is when every free worker has the room
+        # for the job at any block size (each sequence rounds up by < block).
+        job = e.job
+        worst = max(1, job.n) * (max(1, job.prompt_tokens) + max(0, job.max_tokens) + block - 1)
+        least_room = occ.room_floor()
+        if least_room is None or least_room < worst:
+            return False  # a redraw may follow: place decides
+        draw = self.rng.random
+        taken = 0
+        for p in pools:  # the draws of ``candidates`` (not again), one by one
+            left = PLACE_SAMPLE - taken
+            if len(p) <= left:
+                taken += len(p)
+                continue
+            for _ in range(left):
+                draw()
+            break
+        return True
+
     def affine(
         self, cands: list[Candidate], best_pref: int, best_score: float, hits: dict[str, int], prompt: int
     ) -> Placed | None:
@@ -218,13 +271,7 @@ class ScoredPlacement:
         (``again``), drawn across all of them alike."""
         if len(m.workers) <= self.scan_all:
             return m.workers.values(), True
-        free = m.free
-        if size == LONG:
-            pools: tuple[list[WorkerState], ...] = (free[POOL_LONG], free[POOL_ANY])
-        elif self.short_borrows_freely or self.cfg.borrow_idle_long:
-            pools = (free[POOL_SHORT], free[POOL_ANY], free[POOL_LONG])
-        else:
-            pools = (free[POOL_SHORT], free[POOL_ANY])
+        pools = self.pools(m, size)
         total = 0
         for p in pools:
             total += len(p)
@@ -250,6 +297,15 @@ class ScoredPlacement:
                     break
                 i -= len(p)
         return out, False
+
+    def pools(self, m: ModelState, size: int) -> tuple[list[WorkerState], ...]:
+        """The free sets a job of this size may draw from, in order of preference."""
+        free = m.free
+        if size == LONG:
+            return (free[POOL_LONG], free[POOL_ANY])
+        if self.short_borrows_freely or self.cfg.borrow_idle_long:
+            return (free[POOL_SHORT], free[POOL_ANY], free[POOL_LONG])
+        return (free[POOL_SHORT], free[POOL_ANY])
 
     def reserve_target(self, m: ModelState, e: Entry, exclude: set[str]) -> str | None:
         """The worker a due head is waiting for: the eligible one closest to fitting it."""
