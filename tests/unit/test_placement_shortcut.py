@@ -51,8 +51,14 @@ op = st.one_of(
         st.integers(1, 3),
         st.integers(0, 3),
     ),
-    st.tuples(st.just("submit"), st.sampled_from(CLASSES), st.integers(1, 100), st.integers(1, 64), st.just(1),
-              st.integers(0, 3)),
+    st.tuples(
+        st.just("submit"),
+        st.sampled_from(CLASSES),
+        st.integers(1, 100),
+        st.integers(1, 64),
+        st.just(1),
+        st.integers(0, 3),
+    ),
     st.tuples(st.just("finish"), st.integers(0, 10_000)),
     st.tuples(st.just("finish"), st.integers(0, 10_000)),
     st.tuples(st.just("health"), st.integers(0, 63), st.booleans()),
@@ -66,10 +72,12 @@ op = st.one_of(
 class Pair:
     """Two policies fed the same events, one with the shortcut and one without."""
 
-    def __init__(self, n: int, pools: list[Pool], mixed_slots: bool, blocks: tuple[int, ...], borrow: bool,
-                 headroom: float) -> None:
-        cfg = SchedulerConfig(generation_deadline_s=0.0, priority_headroom=headroom, borrow_idle_long=borrow,
-                              short_threshold_tokens=512)
+    def __init__(
+        self, n: int, pools: list[Pool], mixed_slots: bool, blocks: tuple[int, ...], borrow: bool, headroom: float
+    ) -> None:
+        cfg = SchedulerConfig(
+            generation_deadline_s=0.0, priority_headroom=headroom, borrow_idle_long=borrow, short_threshold_tokens=512
+        )
         self.both = [Policy(cfg), Policy(cfg)]
         self.both[1].placement.shortcut = False
         self.n, self.pools, self.mixed_slots, self.blocks = n, pools, mixed_slots, blocks
@@ -91,8 +99,9 @@ class Pair:
 
     def add(self, i: int) -> None:
         seqs = 4 + (i % 3 if self.mixed_slots else 0)
-        lost = [p.add_worker(spec(i, self.pools[i], seqs, self.blocks[i % len(self.blocks)]), self.now)
-                for p in self.both]
+        lost = [
+            p.add_worker(spec(i, self.pools[i], seqs, self.blocks[i % len(self.blocks)]), self.now) for p in self.both
+        ]
         assert lost[0] == lost[1]
         self.running = [j for j in self.running if j not in set(lost[0])]
 
@@ -156,8 +165,14 @@ def test_the_shortcut_answers_often_and_decides_alike_in_a_long_run():
         for _ in range(3000):
             k = rng.random()
             if k < 0.45:
-                o: tuple = ("submit", rng.choice(CLASSES), rng.randint(1, 700), rng.randint(0, 300), 1,  # type: ignore[type-arg]
-                            rng.randrange(4))
+                o: tuple = (
+                    "submit",
+                    rng.choice(CLASSES),
+                    rng.randint(1, 700),
+                    rng.randint(0, 300),
+                    1,  # type: ignore[type-arg]
+                    rng.randrange(4),
+                )
             elif k < 0.9:
                 o = ("finish", rng.randrange(10_000))
             elif k < 0.95:
