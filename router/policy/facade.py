@@ -123,9 +123,7 @@ class Policy:
             w.other_tokens = max(0, other_tokens)
         if other_seqs is not None:
             w.other_seqs = max(0, other_seqs)
-        m = self.models[w.spec.model]
-        m.free.touch(w)
-        m.occupancy.changed(w)
+        self.models[w.spec.model].free.touch(w)
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
         """Forget a worker; the ids of the jobs that ran there, released."""

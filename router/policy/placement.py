@@ -37,7 +37,7 @@ class ScoredPlacement:
         self.affinity = cfg.prefix_affinity
         self.rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
         self.scan_all: float = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
-        self.shortcut = True  # ``held_back`` may answer for ``place`` (False: the tests compare)
+        self.shortcut = True  # ``all_capped`` may answer for a sample (False: the tests compare)
 
     # ------------------------------------------------------------ checks
 
@@ -113,10 +113,6 @@ class ScoredPlacement:
         total = prompt + max(0, max_tokens)
         limit = 1.0 if due else self.limit(m, e.rank, now)
         size = e.size
-        # a capped class with nothing that bends the checks: ``held_back`` may answer
-        quick = limit < 1.0 and not exclude and not again and self.shortcut and not (job.block_hashes and self.affinity)
-        if quick and self.held_back(m, e, limit):
-            return None
         own_pool = POOL_SHORT if size == SHORT else POOL_LONG
         floor = self.cfg.gpu_free_floor_bytes
         may_borrow = self.cfg.borrow_idle_long
@@ -132,8 +128,16 @@ class ScoredPlacement:
         best_score = 0.0
         score_of = self.scorer(m)
         candidates, complete = self.candidates(m, size, again)
-        if quick and not complete and self.all_capped(m, e, limit, candidates):
-            return None
+        if (
+            limit < 1.0
+            and not complete
+            and not again
+            and not exclude
+            and self.shortcut
+            and not (job.block_hashes and self.affinity)
+            and self.all_capped(e, limit, candidates)
+        ):
+            return None  # (what the loop below would return, in a fraction of its time)
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
         cands: list[Candidate] | None = [] if hits else None  # affinity chooses among them
         if hits and not complete:  # a sample: the workers holding the prefix are scored too
@@ -197,72 +201,30 @@ class ScoredPlacement:
             return self.affine(cands, best_pref, best_score, hits, prompt)
         return best
 
-    def held_back(self, m: ModelState, e: Entry, limit: float) -> bool:
-        """Is ``e``, of a class held to ``limit`` of each worker, provably
-        placed nowhere now, because every worker with a free slot already holds
-        the class's cap of sequences?  Then ``place`` would return None, and
-        this returns True after drawing from the sampler exactly what ``place``
-        would have drawn, so that the runs with and without it decide alike.
+    def all_capped(self, e: Entry, limit: float, drawn: Collection[WorkerState]) -> bool:
+        """Does every worker of a sample (``drawn``, from the free sets) hold
+        the cap of ``e``'s class (``limit`` < 1), with the KV room for ``e``?
+        Then the loop of ``place`` fails each at the cap and none short of KV:
+        None, and no redraw -- the same answer and the same draws, so the
+        decisions are those of scoring (tests/unit/test_placement_shortcut.py).
 
-        Why: behind a full fleet most heads of lower classes are held back
-        this way at every pass; ``place`` sampled candidates for each of them
-        (bench.scenarios.placement, 100,000 queued behind 1,024 workers: two
-        placements of three per pass).  Needs one seq-slot count across the
-        model's workers (else False: ``place`` decides)."""
-        slots, block = m.fleet_shape()
-        if slots < 0:
-            return False
-        occ = m.occupancy
-        fewest = occ.min_seqs()
-        if fewest is not None and fewest < max(1, int(slots * limit)):
-            return False  # a worker below the cap may take it: place decides
-        # Every candidate fails (unhealthy, GPU, pool, length, KV or the cap).
-        # Scoring all workers, or all of a small free set, draws nothing.
-        if fewest is None or len(m.workers) <= self.scan_all:
-            return True
-        pools = self.pools(m, e.size)
-        total = 0
-        for p in pools:
-            total += len(p)
-        if total <= PLACE_SAMPLE:
-            return True
-        # A sample: ``place`` draws once, and again only if a candidate was
-        # short of KV -- which none is when every free worker has the room
-        # for the job at any block size (each sequence rounds up by < block).
+        Why: behind a full fleet the heads of the lower classes find most
+        workers at their cap, and scoring a sample for each of them at every
+        pass was two placements of the three a pass made, most of them misses
+        (bench.scenarios.placement, 100,000 queued behind 1,024 workers: the
+        middle class, ~1 worker in 8 below its cap, missed 58 % of its
+        samples; the lowest, none below, all).  Here a miss costs three
+        compares per worker drawn."""
         job = e.job
-        worst = max(1, job.n) * (max(1, job.prompt_tokens) + max(0, job.max_tokens) + block - 1)
-        least_room = occ.room_floor()
-        if least_room is None or least_room < worst:
-            return False  # a redraw may follow: place decides
-        draw = self.rng.random
-        taken = 0
-        for p in pools:  # the draws of ``candidates`` (not again), one by one
-            left = PLACE_SAMPLE - taken
-            if len(p) <= left:
-                taken += len(p)
-                continue
-            for _ in range(left):
-                draw()
-            break
-        return True
-
-    def all_capped(self, m: ModelState, e: Entry, limit: float, drawn: Collection[WorkerState]) -> bool:
-        """Does every worker of a sample (``drawn``: free workers) hold the
-        cap of ``e``'s class, with KV room for ``e`` at any block size?  Then
-        ``place``'s loop fails each at the cap, none short of KV: None, and no
-        redraw.  Why: a class whose cap few workers are below fails most
-        samples (bench.scenarios.placement, 100,000 queued: the middle class,
-        ~1 worker in 8 below its cap, misses 58 % of them); two int compares
-        per candidate instead of every check."""
-        slots, block = m.shape or m.fleet_shape()
-        if slots < 0:
-            return False
-        cap = max(1, int(slots * limit))
-        job = e.job
-        worst = max(1, job.n) * (max(1, job.prompt_tokens) + max(0, job.max_tokens) + block - 1)
-        need = worst.bit_length() + 1  # a room of bucket b is >= 2 ** (b - 1) >= worst
+        seqs = job.n if job.n > 1 else 1
+        per_seq = (job.prompt_tokens if job.prompt_tokens > 1 else 1) + (job.max_tokens if job.max_tokens > 0 else 0)
         for w in drawn:
-            if w.occ_seqs < cap or w.occ_room < need:
+            n = len(w.running) + w.other_seqs
+            cap = int(w.slots * limit)
+            if n < cap or n < 1:  # (the cap is at least 1)
+                return False
+            # its KV cost at any block size is under seqs x (per_seq + block): room for it, so not short of KV
+            if w.budget - w.reserved - w.other_tokens < seqs * (per_seq + w.spec.block_size):
                 return False
         return True
 
@@ -294,7 +256,13 @@ class ScoredPlacement:
         (``again``), drawn across all of them alike."""
         if len(m.workers) <= self.scan_all:
             return m.workers.values(), True
-        pools = self.pools(m, size)
+        free = m.free
+        if size == LONG:
+            pools: tuple[list[WorkerState], ...] = (free[POOL_LONG], free[POOL_ANY])
+        elif self.short_borrows_freely or self.cfg.borrow_idle_long:
+            pools = (free[POOL_SHORT], free[POOL_ANY], free[POOL_LONG])
+        else:
+            pools = (free[POOL_SHORT], free[POOL_ANY])
         total = 0
         for p in pools:
             total += len(p)
@@ -321,15 +289,6 @@ class ScoredPlacement:
                     break
                 i -= len(p)
         return out, False
-
-    def pools(self, m: ModelState, size: int) -> tuple[list[WorkerState], ...]:
-        """The free sets a job of this size may draw from, in order of preference."""
-        free = m.free
-        if size == LONG:
-            return (free[POOL_LONG], free[POOL_ANY])
-        if self.short_borrows_freely or self.cfg.borrow_idle_long:
-            return (free[POOL_SHORT], free[POOL_ANY], free[POOL_LONG])
-        return (free[POOL_SHORT], free[POOL_ANY])
 
     def reserve_target(self, m: ModelState, e: Entry, exclude: set[str]) -> str | None:
         """The worker a due head is waiting for: the eligible one closest to fitting it."""

@@ -53,8 +53,6 @@ class WorkerState:
         "other_tokens",
         "other_seqs",
         "free_at",
-        "occ_seqs",
-        "occ_room",
     )
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
@@ -71,9 +69,6 @@ class WorkerState:
         self.other_tokens = 0
         self.other_seqs = 0
         self.free_at = -1  # its index in its model's free set of its pool (-1: full or unhealthy)
-        # the buckets its model's Occupancy counts it in (-1: not counted)
-        self.occ_seqs = -1
-        self.occ_room = -1
 
 
 class FreeSlots(dict[int, list[WorkerState]]):

@@ -45,7 +45,6 @@ class Ledger:
         m.workers[spec.worker_id] = w
         m.workers = dict(sorted(m.workers.items()))  # by id: ties in placement go to the lowest
         m.free.touch(w)
-        m.occupancy.changed(w)
         m.fleet_changed(now)
 
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
@@ -58,7 +57,6 @@ class Ledger:
             m.workers.pop(worker_id, None)
             w.healthy = False
             m.free.touch(w)  # out of the free sets
-            m.occupancy.changed(w)
             m.fleet_changed(now)
         lost = list(w.running)
         for job_id in lost:
@@ -82,7 +80,6 @@ class Ledger:
         w.reserved += cost
         if len(w.running) + w.other_seqs >= w.slots:
             m.free.touch(w)
-        m.occupancy.changed(w)
 
     def release(self, e: Entry, now: float, count_rate: bool) -> None:
         """``e`` ended: its reservation goes back (``count_rate``: a completion,
@@ -95,7 +92,6 @@ class Ledger:
             m = self.model(w.spec.model)
             if w.free_at < 0:
                 m.free.touch(w)
-            m.occupancy.changed(w)
             if count_rate:
                 m.totals.meter.add(now, e.tokens)
         self.counters["released"] += 1
@@ -110,4 +106,3 @@ class Ledger:
         w.reserved += new - e.cost
         w.running[job.job_id] = new
         e.cost = new
-        self.model(w.spec.model).occupancy.changed(w)
