@@ -63,11 +63,7 @@ Model of the world
   deterministic.  A head that fits none drawn is skipped this pass
   (backfill), and once due the closest worker is reserved for it
   (``reserve_target``, a full scan, only then).  The workers whose cache
-  holds the job's prefix (below) are scored beside those drawn.  A sample
-  whose every worker holds the head's class cap (with the KV for it) is
-  answered None in three compares per worker instead of being scored
-  (``ScoredPlacement.all_capped``): the same answer after the same draws, so
-  decisions are those of scoring (tests/unit/test_placement_shortcut.py).
+  holds the job's prefix (below) are scored beside those drawn.
 * **Prefix affinity** (``ScoredPlacement.affine``): where the prefix index
   (router/prefix_index.py) says a worker's cache holds the job's leading
   prompt blocks, the score gains ``prefix_affinity_weight x`` the cached

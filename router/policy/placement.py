@@ -37,7 +37,6 @@ class ScoredPlacement:
         self.affinity = cfg.prefix_affinity
         self.rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
         self.scan_all: float = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
-        self.shortcut = True  # ``all_capped`` may answer for a sample (False: the tests compare)
 
     # ------------------------------------------------------------ checks
 
@@ -128,16 +127,6 @@ class ScoredPlacement:
         best_score = 0.0
         score_of = self.scorer(m)
         candidates, complete = self.candidates(m, size, again)
-        if (
-            limit < 1.0
-            and not complete
-            and not again
-            and not exclude
-            and self.shortcut
-            and not (job.block_hashes and self.affinity)
-            and self.all_capped(e, limit, candidates)
-        ):
-            return None  # (what the loop below would return, in a fraction of its time)
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
         cands: list[Candidate] | None = [] if hits else None  # affinity chooses among them
         if hits and not complete:  # a sample: the workers holding the prefix are scored too
@@ -201,33 +190,6 @@ class ScoredPlacement:
             return self.affine(cands, best_pref, best_score, hits, prompt)
         return best
 
-    def all_capped(self, e: Entry, limit: float, drawn: Collection[WorkerState]) -> bool:
-        """Does every worker of a sample (``drawn``, from the free sets) hold
-        the cap of ``e``'s class (``limit`` < 1), with the KV room for ``e``?
-        Then the loop of ``place`` fails each at the cap and none short of KV:
-        None, and no redraw -- the same answer and the same draws, so the
-        decisions are those of scoring (tests/unit/test_placement_shortcut.py).
-
-        Why: behind a full fleet the heads of the lower classes find most
-        workers at their cap, and scoring a sample for each of them at every
-        pass was two placements of the three a pass made, most of them misses
-        (bench.scenarios.placement, 100,000 queued behind 1,024 workers: the
-        middle class, ~1 worker in 8 below its cap, missed 58 % of its
-        samples; the lowest, none below, all).  Here a miss costs three
-        compares per worker drawn."""
-        job = e.job
-        seqs = job.n if job.n > 1 else 1
-        per_seq = (job.prompt_tokens if job.prompt_tokens > 1 else 1) + (job.max_tokens if job.max_tokens > 0 else 0)
-        for w in drawn:
-            n = len(w.running) + w.other_seqs
-            cap = int(w.slots * limit)
-            if n < cap or n < 1:  # (the cap is at least 1)
-                return False
-            # its KV cost at any block size is under seqs x (per_seq + block): room for it, so not short of KV
-            if w.budget - w.reserved - w.other_tokens < seqs * (per_seq + w.spec.block_size):
-                return False
-        return True
-
     def affine(
         self, cands: list[Candidate], best_pref: int, best_score: float, hits: dict[str, int], prompt: int
     ) -> Placed | None:
@@ -277,8 +239,7 @@ class ScoredPlacement:
                 if n <= left:
                     out.extend(p)
                 else:
-                    for _ in range(left):  # (a loop, not a comprehension: no frame per call)
-                        out.append(p[int(draw() * n)])
+                    out.extend([p[int(draw() * n)] for _ in range(left)])
                     break
             return out, False
         for _ in range(PLACE_SAMPLE):
