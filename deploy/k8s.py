@@ -40,6 +40,7 @@ import yaml
 
 from deploy.k8s_objects import (
     APP,
+    BATCH_DIR,
     CONFIG_DIR,
     HASH_ANNOTATION,
     MODELS_DIR,
@@ -65,6 +66,7 @@ from shared.config import Config
 
 # What callers read as deploy.k8s.X: the layout below, and the objects' names the tests and docs use.
 __all__ = [
+    "BATCH_DIR",
     "CONFIG_DIR",
     "HASH_ANNOTATION",
     "HEADER",
@@ -133,13 +135,16 @@ def cpu_demo_patches(cfg: Config) -> dict[str, dict]:
     """The tiny random Llama built in each pod that needs it (as `make run` does), small requests."""
     out: dict[str, dict] = {}
     models_tmp = {"name": "models", "persistentVolumeClaim": None, "emptyDir": {"sizeLimit": "1Gi"}}
+    # (a demo cluster may have no ReadWriteMany storage: batches live with their router pod)
+    batches_tmp: dict[str, Any] = {"name": "batches", "persistentVolumeClaim": None, "emptyDir": {}}
+    router_spec: dict = {}
     if _has_vllm(cfg):
+        router_spec = {"initContainers": [_make_model_init(cfg, cfg.kubernetes.image)], "volumes": [models_tmp]}
+    if cfg.batch.enabled:
+        router_spec["volumes"] = [*router_spec.get("volumes", []), batches_tmp]
+    if router_spec:
         p = _target(router_objects(cfg)[0])
-        p["spec"] = {
-            "template": {
-                "spec": {"initContainers": [_make_model_init(cfg, cfg.kubernetes.image)], "volumes": [models_tmp]}
-            }
-        }
+        p["spec"] = {"template": {"spec": router_spec}}
         out["router.yaml"] = p
     for g in worker_groups(cfg):
         p = _target(worker_statefulset(cfg, g))

@@ -18,6 +18,7 @@ from shared.config import Config, ConfigError, WorkerConfig, split_hostport
 
 CONFIG_DIR = "/etc/weir"
 MODELS_DIR = "/models"
+BATCH_DIR = "/var/lib/weir/batches"  # the routers' [batch] directory (kubernetes.batch_claim)
 CONFIGMAP = "weir-config"
 ROUTERS_SERVICE = "weir-routers"  # headless: one DNS record per router pod, ready or not
 WORKERS_SERVICE = "weir-workers"  # headless: the StatefulSets' governing Service
@@ -160,6 +161,8 @@ def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict:
     for m in raw["models"]:
         if m.get("path"):
             m["path"] = f"{MODELS_DIR}/{dns_name(m['name'])}"
+    if role == "router":  # (kubernetes.batch_claim's mount; the other roles never read it)
+        raw["batch"]["directory"] = BATCH_DIR
     if cfg.security.curve:  # the keys as the pods mount them (deploy/k8s_security.py)
         raw["security"]["curve_dir"] = k8s_security.CURVE_DIR
         for w in raw["workers"]:
@@ -227,6 +230,13 @@ def _config_volume() -> dict:
 
 def _models_volume(cfg: Config) -> dict:
     return {"name": "models", "persistentVolumeClaim": {"claimName": cfg.kubernetes.models_claim, "readOnly": True}}
+
+
+def _batch_volume(cfg: Config) -> dict:
+    claim = cfg.kubernetes.batch_claim
+    if not claim:
+        return {"name": "batches", "emptyDir": {}}
+    return {"name": "batches", "persistentVolumeClaim": {"claimName": claim}}
 
 
 def _has_vllm(cfg: Config) -> bool:
@@ -354,6 +364,9 @@ def router_objects(cfg: Config) -> list[dict]:
     if cfg.security.curve:  # its key pair and the public keys it lets in (Secret weir-curve-router)
         mounts.append(k8s_security.curve_mount())
         volumes.append(k8s_security.router_curve_volume(cfg, worker_groups(cfg)))
+    if cfg.batch.enabled:  # the Batch API's files and state, shared by the replicas
+        mounts.append({"name": "batches", "mountPath": BATCH_DIR})
+        volumes.append(_batch_volume(cfg))
     pod = {
         "metadata": {
             "labels": sel,

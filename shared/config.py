@@ -353,6 +353,11 @@ class KubernetesConfig(_Cfg):
     # checks stop sending it new work; its grace period adds the drain timeout.
     endpoint_propagation_s: int = 5
     models_claim: str = "weir-models"  # PVC (ReadOnlyMany) with [[models]] under /models/<name>
+    # PVC (ReadWriteMany) the router pods keep the Batch API's files and batch
+    # state on ([batch] directory, mounted at /var/lib/weir/batches): batches
+    # outlive a router pod and every replica answers for every file.  "": an
+    # emptyDir per pod instead -- batches are lost with their pod (a demo).
+    batch_claim: str = "weir-batches"
     # vLLM workers' startupProbe budget: model load + compile (the tiny model
     # ~16-25 s on an idle CPU; a 70B model from network storage: minutes).
     model_load_timeout_s: int = 900

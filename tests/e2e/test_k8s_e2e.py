@@ -205,6 +205,10 @@ def test_pods_run_as_rendered(tmp_path):
                 local = root / m["mountPath"].strip("/").replace("/", "-")
                 _mount(vol, secrets, local)
                 paths[key][m["mountPath"]] = str(local)
+            elif "persistentVolumeClaim" in vol:  # one directory for every pod, as a ReadWriteMany claim is
+                shared = tmp_path / "pvc" / vol["persistentVolumeClaim"]["claimName"]
+                shared.mkdir(parents=True, exist_ok=True)
+                paths[key][m["mountPath"]] = str(shared)
         (root / "etc-weir").mkdir(parents=True)
         for fname, text in data.items():
             for pod_path, local in paths[key].items():
@@ -274,6 +278,13 @@ def test_pods_run_as_rendered(tmp_path):
             assert r.json()["usage"]["completion_tokens"] == 4
         with pytest.raises(requests.ConnectionError):  # TLS only
             requests.post(url.replace("https", "http"), timeout=5, json={"model": SIM_MODEL, "prompt": "x"})
+        # a Batch API file uploaded through one router replica is the other's too (the batch claim)
+        up = requests.post(f"http://{ROUTER_IPS[0]}:{http}/v1/files", timeout=10, data={"purpose": "batch"},
+                           files={"file": ("in.jsonl", b'{"custom_id": "a", "method": "POST", "url": '
+                                           b'"/v1/completions", "body": {"model": "m", "prompt": "x"}}\n')})
+        assert up.status_code == 200, up.text
+        got = requests.get(f"http://{ROUTER_IPS[1]}:{http}/v1/files/{up.json()['id']}/content", timeout=10)
+        assert got.status_code == 200 and got.content.startswith(b'{"custom_id": "a"'), got.text
 
         # Envoy's preStop under a stream: the stream completes, then the listener is gone
         stream = {}

@@ -179,6 +179,37 @@ def test_configmap_views_load_and_point_at_the_routers(cfg):
     envoy_config.validate(data["envoy.yaml"])  # the real Envoy accepts it
 
 
+def _router_volumes(objs: list[dict]) -> tuple[dict, dict]:
+    spec = _by(objs, "Deployment", "weir-router")[0]["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    return mounts, {v["name"]: v for v in spec["volumes"]}
+
+
+def test_routers_keep_batches_on_the_shared_claim(cfg):
+    """Batch files and state outlive a router pod and are the same for every
+    replica: the claim is mounted where the routers' config keeps them."""
+    import msgspec
+
+    objs = k8s.built(cfg)
+    mounts, volumes = _router_volumes(objs)
+    assert mounts["batches"] == k8s.BATCH_DIR
+    assert volumes["batches"]["persistentVolumeClaim"] == {"claimName": cfg.kubernetes.batch_claim}
+    data = _by(objs, "ConfigMap")[0]["data"]
+    assert loads(data["router.toml"]).batch.directory == k8s.BATCH_DIR
+    assert loads(data["worker.toml"]).batch.directory == cfg.batch.directory  # (workers never read it)
+    demo_mounts, demo_volumes = _router_volumes(k8s.built(cfg, "cpu-demo"))
+    assert demo_mounts["batches"] == k8s.BATCH_DIR and "persistentVolumeClaim" not in demo_volumes["batches"]
+    assert demo_volumes["batches"]["emptyDir"] == {}  # a demo cluster may lack ReadWriteMany storage
+
+    raw = msgspec.to_builtins(cfg)
+    raw["kubernetes"]["batch_claim"] = ""
+    _, volumes = _router_volumes(k8s.built(msgspec.convert(raw, type(cfg))))
+    assert volumes["batches"] == {"name": "batches", "emptyDir": {}}
+    raw["batch"]["enabled"] = False
+    mounts, volumes = _router_volumes(k8s.built(msgspec.convert(raw, type(cfg))))
+    assert "batches" not in mounts and "batches" not in volumes
+
+
 def test_a_config_of_several_local_routers_renders_the_same_routing(cfg):
     """[[routers]] (and a worker's own routers list) name processes on hosts;
     in the cluster the routers are the Deployment behind its Services."""
