@@ -54,7 +54,17 @@ class EngineInfo:
 class Live:
     """One live request: where its Deltas go and what it has produced."""
 
-    __slots__ = ("emit", "prompt_tokens", "completion_tokens", "sent", "handle", "open", "engine_id", "cached")
+    __slots__ = (
+        "emit",
+        "prompt_tokens",
+        "completion_tokens",
+        "sent",
+        "handle",
+        "open",
+        "engine_id",
+        "cached",
+        "outputs",
+    )
 
     def __init__(self, emit: Emit, prompt_tokens: int, n: int = 1) -> None:
         self.emit = emit
@@ -65,6 +75,7 @@ class Live:
         self.handle: asyncio.Task[None] | None = None  # the engine's own (vLLM: its task)
         self.engine_id = ""  # the engine's id for this attempt (vLLM: unique per dispatch)
         self.cached = 0  # prompt tokens found in the prefix cache (engine's count)
+        self.outputs: object = None  # where the engine puts its outputs (vLLM: the request's collector)
 
 
 class EngineBase:

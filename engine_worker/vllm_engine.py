@@ -21,6 +21,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
@@ -28,13 +30,13 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from shared.protocol import GenerateRequest, SamplingParams, WorkerStats, pack_logprobs
 
 from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
+from .vllm_direct import DirectAsyncLLM, Hooks
 
 log = logging.getLogger(__name__)
 
@@ -44,52 +46,54 @@ RESET_RETRY_S = 0.5
 RESET_ATTEMPTS = 1200
 
 
-class _SchedulerStats:
-    """Latest scheduler numbers, written by vLLM's stat-logger hook once per engine step."""
+class _SchedulerStats(Hooks):
+    """Latest scheduler numbers, from vLLM's per-step SchedulerStats (DirectAsyncLLM's hooks)."""
 
     running = 0
     waiting = 0
     kv_usage = 0.0
     preemptions_total = 0
 
+    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
+        self.on_error = on_error  # type: ignore[method-assign]
 
-def _stats_sink(into: _SchedulerStats) -> type[PrometheusStatLogger]:
-    """What the heartbeat needs of vLLM's per-step stats, kept and nothing else.
+    def on_step(self, scheduler_stats: Any, preempted: int) -> None:
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            self.kv_usage = scheduler_stats.kv_cache_usage
+        self.preemptions_total += preempted
 
-    A subclass of ``PrometheusStatLogger`` because AsyncLLM adds vLLM's own
-    Prometheus logger unless one of the loggers it is given is one: the
-    worker serves no vLLM metrics (the router's ``/metrics`` has weir's), and
-    that logger's per-step gauge, counter and histogram updates were ~4 %% of
-    the worker's CPU samples under load (py-spy, 20 req/s on the tiny model).
-    Its ``__init__`` is not called: it would register every vLLM series."""
 
-    class StatsSink(PrometheusStatLogger):
-        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
-            self.engine_indexes = engine_indexes or [0]
+class _StatsOn(PrometheusStatLogger):
+    """A stat logger that records nothing, handed to AsyncLLM so that vLLM's
+    EngineCore sends its per-step scheduler stats (the heartbeat's running,
+    waiting and KV use) and AsyncLLM adds no Prometheus logger of its own.
 
-        def record(
-            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
-        ) -> None:
-            if scheduler_stats is not None:
-                into.running = scheduler_stats.num_running_reqs
-                into.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
-                into.kv_usage = scheduler_stats.kv_cache_usage
-            if iteration_stats is not None:
-                into.preemptions_total += iteration_stats.num_preempted_reqs
+    A ``PrometheusStatLogger`` subclass because AsyncLLM adds vLLM's Prometheus
+    logger unless one of the loggers it is given is one: its per-step updates
+    were ~4 %% of the worker's CPU samples (py-spy, 20 req/s on the tiny model),
+    and the worker serves no vLLM metrics.  Its ``__init__`` is not called: it
+    would register every vLLM series.  DirectAsyncLLM's handler reads the
+    stats itself and never calls a logger."""
 
-        def log(self) -> None:
-            pass
+    def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = engine_indexes or [0]
 
-        def log_engine_initialized(self) -> None:
-            pass
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
-        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
-            pass
+    def log(self) -> None:
+        pass
 
-        def record_admission_rejection(self, reason: str) -> None:
-            pass
+    def log_engine_initialized(self) -> None:
+        pass
 
-    return StatsSink
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
 
 
 class VllmEngine(EngineBase):
@@ -136,11 +140,11 @@ class VllmEngine(EngineBase):
                 else {"gpu_memory_utilization": gpu_memory_utilization}
             ),
         )
-        self.engine: AsyncLLM | None = None
+        self.engine: DirectAsyncLLM | None = None
         self._loop: asyncio.AbstractEventLoop  # the worker's, from start() on
         self._background: set[asyncio.Task[None]] = set()  # keeps abort tasks referenced until done
         self._resetting: asyncio.Task[None] | None = None  # a prefix-cache reset waiting for an idle cache
-        self._sched = _SchedulerStats()
+        self._sched = _SchedulerStats(self._engine_failed)
         self._aborted: list[str] = []  # engine ids to abort inside vLLM, batched per loop turn
         self._attempts = 0  # numbers each dispatch's engine id
 
@@ -148,7 +152,14 @@ class VllmEngine(EngineBase):
         # Blocks the loop while the EngineCore loads (~16 s for the tiny model on
         # CPU); the worker has not connected to the router yet, so nothing waits.
         self._loop = asyncio.get_running_loop()
-        self.engine = AsyncLLM.from_engine_args(self.args, stat_loggers=[_stats_sink(self._sched)])
+        self.engine = DirectAsyncLLM.from_engine_args(self.args, stat_loggers=[_StatsOn])
+        self.engine.set_hooks(self._sched)
+        # vLLM reads its settings from the environment on every access (~5 %% of
+        # the worker's CPU samples under load, most per token); its EngineCore
+        # caches them once started, and so does this process from here on.
+        from vllm.envs import enable_envs_cache
+
+        enable_envs_cache()
         vc = self.engine.vllm_config
         cache = vc.cache_config
         # vLLM's BlockPool keeps one block as its "null block": usable KV is one block less.
@@ -201,18 +212,17 @@ class VllmEngine(EngineBase):
     def _start(self, req: GenerateRequest, live: Live) -> None:
         # The router may send a request id again to this worker right after
         # aborting it (a stalled job moved, and this is the only worker of its
-        # model): vLLM aborts by id, so the earlier attempt's abort -- batched,
-        # or from its cancelled generator -- must not hit the new attempt.
+        # model): vLLM aborts by id, so the earlier attempt's abort (batched)
+        # must not hit the new attempt.
         self._attempts += 1
         live.engine_id = f"{req.request_id}#{self._attempts}"
-        live.handle = self._loop.create_task(self._generate(req, live))
+        live.handle = self._loop.create_task(self._add(req, live))
 
     def _stop(self, rid: str, live: Live) -> None:
         # Its final Delta goes out now (EngineBase.abort); whatever vLLM still
-        # yields for this id is dropped by _generate (it is no longer live).
-        self._aborted.append(live.engine_id)
-        if len(self._aborted) == 1 and self.engine is not None:
-            self._loop.call_soon(self._abort_in_engine)
+        # has for it goes nowhere: its sink leaves with it.
+        self._drop_sink(live)
+        self._abort_later(live.engine_id)
 
     def stats(self) -> WorkerStats:
         s = self._sched
@@ -234,18 +244,46 @@ class VllmEngine(EngineBase):
         )
 
     async def shutdown(self) -> None:
-        tasks = [live.handle for live in self._live.values() if live.handle is not None]
+        live = list(self._live.values())
         self._live.clear()
-        for t in tasks:
+        adding = [x.handle for x in live if x.handle is not None and not x.handle.done()]
+        for t in adding:
             t.cancel()
-        if tasks:  # let them abort inside vLLM while it still runs
-            await asyncio.wait(tasks, timeout=5)
         if self.engine is not None:
+            self.engine.sinks.clear()
+            ids = [x.engine_id for x in live if x.engine_id]
+            if ids:  # abort them inside vLLM while it still runs
+                try:
+                    await asyncio.wait_for(self.engine.abort(ids), timeout=5)
+                except Exception:  # noqa: BLE001 -- shutting down: the engine goes next anyway
+                    log.warning("aborting %d requests at shutdown failed", len(ids))
             self.engine.shutdown()
             self.engine = None
         shutil.rmtree(self._kv_dir, ignore_errors=True)
 
     # -- internals ---------------------------------------------------------
+
+    def _abort_later(self, engine_id: str) -> None:
+        """Abort inside vLLM, batched with the other aborts of this loop turn."""
+        self._aborted.append(engine_id)
+        if len(self._aborted) == 1 and self.engine is not None:
+            self._loop.call_soon(self._abort_in_engine)
+
+    def _engine_failed(self, e: BaseException) -> None:
+        """DirectAsyncLLM's handler stopped (the EngineCore died, or vLLM
+        failed): no output comes any more, so every generating request ends
+        and the worker exits to be restarted."""
+        self.fatal_error = e
+        err = (
+            engine_error("The inference engine stopped; please retry.", unavailable=True)
+            if isinstance(e, EngineDeadError)
+            else engine_error(f"Internal error in the engine: {type(e).__name__}")
+        )
+        for rid, live in list(self._live.items()):
+            if live.outputs is not None:
+                self._fail(rid, live, err)
+        if self.engine is not None:
+            self.engine.sinks.clear()
 
     def _abort_in_engine(self) -> None:
         ids, self._aborted = self._aborted, []
@@ -273,71 +311,80 @@ class VllmEngine(EngineBase):
         (engine_input,) = await engine.renderer.render_cmpl_async([{"prompt_token_ids": req.prompt_token_ids}])
         return engine, engine_input
 
-    async def _generate(self, req: GenerateRequest, live: Live) -> None:
+    async def _add(self, req: GenerateRequest, live: Live) -> None:
+        """Hand the request to vLLM; its outputs then come to ``_deliver``
+        from DirectAsyncLLM's handler, once per engine step."""
         rid = req.request_id
-        p = req.params
         try:
             engine, engine_input = await self._render(req)
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
-            params = vllm_params(p)
-            k = p.logprobs
-            outputs = engine.generate(engine_input, params, live.engine_id, priority=req.priority)
-            try:
-                async for out in outputs:
-                    if not self._is_live(rid, live):
-                        break  # aborted: closing the generator aborts it inside vLLM too
-                    prompt_tokens = len(out.prompt_token_ids or ())
-                    cached = out.num_cached_tokens or 0
-                    for c in out.outputs:
-                        if c.finish_reason in ("error", "abort"):
-                            # Not our abort (that one left the live table): vLLM
-                            # gave up on it -- an error, never an empty "stop".
-                            self._fail(
-                                rid,
-                                live,
-                                engine_error(
-                                    f"The engine {_GAVE_UP[c.finish_reason]} this request; please retry.",
-                                    unavailable=True,
-                                ),
-                            )
-                            return
-                        finish = c.finish_reason
-                        if finish is None and out.finished and p.n == 1:
-                            finish = "stop"
-                        ids = list(c.token_ids)
-                        stop_reason = c.stop_reason if finish is not None else None
-                        values, top = (b"", None) if k is None or not ids else _pack(c.logprobs, ids, k)
-                        self._output(
-                            rid,
-                            live,
-                            c.text,
-                            ids,
-                            finish,
-                            prompt_tokens,
-                            c.index,
-                            values,
-                            top,
-                            cached_tokens=cached,
-                            stop_reason=stop_reason,
-                        )
-                    if out.finished:
-                        if self._is_live(rid, live):  # a choice vLLM never ended (should not happen)
-                            self._fail(
-                                rid,
-                                live,
-                                engine_error("The engine ended the request without ending all of its choices."),
-                            )
-                        return
-            finally:
-                await outputs.aclose()
+            outputs = await engine.add_request(
+                live.engine_id, engine_input, vllm_params(req.params), priority=req.priority
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._failed(rid, live, e)
-        else:
-            # Stream ended without a finished output (should not happen): still end it once.
-            self._fail(rid, live, engine_error("The engine ended the request without a result."))
+            return
+        finally:
+            live.handle = None
+        if not self._is_live(rid, live):
+            # Aborted while vLLM took it: that abort found nothing to abort.
+            self._abort_later(live.engine_id)
+            return
+        live.outputs = outputs
+        engine.sinks[outputs] = partial(self._deliver, rid, live, req.params.logprobs, req.params.n)
+        early = outputs.get_nowait()  # a step that ran before the sink was in place
+        if early is not None:
+            self._deliver(rid, live, req.params.logprobs, req.params.n, early)
+
+    def _deliver(self, rid: str, live: Live, k: int | None, n: int, out: Any) -> None:
+        """One engine step's output of a request (all of its choices that moved)."""
+        if not self._is_live(rid, live):
+            return  # aborted: its sink is on its way out
+        prompt_tokens = len(out.prompt_token_ids or ())
+        cached = out.num_cached_tokens or 0
+        for c in out.outputs:
+            if c.finish_reason in ("error", "abort"):
+                # Not our abort (that one left the live table): vLLM gave up
+                # on it -- an error, never an empty "stop".
+                self._drop_sink(live)
+                self._fail(
+                    rid,
+                    live,
+                    engine_error(
+                        f"The engine {_GAVE_UP[c.finish_reason]} this request; please retry.", unavailable=True
+                    ),
+                )
+                return
+            finish = c.finish_reason
+            if finish is None and out.finished and n == 1:
+                finish = "stop"
+            ids = list(c.token_ids)
+            stop_reason = c.stop_reason if finish is not None else None
+            values, top = (b"", None) if k is None or not ids else _pack(c.logprobs, ids, k)
+            self._output(
+                rid,
+                live,
+                c.text,
+                ids,
+                finish,
+                prompt_tokens,
+                c.index,
+                values,
+                top,
+                cached_tokens=cached,
+                stop_reason=stop_reason,
+            )
+        if out.finished:
+            self._drop_sink(live)
+            if self._is_live(rid, live):  # a choice vLLM never ended (should not happen)
+                self._fail(rid, live, engine_error("The engine ended the request without ending all of its choices."))
+
+    def _drop_sink(self, live: Live) -> None:
+        if self.engine is not None and live.outputs is not None:
+            self.engine.sinks.pop(live.outputs, None)  # type: ignore[call-overload]
 
     def _failed(self, rid: str, live: Live, e: Exception) -> None:
         """A request's end when vLLM raised: a 400 for what it refused, 503 if
