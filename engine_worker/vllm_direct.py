@@ -101,12 +101,12 @@ class DirectAsyncLLM(AsyncLLM):
                                 for mm_hash in eco.mm_cache_miss_hashes or ():
                                     mm_cache.invalidate(mm_hash)
                         for queue, sink in touched.items():
-                            out = queue.get_nowait()
-                            if out is not None:
-                                try:
+                            try:
+                                out = queue.get_nowait()
+                                if out is not None:
                                     sink(out)
-                                except Exception:  # one request's bug must not stop every stream
-                                    log.exception("delivering a vLLM output failed")
+                            except Exception:  # one request's fault must not stop every stream
+                                log.exception("delivering a vLLM output failed")
                         if end < len(step):
                             await asyncio.sleep(0)  # other tasks run between chunks
                         if processed.reqs_to_abort:  # ended by a stop string
