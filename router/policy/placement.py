@@ -106,21 +106,34 @@ class ScoredPlacement:
     # ------------------------------------------------------------ placement
 
     def place(
-        self, m: ModelState, e: Entry, exclude: set[str], due: bool, now: float, again: bool = False
+        self,
+        m: ModelState,
+        e: Entry,
+        exclude: set[str],
+        due: bool,
+        now: float,
+        again: bool = False,
+        limit: float = -1.0,
     ) -> Placed | None:
         """Best worker that can take ``e`` now and its KV cost there, or None.
+        ``limit``: its class's cap if the caller has it (``room_below_cap``).
 
         Runs once per dispatch and per worker, so the checks of ``gpu_ok``
         and ``pool_ok`` are inlined and KV costs computed once per block size."""
-        limit = 1.0 if due else self.limit(m, e.rank, now)
+        if due:
+            limit = 1.0
+        elif limit < 0.0:
+            limit = self.limit(m, e.rank, now)
         size = e.size
         candidates, complete = self.candidates(m, size, again, limit)
         if not candidates:
             return None  # no worker with a free slot below the class's cap
         job = e.job
-        prompt = max(1, job.prompt_tokens)
+        prompt = job.prompt_tokens
+        if prompt < 1:
+            prompt = 1
         max_tokens = job.max_tokens
-        total = prompt + max(0, max_tokens)
+        total = prompt + (max_tokens if max_tokens > 0 else 0)
         own_pool = POOL_SHORT if size == SHORT else POOL_LONG
         floor = self.cfg.gpu_free_floor_bytes
         may_borrow = self.cfg.borrow_idle_long
@@ -193,7 +206,7 @@ class ScoredPlacement:
             # slots): one more draw, then it waits this pass.  (Short of slots
             # or class headroom, a redraw rarely finds better and doubled the
             # cost of a miss: 187 -> ~120 us a request at 100,000 queued.)
-            return self.place(m, e, exclude, due, now, again=True)
+            return self.place(m, e, exclude, due, now, True, limit)
         if cands and best is not None and hits:
             return self.affine(cands, best_pref, best_score, hits, prompt)
         return best
@@ -253,12 +266,15 @@ class ScoredPlacement:
                 i -= n
         return out, False
 
-    def room_below_cap(self, m: ModelState, rank: int, now: float) -> bool:
-        """Has any worker of the model a free slot below class ``rank``'s seq
-        cap now?  If not, no head of it, or of a class below it (whose cap is
-        no higher), can be placed until a job ends: the dispatch pass stops."""
+    def room_below_cap(self, m: ModelState, rank: int, now: float) -> float:
+        """Class ``rank``'s cap (``limit``) if any worker of the model has a
+        free slot below it now, else -1.0: then no head of the class, or of
+        a class below it (whose cap is no higher), can be placed until a job
+        ends, and the dispatch pass stops."""
         limit = self.limit(m, rank, now)
-        return limit >= 1.0 or m.free.below_cap(ALL_POOLS, limit)[1] > 0
+        if limit >= 1.0 or m.free.below_cap(ALL_POOLS, limit)[1] > 0:
+            return limit
+        return -1.0
 
     def reserve_target(self, m: ModelState, e: Entry, exclude: set[str]) -> str | None:
         """The worker a due head is waiting for: the eligible one closest to fitting it."""
