@@ -30,9 +30,10 @@ def kv_cost(prompt_tokens: int, max_tokens: int, block_size: int, n: int = 1, sh
     token short of the prompt) -- so those are counted once.  Measured on
     vLLM 0.32 (CPU, block 128): a 130-token prompt, max_tokens 30, n=4 peaked
     at 5 blocks (1 shared + 4), n=1 at 2; without sharing it would be 8."""
-    prompt = max(1, prompt_tokens)
-    mt = max(0, max_tokens)
-    bs = max(1, block_size)
+    # (conditionals, not max(): this runs at every admission and placement)
+    prompt = prompt_tokens if prompt_tokens > 1 else 1
+    mt = max_tokens if max_tokens > 0 else 0
+    bs = block_size if block_size > 1 else 1
     if n <= 1:
         return -(-(prompt + mt) // bs) * bs
     shared = ((prompt - 1) // bs) * bs if shared_prompt else 0

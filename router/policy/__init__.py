@@ -55,12 +55,15 @@ Model of the world
   worker id, which keeps runs deterministic.
 * **Placement cost.**  Up to ``PLACE_SCAN_ALL`` workers of a model every
   worker is scored, as above.  Beyond, the policy keeps, per model and pool,
-  the set of workers with a free sequence slot (updated in O(1) at each
-  dispatch, release and heartbeat) and scores ``PLACE_SAMPLE`` drawn at
-  random from the sets the job may use (a second draw if none fits), so
-  placement costs the same at 1,024 workers as at 16 -- the power of k
-  choices, as SMG's router does; a seeded generator keeps runs
-  deterministic.  A head that fits none drawn is skipped this pass
+  the set of workers with a free sequence slot, sorted by the sequences each
+  holds (``FreeSlots``: O(1) upkeep at each dispatch and release, O(change)
+  at a heartbeat), and scores ``PLACE_SAMPLE`` drawn at random from those of
+  the sets the job may use that are below its class's seq cap (a prefix of
+  each set; a second draw if none fits), so placement costs the same at
+  1,024 workers as at 16 -- the power of k choices, as SMG's router does; a
+  seeded generator keeps runs deterministic.  No worker below the cap: the
+  head waits without a draw, and the pass stops (every queue left is of
+  that class or a lower one).  A head that fits none drawn is skipped this pass
   (backfill), and once due the closest worker is reserved for it
   (``reserve_target``, a full scan, only then).  The workers whose cache
   holds the job's prefix (below) are scored beside those drawn.

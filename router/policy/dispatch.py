@@ -79,6 +79,7 @@ class Dispatcher:
     def _dispatch_model(self, m: ModelState, now: float, actions: list[Action]) -> None:
         order = self.order
         place = self.placement.place
+        room = self.placement.room_below_cap
         mq = m.queues
         skipped: set[QueueKey] = set()
         reserved: set[str] = set()
@@ -92,7 +93,17 @@ class Dispatcher:
             if e is None:  # only dead entries were left
                 skipped.add(order.key(q.rank, q.size))
                 continue
-            placed = place(m, e, reserved, due, now)
+            limit = -1.0
+            if not due and order.backfill:
+                limit = room(m, q.rank, now)
+                if limit < 0.0:
+                    # No worker has a free slot below this class's cap.  No due
+                    # queue is left (the order serves them first, and none
+                    # becomes due within a pass), and every other queue is of
+                    # this class or a lower one, whose cap is no higher: each
+                    # head would miss.
+                    return
+            placed = place(m, e, reserved, due, now, False, limit)
             if placed is not None:
                 w, cost = placed
                 both = order.sizes_compete(mq, q, skipped)

@@ -20,6 +20,8 @@ from router.prefix_index import PrefixIndex
 from shared.config import SchedulerConfig
 from shared.protocol import Pool
 
+ALL_POOLS = (POOL_SHORT, POOL_ANY, POOL_LONG)
+
 # (worker, its KV cost there)
 Placed = tuple[WorkerState, int]
 # (pool preference, score, worker, cost): the candidates prefix affinity chooses among
@@ -37,6 +39,10 @@ class ScoredPlacement:
         self.affinity = cfg.prefix_affinity
         self.rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
         self.scan_all: float = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
+        # the pools a job of each size may use, in order of preference
+        self.long_pools = (POOL_LONG, POOL_ANY)
+        borrows = self.short_borrows_freely or cfg.borrow_idle_long
+        self.short_pools = (POOL_SHORT, POOL_ANY, POOL_LONG) if borrows else (POOL_SHORT, POOL_ANY)
 
     # ------------------------------------------------------------ checks
 
@@ -100,18 +106,34 @@ class ScoredPlacement:
     # ------------------------------------------------------------ placement
 
     def place(
-        self, m: ModelState, e: Entry, exclude: set[str], due: bool, now: float, again: bool = False
+        self,
+        m: ModelState,
+        e: Entry,
+        exclude: set[str],
+        due: bool,
+        now: float,
+        again: bool = False,
+        limit: float = -1.0,
     ) -> Placed | None:
         """Best worker that can take ``e`` now and its KV cost there, or None.
+        ``limit``: its class's cap if the caller has it (``room_below_cap``).
 
         Runs once per dispatch and per worker, so the checks of ``gpu_ok``
         and ``pool_ok`` are inlined and KV costs computed once per block size."""
-        job = e.job
-        prompt = max(1, job.prompt_tokens)
-        max_tokens = job.max_tokens
-        total = prompt + max(0, max_tokens)
-        limit = 1.0 if due else self.limit(m, e.rank, now)
+        if due:
+            limit = 1.0
+        elif limit < 0.0:
+            limit = self.limit(m, e.rank, now)
         size = e.size
+        candidates, complete = self.candidates(m, size, again, limit)
+        if not candidates:
+            return None  # no worker with a free slot below the class's cap
+        job = e.job
+        prompt = job.prompt_tokens
+        if prompt < 1:
+            prompt = 1
+        max_tokens = job.max_tokens
+        total = prompt + (max_tokens if max_tokens > 0 else 0)
         own_pool = POOL_SHORT if size == SHORT else POOL_LONG
         floor = self.cfg.gpu_free_floor_bytes
         may_borrow = self.cfg.borrow_idle_long
@@ -126,7 +148,6 @@ class ScoredPlacement:
         best_pref = -1
         best_score = 0.0
         score_of = self.scorer(m)
-        candidates, complete = self.candidates(m, size, again)
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
         cands: list[Candidate] | None = [] if hits else None  # affinity chooses among them
         if hits and not complete:  # a sample: the workers holding the prefix are scored too
@@ -185,7 +206,7 @@ class ScoredPlacement:
             # slots): one more draw, then it waits this pass.  (Short of slots
             # or class headroom, a redraw rarely finds better and doubled the
             # cost of a miss: 187 -> ~120 us a request at 100,000 queued.)
-            return self.place(m, e, exclude, due, now, again=True)
+            return self.place(m, e, exclude, due, now, True, limit)
         if cands and best is not None and hits:
             return self.affine(cands, best_pref, best_score, hits, prompt)
         return best
@@ -209,47 +230,51 @@ class ScoredPlacement:
                 best, best_total = (w, cost), total
         return best
 
-    def candidates(self, m: ModelState, size: int, again: bool) -> tuple[Collection[WorkerState], bool]:
+    def candidates(
+        self, m: ModelState, size: int, again: bool, limit: float = 1.0
+    ) -> tuple[Collection[WorkerState], bool]:
         """The workers ``place`` scores, and whether they are all it could:
         every worker of a small fleet (in id order), else PLACE_SAMPLE from
         the free sets of the pools a job of this size may use, in order of
-        preference (a short job: short, any, long) -- a pool's whole set while
-        it is smaller than what is left to draw -- or, the second time
-        (``again``), drawn across all of them alike."""
+        preference (a short job: short, any, long), each cut to the workers
+        below the class's seq cap ``limit`` (a prefix: the sets are sorted by
+        occupancy) -- a pool's whole cut while it is smaller than what is
+        left to draw -- or, the second time (``again``), drawn across all of
+        them alike.  No worker below the cap anywhere: none, at once."""
         if len(m.workers) <= self.scan_all:
             return m.workers.values(), True
-        free = m.free
-        if size == LONG:
-            pools: tuple[list[WorkerState], ...] = (free[POOL_LONG], free[POOL_ANY])
-        elif self.short_borrows_freely or self.cfg.borrow_idle_long:
-            pools = (free[POOL_SHORT], free[POOL_ANY], free[POOL_LONG])
-        else:
-            pools = (free[POOL_SHORT], free[POOL_ANY])
-        total = 0
-        for p in pools:
-            total += len(p)
+        pools, total = m.free.below_cap(self.long_pools if size == LONG else self.short_pools, limit)
         if total <= PLACE_SAMPLE:
-            return [w for p in pools for w in p], True
+            return [w for p, n in pools for w in p[:n]], True
         draw = self.rng.random  # (int(draw() * n): a third of randrange's cost)
         out: list[WorkerState] = []
         if not again:
-            for p in pools:
+            for p, n in pools:
                 left = PLACE_SAMPLE - len(out)
-                n = len(p)
                 if n <= left:
-                    out.extend(p)
+                    out.extend(p[:n])
                 else:
                     out.extend([p[int(draw() * n)] for _ in range(left)])
                     break
             return out, False
         for _ in range(PLACE_SAMPLE):
             i = int(draw() * total)
-            for p in pools:
-                if i < len(p):
+            for p, n in pools:
+                if i < n:
                     out.append(p[i])
                     break
-                i -= len(p)
+                i -= n
         return out, False
+
+    def room_below_cap(self, m: ModelState, rank: int, now: float) -> float:
+        """Class ``rank``'s cap (``limit``) if any worker of the model has a
+        free slot below it now, else -1.0: then no head of the class, or of
+        a class below it (whose cap is no higher), can be placed until a job
+        ends, and the dispatch pass stops."""
+        limit = self.limit(m, rank, now)
+        if limit >= 1.0 or m.free.below_cap(ALL_POOLS, limit)[1] > 0:
+            return limit
+        return -1.0
 
     def reserve_target(self, m: ModelState, e: Entry, exclude: set[str]) -> str | None:
         """The worker a due head is waiting for: the eligible one closest to fitting it."""

@@ -1,5 +1,5 @@
 """The policy's own records: one per job it holds, one per worker, and the
-per-pool sets of workers with a free slot."""
+per-pool sets of workers with a free slot, ordered by occupancy."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class WorkerState:
         "other_tokens",
         "other_seqs",
         "free_at",
+        "free_key",
     )
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
@@ -69,34 +70,94 @@ class WorkerState:
         self.other_tokens = 0
         self.other_seqs = 0
         self.free_at = -1  # its index in its model's free set of its pool (-1: full or unhealthy)
+        self.free_key = -1  # the sequences it held when last placed in that set's order (-1: not there)
 
 
 class FreeSlots(dict[int, list[WorkerState]]):
-    """Per pool: a model's healthy workers with a free sequence slot, in no
-    order (swap-remove: O(1) updates), for placement in large fleets."""
+    """Per pool: a model's healthy workers with a free sequence slot, sorted
+    by the sequences each holds (its own and other routers'), so that those
+    below a class's seq cap are a prefix of the list and placement draws
+    among them only.  ``starts[pool][k]``: how many hold fewer than ``k``,
+    for ``k`` up to the most slots any worker of the pool has had.
 
-    __slots__ = ()
+    A worker's count moves by one at a dispatch or a release: it swaps with
+    the edge of its bucket, O(1); a heartbeat that moves other routers' share
+    by ``d`` costs O(d), joining or leaving the set O(slots - count)."""
+
+    __slots__ = ("starts",)
 
     def __init__(self) -> None:
         super().__init__({POOL_ANY: [], POOL_SHORT: [], POOL_LONG: []})
+        self.starts: dict[int, list[int]] = {POOL_ANY: [0], POOL_SHORT: [0], POOL_LONG: [0]}
 
     def touch(self, w: WorkerState) -> None:
         """``w``'s running count, health or other routers' share changed: keep
-        the sets right."""
-        free = w.healthy and len(w.running) + w.other_seqs < w.slots
-        i = w.free_at
-        if free == (i >= 0):
+        the sets and their order right."""
+        n = len(w.running) + w.other_seqs
+        k = w.free_key
+        if k == n and w.healthy:
+            return  # free and still in its place (a count is never -1)
+        free = w.healthy and n < w.slots
+        if not free and k < 0:
             return
-        lst = self[int(w.spec.pool)]
-        if free:
+        pool = int(w.spec.pool)
+        lst = self[pool]
+        starts = self.starts[pool]
+        top = len(starts) - 1
+        if k < 0:  # joins: at the end (bucket ``top``), then down to its count
+            if w.slots > top:
+                starts.extend([len(lst)] * (w.slots - top))
+                top = w.slots
             w.free_at = len(lst)
             lst.append(w)
+            k = top
+        if not free:
+            n = top  # leaves: up to the last bucket, where it is the last one
+        while k < n:  # one bucket up: swap with the last of its bucket
+            j = starts[k + 1] - 1
+            self._swap(lst, w, j)
+            starts[k + 1] = j
+            k += 1
+        while k > n:  # one bucket down: swap with the first of its bucket
+            j = starts[k]
+            self._swap(lst, w, j)
+            starts[k] = j + 1
+            k -= 1
+        if free:
+            w.free_key = n
         else:
-            last = lst.pop()
-            if last is not w:
-                lst[i] = last
-                last.free_at = i
-            w.free_at = -1
+            lst.pop()
+            w.free_at = w.free_key = -1
+
+    @staticmethod
+    def _swap(lst: list[WorkerState], w: WorkerState, j: int) -> None:
+        i = w.free_at
+        if i != j:
+            other = lst[j]
+            lst[i], lst[j] = other, w
+            other.free_at, w.free_at = i, j
+
+    def below_cap(self, pools: tuple[int, ...], limit: float) -> tuple[list[tuple[list[WorkerState], int]], int]:
+        """Per pool of ``pools`` with any: its free set and how many of them
+        (a prefix) hold fewer sequences than class cap ``limit`` (a fraction
+        of seq slots) allows on the largest worker the pool has had --
+        exactly those under their own cap where the pool's workers have as
+        many slots, else a superset; and their total."""
+        out = []
+        total = 0
+        for pool in pools:
+            lst = self[pool]
+            n = len(lst)
+            if n and limit < 1.0:
+                starts = self.starts[pool]
+                top = len(starts) - 1
+                cap = max(1, int(top * limit))
+                if cap < top:
+                    n = starts[cap]
+            if n:
+                out.append((lst, n))
+                total += n
+        return out, total
 
     def any_free(self) -> bool:
         return bool(self[POOL_ANY] or self[POOL_SHORT] or self[POOL_LONG])

@@ -78,8 +78,7 @@ class Ledger:
         e.cost = cost
         w.running[e.job.job_id] = cost
         w.reserved += cost
-        if len(w.running) + w.other_seqs >= w.slots:
-            m.free.touch(w)
+        m.free.touch(w)  # one bucket up in its free set, or out of it
 
     def release(self, e: Entry, now: float, count_rate: bool) -> None:
         """``e`` ended: its reservation goes back (``count_rate``: a completion,
@@ -90,8 +89,7 @@ class Ledger:
         if w is not None and w.running.pop(e.job.job_id, None) is not None:
             w.reserved -= e.cost
             m = self.model(w.spec.model)
-            if w.free_at < 0:
-                m.free.touch(w)
+            m.free.touch(w)  # one bucket down in its free set, or into it
             if count_rate:
                 m.totals.meter.add(now, e.tokens)
         self.counters["released"] += 1

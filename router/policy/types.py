@@ -35,8 +35,9 @@ DEFAULT_PREFILL_TOKEN_S = SimEngineConfig().prefill_token_us / 1e6
 DEFAULT_REQUEST_S = SimEngineConfig().admit_request_us / 1e6
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 3600.0
 # Placement: up to this many workers of a model, score each one; beyond,
-# score PLACE_SAMPLE drawn from those with a free slot (bench/scenarios/placement.py:
-# the per-request cost then stays flat from 16 to 1,024 workers).
+# score PLACE_SAMPLE drawn from those with a free slot below the job's class
+# cap (bench/scenarios/placement.py: the per-request cost then stays flat
+# from 16 to 1,024 workers).
 PLACE_SCAN_ALL = 16
 PLACE_SAMPLE = 4
 

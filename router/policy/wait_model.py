@@ -148,7 +148,8 @@ class AdmissionTotals:
         if now is not None:
             self.meter.set_busy(now, self.queued > 0)
         self.tokens[r] += sign * e.tokens
-        self.decode[r] += sign * max(0, e.job.max_tokens)
+        mt = e.job.max_tokens
+        self.decode[r] += sign * (mt if mt > 0 else 0)  # max(0, mt), without the call
         tab = self.tenants[r]
         t = e.job.tenant
         row = tab.get(t)
