@@ -61,7 +61,7 @@ class DirectAsyncLLM(AsyncLLM):
         self._hooks[0] = hooks
 
     def _run_output_handler(self) -> None:
-        if self.output_handler is not None:
+        if getattr(self, "output_handler", None) is not None:
             return
         # Locals only, as in AsyncLLM: the task must not hold the engine alive.
         engine_core = self.engine_core

@@ -55,7 +55,10 @@ class _SchedulerStats(Hooks):
     preemptions_total = 0
 
     def __init__(self, on_error: Callable[[BaseException], None]) -> None:
-        self.on_error = on_error  # type: ignore[method-assign]
+        self._on_error = on_error
+
+    def on_error(self, e: BaseException) -> None:
+        self._on_error(e)
 
     def on_step(self, scheduler_stats: Any, preempted: int) -> None:
         if scheduler_stats is not None:
@@ -384,7 +387,7 @@ class VllmEngine(EngineBase):
 
     def _drop_sink(self, live: Live) -> None:
         if self.engine is not None and live.outputs is not None:
-            self.engine.sinks.pop(live.outputs, None)  # type: ignore[call-overload]
+            self.engine.sinks.pop(live.outputs, None)
 
     def _failed(self, rid: str, live: Live, e: Exception) -> None:
         """A request's end when vLLM raised: a 400 for what it refused, 503 if
