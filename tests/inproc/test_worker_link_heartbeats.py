@@ -1,0 +1,118 @@
+"""The router's heartbeats to its workers, on a real backend socket in this
+process with DEALERs as the workers: a tick sends them a slice per loop turn
+(a large fleet's heartbeats in one callback held the loop), every linked
+worker still gets one, and one that leaves between slices gets none."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import zmq
+
+from router import worker_link
+from router.metrics import RouterMetrics
+from router.worker_link import WorkerLink
+from shared.config import RouterConfig
+from shared.protocol import Heartbeat, Pool, Register, encoder, to_worker_decoder
+from shared.transport import SocketPump
+
+
+class Events:  # the lifecycle's side: only what a tick and a registration ask
+    def serves(self, model):
+        return True
+
+    def worker_joined(self, reg):
+        pass
+
+    def worker_stats(self, *a, **k):
+        pass
+
+    def running_on(self, worker_id):
+        return []
+
+    def worker_left(self, *a):
+        pass
+
+
+class CountingPump(SocketPump):
+    def __init__(self, loop):
+        super().__init__(loop)
+        self.sent: list[bytes] = []  # identities, in the order sent
+
+    def send(self, sock, frames):
+        self.sent.append(bytes(frames[0]))
+        super().send(sock, frames)
+
+
+def test_a_tick_heartbeats_every_worker_a_slice_per_loop_turn(monkeypatch):
+    monkeypatch.setattr(worker_link, "HEARTBEATS_PER_TURN", 4)
+    n = 10
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        pump = CountingPump(loop)
+        # a long interval: only the ticks this test runs
+        cfg = RouterConfig(backend=f"tcp://127.0.0.1:{port}", heartbeat_interval_s=60)
+        link = WorkerLink(cfg, loop, pump, RouterMetrics())
+        link.serve(Events())
+        ctx = zmq.Context()
+        dealers = []
+        try:
+            for i in range(n):
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.IDENTITY, f"w-{i}".encode())
+                d.setsockopt(zmq.LINGER, 0)
+                d.connect(f"tcp://127.0.0.1:{port}")
+                reg = Register(
+                    worker_id=f"w-{i}",
+                    model="m",
+                    pool=Pool.ANY,
+                    max_model_len=64,
+                    kv_capacity_tokens=64,
+                    block_size=16,
+                    max_num_seqs=2,
+                    engine="sim",
+                )
+                d.send(encoder.encode(reg))
+                dealers.append(d)
+            for _ in range(500):
+                if len(link.workers) == n:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(link.workers) == n
+            for d in dealers:  # the heartbeat that answers a registration
+                assert isinstance(to_worker_decoder.decode(await recv(d)), Heartbeat)
+            pump.sent.clear()
+
+            link._heartbeat_tick()
+            assert pump.sent == [b"w-0", b"w-1", b"w-2", b"w-3"]  # one slice in the tick's own turn
+            link._remove(link.workers["w-5"], "goodbye")  # leaves before its slice goes out
+            await asyncio.sleep(0)
+            assert len(pump.sent) == 7  # the next slice: w-4, w-6, w-7 (not w-5)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert pump.sent == [f"w-{i}".encode() for i in range(n) if i != 5]
+            for i, d in enumerate(dealers):
+                if i != 5:
+                    assert isinstance(to_worker_decoder.decode(await recv(d)), Heartbeat)
+            await asyncio.sleep(0.05)
+            assert not dealers[5].poll(0)  # a worker that left got no heartbeat
+        finally:
+            link.close()
+            for d in dealers:
+                d.close(0)
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
+async def recv(d: zmq.Socket, timeout_s: float = 5.0) -> bytes:
+    for _ in range(int(timeout_s / 0.01)):
+        if d.poll(0):
+            return d.recv()
+        await asyncio.sleep(0.01)
+    raise AssertionError("no message")
