@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import vllm.envs as envs
 from vllm.v1.engine import EngineCoreEventType
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.output_processor import RequestOutputCollector
@@ -70,8 +71,6 @@ class DirectAsyncLLM(AsyncLLM):
         sinks = self.sinks
         hooks = self._hooks
         mm_cache = self.renderer.mm_processor_cache
-        import vllm.envs as envs
-
         chunk_size = envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE
         preempted_event = EngineCoreEventType.PREEMPTED
 

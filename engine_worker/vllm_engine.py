@@ -28,12 +28,13 @@ from typing import Any
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.config.kv_events import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.envs import enable_envs_cache
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-from shared.protocol import GenerateRequest, SamplingParams, WorkerStats, pack_logprobs
+from shared.protocol import ErrorInfo, GenerateRequest, SamplingParams, WorkerStats, pack_logprobs
 
 from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
 from .vllm_direct import DirectAsyncLLM, Hooks
@@ -160,8 +161,6 @@ class VllmEngine(EngineBase):
         # vLLM reads its settings from the environment on every access (~5 %% of
         # the worker's CPU samples under load, most per token); its EngineCore
         # caches them once started, and so does this process from here on.
-        from vllm.envs import enable_envs_cache
-
         enable_envs_cache()
         vc = self.engine.vllm_config
         cache = vc.cache_config
@@ -277,11 +276,7 @@ class VllmEngine(EngineBase):
         failed): no output comes any more, so every generating request ends
         and the worker exits to be restarted."""
         self.fatal_error = e
-        err = (
-            engine_error("The inference engine stopped; please retry.", unavailable=True)
-            if isinstance(e, EngineDeadError)
-            else engine_error(f"Internal error in the engine: {type(e).__name__}")
-        )
+        err = _engine_stopped(e)
         for rid, live in list(self._live.items()):
             if live.outputs is not None:
                 self._fail(rid, live, err)
@@ -396,15 +391,23 @@ class VllmEngine(EngineBase):
             self._fail(rid, live, bad_request(_message(e), getattr(e, "parameter", None)))
         elif isinstance(e, EngineDeadError):
             self.fatal_error = e
-            self._fail(rid, live, engine_error("The inference engine stopped; please retry.", unavailable=True))
+            self._fail(rid, live, _engine_stopped(e))
         else:
             log.exception("request %s failed", rid, exc_info=e)
-            self._fail(rid, live, engine_error(f"Internal error in the engine: {type(e).__name__}"))
+            self._fail(rid, live, _engine_stopped(e))
             if self.engine is not None and self.engine.errored:
                 self.fatal_error = e
 
 
 _GAVE_UP = {"error": "failed", "abort": "aborted"}
+
+
+def _engine_stopped(e: BaseException) -> ErrorInfo:
+    """What a request gets when the engine failed under it: 503 (retry) if
+    its EngineCore died, else an internal error naming the exception."""
+    if isinstance(e, EngineDeadError):
+        return engine_error("The inference engine stopped; please retry.", unavailable=True)
+    return engine_error(f"Internal error in the engine: {type(e).__name__}")
 
 
 def vllm_params(p: SamplingParams) -> VllmSamplingParams:

@@ -87,8 +87,8 @@ class BatchService:
 
     def _arm_preempt(self) -> None:
         """Look for interactive work behind batch lines while a batch runs here.
-        Not while none does: 100 timer turns a second cost an idle router
-        ~3 ms of CPU a second (py-spy: a quarter of its idle samples)."""
+        Not while none does: its 100 turns a second were most of an idle
+        router's CPU (18.0 ms a second with it, 2.7 without; sim stack)."""
         if self.bcfg.preempt and self._preempt_timer is None:
             self._preempt_timer = asyncio.get_running_loop().call_later(PREEMPT_S, self._preempt_tick)
 
