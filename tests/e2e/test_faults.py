@@ -339,3 +339,39 @@ def test_a_rolling_restart_of_every_worker_under_load_loses_no_stream(tmp_path):
         assert [s.split()[:3] for s in said] == [["worker", "sim-a", "restarted"], ["worker", "sim-b", "restarted"]]
         assert stack.restarts == {"worker:sim-a": 1, "worker:sim-b": 1}
         assert _drained(stack) and set(_workers(stack)) == {"sim-a", "sim-b"}
+
+
+@pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
+@pytest.mark.vllm
+def test_real_model_engine_core_death_mid_stream_ends_it_with_a_retryable_503_and_the_worker_restarts(tmp_path):
+    """vLLM's EngineCore (the worker's child process) is SIGKILLed mid-stream:
+    the worker's output handler sees the engine dead and ends the stream it
+    ran with a retryable 503 (after the text it had, which is the start of an
+    uninterrupted run), then exits; the supervisor restarts it, it serves
+    again, and the router holds nothing for the ended request."""
+    import psutil
+    from shared.client import Client, WeirError
+
+    cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
+                       workers=[stackutil.vllm_worker("vllm-0")])
+    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
+        args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
+        with Client(stack.zmq_frontend) as c:
+            reference = c.complete(stackutil.VLLM_MODEL, **args)
+            victim = stack.components["worker:vllm-0"]
+            family = psutil.Process(victim.pid).children(recursive=True)
+            cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
+            assert len(cores) == 1, [p.name() for p in family]
+            text, n = [], 0
+            with pytest.raises(WeirError) as ended:
+                for d in c.stream(stackutil.VLLM_MODEL, **args):
+                    text.append(d.text)
+                    n += d.num_tokens
+                    if n >= 60 and cores[0].is_running():
+                        cores[0].kill()
+            assert ended.value.status == 503 and "engine stopped" in str(ended.value)
+            assert 60 <= n < 1500 and reference.text.startswith("".join(text))
+            assert _wait(lambda: stack.restarts.get("worker:vllm-0") == 1 and "vllm-0" in _workers(stack), timeout=90)
+            again = c.complete(stackutil.VLLM_MODEL, prompt="Again", max_tokens=4, temperature=0.0)
+            assert again.completion_tokens == 4
+        assert _drained(stack)
