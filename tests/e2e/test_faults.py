@@ -366,20 +366,30 @@ def test_real_model_engine_core_death_mid_stream_ends_it_with_a_retryable_503_an
         args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
         with Client(stack.zmq_frontend) as c:
             reference = c.complete(stackutil.VLLM_MODEL, **args)
-            victim = stack.components["worker:vllm-0"]
-            family = psutil.Process(victim.pid).children(recursive=True)
-            cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
-            assert len(cores) == 1, [p.name() for p in family]
-            text, n = [], 0
-            with pytest.raises(WeirError) as ended:
-                for d in c.stream(stackutil.VLLM_MODEL, **args):
-                    text.append(d.text)
-                    n += d.num_tokens
-                    if n >= 60 and cores[0].is_running():
-                        cores[0].kill()
-            assert ended.value.status == 503 and "engine stopped" in str(ended.value)
-            assert 60 <= n < 1500 and reference.text.startswith("".join(text))
-            assert _wait(lambda: stack.restarts.get("worker:vllm-0") == 1 and "vllm-0" in _workers(stack), timeout=90)
+            # As in the resume test: a slow client may read 20 tokens only after
+            # the engine made all 1,500; the stream then ends unharmed, so try again.
+            for attempt in range(1, 4):
+                victim = stack.components["worker:vllm-0"]
+                family = psutil.Process(victim.pid).children(recursive=True)
+                cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
+                assert len(cores) == 1, [p.name() for p in family]
+                text, n, ended = [], 0, None
+                try:
+                    for d in c.stream(stackutil.VLLM_MODEL, **args):
+                        text.append(d.text)
+                        n += d.num_tokens
+                        if n >= 20 and cores[0].is_running():
+                            cores[0].kill()
+                except WeirError as e:
+                    ended = e
+                assert _wait(lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack),
+                             timeout=90), "the worker whose engine died was not restarted"
+                if ended is not None:
+                    break
+            else:
+                pytest.fail("three streams ended before the engine's death reached them")
+            assert ended.status == 503 and "engine stopped" in str(ended)
+            assert 20 <= n < 1500 and reference.text.startswith("".join(text))
             again = c.complete(stackutil.VLLM_MODEL, prompt="Again", max_tokens=4, temperature=0.0)
             assert again.completion_tokens == 4
         assert _drained(stack)
