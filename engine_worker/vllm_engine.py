@@ -272,14 +272,19 @@ class VllmEngine(EngineBase):
             self._loop.call_soon(self._abort_in_engine)
 
     def _engine_failed(self, e: BaseException) -> None:
-        """DirectAsyncLLM's handler stopped (the EngineCore died, or vLLM
-        failed): no output comes any more, so every generating request ends
-        and the worker exits to be restarted."""
+        """DirectAsyncLLM's handler stopped: no output comes any more, and the
+        worker exits to be restarted (its next heartbeat tick sees
+        ``fatal_error``).  If the EngineCore died, the generating requests stay
+        live: the worker's Goodbye has the router resume them elsewhere, as for
+        a lost worker (bounded by ``router.max_resumes``).  Any other failure is
+        vLLM's own, which a resumed request could meet again: those end now
+        with an internal error."""
         self.fatal_error = e
-        err = _engine_stopped(e)
-        for rid, live in list(self._live.items()):
-            if live.outputs is not None:
-                self._fail(rid, live, err)
+        if not isinstance(e, EngineDeadError):
+            err = _engine_stopped(e)
+            for rid, live in list(self._live.items()):
+                if live.outputs is not None:
+                    self._fail(rid, live, err)
         if self.engine is not None:
             self.engine.sinks.clear()
 
