@@ -270,6 +270,7 @@ def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupte
         args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
         with Client(stack.zmq_frontend) as c:
             reference = c.complete(stackutil.VLLM_MODEL, **args)
+            assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
             for attempt in range(1, 4):
                 victim = stack.components["worker:vllm-0"]
                 text, n, last, killed = [], 0, None, False
@@ -366,6 +367,7 @@ def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninte
         args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
         with Client(stack.zmq_frontend) as c:
             reference = c.complete(stackutil.VLLM_MODEL, **args)
+            assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
             # As in the resume test: a slow client may read 20 tokens only after
             # the engine made all 1,500; the stream then ends unharmed, so try again.
             for attempt in range(1, 4):
