@@ -25,6 +25,9 @@ from shared.config import ClassConfig, SchedulerConfig
 from shared.errors import Code, Refusal
 from shared.protocol import TaskType
 
+# Plain ints: an enum member's lookup costs more than the compare (once per submit).
+_SHORT_TASK, _LONG_TASK = int(TaskType.SHORT), int(TaskType.LONG)
+
 
 class Admission:
     def __init__(
@@ -48,13 +51,16 @@ class Admission:
         self.placement = placement
         self.waits = waits
         self.counters = counters
+        self.keys = [[order.key(r, size) for size in (SHORT, LONG)] for r in range(self.n_classes)]
 
     def size(self, job: Job) -> int:
-        if job.task_type == TaskType.SHORT:
+        task_type = job.task_type
+        if task_type == _SHORT_TASK:
             return SHORT
-        if job.task_type == TaskType.LONG:
+        if task_type == _LONG_TASK:
             return LONG
-        total = max(1, job.prompt_tokens) + max(0, job.max_tokens)
+        p, mt = job.prompt_tokens, job.max_tokens
+        total = (p if p > 1 else 1) + (mt if mt > 0 else 0)  # max(1, p) + max(0, mt)
         return SHORT if total <= self.cfg.short_threshold_tokens else LONG
 
     def submit(self, job: Job, now: float, requeue: bool) -> Refusal | None:
@@ -73,8 +79,8 @@ class Admission:
         if not eligible and not requeue:
             self.counters["rejected_no_worker"] += 1
             return Refusal(Code.NO_WORKER, NO_WORKER_RETRY_S, {"model": job.model, "pool": SIZE_NAMES[size]})
-        prompt = max(1, job.prompt_tokens)
-        total = prompt + max(0, job.max_tokens)
+        prompt = job.prompt_tokens if job.prompt_tokens > 1 else 1
+        total = prompt + (job.max_tokens if job.max_tokens > 0 else 0)
         for w in eligible:  # can any worker ever hold it? (usually the first one says yes)
             spec = w.spec
             if (
@@ -114,7 +120,7 @@ class Admission:
                 refusal = self.waits.admit(m, e, bound, now)
                 if refusal is not None:
                     return refusal
-        key = self.order.key(rank, size)
+        key = self.keys[rank][size]
         q = m.queues.by_key.get(key)
         if q is None:
             q = m.queues.by_key[key] = TenantQueue(

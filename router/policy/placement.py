@@ -20,8 +20,6 @@ from router.prefix_index import PrefixIndex
 from shared.config import SchedulerConfig
 from shared.protocol import Pool
 
-ALL_POOLS = (POOL_SHORT, POOL_ANY, POOL_LONG)
-
 # (worker, its KV cost there)
 Placed = tuple[WorkerState, int]
 # (pool preference, score, worker, cost): the candidates prefix affinity chooses among
@@ -30,6 +28,8 @@ Scorer = Callable[[WorkerState, Entry, int, int], float]
 
 
 class ScoredPlacement:
+    remembers = False  # does ``placed`` keep state (else it is not called)?
+
     def __init__(self, cfg: SchedulerConfig, order: QueueOrder, n_classes: int, prefix: PrefixIndex) -> None:
         self.cfg = cfg
         self.n_classes = n_classes
@@ -272,7 +272,7 @@ class ScoredPlacement:
         a class below it (whose cap is no higher), can be placed until a job
         ends, and the dispatch pass stops."""
         limit = self.limit(m, rank, now)
-        if limit >= 1.0 or m.free.below_cap(ALL_POOLS, limit)[1] > 0:
+        if limit >= 1.0 or m.free.any_below_cap(limit):
             return limit
         return -1.0
 
@@ -300,6 +300,8 @@ class ScoredPlacement:
 class RoundRobin(ScoredPlacement):
     """Every check of ``ScoredPlacement``; the score is the distance after the
     worker used last (a benchmark baseline)."""
+
+    remembers = True
 
     def __init__(self, cfg: SchedulerConfig, order: QueueOrder, n_classes: int, prefix: PrefixIndex) -> None:
         super().__init__(cfg, order, n_classes, prefix)

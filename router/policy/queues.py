@@ -56,7 +56,8 @@ class TenantQueue:
         self.last_dispatch = -math.inf
 
     def push(self, e: Entry) -> None:
-        t = e.job.tenant if self.by_tenant else ""
+        job = e.job
+        t = job.tenant if self.by_tenant else ""
         dq = self.tenants.get(t)
         if dq is None:
             dq = self.tenants[t] = deque()
@@ -64,8 +65,12 @@ class TenantQueue:
             if t not in self.deficit:
                 self.active.append(t)
                 self.deficit[t] = 0.0
-        self.weight[t] = max(1e-3, e.job.weight)
-        insert_by_arrival(dq, e)
+        w = job.weight
+        self.weight[t] = w if w > 1e-3 else 1e-3  # max(1e-3, w), without the call
+        if dq and dq[-1].job.arrival > job.arrival:
+            insert_by_arrival(dq, e)
+        else:
+            dq.append(e)  # (in arrival order: the common case, without the call)
         e.queue = self
         self.count += 1
         self.tokens += e.tokens

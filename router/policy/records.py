@@ -54,6 +54,7 @@ class WorkerState:
         "other_seqs",
         "free_at",
         "free_key",
+        "pool",
     )
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
@@ -71,6 +72,7 @@ class WorkerState:
         self.other_seqs = 0
         self.free_at = -1  # its index in its model's free set of its pool (-1: full or unhealthy)
         self.free_key = -1  # the sequences it held when last placed in that set's order (-1: not there)
+        self.pool = int(spec.pool)  # (a plain int: int() of the enum costs more than the rest of ``touch``)
 
 
 class FreeSlots(dict[int, list[WorkerState]]):
@@ -100,7 +102,7 @@ class FreeSlots(dict[int, list[WorkerState]]):
         free = w.healthy and n < w.slots
         if not free and k < 0:
             return
-        pool = int(w.spec.pool)
+        pool = w.pool
         lst = self[pool]
         starts = self.starts[pool]
         top = len(starts) - 1
@@ -158,6 +160,23 @@ class FreeSlots(dict[int, list[WorkerState]]):
                 out.append((lst, n))
                 total += n
         return out, total
+
+    def any_below_cap(self, limit: float) -> bool:
+        """Does any pool have a worker in ``below_cap(..., limit)``?  (Its
+        total > 0, without building the cut: the dispatch pass asks at each
+        head of a capped class.)"""
+        for pool, lst in self.items():
+            if lst:
+                if limit >= 1.0:
+                    return True
+                starts = self.starts[pool]
+                top = len(starts) - 1
+                cap = int(top * limit)
+                if cap < 1:
+                    cap = 1
+                if cap >= top or starts[cap] > 0:
+                    return True
+        return False
 
     def any_free(self) -> bool:
         return bool(self[POOL_ANY] or self[POOL_SHORT] or self[POOL_LONG])

@@ -72,8 +72,17 @@ class RateMeter:
             self.busy = busy
 
     def add(self, now: float, tokens: float) -> None:
-        if self.busy:
-            self._advance(now)
+        if self.busy:  # (``_advance`` inlined: this runs at every release)
+            t = self.t
+            if t is not None and now > t:
+                d = math.exp(-(now - t) / self.tau)
+                self.tokens = self.tokens * d + tokens
+                self.jobs = self.jobs * d + 1.0
+                self.window = self.window * d + self.tau * (1.0 - d)
+                self.t = now
+                return
+            if t is None:
+                self.t = now
             self.tokens += tokens
             self.jobs += 1.0
 
@@ -143,18 +152,20 @@ class AdmissionTotals:
         """``e`` entered (+1) or left (-1) the queued state: the totals, and
         whether the model is backlogged (None: a re-pricing)."""
         r = e.rank
-        self.queued += sign
+        job = e.job
+        queued = self.queued = self.queued + sign
         self.size_count[r][e.size] += sign
-        if now is not None:
-            self.meter.set_busy(now, self.queued > 0)
+        if now is not None and (queued > 0) != self.meter.busy:
+            self.meter.set_busy(now, queued > 0)
         self.tokens[r] += sign * e.tokens
-        mt = e.job.max_tokens
+        mt = job.max_tokens
         self.decode[r] += sign * (mt if mt > 0 else 0)  # max(0, mt), without the call
         tab = self.tenants[r]
-        t = e.job.tenant
+        t = job.tenant
         row = tab.get(t)
         if sign > 0:
-            w = max(1e-3, e.job.weight)
+            w = job.weight
+            w = w if w > 1e-3 else 1e-3  # max(1e-3, w), without the call
             if row is None:
                 row = tab[t] = [0, 0, w]
                 self.wsum[r] += w
