@@ -22,6 +22,7 @@ class JobTable:
     def enqueue(self, m: ModelState, q: TenantQueue, e: Entry, now: float) -> None:
         q.push(e)
         mq = m.queues
+        mq.queued(q, e)
         rank = e.rank
         job = e.job
         index = mq.by_arrival[(rank, e.size)]

@@ -185,8 +185,21 @@ def test_ledger_bounds_and_exactly_once_release(policy, overcommit, margin, back
     assert p.next_wakeup(now) is None
 
 
+def check_start_floor(p: Policy) -> None:
+    """No queue with work starts before ``start_floor`` (ClassOrder.pick skips
+    the aging check while now is less than the aging delay past it)."""
+    if p.cfg.policy == "fifo":
+        return  # (one queue, never due)
+    for m in p.models.values():
+        mq = m.queues
+        for (rank, size), q in mq.by_key.items():
+            if q.count:
+                assert mq.start_floor <= max(q.last_dispatch, mq.oldest(rank, size).job.arrival)
+
+
 def check_totals(p: Policy) -> None:
     """The O(1) admission totals equal a recount of the queued entries."""
+    check_start_floor(p)
     queued = [e for e in p.entries.values() if e.state == 0]
     for name, m in p.models.items():
         mine = [e for e in queued if e.job.model == name]
@@ -321,6 +334,7 @@ def test_no_class_waits_past_the_aging_bound(bound, seqs, n_workers, lower, job_
             ends[a.job_id] = now + duration
             e = p.entries[a.job_id]
             last_progress[(e.rank, e.size)] = now
+        check_start_floor(p)
         # every queue of a lower class that holds work has progressed within the bound
         for m in p.models.values():
             for (rank, size), q in m.queues.by_key.items():
