@@ -53,21 +53,20 @@ class Admission:
         self.counters = counters
         self.keys = [[order.key(r, size) for size in (SHORT, LONG)] for r in range(self.n_classes)]
 
-    def size(self, job: Job) -> int:
-        task_type = job.task_type
-        if task_type == _SHORT_TASK:
-            return SHORT
-        if task_type == _LONG_TASK:
-            return LONG
-        p, mt = job.prompt_tokens, job.max_tokens
-        total = (p if p > 1 else 1) + (mt if mt > 0 else 0)  # max(1, p) + max(0, mt)
-        return SHORT if total <= self.cfg.short_threshold_tokens else LONG
-
     def submit(self, job: Job, now: float, requeue: bool) -> Refusal | None:
         """``Policy.submit`` for a job the policy does not hold."""
         self.counters["requeued" if requeue else "submitted"] += 1
         rank = self.rank.get(job.klass, self.n_classes - 1)  # unknown class: the lowest
-        size = self.size(job)
+        prompt = job.prompt_tokens if job.prompt_tokens > 1 else 1
+        total = prompt + (job.max_tokens if job.max_tokens > 0 else 0)
+        # Its size: as the caller says, else by estimated tokens.
+        task_type = job.task_type
+        if task_type == _SHORT_TASK:
+            size = SHORT
+        elif task_type == _LONG_TASK:
+            size = LONG
+        else:
+            size = SHORT if total <= self.cfg.short_threshold_tokens else LONG
         m = self.ledger.models.get(job.model) or self.ledger.model(job.model)
         if not m.workers and not requeue:
             self.counters["rejected_no_worker"] += 1
@@ -79,8 +78,6 @@ class Admission:
         if not eligible and not requeue:
             self.counters["rejected_no_worker"] += 1
             return Refusal(Code.NO_WORKER, NO_WORKER_RETRY_S, {"model": job.model, "pool": SIZE_NAMES[size]})
-        prompt = job.prompt_tokens if job.prompt_tokens > 1 else 1
-        total = prompt + (job.max_tokens if job.max_tokens > 0 else 0)
         for w in eligible:  # can any worker ever hold it? (usually the first one says yes)
             spec = w.spec
             if (
