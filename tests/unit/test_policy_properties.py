@@ -388,3 +388,29 @@ def test_a_flooding_tenant_gets_at_most_its_weighted_share(w_flood, w_other, flo
     slack = quantum * max(w_flood, w_other) + max(flood_sizes + other_sizes) + 1
     assert served["flood"] <= share * total + slack
     assert served["other"] >= (1 - share) * total - slack
+
+
+# ------------------------------------------------------------------ requeue order
+
+
+@SETTINGS
+@given(arrivals=st.lists(st.integers(0, 20), max_size=60))
+def test_a_requeued_entry_goes_back_to_its_place_by_arrival(arrivals):
+    """``insert_by_arrival`` (by bisection: a requeue into 100,000 queued is
+    O(log n) probes, not a scan) puts each entry after every one that arrived
+    no later -- as a scan from the end does -- so FIFO by arrival holds and
+    ties keep the order they came in."""
+    from collections import deque
+
+    from router.policy.queues import insert_by_arrival
+
+    index: deque[Entry] = deque()
+    want: list[tuple[float, int]] = []
+    for i, a in enumerate(arrivals):
+        e = Entry(Job(f"j{i}", "m", "t", "normal", 8, 8, TaskType.AUTO, float(a)), 0, 0, i)
+        insert_by_arrival(index, e)
+        k = len(want)
+        while k > 0 and want[k - 1][0] > a:
+            k -= 1
+        want.insert(k, (float(a), i))
+    assert [(e.job.arrival, e.seq) for e in index] == want
