@@ -86,11 +86,19 @@ class Dispatcher:
         skipped: set[QueueKey] = set()
         reserved: set[str] = set()
         blocked_before = False
+        last: TenantQueue | None = None
         while True:
-            picked = order.pick(mq, now, skipped)
-            if picked is None:
-                return
-            q, due = picked
+            if last is not None and last.count:
+                # The queue just served, not due, with no other size of its
+                # class competing: the order picks it again (no queue becomes
+                # due within a pass, none gains work, ``skipped`` is as it was).
+                q, due = last, False
+            else:
+                picked = order.pick(mq, now, skipped)
+                if picked is None:
+                    return
+                q, due = picked
+            last = None
             e = q.peek()
             if e is None:  # only dead entries were left
                 skipped.add(order.key(q.rank, q.size))
@@ -112,6 +120,8 @@ class Dispatcher:
                 self._dispatch(m, q, e, w, cost, now, actions)
                 if both:
                     mq.wrr[q.rank][q.size] += e.tokens
+                elif not due:
+                    last = q
                 if due:
                     self.counters["aged_dispatches"] += 1
                 if blocked_before:
