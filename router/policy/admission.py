@@ -25,6 +25,9 @@ from shared.config import ClassConfig, SchedulerConfig
 from shared.errors import Code, Refusal
 from shared.protocol import TaskType
 
+# Plain ints: an enum member's lookup costs more than the compare (once per submit).
+_SHORT_TASK, _LONG_TASK = int(TaskType.SHORT), int(TaskType.LONG)
+
 
 class Admission:
     def __init__(
@@ -48,20 +51,22 @@ class Admission:
         self.placement = placement
         self.waits = waits
         self.counters = counters
-
-    def size(self, job: Job) -> int:
-        if job.task_type == TaskType.SHORT:
-            return SHORT
-        if job.task_type == TaskType.LONG:
-            return LONG
-        total = max(1, job.prompt_tokens) + max(0, job.max_tokens)
-        return SHORT if total <= self.cfg.short_threshold_tokens else LONG
+        self.keys = [[order.key(r, size) for size in (SHORT, LONG)] for r in range(self.n_classes)]
 
     def submit(self, job: Job, now: float, requeue: bool) -> Refusal | None:
         """``Policy.submit`` for a job the policy does not hold."""
         self.counters["requeued" if requeue else "submitted"] += 1
         rank = self.rank.get(job.klass, self.n_classes - 1)  # unknown class: the lowest
-        size = self.size(job)
+        prompt = job.prompt_tokens if job.prompt_tokens > 1 else 1
+        total = prompt + (job.max_tokens if job.max_tokens > 0 else 0)
+        # Its size: as the caller says, else by estimated tokens.
+        task_type = job.task_type
+        if task_type == _SHORT_TASK:
+            size = SHORT
+        elif task_type == _LONG_TASK:
+            size = LONG
+        else:
+            size = SHORT if total <= self.cfg.short_threshold_tokens else LONG
         m = self.ledger.models.get(job.model) or self.ledger.model(job.model)
         if not m.workers and not requeue:
             self.counters["rejected_no_worker"] += 1
@@ -73,8 +78,6 @@ class Admission:
         if not eligible and not requeue:
             self.counters["rejected_no_worker"] += 1
             return Refusal(Code.NO_WORKER, NO_WORKER_RETRY_S, {"model": job.model, "pool": SIZE_NAMES[size]})
-        prompt = max(1, job.prompt_tokens)
-        total = prompt + max(0, job.max_tokens)
         for w in eligible:  # can any worker ever hold it? (usually the first one says yes)
             spec = w.spec
             if (
@@ -114,7 +117,7 @@ class Admission:
                 refusal = self.waits.admit(m, e, bound, now)
                 if refusal is not None:
                     return refusal
-        key = self.order.key(rank, size)
+        key = self.keys[rank][size]
         q = m.queues.by_key.get(key)
         if q is None:
             q = m.queues.by_key[key] = TenantQueue(

@@ -54,6 +54,8 @@ class Dispatcher:
         self.deadlines: list[tuple[float, int, str]] = []  # generation deadlines (lazy heap)
         # per class: (predicted, actual) queue wait of the last dispatches, for /admin/queues
         self.wait_samples: list[deque[tuple[float, float]]] = [deque(maxlen=2048) for _ in classes]
+        # (rank, queue deadline) of the classes that have one: what ``_expire_queued`` looks at
+        self.queue_deadlines = [(r, c.queue_deadline_s) for r, c in enumerate(classes) if c.queue_deadline_s > 0]
 
     def has_queued(self) -> bool:
         """Is any job waiting?  If not, ``schedule`` can only expire running
@@ -84,11 +86,19 @@ class Dispatcher:
         skipped: set[QueueKey] = set()
         reserved: set[str] = set()
         blocked_before = False
+        last: TenantQueue | None = None
         while True:
-            picked = order.pick(mq, now, skipped)
-            if picked is None:
-                return
-            q, due = picked
+            if last is not None and last.count:
+                # The queue just served, not due, with no other size of its
+                # class competing: the order picks it again (no queue becomes
+                # due within a pass, none gains work, ``skipped`` is as it was).
+                q, due = last, False
+            else:
+                picked = order.pick(mq, now, skipped)
+                if picked is None:
+                    return
+                q, due = picked
+            last = None
             e = q.peek()
             if e is None:  # only dead entries were left
                 skipped.add(order.key(q.rank, q.size))
@@ -110,6 +120,8 @@ class Dispatcher:
                 self._dispatch(m, q, e, w, cost, now, actions)
                 if both:
                     mq.wrr[q.rank][q.size] += e.tokens
+                elif not due:
+                    last = q
                 if due:
                     self.counters["aged_dispatches"] += 1
                 if blocked_before:
@@ -137,7 +149,8 @@ class Dispatcher:
         worker_id = w.spec.worker_id
         if job.block_hashes and self.affinity:
             self.prefix.speculate(worker_id, job.block_hashes, now)
-        self.placement.placed(m, worker_id)
+        if self.placement.remembers:
+            self.placement.placed(m, worker_id)
         if self.cfg.generation_deadline_s > 0:
             h = self.deadlines
             if len(h) > 1024 and len(h) > 4 * len(self.entries):
@@ -152,12 +165,10 @@ class Dispatcher:
 
     def _expire_queued(self, m: ModelState, now: float, actions: list[Action]) -> None:
         mq = m.queues
-        for rank, n in enumerate(mq.class_count):
-            if n == 0:
+        count = mq.class_count
+        for rank, d in self.queue_deadlines:
+            if count[rank] == 0:
                 continue  # nothing of this class queued (and its indexes are empty)
-            d = self.classes[rank].queue_deadline_s
-            if d <= 0:
-                continue
             for size in (SHORT, LONG):
                 index = mq.by_arrival[(rank, size)]
                 while (e := mq.oldest(rank, size)) is not None and now - e.job.arrival >= d:

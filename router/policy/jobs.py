@@ -22,22 +22,32 @@ class JobTable:
     def enqueue(self, m: ModelState, q: TenantQueue, e: Entry, now: float) -> None:
         q.push(e)
         mq = m.queues
+        mq.queued(q, e)
         rank = e.rank
-        insert_by_arrival(mq.by_arrival[(rank, e.size)], e)
-        mq.last_seen[rank] = max(mq.last_seen[rank], now)
-        self.entries[e.job.job_id] = e
+        job = e.job
+        index = mq.by_arrival[(rank, e.size)]
+        if index and index[-1].job.arrival > job.arrival:
+            insert_by_arrival(index, e)
+        else:
+            index.append(e)  # (in arrival order: the common case, without the call)
+        if now > mq.last_seen[rank]:
+            mq.last_seen[rank] = now
+        self.entries[job.job_id] = e
         mq.class_count[rank] += 1
-        m.totals.account(e, 1, now)
-        m.totals.inflow[rank].add(now, e.tokens)
-        tenant = e.job.tenant
+        totals = m.totals
+        totals.account(e, 1, now)
+        totals.inflow[rank].add(now, e.tokens)
+        tenant = job.tenant
         self.tenant_count[tenant] = self.tenant_count.get(tenant, 0) + 1
 
     def unqueue(self, m: ModelState | None, e: Entry, now: float) -> None:
         """``e`` left the queued state (its queue already updated)."""
         if m is not None:
             mq = m.queues
-            mq.class_count[e.rank] -= 1
-            mq.dequeued(e.rank)
+            rank = e.rank
+            mq.class_count[rank] -= 1
+            if mq.class_count[rank] == 0:
+                mq.dequeued(rank)
             m.totals.account(e, -1, now)
         tenant = e.job.tenant
         n = self.tenant_count.get(tenant, 0) - 1

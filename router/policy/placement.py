@@ -20,8 +20,6 @@ from router.prefix_index import PrefixIndex
 from shared.config import SchedulerConfig
 from shared.protocol import Pool
 
-ALL_POOLS = (POOL_SHORT, POOL_ANY, POOL_LONG)
-
 # (worker, its KV cost there)
 Placed = tuple[WorkerState, int]
 # (pool preference, score, worker, cost): the candidates prefix affinity chooses among
@@ -30,6 +28,8 @@ Scorer = Callable[[WorkerState, Entry, int, int], float]
 
 
 class ScoredPlacement:
+    remembers = False  # does ``placed`` keep state (else it is not called)?
+
     def __init__(self, cfg: SchedulerConfig, order: QueueOrder, n_classes: int, prefix: PrefixIndex) -> None:
         self.cfg = cfg
         self.n_classes = n_classes
@@ -43,6 +43,13 @@ class ScoredPlacement:
         self.long_pools = (POOL_LONG, POOL_ANY)
         borrows = self.short_borrows_freely or cfg.borrow_idle_long
         self.short_pools = (POOL_SHORT, POOL_ANY, POOL_LONG) if borrows else (POOL_SHORT, POOL_ANY)
+        # limits[rank][top]: what class ``rank`` may fill while ``top`` (above it)
+        # is the highest active class, computed once (``limit`` runs at every head)
+        self.capped = self.headroom > 0.0 and n_classes > 1
+        self.limits = [
+            [1.0 - self.headroom * (rank - top) / (n_classes - 1) if self.capped else 1.0 for top in range(rank)]
+            for rank in range(n_classes)
+        ]
 
     # ------------------------------------------------------------ checks
 
@@ -50,16 +57,14 @@ class ScoredPlacement:
         """Fraction of a worker's KV budget and seq slots class ``rank`` may fill.
         Only classes above it that submitted recently (within the aging bound)
         get room kept for them, so a single-class deployment wastes nothing."""
-        if rank == 0 or self.headroom <= 0.0 or self.n_classes <= 1:
+        if rank == 0 or not self.capped:
             return 1.0
         horizon = now - self.cfg.aging_bound_s
         last_seen = m.queues.last_seen
-        top = rank
-        for r in range(rank):
-            if last_seen[r] >= horizon:
-                top = r
-                break
-        return 1.0 - self.headroom * (rank - top) / (self.n_classes - 1)
+        for top in range(rank):
+            if last_seen[top] >= horizon:
+                return self.limits[rank][top]
+        return 1.0  # no class above it is active
 
     def gpu_ok(self, w: WorkerState) -> bool:
         if w.gpu_block is not None:
@@ -157,9 +162,10 @@ class ScoredPlacement:
             if not w.healthy or w.gpu_block is not None or (exclude and w.spec.worker_id in exclude):
                 continue
             spec = w.spec
-            gpu_total = spec.gpu_total_bytes
-            if floor > 0 and gpu_total > 0 and w.gpu_used is not None and gpu_total - w.gpu_used < floor:
-                continue  # gpu_ok
+            if floor > 0:
+                gpu_total = spec.gpu_total_bytes
+                if gpu_total > 0 and w.gpu_used is not None and gpu_total - w.gpu_used < floor:
+                    continue  # gpu_ok
             pool = spec.pool
             if pool != POOL_ANY:  # pool_ok
                 if size == LONG:
@@ -186,7 +192,9 @@ class ScoredPlacement:
                 continue
             if n > 0 and limit < 1.0:
                 if max_seqs != cap_of:
-                    cap_of, cap = max_seqs, max(1, int(max_seqs * limit))
+                    cap_of, cap = max_seqs, int(max_seqs * limit)
+                    if cap < 1:
+                        cap = 1  # max(1, ...), without the call
                 if n >= cap:
                     continue  # class headroom: the rest is kept for higher classes
                 if after > budget * limit:
@@ -272,7 +280,7 @@ class ScoredPlacement:
         a class below it (whose cap is no higher), can be placed until a job
         ends, and the dispatch pass stops."""
         limit = self.limit(m, rank, now)
-        if limit >= 1.0 or m.free.below_cap(ALL_POOLS, limit)[1] > 0:
+        if limit >= 1.0 or m.free.any_below_cap(limit):
             return limit
         return -1.0
 
@@ -300,6 +308,8 @@ class ScoredPlacement:
 class RoundRobin(ScoredPlacement):
     """Every check of ``ScoredPlacement``; the score is the distance after the
     worker used last (a benchmark baseline)."""
+
+    remembers = True
 
     def __init__(self, cfg: SchedulerConfig, order: QueueOrder, n_classes: int, prefix: PrefixIndex) -> None:
         super().__init__(cfg, order, n_classes, prefix)

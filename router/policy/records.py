@@ -54,6 +54,7 @@ class WorkerState:
         "other_seqs",
         "free_at",
         "free_key",
+        "pool",
     )
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
@@ -71,6 +72,7 @@ class WorkerState:
         self.other_seqs = 0
         self.free_at = -1  # its index in its model's free set of its pool (-1: full or unhealthy)
         self.free_key = -1  # the sequences it held when last placed in that set's order (-1: not there)
+        self.pool = int(spec.pool)  # (a plain int: int() of the enum costs more than the rest of ``touch``)
 
 
 class FreeSlots(dict[int, list[WorkerState]]):
@@ -100,7 +102,7 @@ class FreeSlots(dict[int, list[WorkerState]]):
         free = w.healthy and n < w.slots
         if not free and k < 0:
             return
-        pool = int(w.spec.pool)
+        pool = w.pool
         lst = self[pool]
         starts = self.starts[pool]
         top = len(starts) - 1
@@ -113,29 +115,31 @@ class FreeSlots(dict[int, list[WorkerState]]):
             k = top
         if not free:
             n = top  # leaves: up to the last bucket, where it is the last one
+        i = w.free_at
         while k < n:  # one bucket up: swap with the last of its bucket
             j = starts[k + 1] - 1
-            self._swap(lst, w, j)
+            if i != j:  # (the swap, inlined: this runs at every dispatch and release)
+                other = lst[j]
+                lst[i], lst[j] = other, w
+                other.free_at = i
+                i = j
             starts[k + 1] = j
             k += 1
         while k > n:  # one bucket down: swap with the first of its bucket
             j = starts[k]
-            self._swap(lst, w, j)
+            if i != j:
+                other = lst[j]
+                lst[i], lst[j] = other, w
+                other.free_at = i
+                i = j
             starts[k] = j + 1
             k -= 1
+        w.free_at = i
         if free:
             w.free_key = n
         else:
             lst.pop()
             w.free_at = w.free_key = -1
-
-    @staticmethod
-    def _swap(lst: list[WorkerState], w: WorkerState, j: int) -> None:
-        i = w.free_at
-        if i != j:
-            other = lst[j]
-            lst[i], lst[j] = other, w
-            other.free_at, w.free_at = i, j
 
     def below_cap(self, pools: tuple[int, ...], limit: float) -> tuple[list[tuple[list[WorkerState], int]], int]:
         """Per pool of ``pools`` with any: its free set and how many of them
@@ -147,17 +151,32 @@ class FreeSlots(dict[int, list[WorkerState]]):
         total = 0
         for pool in pools:
             lst = self[pool]
-            n = len(lst)
-            if n and limit < 1.0:
-                starts = self.starts[pool]
-                top = len(starts) - 1
-                cap = max(1, int(top * limit))
-                if cap < top:
-                    n = starts[cap]
-            if n:
-                out.append((lst, n))
-                total += n
+            if lst:
+                n = len(lst)
+                if limit < 1.0:
+                    starts = self.starts[pool]
+                    top = len(starts) - 1
+                    cap = int(top * limit)
+                    if cap < 1:
+                        cap = 1  # max(1, ...), without the call
+                    if cap < top:
+                        n = starts[cap]
+                if n:
+                    out.append((lst, n))
+                    total += n
         return out, total
+
+    def any_below_cap(self, limit: float) -> bool:
+        """Does any pool have a worker in ``below_cap(..., limit)``?  (Its
+        total > 0, without building the cut: the dispatch pass asks at each
+        head of a capped class.)"""
+        for pool, lst in self.items():
+            if lst:
+                cap = int((len(self.starts[pool]) - 1) * limit)
+                # (sorted: its first holds the fewest; one in the set holds fewer than the top bucket)
+                if lst[0].free_key < (cap if cap > 1 else 1):
+                    return True
+        return False
 
     def any_free(self) -> bool:
         return bool(self[POOL_ANY] or self[POOL_SHORT] or self[POOL_LONG])

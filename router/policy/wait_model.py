@@ -72,8 +72,17 @@ class RateMeter:
             self.busy = busy
 
     def add(self, now: float, tokens: float) -> None:
-        if self.busy:
-            self._advance(now)
+        if self.busy:  # (``_advance`` inlined: this runs at every release)
+            t = self.t
+            if t is not None and now > t:
+                d = math.exp(-(now - t) / self.tau)
+                self.tokens = self.tokens * d + tokens
+                self.jobs = self.jobs * d + 1.0
+                self.window = self.window * d + self.tau * (1.0 - d)
+                self.t = now
+                return
+            if t is None:
+                self.t = now
             self.tokens += tokens
             self.jobs += 1.0
 
@@ -142,33 +151,44 @@ class AdmissionTotals:
     def account(self, e: Entry, sign: int, now: float | None) -> None:
         """``e`` entered (+1) or left (-1) the queued state: the totals, and
         whether the model is backlogged (None: a re-pricing)."""
+        # (one branch per sign, conditionals for max(): this runs twice per request)
         r = e.rank
-        self.queued += sign
-        self.size_count[r][e.size] += sign
-        if now is not None:
-            self.meter.set_busy(now, self.queued > 0)
-        self.tokens[r] += sign * e.tokens
-        mt = e.job.max_tokens
-        self.decode[r] += sign * (mt if mt > 0 else 0)  # max(0, mt), without the call
+        job = e.job
+        tokens = e.tokens
+        mt = job.max_tokens
+        if mt < 0:
+            mt = 0
         tab = self.tenants[r]
-        t = e.job.tenant
+        t = job.tenant
         row = tab.get(t)
         if sign > 0:
-            w = max(1e-3, e.job.weight)
+            queued = self.queued = self.queued + 1
+            self.size_count[r][e.size] += 1
+            self.tokens[r] += tokens
+            self.decode[r] += mt
+            w = job.weight
+            w = w if w > 1e-3 else 1e-3
             if row is None:
                 row = tab[t] = [0, 0, w]
                 self.wsum[r] += w
             elif row[2] != w:
                 self.wsum[r] += w - row[2]
                 row[2] = w
-            row[0] += e.tokens
+            row[0] += tokens
             row[1] += 1
-        elif row is not None:
-            row[0] -= e.tokens
-            row[1] -= 1
-            if row[1] <= 0:
-                del tab[t]
-                self.wsum[r] = self.wsum[r] - row[2] if tab else 0.0
+        else:
+            queued = self.queued = self.queued - 1
+            self.size_count[r][e.size] -= 1
+            self.tokens[r] -= tokens
+            self.decode[r] -= mt
+            if row is not None:
+                row[0] -= tokens
+                row[1] -= 1
+                if row[1] <= 0:
+                    del tab[t]
+                    self.wsum[r] = self.wsum[r] - row[2] if tab else 0.0
+        if now is not None and (queued > 0) != self.meter.busy:
+            self.meter.set_busy(now, queued > 0)
 
     def remeasure(self, now: float) -> None:
         """The fleet changed: what was measured no longer says what it drains;

@@ -46,6 +46,9 @@ def check_free_sets(p: Policy) -> None:
             assert w.reserved <= w.budget
             assert len(w.running) <= w.slots
         assert in_sets <= {id(w) for w in m.workers.values()}
+        # the dispatch pass's room check says what the cut placement draws from says
+        for limit in (0.3, 0.5, 0.75, 0.8, 0.9, 1.0):
+            assert m.free.any_below_cap(limit) == (m.free.below_cap((0, 1, 2), limit)[1] > 0)
 
 
 op = st.one_of(
@@ -144,3 +147,19 @@ def test_sampled_placement_serves_as_well_as_scoring_every_worker():
     assert sampled.p(99, "ttft") <= 1.25 * every.p(99, "ttft")
     assert sampled.p(99, "e2e", kind="short") <= 1.25 * every.p(99, "e2e", kind="short")
     assert des.utilisation(sampled, workers) >= 0.97 * des.utilisation(every, workers)
+
+
+def test_the_room_check_agrees_with_the_cut_placement_draws_from():
+    """``FreeSlots.any_below_cap`` (the dispatch pass's room check, from the
+    least-occupied free worker) says exactly whether ``below_cap`` holds a
+    worker, for every class cap and any occupancy of the free workers."""
+    p = Policy(SchedulerConfig(generation_deadline_s=0.0))
+    for i in range(N):
+        p.add_worker(spec(i, [Pool.ANY, Pool.SHORT, Pool.LONG][i % 3], seqs=64 if i % 4 else 16), 0.0)
+    free = p.models["m"].free
+    for held in range(0, 64, 3):
+        for i in range(N):  # the least held ``held``, the rest more (some full: out of the sets)
+            p.update_worker(f"w{i:03d}", 0.0, other_seqs=held + i % 5)
+        check_free_sets(p)
+        for limit in [k / 20 for k in range(1, 21)]:
+            assert free.any_below_cap(limit) == (free.below_cap((0, 1, 2), limit)[1] > 0), (held, limit)

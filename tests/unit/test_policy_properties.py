@@ -185,8 +185,21 @@ def test_ledger_bounds_and_exactly_once_release(policy, overcommit, margin, back
     assert p.next_wakeup(now) is None
 
 
+def check_start_floor(p: Policy) -> None:
+    """No queue with work starts before ``start_floor`` (ClassOrder.pick skips
+    the aging check while now is less than the aging delay past it)."""
+    if p.cfg.policy == "fifo":
+        return  # (one queue, never due)
+    for m in p.models.values():
+        mq = m.queues
+        for (rank, size), q in mq.by_key.items():
+            if q.count:
+                assert mq.start_floor <= max(q.last_dispatch, mq.oldest(rank, size).job.arrival)
+
+
 def check_totals(p: Policy) -> None:
     """The O(1) admission totals equal a recount of the queued entries."""
+    check_start_floor(p)
     queued = [e for e in p.entries.values() if e.state == 0]
     for name, m in p.models.items():
         mine = [e for e in queued if e.job.model == name]
@@ -321,6 +334,7 @@ def test_no_class_waits_past_the_aging_bound(bound, seqs, n_workers, lower, job_
             ends[a.job_id] = now + duration
             e = p.entries[a.job_id]
             last_progress[(e.rank, e.size)] = now
+        check_start_floor(p)
         # every queue of a lower class that holds work has progressed within the bound
         for m in p.models.values():
             for (rank, size), q in m.queues.by_key.items():
@@ -374,3 +388,29 @@ def test_a_flooding_tenant_gets_at_most_its_weighted_share(w_flood, w_other, flo
     slack = quantum * max(w_flood, w_other) + max(flood_sizes + other_sizes) + 1
     assert served["flood"] <= share * total + slack
     assert served["other"] >= (1 - share) * total - slack
+
+
+# ------------------------------------------------------------------ requeue order
+
+
+@SETTINGS
+@given(arrivals=st.lists(st.integers(0, 20), max_size=60))
+def test_a_requeued_entry_goes_back_to_its_place_by_arrival(arrivals):
+    """``insert_by_arrival`` (by bisection: a requeue into 100,000 queued is
+    O(log n) probes, not a scan) puts each entry after every one that arrived
+    no later -- as a scan from the end does -- so FIFO by arrival holds and
+    ties keep the order they came in."""
+    from collections import deque
+
+    from router.policy.queues import insert_by_arrival
+
+    index: deque[Entry] = deque()
+    want: list[tuple[float, int]] = []
+    for i, a in enumerate(arrivals):
+        e = Entry(Job(f"j{i}", "m", "t", "normal", 8, 8, TaskType.AUTO, float(a)), 0, 0, i)
+        insert_by_arrival(index, e)
+        k = len(want)
+        while k > 0 and want[k - 1][0] > a:
+            k -= 1
+        want.insert(k, (float(a), i))
+    assert [(e.job.arrival, e.seq) for e in index] == want
