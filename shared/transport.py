@@ -157,8 +157,10 @@ class SocketPump:
             # The FD fired: commands are pending, usually a message's.  A recv
             # processes them just as an EVENTS check would (raising Again if
             # no message came of them), so with nothing to send go straight to
-            # it: one EVENTS check less per wake-up (a getsockopt that polls
-            # the mailbox, two syscalls: ~2.4 us here).
+            # it.  What this saves is the check's call (~1 us), not its
+            # syscalls: the recv finds the message's pipe not yet activated
+            # and polls the mailbox itself (perf trace: 10.9 -> 10.6 polls
+            # per routed request).
             events = _POLLIN if fd_fired and not backlog else get(_EVENTS)
             while True:
                 if backlog and events & _POLLOUT:
