@@ -249,6 +249,37 @@ def _get_ok(url: str) -> bool:
         return False
 
 
+def _reference_then_a_stream_cut(stack, c, killer):
+    """A greedy 1,500-token run on the one vLLM worker, then the same run
+    streamed with ``killer(worker)()`` fired at its 20th token; returns the
+    reference, the stream's text and its last Delta.
+
+    A loaded CI client has read too few tokens when the worker had sent them
+    all (at 400 tokens killed at 60, then at 1,500): the stream then ends
+    unharmed and proves nothing.  So the router's resume counter says whether
+    the kill cut the stream; if not, wait out the restart and try again (each
+    try costs one worker restart, ~20-30 s)."""
+    args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
+    reference = c.complete(stackutil.VLLM_MODEL, **args)
+    assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
+    for attempt in range(1, 4):
+        kill = killer(stack.components["worker:vllm-0"])
+        text, n, last, killed = [], 0, None, False
+        for d in c.stream(stackutil.VLLM_MODEL, **args):
+            text.append(d.text)
+            n += d.num_tokens
+            last = d
+            if n >= 20 and not killed:
+                kill()
+                killed = True
+        assert killed
+        assert _wait(lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack),
+                     timeout=120), "the killed worker was not restarted"
+        if _resumed(stack) >= 1:
+            return reference, "".join(text), last
+    pytest.fail("three streams ended before the kill reached them")
+
+
 @pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
 @pytest.mark.vllm
 def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupted_run(tmp_path):
@@ -261,36 +292,12 @@ def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupte
     cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
                        workers=[stackutil.vllm_worker("vllm-0")])
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        # 1,500 tokens (~4 s here) and the kill at the 20th.  A loaded CI client
-        # has still read too few when the worker had sent them all (it happened
-        # at 400 tokens killed at 60, then at 1,500): the stream then ends
-        # unharmed and proves nothing.  So the router's resume counter says
-        # whether the kill cut this stream; if not, wait out the restart and try
-        # again (each try costs one worker restart, ~20-30 s).
-        args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
         with Client(stack.zmq_frontend) as c:
-            reference = c.complete(stackutil.VLLM_MODEL, **args)
-            assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
-            for attempt in range(1, 4):
-                victim = stack.components["worker:vllm-0"]
-                text, n, last, killed = [], 0, None, False
-                for d in c.stream(stackutil.VLLM_MODEL, **args):
-                    text.append(d.text)
-                    n += d.num_tokens
-                    last = d
-                    if n >= 20 and not killed:
-                        victim.signal_group(signal.SIGKILL)
-                        killed = True
-                assert killed
-                assert _wait(lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack),
-                             timeout=120), "the killed worker was not restarted"
-                if _resumed(stack) >= 1:
-                    break
-            else:
-                pytest.fail("three streams ended before the kill reached the worker")
+            reference, text, last = _reference_then_a_stream_cut(
+                stack, c, lambda victim: lambda: victim.signal_group(signal.SIGKILL))
         assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
         assert last.prompt_tokens == reference.prompt_tokens
-        assert "".join(text) == reference.text
+        assert text == reference.text
         assert _drained(stack)
 
 
@@ -364,31 +371,15 @@ def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninte
     cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
                        workers=[stackutil.vllm_worker("vllm-0")])
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
+        def engine_core_of(victim):
+            family = psutil.Process(victim.pid).children(recursive=True)
+            cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
+            assert len(cores) == 1, [p.name() for p in family]
+            return cores[0].kill
+
         with Client(stack.zmq_frontend) as c:
-            reference = c.complete(stackutil.VLLM_MODEL, **args)
-            assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
-            # As in the resume test: a slow client may read 20 tokens only after
-            # the engine made all 1,500; the stream then ends unharmed, so try again.
-            for attempt in range(1, 4):
-                victim = stack.components["worker:vllm-0"]
-                family = psutil.Process(victim.pid).children(recursive=True)
-                cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
-                assert len(cores) == 1, [p.name() for p in family]
-                text, n, last = [], 0, None
-                for d in c.stream(stackutil.VLLM_MODEL, **args):
-                    text.append(d.text)
-                    n += d.num_tokens
-                    last = d
-                    if n >= 20 and cores[0].is_running():
-                        cores[0].kill()
-                assert _wait(lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack),
-                             timeout=90), "the worker whose engine died was not restarted"
-                if _resumed(stack) >= 1:
-                    break
-            else:
-                pytest.fail("three streams ended before the engine's death reached them")
+            reference, text, last = _reference_then_a_stream_cut(stack, c, engine_core_of)
             assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
-            assert "".join(text) == reference.text
+            assert text == reference.text
             assert stack.components["worker:vllm-0"].exited() is None
         assert _drained(stack)
