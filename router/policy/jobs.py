@@ -25,11 +25,7 @@ class JobTable:
         mq.queued(q, e)
         rank = e.rank
         job = e.job
-        index = mq.by_arrival[(rank, e.size)]
-        if index and index[-1].job.arrival > job.arrival:
-            insert_by_arrival(index, e)
-        else:
-            index.append(e)  # (in arrival order: the common case, without the call)
+        insert_by_arrival(mq.by_arrival[(rank, e.size)], e)
         if now > mq.last_seen[rank]:
             mq.last_seen[rank] = now
         self.entries[job.job_id] = e

@@ -69,10 +69,7 @@ class TenantQueue:
                 self.deficit[t] = 0.0
         w = job.weight
         self.weight[t] = w if w > 1e-3 else 1e-3  # max(1e-3, w), without the call
-        if dq and dq[-1].job.arrival > job.arrival:
-            insert_by_arrival(dq, e)
-        else:
-            dq.append(e)  # (in arrival order: the common case, without the call)
+        insert_by_arrival(dq, e)
         e.queue = self
         self.count += 1
         self.tokens += e.tokens

@@ -72,17 +72,8 @@ class RateMeter:
             self.busy = busy
 
     def add(self, now: float, tokens: float) -> None:
-        if self.busy:  # (``_advance`` inlined: this runs at every release)
-            t = self.t
-            if t is not None and now > t:
-                d = math.exp(-(now - t) / self.tau)
-                self.tokens = self.tokens * d + tokens
-                self.jobs = self.jobs * d + 1.0
-                self.window = self.window * d + self.tau * (1.0 - d)
-                self.t = now
-                return
-            if t is None:
-                self.t = now
+        if self.busy:
+            self._advance(now)
             self.tokens += tokens
             self.jobs += 1.0
 
