@@ -3,9 +3,11 @@
 1-token completions, sequential (one in flight), on a zero-cost sim engine,
 so every microsecond measured is dataplane: client, transport, router,
 worker.  Paths: ZeroMQ direct to the router, HTTP straight to the router,
-HTTP through Envoy -- plus two floors, the same client against canned-reply
-servers (``bench.echo``) over ZeroMQ and HTTP, which is what the client and
-loopback cost by themselves.  The paths take turns in rounds so that noise
+HTTP through Envoy -- plus three floors, the same client against canned-reply
+servers (``bench.echo``): over ZeroMQ and HTTP, which is what the client and
+loopback cost by themselves, and the relay floor, weir's ZeroMQ topology
+(client -> relay process -> worker process and back, four hops) with no work
+in it, which is the least a direct request to weir can cost.  The paths take turns in rounds so that noise
 from anything else on the machine lands on all of them alike.
 
     python -m bench.scenarios.overhead [-n 2000] [--rounds 4] [--curve]
@@ -30,12 +32,14 @@ from bench.plots import latency_cdf
 from bench.runner import Limits
 from bench.scenarios import common
 
-PATHS = ("floor-zmq", "zmq", "floor-http", "router", "envoy")
-KIND = {"floor-zmq": "zmq", "zmq": "zmq", "floor-http": "openai", "router": "router", "envoy": "envoy"}
+PATHS = ("floor-zmq", "floor-relay", "zmq", "floor-http", "router", "envoy")
+KIND = {"floor-zmq": "zmq", "floor-relay": "zmq", "zmq": "zmq", "floor-http": "openai", "router": "router",
+        "envoy": "envoy"}
 # What each path is compared with to say what it adds.
-BASE = {"zmq": "floor-zmq", "router": "floor-http", "envoy": "router"}
+BASE = {"floor-relay": "floor-zmq", "zmq": "floor-zmq", "router": "floor-http", "envoy": "router"}
 DESCRIBE = {
     "floor-zmq": "bench client ↔ canned ZeroMQ ROUTER (floor)",
+    "floor-relay": "bench client ↔ canned relay ↔ canned worker (floor: weir's four hops, no work)",
     "zmq": "ZeroMQ direct → router → sim worker",
     "floor-http": "bench client ↔ canned HTTP server (floor)",
     "router": "HTTP → router → sim worker",
@@ -67,14 +71,18 @@ def main(argv=None) -> int:
         extra["security"] = {"curve": True, "curve_dir": str(d)}
     cfg = common.write_config(out / "stack", workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)],
                               router={"backend": args.backend} if args.backend else None, **extra)
-    echo_http, echo_zmq = f"127.0.0.1:{common.free_port()}", f"tcp://127.0.0.1:{common.free_port()}"
-    echo = subprocess.Popen([sys.executable, "-m", "bench.echo", "--http", echo_http, "--zmq", echo_zmq],
-                            cwd=common.REPO)
+    ports = common.free_ports(4)
+    echo_http, echo_zmq = f"127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"
+    relay_front, relay_back = f"tcp://127.0.0.1:{ports[2]}", f"tcp://127.0.0.1:{ports[3]}"
+    # three processes, as weir's path has: the client's, the relay's, the worker's
+    echoes = [subprocess.Popen([sys.executable, "-m", "bench.echo", *a], cwd=common.REPO) for a in (
+        ["--http", echo_http, "--zmq", echo_zmq], ["--relay", f"{relay_front},{relay_back}"],
+        ["--worker", relay_back])]
     records = {p: [] for p in PATHS}
     try:
         with common.stack(cfg, out / "stack" / "run") as st:
-            urls = {"floor-zmq": echo_zmq, "zmq": st.zmq_frontend, "floor-http": f"http://{echo_http}",
-                    "router": st.router_url, "envoy": st.envoy_url}
+            urls = {"floor-zmq": echo_zmq, "floor-relay": relay_front, "zmq": st.zmq_frontend,
+                    "floor-http": f"http://{echo_http}", "router": st.router_url, "envoy": st.envoy_url}
             _wait_listening(echo_http)
             for p in PATHS:
                 common.bench(workload, KIND[p], urls[p], Arrivals(concurrency=1), Limits(args.warmup, 120, 10),
@@ -86,8 +94,9 @@ def main(argv=None) -> int:
                                        curve=curve_keys if p == "zmq" else None)
                     records[p] += res.records
     finally:
-        echo.terminate()
-        echo.wait()
+        for e in echoes:
+            e.terminate()
+            e.wait()
     summaries = {p: summarise(records[p], None, sum(x.e2e for x in records[p]), 0) for p in PATHS}
     _report(out, summaries, records, args, argv if argv is not None else sys.argv[1:])
     return 0 if all(s["ok"] == s["sent"] for s in summaries.values()) else 1
@@ -114,18 +123,24 @@ def _us(x) -> str:
 
 def _report(out: Path, summaries: dict, records: dict, args, argv) -> None:
     e = {p: summaries[p]["e2e_ms"] for p in PATHS}
-    rows = ["| path | what | ok / sent | E2E p50 (µs) | p90 | p99 | adds over | p50 added (µs) | p99 added (µs) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| path | what | ok / sent | E2E p50 (µs) | p90 | p99 | adds over | p50 added (µs) | p50 ratio | "
+            "p99 added (µs) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for p in PATHS:
         s, b = summaries[p], BASE.get(p)
         ep = e[p] or {}
-        add50 = add99 = "-"
+        add50 = add99 = ratio = "-"
         if b and e[p] and e[b]:
             add50 = f"{1000 * (e[p]['p50'] - e[b]['p50']):+.0f}"
             add99 = f"{1000 * (e[p]['p99'] - e[b]['p99']):+.0f}"
+            ratio = f"{e[p]['p50'] / e[b]['p50']:.2f}×"
         rows.append(f"| {p} | {DESCRIBE[p]} | {s['ok']} / {s['sent']} | {_us(ep.get('p50'))} | {_us(ep.get('p90'))} | "
-                    f"{_us(ep.get('p99'))} | {b or '-'} | {add50} | {add99} |")
+                    f"{_us(ep.get('p99'))} | {b or '-'} | {add50} | {ratio} | {add99} |")
     table = "\n".join(rows)
+    if e["zmq"] and e["floor-relay"]:  # what weir's router and worker add beyond their hops
+        table += (f"\n\nZeroMQ direct over the relay floor (the same four hops, no work): "
+                  f"{1000 * (e['zmq']['p50'] - e['floor-relay']['p50']):+.0f} µs p50, "
+                  f"{e['zmq']['p50'] / e['floor-relay']['p50']:.2f}×.")
     latency_cdf({p: records[p] for p in PATHS}, out / "overhead_cdf.png",
                 "1-token requests, sequential, zero-cost sim engine", metrics=("e2e_ms",))
     md = (common.header("Overhead: 1-token requests on a zero-cost sim engine",

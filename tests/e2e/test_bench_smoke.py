@@ -111,3 +111,35 @@ def test_time_limit_bounds_the_run(sim_stack, tmp_path):
     assert 2 <= o["sent"] < 40
     assert all(r["scheduled"] <= 0.5 for r in data["requests"])
     _assert_counts_add_up(data["summary"])
+
+
+def test_relay_floor_answers_through_its_worker_process(tmp_path):
+    # The overhead scenario's relay floor: client -> relay process -> worker
+    # process and back.  Every request is answered while the worker runs; with
+    # the worker gone the relay answers nothing (it forwards, it never replies).
+    import subprocess
+    import sys
+    import time
+
+    front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    relay = subprocess.Popen([sys.executable, "-m", "bench.echo", "--relay", f"{front},{back}"])
+    worker = subprocess.Popen([sys.executable, "-m", "bench.echo", "--worker", back])
+    try:
+        deadline = time.monotonic() + 60  # both started and the worker's hello in (a loaded CI machine is slow)
+        while _run(tmp_path / "probe", "-w", "one-token", "-t", "zmq", "--url", front, "-n", "1", "--duration", "1",
+                   "--drain", "1", "--no-plots")[1]["summary"]["overall"]["ok"] != 1:
+            assert time.monotonic() < deadline, "the relay floor never answered"
+        rc, data = _run(tmp_path / "up", "-w", "one-token", "-t", "zmq", "--url", front, "-n", "20", "-c", "2",
+                        "--no-plots")
+        assert rc == 0
+        o = data["summary"]["overall"]
+        assert o["ok"] == o["sent"] == 20 and o["output_tokens"] == 20
+        worker.terminate()
+        worker.wait()
+        rc, data = _run(tmp_path / "down", "-w", "one-token", "-t", "zmq", "--url", front, "-n", "2", "-c", "2",
+                        "--duration", "1", "--drain", "1", "--no-plots")
+        assert data["summary"]["overall"]["ok"] == 0
+    finally:
+        for p in (relay, worker):
+            p.terminate()
+            p.wait()
