@@ -67,7 +67,13 @@ class Component:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=self.cwd,
-                start_new_session=True,  # own session and process group: pgid == pid
+                # Its own process group (pgid == pid), in the launcher's session.
+                # Not a session of its own: with Linux's autogroups each session
+                # is a scheduling group, and a group that sleeps most of the time
+                # (the router, Envoy) waits behind one whose threads spin (vLLM's
+                # engine) -- runqueue waits of ~50 ms: TTFT p99 ~100 ms at 5 req/s
+                # on 2 CPUs, 12 ms with one group (bench/results/2026-12-02-autogroup.md).
+                process_group=0,
                 preexec_fn=_set_parent_death_signal,
             )
 

@@ -44,7 +44,7 @@ def start_vllm_server(port: int, args, log: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **common.CPU_ENGINE_ENV}
     with open(log, "wb") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.REPO,
-                                start_new_session=True)
+                                process_group=0)  # as weir's components: bench/results/2026-12-02-autogroup.md
 
 
 def _inputs(batch: int, seq: int) -> list[str]:

@@ -48,8 +48,10 @@ def start_vllm_server(port: int, args, log: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **args.engine_env}
     with open(log, "wb") as f:
         # Own process group: vLLM spawns an EngineCore (and more); stop them all.
+        # The launcher's session, as weir's components (deploy/processes.py), so
+        # both servers share one Linux autogroup with the client.
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.REPO,
-                                start_new_session=True)
+                                process_group=0)  # as weir's components: bench/results/2026-12-02-autogroup.md
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:

@@ -134,6 +134,18 @@ def test_envoy_answers_503_json_with_retry_after_when_router_is_down(tmp_path):
     assert not any(group_members(pgid) for pgid in pgids)
 
 
+def test_components_lead_their_own_process_groups_in_the_launchers_session(sim_stack):
+    # One process group each (what stop() signals), one session for all: with
+    # Linux's autogroups a session of its own would be a scheduling group of
+    # its own, and a mostly-idle router's group then waited ~50 ms behind a
+    # busy engine's (deploy/processes.py).
+    comps = sim_stack.components
+    assert {"router", "worker:sim-0", "envoy"} <= set(comps)
+    for name, c in comps.items():
+        assert os.getpgid(c.pid) == c.pid, name
+        assert os.getsid(c.pid) == os.getsid(0), name
+
+
 def test_start_failure_names_the_component_and_cleans_up(tmp_path):
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
