@@ -1,8 +1,9 @@
 """Start and stop the whole weir stack: router, engine workers, Envoy.
 
-Each component is a child process in its own session / process group (so a
-terminal's Ctrl-C reaches only the launcher, and stopping a component can
-signal everything it spawned -- vLLM starts an EngineCore process and more).
+Each component is a child process leading its own process group in the
+launcher's session (so a terminal's Ctrl-C reaches only the launcher, stopping
+a component can signal everything it spawned -- vLLM starts an EngineCore
+process and more -- and the scheduler sees one session: deploy/processes.py).
 Output goes to ``<run_dir>/<component>.log`` (appended across restarts).
 ``weir up`` and the tests both use this.
 
