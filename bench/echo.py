@@ -46,17 +46,25 @@ class _Http(asyncio.Protocol):
         self.transport.write(_REPLY)
 
 
+def _answer(payload: bytes) -> bytes | None:
+    """The canned reply to a client message: one final Delta for a Submit."""
+    msg = p.client_decoder.decode(payload)
+    if not isinstance(msg, p.Submit):
+        return None
+    d = p.Delta(msg.request_id, text=" tok", num_tokens=1, finish_reason="length",
+                prompt_tokens=8, completion_tokens=1)
+    return p.encoder.encode(p.Outputs([d]))
+
+
 def _zmq_echo(loop, addr: str) -> SocketPump:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.bind(addr)
     pump = SocketPump(loop)
 
     def on_message(frames):
-        msg = p.client_decoder.decode(frames[-1])
-        if isinstance(msg, p.Submit):
-            d = p.Delta(msg.request_id, text=" tok", num_tokens=1, finish_reason="length",
-                        prompt_tokens=8, completion_tokens=1)
-            pump.send(sock, [frames[0], p.encoder.encode(p.Outputs([d]))])
+        reply = _answer(frames[-1])
+        if reply is not None:
+            pump.send(sock, [frames[0], reply])
 
     pump.add(sock, on_message)
     return pump
@@ -94,11 +102,9 @@ def _worker(loop, back_addr: str) -> SocketPump:
 
     def on_message(frames):
         client, payload = frames
-        msg = p.client_decoder.decode(payload)
-        if isinstance(msg, p.Submit):
-            d = p.Delta(msg.request_id, text=" tok", num_tokens=1, finish_reason="length",
-                        prompt_tokens=8, completion_tokens=1)
-            pump.send(sock, [client, p.encoder.encode(p.Outputs([d]))])
+        reply = _answer(payload)
+        if reply is not None:
+            pump.send(sock, [client, reply])
 
     pump.add(sock, on_message)
     pump.send(sock, [b"hello"])

@@ -51,7 +51,7 @@ def start_vllm_server(port: int, args, log: Path) -> subprocess.Popen:
         # The launcher's session, as weir's components (deploy/processes.py), so
         # both servers share one Linux autogroup with the client.
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.REPO,
-                                process_group=0)  # as weir's components: bench/results/2026-12-02-autogroup.md
+                                process_group=0)
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
