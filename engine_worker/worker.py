@@ -429,6 +429,16 @@ class Worker:
             for link in self.links.values():
                 if link.reconnecting:
                     continue
+                if link.last_heard < tick and link.sock is not None:
+                    # Read before judging: what waits is news (see SocketPump.read_now).
+                    read = self.pump.read_now(link.sock)
+                    if read and link.missed + 1 >= self.liveness:
+                        log.warning(
+                            "worker %s: %d messages from router %s were read only at its liveness check",
+                            self.wcfg.id,
+                            read,
+                            link.address,
+                        )
                 link.missed = 0 if link.last_heard >= tick else link.missed + 1
                 if link.missed >= self.liveness:
                     link.reconnecting = True

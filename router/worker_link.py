@@ -329,6 +329,8 @@ class WorkerLink(RouterPlane):
         now = self.clock()
         tick, self._last_tick = self._last_tick, now
         liveness = self.cfg.heartbeat_liveness
+        if self.sock is not None:
+            self.pump.read_now(self.sock)  # read before judging (see SocketPump.read_now)
         due: list[LinkedWorker] = []
         for w in list(self.workers.values()):
             w.missed = 0 if w.last_seen >= tick else w.missed + 1

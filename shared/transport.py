@@ -103,6 +103,14 @@ class SocketPump:
             self._try_send(sock, frames)
         self._schedule_drain(sock)
 
+    def read_now(self, sock: zmq.Socket[bytes]) -> int:
+        """Handle whatever waits on ``sock`` now, without waiting for its FD;
+        returns how many messages that was.  For liveness checks: a peer is
+        declared silent only after its socket was read, so a readable edge
+        lost anywhere (a send elsewhere that processed it, say) costs one
+        check's delay instead of a reconnect."""
+        return self._drain(sock)
+
     # -- internals ---------------------------------------------------------
 
     def _try_send(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
@@ -139,11 +147,11 @@ class SocketPump:
             self._drain_scheduled.add(sock)
             self.loop.call_soon(self._drain, sock)
 
-    def _drain(self, sock: zmq.Socket[bytes]) -> None:
+    def _drain(self, sock: zmq.Socket[bytes]) -> int:
         self._drain_scheduled.discard(sock)
         handler = self._handlers.get(sock)
         if handler is None:
-            return
+            return 0
         backlog = self._backlog[sock]
         recv = sock.recv_multipart
         # EVENTS is an int option (pyzmq types every option's value as int | bytes)
@@ -165,7 +173,7 @@ class SocketPump:
                     events = get(_EVENTS)
                     continue
                 if not events & _POLLIN:
-                    return
+                    return n
                 while True:
                     try:
                         frames = recv(_NOBLOCK)
@@ -177,18 +185,18 @@ class SocketPump:
                     except Exception:  # a bad message must never kill the pump
                         log.exception("error handling message")
                     if sock not in self._handlers:
-                        return  # the handler removed (and maybe closed) the socket
+                        return n  # the handler removed (and maybe closed) the socket
                     if n < _CHECKED_RECVS:
                         if not get(_EVENTS) & _POLLIN:
                             break  # every pending command seen: the FD fires for new input
                     elif n >= _DRAIN_BUDGET:
                         self._schedule_drain(sock)  # let other work run; carry on next turn
-                        return
+                        return n
                 if not backlog:
-                    return
+                    return n
                 events = get(_EVENTS)  # a send is waiting: did room open meanwhile?
         except zmq.ZMQError:
-            return  # closed under us
+            return n  # closed under us
 
 
 class Outbox(Generic[_Dest, _Item]):

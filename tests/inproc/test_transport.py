@@ -9,6 +9,7 @@ wake-up, and check order, back-pressure and unreachable peers.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import uvloop
@@ -164,6 +165,36 @@ def test_a_peer_that_stops_reading_is_dropped_not_queued_ahead_of_others():
         pump.send(router, [b"reader", b"still served"])
         assert reader.poll(5000) and reader.recv() == b"still served"
         pump.remove(router)
+        ctx.destroy(linger=0)
+
+    _run(main())
+
+
+def test_read_now_handles_a_message_whose_readable_edge_was_lost():
+    """A liveness check reads the socket before it judges the peer silent: a
+    message whose FD edge something else consumed (here an EVENTS check made
+    outside the pump) waits unannounced until then, and is handled then."""
+
+    async def main():
+        ctx = zmq.Context()
+        router, dealer = _pair(ctx)
+        loop = asyncio.get_running_loop()
+        pump = SocketPump(loop)
+        got: list[bytes] = []
+        pump.add(dealer, lambda frames: got.append(frames[0]))
+        await asyncio.sleep(0.05)  # the pump's first drain ran; the connection is up
+        assert pump.read_now(dealer) == 0
+        pump.send(dealer, [b"hello"])
+        await asyncio.sleep(0.05)
+        peer = router.recv_multipart()[0]
+        router.send_multipart([peer, b"news"])
+        time.sleep(0.2)  # the loop blocked: the message arrives meanwhile, its FD signalled
+        assert dealer.get(zmq.EVENTS) & zmq.POLLIN  # ... and this consumes the signal
+        await asyncio.sleep(0.3)
+        assert got == []  # the FD never fired: the edge is lost
+        assert pump.read_now(dealer) == 1
+        assert got == [b"news"]
+        pump.remove(dealer)
         ctx.destroy(linger=0)
 
     _run(main())
