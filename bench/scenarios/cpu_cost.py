@@ -16,7 +16,9 @@ but the engine: for vllm its API server; for weir the router, Envoy
 and the worker process.  Reported per rate: CPU per request and per 1,000
 streamed tokens by process, the frontend ratio weir / vllm, and TTFT /
 TPOT p50 and p99 from ``vllm bench serve``'s own result -- the medians of
-the rounds, each round's figures in the JSON -- and a bar chart.
+the rounds, each round's figures in the JSON -- and a bar chart.  Once,
+after the warm-up, both servers' idle CPU per second (``--idle-s``): at a
+low rate the timers of an idle server are part of its CPU per request.
 
     python -m bench.scenarios.cpu_cost [--rates 5,20] [-n 400] [--rounds 3]
 """
@@ -27,6 +29,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,19 @@ def group_cpu(groups: dict[str, int]) -> dict[str, float]:
         except (psutil.Error, ProcessLookupError):
             continue  # (exited between the listing and the read)
     return out
+
+
+def idle_cpu(servers: dict[str, tuple[str, dict[str, int]]], seconds: float) -> dict[str, dict[str, float]]:
+    """CPU ms per second of each server's processes with no request in flight
+    (heartbeats, health checks, stats timers): both servers over one window.
+    At a low rate this is a visible part of the CPU per request."""
+    time.sleep(2.0)  # the warm-up's last streams and their logging settle
+    before = {s: group_cpu(groups) for s, (_, groups) in servers.items()}
+    time.sleep(seconds)
+    after = {s: group_cpu(groups) for s, (_, groups) in servers.items()}
+    idle = {s: {role: 1e3 * (after[s][role] - before[s][role]) / seconds for role in after[s]} for s in servers}
+    print(f"[cpu_cost] idle over {seconds:g} s, CPU ms per second: {idle}", file=sys.stderr)
+    return idle
 
 
 def vllm_bench(base_url: str, out: Path, label: str, args: argparse.Namespace, rate: float) -> dict[str, Any]:
@@ -96,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
+    ap.add_argument("--idle-s", type=float, default=20.0,
+                    help="seconds of idle CPU measured once after the warm-up (0: skip)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     args.engine_env = dict(common.CPU_ENGINE_ENV)
@@ -119,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             for s, (url, _) in servers.items():  # warm-up: the first requests compile and allocate
                 vllm_bench(url, out, f"warm-up-{s}", argparse.Namespace(**{**vars(args), "num_prompts": 40}), 10.0)
+            idle = idle_cpu(servers, args.idle_s) if args.idle_s > 0 else {}
             for rnd in range(args.rounds):
                 order = SERVERS if rnd % 2 == 0 else SERVERS[::-1]
                 for rate in rates:
@@ -128,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row | {"round": rnd + 1})
     finally:
         stop_group(proc)
-    common.save(out, "cpu_cost.json", {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows})
-    _report(out, rows, rates, args, argv if argv is not None else sys.argv[1:])
+    common.save(out, "cpu_cost.json", {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
+                                       "idle_ms_per_s": idle})
+    _report(out, rows, rates, args, argv if argv is not None else sys.argv[1:], idle)
     return 0
 
 
@@ -138,7 +158,7 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def _report(out: Path, rows: list[dict[str, Any]], rates: list[float], args: argparse.Namespace,
-            argv: list[str]) -> None:
+            argv: list[str], idle: dict[str, dict[str, float]]) -> None:
     md = [common.header("CPU per request: weir's frontend against vllm serve's", ["bench.scenarios.cpu_cost", *argv]),
           "", f"`vllm bench serve`, random dataset, {args.input_len} tokens in, {args.output_len} out (EOS ignored), "
           f"streamed, {args.num_prompts} requests per run, Poisson; tiny-llama, max_num_seqs {args.max_num_seqs}, "
@@ -167,6 +187,15 @@ def _report(out: Path, rows: list[dict[str, Any]], rates: list[float], args: arg
         md.append(f"| {rate:g} | {w['frontend_ms_per_request'] / v['frontend_ms_per_request']:.2f} | "
                   f"{w['median_ttft_ms'] / v['median_ttft_ms']:.2f} | {w['p99_ttft_ms'] / v['p99_ttft_ms']:.2f} | "
                   f"{w['median_tpot_ms'] / v['median_tpot_ms']:.2f} |")
+    if idle:
+        md += ["", f"Idle, no request in flight ({args.idle_s:g} s once after the warm-up), CPU ms per second:", "",
+               "| server | frontend | " + " | ".join(FRONTEND["weir"] + FRONTEND["vllm"]) + " | engine |",
+               "|---" * (3 + len(FRONTEND["weir"]) + len(FRONTEND["vllm"])) + "|"]
+        for s in SERVERS:
+            d = idle[s]
+            md.append(f"| {s} | {sum(d[r] for r in FRONTEND[s]):.1f} | "
+                      + " | ".join(f"{d[r]:.1f}" if r in d else "-" for r in FRONTEND["weir"] + FRONTEND["vllm"])
+                      + f" | {d['engine']:.1f} |")
     _plot(out, per_rate)
     md += ["", "![CPU per request by process](cpu_cost.png)"]
     text = "\n".join(md) + "\n"
