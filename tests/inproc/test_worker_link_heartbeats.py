@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import zmq
 
@@ -119,3 +120,52 @@ async def recv(d: zmq.Socket, timeout_s: float = 5.0) -> bytes:
             return d.recv()
         await asyncio.sleep(0.01)
     raise AssertionError("no message")
+
+
+def test_a_tick_reads_the_socket_before_it_declares_a_worker_lost():
+    # A worker's heartbeat waits on the backend socket but its readable edge
+    # was consumed elsewhere (here an EVENTS check outside the pump): the FD
+    # never fires for it, and the tick must read it rather than drop the worker.
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        pump = SocketPump(loop)
+        cfg = RouterConfig(backend=f"tcp://127.0.0.1:{port}", heartbeat_interval_s=60, heartbeat_liveness=1)
+        link = WorkerLink(cfg, loop, pump, RouterMetrics())
+        link.serve(Events())
+        ctx = zmq.Context()
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.IDENTITY, b"w-0")
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            reg = Register(
+                worker_id="w-0",
+                model="m",
+                pool=Pool.ANY,
+                max_model_len=64,
+                kv_capacity_tokens=64,
+                block_size=16,
+                max_num_seqs=2,
+                engine="sim",
+            )
+            d.send(encoder.encode(reg))
+            assert isinstance(to_worker_decoder.decode(await recv(d)), Heartbeat)  # registered
+            link._heartbeat_tick()  # the tick the next one judges from
+            assert isinstance(to_worker_decoder.decode(await recv(d)), Heartbeat)
+            await asyncio.sleep(0.05)  # the drain its send scheduled has run
+            d.send(encoder.encode(Heartbeat()))
+            time.sleep(0.2)  # noqa: ASYNC251 -- the loop blocked on purpose: the heartbeat arrives meanwhile
+            assert link.sock is not None and link.sock.get(zmq.EVENTS) & zmq.POLLIN  # ... its edge consumed
+            await asyncio.sleep(0.1)
+            assert link.workers["w-0"].last_seen < link._last_tick  # unheard: the FD never fired
+            link._heartbeat_tick()
+            assert "w-0" in link.workers  # read at the tick: heard, not lost
+        finally:
+            link.close()
+            d.close(0)
+            ctx.term()
+
+    asyncio.run(scenario())
