@@ -514,8 +514,7 @@ class BatchRun:
         except OSError as e:
             return await self._fail("results_write_failed", f"Writing expiry entries failed ({e}).")
         rec.failed += n
-        rec.move(m.EXPIRED)
-        await self._end_files()
+        await self._end_files(m.EXPIRED)
 
     def _write_expired(self) -> int:
         rec, n, chunk = self.rec, 0, []
@@ -546,16 +545,19 @@ class BatchRun:
             return
         if status == m.COMPLETED and self.rec.status != m.FINALIZING:
             self.rec.move(m.FINALIZING)
-        self.rec.move(status)
-        await self._end_files()
+        await self._end_files(status)
 
-    async def _end_files(self) -> None:
-        """Output and error files become visible (/v1/files), then the batch's end is saved."""
+    async def _end_files(self, status: str) -> None:
+        """Output and error files become visible (/v1/files), then the batch ends and is saved.
+
+        In that order: a terminal batch shows its file ids at once, and a client that reads
+        one on seeing the status must find the file (the register runs off the loop)."""
         rec = self.rec
         try:
             await self._io(self._register)
         except OSError as e:
             log.error("batch %s: registering result files failed: %s", rec.id, e)
+        rec.move(status)
         await self._save()
         self.ended = True
         log.info("batch %s %s: %d completed, %d failed of %d", rec.id, rec.status, rec.completed, rec.failed, rec.total)
@@ -572,14 +574,14 @@ class BatchRun:
     async def _fail(self, code: str, message: str) -> None:
         self._withdraw_all()
         rec = self.rec
+        try:
+            await self._io(self._register)  # before the status, as in _end_files
+        except OSError:
+            pass
         rec.errors = [*rec.errors, BatchError(code, message)]
         if rec.status not in m.TERMINAL:
             rec.status = m.FAILED  # from any state: a failure is always recorded
             rec.stamps[m.STAMP[m.FAILED]] = int(time.time())
-        try:
-            await self._io(self._register)
-        except OSError:
-            pass
         try:
             await self._save()
         except OSError as e:
