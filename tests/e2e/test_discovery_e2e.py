@@ -64,7 +64,7 @@ def test_worker_links_every_address_of_a_name_and_follows_changes(tmp_path):
                 [sys.executable, "-m", *args, "--config", str(cfg)],
                 env=env,
                 cwd=REPO,
-                start_new_session=True,
+                process_group=0,
                 stdout=subprocess.DEVNULL,
                 stderr=open(tmp_path / log, "wb"),
             )

@@ -71,7 +71,7 @@ def test_worker_pod_path_instance_id_probe_and_drain(sim_stack):
     assert subprocess.run([*probe, "ready"], env=env, capture_output=True).returncode == 1  # not there yet
     proc = subprocess.Popen([sys.executable, "-m", "engine_worker", "--worker-id", "sim-0",
                              "--instance-id", "weir-worker-sim-tiny-1"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
     try:
         deadline = time.monotonic() + 30
         while subprocess.run([*probe, "ready"], env=env, capture_output=True).returncode != 0:
@@ -232,7 +232,7 @@ def test_pods_run_as_rendered(tmp_path):
     try:
         for key, c in (("router-0", router), ("router-1", router), ("worker", worker), ("envoy", envoy)):
             procs[key] = subprocess.Popen(local(key, c["command"]), env=wenv if key == "worker" else env, cwd=REPO,
-                                          start_new_session=True, stdout=subprocess.DEVNULL,
+                                          process_group=0, stdout=subprocess.DEVNULL,
                                           stderr=open(tmp_path / f"{key}.log", "wb"))
 
         def probe_ok(key: str, c: dict, kind: str) -> bool:

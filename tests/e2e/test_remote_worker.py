@@ -90,7 +90,7 @@ def test_worker_in_another_network_namespace_serves_through_the_router(tmp_path)
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
             proc = subprocess.Popen([*prefix, sys.executable, "-m", "engine_worker", "--config", str(cfg),
                                      "--worker-id", "remote-0"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    cwd=str(REPO), start_new_session=True)
+                                    cwd=str(REPO), process_group=0)
             try:
                 deadline = time.monotonic() + 30
                 while "remote-0" not in _registered(stack.router_url) and time.monotonic() < deadline:

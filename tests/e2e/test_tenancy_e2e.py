@@ -178,7 +178,7 @@ def redis_url(tmp_path_factory):
     d = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(d)], stdout=open(d / "redis.log", "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            process_group=0)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -308,7 +308,7 @@ def test_curve_lets_in_known_workers_and_clients_only(tmp_path):
         assert _wait(lambda: _metric(stack.router_url, "weir_zmq_auth_denied_total", domain="clients") >= 1, 5)
         # a worker with a key the router does not know never registers
         intruder = subprocess.Popen([sys.executable, "-m", "engine_worker", "--config", str(cfg_path),
-                                     "--worker-id", "sim-x"], cwd=str(REPO), start_new_session=True,
+                                     "--worker-id", "sim-x"], cwd=str(REPO), process_group=0,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             assert _wait(lambda: _metric(stack.router_url, "weir_zmq_auth_denied_total", domain="workers") >= 1, 15)

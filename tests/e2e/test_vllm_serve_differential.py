@@ -269,7 +269,7 @@ def vllm_serve(tmp_path_factory):
     ]  # fmt: skip
     env = {**os.environ, **stackutil.localconfig.CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
