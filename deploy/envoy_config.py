@@ -108,6 +108,7 @@ def check(cfg: Config) -> None:
     _positive("envoy.max_connections", e.max_connections)
     _positive("envoy.max_request_bytes", e.max_request_bytes)
     _positive("envoy.health_check_interval_s", e.health_check_interval_s)
+    _positive("envoy.watchdog_miss_s", e.watchdog_miss_s)
     if e.stream_idle_timeout_s < 0:
         raise ConfigError(f"envoy.stream_idle_timeout_s = {e.stream_idle_timeout_s!r}: must be >= 0")
     for name in ("route_rps", "route_burst", "per_key_rps", "per_key_burst", "max_keys"):
@@ -533,6 +534,7 @@ def render_dict(cfg: Config) -> dict:
     admin_host, admin_port = split_hostport(cfg.envoy.admin)
     return {
         "admin": {"address": _address(admin_host, admin_port)},
+        "watchdogs": _watchdogs(cfg),
         "static_resources": {
             "listeners": [
                 {
@@ -560,6 +562,14 @@ def render_dict(cfg: Config) -> dict:
             ]
         },
     }
+
+
+def _watchdogs(cfg: Config) -> dict:
+    """Each thread's watchdog (main and workers alike): a miss after ``watchdog_miss_s``,
+    a megamiss after Envoy's 1 s or that if longer; no kill (Envoy's default)."""
+    miss = cfg.envoy.watchdog_miss_s
+    dog = {"miss_timeout": _seconds(miss), "megamiss_timeout": _seconds(max(1.0, miss))}
+    return {"main_thread_watchdog": dog, "worker_watchdog": dict(dog)}
 
 
 class _Dumper(yaml.SafeDumper):

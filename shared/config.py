@@ -57,6 +57,11 @@ class EnvoyConfig(_Cfg):
     max_request_bytes: int = 1 << 20  # larger bodies get 413
     stream_idle_timeout_s: float = 300.0  # bounds SSE streams instead of a route timeout
     health_check_interval_s: float = 1.0
+    # Envoy's thread watchdogs count a thread stalled this long in
+    # server.watchdog_miss (its megamiss: 1 s, or this if longer), and check
+    # each thread this often.  Envoy's 200 ms default cost 2.7 ms of CPU a
+    # second idle, 1 s costs 1.3 (bench/results/2026-12-02-envoy-watchdog.md).
+    watchdog_miss_s: float = 1.0
     access_log: bool = False  # ~40 us per request when on
     # Requests that could not reach a router (connect failure, reset before
     # it got the request) are retried this often with back-off, so one sent

@@ -53,6 +53,18 @@ def test_test_config_with_keys_and_options_is_accepted(tmp_path):
     assert _hcm(d)["access_log"][0]["name"] == "envoy.access_loggers.stdout"
 
 
+@pytest.mark.parametrize(("miss", "want"), [(0.25, ("0.25s", "1s")), (2.5, ("2.5s", "2.5s"))])
+def test_thread_watchdogs_follow_the_config_and_envoy_accepts_them(tmp_path, miss, want):
+    """Envoy checks every thread each miss timeout (its 200 ms default: five wake-ups a
+    second per thread); the megamiss stays Envoy's 1 s unless the miss is longer."""
+    text = render(load(write_config(tmp_path, envoy={"watchdog_miss_s": miss})))
+    validate(text)
+    dogs = yaml.safe_load(text)["watchdogs"]
+    for thread in ("main_thread_watchdog", "worker_watchdog"):
+        assert (dogs[thread]["miss_timeout"], dogs[thread]["megamiss_timeout"]) == want
+        assert "kill_timeout" not in dogs[thread]  # a stall is counted, never fatal
+
+
 def test_rendered_routes_limits_and_health_check(tmp_path):
     cfg = load(write_config(tmp_path, api_keys=API_KEYS, rate_limit={"max_keys": 77}))
     d = render_dict(cfg)
@@ -109,6 +121,7 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
         ('[envoy]\nmax_request_bytes = 0', "max_request_bytes = 0: must be > 0"),
         ('[envoy]\nstream_idle_timeout_s = -1', "stream_idle_timeout_s"),
         ('[envoy]\nhealth_check_interval_s = 0', "health_check_interval_s"),
+        ('[envoy]\nwatchdog_miss_s = 0', "watchdog_miss_s"),
         ('[rate_limit]\nper_key_rps = 0', "rate_limit.per_key_rps = 0"),
         ('[rate_limit]\nmax_keys = -5', "rate_limit.max_keys"),
         ('[router]\nhttp = "127.0.0.1:notaport"', "router.http"),
