@@ -553,14 +553,18 @@ class BatchRun:
         In that order: a terminal batch shows its file ids at once, and a client that reads
         one on seeing the status must find the file (the register runs off the loop)."""
         rec = self.rec
-        try:
-            await self._io(self._register)
-        except OSError as e:
-            log.error("batch %s: registering result files failed: %s", rec.id, e)
+        await self._register_files()
         rec.move(status)
         await self._save()
         self.ended = True
         log.info("batch %s %s: %d completed, %d failed of %d", rec.id, rec.status, rec.completed, rec.failed, rec.total)
+
+    async def _register_files(self) -> None:
+        """The result files become visible: before any end status shows their ids."""
+        try:
+            await self._io(self._register)
+        except OSError as e:
+            log.error("batch %s: registering result files failed: %s", self.rec.id, e)
 
     def _register(self) -> None:
         rec, files = self.rec, self.svc.files
@@ -574,10 +578,7 @@ class BatchRun:
     async def _fail(self, code: str, message: str) -> None:
         self._withdraw_all()
         rec = self.rec
-        try:
-            await self._io(self._register)  # before the status, as in _end_files
-        except OSError:
-            pass
+        await self._register_files()
         rec.errors = [*rec.errors, BatchError(code, message)]
         if rec.status not in m.TERMINAL:
             rec.status = m.FAILED  # from any state: a failure is always recorded
