@@ -64,22 +64,7 @@ def test_a_tick_heartbeats_every_worker_a_slice_per_loop_turn(monkeypatch):
         dealers = []
         try:
             for i in range(n):
-                d = ctx.socket(zmq.DEALER)
-                d.setsockopt(zmq.IDENTITY, f"w-{i}".encode())
-                d.setsockopt(zmq.LINGER, 0)
-                d.connect(f"tcp://127.0.0.1:{port}")
-                reg = Register(
-                    worker_id=f"w-{i}",
-                    model="m",
-                    pool=Pool.ANY,
-                    max_model_len=64,
-                    kv_capacity_tokens=64,
-                    block_size=16,
-                    max_num_seqs=2,
-                    engine="sim",
-                )
-                d.send(encoder.encode(reg))
-                dealers.append(d)
+                dealers.append(registered_worker(ctx, port, f"w-{i}"))
             for _ in range(500):
                 if len(link.workers) == n:
                     break
@@ -114,6 +99,26 @@ def test_a_tick_heartbeats_every_worker_a_slice_per_loop_turn(monkeypatch):
     asyncio.run(scenario())
 
 
+def registered_worker(ctx: zmq.Context, port: int, worker_id: str) -> zmq.Socket:
+    """A stand-in worker: a DEALER on the backend socket that has sent its Register."""
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.IDENTITY, worker_id.encode())
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(f"tcp://127.0.0.1:{port}")
+    reg = Register(
+        worker_id=worker_id,
+        model="m",
+        pool=Pool.ANY,
+        max_model_len=64,
+        kv_capacity_tokens=64,
+        block_size=16,
+        max_num_seqs=2,
+        engine="sim",
+    )
+    d.send(encoder.encode(reg))
+    return d
+
+
 async def recv(d: zmq.Socket, timeout_s: float = 5.0) -> bytes:
     for _ in range(int(timeout_s / 0.01)):
         if d.poll(0):
@@ -136,22 +141,8 @@ def test_a_tick_reads_the_socket_before_it_declares_a_worker_lost():
         link = WorkerLink(cfg, loop, pump, RouterMetrics())
         link.serve(Events())
         ctx = zmq.Context()
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.IDENTITY, b"w-0")
-        d.setsockopt(zmq.LINGER, 0)
-        d.connect(f"tcp://127.0.0.1:{port}")
+        d = registered_worker(ctx, port, "w-0")
         try:
-            reg = Register(
-                worker_id="w-0",
-                model="m",
-                pool=Pool.ANY,
-                max_model_len=64,
-                kv_capacity_tokens=64,
-                block_size=16,
-                max_num_seqs=2,
-                engine="sim",
-            )
-            d.send(encoder.encode(reg))
             assert isinstance(to_worker_decoder.decode(await recv(d)), Heartbeat)  # registered
             link._heartbeat_tick()  # the tick the next one judges from
             assert isinstance(to_worker_decoder.decode(await recv(d)), Heartbeat)
