@@ -163,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                             rows.append(row | {"round": rnd + 1})
     finally:
         stop_group(proc)
+    lines = fits(rows)
     common.save(out, "cpu_cost.json", {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
-                                       "idle_ms_per_s": idle, "fits": fits(rows)})
-    _report(out, rows, rates, args, argv if argv is not None else sys.argv[1:], idle)
+                                       "idle_ms_per_s": idle, "fits": lines})
+    _report(out, rows, lines, rates, args, argv if argv is not None else sys.argv[1:], idle)
     return 0
 
 
@@ -203,7 +204,7 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             by_len: dict[int, list[dict[str, Any]]] = {}
             for r in rows:
                 if r["rate"] == rate and r["server"] == s:
-                    by_len.setdefault(r.get("output_len", 0), []).append(r)
+                    by_len.setdefault(r["output_len"], []).append(r)
             if len(by_len) < 2:
                 continue
             tokens = [statistics.median(r["output_tokens"] / max(1, r["completed"]) for r in rs)
@@ -218,8 +219,8 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _report(out: Path, rows: list[dict[str, Any]], rates: list[float], args: argparse.Namespace,
-            argv: list[str], idle: dict[str, dict[str, float]]) -> None:
+def _report(out: Path, rows: list[dict[str, Any]], lines: list[dict[str, Any]], rates: list[float],
+            args: argparse.Namespace, argv: list[str], idle: dict[str, dict[str, float]]) -> None:
     lens = args.output_lens
     md = [common.header("CPU per request: weir's frontend against vllm serve's", ["bench.scenarios.cpu_cost", *argv]),
           "", f"`vllm bench serve`, random dataset, {args.input_len} tokens in, {', '.join(map(str, lens))} out "
@@ -234,7 +235,7 @@ def _report(out: Path, rows: list[dict[str, Any]], rates: list[float], args: arg
     for rate in rates:
         for olen in lens:
             for s in SERVERS:
-                rs = [r for r in rows if r["rate"] == rate and r.get("output_len", olen) == olen and r["server"] == s]
+                rs = [r for r in rows if r["rate"] == rate and r["output_len"] == olen and r["server"] == s]
                 n = {role: _per_request_ms(rs, role) for role in ROLES}
                 m = {k: _median(rs, k) for k in ("frontend_ms_per_request", "frontend_ms_per_1k_tokens", *TIMING)}
                 per_run.setdefault((rate, olen), {})[s] = m | n
@@ -252,7 +253,6 @@ def _report(out: Path, rows: list[dict[str, Any]], rates: list[float], args: arg
         md.append(f"| {rate:g} | {olen} | {w['frontend_ms_per_request'] / v['frontend_ms_per_request']:.2f} | "
                   f"{w['median_ttft_ms'] / v['median_ttft_ms']:.2f} | {w['p99_ttft_ms'] / v['p99_ttft_ms']:.2f} | "
                   f"{w['median_tpot_ms'] / v['median_tpot_ms']:.2f} |")
-    lines = fits(rows)
     if lines:
         md += ["", "CPU per request as a line through the output lengths: fixed ms per request (idle share "
                "included) + µs per streamed token.", "",
