@@ -20,13 +20,19 @@ the rounds, each round's figures in the JSON -- and a bar chart.  Once,
 after the warm-up, both servers' idle CPU per second (``--idle-s``): at a
 low rate the timers of an idle server are part of its CPU per request.
 
+``--pin-engine`` gives both servers' engine processes the last CPU and
+everything else (the frontends, this scenario and its ``vllm bench serve``)
+the others, set per thread after the warm-up: the topology of a GPU host,
+where the engine's busy loop has a core of its own, instead of an engine
+that spins on the cores the frontend wakes on.
+
 With several output lengths (``--output-len 4,128``) each rate runs at each,
 and a least-squares line through the medians splits every process's CPU per
 request into a fixed part (per request, idle share included) and a part per
 streamed token: where a frontend's cost grows with the output and where it
 does not.
 
-    python -m bench.scenarios.cpu_cost [--rates 5,20] [-n 400] [--rounds 3] [--output-len 32]
+    python -m bench.scenarios.cpu_cost [--rates 5,20] [-n 400] [--rounds 3] [--output-len 32] [--pin-engine]
 """
 
 from __future__ import annotations
@@ -68,6 +74,22 @@ def group_cpu(groups: dict[str, int]) -> dict[str, float]:
         except (psutil.Error, ProcessLookupError):
             continue  # (exited between the listing and the read)
     return out
+
+
+def pin_engine(groups: dict[str, int], engine_cpus: set[int], other_cpus: set[int]) -> None:
+    """Every thread of the groups' processes onto ``engine_cpus`` (vLLM's
+    engine processes) or ``other_cpus`` (the rest); threads started later
+    inherit their creator's set."""
+    pgids = set(groups.values())
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if os.getpgid(p.pid) not in pgids:
+                continue
+            cpus = engine_cpus if (p.info["name"] or "").startswith("VLLM::") else other_cpus
+            for tid in os.listdir(f"/proc/{p.pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+        except (psutil.Error, OSError):
+            continue  # (exited meanwhile)
 
 
 def idle_cpu(servers: dict[str, tuple[str, dict[str, int]]], seconds: float) -> dict[str, dict[str, float]]:
@@ -125,8 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     ap.add_argument("--idle-s", type=float, default=20.0,
                     help="seconds of idle CPU measured once after the warm-up (0: skip)")
+    ap.add_argument("--pin-engine", action="store_true",
+                    help="both engines on the last CPU, everything else on the others (a GPU host's topology)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin_engine and len(cpus) < 2:
+        ap.error("--pin-engine needs two or more CPUs")
+    args.engine_cpu = cpus[-1]
     args.engine_env = dict(common.CPU_ENGINE_ENV)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     args.output_lens = [int(n) for n in str(args.output_len).split(",") if n.strip()]
@@ -151,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             for s, (url, _) in servers.items():  # warm-up: the first requests compile and allocate
                 vllm_bench(url, out, f"warm-up-{s}", argparse.Namespace(**{**vars(args), "num_prompts": 40}), 10.0)
+            if args.pin_engine:
+                for _, groups in servers.values():
+                    pin_engine(groups, {cpus[-1]}, set(cpus[:-1]))
+                os.sched_setaffinity(0, set(cpus[:-1]))  # and vllm bench serve, which inherits it
             idle = idle_cpu(servers, args.idle_s) if args.idle_s > 0 else {}
             for rnd in range(args.rounds):
                 order = SERVERS if rnd % 2 == 0 else SERVERS[::-1]
@@ -227,7 +259,8 @@ def _report(out: Path, rows: list[dict[str, Any]], lines: list[dict[str, Any]], 
           f"(EOS ignored), streamed, {args.num_prompts} requests per run, Poisson; tiny-llama, max_num_seqs "
           f"{args.max_num_seqs}, {args.kv_cache_bytes >> 20} MiB KV, both engines alike.  Medians of {args.rounds} "
           "alternating rounds.  Frontend: vllm's API server; weir's router + Envoy + worker process.  CPU is user + "
-          "system from /proc.\n",
+          "system from /proc." + (f"  Pinned: both engines on CPU {args.engine_cpu}, everything else on the "
+                                  "other CPUs." if args.pin_engine else "") + "\n",
           "| rate | out | server | served | frontend ms / request | ms / 1k tokens | router | Envoy | worker "
           "| API server | engine (EngineCore + model worker) | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
           "|---" * 15 + "|"]

@@ -143,3 +143,45 @@ def test_relay_floor_answers_through_its_worker_process(tmp_path):
         for p in (relay, worker):
             p.terminate()
             p.wait()
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="pinning apart needs two CPUs")
+def test_cpu_cost_pins_every_engine_thread_apart_from_the_rest(tmp_path):
+    # cpu_cost --pin-engine: every thread of a process titled as vLLM's engine
+    # goes onto the engine's CPUs, every thread of any other process of the
+    # groups onto the others; a process outside the groups keeps its own.
+    import os
+    import subprocess
+    import sys
+
+    from bench.scenarios.cpu_cost import pin_engine
+
+    child = (
+        "import sys, threading, time\n"
+        "if sys.argv[1]: open('/proc/self/comm', 'w').write(sys.argv[1])\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('up', flush=True); time.sleep(60)\n"
+    )
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", child, title], stdout=subprocess.PIPE, text=True, start_new_session=own_group
+        )
+        for name, title, own_group in (("engine", "VLLM::EngineCor", True), ("front", "", True), ("other", "", False))
+    }
+    try:
+        for p in procs.values():
+            assert p.stdout is not None and p.stdout.readline() == "up\n"
+        cpus = sorted(os.sched_getaffinity(0))
+        before = os.sched_getaffinity(procs["other"].pid)
+        pin_engine({"engine": procs["engine"].pid, "front": procs["front"].pid}, {cpus[-1]}, set(cpus[:-1]))
+
+        def affinities(pid: int) -> list[set[int]]:
+            return [os.sched_getaffinity(int(t)) for t in sorted(os.listdir(f"/proc/{pid}/task"))]
+
+        assert affinities(procs["engine"].pid) == [{cpus[-1]}] * 2
+        assert affinities(procs["front"].pid) == [set(cpus[:-1])] * 2
+        assert os.sched_getaffinity(procs["other"].pid) == before
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
