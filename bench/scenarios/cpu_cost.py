@@ -42,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,24 +56,30 @@ FRONTEND = {"vllm": ("api_server",), "weir": ("router", "envoy", "worker")}
 TIMING = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
-def group_cpu(groups: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system, the processes' own) by role: each
-    process of a group under its group's role, vLLM's engine processes
-    (EngineCore and the model's worker) under ``engine`` whatever group
-    they are in."""
-    out: dict[str, float] = {role: 0.0 for role in groups} | {"engine": 0.0}
+def _members(groups: dict[str, int]) -> Iterator[tuple[psutil.Process, str]]:
+    """Each live process of the groups (by process group) with its role:
+    its group's, or ``engine`` for vLLM's engine processes whatever group
+    they are in -- vLLM titles its EngineCore and the model's worker process
+    it spawns (on CPU too) "VLLM::EngineCore" / "VLLM::Worker"."""
     role_of = {pgid: role for role, pgid in groups.items()}
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+    for p in psutil.process_iter(["pid", "name"]):
         try:
             role = role_of.get(os.getpgid(p.pid))
-            if role is None:
-                continue
+        except ProcessLookupError:
+            continue  # (exited since the listing)
+        if role is not None:
+            yield p, "engine" if (p.info["name"] or "").startswith("VLLM::") else role
+
+
+def group_cpu(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system, the processes' own) by role (``_members``)."""
+    out: dict[str, float] = {role: 0.0 for role in groups} | {"engine": 0.0}
+    for p, role in _members(groups):
+        try:
             t = p.cpu_times()
-            # vLLM titles its EngineCore and the model's worker process it
-            # spawns (on CPU too) "VLLM::EngineCore" / "VLLM::Worker"
-            out["engine" if (p.info["name"] or "").startswith("VLLM::") else role] += t.user + t.system
-        except (psutil.Error, ProcessLookupError):
+        except psutil.Error:
             continue  # (exited between the listing and the read)
+        out[role] += t.user + t.system
     return out
 
 
@@ -80,15 +87,11 @@ def pin_engine(groups: dict[str, int], engine_cpus: set[int], other_cpus: set[in
     """Every thread of the groups' processes onto ``engine_cpus`` (vLLM's
     engine processes) or ``other_cpus`` (the rest); threads started later
     inherit their creator's set."""
-    pgids = set(groups.values())
-    for p in psutil.process_iter(["pid", "name"]):
+    for p, role in _members(groups):
         try:
-            if os.getpgid(p.pid) not in pgids:
-                continue
-            cpus = engine_cpus if (p.info["name"] or "").startswith("VLLM::") else other_cpus
             for tid in os.listdir(f"/proc/{p.pid}/task"):
-                os.sched_setaffinity(int(tid), cpus)
-        except (psutil.Error, OSError):
+                os.sched_setaffinity(int(tid), engine_cpus if role == "engine" else other_cpus)
+        except OSError:
             continue  # (exited meanwhile)
 
 

@@ -5,6 +5,7 @@ The workload specs, arrivals and argument checks: tests/unit/test_bench_workload
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -145,12 +146,11 @@ def test_relay_floor_answers_through_its_worker_process(tmp_path):
             p.wait()
 
 
-@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="pinning apart needs two CPUs")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning apart needs two CPUs")
 def test_cpu_cost_pins_every_engine_thread_apart_from_the_rest(tmp_path):
     # cpu_cost --pin-engine: every thread of a process titled as vLLM's engine
     # goes onto the engine's CPUs, every thread of any other process of the
     # groups onto the others; a process outside the groups keeps its own.
-    import os
     import subprocess
     import sys
 
