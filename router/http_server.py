@@ -66,6 +66,7 @@ _WANTED_HEADERS = frozenset(
         b"content-type",  # multipart uploads (/v1/files)
     )
 )
+_KEY_HEADERS = (b"x-api-key", b"authorization")
 UPLOAD_PREFIX = b"/v1/files"  # bodies here may be up to max_upload_bytes
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
@@ -281,6 +282,9 @@ class HttpConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name in _WANTED_HEADERS:
+            held = self._headers.get(name)
+            if held is not None and name in _KEY_HEADERS:  # sent twice: ", "-joined as Envoy's Lua reads it
+                value = held + b", " + value
             self._headers[name] = value
 
     def on_headers_complete(self) -> None:

@@ -501,6 +501,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{where}: unknown tier {k.tier!r}")
         if (k.key is None) == (k.key_sha256 is None):
             raise ConfigError(f"{where}: give exactly one of key_sha256 (preferred) or key")
+        if k.key is not None and not re.fullmatch(r"[\x21-\x7e]+", k.key):  # shared.keys.well_formed
+            raise ConfigError(f"{where}: a key must be printable ASCII without spaces")
         if k.key_sha256 is not None:
             h = k.key_sha256
             if len(h) != 64 or any(c not in "0123456789abcdef" for c in h.lower()):

@@ -205,7 +205,8 @@ WHEN: dict[Code, str] = {
     Code.UNSUPPORTED_VALUE: "a known field weir cannot honour (`suffix`, vLLM extensions such as `echo` in chat, "
     "...; structured output or `logprobs` on a simulated engine)",
     Code.CONTEXT_LENGTH: "prompt + `max_tokens` exceeds the model's context, or the KV any worker can hold",
-    Code.INVALID_API_KEY: "keys are configured and this one is unknown or malformed",
+    Code.INVALID_API_KEY: "the key is malformed (not printable ASCII without spaces), or keys are configured "
+    "and this one is unknown",
     Code.MODEL_NOT_FOUND: "no such model is served (or it was removed at run time)",
     Code.NOT_FOUND: "no such path, or no such worker on an admin path",
     Code.METHOD_NOT_ALLOWED: "a known path with the wrong method",
