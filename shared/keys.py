@@ -31,6 +31,31 @@ _WELL_FORMED = re.compile(r"[\x21-\x7e]+")
 _OWS = " \t"
 
 
+def admin_token(cfg: Config) -> str | None:
+    """The router's admin token (``router.admin_token_file``), None if none is configured."""
+    if not cfg.router.admin_token_file:
+        return None
+    path = cfg.resolve(cfg.router.admin_token_file)
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        from shared.config import ConfigError
+
+        raise ConfigError(f"router.admin_token_file: {e}") from None
+    if not well_formed(token):
+        from shared.config import ConfigError
+
+        raise ConfigError(f"router.admin_token_file {path}: the token must be printable ASCII without spaces")
+    return token
+
+
+def admin_headers(cfg: Config) -> dict[str, str]:
+    """What a caller of a router's /admin/* sends (nothing without a token: loopback)."""
+    token = admin_token(cfg)
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 def well_formed(key: str) -> bool:
     return _WELL_FORMED.fullmatch(key) is not None
 
