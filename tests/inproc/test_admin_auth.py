@@ -66,13 +66,17 @@ def _non_loopback_ip() -> str | None:
 def router():
     from test_http_server import ScriptedCore
 
+    class Core(ScriptedCore):
+        def admin_worker(self, worker_id):  # what a worker pod's probes ask (deploy/k8s_probe.py)
+            return {"id": worker_id, "state": "ready", "running": 0} if worker_id == "w0" else None
+
     ip = _non_loopback_ip()
     if ip is None:
         pytest.skip("no address other than loopback to reach the router on")
     loop = uvloop.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    core = ScriptedCore()
+    core = Core()
     metrics = RouterMetrics(core.registry)
     core.page = MetricsPage(core.registry, metrics.sources)
     op = _Operator()
@@ -168,3 +172,31 @@ def test_the_admin_listener_serves_no_api(router):
 )
 def test_admin_allowed_rule(token, authorization, loopback, allowed):
     assert admin_allowed(token, authorization, loopback) is allowed
+
+
+@pytest.mark.parametrize("token_ok", [True, False], ids=["right-token", "wrong-token"])
+def test_a_worker_pods_probe_and_drain_send_the_token(router, tmp_path, token_ok):
+    """deploy/k8s_probe.py as a worker pod runs it: the routers' admin listener on
+    an address other than loopback, the token from the file its config names."""
+    import os
+    import subprocess
+    import sys
+
+    from stackutil import REPO, write_config
+
+    ip, ports, op = router
+    token_file = tmp_path / "token"
+    token_file.write_text((TOKEN if token_ok else "not-the-token") + "\n")
+    cfg = write_config(tmp_path, router={"backend": f"tcp://{ip}:5556", "admin_http": f"{ip}:{ports[1]}",
+                                         "admin_token_file": str(token_file)})
+    env = {**os.environ, "WEIR_CONFIG": str(cfg), "POD_NAME": "w0", "PYTHONPATH": str(REPO)}
+    probe = [sys.executable, "-m", "deploy.k8s_probe"]
+    ready = subprocess.run([*probe, "ready"], env=env, capture_output=True, text=True, timeout=30)
+    assert ready.returncode == (0 if token_ok else 1), ready.stderr
+    before = list(op.done)
+    drain = subprocess.run([*probe, "drain"], env=env, capture_output=True, text=True, timeout=60)
+    assert drain.returncode == 0  # preStop: whatever happened
+    if token_ok:
+        assert drain.stdout.strip() == "drained" and op.done[len(before):] == ["drain w0"]
+    else:
+        assert op.done == before and "401" in drain.stderr
