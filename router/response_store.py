@@ -238,11 +238,11 @@ redis.call('SET', KEYS[4], total)
 return {#aged, by_count, by_bytes, n}
 """
 
-# KEYS as _PUT's; ARGV: id.  1 if the record was there.
+# KEYS as _PUT's; ARGV: id.  1 if the record was there, on that tenant's shelf.
 _DELETE = """
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
 local size = redis.call('HGET', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
 if size then redis.call('DECRBY', KEYS[4], size) end
 return redis.call('DEL', KEYS[1])
 """
