@@ -30,7 +30,7 @@ from router.http_routes import Routes
 from router.http_server import HttpConnection, start_http_server, written_out
 from router.metrics import RouterMetrics
 from router.operator_actions import RouterOperator
-from router.response_store import StoreCollector, make_store
+from router.response_store import StoreCollector, make_store, tenant_bounds
 from router.responses_http import ResponsesService
 from router.views import RouterViews
 from router.worker_link import WorkerLink
@@ -98,7 +98,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     operator = RouterOperator(core, link, reload, drain_router)
     link.serve(core)
     frontend.serve(core)
-    response_store = make_store(cfg)
+    response_store = make_store(cfg, lambda tenant: tenant_bounds(core.cfg, tenant))  # (reloaded tenants')
     metrics.registry.register(StoreCollector(response_store))
     host, port = split_hostport(cfg.router.http)
     connections: set[HttpConnection] = set()
@@ -110,7 +110,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         "max_prompts": cfg.router.max_prompts_per_request,
         "extra_routes": batch_routes,
         "max_upload_bytes": cfg.batch.max_file_bytes if batches is not None else 0,
-        "responses": ResponsesService(core, response_store),
+        "responses": ResponsesService(core, response_store, lambda: core.keys.by_key),
         "admin_token": admin_token(cfg),
     }
     servers = [await start_http_server(core, views, metrics, host, port, **http_options)]

@@ -175,6 +175,9 @@ class TenantConfig(Budgets, kw_only=True):
     """Budgets shared by all of a tenant's keys (on top of each key's own)."""
 
     name: str
+    # This tenant's own stored-responses bounds (default: [responses] max_stored / max_bytes).
+    responses_max_stored: int | None = None
+    responses_max_bytes: int | None = None
 
 
 class QuotaConfig(_Cfg):
@@ -194,7 +197,11 @@ class ResponsesConfig(_Cfg):
     # (the [quota] Redis: redis_url and redis_timeout_s there).
     store: Literal["memory", "redis"] = "memory"
     redis_prefix: str = "weir:responses:"
-    max_stored: int = 10_000  # beyond: the oldest is evicted
+    # Per tenant (a [[tenants]] entry may set its own: responses_max_stored,
+    # responses_max_bytes): beyond either, that tenant's oldest is evicted,
+    # never another tenant's.
+    max_stored: int = 10_000
+    max_bytes: int = 64 << 20
     max_age_s: float = 3600.0  # older: gone (404), as if deleted
     max_stored_bytes: int = 1 << 20  # one response + its conversation; larger: served, not stored
 
@@ -549,6 +556,13 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[responses] max_stored must be >= 1 and max_age_s > 0")
     if cfg.router.admin_http and len(cfg.routers) > 1:
         raise ConfigError("router.admin_http is one address: it cannot serve several [[routers]] on one host")
+    for t in cfg.tenants:
+        for f in ("responses_max_stored", "responses_max_bytes"):
+            v = getattr(t, f)
+            if v is not None and v < 1:
+                raise ConfigError(f"tenant {t.name!r}: {f} = {v}: must be >= 1 (leave it out for [responses]'s)")
+    if cfg.responses.max_bytes < 1:
+        raise ConfigError("[responses] max_bytes must be >= 1")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 

@@ -36,6 +36,7 @@ from router.batch.lines import AsOwner, EmbeddingLine
 from router.batch.store import BatchError, BatchRecord, ResultLog, is_done, mark_done, result_id
 from router.batch.validate import LineJobs, check_file, decode_line, to_jobs
 from router.jobs import RUNNING, job_id_of
+from router.ownership import key_live
 from router.prompt_fanout import PromptFanOut, echo_texts
 from shared import protocol as p
 from shared.errors import Code, error
@@ -49,6 +50,11 @@ log = logging.getLogger("weir.batch")
 FLUSH_S = 0.05  # results wait at most this long for their group's fsync
 READ_PER_PASS = 4096  # input lines read per feeding pass at most (bad lines cost no slot)
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+REVOKED_CODE = "api_key_revoked"
+REVOKED_MESSAGE = (
+    "The API key that created this batch was removed or moved to another tenant: the batch was cancelled "
+    "and this request was not executed."
+)
 
 
 class _UsageOnly(msgspec.Struct):
@@ -147,18 +153,28 @@ class BatchRun:
         self.done_at_start = 0
         self.dirty = True
         self.who: Identity | p.ErrorInfo = self._identity()
+        self.revoked = isinstance(self.who, p.ErrorInfo)  # its key is gone: cancelled at the next step
 
     # ------------------------------------------------------------ identity and class
 
     def _identity(self) -> Identity | p.ErrorInfo:
+        """Who the lines run as: the creating key, while it still speaks for the batch's tenant."""
         keys = self.core.keys
         klass = self.svc.batch_class
+        if not key_live(self.rec.owner, self.rec.key_digest, keys.by_key):
+            return error(Code.INVALID_API_KEY, "The API key that created this batch is no longer valid.")
         if not keys.by_key:
             return Identity(ANONYMOUS_TENANT, klass, 1.0, "")
-        key = keys.by_key.get(self.rec.key_digest)
-        if key is None:
-            return error(Code.INVALID_API_KEY, "The API key that created this batch is no longer valid.")
+        key = keys.by_key[self.rec.key_digest]
         return Identity(key.tenant, klass, key.weight, key_id(self.rec.key_digest))
+
+    def recheck(self) -> None:
+        """The keys were reloaded: a batch whose key was removed or moved to another tenant is cancelled."""
+        self.who = self._identity()
+        if isinstance(self.who, p.ErrorInfo) and not self.revoked:
+            self.revoked = True
+            log.warning("batch %s: its API key was revoked; cancelling it", self.rec.id)
+            self.wake.set()
 
     # ------------------------------------------------------------ the run
 
@@ -230,6 +246,8 @@ class BatchRun:
         rec = self.rec
         if rec.status == m.FINALIZING:
             return await self._finish(m.COMPLETED)
+        if self.revoked and rec.status in (m.IN_PROGRESS, m.CANCELLING):
+            return await self._revoke()
         if time.time() >= rec.expires_at and rec.status in (m.IN_PROGRESS, m.CANCELLING):
             return await self._expire()
         if rec.status == m.IN_PROGRESS and self.svc.store.cancel_requested(rec.id):
@@ -510,13 +528,32 @@ class BatchRun:
             return
         rec = self.rec
         try:
-            n = await self._io(self._write_expired)
+            n = await self._io(self._write_unfinished, "batch_expired", EXPIRED_MESSAGE)
         except OSError as e:
             return await self._fail("results_write_failed", f"Writing expiry entries failed ({e}).")
         rec.failed += n
         await self._end_files(m.EXPIRED)
 
-    def _write_expired(self) -> int:
+    async def _revoke(self) -> None:
+        """Its key was revoked: what finished stays; every other line gets an api_key_revoked
+        entry in the error file, and the batch ends cancelled with that error."""
+        self._withdraw_all()
+        await self._drain()
+        if self.stopped:
+            return
+        rec = self.rec
+        try:
+            n = await self._io(self._write_unfinished, REVOKED_CODE, REVOKED_MESSAGE)
+        except OSError as e:
+            return await self._fail("results_write_failed", f"Writing revocation entries failed ({e}).")
+        rec.failed += n
+        rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
+        if rec.status == m.IN_PROGRESS:
+            rec.move(m.CANCELLING)
+        await self._end_files(m.CANCELLED)
+
+    def _write_unfinished(self, code: str, message: str) -> int:
+        """An error entry (``code``, ``message``) for every line not done; how many."""
         rec, n, chunk = self.rec, 0, []
         with open(self.input_path, "rb") as f:
             for line, raw in enumerate(f):
@@ -527,7 +564,7 @@ class BatchRun:
                     "id": result_id(rec.id, line),
                     "custom_id": head.custom_id if head is not None else "",
                     "response": None,
-                    "error": {"code": "batch_expired", "message": EXPIRED_MESSAGE},
+                    "error": {"code": code, "message": message},
                 }
                 chunk.append(_encode(entry) + b"\n")
                 mark_done(self.done, line)

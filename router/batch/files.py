@@ -16,6 +16,8 @@ from pathlib import Path
 
 import msgspec
 
+from router.ownership import may_see
+
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSES = ("batch_output",)
 
@@ -117,7 +119,7 @@ class FileStore:
             meta = _meta_decoder.decode(self._meta_path(file_id).read_bytes())
         except (OSError, msgspec.DecodeError):
             return None
-        return meta if meta.owner == owner else None
+        return meta if may_see(meta.owner, owner) else None
 
     def list(self, owner: str, purpose: str | None = None) -> list[FileMeta]:
         out = []
@@ -126,7 +128,7 @@ class FileStore:
                 meta = _meta_decoder.decode(path.read_bytes())
             except (OSError, msgspec.DecodeError):
                 continue
-            if meta.owner == owner and (purpose is None or meta.purpose == purpose):
+            if may_see(meta.owner, owner) and (purpose is None or meta.purpose == purpose):
                 out.append(meta)
         out.sort(key=lambda m: (m.created_at, m.id), reverse=True)
         return out

@@ -27,6 +27,7 @@ from router.batch.files import FileStore
 from router.batch.lease import FileLease, Lease, RedisLease
 from router.batch.store import BatchRecord, BatchStore
 from router.jobs import RUNNING, job_id_of
+from router.ownership import may_see
 from shared.config import Config
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class BatchService:
         self._budgets: dict[str, m.DayBudget] = {}
         core.metrics.registry.register(_Collector(self))
         core.batch_tenants = self.tenants
+        core.on_keys_reloaded.append(self.recheck_owners)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._scan_forever())
@@ -145,6 +147,13 @@ class BatchService:
         if isinstance(self.lease, RedisLease):
             await self.lease.close()
         self.io.shutdown(wait=False)
+
+    def recheck_owners(self) -> None:
+        """After a reload: the batches running here whose key was removed or now
+        names another tenant are cancelled (router.batch.feeder ``BatchRun.recheck``);
+        one not running here is checked when a router takes it up."""
+        for run in list(self.runs.values()):
+            run.recheck()
 
     def kick(self) -> None:
         """A batch was created or cancelled here: scan now rather than at the next tick."""
@@ -225,7 +234,7 @@ class BatchService:
     def get(self, owner: str, batch_id: str) -> BatchRecord | None:
         run = self.runs.get(batch_id)
         rec = run.rec if run is not None else self.store.load(batch_id)
-        return rec if rec is not None and rec.owner == owner else None
+        return rec if rec is not None and may_see(rec.owner, owner) else None
 
     def list(self, owner: str, limit: int = 100) -> list[BatchRecord]:
         out = []

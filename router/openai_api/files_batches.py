@@ -23,6 +23,7 @@ from router.batch.service import BatchService
 from router.batch.validate import PARSERS
 from router.http_routes import Answer, PatternRoute, Refusal, Reply, Route, Routes
 from router.openai_api.encoding import encode
+from router.openai_api.metadata import metadata_problem
 from router.openai_api.request import meta_from_headers
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
@@ -222,6 +223,9 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _bad(
                 f"The endpoint {body.endpoint} is not served by this router.", "endpoint", Code.UNSUPPORTED_VALUE
             )
+        bad_metadata = metadata_problem(body.metadata)
+        if bad_metadata is not None:
+            return _bad(bad_metadata, "metadata")
         if body.completion_window not in svc.windows:
             return _bad(f"completion_window must be one of {', '.join(svc.windows)}", "completion_window")
         meta = svc.files.get(owner[0], body.input_file_id)
@@ -265,20 +269,11 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
 def owner_of_key(core: Any) -> Owner:
     """The caller's tenant and key digest, from the router's keys as reloaded
-    (``core.keys``: router.admission.Keys); no keys: everyone is the anonymous tenant."""
-    from router.admission import ANONYMOUS_TENANT, malformed_key
-    from shared.keys import digest, well_formed
+    (``core.keys``: router.admission.Keys), by router.ownership's rule."""
+    from router.ownership import identify
 
     def owner(api_key: str | None) -> tuple[str, str] | ErrorInfo:
-        keys = core.keys
-        if api_key and not well_formed(api_key):  # the rule Envoy applies (shared.keys)
-            return malformed_key()
-        if not keys.by_key:
-            return ANONYMOUS_TENANT, ""
-        h = digest(api_key) if api_key else ""
-        key = keys.by_key.get(h)
-        if key is None:
-            return error(Code.INVALID_API_KEY, "Incorrect API key provided.")
-        return key.tenant, h
+        got = identify(core.keys.by_key, api_key)
+        return got if isinstance(got, ErrorInfo) else (got.tenant, got.key)
 
     return owner
