@@ -69,9 +69,9 @@ class Router:
         return run
 
     def running(self) -> list[int]:
-        """Handles of the batch's jobs on the (fake) worker."""
-        run = self.run()
-        return [hd for hd in run.in_flight if self.h.core.jobs["%x" % hd].worker is not None]
+        """Handles of the batches' jobs on the (fake) worker."""
+        jobs = self.h.core.jobs
+        return [hd for run in self.svc.runs.values() for hd in run.in_flight if jobs["%x" % hd].worker is not None]
 
     def call(self, fn, *args) -> None:
         """``fn`` on the loop, as the socket's reader calls the core (the batch tier arms timers)."""
@@ -142,6 +142,9 @@ def test_a_draining_router_hands_its_batch_on_and_no_line_fails(tmp_path):
         run = a.run()
         # no line sent since, the queued ones withdrawn: only the two running remain
         assert a.svc.stats.sent == sent_before and len(run.in_flight) == 2 == len(a.running())
+        later, _ = _batch(tmp_path)  # created while it drains: left for the others
+        a.pump(0.2)
+        assert later not in a.svc.runs and store.load(later).status == m.VALIDATING
         ending, cut = a.running()
         a.finish(ending)
         a.h.clock.t += 5.0  # the drain's deadline: the other running line is cut (router_draining)
@@ -163,20 +166,20 @@ def test_a_draining_router_hands_its_batch_on_and_no_line_fails(tmp_path):
     try:
 
         def finish_all() -> bool:
-            run = b.svc.runs.get(bid)
-            if run is None:
+            if bid not in b.svc.runs and later not in b.svc.runs:
                 return True
             for hd in b.running():
                 b.finish(hd)
             return False
 
-        _until(b, lambda: bid in b.svc.runs, "router b never took the batch over")
+        _until(b, lambda: bid in b.svc.runs and later in b.svc.runs, "router b never took the batches over")
         _until(b, finish_all, "router b never finished the batch", timeout=20.0)
         rec = store.load(bid)
         assert (rec.status, rec.completed, rec.failed) == (m.COMPLETED, N, 0)
         ids = [r["custom_id"] for r in _results(tmp_path, rec.output_file_id)]
         assert sorted(ids) == sorted(f"req-{i}" for i in range(N))  # each exactly once
         assert rec.usage.output_tokens == 3 * N  # the tokens of a's lines are counted too
+        assert store.load(later).status == m.COMPLETED
     finally:
         b.close()
 
