@@ -243,7 +243,7 @@ class BatchRun:
             rec.completed, rec.failed = self.out.lines, self.err.lines
             self.dirty = True
         if rec.usage != self.out.usage:  # (the state saved last may lag the files: a crash between)
-            rec.usage = self.out.usage
+            rec.usage = msgspec.structs.replace(self.out.usage)
             self.dirty = True
         self.done_at_start = rec.completed + rec.failed
         self.started_mono = time.monotonic()
