@@ -15,7 +15,16 @@ Any other refusal, or a line that does not parse, is an entry in the error
 file, keyed by its custom_id.  A line of several jobs (an embeddings line's
 inputs, a completions line's prompt list: router.batch.lines) counts each
 job against the window; one refused or failed ends the whole line.  Results are appended and fsync'ed on a
-thread, in groups (router.batch.store.ResultLog).
+thread, in groups (router.batch.store.ResultLog), each group and each state
+write under the batch's fence (router.batch.store.Fence): a run whose lease
+another router has taken over is refused there and stops, writing nothing.
+
+A draining router (router.drain) hands its batches on: the feeder sends no
+more lines, withdraws those still queued, lets the running ones finish (or
+the drain's deadline refuse them: retryable, so not written), writes what
+finished, and ends the run without ending the batch; the service then
+releases the lease at once, so another router -- or this one, restarted --
+takes the batch over where it stopped.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from router import openai_api as api
 from router.admission import ANONYMOUS_TENANT, Identity
 from router.batch import model as m
 from router.batch.lines import AsOwner, EmbeddingLine
-from router.batch.store import BatchError, BatchRecord, ResultLog, is_done, mark_done, result_id
+from router.batch.store import BatchError, BatchRecord, ResultLog, StaleLease, is_done, mark_done, result_id
 from router.batch.validate import LineJobs, check_file, decode_line, to_jobs
 from router.jobs import RUNNING, job_id_of
 from router.ownership import key_live
@@ -123,7 +132,7 @@ class LineSink:
 
 
 class BatchRun:
-    def __init__(self, service: BatchService, rec: BatchRecord) -> None:
+    def __init__(self, service: BatchService, rec: BatchRecord, token: int = 0) -> None:
         self.svc = service
         self.core = service.core
         self.rec = rec
@@ -134,6 +143,7 @@ class BatchRun:
         self.input_path = service.files.data_path(rec.input_file_id)
         self.out = ResultLog(service.files.data_path(rec.output_file_id))
         self.err = ResultLog(service.files.data_path(rec.error_file_id))
+        self.fence = service.store.fence(rec.id, token)  # token: this router's lease grant (router.batch.lease)
         self.done = bytearray()
         self.cursor = 0  # the next physical input line to read
         self._input: IO[bytes] | None = None
@@ -149,6 +159,8 @@ class BatchRun:
         self.wake = asyncio.Event()
         self.ended = False
         self.stopped = False
+        self.draining = False  # the router drains: no more lines; hand the batch on once the running ones end
+        self.handed_off = False  # the run ended with the batch still running: its lease goes to another router
         self.started_mono = time.monotonic()
         self.done_at_start = 0
         self.dirty = True
@@ -187,19 +199,27 @@ class BatchRun:
             await self._recover()
             while not self.stopped:
                 await self.step()
-                if self.ended:
+                if self.ended or self.handed_off:
                     return
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), self.svc.bcfg.scan_interval_s)
                 except TimeoutError:
                     pass
+        except StaleLease as e:
+            self._stale(e)
         except Exception as e:
             log.exception("batch %s failed", self.rec.id)
             if not self.stopped:
                 await self._fail("internal_error", f"The batch failed: {e}")
         finally:
             self._close()
+
+    def _stale(self, e: StaleLease) -> None:
+        """A write was refused: another router holds the batch now.  Stop, write nothing more."""
+        if not self.stopped:
+            log.warning("batch %s: %s; another router runs it now, this one stops", self.rec.id, e)
+            self.stop()
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.svc.io, fn, *args)
@@ -238,6 +258,9 @@ class BatchRun:
         if (rec.completed, rec.failed) != (self.out.lines, self.err.lines):
             rec.completed, rec.failed = self.out.lines, self.err.lines
             self.dirty = True
+        if rec.usage != self.out.usage:  # (the state saved last may lag the files: a crash between)
+            rec.usage = msgspec.structs.replace(self.out.usage)
+            self.dirty = True
         self.done_at_start = rec.completed + rec.failed
         self.started_mono = time.monotonic()
         self._input = await self._io(open, self.input_path, "rb")
@@ -256,6 +279,10 @@ class BatchRun:
             self._cancel_queued()
         if rec.status == m.IN_PROGRESS:
             self.feed()
+            if self.draining:
+                if not self.in_flight:
+                    await self._hand_off()
+                return
             if self.eof and not self.retry and not self.in_flight:
                 await self._drain()
                 if self.stopped or rec.status != m.IN_PROGRESS:
@@ -279,7 +306,7 @@ class BatchRun:
         self._kicked = False
         if not self.stopped and self.rec.status == m.IN_PROGRESS:
             self.feed()
-            if self.eof and not self.retry and not self.in_flight:
+            if (self.draining or (self.eof and not self.retry)) and not self.in_flight:
                 self.wake.set()
         elif self.rec.status == m.CANCELLING and not self.in_flight:
             self.wake.set()
@@ -297,6 +324,9 @@ class BatchRun:
         return len(self.in_flight) - self.queued()
 
     def feed(self) -> None:
+        if self.draining or self.core.draining:
+            self.drain()
+            return
         want = m.lines_to_send(m.FeedState(len(self.in_flight), self.queued(), self.window, self.queue_target))
         reads = 0
         now = time.monotonic()
@@ -312,6 +342,32 @@ class BatchRun:
                 line, raw = got
                 reads += 1
             want -= self._send(line, raw)
+
+    def drain(self) -> None:
+        """The router drains: send nothing more, withdraw the lines still queued
+        (not started: the next holder sends them), let the running ones end."""
+        if self.draining:
+            return
+        self.draining = True
+        if self.rec.status == m.IN_PROGRESS:
+            self._cancel_queued()
+        log.info(
+            "batch %s: router draining; %d lines running finish here, then the batch moves on",
+            self.rec.id,
+            len(self.in_flight),
+        )
+        self.wake.set()
+
+    async def _hand_off(self) -> None:
+        """Nothing of this run is in flight: write what finished, save, and end the run (not the batch)."""
+        await self._drain()
+        if self.stopped:
+            return
+        await self._save()
+        self.handed_off = True
+        log.info(
+            "batch %s: handed on (%d of %d done)", self.rec.id, self.rec.completed + self.rec.failed, self.rec.total
+        )
 
     def _next_line(self) -> tuple[int, bytes] | None:
         f = self._input
@@ -459,14 +515,17 @@ class BatchRun:
         fut.add_done_callback(lambda f: self._flushed(f, counts))
 
     def _write(self, out: list[bytes], err: list[bytes]) -> None:
-        if out:
-            self.out.append(out)
-        if err:
-            self.err.append(err)
+        with self.fence.hold():
+            if out:
+                self.out.append(out)
+            if err:
+                self.err.append(err)
 
     def _flushed(self, fut: asyncio.Future[Any], counts: list[int]) -> None:
         self._flushing = None
         exc = fut.exception()
+        if isinstance(exc, StaleLease):
+            return self._stale(exc)
         if exc is not None:
             log.error("batch %s: writing results failed: %s", self.rec.id, exc)
             if not self.stopped:
@@ -553,6 +612,10 @@ class BatchRun:
         await self._end_files(m.CANCELLED)
 
     def _write_unfinished(self, code: str, message: str) -> int:
+        with self.fence.hold():
+            return self._write_unfinished_fenced(code, message)
+
+    def _write_unfinished_fenced(self, code: str, message: str) -> int:
         """An error entry (``code``, ``message``) for every line not done; how many."""
         rec, n, chunk = self.rec, 0, []
         with open(self.input_path, "rb") as f:
@@ -604,6 +667,10 @@ class BatchRun:
             log.error("batch %s: registering result files failed: %s", self.rec.id, e)
 
     def _register(self) -> None:
+        with self.fence.hold():
+            self._register_fenced()
+
+    def _register_fenced(self) -> None:
         rec, files = self.rec, self.svc.files
         self.out.close()
         self.err.close()
@@ -613,6 +680,12 @@ class BatchRun:
             files.register(rec.owner, rec.error_file_id, f"{rec.id}_error.jsonl", "batch_output")
 
     async def _fail(self, code: str, message: str) -> None:
+        try:
+            await self._fail_fenced(code, message)
+        except StaleLease as e:
+            self._stale(e)
+
+    async def _fail_fenced(self, code: str, message: str) -> None:
         self._withdraw_all()
         rec = self.rec
         await self._register_files()
@@ -628,7 +701,7 @@ class BatchRun:
 
     async def _save(self) -> None:
         self.dirty = False
-        await self._io(self.svc.store.save, msgspec.structs.replace(self.rec))
+        await self._io(self.svc.store.save, msgspec.structs.replace(self.rec), self.fence)
 
     def stop(self) -> None:
         """The lease is lost (or the router stops): drop out at once, write nothing more."""

@@ -7,6 +7,11 @@ lease (router.batch.lease) and runs it (router.batch.feeder.BatchRun),
 renewing the leases it holds; a lease lost stops that run at once.  So
 with several routers over one directory each batch runs on exactly one of
 them, and moves to another when its router dies.
+
+A draining router takes no lease from the moment its drain starts, and
+hands on each batch it runs as soon as that batch's running lines end
+(router.batch.feeder.BatchRun.drain): the lease is released then, not at
+its TTL, so another router (or this one, restarted) takes over at once.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from router.batch import model as m
 from router.batch.feeder import BatchRun
 from router.batch.files import FileStore
 from router.batch.lease import FileLease, Lease, RedisLease
-from router.batch.store import BatchRecord, BatchStore
+from router.batch.store import BatchRecord, BatchStore, StaleLease
 from router.jobs import RUNNING, job_id_of
 from router.ownership import may_see
 from shared.config import Config
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weir.batch")
 
+HANDOFF_S = 5.0  # at close, how long the runs get to write what finished before they are stopped
 PREEMPT_S = 0.01  # how often interactive work waiting behind batch lines is looked for
 
 
@@ -139,6 +145,11 @@ class BatchService:
             self._task.cancel()
         if self._preempt_timer is not None:
             self._preempt_timer.cancel()
+        for run in self.runs.values():
+            run.drain()  # (a router closes after its drain: nothing runs; this writes what finished)
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=HANDOFF_S)
         for bid, run in list(self.runs.items()):
             run.stop()
             await self.lease.release(bid)
@@ -169,7 +180,10 @@ class BatchService:
             await asyncio.sleep(self.bcfg.scan_interval_s)
 
     async def scan(self) -> None:
+        draining = self.core.draining
         for bid, run in list(self.runs.items()):
+            if draining:
+                run.drain()
             if run.ended or bid not in self._tasks or self._tasks[bid].done():
                 self._forget(bid)
                 await self.lease.release(bid)
@@ -181,6 +195,8 @@ class BatchService:
                 self._forget(bid)
             elif self.store.cancel_requested(bid):
                 run.wake.set()
+        if draining:
+            return  # a draining router takes no batch: the others (or this one, restarted) do
         for bid in self.store.ids():
             if bid in self._ended or bid in self.runs:
                 continue
@@ -192,17 +208,40 @@ class BatchService:
                 continue
             if not await self.lease.acquire(bid):
                 continue
+            if self.core.draining:  # (began while the lease was asked for)
+                await self.lease.release(bid)
+                return
+            token = self.lease.token(bid)
+            loop = asyncio.get_running_loop()
+            try:  # the fence first: from here an earlier holder that wakes up writes nothing
+                await loop.run_in_executor(self.io, self.store.fence(bid, token).claim)
+            except (StaleLease, OSError) as e:
+                log.warning("batch %s: not taken (%s)", bid, e)
+                await self.lease.release(bid)
+                continue
             rec = self.store.load(bid)  # as it is now that we hold it (its last holder may have moved it)
             if rec is None or rec.status in m.TERMINAL:
                 await self.lease.release(bid)
                 continue
-            run = BatchRun(self, rec)
+            run = BatchRun(self, rec, token)
             self.runs[bid] = run
             self._arm_preempt()
-            self._tasks[bid] = asyncio.get_running_loop().create_task(run.main())
+            self._tasks[bid] = loop.create_task(self._run(bid, run))
             log.info(
                 "batch %s: running here (%s, %d of %d done)", bid, rec.status, rec.completed + rec.failed, rec.total
             )
+
+    async def _run(self, bid: str, run: BatchRun) -> None:
+        """Run the batch; when the run ends (the batch ended, or handed on by a
+        drain) its lease is released at once, not at the next scan or TTL."""
+        try:
+            await run.main()
+        finally:
+            if self.runs.get(bid) is run and not run.stopped:
+                self._forget(bid)
+                if run.ended:
+                    self._ended.add(bid)
+                await self.lease.release(bid)
 
     def _forget(self, bid: str) -> None:
         self.runs.pop(bid, None)

@@ -11,14 +11,23 @@ and a torn last line (killed mid-write) is cut off.  ``cancel`` beside the
 state is a request to cancel, written by whichever router got the call; the
 router running the batch acts on it.
 
+``fence`` beside the state holds the largest lease grant's fencing token
+(router.batch.lease) that has written to the batch.  Every append to the
+result files and every state write happens under its lock after checking
+it (``Fence.hold``): a holder whose token is below it lost the batch to
+another router and is refused (``StaleLease``) before it writes anything.
+
 Memory per running batch: one bit per input line (125 KB a million lines).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -105,6 +114,43 @@ _decoder = msgspec.json.Decoder(BatchRecord)
 _encoder = msgspec.json.Encoder()
 
 
+class StaleLease(RuntimeError):
+    """Another router took the batch over (its grant is newer): write nothing more."""
+
+
+class Fence:
+    """One batch's fence: the largest fencing token that has written to it."""
+
+    def __init__(self, path: Path, token: int) -> None:
+        self.path = path
+        self.token = token
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Under the fence's lock: refused if a newer grant has written; raised
+        to this token if it is the newest.  Blocking: called on the I/O thread."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, 32, 0).strip()
+            seen = int(raw) if raw else 0
+            if self.token < seen:
+                raise StaleLease(f"fencing token {self.token} is stale: the batch is held under {seen}")
+            if self.token > seen:
+                data = b"%d\n" % self.token
+                os.pwrite(fd, data, 0)
+                os.ftruncate(fd, len(data))
+                os.fsync(fd)
+            yield
+        finally:
+            os.close(fd)  # (drops the lock)
+
+    def claim(self) -> None:
+        """The new holder raises the fence before it reads the batch: from here a stale holder writes nothing."""
+        with self.hold():
+            pass
+
+
 class BatchStore:
     def __init__(self, directory: Path) -> None:
         self.dir = directory / "batches"
@@ -119,8 +165,16 @@ class BatchStore:
         self.save(rec)
         return rec
 
-    def save(self, rec: BatchRecord) -> None:
-        write_atomic(self.path(rec.id) / "state.json", _encoder.encode(rec))
+    def save(self, rec: BatchRecord, fence: Fence | None = None) -> None:
+        """The state, atomically; with ``fence``, only by the batch's newest holder."""
+        if fence is None:
+            write_atomic(self.path(rec.id) / "state.json", _encoder.encode(rec))
+            return
+        with fence.hold():
+            write_atomic(self.path(rec.id) / "state.json", _encoder.encode(rec))
+
+    def fence(self, batch_id: str, token: int) -> Fence:
+        return Fence(self.path(batch_id) / "fence", token)
 
     def load(self, batch_id: str) -> BatchRecord | None:
         if not re.fullmatch(r"batch_[0-9a-f]{24}", batch_id):
@@ -151,18 +205,52 @@ def result_id(batch_id: str, line: int) -> str:
 _LINE_OF = re.compile(rb'"id": ?"batch_req_[0-9a-f]+_([0-9]+)"')
 
 
+class _Tokens(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class _Body(msgspec.Struct):
+    usage: _Tokens | None = None
+
+
+class _Response(msgspec.Struct):
+    body: _Body | None = None
+
+
+class _Entry(msgspec.Struct):
+    response: _Response | None = None
+
+
+_entry_decoder = msgspec.json.Decoder(_Entry)
+
+
+def line_usage(raw: bytes) -> tuple[int, int, int]:
+    """A result line's (input, output, cached) tokens, as the runner added them when it wrote the line."""
+    try:
+        resp = _entry_decoder.decode(raw).response
+    except msgspec.DecodeError:
+        return 0, 0, 0
+    u = None if resp is None or resp.body is None else resp.body.usage
+    if u is None:
+        return 0, 0, 0
+    return u.prompt_tokens, u.completion_tokens, (u.prompt_tokens_details or {}).get("cached_tokens", 0)
+
+
 class ResultLog:
     """One output or error file, appended in whole lines and fsync'ed."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lines = 0
+        self.usage = Usage()  # of the lines read back by recover
         self._f: IO[bytes] | None = None  # opened on first append
 
     def recover(self, done: bytearray) -> None:
         """Cut a torn last line, mark every written line in ``done`` (a
-        bitmap) and count them (``lines``).  Streams the
-        file: memory is the bitmap's."""
+        bitmap), count them (``lines``) and add up their tokens (``usage``).
+        Streams the file: memory is the bitmap's."""
         if not self.path.exists():
             return
         with open(self.path, "r+b") as f:
@@ -179,6 +267,10 @@ class ResultLog:
                     if line // 8 < len(done):
                         done[line // 8] |= 1 << (line % 8)
                 self.lines += 1
+                i, o, c = line_usage(raw)
+                self.usage.input_tokens += i
+                self.usage.output_tokens += o
+                self.usage.cached_tokens += c
             if good != pos:
                 f.truncate(good)
                 f.flush()
