@@ -26,6 +26,7 @@ from router.batch.feeder import BatchRun
 from router.batch.files import FileStore
 from router.batch.lease import FileLease, Lease, RedisLease
 from router.batch.store import BatchRecord, BatchStore
+from router.batch.usage import Limits, UsageIndex, limits_for
 from router.jobs import RUNNING, job_id_of
 from shared.config import Config
 
@@ -59,8 +60,12 @@ class BatchService:
         self.max_body_bytes = cfg.envoy.max_request_bytes
         self.max_prompts = cfg.router.max_prompts_per_request  # a completions line's, as a live request's
         root = Path(cfg.resolve(cfg.batch.directory))
-        self.files = FileStore(root)
-        self.store = BatchStore(root)
+        self.index = UsageIndex()  # per tenant: what the API lists and the quotas count
+        self.files = FileStore(root, self.index)
+        self.store = BatchStore(root, self.index)
+        self.indexed = asyncio.Event()  # set once the index has read the directory
+        self.housekeeping = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-housekeeping")
+        self._housekeeping_task: asyncio.Task[None] | None = None
         self.lease: Lease = (
             RedisLease(cfg.quota.redis_url, cfg.quota.redis_prefix, cfg.batch.lease_ttl_s, cfg.quota.redis_timeout_s)
             if cfg.quota.store == "redis"
@@ -84,6 +89,36 @@ class BatchService:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._scan_forever())
+        self._housekeeping_task = asyncio.get_running_loop().create_task(self._housekeep_forever())
+
+    async def _housekeep_forever(self) -> None:
+        while True:
+            try:
+                await self.housekeep()
+            except Exception:
+                log.exception("batch housekeeping failed")
+            await asyncio.sleep(self.bcfg.housekeeping_interval_s)
+
+    async def housekeep(self) -> None:
+        """On a thread: the index reads the directory again (built at the first
+        pass), then expired files and old ended batches are deleted."""
+        loop = asyncio.get_running_loop()
+        local = frozenset(self.runs)
+        await loop.run_in_executor(self.housekeeping, self.index.refresh, self.files, self.store, local)
+        self.indexed.set()
+        gone = await loop.run_in_executor(
+            self.housekeeping, self.index.reap, self.files, self.store, time.time(), self.bcfg.finished_retention_s
+        )
+        for bid in gone:
+            self._ended.discard(bid)
+        if gone:
+            log.info("batch housekeeping: %d ended batches past their retention deleted", len(gone))
+
+    def limits(self, tenant: str, key_digest: str) -> Limits:
+        """The tenant's storage limits as the config reads now (router.batch.usage.limits_for)."""
+        key = self.core.keys.by_key.get(key_digest) if key_digest else None
+        tcfg = next((t for t in self.core.cfg.tenants if t.name == tenant), None)
+        return limits_for(self.bcfg, key, tcfg)
 
     def _arm_preempt(self) -> None:
         """Look for interactive work behind batch lines while a batch runs here.
@@ -135,6 +170,8 @@ class BatchService:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._housekeeping_task is not None:
+            self._housekeeping_task.cancel()
         if self._preempt_timer is not None:
             self._preempt_timer.cancel()
         for bid, run in list(self.runs.items()):
@@ -145,6 +182,7 @@ class BatchService:
         if isinstance(self.lease, RedisLease):
             await self.lease.close()
         self.io.shutdown(wait=False)
+        self.housekeeping.shutdown(wait=False)
 
     def kick(self) -> None:
         """A batch was created or cancelled here: scan now rather than at the next tick."""
@@ -209,6 +247,7 @@ class BatchService:
         endpoint: str,
         window: str,
         metadata: dict[str, str] | None,
+        output_expires_after_s: int | None = None,
     ) -> BatchRecord:
         now = int(time.time())
         return self.store.new(
@@ -220,6 +259,7 @@ class BatchService:
             created_at=now,
             expires_at=now + self.windows[window],
             metadata=metadata,
+            output_expires_after_s=output_expires_after_s,
         )
 
     def get(self, owner: str, batch_id: str) -> BatchRecord | None:
@@ -227,14 +267,13 @@ class BatchService:
         rec = run.rec if run is not None else self.store.load(batch_id)
         return rec if rec is not None and rec.owner == owner else None
 
-    def list(self, owner: str, limit: int = 100) -> list[BatchRecord]:
-        out = []
-        for bid in reversed(self.store.ids()):
-            rec = self.get(owner, bid)
-            if rec is not None:
-                out.append(rec)
-        out.sort(key=lambda r: (r.created_at, r.id), reverse=True)
-        return out[:limit]
+    def list(self, owner: str, after: str | None, limit: int) -> list[BatchRecord] | None:
+        """A page of the tenant's batches, newest first, from the index (no disk read;
+        one more than ``limit`` if there are more); those running here as they are now."""
+        page = self.index.batches_page(owner, after, limit)
+        if page is None:
+            return None
+        return [run.rec if (run := self.runs.get(r.id)) is not None else r for r in page]
 
     def cancel(self, rec: BatchRecord) -> BatchRecord:
         """Ask for the cancel (whichever router runs it acts on it); the object as it will be."""
