@@ -155,18 +155,6 @@ class FileStore:
             return None  # an expired file is gone before the reaper deletes it
         return meta
 
-    def list(self, owner: str, purpose: str | None = None) -> list[FileMeta]:
-        out = []
-        for path in self.dir.glob("file-*.json"):
-            try:
-                meta = _meta_decoder.decode(path.read_bytes())
-            except (OSError, msgspec.DecodeError):
-                continue
-            if meta.owner == owner and (purpose is None or meta.purpose == purpose):
-                out.append(meta)
-        out.sort(key=lambda m: (m.created_at, m.id), reverse=True)
-        return out
-
     def delete(self, owner: str, file_id: str) -> bool:
         if self.get(owner, file_id) is None:
             return False
