@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +65,7 @@ class BatchService:
         self.store = BatchStore(root, self.index)
         self.indexed = asyncio.Event()  # set once the index has read the directory
         self.housekeeping = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-housekeeping")
+        self.pages = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-pages")  # list answers
         self._housekeeping_task: asyncio.Task[None] | None = None
         self.lease: Lease = (
             RedisLease(cfg.quota.redis_url, cfg.quota.redis_prefix, cfg.batch.lease_ttl_s, cfg.quota.redis_timeout_s)
@@ -113,6 +114,10 @@ class BatchService:
             self._ended.discard(bid)
         if gone:
             log.info("batch housekeeping: %d ended batches past their retention deleted", len(gone))
+
+    def off_loop(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """``fn`` on the list thread (router.openai_api.files_batches: pages)."""
+        return asyncio.get_running_loop().run_in_executor(self.pages, fn)
 
     def limits(self, tenant: str, key_digest: str) -> Limits:
         """The tenant's storage limits as the config reads now (router.batch.usage.limits_for)."""
@@ -183,6 +188,7 @@ class BatchService:
             await self.lease.close()
         self.io.shutdown(wait=False)
         self.housekeeping.shutdown(wait=False)
+        self.pages.shutdown(wait=False)
 
     def kick(self) -> None:
         """A batch was created or cancelled here: scan now rather than at the next tick."""

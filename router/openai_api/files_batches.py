@@ -180,6 +180,16 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
         return later()
 
+    def listed(page: Callable[[], Answer]) -> Awaitable[Answer]:
+        """A list page, made and encoded on a thread (a page may hold 10,000 objects)."""
+
+        async def later() -> Answer:
+            await svc.indexed.wait()
+            answer: Answer = await svc.off_loop(page)
+            return answer
+
+        return later()
+
     def quota(owner: tuple[str, str], size: int) -> Refusal | None:
         got = usage.upload_refusal(svc.index.usage(owner[0]), svc.limits(*owner), size)
         return None if got is None else Refusal(got)
@@ -191,7 +201,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if isinstance(owner, Refusal):
             return owner
         if req.method == b"GET":
-            return indexed(lambda: list_files(req, owner))
+            return listed(lambda: list_files(req, owner))
         if req.method != b"POST":
             return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
         return indexed(lambda: upload(req, owner))
@@ -285,7 +295,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if isinstance(owner, Refusal):
             return owner
         if req.method == b"GET":
-            return indexed(lambda: list_batches(req, owner))
+            return listed(lambda: list_batches(req, owner))
         if req.method != b"POST":
             return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
         return indexed(lambda: create_batch(req, owner))

@@ -124,6 +124,7 @@ def api(tmp_path: Path):
     finally:
         svc.io.shutdown()
         svc.housekeeping.shutdown()
+        svc.pages.shutdown()
         loop.close()
         asyncio.set_event_loop(None)
 
