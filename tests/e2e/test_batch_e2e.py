@@ -337,3 +337,51 @@ def test_interactive_work_preempts_running_batch_lines_which_still_finish_once(t
         assert done.status == "completed" and len(ids) == n and len(set(ids)) == n
         assert all(r["response"]["body"]["usage"]["completion_tokens"] == 64
                    for r in _results(client, done.output_file_id))
+
+
+def test_storage_limits_expiry_and_paged_lists_through_envoy_with_the_sdk(tmp_path):
+    """The tenant's limits refuse with OpenAI's bodies, ``expires_after`` and
+    ``output_expires_after`` come back in the objects, and the SDK's paging
+    (``after``) walks the lists."""
+    cfg = _config(
+        tmp_path,
+        workers=[sim_worker("sim-0", max_num_seqs=8)],
+        batch={"max_stored_files": 4, "max_active_batches": 1},
+    )
+    with start_stack(cfg, tmp_path / "run") as stack:
+        client = _client(stack)
+        once = client.with_options(max_retries=0)  # a 429 here is an answer, not a reason to wait
+        expiry = {"anchor": "created_at", "seconds": 3600}
+        made = [
+            client.files.create(file=(f"in{i}.jsonl", _jsonl(_lines(2))), purpose="batch", expires_after=expiry)
+            for i in range(3)
+        ]
+        assert all(f.expires_at == f.created_at + 3600 for f in made)
+        with pytest.raises(openai.BadRequestError) as bad:
+            once.files.create(
+                file=("x.jsonl", _jsonl(_lines(1))), purpose="batch", expires_after={"anchor": "created_at", "seconds": 5}
+            )
+        assert bad.value.body["param"] == "expires_after"
+        page = client.files.list(limit=2)
+        assert len(page.data) == 2 and page.has_more
+        assert sorted(f.id for f in page) == sorted(f.id for f in made)  # the SDK follows `after` to the end
+        b = client.batches.create(
+            input_file_id=made[0].id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 7200},
+        )
+        with pytest.raises(openai.RateLimitError) as full:
+            once.batches.create(input_file_id=made[1].id, endpoint="/v1/completions", completion_window="24h")
+        assert full.value.body["code"] == "active_batch_limit_exceeded"
+        assert full.value.body["param"] == "max_active_batches" and full.value.response.headers["retry-after"]
+        done = _wait(client, b.id, {"completed"})
+        out = client.files.retrieve(done.output_file_id)  # the output file: the 4th of the tenant's 4
+        assert out.expires_at == out.created_at + 7200
+        with pytest.raises(openai.RateLimitError) as count:
+            once.files.create(file=("y.jsonl", _jsonl(_lines(1))), purpose="batch")
+        assert count.value.body["code"] == "file_count_limit_exceeded"
+        client.files.delete(made[2].id)
+        client.files.create(file=("y.jsonl", _jsonl(_lines(1))), purpose="batch")  # room again
+        batches = client.batches.list(limit=1)
+        assert [x.id for x in batches.data] == [b.id] and not batches.has_more
