@@ -647,7 +647,10 @@ class BatchRun:
     async def _fail(self, code: str, message: str) -> None:
         self._withdraw_all()
         rec = self.rec
-        await self._register_files()
+        try:
+            await self._register_files()
+        except OSError as e:  # (a full disk: failing anyway, what could be registered was)
+            log.error("batch %s: registering result files failed: %s", rec.id, e)
         rec.errors = [*rec.errors, BatchError(code, message)]
         if rec.status not in m.TERMINAL:
             rec.status = m.FAILED  # from any state: a failure is always recorded
@@ -665,6 +668,8 @@ class BatchRun:
         except BaseException:
             self.dirty = True
             raise
+        if self.disk_full_since is not None and not (self._out_buf or self._err_buf):
+            self._disk_ok()  # the pause came from a save, and this one went through
 
     async def _save_or_wait(self) -> None:
         """Save; with the disk full, carry on: it is saved at a later step."""

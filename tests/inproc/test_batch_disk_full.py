@@ -139,3 +139,36 @@ def test_a_running_batch_pauses_while_the_disk_is_full_and_finishes_its_lines_on
         svc.io.shutdown()
     out = [json.loads(x) for x in svc.files.data_path(rec.output_file_id).read_bytes().splitlines()]
     assert sorted(r["custom_id"] for r in out) == sorted(f"c{i}" for i in range(n))  # each once
+
+
+def test_a_state_save_that_meets_a_full_disk_pauses_feeding_until_a_save_goes_through(small_disk: Path):
+    svc = _service(small_disk)
+    now = int(time.time())
+    rec = svc.store.new(
+        owner="tenant-a",
+        key_digest="",
+        input_file_id="file-" + "0" * 24,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    rec.move(m.IN_PROGRESS)
+    rec.total = rec.input_lines = 1
+
+    async def main() -> None:
+        run = BatchRun(svc, rec)  # type: ignore[arg-type]
+        run.done = bytearray(1)
+        filler = _fill(small_disk)
+        run.dirty = True
+        await run.step()
+        assert run.disk_full_since is not None and run.dirty and rec.status == m.IN_PROGRESS and not run.ended
+        filler.unlink()
+        await run.step()
+        assert run.disk_full_since is None and not run.dirty
+        assert svc.store.load(rec.id).status == m.IN_PROGRESS
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.io.shutdown()
