@@ -184,3 +184,14 @@ def test_the_reaper_deletes_expired_files_but_not_a_running_batchs_input_and_old
     assert idx.usage("a") == Usage(2, 6, 1)
     assert idx.reap(files, batches, now + 7200, retention_s=7200) == [old.id]
     assert not batches.path(old.id).exists() and batches.load(old.id) is None and batches.load(run.id) is not None
+
+
+def test_storage_limits_load_from_the_config_and_a_negative_one_is_refused():
+    from shared.config import ConfigError, loads
+
+    cfg = loads('[batch]\nmax_active_batches = 3\n[[tenants]]\nname = "t"\nmax_stored_files = 7\n')
+    assert limits_for(cfg.batch, None, cfg.tenants[0]) == Limits(7, 10 << 30, 3)
+    with pytest.raises(ConfigError, match="max_stored_file_bytes"):
+        loads('[[tenants]]\nname = "t"\nmax_stored_file_bytes = -1\n')
+    with pytest.raises(ConfigError, match="housekeeping_interval_s"):
+        loads("[batch]\nhousekeeping_interval_s = 0\n")
