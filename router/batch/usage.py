@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -215,9 +216,12 @@ class UsageIndex:
                 return Usage(0, 0, 0)
             return Usage(len(t.files.by_id), t.file_bytes, len(t.active))
 
-    def files_page(self, owner: str, after: str | None, limit: int, purpose: str | None) -> list[FileMeta] | None:
-        """Up to ``limit`` + 1 of the tenant's files, newest first (the extra one: there are more);
-        None if ``after`` is not one of its files."""
+    def files_page(
+        self, owner: str, after: str | None, limit: int, purpose: str | None, now: float | None = None
+    ) -> list[FileMeta] | None:
+        """Up to ``limit`` + 1 of the tenant's files, newest first (the extra one: there are more),
+        expired ones left out; None if ``after`` is not one of its files."""
+        now = time.time() if now is None else now
         with self._lock:
             t = self._by.get(owner)
             if t is None:
@@ -228,7 +232,7 @@ class UsageIndex:
             out: list[FileMeta] = []
             for fid in ids:
                 meta: FileMeta = t.files.by_id[fid][1]  # type: ignore[assignment]
-                if purpose is None or meta.purpose == purpose:
+                if (purpose is None or meta.purpose == purpose) and not retention.expired(meta.expires_at, now):
                     out.append(meta)
                     if len(out) > limit:
                         break

@@ -133,6 +133,9 @@ def test_pages_are_newest_first_from_after_with_has_more_and_one_tenants_only():
     assert [f.id for f in idx.files_page("a", None, 10, "batch")] == ["file-a3", "file-a1"]
     assert idx.files_page("a", "file-b0", 2, None) is None  # another tenant's id is no cursor
     assert idx.files_page("c", None, 2, None) == []
+    idx.put_file(_meta("file-a9", "a", 300, expires_at=1000))
+    assert idx.files_page("a", None, 1, None, now=999)[0].id == "file-a9"
+    assert idx.files_page("a", None, 1, None, now=1000)[0].id == "file-a4"  # expired: not listed
 
 
 def test_the_index_learns_another_routers_files_and_deletions_from_the_directory(tmp_path: Path):
