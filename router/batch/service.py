@@ -315,13 +315,24 @@ class BatchService:
             b.charge(tokens, time.monotonic())
 
     def tenants(self) -> dict[str, Any]:
-        """Batch lines and tokens per tenant finished on this router (for /admin/tenants)."""
+        """Batch lines and tokens per tenant finished on this router, and what each
+        tenant stores against its limits (for /admin/tenants)."""
         out: dict[str, Any] = {}
         for t, (c, f, tok) in sorted(self.stats.by_tenant.items()):
             b = self._budgets.get(t)
             out[t] = {"completed": c, "failed": f, "tokens": tok}
             if b is not None:
                 out[t]["batch_tokens_per_day"] = {"limit": b.capacity, "left": int(b.level)}
+        default = limits_for(self.bcfg, None, None)
+        tenant_limits = {t.name: limits_for(self.bcfg, None, t) for t in self.core.cfg.tenants}
+        for t in self.index.tenants():
+            used, lim = self.index.usage(t), tenant_limits.get(t, default)
+            out.setdefault(t, {"completed": 0, "failed": 0, "tokens": 0})["storage"] = {
+                "files": used.files,
+                "file_bytes": used.file_bytes,
+                "active_batches": used.active_batches,
+                "limits": lim._asdict(),
+            }
         return out
 
 

@@ -216,6 +216,10 @@ class UsageIndex:
                 return Usage(0, 0, 0)
             return Usage(len(t.files.by_id), t.file_bytes, len(t.active))
 
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return sorted(t for t, u in self._by.items() if u.files.by_id or u.batches.by_id)
+
     def files_page(
         self, owner: str, after: str | None, limit: int, purpose: str | None, now: float | None = None
     ) -> list[FileMeta] | None:

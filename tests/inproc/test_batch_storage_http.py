@@ -140,6 +140,9 @@ def test_file_count_limit_per_tenant_and_per_key_refused_with_429_naming_it(api:
     status, body = api.upload(KEY_A, LINE)
     assert status == 429 and "max_stored_files = 4" in body["error"]["message"]
     assert api.upload(KEY_B, LINE)[0] == 200  # another tenant is not affected
+    seen = api.svc.tenants()  # /admin/tenants: what each stores against its tenant's limits
+    assert seen["a"]["storage"]["files"] == 4 and seen["a"]["storage"]["limits"]["file_bytes"] == 300
+    assert seen["b"]["storage"]["files"] == 1 and seen["b"]["storage"]["limits"]["files"] == 4
     _, listed = api.call(Req("GET", "/v1/files", KEY_A))
     victim = listed["data"][0]["id"]
     assert api.call(Req("DELETE", f"/v1/files/{victim}", KEY_A))[0] == 200
