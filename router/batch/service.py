@@ -373,6 +373,11 @@ class _Collector:
         for (model, state), n in sorted(per_model.items()):
             by_model.add_metric([model, state], n)
         yield by_model
+        paused = GaugeMetricFamily(
+            "weir_batch_disk_full_seconds",
+            "How long each running batch has waited for room on a full disk (absent: not waiting)",
+            labels=["batch"],
+        )
         now = time.time()
         running_batch = 0
         for bid, run in sorted(svc.runs.items()):
@@ -389,6 +394,8 @@ class _Collector:
             if e is not None:
                 eta.add_metric([bid], e)
             left.add_metric([bid], max(0.0, rec.expires_at - now))
+            if run.disk_full_since is not None:
+                paused.add_metric([bid], time.monotonic() - run.disk_full_since)
         share = GaugeMetricFamily(
             "weir_batch_slot_share", "Batch lines among the jobs running on engines (0..1), this router's"
         )
@@ -416,4 +423,4 @@ class _Collector:
             "weir_batch_lines_preempted", "Running batch lines taken off a worker for waiting interactive work"
         )
         pre.add_metric([], svc.preempted)
-        yield from (lines, eta, left, share, done_t, sent, retried, pre)
+        yield from (lines, eta, left, paused, share, done_t, sent, retried, pre)

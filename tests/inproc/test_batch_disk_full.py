@@ -24,7 +24,7 @@ import pytest
 from router.batch import model as m
 from router.batch.feeder import BatchRun
 from router.batch.files import FileStore
-from router.batch.service import BatchStats
+from router.batch.service import BatchStats, _Collector
 from router.batch.store import BatchStore, ResultLog, disk_full
 
 
@@ -82,7 +82,15 @@ def _service(root: Path) -> types.SimpleNamespace:
         stats=BatchStats(),
         budget_allows=lambda tenant: True,
         charge=lambda tenant, tokens: None,
+        runs={},
+        preempted=0,
     )
+
+
+def _paused_seconds(svc: types.SimpleNamespace) -> dict[str, float]:
+    """weir_batch_disk_full_seconds as /metrics shows it."""
+    fams = {f.name: f for f in _Collector(svc).collect()}  # type: ignore[arg-type]
+    return {s.labels["batch"]: s.value for s in fams["weir_batch_disk_full_seconds"].samples}
 
 
 BODY = json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 5}}).encode()
@@ -108,6 +116,7 @@ def test_a_running_batch_pauses_while_the_disk_is_full_and_finishes_its_lines_on
 
     async def main() -> None:
         run = BatchRun(svc, rec)  # type: ignore[arg-type]
+        svc.runs[rec.id] = run
         run.done = bytearray((n + 7) // 8)
         filler = _fill(small_disk)
         for i in range(n):  # the lines end while the disk is full
@@ -123,11 +132,12 @@ def test_a_running_batch_pauses_while_the_disk_is_full_and_finishes_its_lines_on
             await asyncio.sleep(0.05)
         assert rec.status == m.IN_PROGRESS and not rec.errors and not run.ended
         assert rec.completed == 0 and run.disk_full_since is not None
+        assert _paused_seconds(svc)[rec.id] > 0
         filler.unlink()  # room again
         while rec.completed < n:
             assert time.monotonic() < deadline + 5, f"not resumed: {rec.completed} of {n} written"
             await asyncio.sleep(0.02)
-        assert run.disk_full_since is None and rec.status == m.IN_PROGRESS
+        assert run.disk_full_since is None and rec.status == m.IN_PROGRESS and _paused_seconds(svc) == {}
         assert (rec.usage.input_tokens, rec.usage.output_tokens) == (3 * n, 5 * n)
         await run.step()  # the state saved again
         assert svc.store.load(rec.id).completed == n
