@@ -212,7 +212,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return q
         rows = svc.index.files_page(owner[0], q.after, q.limit, q.purpose)
         if rows is None:
-            return _not_found("file", q.after or "")
+            return Refusal(error(Code.NOT_FOUND, f"No such file: {q.after!r}", param="after"))
         return _page([f.public() for f in rows], q.limit)
 
     def upload(req: Any, owner: tuple[str, str]) -> Answer:
@@ -306,7 +306,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return q
         rows = svc.list(owner[0], q.after, q.limit)
         if rows is None:
-            return _not_found("batch", q.after or "")
+            return Refusal(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
         return _page([r.public() for r in rows], q.limit)
 
     def create_batch(req: Any, owner: tuple[str, str]) -> Answer:

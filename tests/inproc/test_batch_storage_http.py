@@ -252,4 +252,5 @@ def test_lists_are_paged_per_tenant_and_read_no_disk(api: Api, monkeypatch):
     assert not rest["has_more"] and {page["first_id"], rest["first_id"]} >= {b2}
     assert api.call(Req("GET", "/v1/batches", KEY_B))[1]["data"] == []
     assert api.call(Req("GET", "/v1/files?limit=0", KEY_A))[0] == 400
-    assert api.call(Req("GET", f"/v1/files?after={seen[0]}", KEY_B))[0] == 404  # another tenant's cursor
+    status, body = api.call(Req("GET", f"/v1/files?after={seen[0]}", KEY_B))
+    assert status == 404 and body["error"]["param"] == "after"  # another tenant's cursor
