@@ -138,13 +138,21 @@ def _request_id(value: bytes | None) -> str | None:
 
 
 class _Request:
-    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid")
+    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid", "query")
 
     def __init__(
-        self, method: bytes, path: bytes, headers: dict[bytes, bytes], body: bytes, keep_alive: bool, http11: bool
+        self,
+        method: bytes,
+        path: bytes,
+        headers: dict[bytes, bytes],
+        body: bytes,
+        keep_alive: bool,
+        http11: bool,
+        query: bytes = b"",
     ):
         self.method = method
         self.path = path
+        self.query = query  # after the "?" (paged lists: after, limit)
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
@@ -347,9 +355,9 @@ class HttpConnection(asyncio.Protocol):
             return self._input_error(
                 Code.BAD_REQUEST, "HTTP protocol upgrade is not supported; send the request without Upgrade"
             )
-        path = self._url.split(b"?", 1)[0]
+        path, _, query = self._url.partition(b"?")
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11)
+        req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11, query)
         if self.busy or self.pending:
             self.pending.append(req)
             if len(self.pending) >= MAX_PIPELINED and not self.reading_paused:

@@ -155,6 +155,12 @@ class Budgets(_Cfg):
     # Tokens of batch lines (router/batch/) per day, on top of the budgets
     # above; [[tenants]] only.  Exhausted: the tenant's batches wait.
     batch_tokens_per_day: int | None = None
+    # Storage of the Batch API, per tenant (router/batch/usage.py): files
+    # kept, their bytes, batches not yet ended.  None: the [batch] default;
+    # set on a key and on its tenant, the smaller applies.
+    max_stored_files: int | None = None
+    max_stored_file_bytes: int | None = None
+    max_active_batches: int | None = None
 
 
 class ApiKey(Budgets, kw_only=True):
@@ -427,6 +433,18 @@ class BatchConfig(_Cfg):
     # Weight of queued/running batch lines in the autoscaling demand (deploy/k8s_scaling.py).
     # 0: batch work never adds workers; it fills idle ones.
     autoscale_weight: float = 0.0
+    # Per tenant (a [[tenants]] or [[api_keys]] entry may set its own): files
+    # kept (uploads and results), their bytes, and batches not yet ended.
+    # Beyond: 429 (count, active batches) or 413 (bytes).
+    max_stored_files: int = 10_000
+    max_stored_file_bytes: int = 10 << 30
+    max_active_batches: int = 100
+    # A batch that ended is kept (GET /v1/batches/{id}) this long, then its
+    # directory is deleted; its files follow their own expires_at.
+    finished_retention_s: float = 30 * 86400.0
+    # How often expired files and old batches are deleted and the per-tenant
+    # index re-reads the directory (another router's uploads and deletions).
+    housekeeping_interval_s: float = 5.0
 
 
 class Config(_Cfg):
@@ -552,6 +570,14 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"batch.completion_windows: {window!r} is not <n>s, <n>m, <n>h or <n>d")
     if bc.max_in_flight < 1 or bc.queued_target < 1 or bc.max_file_bytes < 1:
         raise ConfigError("batch.max_in_flight, queued_target and max_file_bytes must be >= 1")
+    limits = [("[batch]", bc), *((f"api key of tenant {k.tenant!r}", k) for k in cfg.api_keys)]
+    for where, lim in [*limits, *((f"tenant {t.name!r}", t) for t in cfg.tenants)]:
+        for f in ("max_stored_files", "max_stored_file_bytes", "max_active_batches"):
+            v = getattr(lim, f)
+            if v is not None and v < 0:
+                raise ConfigError(f"{where}: {f} = {v}: must be >= 0")
+    if bc.finished_retention_s < 0 or bc.housekeeping_interval_s <= 0:
+        raise ConfigError("batch.finished_retention_s must be >= 0 and housekeeping_interval_s > 0")
     if cfg.responses.max_stored < 1 or cfg.responses.max_age_s <= 0:
         raise ConfigError("[responses] max_stored must be >= 1 and max_age_s > 0")
     if cfg.router.admin_http and len(cfg.routers) > 1:

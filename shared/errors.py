@@ -47,6 +47,10 @@ class Code(enum.Enum):
     REQUESTS_BUDGET = (429, "requests", "rate_limit_exceeded")
     TOKENS_BUDGET = (429, "tokens", "rate_limit_exceeded")
     BUDGET_TOO_SMALL = (400, _INVALID, "request_exceeds_budget")  # could never fit: no Retry-After
+    # Per-tenant storage of the Batch API (router/batch/usage.py): ``param`` names the limit
+    FILES_LIMIT = (429, _RATE, "file_count_limit_exceeded")
+    FILE_BYTES_LIMIT = (413, _INVALID, "file_storage_limit_exceeded")
+    ACTIVE_BATCHES_LIMIT = (429, _RATE, "active_batch_limit_exceeded")
     # 5xx: the service
     INTERNAL = (500, _SERVER, "internal_error")
     ENGINE_ERROR = (500, _SERVER, "engine_error")
@@ -221,6 +225,9 @@ WHEN: dict[Code, str] = {
     Code.REQUESTS_BUDGET: "a `requests_per_minute` budget is empty",
     Code.TOKENS_BUDGET: "a token budget cannot hold prompt + n × `max_tokens` now",
     Code.BUDGET_TOO_SMALL: "the request is larger than a token budget could ever hold",
+    Code.FILES_LIMIT: "the tenant keeps `max_stored_files` files (`[batch]`, or its key's or tenant's own)",
+    Code.FILE_BYTES_LIMIT: "the upload would take the tenant's files over `max_stored_file_bytes`",
+    Code.ACTIVE_BATCHES_LIMIT: "the tenant has `max_active_batches` batches not yet ended",
     Code.INTERNAL: "a fault inside weir (or a request the worker link could not encode)",
     Code.ENGINE_ERROR: "the engine failed or ended the request without a result",
     Code.ENGINE_UNAVAILABLE: "the engine stopped",

@@ -25,6 +25,12 @@ the drain's deadline refuse them: retryable, so not written), writes what
 finished, and ends the run without ending the batch; the service then
 releases the lease at once, so another router -- or this one, restarted --
 takes the batch over where it stopped.
+
+
+A full disk (ENOSPC, EDQUOT) is nobody's fault, least of all this batch's:
+the results not written stay in memory (at most the window's lines), no new
+line is sent, and the write is tried again every ``retry_s`` until it
+succeeds; then feeding resumes.  The batch never fails for it.
 """
 
 from __future__ import annotations
@@ -42,7 +48,16 @@ from router import openai_api as api
 from router.admission import ANONYMOUS_TENANT, Identity
 from router.batch import model as m
 from router.batch.lines import AsOwner, EmbeddingLine
-from router.batch.store import BatchError, BatchRecord, ResultLog, StaleLease, is_done, mark_done, result_id
+from router.batch.store import (
+    BatchError,
+    BatchRecord,
+    ResultLog,
+    StaleLease,
+    disk_full,
+    is_done,
+    mark_done,
+    result_id,
+)
 from router.batch.validate import LineJobs, check_file, decode_line, to_jobs
 from router.jobs import RUNNING, job_id_of
 from router.ownership import key_live
@@ -164,6 +179,8 @@ class BatchRun:
         self.started_mono = time.monotonic()
         self.done_at_start = 0
         self.dirty = True
+        self.disk_full_since: float | None = None  # writes fail for want of room: feeding waits
+        self._unfinished_written = 0  # expiry/revocation entries written by an attempt a full disk cut short
         self.who: Identity | p.ErrorInfo = self._identity()
         self.revoked = isinstance(self.who, p.ErrorInfo)  # its key is gone: cancelled at the next step
 
@@ -198,7 +215,12 @@ class BatchRun:
                     return
             await self._recover()
             while not self.stopped:
-                await self.step()
+                try:
+                    await self.step()
+                except OSError as e:
+                    if not disk_full(e) or self.stopped:
+                        raise
+                    self._disk_full(e)  # tried again at the next step
                 if self.ended or self.handed_off:
                     return
                 self.wake.clear()
@@ -246,7 +268,7 @@ class BatchRun:
             self.ended = True
             return False
         rec.move(m.IN_PROGRESS)
-        await self._save()
+        await self._save_or_wait()
         return True
 
     async def _recover(self) -> None:
@@ -292,7 +314,7 @@ class BatchRun:
         elif rec.status == m.CANCELLING and not self.in_flight:
             return await self._finish(m.CANCELLED)
         if self.dirty:
-            await self._save()
+            await self._save_or_wait()
 
     # ------------------------------------------------------------ feeding
 
@@ -332,6 +354,8 @@ class BatchRun:
         now = time.monotonic()
         if want > 0 and not self.svc.budget_allows(self.rec.owner):
             return  # batch_tokens_per_day spent: the batch waits (checked again at each scan)
+        if self.disk_full_since is not None:
+            return  # results cannot be written: no new line until they can
         while want > 0 and reads < READ_PER_PASS:
             if self.retry and self.retry[0][0] <= now:
                 _, line, raw = self.retry.popleft()
@@ -501,7 +525,8 @@ class BatchRun:
 
     def _flush_soon(self) -> None:
         if self._flush_timer is None and self._flushing is None:
-            self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+            wait = FLUSH_S if self.disk_full_since is None else self.retry_s
+            self._flush_timer = asyncio.get_running_loop().call_later(wait, self._flush)
 
     def _flush(self) -> None:
         self._flush_timer = None
@@ -512,27 +537,43 @@ class BatchRun:
         counts, self._pending = self._pending, [0, 0, 0, 0, 0]
         fut = asyncio.get_running_loop().run_in_executor(self.svc.io, self._write, out, err)
         self._flushing = fut
-        fut.add_done_callback(lambda f: self._flushed(f, counts))
+        fut.add_done_callback(lambda f: self._flushed(f, out, err, counts))
 
     def _write(self, out: list[bytes], err: list[bytes]) -> None:
+        """Each list is emptied once written (ResultLog.append: all or nothing)."""
         with self.fence.hold():
             if out:
                 self.out.append(out)
+                out.clear()
             if err:
                 self.err.append(err)
+                err.clear()
 
-    def _flushed(self, fut: asyncio.Future[Any], counts: list[int]) -> None:
+    def _flushed(self, fut: asyncio.Future[Any], out: list[bytes], err: list[bytes], counts: list[int]) -> None:
         self._flushing = None
         exc = fut.exception()
         if isinstance(exc, StaleLease):
             return self._stale(exc)
-        if exc is not None:
+        if exc is not None and not disk_full(exc):
             log.error("batch %s: writing results failed: %s", self.rec.id, exc)
             if not self.stopped:
                 asyncio.get_running_loop().create_task(
                     self._fail("results_write_failed", f"Writing results failed ({exc}); what was written is kept.")
                 )
             return
+        if exc is not None:  # no room: what was not written goes back, to be written when there is
+            back = [0] * 5
+            if out:
+                self._out_buf[:0] = out
+                back[0], back[2], back[3], back[4] = counts[0], counts[2], counts[3], counts[4]
+            if err:
+                self._err_buf[:0] = err
+                back[1] = counts[1]
+            self._pending = [a + b for a, b in zip(self._pending, back, strict=True)]
+            counts = [a - b for a, b in zip(counts, back, strict=True)]
+            self._disk_full(exc)
+        elif self.disk_full_since is not None:
+            self._disk_ok()
         rec = self.rec
         rec.completed += counts[0]
         rec.failed += counts[1]
@@ -540,8 +581,24 @@ class BatchRun:
         rec.usage.output_tokens += counts[3]
         rec.usage.cached_tokens += counts[4]
         self.dirty = True
-        if self._out_buf or self._err_buf:
+        if (self._out_buf or self._err_buf) and not self.stopped:
             self._flush_soon()
+
+    def _disk_full(self, exc: BaseException) -> None:
+        if self.disk_full_since is None:
+            self.disk_full_since = time.monotonic()
+            log.warning(
+                "batch %s: the disk is full (%s); feeding paused, writes retried every %g s",
+                self.rec.id,
+                exc,
+                self.retry_s,
+            )
+
+    def _disk_ok(self) -> None:
+        waited = time.monotonic() - (self.disk_full_since or 0.0)
+        log.warning("batch %s: results written again after %.1f s; feeding resumes", self.rec.id, waited)
+        self.disk_full_since = None
+        self.kick()
 
     async def _drain(self) -> None:
         """Every result so far on disk."""
@@ -554,7 +611,9 @@ class BatchRun:
                 continue
             if not (self._out_buf or self._err_buf):
                 return
-            self._flush()
+            if self.disk_full_since is not None:
+                await asyncio.sleep(self.retry_s)  # no room: try again in a while, not in a loop
+            self._flush()  # (nothing if a timer's flush runs already: awaited above next turn)
 
     # ------------------------------------------------------------ ends
 
@@ -587,10 +646,13 @@ class BatchRun:
             return
         rec = self.rec
         try:
-            n = await self._io(self._write_unfinished, "batch_expired", EXPIRED_MESSAGE)
+            await self._io(self._write_unfinished, "batch_expired", EXPIRED_MESSAGE)
         except OSError as e:
+            if disk_full(e):
+                raise  # tried again at the next step (main): the entries written so far are marked done
             return await self._fail("results_write_failed", f"Writing expiry entries failed ({e}).")
-        rec.failed += n
+        rec.failed += self._unfinished_written
+        self._unfinished_written = 0
         await self._end_files(m.EXPIRED)
 
     async def _revoke(self) -> None:
@@ -602,22 +664,36 @@ class BatchRun:
             return
         rec = self.rec
         try:
-            n = await self._io(self._write_unfinished, REVOKED_CODE, REVOKED_MESSAGE)
+            await self._io(self._write_unfinished, REVOKED_CODE, REVOKED_MESSAGE)
         except OSError as e:
+            if disk_full(e):
+                raise  # tried again at the next step (main): the entries written so far are marked done
             return await self._fail("results_write_failed", f"Writing revocation entries failed ({e}).")
-        rec.failed += n
+        rec.failed += self._unfinished_written
+        self._unfinished_written = 0
         rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
         if rec.status == m.IN_PROGRESS:
             rec.move(m.CANCELLING)
         await self._end_files(m.CANCELLED)
 
-    def _write_unfinished(self, code: str, message: str) -> int:
+    def _write_unfinished(self, code: str, message: str) -> None:
         with self.fence.hold():
-            return self._write_unfinished_fenced(code, message)
+            self._write_unfinished_fenced(code, message)
 
-    def _write_unfinished_fenced(self, code: str, message: str) -> int:
-        """An error entry (``code``, ``message``) for every line not done; how many."""
-        rec, n, chunk = self.rec, 0, []
+    def _write_unfinished_fenced(self, code: str, message: str) -> None:
+        """An error entry (``code``, ``message``) for every line not done (counted in ``_unfinished_written``)."""
+        rec = self.rec
+        chunk: list[bytes] = []
+        lines: list[int] = []
+
+        def write() -> None:
+            self.err.append(chunk)
+            for line in lines:  # done once written: a retry after a full disk writes only the rest
+                mark_done(self.done, line)
+            self._unfinished_written += len(lines)
+            chunk.clear()
+            lines.clear()
+
         with open(self.input_path, "rb") as f:
             for line, raw in enumerate(f):
                 if not raw.strip() or line >= rec.input_lines or is_done(self.done, line):
@@ -630,14 +706,11 @@ class BatchRun:
                     "error": {"code": code, "message": message},
                 }
                 chunk.append(_encode(entry) + b"\n")
-                mark_done(self.done, line)
-                n += 1
+                lines.append(line)
                 if len(chunk) >= 4096:
-                    self.err.append(chunk)
-                    chunk = []
+                    write()
         if chunk:
-            self.err.append(chunk)
-        return n
+            write()
 
     async def _finish(self, status: str) -> None:
         await self._drain()
@@ -654,8 +727,14 @@ class BatchRun:
         one on seeing the status must find the file (the register runs off the loop)."""
         rec = self.rec
         await self._register_files()
+        was, stamps = rec.status, dict(rec.stamps)
         rec.move(status)
-        await self._save()
+        try:
+            await self._save()
+        except OSError as e:
+            if disk_full(e):  # not ended until saved: back as it was, tried again at the next step
+                rec.status, rec.stamps = was, stamps
+            raise
         self.ended = True
         log.info("batch %s %s: %d completed, %d failed of %d", rec.id, rec.status, rec.completed, rec.failed, rec.total)
 
@@ -664,6 +743,8 @@ class BatchRun:
         try:
             await self._io(self._register)
         except OSError as e:
+            if disk_full(e) and not self.stopped:
+                raise  # no end status before its files are visible: tried again at the next step
             log.error("batch %s: registering result files failed: %s", self.rec.id, e)
 
     def _register(self) -> None:
@@ -674,10 +755,11 @@ class BatchRun:
         rec, files = self.rec, self.svc.files
         self.out.close()
         self.err.close()
+        exp = rec.output_expires_after_s
         if rec.completed:
-            files.register(rec.owner, rec.output_file_id, f"{rec.id}_output.jsonl", "batch_output")
+            files.register(rec.owner, rec.output_file_id, f"{rec.id}_output.jsonl", "batch_output", exp)
         if rec.failed:
-            files.register(rec.owner, rec.error_file_id, f"{rec.id}_error.jsonl", "batch_output")
+            files.register(rec.owner, rec.error_file_id, f"{rec.id}_error.jsonl", "batch_output", exp)
 
     async def _fail(self, code: str, message: str) -> None:
         try:
@@ -688,7 +770,10 @@ class BatchRun:
     async def _fail_fenced(self, code: str, message: str) -> None:
         self._withdraw_all()
         rec = self.rec
-        await self._register_files()
+        try:
+            await self._register_files()
+        except OSError as e:  # (a full disk: failing anyway, what could be registered was)
+            log.error("batch %s: registering result files failed: %s", rec.id, e)
         rec.errors = [*rec.errors, BatchError(code, message)]
         if rec.status not in m.TERMINAL:
             rec.status = m.FAILED  # from any state: a failure is always recorded
@@ -701,7 +786,22 @@ class BatchRun:
 
     async def _save(self) -> None:
         self.dirty = False
-        await self._io(self.svc.store.save, msgspec.structs.replace(self.rec), self.fence)
+        try:
+            await self._io(self.svc.store.save, msgspec.structs.replace(self.rec), self.fence)
+        except BaseException:
+            self.dirty = True
+            raise
+        if self.disk_full_since is not None and not (self._out_buf or self._err_buf):
+            self._disk_ok()  # the pause came from a save, and this one went through
+
+    async def _save_or_wait(self) -> None:
+        """Save; with the disk full, carry on: it is saved at a later step."""
+        try:
+            await self._save()
+        except OSError as e:
+            if not disk_full(e):
+                raise
+            self._disk_full(e)
 
     def stop(self) -> None:
         """The lease is lost (or the router stops): drop out at once, write nothing more."""

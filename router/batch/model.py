@@ -8,7 +8,7 @@ batch moves through them:
   validating -> failed                       (not JSONL, custom_id missing or repeated)
   in_progress -> cancelling -> cancelled     (feeding stops; running lines finish)
   in_progress | cancelling -> expired        (the completion window passed)
-  in_progress | finalizing -> failed         (results could not be written: disk full)
+  in_progress | finalizing -> failed         (results could not be written; a full disk only pauses)
 """
 
 from __future__ import annotations

@@ -23,18 +23,22 @@ Memory per running batch: one bit per input line (125 KB a million lines).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from router.batch import model as m
 from router.batch.files import new_id, write_atomic
+
+if TYPE_CHECKING:
+    from router.batch.usage import UsageIndex
 
 
 class BatchError(msgspec.Struct):
@@ -79,6 +83,7 @@ class BatchRecord(msgspec.Struct, kw_only=True):
     output_file_id: str  # allocated at create, shown once the batch ends with output
     error_file_id: str
     stamps: dict[str, int] = {}
+    output_expires_after_s: int | None = None  # the output and error files expire this long after they are made
 
     def move(self, to: str, now: float | None = None) -> None:
         m.check_move(self.status, to)
@@ -152,9 +157,10 @@ class Fence:
 
 
 class BatchStore:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, index: UsageIndex | None = None) -> None:
         self.dir = directory / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.index = index  # told of every state saved (router.batch.usage)
 
     def path(self, batch_id: str) -> Path:
         return self.dir / batch_id
@@ -169,9 +175,11 @@ class BatchStore:
         """The state, atomically; with ``fence``, only by the batch's newest holder."""
         if fence is None:
             write_atomic(self.path(rec.id) / "state.json", _encoder.encode(rec))
-            return
-        with fence.hold():
-            write_atomic(self.path(rec.id) / "state.json", _encoder.encode(rec))
+        else:
+            with fence.hold():
+                write_atomic(self.path(rec.id) / "state.json", _encoder.encode(rec))
+        if self.index is not None:
+            self.index.put_batch(rec)
 
     def fence(self, batch_id: str, token: int) -> Fence:
         return Fence(self.path(batch_id) / "fence", token)
@@ -195,6 +203,11 @@ class BatchStore:
 
     def cancel_requested(self, batch_id: str) -> bool:
         return (self.path(batch_id) / "cancel").exists()
+
+
+def disk_full(e: BaseException) -> bool:
+    """The filesystem (or the user's quota on it) has no room: wait for some, it is nobody's fault."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def result_id(batch_id: str, line: int) -> str:
@@ -245,7 +258,7 @@ class ResultLog:
         self.path = path
         self.lines = 0
         self.usage = Usage()  # of the lines read back by recover
-        self._f: IO[bytes] | None = None  # opened on first append
+        self._fd: int | None = None  # opened (O_APPEND) on first append
 
     def recover(self, done: bytearray) -> None:
         """Cut a torn last line, mark every written line in ``done`` (a
@@ -278,18 +291,21 @@ class ResultLog:
 
     def append(self, lines: list[bytes]) -> None:
         """Whole lines, then fsync: on return they survive a crash.  An
-        OSError (disk full) propagates; what was written before stays."""
-        if self._f is None:
-            self._f = open(self.path, "ab")
-        f = self._f
-        start = f.tell()
+        OSError (disk full) propagates with the file as it was before the
+        call, so the same lines can be appended again later.  Unbuffered: no
+        byte of a failed call is left in a buffer to be written later."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = self._fd
+        start = os.fstat(fd).st_size
         try:
-            f.write(b"".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
+            view = memoryview(b"".join(lines))
+            while view:
+                view = view[os.write(fd, view) :]  # a short write (disk filling up): the rest, or ENOSPC
+            os.fsync(fd)
         except OSError:
             try:  # leave no partial line behind
-                f.truncate(start)
+                os.ftruncate(fd, start)
             except OSError:
                 pass
             raise
@@ -299,9 +315,9 @@ class ResultLog:
         self.path.touch()
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def is_done(done: bytearray, line: int) -> bool:

@@ -11,14 +11,17 @@ router's route table (router.http_routes).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
+from urllib.parse import parse_qs
 
 import msgspec
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from router.batch import model as bm
+from router.batch import usage
 from router.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES
+from router.batch.retention import expires_after_seconds
 from router.batch.service import BatchService
 from router.batch.validate import PARSERS
 from router.http_routes import Answer, PatternRoute, Refusal, Reply, Route, Routes
@@ -42,6 +45,9 @@ class Request(Protocol):
     @property
     def body(self) -> bytes: ...
 
+    @property
+    def query(self) -> bytes: ...
+
     def header(self, name: bytes) -> str | None: ...
 
 
@@ -50,7 +56,7 @@ class CreateBatch(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
-    output_expires_after: dict[str, Any] | None = None  # accepted, not applied: files stay until deleted
+    output_expires_after: dict[str, Any] | None = None  # the result files' expires_at (router.batch.retention)
 
 
 _create_decoder = msgspec.json.Decoder(CreateBatch)
@@ -66,6 +72,48 @@ def _bad(message: str, param: str | None = None, code: Code = Code.BAD_REQUEST) 
 
 def _not_found(what: str, name: str) -> Refusal:
     return Refusal(error(Code.NOT_FOUND, f"No such {what}: {name!r}", param=f"{what}_id"))
+
+
+# GET /v1/files and /v1/batches: OpenAI's bounds and defaults of ``limit``
+FILES_LIMIT = (10_000, 10_000)
+BATCHES_LIMIT = (100, 20)
+
+
+class PageQuery(msgspec.Struct):
+    after: str | None
+    limit: int
+    purpose: str | None
+
+
+def page_query(query: bytes, bounds: tuple[int, int]) -> PageQuery | Refusal:
+    """``after``, ``limit`` (1..bounds[0], default bounds[1]) and ``purpose`` of a list's query string."""
+    try:
+        qs = parse_qs(query.decode("utf-8"), strict_parsing=False)
+    except (UnicodeDecodeError, ValueError):
+        return _bad("The query string is malformed.")
+    raw = qs.get("limit", [str(bounds[1])])[-1]
+    if not raw.isdigit() or not 1 <= int(raw) <= bounds[0]:
+        return _bad(f"limit must be an integer from 1 to {bounds[0]}; got {raw!r}", "limit")
+    order = qs.get("order", ["desc"])[-1]
+    if order != "desc":
+        return _bad("Only order=desc (newest first) is supported.", "order", Code.UNSUPPORTED_VALUE)
+    return PageQuery(qs.get("after", [None])[-1], int(raw), qs.get("purpose", [None])[-1])
+
+
+def _page(rows: list[dict[str, Any]], limit: int) -> Reply:
+    """OpenAI's list object: ``rows`` holds one more than ``limit`` when there are more."""
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return _json(
+        200,
+        {
+            "object": "list",
+            "data": rows,
+            "first_id": rows[0]["id"] if rows else None,
+            "last_id": rows[-1]["id"] if rows else None,
+            "has_more": more,
+        },
+    )
 
 
 def parse_multipart(content_type: str | None, body: bytes) -> dict[str, tuple[str | None, bytes]]:
@@ -122,22 +170,60 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         got = owner_of(meta.api_key)
         return Refusal(got) if isinstance(got, ErrorInfo) else got
 
+    def indexed(answer: Callable[[], Answer]) -> Answer | Awaitable[Answer]:
+        """``answer`` now, or once the per-tenant index has read the directory (at start)."""
+        if svc.indexed.is_set():
+            return answer()
+
+        async def later() -> Answer:
+            await svc.indexed.wait()
+            return answer()
+
+        return later()
+
+    def listed(page: Callable[[], Answer]) -> Awaitable[Answer]:
+        """A list page, made and encoded on a thread (a page may hold 10,000 objects)."""
+
+        async def later() -> Answer:
+            await svc.indexed.wait()
+            answer: Answer = await svc.off_loop(page)
+            return answer
+
+        return later()
+
+    def quota(owner: tuple[str, str], size: int) -> Refusal | None:
+        got = usage.upload_refusal(svc.index.usage(owner[0]), svc.limits(*owner), size)
+        return None if got is None else Refusal(got)
+
     # ------------------------------------------------------------ files
 
-    def files(req: Any) -> Answer:
+    def files(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         if req.method == b"GET":
-            return _json(
-                200, {"object": "list", "data": [f.public() for f in svc.files.list(owner[0])], "has_more": False}
-            )
+            return listed(lambda: list_files(req, owner))
         if req.method != b"POST":
             return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
+        return indexed(lambda: upload(req, owner))
+
+    def list_files(req: Any, owner: tuple[str, str]) -> Answer:
+        q = page_query(req.query, FILES_LIMIT)
+        if isinstance(q, Refusal):
+            return q
+        rows = svc.index.files_page(owner[0], q.after, q.limit, q.purpose)
+        if rows is None:
+            return Refusal(error(Code.NOT_FOUND, f"No such file: {q.after!r}", param="after"))
+        return _page([f.public() for f in rows], q.limit)
+
+    def upload(req: Any, owner: tuple[str, str]) -> Answer:
         if len(req.body) > max_file_bytes:
             return Refusal(
                 error(Code.REQUEST_TOO_LARGE, f"The file exceeds the limit of {max_file_bytes} bytes", param="file")
             )
+        refused = quota(owner, max(1, len(req.body) - usage.FRAMING_BYTES))  # before the body is parsed
+        if refused is not None:
+            return refused
         try:
             parts = parse_multipart(req.header(b"content-type"), req.body)
         except Exception as e:  # python_multipart raises its own errors on malformed input
@@ -155,7 +241,19 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             )
         if not data.strip():
             return _bad("The file is empty.", "file")
-        meta = svc.files.create(owner[0], filename or "upload.jsonl", purpose, data)
+        expires_s = None
+        if "expires_after[anchor]" in parts or "expires_after[seconds]" in parts:
+            got = expires_after_seconds(
+                parts.get("expires_after[anchor]", (None, b""))[1].decode("utf-8", "replace"),
+                parts.get("expires_after[seconds]", (None, b""))[1].decode("utf-8", "replace"),
+            )
+            if isinstance(got, str):
+                return _bad(f"expires_after: {got}", "expires_after")
+            expires_s = got
+        refused = quota(owner, len(data))  # the size known
+        if refused is not None:
+            return refused
+        meta = svc.files.create(owner[0], filename or "upload.jsonl", purpose, data, expires_s)
         return _json(200, meta.public())
 
     def file_item(req: Any) -> Answer:
@@ -193,24 +291,26 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     # ------------------------------------------------------------ batches
 
-    def batches(req: Any) -> Answer:
+    def batches(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         if req.method == b"GET":
-            rows = [r.public() for r in svc.list(owner[0])]
-            return _json(
-                200,
-                {
-                    "object": "list",
-                    "data": rows,
-                    "first_id": rows[0]["id"] if rows else None,
-                    "last_id": rows[-1]["id"] if rows else None,
-                    "has_more": False,
-                },
-            )
+            return listed(lambda: list_batches(req, owner))
         if req.method != b"POST":
             return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
+        return indexed(lambda: create_batch(req, owner))
+
+    def list_batches(req: Any, owner: tuple[str, str]) -> Answer:
+        q = page_query(req.query, BATCHES_LIMIT)
+        if isinstance(q, Refusal):
+            return q
+        rows = svc.list(owner[0], q.after, q.limit)
+        if rows is None:
+            return Refusal(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
+        return _page([r.public() for r in rows], q.limit)
+
+    def create_batch(req: Any, owner: tuple[str, str]) -> Answer:
         try:
             body = _create_decoder.decode(req.body)
         except msgspec.ValidationError as e:
@@ -233,7 +333,20 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _not_found("input_file", body.input_file_id)
         if meta.purpose != "batch":
             return _bad("The input file's purpose must be batch.", "input_file_id")
-        rec = svc.create(owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata)
+        out_expires_s = None
+        if body.output_expires_after is not None:
+            got = expires_after_seconds(
+                body.output_expires_after.get("anchor"), body.output_expires_after.get("seconds")
+            )
+            if isinstance(got, str):
+                return _bad(f"output_expires_after: {got}", "output_expires_after")
+            out_expires_s = got
+        refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
+        if refused is not None:
+            return Refusal(refused)
+        rec = svc.create(
+            owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata, out_expires_s
+        )
         svc.kick()
         return _json(200, rec.public())
 

@@ -68,8 +68,10 @@ def batch_stack(tmp_path_factory):
     cfg = _config(
         d,
         models=[*localconfig.models(), localconfig.sim_embed_model()],
-        workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM),
-                 sim_worker("sim-e", model=localconfig.SIM_EMBED_MODEL, max_num_seqs=8)],
+        workers=[
+            sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM),
+            sim_worker("sim-e", model=localconfig.SIM_EMBED_MODEL, max_num_seqs=8),
+        ],
     )
     with start_stack(cfg, d / "run") as s:
         yield s
@@ -126,12 +128,26 @@ def test_embeddings_and_prompt_list_lines_run_as_several_jobs_with_one_result_ea
     emb = localconfig.SIM_EMBED_MODEL
     inputs = {f"e-{i}": [f"text {i}.{k}" for k in range(1 + i % 3)] for i in range(12)}
     inputs["e-tokens"] = [[1, 2, 3], [4, 5]]
-    rows = [{"custom_id": c, "method": "POST", "url": "/v1/embeddings", "body": {"model": emb, "input": x}}
-            for c, x in inputs.items()]
-    rows.append({"custom_id": "wrong-task", "method": "POST", "url": "/v1/embeddings",
-                 "body": {"model": SIM_MODEL, "input": ["a", "b"]}})
-    rows.append({"custom_id": "one-too-long", "method": "POST", "url": "/v1/embeddings",
-                 "body": {"model": emb, "input": ["short", "word " * 3000]}})
+    rows = [
+        {"custom_id": c, "method": "POST", "url": "/v1/embeddings", "body": {"model": emb, "input": x}}
+        for c, x in inputs.items()
+    ]
+    rows.append(
+        {
+            "custom_id": "wrong-task",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": SIM_MODEL, "input": ["a", "b"]},
+        }
+    )
+    rows.append(
+        {
+            "custom_id": "one-too-long",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": emb, "input": ["short", "word " * 3000]},
+        }
+    )
     f = client.files.create(file=("emb.jsonl", _jsonl(rows)), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
     done = _wait(client, b.id, {"completed", "failed"})
@@ -155,8 +171,15 @@ def test_embeddings_and_prompt_list_lines_run_as_several_jobs_with_one_result_ea
     assert err["response"]["body"]["error"]["message"] == refused.value.body["message"]
 
     prompts = {"one": "alone", "list": ["a", "b", "c"], "ids": [7, 8, 9], "id-lists": [[7, 8], [9]]}
-    rows = [{"custom_id": c, "method": "POST", "url": "/v1/completions",
-             "body": {"model": SIM_MODEL, "prompt": x, "max_tokens": 4}} for c, x in prompts.items()]
+    rows = [
+        {
+            "custom_id": c,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": SIM_MODEL, "prompt": x, "max_tokens": 4},
+        }
+        for c, x in prompts.items()
+    ]
     f = client.files.create(file=("multi.jsonl", _jsonl(rows)), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
     done = _wait(client, b.id, {"completed", "failed"})
@@ -317,15 +340,21 @@ def test_interactive_work_preempts_running_batch_lines_which_still_finish_once(t
         f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=64))), purpose="batch")
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         deadline = time.monotonic() + 20
-        while not any(line.startswith("weir_worker_running{") and line.endswith(" 8.0")
-                      for line in requests.get(stack.metrics_url, timeout=5).text.splitlines()):
+        while not any(
+            line.startswith("weir_worker_running{") and line.endswith(" 8.0")
+            for line in requests.get(stack.metrics_url, timeout=5).text.splitlines()
+        ):
             assert time.monotonic() < deadline, "the batch never filled the worker"
             time.sleep(0.05)
         ttfts = []
         for _ in range(3):
             t0 = time.monotonic()
-            with requests.post(stack.envoy_url + "/v1/completions", stream=True, timeout=30,
-                               json={"model": SIM_MODEL, "prompt": "now", "max_tokens": 4, "stream": True}) as r:
+            with requests.post(
+                stack.envoy_url + "/v1/completions",
+                stream=True,
+                timeout=30,
+                json={"model": SIM_MODEL, "prompt": "now", "max_tokens": 4, "stream": True},
+            ) as r:
                 assert r.status_code == 200
                 next(r.iter_lines(chunk_size=1))
                 ttfts.append(time.monotonic() - t0)
@@ -335,8 +364,9 @@ def test_interactive_work_preempts_running_batch_lines_which_still_finish_once(t
         done = _wait(client, b.id, {"completed", "failed"}, timeout=60)
         ids = [r["custom_id"] for r in _results(client, done.output_file_id)]
         assert done.status == "completed" and len(ids) == n and len(set(ids)) == n
-        assert all(r["response"]["body"]["usage"]["completion_tokens"] == 64
-                   for r in _results(client, done.output_file_id))
+        assert all(
+            r["response"]["body"]["usage"]["completion_tokens"] == 64 for r in _results(client, done.output_file_id)
+        )
 
 
 # ------------------------------------------------------------------ drains and fenced leases
@@ -412,8 +442,10 @@ def test_router_sigterm_mid_batch_hands_it_on_every_line_answered_once(tmp_path)
         assert (answered, once, failed) == (n, n, 0) and done.request_counts.failed == 0
         assert stack.restarts == {"router": 1}
         assert done.usage.output_tokens == 32 * n  # the drained router's lines are counted too
-        print(f"\n1 router SIGTERM mid-batch: {answered}/{n} answered 200, {once} exactly once, {failed} failed; "
-              f"no progress for {prog.stall_after(t_term):.1f} s at most")
+        print(
+            f"\n1 router SIGTERM mid-batch: {answered}/{n} answered 200, {once} exactly once, {failed} failed; "
+            f"no progress for {prog.stall_after(t_term):.1f} s at most"
+        )
 
 
 def test_sigterm_to_the_router_running_a_batch_of_two_the_other_takes_it_over(tmp_path, redis_url):
@@ -445,8 +477,10 @@ def test_sigterm_to_the_router_running_a_batch_of_two_the_other_takes_it_over(tm
         assert stack.components[holder].exited() == 0  # drained and gone: the other router finished it
         log = stack.components[holder].log_path.read_text()
         assert "handed on" in log and "router_draining" not in log
-        print(f"\n2 routers, SIGTERM the holder: {answered}/{n} answered 200, {once} exactly once, {failed} failed; "
-              f"no progress for {prog.stall_after(t_term):.1f} s at most (lease TTL 10 s)")
+        print(
+            f"\n2 routers, SIGTERM the holder: {answered}/{n} answered 200, {once} exactly once, {failed} failed; "
+            f"no progress for {prog.stall_after(t_term):.1f} s at most (lease TTL 10 s)"
+        )
 
 
 def test_a_lease_holder_paused_past_its_ttl_writes_nothing_when_it_wakes(tmp_path, redis_url):
@@ -487,9 +521,11 @@ def test_a_lease_holder_paused_past_its_ttl_writes_nothing_when_it_wakes(tmp_pat
         stale = "is stale" in log
         assert stale or "lease lost" in log, log[-2000:]
         assert victim.exited() is None  # it serves on; it only stopped running the batch
-        print(f"\nSIGSTOP the holder past lease_ttl_s, then SIGCONT: {answered} lines, 0 duplicates; the woken "
-              f"holder {'was refused by the fence at its next write' if stale else 'lost its lease at renewal'}"
-              f" and stopped")
+        print(
+            f"\nSIGSTOP the holder past lease_ttl_s, then SIGCONT: {answered} lines, 0 duplicates; the woken "
+            f"holder {'was refused by the fence at its next write' if stale else 'lost its lease at renewal'}"
+            f" and stopped"
+        )
 
 
 def test_a_redis_lease_taken_over_after_its_ttl_fences_out_the_first_holder(tmp_path, redis_url):
@@ -526,3 +562,53 @@ def test_a_redis_lease_taken_over_after_its_ttl_fences_out_the_first_holder(tmp_
 
     asyncio.run(main())
     assert (tmp_path / "out.data").read_bytes() == b"a\n"
+
+
+def test_storage_limits_expiry_and_paged_lists_through_envoy_with_the_sdk(tmp_path):
+    """The tenant's limits refuse with OpenAI's bodies, ``expires_after`` and
+    ``output_expires_after`` come back in the objects, and the SDK's paging
+    (``after``) walks the lists."""
+    cfg = _config(
+        tmp_path,
+        workers=[sim_worker("sim-0", max_num_seqs=8)],
+        batch={"max_stored_files": 4, "max_active_batches": 1},
+    )
+    with start_stack(cfg, tmp_path / "run") as stack:
+        client = _client(stack)
+        once = client.with_options(max_retries=0)  # a 429 here is an answer, not a reason to wait
+        expiry = {"anchor": "created_at", "seconds": 3600}
+        made = [
+            client.files.create(file=(f"in{i}.jsonl", _jsonl(_lines(2))), purpose="batch", expires_after=expiry)
+            for i in range(3)
+        ]
+        assert all(f.expires_at == f.created_at + 3600 for f in made)
+        with pytest.raises(openai.BadRequestError) as bad:
+            once.files.create(
+                file=("x.jsonl", _jsonl(_lines(1))),
+                purpose="batch",
+                expires_after={"anchor": "created_at", "seconds": 5},
+            )
+        assert bad.value.body["param"] == "expires_after"
+        page = client.files.list(limit=2)
+        assert len(page.data) == 2 and page.has_more
+        assert sorted(f.id for f in page) == sorted(f.id for f in made)  # the SDK follows `after` to the end
+        b = client.batches.create(
+            input_file_id=made[0].id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 7200},
+        )
+        with pytest.raises(openai.RateLimitError) as full:
+            once.batches.create(input_file_id=made[1].id, endpoint="/v1/completions", completion_window="24h")
+        assert full.value.body["code"] == "active_batch_limit_exceeded"
+        assert full.value.body["param"] == "max_active_batches" and full.value.response.headers["retry-after"]
+        done = _wait(client, b.id, {"completed"})
+        out = client.files.retrieve(done.output_file_id)  # the output file: the 4th of the tenant's 4
+        assert out.expires_at == out.created_at + 7200
+        with pytest.raises(openai.RateLimitError) as count:
+            once.files.create(file=("y.jsonl", _jsonl(_lines(1))), purpose="batch")
+        assert count.value.body["code"] == "file_count_limit_exceeded"
+        client.files.delete(made[2].id)
+        client.files.create(file=("y.jsonl", _jsonl(_lines(1))), purpose="batch")  # room again
+        batches = client.batches.list(limit=1)
+        assert [x.id for x in batches.data] == [b.id] and not batches.has_more
