@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import signal
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,7 @@ from shared.protocol import (
 )
 from shared.transport import Outbox, SocketPump
 
-from .base import Emit, EngineBase
+from .base import Emit, EngineBase, EngineInfo
 from .discovery import RouterDiscovery, parse
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
@@ -130,6 +131,7 @@ class _Link:
         "reconnecting",
         "emit",
         "removed",
+        "epoch",
     )
 
     def __init__(self, index: int, address: str) -> None:
@@ -143,6 +145,7 @@ class _Link:
         self.reconnecting = False
         self.emit: Emit | None = None  # its requests' Deltas: Worker._emit_for bound to this link
         self.removed = False  # unlinked (its address left DNS): never reconnected
+        self.epoch = 0  # its current registration's number (Register.epoch): a Dispatch must carry it
 
 
 class Worker:
@@ -175,6 +178,7 @@ class Worker:
         self._stop_reason = "shutdown"
         self._draining: asyncio.Task | None = None
         self._malformed = 0
+        self._stale_dispatches = 0  # requests in Dispatches of a replaced registration (dropped)
         # [logging] requests: engine id -> (request id, dispatch time), for one line per finished request
         self._log_requests = cfg.logging.requests
         self._traces: dict[str, tuple[str, float]] = {}
@@ -242,25 +246,7 @@ class Worker:
                 return 1
             log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
         freeze_startup_heap()  # the engine is loaded and warm: what it holds now lives on
-        gpu = read_gpu(self.wcfg.gpu_index)
-        self.register_msg = Register(
-            worker_id=self.wcfg.id,
-            model=self.wcfg.model,
-            pool=_POOLS[self.wcfg.pool],
-            max_model_len=info.max_model_len,
-            kv_capacity_tokens=info.kv_capacity_tokens,
-            block_size=info.block_size,
-            max_num_seqs=info.max_num_seqs,
-            engine=info.engine,
-            gpu=gpu,
-            step_time_s=info.step_time_s,
-            request_overhead_s=info.request_overhead_s,
-            prefix_caching=info.prefix_caching,
-            prefix_hash=info.prefix_hash,
-            prefix_hash_seed=info.prefix_hash_seed,
-        )
-        sched = self.cfg.scheduler
-        self.ledger = Ledger(sched.kv_budget(info.kv_capacity_tokens), sched.seq_slots(info.max_num_seqs))
+        self._registration(info)
         if not self._stop.is_set():
             for address in self._static:
                 self._add_link(address)
@@ -283,6 +269,28 @@ class Worker:
                 discovering.cancel()
         await self._shutdown()
         return self.exit_code
+
+    def _registration(self, info: EngineInfo) -> None:
+        """The Register this worker sends (what the running engine really has) and its ledger."""
+        gpu = read_gpu(self.wcfg.gpu_index)
+        self.register_msg = Register(
+            worker_id=self.wcfg.id,
+            model=self.wcfg.model,
+            pool=_POOLS[self.wcfg.pool],
+            max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            block_size=info.block_size,
+            max_num_seqs=info.max_num_seqs,
+            engine=info.engine,
+            gpu=gpu,
+            step_time_s=info.step_time_s,
+            request_overhead_s=info.request_overhead_s,
+            prefix_caching=info.prefix_caching,
+            prefix_hash=info.prefix_hash,
+            prefix_hash_seed=info.prefix_hash_seed,
+        )
+        sched = self.cfg.scheduler
+        self.ledger = Ledger(sched.kv_budget(info.kv_capacity_tokens), sched.seq_slots(info.max_num_seqs))
 
     async def _shutdown(self) -> None:
         log.info("worker %s stopping (%s)", self.wcfg.id, self._stop_reason)
@@ -353,7 +361,11 @@ class Worker:
 
     def _register(self, link: _Link) -> None:
         assert self.register_msg is not None, "links connect once the engine has started"
-        self._send(link, self.register_msg)
+        # A new number with every registration, unique across links and processes
+        # (random): a Dispatch the router sent before it read this Register carries
+        # the old one and is dropped, as the router counts its job lost on reading it.
+        link.epoch = secrets.randbits(63) or 1
+        self._send(link, msgspec.structs.replace(self.register_msg, epoch=link.epoch))
         if self._draining is not None:  # a router that (re)learns of us while we drain: still draining
             self._send(link, Drain("SIGTERM"))
         if self.register_msg.prefix_hash:  # the router learns the cache anew with every registration
@@ -511,6 +523,19 @@ class Worker:
         link.last_heard = self.loop.time()
         link.backoff = BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
+            if msg.epoch and msg.epoch != link.epoch:
+                # Sent under a registration this worker has since replaced (it timed
+                # the router out, or restarted its engine, and registered again): the
+                # router counts these lost when it reads the new Register and runs
+                # them again -- run here as well, they would run twice.
+                self._stale_dispatches += len(msg.requests)
+                log.warning(
+                    "worker %s: dropped a dispatch of %d requests from router %s sent before it read our Register",
+                    self.wcfg.id,
+                    len(msg.requests),
+                    link.address,
+                )
+                return
             self._on_dispatch(link, msg.requests)
         elif isinstance(msg, Abort):
             self.engine.abort([link.prefix + rid for rid in msg.request_ids])
