@@ -58,6 +58,7 @@ from shared.protocol import (
     Goodbye,
     GpuInfo,
     Heartbeat,
+    Lost,
     Outputs,
     Pool,
     PrefixEvents,
@@ -87,6 +88,9 @@ log = logging.getLogger("engine_worker")
 BACKOFF_INITIAL_S = 0.25
 BACKOFF_MAX_S = 5.0
 GOODBYE_LINGER_MS = 1000  # time the last Goodbye gets to leave before the socket closes
+# EngineCore deaths this process restarts its engine after; one more and it
+# exits non-zero (its supervisor's back-off then paces an engine that keeps dying).
+ENGINE_RESTARTS_MAX = 3
 
 _POOLS = {"any": Pool.ANY, "short": Pool.SHORT, "long": Pool.LONG}
 
@@ -179,6 +183,8 @@ class Worker:
         self._draining: asyncio.Task | None = None
         self._malformed = 0
         self._stale_dispatches = 0  # requests in Dispatches of a replaced registration (dropped)
+        self._restarting: asyncio.Task[None] | None = None  # the engine died and starts again
+        self._engine_restarts = 0
         # [logging] requests: engine id -> (request id, dispatch time), for one line per finished request
         self._log_requests = cfg.logging.requests
         self._traces: dict[str, tuple[str, float]] = {}
@@ -217,34 +223,11 @@ class Worker:
         self.loop.add_signal_handler(signal.SIGTERM, self.drain)
         self.loop.add_signal_handler(signal.SIGINT, self.stop, "SIGINT")
         self.engine.kv_feed = self.prefix_feed
-        try:
-            info = await self.engine.start()
-        except Exception:
-            log.exception("worker %s: engine failed to start", self.wcfg.id)
+        self.engine.on_died = self._engine_died
+        info = await self._start_engine()
+        if info is None:
+            self.ctx.term()
             return 1
-        if info.kv_events_endpoint:  # before the warm-up, so its blocks are reported too
-            from .vllm_events import VllmKvEvents
-
-            self.kv_events = VllmKvEvents(
-                self.ctx,
-                self.pump,
-                self.loop,
-                info.kv_events_endpoint,
-                info.kv_events_replay or None,
-                self.prefix_feed,
-                self.engine.reset_prefix_cache,
-            )
-        if self.wcfg.warmup and not self._stop.is_set():
-            try:
-                took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
-            except WarmupFailed as e:
-                log.error("worker %s: warm-up generation failed (%s): not registering", self.wcfg.id, e)
-                if self.kv_events is not None:
-                    self.kv_events.close()
-                await self.engine.shutdown()
-                self.ctx.term()
-                return 1
-            log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
         freeze_startup_heap()  # the engine is loaded and warm: what it holds now lives on
         self._registration(info)
         if not self._stop.is_set():
@@ -269,6 +252,99 @@ class Worker:
                 discovering.cancel()
         await self._shutdown()
         return self.exit_code
+
+    async def _start_engine(self) -> EngineInfo | None:
+        """Start the engine, follow its KV events, warm it up; None if it
+        failed (logged, and the engine shut down)."""
+        try:
+            info = await self.engine.start()
+        except Exception:
+            log.exception("worker %s: engine failed to start", self.wcfg.id)
+            return None
+        if info.kv_events_endpoint:  # before the warm-up, so its blocks are reported too
+            from .vllm_events import VllmKvEvents
+
+            self.kv_events = VllmKvEvents(
+                self.ctx,
+                self.pump,
+                self.loop,
+                info.kv_events_endpoint,
+                info.kv_events_replay or None,
+                self.prefix_feed,
+                self.engine.reset_prefix_cache,
+            )
+        if self.wcfg.warmup and not self._stop.is_set():
+            try:
+                took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
+            except WarmupFailed as e:
+                log.error("worker %s: warm-up generation failed (%s): not registering", self.wcfg.id, e)
+                self._close_kv_events()
+                await self.engine.shutdown()
+                return None
+            log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
+        return info
+
+    def _close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+    # -- the engine dies under a live worker ---------------------------------------
+
+    def _engine_died(self) -> None:
+        """The engine's ``on_died``: its EngineCore exited under its requests."""
+        if self._restarting is None and not self._stop.is_set():
+            self._restarting = self.loop.create_task(self._restart_engine())
+
+    async def _restart_engine(self) -> None:
+        """What ran here goes back to its routers as lost (they resume it
+        elsewhere, as a lost worker's), the engine starts again and the
+        worker registers anew -- each link with a new epoch, so a Dispatch
+        sent meanwhile is not run here as well as where its router moves it."""
+        log.error(
+            "worker %s: engine died (%r): its requests go back to their routers", self.wcfg.id, self.engine.fatal_error
+        )
+        self.outbox.flush()  # the Deltas it produced before it died go first
+        for link in self.links.values():  # nothing new while it restarts (ordered before the Lost)
+            self._send(link, Drain("engine restarting"))
+        self._lose_all()
+        self._engine_restarts += 1
+        if self._draining is not None or self._engine_restarts > ENGINE_RESTARTS_MAX:
+            self.stop("engine failed", exit_code=1)  # (a drain: nothing left to finish)
+            return
+        await asyncio.sleep(0)  # (the messages leave before a restart that holds the loop)
+        self._close_kv_events()
+        try:
+            await self.engine.shutdown()
+        except Exception:
+            log.exception("worker %s: shutting the dead engine down failed", self.wcfg.id)
+        self.engine.fatal_error = None
+        info = await self._start_engine()
+        if info is None or self._stop.is_set():
+            self.stop("engine failed", exit_code=1)
+            return
+        log.info("worker %s: engine started again (%d since the worker started)", self.wcfg.id, self._engine_restarts)
+        self.prefix_feed.cleared()  # a new engine's cache is empty
+        self._registration(info)
+        self._restarting = None
+        for link in self.links.values():
+            if link.sock is not None and not link.reconnecting:
+                self._register(link)
+
+    def _lose_all(self) -> None:
+        """Every request the engine ran ends here unheard: each router is told
+        which of its own are lost (Lost), and forgets nothing else."""
+        assert self.ledger is not None, "the engine dies only once started"
+        self.engine.forget_all()
+        for link in self.links.values():
+            ids = self.ledger.drop(link.index)
+            for rid in ids:
+                self._traces.pop(link.prefix + rid, None)
+            if ids:
+                log.warning(
+                    "worker %s: %d requests of router %s lost with the engine", self.wcfg.id, len(ids), link.address
+                )
+                self._send(link, Lost(ids, "engine died"))
 
     def _registration(self, info: EngineInfo) -> None:
         """The Register this worker sends (what the running engine really has) and its ledger."""
@@ -299,8 +375,9 @@ class Worker:
             if link.sock is not None:
                 self._send(link, Goodbye(self._stop_reason))
                 self._close_socket(link, linger_ms=GOODBYE_LINGER_MS)
-        if self.kv_events is not None:
-            self.kv_events.close()
+        if self._restarting is not None:
+            self._restarting.cancel()
+        self._close_kv_events()
         try:
             await self.engine.shutdown()
         except Exception:
@@ -361,6 +438,8 @@ class Worker:
 
     def _register(self, link: _Link) -> None:
         assert self.register_msg is not None, "links connect once the engine has started"
+        if self._restarting is not None:
+            return  # the engine starts again: every link registers once it has
         # A new number with every registration, unique across links and processes
         # (random): a Dispatch the router sent before it read this Register carries
         # the old one and is dropped, as the router counts its job lost on reading it.
@@ -431,7 +510,7 @@ class Worker:
             # 1.8 s"), the late tick counts once, and what the router sent
             # meanwhile is read before the next.
             tick, prev = prev, self.loop.time()
-            if self.engine.fatal_error is not None:
+            if self.engine.fatal_error is not None and self._restarting is None:
                 log.error("worker %s: engine failed: %r", self.wcfg.id, self.engine.fatal_error)
                 self.stop("engine failed", exit_code=1)
                 return
@@ -554,6 +633,10 @@ class Worker:
         # Heartbeat: liveness only, recorded above.
 
     def _on_dispatch(self, link: _Link, requests: list[GenerateRequest]) -> None:
+        if self._restarting is not None:
+            # Sent before the router read our Drain: lost here, it runs elsewhere.
+            self._send(link, Lost([r.request_id for r in requests], "engine restarting"))
+            return
         ledger, prefix, index, emit = self.ledger, link.prefix, link.index, link.emit
         assert ledger is not None and self.register_msg is not None and emit is not None, "engine started"
         block = self.register_msg.block_size
