@@ -383,3 +383,109 @@ def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninte
             assert text == reference.text
             assert stack.components["worker:vllm-0"].exited() is None
         assert _drained(stack)
+
+
+def _engine_core(worker_pid: int):
+    """The worker's vLLM EngineCore: its one child process titled VLLM::EngineCore
+    (looked up among that worker's children, never by name machine-wide)."""
+    import psutil
+
+    family = psutil.Process(worker_pid).children(recursive=True)
+    cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
+    assert len(cores) == 1, [p.name() for p in family]
+    return cores[0]
+
+
+def _core_pids(worker_pid: int) -> list[int]:
+    import psutil
+
+    family = psutil.Process(worker_pid).children(recursive=True)
+    return [p.pid for p in family if p.name().startswith("VLLM::EngineCor")]
+
+
+async def _greedy_streams(url: str, prompts: list[str], max_tokens: int, on_started):
+    """One greedy stream per prompt, concurrently over ZeroMQ; ``on_started()``
+    once every stream has 20 tokens.  Each: (text, finish_reason,
+    completion_tokens, error code or None)."""
+    from shared.client import AsyncClient, WeirError
+
+    started = asyncio.Event()
+    counts = [0] * len(prompts)
+
+    async def one(i: int, c: AsyncClient):
+        text, last = [], None
+        try:
+            async for d in c.stream(stackutil.VLLM_MODEL, prompt=prompts[i], max_tokens=max_tokens,
+                                    temperature=0.0, ignore_eos=True):
+                text.append(d.text)
+                counts[i] += d.num_tokens
+                last = d
+                if min(counts) >= 20:
+                    started.set()
+        except WeirError as e:
+            return "".join(text), None, counts[i], e.error.code
+        return "".join(text), last.finish_reason, last.completion_tokens, None
+
+    async with AsyncClient(url) as c:
+        tasks = [asyncio.ensure_future(one(i, c)) for i in range(len(prompts))]
+        await asyncio.wait([asyncio.ensure_future(started.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
+        on_started()
+        return await asyncio.gather(*tasks)
+
+
+@pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
+@pytest.mark.vllm
+def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_stream_whole(tmp_path):
+    """Four greedy streams over two vLLM workers; the EngineCore of the worker
+    running most of them is SIGKILLed mid-stream.  That worker reports its
+    streams lost, the router resumes them on the other worker, and every
+    stream ends whole with the text of a run never interrupted; the worker
+    starts its engine again in its own process, registers anew and serves."""
+    from shared.client import Client
+
+    cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
+                       workers=[stackutil.vllm_worker("vllm-0"), stackutil.vllm_worker("vllm-1")])
+    prompts = ["The history of the river begins", "Once upon a time in a small village",
+               "The first thing to know about engines", "In the winter of that year"]
+    max_tokens = 600
+    with start_stack(cfg, tmp_path / "run") as stack:
+        with Client(stack.zmq_frontend) as c:
+            reference = [c.complete(stackutil.VLLM_MODEL, prompt=q, max_tokens=max_tokens, temperature=0.0,
+                                    ignore_eos=True).text for q in prompts]
+        assert _resumed(stack) == 0
+        for attempt in range(1, 4):
+            killed = {}
+
+            def kill():
+                running = {wid: w["running"] for wid, w in _workers(stack).items()}
+                victim = max(sorted(running), key=running.get)
+                pid = stack.components[f"worker:{victim}"].pid
+                core = _engine_core(pid)
+                killed.update(victim=victim, pid=pid, core=core.pid, running=running[victim])
+                core.kill()
+
+            results = asyncio.run(_greedy_streams(stack.zmq_frontend, prompts, max_tokens, kill))
+            whole = sum(1 for (text, finish, n, err), ref in zip(results, reference)
+                        if (finish, n, err, text) == ("length", max_tokens, None, ref))
+            print(f"\nEngineCore SIGKILL under {killed['victim']} ({killed['running']} of {len(prompts)} streams "
+                  f"there): {whole}/{len(prompts)} streams whole, "
+                  f"{sum(1 for r in results if r[3] is not None)} ended with an error, {_resumed(stack):.0f} resumed")
+            for (text, finish, n, err), ref in zip(results, reference):
+                assert (finish, n, err) == ("length", max_tokens, None)
+                assert text == ref
+            victim = stack.components[f"worker:{killed['victim']}"]
+            # The same process starts its engine again and registers anew (no supervisor here).
+            assert _wait(lambda: _core_pids(killed["pid"]) not in ([], [killed["core"]])
+                         and _workers(stack).get(killed["victim"], {}).get("state") == "ready",
+                         timeout=180), "the engine was not started again"
+            assert victim.exited() is None and victim.pid == killed["pid"]
+            if _resumed(stack) >= 1:
+                break
+        else:
+            pytest.fail("three kills came after the streams had ended")
+        other = next(w for w in _workers(stack) if w != killed["victim"])
+        assert requests.post(stack.router_url + f"/admin/workers/{other}/drain", timeout=5).status_code == 200
+        with Client(stack.zmq_frontend) as c:  # the restarted engine serves (the other takes nothing new)
+            out = c.complete(stackutil.VLLM_MODEL, prompt=prompts[0], max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert out.completion_tokens == 8 and reference[0].startswith(out.text)
+        assert _drained(stack)
