@@ -15,6 +15,17 @@ it nothing new; it finishes what it runs within the router's
 ``drain_timeout_s``, then says Goodbye and exits 0 (what was still running
 resumes on another worker).  SIGINT stops at once.
 
+One run per job: every Register carries a new random ``epoch`` and the router
+stamps each Dispatch with the epoch it was queued under; a Dispatch of a
+registration the link has replaced (sent before the router read the new
+Register, whose jobs it then counts lost and runs elsewhere) is dropped.
+
+The engine dying under the process (vLLM's EngineCore exited: ``on_died``):
+the worker says Drain to every router, reports each one's requests Lost (they
+resume elsewhere as a lost worker's), starts the engine again and registers
+anew on every link; after ENGINE_RESTARTS_MAX deaths it exits non-zero for
+its supervisor instead.
+
 Output batching: engines emit Deltas one at a time; they go through an Outbox
 that flushes once per event-loop turn, so one engine step becomes one Outputs
 message per router, whatever the number of requests in it.

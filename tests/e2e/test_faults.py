@@ -249,10 +249,11 @@ def _get_ok(url: str) -> bool:
         return False
 
 
-def _reference_then_a_stream_cut(stack, c, killer):
+def _reference_then_a_stream_cut(stack, c, killer, came_back=None):
     """A greedy 1,500-token run on the one vLLM worker, then the same run
     streamed with ``killer(worker)()`` fired at its 20th token; returns the
-    reference, the stream's text and its last Delta.
+    reference, the stream's text and its last Delta.  ``came_back()``: the
+    worker serves again (default: the supervisor restarted it and it registered).
 
     A loaded CI client has read too few tokens when the worker had sent them
     all (at 400 tokens killed at 60, then at 1,500): the stream then ends
@@ -273,8 +274,9 @@ def _reference_then_a_stream_cut(stack, c, killer):
                 kill()
                 killed = True
         assert killed
-        assert _wait(lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack),
-                     timeout=120), "the killed worker was not restarted"
+        back = came_back or (
+            lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack))
+        assert _wait(back, timeout=120), "the killed worker did not come back"
         if _resumed(stack) >= 1:
             return reference, "".join(text), last
     pytest.fail("three streams ended before the kill reached them")
@@ -361,27 +363,33 @@ def test_a_rolling_restart_of_every_worker_under_load_loses_no_stream(tmp_path):
 @pytest.mark.vllm
 def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninterrupted_run(tmp_path):
     """vLLM's EngineCore (the worker's child process) is SIGKILLed mid-stream:
-    the worker's output handler sees the engine dead, the worker says Goodbye
-    and exits, the router resumes the stream (its model has no other worker,
-    so it waits), the supervisor restarts the worker, and the client's text is
-    that of a run that was never interrupted; the router holds nothing."""
-    import psutil
+    the worker's output handler sees the engine dead, the worker says Drain
+    and reports the stream Lost, the router resumes it (its model has no other
+    worker, so it waits), the worker starts its engine again in its own
+    process and registers anew, the stream continues there, and the client's
+    text is that of a run that was never interrupted; the router holds nothing."""
     from shared.client import Client
 
     cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
                        workers=[stackutil.vllm_worker("vllm-0")])
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        def engine_core_of(victim):
-            family = psutil.Process(victim.pid).children(recursive=True)
-            cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
-            assert len(cores) == 1, [p.name() for p in family]
-            return cores[0].kill
+        victim = stack.components["worker:vllm-0"]
+        killed = []
+
+        def engine_core_of(worker):
+            core = _engine_core(worker.pid)
+            killed.append(core.pid)
+            return core.kill
+
+        def came_back():
+            return (_core_pids(victim.pid) not in ([], killed[-1:])
+                    and _workers(stack).get("vllm-0", {}).get("state") == "ready")
 
         with Client(stack.zmq_frontend) as c:
-            reference, text, last = _reference_then_a_stream_cut(stack, c, engine_core_of)
+            reference, text, last = _reference_then_a_stream_cut(stack, c, engine_core_of, came_back)
             assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
             assert text == reference.text
-            assert stack.components["worker:vllm-0"].exited() is None
+            assert victim.exited() is None and stack.restarts == {}  # the same process, its engine started again
         assert _drained(stack)
 
 
