@@ -325,6 +325,7 @@ class Worker:
             return
         await asyncio.sleep(0)  # (the messages leave before a restart that holds the loop)
         self._close_kv_events()
+        self.prefix_feed.cleared()  # a new engine's cache starts empty (its warm-up's blocks follow)
         try:
             await self.engine.shutdown()
         except Exception:
@@ -335,7 +336,6 @@ class Worker:
             self.stop("engine failed", exit_code=1)
             return
         log.info("worker %s: engine started again (%d since the worker started)", self.wcfg.id, self._engine_restarts)
-        self.prefix_feed.cleared()  # a new engine's cache is empty
         self._registration(info)
         self._restarting = None
         for link in self.links.values():
