@@ -413,14 +413,16 @@ def _core_pids(worker_pid: int) -> list[int]:
 
 async def _greedy_streams(url: str, prompts: list[str], max_tokens: int, on_started):
     """One greedy stream per prompt, concurrently over ZeroMQ; ``on_started()``
-    once every stream has 20 tokens.  Each: (text, finish_reason,
-    completion_tokens, error code or None)."""
+    once every stream has 20 tokens, and then one more stream per prompt,
+    one every 0.1 s (the fault's first moments).  Each, in that order: (text,
+    finish_reason, completion_tokens, error code or None)."""
     from shared.client import AsyncClient, WeirError
 
     started = asyncio.Event()
     counts = [0] * len(prompts)
+    late = [0] * len(prompts)
 
-    async def one(i: int, c: AsyncClient):
+    async def one(i: int, c: AsyncClient, counts=counts):
         text, last = [], None
         try:
             async for d in c.stream(stackutil.VLLM_MODEL, prompt=prompts[i], max_tokens=max_tokens,
@@ -438,6 +440,9 @@ async def _greedy_streams(url: str, prompts: list[str], max_tokens: int, on_star
         tasks = [asyncio.ensure_future(one(i, c)) for i in range(len(prompts))]
         await asyncio.wait([asyncio.ensure_future(started.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
         on_started()
+        for i in range(len(prompts)):  # while the worker learns its engine died, and just after
+            await asyncio.sleep(0.1)
+            tasks.append(asyncio.ensure_future(one(i, c, late)))
         return await asyncio.gather(*tasks)
 
 
@@ -445,10 +450,11 @@ async def _greedy_streams(url: str, prompts: list[str], max_tokens: int, on_star
 @pytest.mark.vllm
 def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_stream_whole(tmp_path):
     """Four greedy streams over two vLLM workers; the EngineCore of the worker
-    running most of them is SIGKILLed mid-stream.  That worker reports its
-    streams lost, the router resumes them on the other worker, and every
-    stream ends whole with the text of a run never interrupted; the worker
-    starts its engine again in its own process, registers anew and serves."""
+    running most of them is SIGKILLed mid-stream, and four more streams start
+    in the next 0.4 s.  That worker reports its streams lost (and any sent to it
+    before the router heard), the router resumes them on the other worker,
+    and every stream ends whole with the text of a run never interrupted; the
+    worker starts its engine again in its own process, registers anew and serves."""
     from shared.client import Client
 
     cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
@@ -473,12 +479,13 @@ def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_str
                 core.kill()
 
             results = asyncio.run(_greedy_streams(stack.zmq_frontend, prompts, max_tokens, kill))
-            whole = sum(1 for (text, finish, n, err), ref in zip(results, reference)
+            whole = sum(1 for (text, finish, n, err), ref in zip(results, reference * 2)
                         if (finish, n, err, text) == ("length", max_tokens, None, ref))
+            errors = [r[3] for r in results if r[3] is not None]
             print(f"\nEngineCore SIGKILL under {killed['victim']} ({killed['running']} of {len(prompts)} streams "
-                  f"there): {whole}/{len(prompts)} streams whole, "
-                  f"{sum(1 for r in results if r[3] is not None)} ended with an error, {_resumed(stack):.0f} resumed")
-            for (text, finish, n, err), ref in zip(results, reference):
+                  f"there, {len(prompts)} more started in the 0.4 s after): {whole}/{len(results)} streams whole, "
+                  f"{len(errors)} ended with an error {errors}, {_resumed(stack):.0f} resumed")
+            for (text, finish, n, err), ref in zip(results, reference * 2):
                 assert (finish, n, err) == ("length", max_tokens, None)
                 assert text == ref
             victim = stack.components[f"worker:{killed['victim']}"]
