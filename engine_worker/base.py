@@ -83,8 +83,11 @@ class EngineBase:
 
     def __init__(self) -> None:
         # Set when the engine can no longer serve (e.g. vLLM's EngineCore died);
-        # the worker then says Goodbye and exits non-zero so it is restarted.
+        # the worker then says Goodbye and exits non-zero so it is restarted --
+        # unless the engine died in a way ``_died`` reports (the worker then
+        # reports the live requests Lost and starts the engine again).
         self.fatal_error: BaseException | None = None
+        self.on_died: Callable[[], None] | None = None  # the worker's, for ``_died``
         self._live: dict[str, Live] = {}
         self.aborts_total = 0
         self.finished_total = 0
@@ -135,6 +138,13 @@ class EngineBase:
     def live_ids(self) -> list[str]:
         return list(self._live)
 
+    def forget_all(self) -> None:
+        """The engine died: its live requests end here with no Delta (the
+        worker tells their routers they are lost, and they run elsewhere)."""
+        live, self._live = self._live, {}
+        for rid, x in live.items():
+            self._stop(rid, x)
+
     def reset_prefix_cache(self) -> None:
         """Empty the engine's prefix cache, if it has one (its events say so)."""
 
@@ -145,6 +155,19 @@ class EngineBase:
 
     def _stop(self, rid: str, live: Live) -> None:
         """Drop ``rid`` inside the engine (it has left the table already)."""
+
+    def _died(self, e: BaseException) -> bool:
+        """The engine itself died under its live requests (vLLM's EngineCore
+        exited) and can be started again: the worker is told (``on_died``,
+        once) and takes the live requests as lost -- True; without a worker
+        to tell, False: the caller ends them with an error."""
+        first = self.fatal_error is None
+        self.fatal_error = e
+        if self.on_died is None:
+            return False
+        if first:
+            self.on_died()
+        return True
 
     def _is_live(self, rid: str, live: Live) -> bool:
         return self._live.get(rid) is live

@@ -154,8 +154,11 @@ class VllmEngine(EngineBase):
 
     async def start(self) -> EngineInfo:
         # Blocks the loop while the EngineCore loads (~16 s for the tiny model on
-        # CPU); the worker has not connected to the router yet, so nothing waits.
+        # CPU); the worker has not connected to the router yet, or (a restart
+        # after the EngineCore died) has told its routers to send it nothing.
         self._loop = asyncio.get_running_loop()
+        os.makedirs(self._kv_dir, exist_ok=True)  # (a restart: shutdown removed it)
+        self._aborted = []
         self.engine = DirectAsyncLLM.from_engine_args(self.args, stat_loggers=[_StatsOn])
         self.engine.set_hooks(self._sched)
         # vLLM reads its settings from the environment on every access (~5 %% of
@@ -267,6 +270,8 @@ class VllmEngine(EngineBase):
 
     def _abort_later(self, engine_id: str) -> None:
         """Abort inside vLLM, batched with the other aborts of this loop turn."""
+        if self.fatal_error is not None:
+            return  # nothing runs inside a dead engine
         self._aborted.append(engine_id)
         if len(self._aborted) == 1 and self.engine is not None:
             self._loop.call_soon(self._abort_in_engine)
@@ -275,10 +280,15 @@ class VllmEngine(EngineBase):
         """DirectAsyncLLM's handler stopped: no output comes any more, and the
         worker exits to be restarted (its next heartbeat tick sees
         ``fatal_error``).  If the EngineCore died, the generating requests stay
-        live: the worker's Goodbye has the router resume them elsewhere, as for
-        a lost worker (bounded by ``router.max_resumes``).  Any other failure is
-        vLLM's own, which a resumed request could meet again: those end now
-        with an internal error."""
+        live and the worker is told (``_died``): it reports them lost to their
+        routers, which resume them elsewhere as a lost worker's (bounded by
+        ``router.max_resumes``), and starts the engine again.  Any other
+        failure is vLLM's own, which a resumed request could meet again:
+        those end now with an internal error, and the worker exits."""
+        if isinstance(e, EngineDeadError) and self._died(e):
+            if self.engine is not None:
+                self.engine.sinks.clear()
+            return
         self.fatal_error = e
         if not isinstance(e, EngineDeadError):
             err = _engine_stopped(e)
@@ -390,13 +400,14 @@ class VllmEngine(EngineBase):
             self.engine.sinks.pop(live.outputs, None)
 
     def _failed(self, rid: str, live: Live, e: Exception) -> None:
-        """A request's end when vLLM raised: a 400 for what it refused, 503 if
-        the engine died (the worker then exits), else an internal error."""
+        """A request's end when vLLM raised: a 400 for what it refused, lost
+        if the engine died (``_died``: it runs again elsewhere), else an
+        internal error."""
         if isinstance(e, (VLLMClientError, ValueError, TypeError)):
             self._fail(rid, live, bad_request(_message(e), getattr(e, "parameter", None)))
         elif isinstance(e, EngineDeadError):
-            self.fatal_error = e
-            self._fail(rid, live, _engine_stopped(e))
+            if not self._died(e):  # else the worker reports it lost with the rest
+                self._fail(rid, live, _engine_stopped(e))
         else:
             log.exception("request %s failed", rid, exc_info=e)
             self._fail(rid, live, _engine_stopped(e))

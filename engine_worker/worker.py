@@ -15,6 +15,17 @@ it nothing new; it finishes what it runs within the router's
 ``drain_timeout_s``, then says Goodbye and exits 0 (what was still running
 resumes on another worker).  SIGINT stops at once.
 
+One run per job: every Register carries a new random ``epoch`` and the router
+stamps each Dispatch with the epoch it was queued under; a Dispatch of a
+registration the link has replaced (sent before the router read the new
+Register, whose jobs it then counts lost and runs elsewhere) is dropped.
+
+The engine dying under the process (vLLM's EngineCore exited: ``on_died``):
+the worker says Drain to every router, reports each one's requests Lost (they
+resume elsewhere as a lost worker's), starts the engine again and registers
+anew on every link; after ENGINE_RESTARTS_MAX deaths it exits non-zero for
+its supervisor instead.
+
 Output batching: engines emit Deltas one at a time; they go through an Outbox
 that flushes once per event-loop turn, so one engine step becomes one Outputs
 message per router, whatever the number of requests in it.
@@ -40,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import signal
 from typing import TYPE_CHECKING
 
@@ -57,6 +69,7 @@ from shared.protocol import (
     Goodbye,
     GpuInfo,
     Heartbeat,
+    Lost,
     Outputs,
     Pool,
     PrefixEvents,
@@ -71,7 +84,7 @@ from shared.protocol import (
 )
 from shared.transport import Outbox, SocketPump
 
-from .base import Emit, EngineBase
+from .base import Emit, EngineBase, EngineInfo
 from .discovery import RouterDiscovery, parse
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
@@ -86,6 +99,9 @@ log = logging.getLogger("engine_worker")
 BACKOFF_INITIAL_S = 0.25
 BACKOFF_MAX_S = 5.0
 GOODBYE_LINGER_MS = 1000  # time the last Goodbye gets to leave before the socket closes
+# EngineCore deaths this process restarts its engine after; one more and it
+# exits non-zero (its supervisor's back-off then paces an engine that keeps dying).
+ENGINE_RESTARTS_MAX = 3
 
 _POOLS = {"any": Pool.ANY, "short": Pool.SHORT, "long": Pool.LONG}
 
@@ -130,6 +146,7 @@ class _Link:
         "reconnecting",
         "emit",
         "removed",
+        "epoch",
     )
 
     def __init__(self, index: int, address: str) -> None:
@@ -143,6 +160,7 @@ class _Link:
         self.reconnecting = False
         self.emit: Emit | None = None  # its requests' Deltas: Worker._emit_for bound to this link
         self.removed = False  # unlinked (its address left DNS): never reconnected
+        self.epoch = 0  # its current registration's number (Register.epoch): a Dispatch must carry it
 
 
 class Worker:
@@ -175,6 +193,9 @@ class Worker:
         self._stop_reason = "shutdown"
         self._draining: asyncio.Task | None = None
         self._malformed = 0
+        self._stale_dispatches = 0  # requests in Dispatches of a replaced registration (dropped)
+        self._restarting: asyncio.Task[None] | None = None  # the engine died and starts again
+        self._engine_restarts = 0
         # [logging] requests: engine id -> (request id, dispatch time), for one line per finished request
         self._log_requests = cfg.logging.requests
         self._traces: dict[str, tuple[str, float]] = {}
@@ -213,54 +234,13 @@ class Worker:
         self.loop.add_signal_handler(signal.SIGTERM, self.drain)
         self.loop.add_signal_handler(signal.SIGINT, self.stop, "SIGINT")
         self.engine.kv_feed = self.prefix_feed
-        try:
-            info = await self.engine.start()
-        except Exception:
-            log.exception("worker %s: engine failed to start", self.wcfg.id)
+        self.engine.on_died = self._engine_died
+        info = await self._start_engine()
+        if info is None:
+            self.ctx.term()
             return 1
-        if info.kv_events_endpoint:  # before the warm-up, so its blocks are reported too
-            from .vllm_events import VllmKvEvents
-
-            self.kv_events = VllmKvEvents(
-                self.ctx,
-                self.pump,
-                self.loop,
-                info.kv_events_endpoint,
-                info.kv_events_replay or None,
-                self.prefix_feed,
-                self.engine.reset_prefix_cache,
-            )
-        if self.wcfg.warmup and not self._stop.is_set():
-            try:
-                took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
-            except WarmupFailed as e:
-                log.error("worker %s: warm-up generation failed (%s): not registering", self.wcfg.id, e)
-                if self.kv_events is not None:
-                    self.kv_events.close()
-                await self.engine.shutdown()
-                self.ctx.term()
-                return 1
-            log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
         freeze_startup_heap()  # the engine is loaded and warm: what it holds now lives on
-        gpu = read_gpu(self.wcfg.gpu_index)
-        self.register_msg = Register(
-            worker_id=self.wcfg.id,
-            model=self.wcfg.model,
-            pool=_POOLS[self.wcfg.pool],
-            max_model_len=info.max_model_len,
-            kv_capacity_tokens=info.kv_capacity_tokens,
-            block_size=info.block_size,
-            max_num_seqs=info.max_num_seqs,
-            engine=info.engine,
-            gpu=gpu,
-            step_time_s=info.step_time_s,
-            request_overhead_s=info.request_overhead_s,
-            prefix_caching=info.prefix_caching,
-            prefix_hash=info.prefix_hash,
-            prefix_hash_seed=info.prefix_hash_seed,
-        )
-        sched = self.cfg.scheduler
-        self.ledger = Ledger(sched.kv_budget(info.kv_capacity_tokens), sched.seq_slots(info.max_num_seqs))
+        self._registration(info)
         if not self._stop.is_set():
             for address in self._static:
                 self._add_link(address)
@@ -284,6 +264,121 @@ class Worker:
         await self._shutdown()
         return self.exit_code
 
+    async def _start_engine(self) -> EngineInfo | None:
+        """Start the engine, follow its KV events, warm it up; None if it
+        failed (logged, and the engine shut down)."""
+        try:
+            info = await self.engine.start()
+        except Exception:
+            log.exception("worker %s: engine failed to start", self.wcfg.id)
+            return None
+        if info.kv_events_endpoint:  # before the warm-up, so its blocks are reported too
+            from .vllm_events import VllmKvEvents
+
+            self.kv_events = VllmKvEvents(
+                self.ctx,
+                self.pump,
+                self.loop,
+                info.kv_events_endpoint,
+                info.kv_events_replay or None,
+                self.prefix_feed,
+                self.engine.reset_prefix_cache,
+            )
+        if self.wcfg.warmup and not self._stop.is_set():
+            try:
+                took = await warm_up(self.engine, info, self.wcfg.warmup_timeout_s)
+            except WarmupFailed as e:
+                log.error("worker %s: warm-up generation failed (%s): not registering", self.wcfg.id, e)
+                self._close_kv_events()
+                await self.engine.shutdown()
+                return None
+            log.info("worker %s warmed up: generated through the engine in %.3f s", self.wcfg.id, took)
+        return info
+
+    def _close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+    # -- the engine dies under a live worker ---------------------------------------
+
+    def _engine_died(self) -> None:
+        """The engine's ``on_died``: its EngineCore exited under its requests."""
+        if self._restarting is None and not self._stop.is_set():
+            self._restarting = self.loop.create_task(self._restart_engine())
+
+    async def _restart_engine(self) -> None:
+        """What ran here goes back to its routers as lost (they resume it
+        elsewhere, as a lost worker's), the engine starts again and the
+        worker registers anew -- each link with a new epoch, so a Dispatch
+        sent meanwhile is not run here as well as where its router moves it."""
+        log.error(
+            "worker %s: engine died (%r): its requests go back to their routers", self.wcfg.id, self.engine.fatal_error
+        )
+        self.outbox.flush()  # the Deltas it produced before it died go first
+        for link in self.links.values():  # nothing new while it restarts (ordered before the Lost)
+            self._send(link, Drain("engine restarting"))
+        self._lose_all()
+        self._engine_restarts += 1
+        if self._draining is not None or self._engine_restarts > ENGINE_RESTARTS_MAX:
+            self.stop("engine failed", exit_code=1)  # (a drain: nothing left to finish)
+            return
+        await asyncio.sleep(0)  # (the messages leave before a restart that holds the loop)
+        self._close_kv_events()
+        self.prefix_feed.cleared()  # a new engine's cache starts empty (its warm-up's blocks follow)
+        try:
+            await self.engine.shutdown()
+        except Exception:
+            log.exception("worker %s: shutting the dead engine down failed", self.wcfg.id)
+        self.engine.fatal_error = None
+        info = await self._start_engine()
+        if info is None or self._stop.is_set():
+            self.stop("engine failed", exit_code=1)
+            return
+        log.info("worker %s: engine started again (%d since the worker started)", self.wcfg.id, self._engine_restarts)
+        self._registration(info)
+        self._restarting = None
+        for link in self.links.values():
+            if link.sock is not None and not link.reconnecting:
+                self._register(link)
+
+    def _lose_all(self) -> None:
+        """Every request the engine ran ends here unheard: each router is told
+        which of its own are lost (Lost), and forgets nothing else."""
+        assert self.ledger is not None, "the engine dies only once started"
+        self.engine.forget_all()
+        for link in self.links.values():
+            ids = self.ledger.drop(link.index)
+            for rid in ids:
+                self._traces.pop(link.prefix + rid, None)
+            if ids:
+                log.warning(
+                    "worker %s: %d requests of router %s lost with the engine", self.wcfg.id, len(ids), link.address
+                )
+                self._send(link, Lost(ids, "engine died"))
+
+    def _registration(self, info: EngineInfo) -> None:
+        """The Register this worker sends (what the running engine really has) and its ledger."""
+        gpu = read_gpu(self.wcfg.gpu_index)
+        self.register_msg = Register(
+            worker_id=self.wcfg.id,
+            model=self.wcfg.model,
+            pool=_POOLS[self.wcfg.pool],
+            max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            block_size=info.block_size,
+            max_num_seqs=info.max_num_seqs,
+            engine=info.engine,
+            gpu=gpu,
+            step_time_s=info.step_time_s,
+            request_overhead_s=info.request_overhead_s,
+            prefix_caching=info.prefix_caching,
+            prefix_hash=info.prefix_hash,
+            prefix_hash_seed=info.prefix_hash_seed,
+        )
+        sched = self.cfg.scheduler
+        self.ledger = Ledger(sched.kv_budget(info.kv_capacity_tokens), sched.seq_slots(info.max_num_seqs))
+
     async def _shutdown(self) -> None:
         log.info("worker %s stopping (%s)", self.wcfg.id, self._stop_reason)
         self.outbox.flush()
@@ -291,8 +386,9 @@ class Worker:
             if link.sock is not None:
                 self._send(link, Goodbye(self._stop_reason))
                 self._close_socket(link, linger_ms=GOODBYE_LINGER_MS)
-        if self.kv_events is not None:
-            self.kv_events.close()
+        if self._restarting is not None:
+            self._restarting.cancel()
+        self._close_kv_events()
         try:
             await self.engine.shutdown()
         except Exception:
@@ -353,7 +449,13 @@ class Worker:
 
     def _register(self, link: _Link) -> None:
         assert self.register_msg is not None, "links connect once the engine has started"
-        self._send(link, self.register_msg)
+        if self._restarting is not None:
+            return  # the engine starts again: every link registers once it has
+        # A new number with every registration, unique across links and processes
+        # (random): a Dispatch the router sent before it read this Register carries
+        # the old one and is dropped, as the router counts its job lost on reading it.
+        link.epoch = secrets.randbits(63) or 1
+        self._send(link, msgspec.structs.replace(self.register_msg, epoch=link.epoch))
         if self._draining is not None:  # a router that (re)learns of us while we drain: still draining
             self._send(link, Drain("SIGTERM"))
         if self.register_msg.prefix_hash:  # the router learns the cache anew with every registration
@@ -419,7 +521,7 @@ class Worker:
             # 1.8 s"), the late tick counts once, and what the router sent
             # meanwhile is read before the next.
             tick, prev = prev, self.loop.time()
-            if self.engine.fatal_error is not None:
+            if self.engine.fatal_error is not None and self._restarting is None:
                 log.error("worker %s: engine failed: %r", self.wcfg.id, self.engine.fatal_error)
                 self.stop("engine failed", exit_code=1)
                 return
@@ -511,6 +613,19 @@ class Worker:
         link.last_heard = self.loop.time()
         link.backoff = BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
+            if msg.epoch and msg.epoch != link.epoch:
+                # Sent under a registration this worker has since replaced (it timed
+                # the router out, or restarted its engine, and registered again): the
+                # router counts these lost when it reads the new Register and runs
+                # them again -- run here as well, they would run twice.
+                self._stale_dispatches += len(msg.requests)
+                log.warning(
+                    "worker %s: dropped a dispatch of %d requests from router %s sent before it read our Register",
+                    self.wcfg.id,
+                    len(msg.requests),
+                    link.address,
+                )
+                return
             self._on_dispatch(link, msg.requests)
         elif isinstance(msg, Abort):
             self.engine.abort([link.prefix + rid for rid in msg.request_ids])
@@ -529,6 +644,10 @@ class Worker:
         # Heartbeat: liveness only, recorded above.
 
     def _on_dispatch(self, link: _Link, requests: list[GenerateRequest]) -> None:
+        if self._restarting is not None:
+            # Sent before the router read our Drain: lost here, it runs elsewhere.
+            self._send(link, Lost([r.request_id for r in requests], "engine restarting"))
+            return
         ledger, prefix, index, emit = self.ledger, link.prefix, link.index, link.emit
         assert ledger is not None and self.register_msg is not None and emit is not None, "engine started"
         block = self.register_msg.block_size

@@ -455,6 +455,21 @@ class RouterCore:
             j.kept_dispatches -= 1  # nothing of it ran there
             self._recovery.requeue(j, now)
 
+    def lost(self, worker_id: str, job_ids: list[str], why: str) -> None:
+        """The worker says these stopped there with no end of their own (its
+        engine died): each is released and moved on as a lost worker's job
+        (router.recovery: queued again, or resumed from what it streamed)."""
+        now = self.clock()
+        moved = []
+        for job_id in job_ids:
+            j = self.jobs.get(job_id)
+            if j is None or j.worker != worker_id:
+                continue  # ended or moved meanwhile: not this worker's to give up
+            self.policy.finish(job_id, now)
+            moved.append(job_id)
+        self._recovery.after_loss(moved, why, now)
+        self._schedule_policy()
+
     def running_on(self, worker_id: str) -> list[str]:
         return self.policy.running_on(worker_id)
 

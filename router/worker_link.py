@@ -15,6 +15,14 @@ A worker leaves through one path, ``_remove``, whatever the reason.
 Draining (the worker's Drain on SIGTERM, or an operator's ``drain``): the
 worker gets no new work; what it runs may finish until ``drain_timeout_s``,
 then moves to other workers (resumed where it streamed output).
+
+One run per job: every Dispatch carries the ``epoch`` of the Register it
+was sent under, and a worker drops one stamped with an older registration's
+(shared.protocol.Register.epoch).  A worker that timed this router out and
+registered again while this router still sent to it would otherwise run a
+job this router is about to count lost (on reading that Register) and run
+elsewhere.  The epoch is taken when a request is queued, not when the
+outbox flushes, so a Register read in between cannot re-stamp it.
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ class WorkerEvents(Protocol):
 
     def refused(self, worker_id: str, job_ids: list[str], other_tokens: int, other_seqs: int) -> None: ...
 
+    def lost(self, worker_id: str, job_ids: list[str], why: str) -> None: ...
+
     def prefix_news(self, worker_id: str, msg: p.PrefixEvents | p.PrefixSnapshot) -> bool: ...
 
     def prefix_seq(self, worker_id: str, seq: int) -> bool: ...
@@ -120,7 +130,8 @@ class WorkerLink(RouterPlane):
         self.clock = clock
         self.workers: dict[str, LinkedWorker] = {}  # by worker id (== DEALER identity)
         self.events: WorkerEvents  # set by serve(), before the socket can deliver anything
-        self._outbox = Outbox(loop, self._flush_to)
+        # per (identity, Register.epoch): what goes out stays stamped with the registration it was queued under
+        self._outbox: Outbox[tuple[bytes, int], p.GenerateRequest | str] = Outbox(loop, self._flush_to)
         self._last_tick = clock()  # when the heartbeat timer last ran
 
     def serve(self, events: WorkerEvents) -> None:
@@ -140,20 +151,20 @@ class WorkerLink(RouterPlane):
         w = self.workers.get(worker_id)
         if w is None:
             return False
-        self._outbox.put(w.identity, req)
+        self._outbox.put((w.identity, w.reg.epoch), req)
         return True
 
     def abort(self, worker_id: str, job_id: str) -> None:
         w = self.workers.get(worker_id)
         if w is not None:
-            self._outbox.put(w.identity, job_id)  # a str in the outbox means Abort
+            self._outbox.put((w.identity, w.reg.epoch), job_id)  # a str in the outbox means Abort
 
     def flush(self) -> None:
         self._outbox.flush()
 
     # ------------------------------------------------------------ the socket
 
-    def _flush_to(self, identity: bytes, items: list[p.GenerateRequest | str]) -> None:
+    def _flush_to(self, dest: tuple[bytes, int], items: list[p.GenerateRequest | str]) -> None:
         # In the order queued: a job moved off a stalled worker onto the same
         # one is Abort(id) then a dispatch of that id (reversed, the worker
         # ignored the dispatch as a duplicate and aborted the job -- seen in
@@ -162,23 +173,24 @@ class WorkerLink(RouterPlane):
         start = 0
         for i in range(1, len(items) + 1):
             if i == len(items) or (items[i].__class__ is str) != (items[start].__class__ is str):
-                self._send_run(identity, items[start:i])
+                self._send_run(dest, items[start:i])
                 start = i
 
-    def _send_run(self, identity: bytes, run: list[p.GenerateRequest | str]) -> None:
+    def _send_run(self, dest: tuple[bytes, int], run: list[p.GenerateRequest | str]) -> None:
         # a run holds one kind (_flush_to): job ids to abort, or requests
+        identity, epoch = dest
         if run[0].__class__ is str:
             self._send(identity, p.Abort(request_ids=cast("list[str]", run)))
             return
         reqs = cast("list[p.GenerateRequest]", run)
         try:
-            payload = p.encoder.encode(p.Dispatch(requests=reqs))
+            payload = p.encoder.encode(p.Dispatch(requests=reqs, epoch=epoch))
         except (OverflowError, TypeError, ValueError):
-            payload = self._without_unencodable(reqs)
+            payload = self._without_unencodable(reqs, epoch)
         if self.sock is not None:
             self.pump.send(self.sock, [identity, payload])
 
-    def _without_unencodable(self, reqs: list[p.GenerateRequest]) -> bytes:
+    def _without_unencodable(self, reqs: list[p.GenerateRequest], epoch: int) -> bytes:
         """A batch that would not encode: the others go; each culprit ends with
         an error (not lost in a failed flush, with its batch-mates)."""
         ok = []
@@ -192,7 +204,7 @@ class WorkerLink(RouterPlane):
                     r.request_id,
                     error(Code.INTERNAL, f"The request could not be sent to a worker ({e}); this is a router bug."),
                 )
-        return p.encoder.encode(p.Dispatch(requests=ok))
+        return p.encoder.encode(p.Dispatch(requests=ok, epoch=epoch))
 
     def _send(self, identity: bytes, msg: p.RouterToWorker) -> None:
         if self.sock is not None:
@@ -242,6 +254,14 @@ class WorkerLink(RouterPlane):
                 w.last_seen = now
                 self.metrics.child(self.metrics.worker_events, worker_id, "refused_dispatch").inc(len(msg.request_ids))
                 self.events.refused(worker_id, msg.request_ids, msg.other_tokens, msg.other_seqs)
+        elif msg.__class__ is p.Lost:
+            # Its engine died under these (the worker restarts it): resumed
+            # elsewhere as a lost worker's.
+            if w is not None:
+                w.last_seen = now
+                log.warning("worker %s lost %d requests (%s)", worker_id, len(msg.request_ids), msg.reason)
+                self.metrics.child(self.metrics.worker_events, worker_id, "lost_requests").inc(len(msg.request_ids))
+                self.events.lost(worker_id, msg.request_ids, "engine_died")  # (a fixed label: not the peer's text)
 
     def _on_register(self, identity: bytes, worker_id: str, reg: p.Register, now: float) -> None:
         if reg.worker_id != worker_id:

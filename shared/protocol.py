@@ -9,7 +9,7 @@ Two links:
       router -> client:  Outputs              (one message per client per flush)
   worker (DEALER)  <->  router backend (ROUTER)
       worker -> router:  Register, Heartbeat, Outputs, Drain, Goodbye, Refuse,
-                         PrefixEvents, PrefixSnapshot
+                         PrefixEvents, PrefixSnapshot, Lost
       router -> worker:  Dispatch, Abort, Heartbeat, Goodbye, PrefixResync
   A worker may link to several routers (one DEALER each): its own ledger
   (engine_worker.ledger) arbitrates their dispatches, and each router hears
@@ -375,6 +375,13 @@ class Register(_Msg, tag=10):
     # routes it cache-blind.
     prefix_hash: str = ""
     prefix_hash_seed: str = ""
+    # This registration's number: a random non-zero 63-bit value, new with
+    # every Register (on a reconnect, after a Goodbye, in a new process).  The
+    # router stamps it on each Dispatch; the worker drops a Dispatch stamped
+    # with another link's number -- one sent before the router read this
+    # Register, whose jobs the router counts lost when it reads it -- so a job
+    # never runs there as well as where the router runs it again.  0: none.
+    epoch: int = 0
 
 
 class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -438,6 +445,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 class Dispatch(_Msg, tag=13):
     requests: list[GenerateRequest]
+    epoch: int = 0  # the Register.epoch of the link it was sent on (0: not stated, taken as current)
 
 
 class Abort(_Msg, tag=14):
@@ -497,9 +505,19 @@ class PrefixResync(_Msg, tag=19):
     reason: str = ""
 
 
+class Lost(_Msg, tag=20):
+    """Worker -> router: these dispatched requests stopped here and no
+    Delta of them will follow (the engine died under them: vLLM's EngineCore
+    exited).  The router takes them as a lost worker's (router.recovery):
+    queued again, or resumed elsewhere from the tokens it streamed."""
+
+    request_ids: list[str]
+    reason: str = ""
+
+
 ClientToRouter = Submit | Cancel
 RouterToClient = Outputs
-WorkerToRouter = Register | Heartbeat | Outputs | Drain | Goodbye | Refuse | PrefixEvents | PrefixSnapshot
+WorkerToRouter = Register | Heartbeat | Outputs | Drain | Goodbye | Refuse | PrefixEvents | PrefixSnapshot | Lost
 RouterToWorker = Dispatch | Abort | Heartbeat | Goodbye | PrefixResync
 
 encoder = msgspec.msgpack.Encoder()

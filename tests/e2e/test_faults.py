@@ -249,10 +249,11 @@ def _get_ok(url: str) -> bool:
         return False
 
 
-def _reference_then_a_stream_cut(stack, c, killer):
+def _reference_then_a_stream_cut(stack, c, killer, came_back=None):
     """A greedy 1,500-token run on the one vLLM worker, then the same run
     streamed with ``killer(worker)()`` fired at its 20th token; returns the
-    reference, the stream's text and its last Delta.
+    reference, the stream's text and its last Delta.  ``came_back()``: the
+    worker serves again (default: the supervisor restarted it and it registered).
 
     A loaded CI client has read too few tokens when the worker had sent them
     all (at 400 tokens killed at 60, then at 1,500): the stream then ends
@@ -273,8 +274,9 @@ def _reference_then_a_stream_cut(stack, c, killer):
                 kill()
                 killed = True
         assert killed
-        assert _wait(lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack),
-                     timeout=120), "the killed worker was not restarted"
+        back = came_back or (
+            lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack))
+        assert _wait(back, timeout=120), "the killed worker did not come back"
         if _resumed(stack) >= 1:
             return reference, "".join(text), last
     pytest.fail("three streams ended before the kill reached them")
@@ -361,25 +363,144 @@ def test_a_rolling_restart_of_every_worker_under_load_loses_no_stream(tmp_path):
 @pytest.mark.vllm
 def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninterrupted_run(tmp_path):
     """vLLM's EngineCore (the worker's child process) is SIGKILLed mid-stream:
-    the worker's output handler sees the engine dead, the worker says Goodbye
-    and exits, the router resumes the stream (its model has no other worker,
-    so it waits), the supervisor restarts the worker, and the client's text is
-    that of a run that was never interrupted; the router holds nothing."""
-    import psutil
+    the worker's output handler sees the engine dead, the worker says Drain
+    and reports the stream Lost, the router resumes it (its model has no other
+    worker, so it waits), the worker starts its engine again in its own
+    process and registers anew, the stream continues there, and the client's
+    text is that of a run that was never interrupted; the router holds nothing."""
     from shared.client import Client
 
     cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
                        workers=[stackutil.vllm_worker("vllm-0")])
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        def engine_core_of(victim):
-            family = psutil.Process(victim.pid).children(recursive=True)
-            cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
-            assert len(cores) == 1, [p.name() for p in family]
-            return cores[0].kill
+        victim = stack.components["worker:vllm-0"]
+        killed = []
+
+        def engine_core_of(worker):
+            core = _engine_core(worker.pid)
+            killed.append(core.pid)
+            return core.kill
+
+        def came_back():
+            return (_core_pids(victim.pid) not in ([], killed[-1:])
+                    and _workers(stack).get("vllm-0", {}).get("state") == "ready")
 
         with Client(stack.zmq_frontend) as c:
-            reference, text, last = _reference_then_a_stream_cut(stack, c, engine_core_of)
+            reference, text, last = _reference_then_a_stream_cut(stack, c, engine_core_of, came_back)
             assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
             assert text == reference.text
-            assert stack.components["worker:vllm-0"].exited() is None
+            assert victim.exited() is None and stack.restarts == {}  # the same process, its engine started again
+        assert _drained(stack)
+
+
+def _engine_core(worker_pid: int):
+    """The worker's vLLM EngineCore: its one child process titled VLLM::EngineCore
+    (looked up among that worker's children, never by name machine-wide)."""
+    import psutil
+
+    family = psutil.Process(worker_pid).children(recursive=True)
+    cores = [p for p in family if p.name().startswith("VLLM::EngineCor")]
+    assert len(cores) == 1, [p.name() for p in family]
+    return cores[0]
+
+
+def _core_pids(worker_pid: int) -> list[int]:
+    import psutil
+
+    family = psutil.Process(worker_pid).children(recursive=True)
+    return [p.pid for p in family if p.name().startswith("VLLM::EngineCor")]
+
+
+async def _greedy_streams(url: str, prompts: list[str], max_tokens: int, on_started):
+    """One greedy stream per prompt, concurrently over ZeroMQ; ``on_started()``
+    once every stream has 20 tokens, and then one more stream per prompt,
+    one every 0.1 s (the fault's first moments).  Each, in that order: (text,
+    finish_reason, completion_tokens, error code or None)."""
+    from shared.client import AsyncClient, WeirError
+
+    started = asyncio.Event()
+    counts = [0] * len(prompts)
+    late = [0] * len(prompts)
+
+    async def one(i: int, c: AsyncClient, counts=counts):
+        text, last = [], None
+        try:
+            async for d in c.stream(stackutil.VLLM_MODEL, prompt=prompts[i], max_tokens=max_tokens,
+                                    temperature=0.0, ignore_eos=True):
+                text.append(d.text)
+                counts[i] += d.num_tokens
+                last = d
+                if min(counts) >= 20:
+                    started.set()
+        except WeirError as e:
+            return "".join(text), None, counts[i], e.error.code
+        return "".join(text), last.finish_reason, last.completion_tokens, None
+
+    async with AsyncClient(url) as c:
+        tasks = [asyncio.ensure_future(one(i, c)) for i in range(len(prompts))]
+        await asyncio.wait([asyncio.ensure_future(started.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
+        on_started()
+        for i in range(len(prompts)):  # while the worker learns its engine died, and just after
+            await asyncio.sleep(0.1)
+            tasks.append(asyncio.ensure_future(one(i, c, late)))
+        return await asyncio.gather(*tasks)
+
+
+@pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
+@pytest.mark.vllm
+def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_stream_whole(tmp_path):
+    """Four greedy streams over two vLLM workers; the EngineCore of the worker
+    running most of them is SIGKILLed mid-stream, and four more streams start
+    in the next 0.4 s.  That worker reports its streams lost (and any sent to it
+    before the router heard), the router resumes them on the other worker,
+    and every stream ends whole with the text of a run never interrupted; the
+    worker starts its engine again in its own process, registers anew and serves."""
+    from shared.client import Client
+
+    cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
+                       workers=[stackutil.vllm_worker("vllm-0"), stackutil.vllm_worker("vllm-1")])
+    prompts = ["The history of the river begins", "Once upon a time in a small village",
+               "The first thing to know about engines", "In the winter of that year"]
+    max_tokens = 600
+    with start_stack(cfg, tmp_path / "run") as stack:
+        with Client(stack.zmq_frontend) as c:
+            reference = [c.complete(stackutil.VLLM_MODEL, prompt=q, max_tokens=max_tokens, temperature=0.0,
+                                    ignore_eos=True).text for q in prompts]
+        assert _resumed(stack) == 0
+        for attempt in range(1, 4):
+            killed = {}
+
+            def kill():
+                running = {wid: w["running"] for wid, w in _workers(stack).items()}
+                victim = max(sorted(running), key=running.get)
+                pid = stack.components[f"worker:{victim}"].pid
+                core = _engine_core(pid)
+                killed.update(victim=victim, pid=pid, core=core.pid, running=running[victim])
+                core.kill()
+
+            results = asyncio.run(_greedy_streams(stack.zmq_frontend, prompts, max_tokens, kill))
+            whole = sum(1 for (text, finish, n, err), ref in zip(results, reference * 2)
+                        if (finish, n, err, text) == ("length", max_tokens, None, ref))
+            errors = [r[3] for r in results if r[3] is not None]
+            print(f"\nEngineCore SIGKILL under {killed['victim']} ({killed['running']} of {len(prompts)} streams "
+                  f"there, {len(prompts)} more started in the 0.4 s after): {whole}/{len(results)} streams whole, "
+                  f"{len(errors)} ended with an error {errors}, {_resumed(stack):.0f} resumed")
+            for (text, finish, n, err), ref in zip(results, reference * 2):
+                assert (finish, n, err) == ("length", max_tokens, None)
+                assert text == ref
+            victim = stack.components[f"worker:{killed['victim']}"]
+            # The same process starts its engine again and registers anew (no supervisor here).
+            assert _wait(lambda: _core_pids(killed["pid"]) not in ([], [killed["core"]])
+                         and _workers(stack).get(killed["victim"], {}).get("state") == "ready",
+                         timeout=180), "the engine was not started again"
+            assert victim.exited() is None and victim.pid == killed["pid"]
+            if _resumed(stack) >= 1:
+                break
+        else:
+            pytest.fail("three kills came after the streams had ended")
+        other = next(w for w in _workers(stack) if w != killed["victim"])
+        assert requests.post(stack.router_url + f"/admin/workers/{other}/drain", timeout=5).status_code == 200
+        with Client(stack.zmq_frontend) as c:  # the restarted engine serves (the other takes nothing new)
+            out = c.complete(stackutil.VLLM_MODEL, prompt=prompts[0], max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert out.completion_tokens == 8 and reference[0].startswith(out.text)
         assert _drained(stack)

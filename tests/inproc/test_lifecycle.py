@@ -165,6 +165,37 @@ def test_worker_loss_requeues_what_had_not_started_and_resumes_what_had(h):
     assert m.child(m.resumed, "sim-m", "heartbeat_timeout").value == 1
 
 
+def test_jobs_a_worker_reports_lost_resume_elsewhere_with_their_reservations_released_once(h):
+    """Its engine died (the worker lives): it says Drain, then Lost for the
+    jobs it ran -- each moves on exactly as a lost worker's would."""
+    h.join("w0", seqs=3)
+    started, waiting, other = h.submit(max_tokens=5), h.submit(), h.submit()
+    h.settle()
+    h.join("w1")
+    h.tokens(started, 2)
+    h.core.worker_stats("w0", p.WorkerStats(), accepting=False)  # its Drain ("engine restarting")
+    w0 = h.core.policy.workers["w0"]
+    assert w0.reserved > 0
+    h.core.lost("w0", ["%x" % started, "%x" % waiting, "nope"], "engine_died")
+    assert h.sinks[started].finals == [] and h.sinks[waiting].deltas == []
+    h.settle()
+    cont = h.workers.dispatched["w1"]
+    assert {r.request_id for r in cont} == {"%x" % started, "%x" % waiting}
+    (resumed,) = [r for r in cont if r.request_id == "%x" % started]
+    assert (resumed.prompt_tokens, resumed.params.max_tokens) == (2 + 2, 3)  # prompt + 2 generated; 3 to go
+    assert h.workers.where("%x" % other) == "w0" and w0.reserved == h.core.policy.cost_of("%x" % other)
+    h.core.lost("w0", ["%x" % started], "engine_died")  # late, twice: it runs on w1 now
+    assert h.workers.attempts["%x" % started] == 2 and h.workers.where("%x" % started) == "w1"
+    h.tokens(started, 3, "length", prompt_tokens=4)
+    assert [d.completion_tokens for d in h.sinks[started].deltas] == [2, 5]  # one stream
+    assert h.sinks[started].finals[0].finish_reason == "length"
+    h.tokens(waiting, 1, "stop")
+    h.tokens(other, 1, "stop")
+    assert h.reserved() == 0 and not h.core.jobs
+    m = h.core.metrics
+    assert m.child(m.resumed, "sim-m", "engine_died").value == 1
+
+
 def test_late_news_from_a_lost_attempt_is_ignored(h):
     h.join("w0")
     h.join("w1")

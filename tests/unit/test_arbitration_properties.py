@@ -5,7 +5,11 @@ ledger -- dispatch to the same workers; each worker's own ledger
 (``engine_worker.ledger``) admits or refuses every dispatch.  Messages travel
 on FIFO channels per (router, worker) pair, as a DEALER/ROUTER link does,
 and hypothesis interleaves submits, deliveries in either direction,
-finishes, heartbeats, router restarts, partitions and worker restarts.
+finishes, heartbeats, router restarts, partitions, worker restarts and a
+worker that times one router out alone (it registers again while that
+router still sends to it: each Dispatch carries the epoch of the Register
+it was sent under, and the worker drops one of a replaced registration --
+shared.protocol.Register.epoch).
 
 Checked after every step:
 * no worker's engine ever holds more KV tokens or sequences than its budget
@@ -42,7 +46,7 @@ def spec(w: int) -> WorkerSpec:
 class Fleet:
     """K routers x W workers and the channels between them."""
 
-    def __init__(self, k: int, n_workers: int) -> None:
+    def __init__(self, k: int, n_workers: int, fenced: bool = True) -> None:
         self.k, self.n = k, n_workers
         self.now = 0.0
         self.down: set[tuple[int, int]] = set()  # (router, worker) pairs partitioned
@@ -55,6 +59,10 @@ class Fleet:
         self.jobs: list[dict[str, Job]] = [{} for _ in range(k)]  # what a requeue after a loss needs
         self.seq = 0
         self.refusals = 0
+        self.fenced = fenced  # the worker drops a Dispatch of a replaced registration (False: the race, unfenced)
+        self.epochs = [[0] * k for _ in range(n_workers)]  # [w][r]: the worker's current registration with r
+        self.known = [[0] * n_workers for _ in range(k)]  # [r][w]: the registration router r has read last
+        self.stale_dropped = 0
 
     def _new_router(self, r: int) -> Policy:
         """A router process just started: it knows only the workers that
@@ -74,7 +82,8 @@ class Fleet:
         for a in self.policies[r].schedule(self.now):
             if isinstance(a, DispatchJob):
                 w = int(a.worker_id[1:])
-                self.to_worker[(r, w)].append(("dispatch", a.job_id, self.policies[r].cost_of(a.job_id)))
+                cost = self.policies[r].cost_of(a.job_id)
+                self.to_worker[(r, w)].append(("dispatch", a.job_id, cost, self.known[r][w]))
             elif isinstance(a, (RejectJob, AbortJob)):
                 self.admitted[r].discard(a.job_id)
 
@@ -107,6 +116,8 @@ class Fleet:
                     assert p.submit(entry.job, self.now, requeue=True) is None
         elif msg[0] == "heartbeat":
             p.update_worker(wid, self.now, other_tokens=msg[1], other_seqs=msg[2])
+        elif msg[0] == "register":  # WorkerLink._on_register: a known worker registering again ran nothing
+            self._rejoin(r, w)
         self.schedule(r)
 
     # -- worker side -------------------------------------------------------------
@@ -115,7 +126,10 @@ class Fleet:
         ch = self.to_worker[(r, w)]
         if not ch:
             return
-        _, job_id, tokens = ch.popleft()
+        _, job_id, tokens, epoch = ch.popleft()
+        if self.fenced and epoch != self.epochs[w][r]:
+            self.stale_dropped += 1  # sent before router r read our new Register: it runs the job elsewhere
+            return
         ledger = self.ledgers[w]
         if ledger.admit(r, job_id, tokens):
             self.engines[w][(r, job_id)] = tokens
@@ -165,6 +179,18 @@ class Fleet:
             self._requeue_lost(r, job_id)
         self.schedule(r)
 
+    def worker_times_out(self, r: int, w: int) -> None:
+        """Worker w hears nothing from router r for its liveness (r's loop
+        stalled, say) while r still counts w alive: w forgets r's jobs, drops
+        its old socket (what was in flight on it is gone), connects again and
+        registers anew.  Router r keeps dispatching to w until it reads that
+        Register; what it sends meanwhile arrives on the new link."""
+        if (r, w) in self.down:
+            return
+        self._worker_forgets(r, w)
+        self.epochs[w][r] += 1
+        self.to_router[(r, w)].append(("register",))
+
     def heal(self, r: int, w: int) -> None:
         if (r, w) in self.down:
             self.down.discard((r, w))
@@ -176,12 +202,14 @@ class Fleet:
         self.ledgers[w] = Ledger(SCHED.kv_budget(CAPACITY), SCHED.seq_slots(SEQS))
         self.engines[w] = {}
         for r in range(self.k):
+            self.epochs[w][r] += 1
             self.to_worker[(r, w)].clear()
             self.to_router[(r, w)].clear()
             if (r, w) not in self.down:
                 self._rejoin(r, w)
 
     def _rejoin(self, r: int, w: int) -> None:
+        self.known[r][w] = self.epochs[w][r]  # the Register read now
         lost = self.policies[r].add_worker(spec(w), self.now)
         for job_id in lost:
             self._requeue_lost(r, job_id)
@@ -252,6 +280,7 @@ op = st.one_of(
     st.tuples(st.just("partition"), st.integers(0, 3), st.integers(0, 2)),
     st.tuples(st.just("heal"), st.integers(0, 3), st.integers(0, 2)),
     st.tuples(st.just("restart_worker"), st.integers(0, 2)),
+    st.tuples(st.just("worker_times_out"), st.integers(0, 3), st.integers(0, 2)),
 )
 
 
@@ -260,6 +289,15 @@ op = st.one_of(
 # from it, must not be in its table (it was, in this model; the router then
 # dispatched to w1 across the partition and ran the job again at heal).
 @example(k=2, n_workers=2, ops=[("partition", 0, 1), ("restart_router", 0), ("partition", 0, 0), ("submit", 0, 1, 1)])
+# A worker times one router out and registers again; that router, not having
+# read the Register, dispatches to it; reading it, the router runs the job
+# again on w0: the worker must have dropped the first dispatch (its epoch).
+@example(
+    k=2,
+    n_workers=2,
+    ops=[("partition", 0, 0), ("worker_times_out", 0, 1), ("submit", 0, 16, 200), ("to_worker", 0, 1),
+         ("heal", 0, 0), ("to_router", 0, 1), ("to_worker", 0, 0)],
+)
 @given(k=st.integers(2, 4), n_workers=st.integers(1, 3), ops=st.lists(op, max_size=120))
 def test_no_worker_over_committed_across_routers(k, n_workers, ops):
     f = Fleet(k, n_workers)
@@ -283,6 +321,8 @@ def test_no_worker_over_committed_across_routers(k, n_workers, ops):
             f.heal(o[1] % k, o[2] % n_workers)
         elif name == "restart_worker":
             f.restart_worker(o[1] % n_workers)
+        elif name == "worker_times_out":
+            f.worker_times_out(o[1] % k, o[2] % n_workers)
         f.now += 0.001
         f.check()
     f.settle()
@@ -316,3 +356,32 @@ def test_ledger_release_is_idempotent_and_drop_is_per_router():
     assert sorted(ledger.drop(1)) == ["a", "b"] and ledger.tokens == 40
     assert ledger.release(0, "a") and not ledger.release(0, "a")
     assert ledger.tokens == 0 and ledger.seqs == 0 and ledger.refused == 2
+
+
+def _race(fenced: bool) -> Fleet:
+    """Worker w1 times router 0 out and registers again; router 0, not having
+    read that Register, dispatches a job to w1; then it reads the Register:
+    the job is lost there and placed again, on w0 (ties keep the lower id)."""
+    f = Fleet(2, 2, fenced=fenced)
+    f.partition(0, 0)  # router 0 reaches only w1 at first: the job goes there
+    f.worker_times_out(0, 1)
+    f.submit(0, 16, 200)
+    f.deliver_to_worker(0, 1)  # on the new link
+    f.heal(0, 0)
+    f.deliver_to_router(0, 1)  # the Register
+    f.deliver_to_worker(0, 0)
+    return f
+
+
+def copies(f: Fleet, job_id: str) -> list[int]:
+    """The workers whose engine runs router 0's ``job_id``."""
+    return [w for w in range(f.n) if (0, job_id) in f.engines[w]]
+
+
+def test_a_dispatch_sent_before_the_router_read_a_new_register_runs_once():
+    unfenced = _race(fenced=False)
+    assert copies(unfenced, "j1") == [0, 1]  # the race unfenced: a copy on w1 nobody aborts, and one on w0
+    f = _race(fenced=True)
+    assert copies(f, "j1") == [0] and f.stale_dropped == 1
+    f.check()
+    f.settle()
