@@ -59,7 +59,7 @@ from router.ports import RequestSink, WorkerPort
 from router.prefix_metrics import PrefixMetrics
 from router.prefix_relay import PrefixRelay
 from router.prompts import ModelPrompts
-from router.quota import Quota
+from router.quota import Group, Quota
 from router.recovery import Recovery
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
@@ -132,11 +132,15 @@ class RouterCore:
 
     # ------------------------------------------------------------ the frontends' API
 
-    def submit(self, sub: p.Submit, sink: RequestSink, who: Identity | p.ErrorInfo | None = None) -> int | p.ErrorInfo:
+    def submit(
+        self, sub: p.Submit, sink: RequestSink, who: Identity | p.ErrorInfo | None = None, group: Group | None = None
+    ) -> int | p.ErrorInfo:
         """Admit a request (its handle) or refuse it now.  Later news, a
         refusal after tokenizing included, reaches ``sink``.  ``who``: an
         identity established already (a batch line runs as its batch's key,
-        whose text is never stored: router.batch), instead of ``sub.api_key``'s."""
+        whose text is never stored: router.batch), instead of ``sub.api_key``'s.
+        ``group``: one of a fan-out's jobs (router.quota.Group: its request
+        units are reserved whole at its first job; the fan-out closes it)."""
         if self.draining:  # before anything is started: safe for Envoy (or a client) to retry elsewhere
             return self._rejected(draining_error(), self.keys.default_tier)
 
@@ -157,11 +161,22 @@ class RouterCore:
                     else unloading_error(sub.model, self._config.router.heartbeat_interval_s)
                 )
             return self._rejected(err, who.klass)
+        if group is not None and self.quota.active:
+            if group.quota is None:  # its first job: the request's units, all or none
+                refused = self.quota.open_group(who, group)
+                if refused is not None:
+                    return self._rejected(refused, who.klass)
+            elif group.refusal is not None:
+                return self._rejected(group.refusal, who.klass)
+        else:
+            group = None
         if sub.user:
             self.metrics.saw_user(who.tenant, sub.user)
         handle = self._next_handle
         self._next_handle += 1
-        j = JobRecord(job_id_of(handle), sub, sink, who, now)
+        j = JobRecord(job_id_of(handle), sub, sink, who, now, group=group)
+        if group is not None:
+            group.joined()
         self.jobs[j.job_id] = j  # its one entry into the table: TOKENIZING, cancellable like any job
         # (hashed even without affinity: the simulated engine names its cached blocks by them)
         hasher = self.policy.prefix.hasher(sub.model)
@@ -264,6 +279,8 @@ class RouterCore:
         """Refused before ``submit`` returned: the error is its answer, the sink hears nothing."""
         advance(j, ENDED)
         del self.jobs[j.job_id]
+        if j.group is not None:
+            j.group.left(queued=False)
         return self._rejected(err, j.who.klass)
 
     # ------------------------------------------------------------ the one exit
@@ -292,6 +309,8 @@ class RouterCore:
             # (the prompt of the first attempt: a continuation's longer prompt is not charged again)
             self.quota.ended(j.who, j.hold, j.prompt_tokens if j.kept_dispatches else 0, j.completion_tokens, queued)
             j.hold = None
+        if j.group is not None:
+            j.group.left(queued)
             if j.rl is not None and error is not None and deltas is None:
                 error = msgspec.structs.replace(error, ratelimit=error.ratelimit or j.rl)
         if deltas is not None:

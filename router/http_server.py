@@ -47,6 +47,7 @@ from router.model_registry import ServedModel
 from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
 from router.ports import RequestSink
 from router.prompt_fanout import PromptFanOut, echo_texts
+from router.quota import Group
 from shared.errors import Code, error
 from shared.protocol import MAX_TRACE_ID, ErrorInfo, Submit
 
@@ -74,7 +75,7 @@ MAX_PIPELINED = 16  # queued requests per connection before reading pauses
 class Generation(Protocol):
     """What generation requests need of the router (router.core.RouterCore)."""
 
-    def submit(self, sub: Submit, sink: RequestSink) -> int | ErrorInfo: ...
+    def submit(self, sub: Submit, sink: RequestSink, *, group: Group | None = None) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 

@@ -217,7 +217,8 @@ WHEN: dict[Code, str] = {
     Code.TENANT_SHARE_EXCEEDED: "the predicted wait is over the bound and this tenant alone is over its share",
     Code.REQUESTS_BUDGET: "a `requests_per_minute` budget is empty",
     Code.TOKENS_BUDGET: "a token budget cannot hold prompt + n × `max_tokens` now",
-    Code.BUDGET_TOO_SMALL: "the request is larger than a token budget could ever hold",
+    Code.BUDGET_TOO_SMALL: "the request is larger than a token budget, or has more prompts or inputs than a "
+    "`requests_per_minute` budget, could ever hold",
     Code.INTERNAL: "a fault inside weir (or a request the worker link could not encode)",
     Code.ENGINE_ERROR: "the engine failed or ended the request without a result",
     Code.ENGINE_UNAVAILABLE: "the engine stopped",

@@ -266,6 +266,162 @@ def test_headers_render_openai_style():
     assert ratelimit_headers(p.RateLimit(0, 0, 0, 5, 5, 0)).decode().count("x-ratelimit") == 3
 
 
+# ------------------------------------------------------------------ fan-out: k jobs, k request units at once
+
+
+def fan_config(rpm: int = 10, tpm: int = 100_000) -> Config:
+    return msgspec.convert({
+        "router": {"heartbeat_interval_s": 0.5},
+        "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096},
+                   {"name": "sim-e", "engine": "sim", "task": "embed", "max_model_len": 4096}],
+        "api_keys": [{"key_sha256": digest(KEY), "tenant": "a", "requests_per_minute": rpm,
+                      "tokens_per_minute": tpm}],
+    }, Config)
+
+
+@pytest.fixture
+def fh():
+    h = QHarness(fan_config())
+    h.join("w0", seqs=64, kv=10**6)
+    yield h
+    h.close()
+
+
+def fan_out(h: QHarness, k: int, prompts: list[str] | None = None, max_tokens: int = 8):
+    """A k-prompt completion as the ingress and batch lines submit it (router.prompt_fanout)."""
+    from router.prompt_fanout import PromptFanOut
+
+    sink = Sink()
+    subs = [p.Submit("c", "sim-m", prompt=pr, max_tokens=max_tokens, api_key=KEY) for pr in (prompts or [PROMPT] * k)]
+    fan = PromptFanOut(h.core, sink, 1, len(subs), [])
+    return fan, sink, fan.submit(subs)
+
+
+class _Conn:
+    """What router.http_embeddings answers through: the status and body it would send."""
+
+    def __init__(self):
+        self.answers = []
+
+    def respond_error(self, req, err, label, extra=b""):
+        self.answers.append((err.status, err))
+
+    def respond(self, req, status, ctype, body, label, extra=b""):
+        self.answers.append((status, body))
+
+
+def embed_inputs(h: QHarness, k: int):
+    """A k-input /v1/embeddings request through its real handler (router.http_embeddings)."""
+    from router import openai_api as api
+    from router.http_embeddings import EmbeddingBatch
+
+    body = msgspec.json.encode({"model": "sim-e", "input": [PROMPT] * k})
+    subs, ctx = api.parse_embeddings(body, api.meta_from_headers(f"Bearer {KEY}", None), "r1")
+    conn = _Conn()
+    batch = EmbeddingBatch(conn, None, ctx, "embeddings", h.core)
+    batch.start(subs)
+    h.settle()
+    return conn, batch
+
+
+def test_embeddings_inputs_over_the_requests_budget_are_400_and_take_nothing(fh):
+    """20 inputs under requests_per_minute = 10 can never fit: 400 at once
+    (not a 429 that empties the bucket each time), nothing taken."""
+    conn, _ = embed_inputs(fh, 20)
+    ((status, err),) = conn.answers
+    assert status == 400 and err.code == "request_exceeds_budget" and err.retry_after is None
+    assert "20 requests" in err.message and "`requests_per_minute`" not in err.message
+    assert "requests_per_minute budget of 10" in err.message
+    assert fh.level("requests_per_minute") == 10 and fh.level() == 100_000
+    assert fh.core.quota.outstanding == 0 and not fh.core.jobs
+    assert fh.core.quota.refusals[("a", "too_large")] == 1
+    conn, _ = embed_inputs(fh, 10)  # fits, but no worker serves sim-e: refused, all 10 units back
+    assert conn.answers[0][1].code == "no_worker" and fh.level("requests_per_minute") == 10
+    fh.workers.linked.add("we")
+    fh.core.worker_joined(p.Register(worker_id="we", model="sim-e", pool=p.Pool.ANY, max_model_len=4096,
+                                     kv_capacity_tokens=10**6, block_size=16, max_num_seqs=64, engine="sim"))
+    conn, batch = embed_inputs(fh, 10)  # the whole budget is still there for a request that fits
+    assert not conn.answers and len(batch.handles) == 10
+    assert fh.level("requests_per_minute") == 0
+
+
+def test_a_fan_out_takes_its_k_units_and_keeps_them_when_served(fh):
+    fan, sink, err = fan_out(fh, 3)
+    assert err is None and fh.level("requests_per_minute") == 7
+    fh.settle()
+    for h in fan.handles:
+        fh.tokens(h, 2, "stop")
+    assert sink.finals and sink.finals[-1].finish_reason == "stop"
+    assert fh.level("requests_per_minute") == 7  # served: three requests counted
+    assert fh.level() == 100_000 - 3 * (PROMPT_TOKENS + 2)
+    assert fh.core.quota.outstanding == 0
+
+
+def test_a_fan_out_larger_than_what_is_left_is_429_and_takes_nothing(fh):
+    for _ in range(6):
+        assert isinstance(fh.submit_key(), int)
+    assert fh.level("requests_per_minute") == 4
+    _, _, err = fan_out(fh, 5)
+    assert err.status == 429 and err.type == "requests" and "needs 5 requests" in err.message
+    assert err.retry_after == pytest.approx((5 - 4) * 60 / 10)
+    assert fh.level("requests_per_minute") == 4 and not [j for j in fh.core.jobs if j not in ("1", "2", "3", "4", "5", "6")]
+    fh.clock.t += err.retry_after  # as told: then it fits
+    _, _, err = fan_out(fh, 5)
+    assert err is None and fh.level("requests_per_minute") == pytest.approx(0)
+
+
+def test_one_prompt_refused_gives_every_unit_and_token_back(fh):
+    """Prompt 3 of 4 is refused (its tokens do not fit): the request is
+    refused and its other prompts, queued already, give back everything."""
+    fh.core.quota.reload(fan_config(tpm=200))
+    big = "x" * 4 * 150  # 150 tokens + 8: fits the budget alone, not after the others
+    fan, sink, err = fan_out(fh, 4, [PROMPT, PROMPT, big, PROMPT])
+    assert err is not None and err.status == 429 and err.type == "tokens"
+    fh.settle()
+    assert fh.level("requests_per_minute") == 10 and fh.level() == 200
+    assert fh.core.quota.outstanding == 0 and not fh.core.jobs
+
+
+def test_a_fan_out_cancelled_by_its_client_while_queued_counts_its_units(fh):
+    """As for one request: queued and then abandoned still counts."""
+    fan, _, err = fan_out(fh, 3)
+    assert err is None
+    fan.cancel()  # (queued, not yet dispatched: no prompt tokens used)
+    fh.settle()
+    assert fh.level("requests_per_minute") == 7 and fh.level() == 100_000
+    assert fh.core.quota.outstanding == 0
+
+
+def test_a_fan_out_with_a_store_that_answers_later_is_refused_whole():
+    """Redis answers later: the k units are one call, asked before any job's
+    tokens; refused, every job ends with that refusal and nothing stays taken."""
+    h = QHarness(fan_config())
+    try:
+        h.join("w0", seqs=64, kv=10**6)
+        store = h.core.quota.store = _Deferred()
+        async def go(k):
+            return fan_out(h, k)
+
+        for _ in range(7):  # 7 single requests: 3 units left
+            h.submit_key()
+        store.answer(100)
+        h.settle()
+        assert h.level("requests_per_minute") == 3
+        fan, sink, err = h.loop.run_until_complete(go(4))
+        assert err is None and len(fan.handles) == 4
+        assert store.queue[0][2] == [4]  # one reserve of 4 units, before the jobs' tokens
+        store.answer(100)
+        h.settle()
+        (final,) = sink.finals
+        assert final.error.status == 429 and final.error.type == "requests"
+        store.answer(100)  # the jobs' token holds given back
+        h.settle()
+        assert h.level("requests_per_minute") == 3 and h.level() == 100_000 - 7 * (PROMPT_TOKENS + 8)
+        assert len(h.core.jobs) == 7 and h.core.quota.outstanding == 7  # the single requests, live
+    finally:
+        h.close()
+
+
 # ------------------------------------------------------------------ the property
 
 
