@@ -39,7 +39,6 @@ resumption.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import time
@@ -59,8 +58,9 @@ from router.ports import RequestSink, WorkerPort
 from router.prefix_metrics import PrefixMetrics
 from router.prefix_relay import PrefixRelay
 from router.prompts import ModelPrompts
-from router.quota import Group, Quota
+from router.quota import NO_HOLD, Answer, Group, Quota
 from router.recovery import Recovery
+from router.tokenizer_queue import CALL, PROMPT, Tokenizer
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
 from shared.errors import Code, error, label
@@ -83,7 +83,6 @@ class RouterCore:
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         prompts: dict[str, ModelPrompts] | None = None,
-        executor: concurrent.futures.Executor | None = None,
     ) -> None:
         self._config = cfg  # as loaded: never changed (the models served now are the registry's)
         self._keys_config = cfg  # the API keys and budgets in use (the last reload's)
@@ -98,8 +97,9 @@ class RouterCore:
         self.keys = Keys(cfg)
         self.quota = Quota(cfg, self.metrics, clock)
         self.registry = ModelRegistry(cfg, prompts)
-        # One thread: long prompts are tokenized in arrival order, with the GIL released.
-        self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # Long prompts and /tokenize calls, off the loop with the GIL released:
+        # fair between tenants, calls bounded and never ahead of a prompt (router.tokenizer_queue).
+        self.tokenizer = Tokenizer(loop, cfg.router.tokenize_queue_per_tenant, cfg.router.tokenize_queue_max)
         self.jobs: dict[str, JobRecord] = {}
         self._next_handle = 1
         self._policy_pending = False
@@ -190,9 +190,14 @@ class RouterCore:
                 return self._refused_at_submit(j, error(Code.INTERNAL, "Tokenizing the prompt failed."))
             err = self._intake.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
-        fut = self.loop.run_in_executor(self.executor, tokenize_hashed, model.prompts, sub, hasher)
+        alive = functools.partial(self._live, j.job_id)  # (a job cancelled meanwhile is not tokenized)
+        fut = self.tokenizer.run(PROMPT, who.tenant, tokenize_hashed, model.prompts, sub, hasher, alive=alive)
+        assert fut is not None  # (prompts are never refused there)
         fut.add_done_callback(functools.partial(self._intake.tokenized, j.job_id))
         return handle
+
+    def _live(self, job_id: str) -> bool:
+        return job_id in self.jobs
 
     def cancel(self, handle: int) -> None:
         """The client went away: abort on the worker and release everything."""
@@ -216,15 +221,23 @@ class RouterCore:
         """A model's config and tokenizer (/tokenize, echo of token ids); None: unknown."""
         return self.registry.get(model)
 
-    def check_key(self, api_key: str | None) -> p.ErrorInfo | None:
-        """The key check of ``submit`` alone (/tokenize): None if the key may be served."""
-        who = self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
-        return who if isinstance(who, p.ErrorInfo) else None
+    def identify(self, api_key: str | None) -> Identity | p.ErrorInfo:
+        """The key check of ``submit`` alone (/tokenize): who it is, or why not."""
+        return self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
 
-    def off_loop(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """``fn(*args)`` on the tokenizing thread (long /tokenize texts): in
-        arrival order with the prompts, never on the event loop."""
-        return self.loop.run_in_executor(self.executor, fn, *args)
+    def charge_call(self, who: Identity, on_answer: Callable[[Answer], None]) -> Answer | None:
+        """One request unit of ``who``'s budgets for a call that is not a
+        generation (/tokenize): a Hold or a refusal now, or None and ``on_answer`` later."""
+        if not self.quota.active:
+            return NO_HOLD
+        return self.quota.reserve_call(who, on_answer)
+
+    def off_loop(
+        self, tenant: str, fn: Callable[..., T], *args: Any, alive: Callable[[], bool] | None = None
+    ) -> asyncio.Future[T] | None:
+        """``fn(*args)`` on a tokenizer thread (long /tokenize texts), in
+        ``tenant``'s turn, never ahead of a prompt; None: too many calls queued."""
+        return self.tokenizer.run(CALL, tenant, fn, *args, alive=alive)
 
     def awaiting_output(self, handle: int) -> bool:
         """Live and nothing generated yet (queued, tokenizing or prefilling)."""
@@ -267,7 +280,7 @@ class RouterCore:
             self._wakeup.cancel()
         if self._stall_timer is not None:
             self._stall_timer.cancel()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.tokenizer.shutdown()
 
     # ------------------------------------------------------------ refusals at submit
 

@@ -108,7 +108,7 @@ Reserved: TypeAlias = tuple[bool, tuple[int, float] | None, list[float]]
 StoreAnswer: TypeAlias = Reserved | int | BaseException
 StoreCallback: TypeAlias = Callable[[StoreAnswer], None]
 _Call: TypeAlias = tuple[str, tuple[Bucket, ...], Sequence[int], str, StoreCallback | None]  # queued: op, ..., callback
-_NO_HOLD = Hold((), 0, "", enforced=False)  # a key without budgets: nothing taken, nothing to return
+NO_HOLD = Hold((), 0, "", enforced=False)  # a key without budgets: nothing taken, nothing to return
 
 
 def ratelimit(buckets: tuple[Bucket, ...], levels: Sequence[float]) -> p.RateLimit:
@@ -527,7 +527,7 @@ class Quota:
         requests: int,
     ) -> Answer | None:
         if not buckets:
-            return _NO_HOLD
+            return NO_HOLD
         big = too_large(buckets, tokens, requests)
         if big is not None:
             self._refused(who.tenant, "too_large")
@@ -566,13 +566,20 @@ class Quota:
         )
         return None
 
+    def reserve_call(self, who: Identity, on_answer: Callable[[Answer], None]) -> Answer | None:
+        """One request unit and no tokens (a /tokenize call): as ``reserve``."""
+        return self._reserve(who, self.request_buckets(who), 0, on_answer, 1)
+
+    def request_buckets(self, who: Identity) -> tuple[Bucket, ...]:
+        return tuple(b for b in self.buckets(who) if not b.tokens)
+
     def open_group(self, who: Identity, group: Group) -> p.ErrorInfo | None:
         """Reserve a fan-out's ``group.size`` request units at once (its first
         job's submit); a refusal now, or None (held, or the answer comes later)."""
         group.quota = self
         group.pending = True
-        requests = tuple(b for b in self.buckets(who) if not b.tokens)  # (its jobs reserve the tokens)
-        got = self._reserve(who, requests, 0, group.answered, group.size)
+        # (its jobs reserve the tokens)
+        got = self._reserve(who, self.request_buckets(who), 0, group.answered, group.size)
         if got is None:
             return None
         group.answered(got)

@@ -108,6 +108,10 @@ class RouterConfig(_Cfg):
     # A completion whose ``prompt`` is a list (strings or token-id lists) runs
     # one job per prompt; a longer list is refused (400, param ``prompt``).
     max_prompts_per_request: int = 128
+    # Long /tokenize and /detokenize calls waiting for the tokenizer thread,
+    # per tenant and in all; more are refused (503 tokenizer_busy, Retry-After).
+    tokenize_queue_per_tenant: int = 32
+    tokenize_queue_max: int = 256
 
 
 class LoggingConfig(_Cfg):
@@ -477,6 +481,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("duplicate worker ids")
     if cfg.router.max_prompts_per_request < 1:
         raise ConfigError("router.max_prompts_per_request must be at least 1")
+    if cfg.router.tokenize_queue_per_tenant < 1 or cfg.router.tokenize_queue_max < 1:
+        raise ConfigError("router.tokenize_queue_per_tenant and tokenize_queue_max must be at least 1")
     classes = {c.name for c in cfg.scheduler.classes}
     for m in cfg.models:
         # A simulated engine must never answer under a real model's name.

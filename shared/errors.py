@@ -56,6 +56,7 @@ class Code(enum.Enum):
     WORKER_LOST = (503, _SERVER, "worker_lost")
     SERVICE_UNAVAILABLE = (503, _SERVER, "service_unavailable")  # Envoy: no healthy router
     QUOTA_UNAVAILABLE = (503, _UNAVAILABLE, "quota_unavailable")  # budget store down, fail closed
+    TOKENIZER_BUSY = (503, _UNAVAILABLE, "tokenizer_busy")  # /tokenize calls queued (router/tokenizer_queue.py)
     ROUTER_DRAINING = (503, _UNAVAILABLE, "router_draining")  # shutting down: retry elsewhere (router/drain.py)
     GENERATION_DEADLINE = (504, "timeout_error", "generation_deadline")
 
@@ -229,6 +230,8 @@ WHEN: dict[Code, str] = {
     "structured output or n > 1 after output)",
     Code.SERVICE_UNAVAILABLE: "Envoy has no healthy router",
     Code.QUOTA_UNAVAILABLE: 'the Redis budget store is unreachable and `on_store_error = "closed"`',
+    Code.TOKENIZER_BUSY: "too many long `/tokenize` or `/detokenize` calls of this tenant (or in all) are waiting "
+    "for the tokenizer (`router.tokenize_queue_per_tenant`, `tokenize_queue_max`)",
     Code.ROUTER_DRAINING: "the router is draining (SIGTERM, `POST /admin/drain`): a new request, one that could "
     "not finish before `router.drain_timeout_s`, or one still running at it (an SSE error event once streaming)",
     Code.GENERATION_DEADLINE: "the request ran past `generation_deadline_s`",
