@@ -108,7 +108,16 @@ class RouterConfig(_Cfg):
     # A completion whose ``prompt`` is a list (strings or token-id lists) runs
     # one job per prompt; a longer list is refused (400, param ``prompt``).
     max_prompts_per_request: int = 128
-    # Long /tokenize and /detokenize calls waiting for the tokenizer thread,
+    # The router's /admin/* (drain, models, reload, views) needs this file's
+    # token (``Authorization: Bearer TOKEN``; relative to the config file),
+    # except from loopback without a token (`weir up`, the CLI on the host).
+    # "": no token -- /admin/* answers loopback only.  Kubernetes: a Secret.
+    admin_token_file: str = ""
+    # HOST:PORT of a second listener serving only /admin/*, /metrics and
+    # /health, so a firewall or NetworkPolicy can give the API port to Envoy
+    # alone (the rendered Kubernetes manifests do).  "": those stay on ``http`` only.
+    admin_http: str = ""
+    # Long /tokenize and /detokenize calls waiting for the tokenizer threads,
     # per tenant and in all; more are refused (503 tokenizer_busy, Retry-After).
     tokenize_queue_per_tenant: int = 32
     tokenize_queue_max: int = 256
@@ -381,6 +390,9 @@ class KubernetesConfig(_Cfg):
     polling_interval_s: int = 15
     prometheus_url: str = "http://prometheus.monitoring.svc:9090"
     monitoring_namespace: str = "monitoring"  # may scrape routers and Envoy
+    # Without [[api_keys]] the rendering is refused (an open cluster: one
+    # anonymous tenant for every client in reach) unless this says so.
+    allow_anonymous: bool = False
     # Scheduled pre-scaling (CronJob patches the ScaledObjects' floor):
     prescale_schedule: str = "30 7 * * 1-5"  # before the weekday peak
     prescale_min_workers: int = 2
@@ -507,6 +519,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{where}: unknown tier {k.tier!r}")
         if (k.key is None) == (k.key_sha256 is None):
             raise ConfigError(f"{where}: give exactly one of key_sha256 (preferred) or key")
+        if k.key is not None and not re.fullmatch(r"[\x21-\x7e]+", k.key):  # shared.keys.well_formed
+            raise ConfigError(f"{where}: a key must be printable ASCII without spaces")
         if k.key_sha256 is not None:
             h = k.key_sha256
             if len(h) != 64 or any(c not in "0123456789abcdef" for c in h.lower()):
@@ -539,6 +553,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("batch.max_in_flight, queued_target and max_file_bytes must be >= 1")
     if cfg.responses.max_stored < 1 or cfg.responses.max_age_s <= 0:
         raise ConfigError("[responses] max_stored must be >= 1 and max_age_s > 0")
+    if cfg.router.admin_http and len(cfg.routers) > 1:
+        raise ConfigError("router.admin_http is one address: it cannot serve several [[routers]] on one host")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 

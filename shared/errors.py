@@ -32,6 +32,7 @@ class Code(enum.Enum):
     UNSUPPORTED_VALUE = (400, _INVALID, "unsupported_value")
     CONTEXT_LENGTH = (400, _INVALID, "context_length_exceeded")
     INVALID_API_KEY = (401, "authentication_error", "invalid_api_key")
+    INVALID_ADMIN_TOKEN = (401, "authentication_error", "invalid_admin_token")
     MODEL_NOT_FOUND = (404, _INVALID, "model_not_found")
     NOT_FOUND = (404, _INVALID, "not_found")
     METHOD_NOT_ALLOWED = (405, _INVALID, "method_not_allowed")
@@ -206,7 +207,9 @@ WHEN: dict[Code, str] = {
     Code.UNSUPPORTED_VALUE: "a known field weir cannot honour (`suffix`, vLLM extensions such as `echo` in chat, "
     "...; structured output or `logprobs` on a simulated engine)",
     Code.CONTEXT_LENGTH: "prompt + `max_tokens` exceeds the model's context, or the KV any worker can hold",
-    Code.INVALID_API_KEY: "keys are configured and this one is unknown or malformed",
+    Code.INVALID_API_KEY: "the key is malformed (not printable ASCII without spaces), or keys are configured "
+    "and this one is unknown",
+    Code.INVALID_ADMIN_TOKEN: "`/admin/*` from other than loopback without the admin token, or with a wrong one",
     Code.MODEL_NOT_FOUND: "no such model is served (or it was removed at run time)",
     Code.NOT_FOUND: "no such path, or no such worker on an admin path",
     Code.METHOD_NOT_ALLOWED: "a known path with the wrong method",

@@ -266,11 +266,13 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 def owner_of_key(core: Any) -> Owner:
     """The caller's tenant and key digest, from the router's keys as reloaded
     (``core.keys``: router.admission.Keys); no keys: everyone is the anonymous tenant."""
-    from router.admission import ANONYMOUS_TENANT
-    from shared.keys import digest
+    from router.admission import ANONYMOUS_TENANT, malformed_key
+    from shared.keys import digest, well_formed
 
     def owner(api_key: str | None) -> tuple[str, str] | ErrorInfo:
         keys = core.keys
+        if api_key and not well_formed(api_key):  # the rule Envoy applies (shared.keys)
+            return malformed_key()
         if not keys.by_key:
             return ANONYMOUS_TENANT, ""
         h = digest(api_key) if api_key else ""
