@@ -22,6 +22,8 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +33,11 @@ from shared.keys import digest
 MODEL = "sim-long"
 WORD = "word "  # two tokens of tiny-llama
 KEY_QUIET, KEY_NOISY = "sk-bench-quiet-tok-00000000", "sk-bench-noisy-tok-11111111"
+
+
+def _rev(checkout: str) -> str:
+    got = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    return got.stdout.strip() or "?"
 
 
 def _q(xs: list[float], f: float) -> float:
@@ -139,10 +146,10 @@ def main(argv=None) -> int:
     ratio = statistics.median(loaded) / statistics.median(alone)
     refused = {k: v for k, v in stats.items() if isinstance(k, int)}
     lines = [
-        common.header("Tokenizer fairness", ["bench.scenarios.tokenize_fairness", *(argv or [])]),
+        common.header("Tokenizer fairness", ["bench.scenarios.tokenize_fairness", *(argv or sys.argv[1:])]),
         f"quiet tenant: {args.requests} streamed completions of ~{args.tokens} tokens, one every {args.every} s; "
         f"noisy tenant: {args.calls} /tokenize calls of {len(big)} bytes in flight"
-        + (f"; stack from {args.pythonpath}" if args.pythonpath else ""),
+        + (f"; stack from {args.pythonpath} (git {_rev(args.pythonpath)})" if args.pythonpath else ""),
         "",
         f"| {'quiet TTFT (ms)':30s} | {'p50':>8s} | {'p90':>8s} | {'max':>8s} |",
         "|---|---|---|---|",
