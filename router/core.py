@@ -322,10 +322,10 @@ class RouterCore:
             # (the prompt of the first attempt: a continuation's longer prompt is not charged again)
             self.quota.ended(j.who, j.hold, j.prompt_tokens if j.kept_dispatches else 0, j.completion_tokens, queued)
             j.hold = None
-        if j.group is not None:
-            j.group.left(queued)
             if j.rl is not None and error is not None and deltas is None:
                 error = msgspec.structs.replace(error, ratelimit=error.ratelimit or j.rl)
+        if j.group is not None:
+            j.group.left(queued)
         if deltas is not None:
             j.sink.on_deltas(deltas)
         elif error is not None:  # (a cancelled job's client is gone: nobody to tell)

@@ -159,6 +159,18 @@ def test_engine_error_and_deadline_return_what_was_not_generated(qh):
     assert qh.core.quota.outstanding == 0
 
 
+def test_an_end_before_any_output_carries_the_budget_figures(qh):
+    """Ended with an error before its first Delta (a drain, a queue deadline):
+    the refusal carries the figures the first Delta would have."""
+    from router.drain import draining_error
+
+    a = qh.submit_key(max_tokens=30)
+    qh.core.end_job("%x" % a, draining_error())
+    err = qh.sinks[a].finals[0].error
+    assert err.code == "router_draining" and err.ratelimit is not None
+    assert (err.ratelimit.limit_tokens, err.ratelimit.limit_requests) == (1000, 10)
+
+
 def test_a_policy_refusal_before_queueing_gives_everything_back():
     h = QHarness(config())
     try:  # no worker: refused at submit (503 no_worker)
