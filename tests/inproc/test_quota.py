@@ -16,7 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from router.http_headers import ratelimit_headers
 from router.http_headers import reset_duration as _duration
-from router.quota import MemoryStore
+from router.jobs import JobState
+from router.quota import Group, MemoryStore
 from shared import protocol as p
 from shared.config import Config
 from shared.keys import digest
@@ -623,6 +624,151 @@ QuotaMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=3
 DeferredQuotaMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_quota_state_machine = QuotaMachine.TestCase
 test_quota_state_machine_with_a_store_that_answers_later = DeferredQuotaMachine.TestCase
+
+
+class _Recorded(Group):
+    """A fan-out's Group that remembers what its jobs and its fan-out told it."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.outcomes: list[bool] = []  # per ended job: was it queued
+        self.failed: bool | None = None  # the fan-out's close
+
+    def left(self, queued: bool) -> None:
+        self.outcomes.append(queued)
+        super().left(queued)
+
+    def close(self, failed: bool) -> None:
+        self.failed = failed
+        super().close(failed)
+
+
+class FanOutMachine(RuleBasedStateMachine):
+    """Single requests and fan-outs of k prompts (some of them refused: an
+    empty prompt, one over the context, one over the token budget) under any
+    interleaving of engine news, cancels and late store answers: the request
+    bucket holds exactly its capacity less one per single request that was
+    queued and k per fan-out whose every job was queued -- never more, and
+    a fan-out with any refusal takes nothing."""
+
+    deferred = False
+    RPM = 40
+
+    def __init__(self) -> None:
+        super().__init__()
+        import router.prompt_fanout
+
+        self.module = router.prompt_fanout
+        self.module.Group = _Recorded  # (restored at teardown)
+        self.h = QHarness(config(keys=[{"key_sha256": digest(KEY), "tenant": "a", "tokens_per_minute": 3000,
+                                        "requests_per_minute": self.RPM}]))
+        self.h.core.quota.store = _Deferred() if self.deferred else _Frozen()
+        self.singles: list = []  # the single requests' job records (kept past their end)
+        self.fans: list = []  # (PromptFanOut, its _Recorded group or None)
+        self.handles: list[int] = []
+        self.h.join("w0", seqs=4, kv=4096)
+
+    def teardown(self) -> None:
+        self.module.Group = Group
+        self.h.close()
+
+    @rule(max_tokens=st.integers(1, 400))
+    def single(self, max_tokens):
+        got = self.h.submit_key(max_tokens=max_tokens)
+        if isinstance(got, int):
+            self.handles.append(got)
+            self.singles.append(self.h.core.jobs["%x" % got])
+        self.h.settle()
+
+    @rule(prompts=st.lists(st.sampled_from([PROMPT, PROMPT, PROMPT, "", "x" * 20000]), min_size=2, max_size=50),
+          max_tokens=st.sampled_from([4, 40, 2990]))
+    def fan_out(self, prompts, max_tokens):
+        made = []
+        real = _Recorded.__init__
+
+        def record(group, size):  # the fan-out's group, as it makes it
+            real(group, size)
+            made.append(group)
+
+        _Recorded.__init__ = record
+        try:
+            fan, _, _ = fan_out(self.h, len(prompts), prompts, max_tokens=max_tokens)
+        finally:
+            _Recorded.__init__ = real
+        self.fans.append((fan, made[0]))
+        self.h.settle()
+
+    @precondition(lambda self: self.handles or self.fans)
+    @rule(i=st.integers(0, 1000), finish=st.sampled_from([None, "stop"]))
+    def news(self, i, finish):
+        live = [h for h in self.handles] + [h for f, _ in self.fans for h in f.handles]
+        if not live:
+            return
+        job_id = "%x" % live[i % len(live)]
+        where = self.h.workers.where(job_id)
+        if where is not None:
+            self.h.core.on_outputs(where, [p.Delta(job_id, " t", 1, finish, prompt_tokens=PROMPT_TOKENS)])
+        self.h.settle()
+
+    @precondition(lambda self: self.fans)
+    @rule(i=st.integers(0, 1000))
+    def client_leaves(self, i):
+        self.fans[i % len(self.fans)][0].cancel()
+        self.h.settle()
+
+    @precondition(lambda self: self.deferred)
+    @rule(n=st.integers(1, 6))
+    def store_answers(self, n):
+        self.h.core.quota.store.answer(n)
+        self.h.settle()
+
+    def _charged(self) -> int:
+        """What the request bucket should hold taken now."""
+        # a single request: its unit while held, kept once it was queued (``mx``: set once queued)
+        taken = sum(1 for j in self.singles if (j.mx is not None if j.state is JobState.ENDED else j.hold is not None))
+        for _, g in self.fans:
+            if g.hold is not None:  # held, not settled yet
+                taken += g.size
+            elif g.settled and g.quota is not None and not g.refund:
+                taken += g.size
+        return taken
+
+    @invariant()
+    def a_group_is_charged_whole_and_only_when_every_job_was_queued(self):
+        for _, g in self.fans:
+            if g.settled and not g.refund:
+                assert g.failed is False and all(g.outcomes) and len(g.outcomes) == g.size
+        if not self.deferred:  # (a store that answers later holds credits in flight)
+            q = self.h.core.quota
+            (rpm,) = [b for bs in q.by_key.values() for b in bs if not b.tokens]
+            assert rpm.cap - q.store.level(rpm, 0.0) == self._charged()
+
+    @rule()
+    def everything_ends(self):
+        for f, _ in self.fans:
+            f.cancel()
+        for h in self.handles:
+            self.h.core.cancel(h)
+        q = self.h.core.quota
+        if self.deferred:
+            for _ in range(3):
+                q.store.answer(10**6)
+                self.h.settle()
+        self.h.settle()
+        assert not self.h.core.jobs and q.outstanding == 0
+        assert all(g.settled or g.quota is None for _, g in self.fans)
+        (rpm,) = [b for bs in q.by_key.values() for b in bs if not b.tokens]
+        assert rpm.cap - q.store.level(rpm, 0.0) == self._charged() <= self.RPM
+
+
+class DeferredFanOutMachine(FanOutMachine):
+    deferred = True
+
+
+FanOutMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+DeferredFanOutMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+test_fan_out_state_machine = FanOutMachine.TestCase
+test_fan_out_state_machine_with_a_store_that_answers_later = DeferredFanOutMachine.TestCase
 
 
 def test_weir_keys_new_prints_a_key_once_and_an_entry_that_loads(capsys, tmp_path):
