@@ -39,7 +39,6 @@ resumption.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import time
@@ -59,8 +58,9 @@ from router.ports import RequestSink, WorkerPort
 from router.prefix_metrics import PrefixMetrics
 from router.prefix_relay import PrefixRelay
 from router.prompts import ModelPrompts
-from router.quota import Quota
+from router.quota import NO_HOLD, Answer, Group, Quota
 from router.recovery import Recovery
+from router.tokenizer_queue import CALL, PROMPT, Tokenizer
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
 from shared.errors import Code, error, label
@@ -83,7 +83,6 @@ class RouterCore:
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         prompts: dict[str, ModelPrompts] | None = None,
-        executor: concurrent.futures.Executor | None = None,
     ) -> None:
         self._config = cfg  # as loaded: never changed (the models served now are the registry's)
         self._keys_config = cfg  # the API keys and budgets in use (the last reload's)
@@ -98,8 +97,9 @@ class RouterCore:
         self.keys = Keys(cfg)
         self.quota = Quota(cfg, self.metrics, clock)
         self.registry = ModelRegistry(cfg, prompts)
-        # One thread: long prompts are tokenized in arrival order, with the GIL released.
-        self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # Long prompts and /tokenize calls, off the loop with the GIL released:
+        # fair between tenants, calls bounded and never ahead of a prompt (router.tokenizer_queue).
+        self.tokenizer = Tokenizer(loop, cfg.router.tokenize_queue_per_tenant, cfg.router.tokenize_queue_max)
         self.jobs: dict[str, JobRecord] = {}
         self._next_handle = 1
         self._policy_pending = False
@@ -133,11 +133,15 @@ class RouterCore:
 
     # ------------------------------------------------------------ the frontends' API
 
-    def submit(self, sub: p.Submit, sink: RequestSink, who: Identity | p.ErrorInfo | None = None) -> int | p.ErrorInfo:
+    def submit(
+        self, sub: p.Submit, sink: RequestSink, who: Identity | p.ErrorInfo | None = None, group: Group | None = None
+    ) -> int | p.ErrorInfo:
         """Admit a request (its handle) or refuse it now.  Later news, a
         refusal after tokenizing included, reaches ``sink``.  ``who``: an
         identity established already (a batch line runs as its batch's key,
-        whose text is never stored: router.batch), instead of ``sub.api_key``'s."""
+        whose text is never stored: router.batch), instead of ``sub.api_key``'s.
+        ``group``: one of a fan-out's jobs (router.quota.Group: its request
+        units are reserved whole at its first job; the fan-out closes it)."""
         if self.draining:  # before anything is started: safe for Envoy (or a client) to retry elsewhere
             return self._rejected(draining_error(), self.keys.default_tier)
 
@@ -158,11 +162,22 @@ class RouterCore:
                     else unloading_error(sub.model, self._config.router.heartbeat_interval_s)
                 )
             return self._rejected(err, who.klass)
+        if group is not None and self.quota.active:
+            if group.quota is None:  # its first job: the request's units, all or none
+                refused = self.quota.open_group(who, group)
+                if refused is not None:
+                    return self._rejected(refused, who.klass)
+            elif group.refusal is not None:
+                return self._rejected(group.refusal, who.klass)
+        else:
+            group = None
         if sub.user:
             self.metrics.saw_user(who.tenant, sub.user)
         handle = self._next_handle
         self._next_handle += 1
-        j = JobRecord(job_id_of(handle), sub, sink, who, now)
+        j = JobRecord(job_id_of(handle), sub, sink, who, now, group=group)
+        if group is not None:
+            group.joined()
         self.jobs[j.job_id] = j  # its one entry into the table: TOKENIZING, cancellable like any job
         # (hashed even without affinity: the simulated engine names its cached blocks by them)
         hasher = self.policy.prefix.hasher(sub.model)
@@ -176,9 +191,14 @@ class RouterCore:
                 return self._refused_at_submit(j, error(Code.INTERNAL, "Tokenizing the prompt failed."))
             err = self._intake.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
-        fut = self.loop.run_in_executor(self.executor, tokenize_hashed, model.prompts, sub, hasher)
+        alive = functools.partial(self._live, j.job_id)  # (a job cancelled meanwhile is not tokenized)
+        fut = self.tokenizer.run(PROMPT, who.tenant, tokenize_hashed, model.prompts, sub, hasher, alive=alive)
+        assert fut is not None  # (prompts are never refused there)
         fut.add_done_callback(functools.partial(self._intake.tokenized, j.job_id))
         return handle
+
+    def _live(self, job_id: str) -> bool:
+        return job_id in self.jobs
 
     def cancel(self, handle: int) -> None:
         """The client went away: abort on the worker and release everything."""
@@ -202,15 +222,23 @@ class RouterCore:
         """A model's config and tokenizer (/tokenize, echo of token ids); None: unknown."""
         return self.registry.get(model)
 
-    def check_key(self, api_key: str | None) -> p.ErrorInfo | None:
-        """The key check of ``submit`` alone (/tokenize): None if the key may be served."""
-        who = self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
-        return who if isinstance(who, p.ErrorInfo) else None
+    def identify(self, api_key: str | None) -> Identity | p.ErrorInfo:
+        """The key check of ``submit`` alone (/tokenize): who it is, or why not."""
+        return self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
 
-    def off_loop(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """``fn(*args)`` on the tokenizing thread (long /tokenize texts): in
-        arrival order with the prompts, never on the event loop."""
-        return self.loop.run_in_executor(self.executor, fn, *args)
+    def charge_call(self, who: Identity, on_answer: Callable[[Answer], None]) -> Answer | None:
+        """One request unit of ``who``'s budgets for a call that is not a
+        generation (/tokenize): a Hold or a refusal now, or None and ``on_answer`` later."""
+        if not self.quota.active:
+            return NO_HOLD
+        return self.quota.reserve_call(who, on_answer)
+
+    def off_loop(
+        self, tenant: str, fn: Callable[..., T], *args: Any, alive: Callable[[], bool] | None = None
+    ) -> asyncio.Future[T] | None:
+        """``fn(*args)`` on a tokenizer thread (long /tokenize texts), in
+        ``tenant``'s turn, never ahead of a prompt; None: too many calls queued."""
+        return self.tokenizer.run(CALL, tenant, fn, *args, alive=alive)
 
     def awaiting_output(self, handle: int) -> bool:
         """Live and nothing generated yet (queued, tokenizing or prefilling)."""
@@ -255,7 +283,7 @@ class RouterCore:
             self._wakeup.cancel()
         if self._stall_timer is not None:
             self._stall_timer.cancel()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.tokenizer.shutdown()
 
     # ------------------------------------------------------------ refusals at submit
 
@@ -267,6 +295,8 @@ class RouterCore:
         """Refused before ``submit`` returned: the error is its answer, the sink hears nothing."""
         advance(j, ENDED)
         del self.jobs[j.job_id]
+        if j.group is not None:
+            j.group.left(queued=False)
         return self._rejected(err, j.who.klass)
 
     # ------------------------------------------------------------ the one exit
@@ -297,6 +327,8 @@ class RouterCore:
             j.hold = None
             if j.rl is not None and error is not None and deltas is None:
                 error = msgspec.structs.replace(error, ratelimit=error.ratelimit or j.rl)
+        if j.group is not None:
+            j.group.left(queued)
         if deltas is not None:
             j.sink.on_deltas(deltas)
         elif error is not None:  # (a cancelled job's client is gone: nobody to tell)

@@ -3,7 +3,8 @@
 The parser (router.openai_api.embeddings) turns the body into one
 ``Submit`` per input; each goes to the core as its own job with its own
 sink (``_Part``), so each is admitted, reserved, budgeted and placed on its
-own.  ``EmbeddingBatch`` gathers their vectors and writes the response when
+own (their request units, though, are one reservation: router.quota.Group).
+``EmbeddingBatch`` gathers their vectors and writes the response when
 the last one arrives.  The first refusal or error ends the whole request:
 the other inputs are cancelled (their reservations released, their budgets
 settled on what ran: nothing for what never started) and the client gets
@@ -20,6 +21,7 @@ from router import openai_api as api
 from router.http_headers import ratelimit_headers
 from router.http_routes import JSON
 from router.ports import RequestSink
+from router.quota import Group
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, Submit
 
@@ -32,7 +34,7 @@ STATUS_CLIENT_GONE = 499  # as router.http_server
 
 
 class _Core(Protocol):
-    def submit(self, sub: Submit, sink: RequestSink) -> int | ErrorInfo: ...
+    def submit(self, sub: Submit, sink: RequestSink, *, group: Group | None = None) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
@@ -74,11 +76,18 @@ class EmbeddingBatch:
         self.rl = b""  # x-ratelimit-* headers, from the latest input that carried them
 
     def start(self, subs: list[Submit]) -> None:
-        for i, sub in enumerate(subs):
-            result = self.core.submit(sub, _Part(self, i))
-            if isinstance(result, ErrorInfo):
-                return self._fail(result)
-            self.handles.append(result)
+        group = Group(len(subs)) if len(subs) > 1 else None  # its request units: all or none
+        failed = True
+        try:
+            for i, sub in enumerate(subs):
+                result = self.core.submit(sub, _Part(self, i), group=group)
+                if isinstance(result, ErrorInfo):
+                    return self._fail(result)
+                self.handles.append(result)
+            failed = False
+        finally:
+            if group is not None:
+                group.close(failed)
 
     def on_part(self, index: int, deltas: list[Delta]) -> None:
         if self.done:

@@ -37,6 +37,7 @@ import httptools
 
 from router import http_tokenize
 from router import openai_api as api
+from router.admission import Identity
 from router.http_embeddings import EmbeddingBatch, start_embeddings
 from router.http_exchange import STATUS_CLIENT_GONE
 from router.http_exchange import Exchange as Exchange  # (re-exported: router.responses_http subclasses it)
@@ -62,6 +63,8 @@ from router.model_registry import ServedModel
 from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
 from router.ports import RequestSink
 from router.prompt_fanout import PromptFanOut, echo_texts
+from router.quota import Answer as QuotaAnswer
+from router.quota import Group, Quota
 from shared.errors import Code, error
 from shared.protocol import MAX_TRACE_ID, ErrorInfo, Submit
 
@@ -92,7 +95,7 @@ MAX_PIPELINED = 16  # queued requests per connection before reading pauses
 class Generation(Protocol):
     """What generation requests need of the router (router.core.RouterCore)."""
 
-    def submit(self, sub: Submit, sink: RequestSink) -> int | ErrorInfo: ...
+    def submit(self, sub: Submit, sink: RequestSink, *, group: Group | None = None) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
@@ -101,9 +104,16 @@ class Generation(Protocol):
 
     def served_model(self, model: str) -> ServedModel | None: ...
 
-    def check_key(self, api_key: str | None) -> ErrorInfo | None: ...
+    def identify(self, api_key: str | None) -> Identity | ErrorInfo: ...
 
-    def off_loop(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]: ...
+    def charge_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None: ...
+
+    @property
+    def quota(self) -> Quota: ...
+
+    def off_loop(
+        self, tenant: str, fn: Callable[..., Any], *args: Any, alive: Callable[[], bool] | None = None
+    ) -> asyncio.Future[Any] | None: ...
 
 
 class ResponsesApi(Protocol):

@@ -146,8 +146,11 @@ class Intake:
             def answered(got: Answer) -> None:
                 self._reserved(j, got, tokens, max_tokens)
 
+            if j.group is not None and j.group.refusal is not None:
+                return j.group.refusal  # its request was refused whole meanwhile
             advance(j, AWAITING_BUDGET)  # (before asking: a store may answer at once, either way)
-            got = self.quota.reserve(j.who, tokens.count + max_tokens * n, answered)
+            # a fan-out's job: its request units are its group's (router.quota.Group)
+            got = self.quota.reserve(j.who, tokens.count + max_tokens * n, answered, 0 if j.group else 1)
             if got is None:  # the budget store answers later: _reserved
                 return None
             if not isinstance(got, Hold):
@@ -163,6 +166,10 @@ class Intake:
             return
         if not isinstance(got, Hold):
             return self._end(j, label(got), error=got)
+        group = j.group
+        if group is not None and group.refusal is not None:  # its request was refused whole meanwhile
+            self.quota.release(got, 0, refund_request=True)
+            return self._end(j, label(group.refusal), error=group.refusal)
         j.hold, j.rl = got, got.ratelimit
         err = self._enqueue(j, tokens, max_tokens, self.clock())
         if err is not None:

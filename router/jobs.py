@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from router.admission import Identity
 from router.metrics import RouterMetrics
 from router.ports import RequestSink
-from router.quota import Hold
+from router.quota import Group, Hold
 from shared import protocol as p
 
 log = logging.getLogger("weir.router")
@@ -116,6 +116,7 @@ class JobRecord:
     announced: bool = False  # the client was told served_by
     prompt_ids_told: bool = False  # Submit.return_token_ids: its first news carried prompt_ids
     hold: Hold | None = None  # its budget reservation (router.quota), returned at its end
+    group: Group | None = None  # a fan-out's job: the request units its request took (router.quota)
     rl: p.RateLimit | None = None  # budget figures for its client's first Delta
 
     @property

@@ -8,6 +8,11 @@ summed over the prompts, and the merged stream ends (``finish_reason``)
 when the last prompt does.  Until then a prompt's end is told per choice
 (``choice_finish``), so the renderers (router.openai_api) need nothing new.
 
+Budgets: the request's k request units are one reservation
+(router.quota.Group), taken whole before any prompt's tokens, refused
+whole (400 when k is over a ``requests_per_minute`` budget) and given back
+whole when any prompt is refused.
+
 Failure: a prompt refused at submit refuses the request (the prompts
 already admitted are cancelled, their reservations released); one that
 fails later ends the response with its error and cancels the others; the
@@ -23,13 +28,14 @@ import msgspec
 from router.model_registry import ServedModel
 from router.openai_api import CompletionJobs
 from router.ports import RequestSink
+from router.quota import Group
 from shared.protocol import Delta, ErrorInfo, Submit
 
 
 class Submitter(Protocol):
     """What fanning out needs of the core (router.core.RouterCore)."""
 
-    def submit(self, sub: Submit, sink: RequestSink) -> int | ErrorInfo: ...
+    def submit(self, sub: Submit, sink: RequestSink, *, group: Group | None = None) -> int | ErrorInfo: ...
 
     def cancel(self, handle: int) -> None: ...
 
@@ -70,13 +76,21 @@ class PromptFanOut:
         self.told = False  # a Delta was forwarded: only the first may name a fallback model
 
     def submit(self, subs: list[Submit]) -> ErrorInfo | None:
-        """Submit every prompt's job; the first refusal cancels those before it."""
-        for i, sub in enumerate(subs):
-            got = self.core.submit(sub, _Part(self, i))
-            if isinstance(got, ErrorInfo):
-                self.cancel()
-                return got
-            self.handles.append(got)
+        """Submit every prompt's job, their request units taken whole
+        (router.quota.Group); the first refusal cancels those before it."""
+        group = Group(len(subs)) if len(subs) > 1 else None
+        failed = True
+        try:
+            for i, sub in enumerate(subs):
+                got = self.core.submit(sub, _Part(self, i), group=group)
+                if isinstance(got, ErrorInfo):
+                    self.cancel()
+                    return got
+                self.handles.append(got)
+            failed = False
+        finally:
+            if group is not None:
+                group.close(failed)
         return None
 
     def cancel(self) -> None:

@@ -25,6 +25,12 @@ A refusal is 429 (``requests_budget`` / ``tokens_budget``: OpenAI's code
 when the bucket will hold the request; a request larger than a token budget's
 capacity could never fit and gets 400 ``request_exceeds_budget`` at once.
 
+A request that fans out into k jobs (prompt lists, embeddings inputs) is a
+``Group``: its k request units are one reservation, taken before any of its
+jobs' tokens (one script in Redis), refused whole (400 when k is over a
+``requests_per_minute`` capacity) and returned whole when any of its jobs is
+refused before it is queued.
+
 Stores: ``MemoryStore`` (the default; pure, no I/O: one router) and
 ``RedisStore`` (``[quota] store = "redis"``: atomic Lua scripts, batched into
 one pipeline per round trip, so several routers share one budget; the router's
@@ -90,6 +96,7 @@ class Hold:
     enforced: bool = True  # False: admitted while the store was down (nothing was taken)
     ratelimit: p.RateLimit | None = None  # the figures after the reservation
     hold_id: str = ""  # a store with I/O: its credit applies once, whatever is sent again
+    requests: int = 1  # request units taken (a fan-out's: k on its Group's hold, 0 on each job's)
 
 
 Answer: TypeAlias = Hold | p.ErrorInfo
@@ -101,7 +108,7 @@ Reserved: TypeAlias = tuple[bool, tuple[int, float] | None, list[float]]
 StoreAnswer: TypeAlias = Reserved | int | BaseException
 StoreCallback: TypeAlias = Callable[[StoreAnswer], None]
 _Call: TypeAlias = tuple[str, tuple[Bucket, ...], Sequence[int], str, StoreCallback | None]  # queued: op, ..., callback
-_NO_HOLD = Hold((), 0, "", enforced=False)  # a key without budgets: nothing taken, nothing to return
+NO_HOLD = Hold((), 0, "", enforced=False)  # a key without budgets: nothing taken, nothing to return
 
 
 def ratelimit(buckets: tuple[Bucket, ...], levels: Sequence[float]) -> p.RateLimit:
@@ -127,8 +134,78 @@ def ratelimit(buckets: tuple[Bucket, ...], levels: Sequence[float]) -> p.RateLim
     return rl
 
 
-def costs(buckets: tuple[Bucket, ...], tokens: int) -> list[int]:
-    return [tokens if b.tokens else 1 for b in buckets]
+def costs(buckets: tuple[Bucket, ...], tokens: int, requests: int = 1) -> list[int]:
+    return [tokens if b.tokens else requests for b in buckets]
+
+
+def settle_amounts(hold: Hold, used: int, refund_request: bool) -> list[int]:
+    """What a hold's release credits back, per bucket: the tokens not used
+    (negative: more used than reserved) and, if refunded, every request unit it took."""
+    back = hold.tokens - used
+    return [back if b.tokens else (hold.requests if refund_request else 0) for b in hold.buckets]
+
+
+def too_large(buckets: tuple[Bucket, ...], tokens: int, requests: int) -> Bucket | None:
+    """The first budget this request is larger than (it could never fit), or None."""
+    for b in buckets:
+        if (tokens if b.tokens else requests) > b.cap:
+            return b
+    return None
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """The jobs of one request that fans out (a prompt list, embeddings
+    inputs, router.prompt_fanout / router.http_embeddings / router.batch.lines):
+    its ``size`` request units are one reservation, taken whole or refused
+    whole before any of its jobs reserves its tokens (each job's hold then
+    takes 0 request units).  Settled once, when the fan-out has ``close``d it
+    and its last job has ended: every unit back if any job was refused before
+    it was queued (or the fan-out failed), else all kept -- as one job's unit
+    is.  The core opens it (``Quota.open_group``) on the first job's submit."""
+
+    size: int
+    quota: Quota | None = None  # set once asked: who settles it
+    hold: Hold | None = None  # its request units (None: not answered yet, refused or no budget)
+    refusal: p.ErrorInfo | None = None  # refused whole: every job gets this
+    pending: bool = False  # a store with I/O has not answered yet
+    live: int = 0  # its jobs in the job table
+    closed: bool = False  # the fan-out submitted all it will
+    refund: bool = False  # a job refused before queued, or the fan-out failed: every unit back
+    settled: bool = False
+
+    def joined(self) -> None:
+        self.live += 1
+
+    def left(self, queued: bool) -> None:
+        """One of its jobs ended (``queued``: it was queued, else refused before)."""
+        self.live -= 1
+        if not queued:
+            self.refund = True
+        self._maybe_settle()
+
+    def close(self, failed: bool) -> None:
+        """The fan-out is done submitting; ``failed``: it was refused (nothing more will run)."""
+        self.closed = True
+        if failed:
+            self.refund = True
+        self._maybe_settle()
+
+    def _maybe_settle(self) -> None:
+        if self.closed and self.live <= 0 and not self.settled and not self.pending:
+            self.settled = True
+            hold, self.hold = self.hold, None
+            if hold is not None and self.quota is not None:
+                self.quota.release(hold, 0, refund_request=self.refund)
+
+    def answered(self, got: Answer) -> None:
+        """The store's later answer to the group's reservation."""
+        self.pending = False
+        if isinstance(got, Hold):
+            self.hold = got
+        else:
+            self.refusal, self.refund = got, True
+        self._maybe_settle()
 
 
 # ------------------------------------------------------------------ stores
@@ -433,29 +510,49 @@ class Quota:
 
     # -------------------------------------------------------------- reserve
 
-    def reserve(self, who: Identity, tokens: int, on_answer: Callable[[Answer], None]) -> Answer | None:
+    def reserve(
+        self, who: Identity, tokens: int, on_answer: Callable[[Answer], None], requests: int = 1
+    ) -> Answer | None:
         """A Hold or a refusal now; or None, and ``on_answer`` gets it later
-        (a store with I/O).  No budget for this key: a Hold that takes nothing."""
-        buckets = self.buckets(who)
+        (a store with I/O).  No budget for this key: a Hold that takes nothing.
+        ``requests``: the request units to take (a fan-out's jobs: 0, their Group took them)."""
+        return self._reserve(who, self.buckets(who), tokens, on_answer, requests)
+
+    def _reserve(
+        self,
+        who: Identity,
+        buckets: tuple[Bucket, ...],
+        tokens: int,
+        on_answer: Callable[[Answer], None],
+        requests: int,
+    ) -> Answer | None:
         if not buckets:
-            return _NO_HOLD
-        for b in buckets:
-            if b.tokens and tokens > b.cap:
-                self._refused(who.tenant, "too_large")
+            return NO_HOLD
+        big = too_large(buckets, tokens, requests)
+        if big is not None:
+            self._refused(who.tenant, "too_large")
+            if big.tokens:
                 return error(
                     Code.BUDGET_TOO_SMALL,
                     f"This request needs {tokens} tokens (prompt + max_tokens), more than this "
-                    f"key's {b.field} budget of {b.cap}: it can never be served under it. Reduce "
+                    f"key's {big.field} budget of {big.cap}: it can never be served under it. Reduce "
                     f"max_tokens or the prompt.",
                     param="max_tokens",
                 )
-        amounts = costs(buckets, tokens)
+            scope = "tenant" if big.key.startswith("t:") else "key"
+            return error(
+                Code.BUDGET_TOO_SMALL,
+                f"This request needs {requests} requests (one per prompt or input), more than this "
+                f"{scope}'s {big.field} budget of {big.cap}: it can never be served under it. Send at "
+                f"most {big.cap} prompts or inputs per request.",
+            )
+        amounts = costs(buckets, tokens, requests)
         store = self.store
         if store.sync:
-            return self._answer(who, buckets, tokens, store.reserve(buckets, amounts, self.clock()))
+            return self._answer(who, buckets, tokens, store.reserve(buckets, amounts, self.clock()), requests=requests)
         now = self.clock()
         if now < self._down_until:
-            return self._store_down(who, buckets, tokens, None)
+            return self._store_down(who, buckets, tokens, None, requests)
         self._flush_credits()
         hold_id = self._new_hold_id()
         store.submit(
@@ -464,10 +561,29 @@ class Quota:
             amounts,
             hold_id,  # (a reserve's callback gets Reserved or a failure)
             lambda res: on_answer(
-                self._answer(who, buckets, tokens, cast("Reserved | BaseException", res), amounts, hold_id)
+                self._answer(who, buckets, tokens, cast("Reserved | BaseException", res), amounts, hold_id, requests)
             ),
         )
         return None
+
+    def reserve_call(self, who: Identity, on_answer: Callable[[Answer], None]) -> Answer | None:
+        """One request unit and no tokens (a /tokenize call): as ``reserve``."""
+        return self._reserve(who, self.request_buckets(who), 0, on_answer, 1)
+
+    def request_buckets(self, who: Identity) -> tuple[Bucket, ...]:
+        return tuple(b for b in self.buckets(who) if not b.tokens)
+
+    def open_group(self, who: Identity, group: Group) -> p.ErrorInfo | None:
+        """Reserve a fan-out's ``group.size`` request units at once (its first
+        job's submit); a refusal now, or None (held, or the answer comes later)."""
+        group.quota = self
+        group.pending = True
+        # (its jobs reserve the tokens)
+        got = self._reserve(who, self.request_buckets(who), 0, group.answered, group.size)
+        if got is None:
+            return None
+        group.answered(got)
+        return group.refusal
 
     def _new_hold_id(self) -> str:
         self._holds += 1
@@ -481,16 +597,17 @@ class Quota:
         res: Reserved | BaseException,
         amounts: Sequence[int] = (),
         hold_id: str = "",
+        requests: int = 1,
     ) -> Answer:
         if isinstance(res, BaseException):
             if hold_id:  # it may have run before the error (a timeout): undone if it did, else nothing
                 self._unsent.append((buckets, amounts, hold_id))
-            return self._store_down(who, buckets, tokens, res)
+            return self._store_down(who, buckets, tokens, res, requests)
         ok, why, levels = res
         rl = ratelimit(buckets, levels)
         if ok:
             self.outstanding += 1
-            return Hold(buckets, tokens, who.tenant, True, rl, hold_id)
+            return Hold(buckets, tokens, who.tenant, True, rl, hold_id, requests)
         assert why is not None  # a refusal names its binding bucket
         i, wait = why
         b = buckets[i]
@@ -498,7 +615,7 @@ class Quota:
         budget = "tokens" if b.tokens else "requests"
         self._refused(who.tenant, budget)
         per = "minute" if b.period == 60.0 else "day"
-        need = f"{tokens} tokens" if b.tokens else "1 request"
+        need = f"{tokens} tokens" if b.tokens else ("1 request" if requests == 1 else f"{requests} requests")
         return error(
             Code.TOKENS_BUDGET if b.tokens else Code.REQUESTS_BUDGET,
             f"Rate limit reached on {budget} per {per} for this {scope} (`{b.field}`): limit "
@@ -508,7 +625,9 @@ class Quota:
             ratelimit=rl,
         )
 
-    def _store_down(self, who: Identity, buckets: tuple[Bucket, ...], tokens: int, exc: BaseException | None) -> Answer:
+    def _store_down(
+        self, who: Identity, buckets: tuple[Bucket, ...], tokens: int, exc: BaseException | None, requests: int = 1
+    ) -> Answer:
         now = self.clock()
         if exc is not None:
             self._down_until = now + STORE_RETRY_S
@@ -518,7 +637,7 @@ class Quota:
             return error(
                 Code.QUOTA_UNAVAILABLE, "The budget store is unreachable; retry shortly.", retry_after=STORE_RETRY_S
             )
-        return Hold(buckets, tokens, who.tenant, enforced=False)
+        return Hold(buckets, tokens, who.tenant, enforced=False, requests=requests)
 
     def _store_error(self, op: str, exc: BaseException | None) -> None:
         """Count a failed call (``exc``; None: not asked, it failed just before) and warn now and then."""
@@ -561,8 +680,7 @@ class Quota:
         if not hold.enforced or not hold.buckets:
             return
         self.outstanding -= 1
-        back = hold.tokens - used  # may be negative: an engine that used more than reserved
-        amounts = [back if b.tokens else (1 if refund_request else 0) for b in hold.buckets]
+        amounts = settle_amounts(hold, used, refund_request)
         store = self.store
         if store.sync:
             store.credit(hold.buckets, amounts, self.clock())

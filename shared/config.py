@@ -117,6 +117,10 @@ class RouterConfig(_Cfg):
     # /health, so a firewall or NetworkPolicy can give the API port to Envoy
     # alone (the rendered Kubernetes manifests do).  "": those stay on ``http`` only.
     admin_http: str = ""
+    # Long /tokenize and /detokenize calls waiting for the tokenizer threads,
+    # per tenant and in all; more are refused (503 tokenizer_busy, Retry-After).
+    tokenize_queue_per_tenant: int = 32
+    tokenize_queue_max: int = 256
 
 
 class LoggingConfig(_Cfg):
@@ -514,6 +518,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("duplicate worker ids")
     if cfg.router.max_prompts_per_request < 1:
         raise ConfigError("router.max_prompts_per_request must be at least 1")
+    if cfg.router.tokenize_queue_per_tenant < 1 or cfg.router.tokenize_queue_max < 1:
+        raise ConfigError("router.tokenize_queue_per_tenant and tokenize_queue_max must be at least 1")
     classes = {c.name for c in cfg.scheduler.classes}
     for m in cfg.models:
         # A simulated engine must never answer under a real model's name.

@@ -61,6 +61,7 @@ class Code(enum.Enum):
     WORKER_LOST = (503, _SERVER, "worker_lost")
     SERVICE_UNAVAILABLE = (503, _SERVER, "service_unavailable")  # Envoy: no healthy router
     QUOTA_UNAVAILABLE = (503, _UNAVAILABLE, "quota_unavailable")  # budget store down, fail closed
+    TOKENIZER_BUSY = (503, _UNAVAILABLE, "tokenizer_busy")  # /tokenize calls queued (router/tokenizer_queue.py)
     ROUTER_DRAINING = (503, _UNAVAILABLE, "router_draining")  # shutting down: retry elsewhere (router/drain.py)
     GENERATION_DEADLINE = (504, "timeout_error", "generation_deadline")
 
@@ -224,7 +225,8 @@ WHEN: dict[Code, str] = {
     Code.TENANT_SHARE_EXCEEDED: "the predicted wait is over the bound and this tenant alone is over its share",
     Code.REQUESTS_BUDGET: "a `requests_per_minute` budget is empty",
     Code.TOKENS_BUDGET: "a token budget cannot hold prompt + n × `max_tokens` now",
-    Code.BUDGET_TOO_SMALL: "the request is larger than a token budget could ever hold",
+    Code.BUDGET_TOO_SMALL: "the request is larger than a token budget, or has more prompts or inputs than a "
+    "`requests_per_minute` budget, could ever hold",
     Code.FILES_LIMIT: "the tenant keeps `max_stored_files` files (`[batch]`, or its key's or tenant's own)",
     Code.FILE_BYTES_LIMIT: "the upload would take the tenant's files over `max_stored_file_bytes`",
     Code.ACTIVE_BATCHES_LIMIT: "the tenant has `max_active_batches` batches not yet ended",
@@ -238,6 +240,8 @@ WHEN: dict[Code, str] = {
     "structured output or n > 1 after output)",
     Code.SERVICE_UNAVAILABLE: "Envoy has no healthy router",
     Code.QUOTA_UNAVAILABLE: 'the Redis budget store is unreachable and `on_store_error = "closed"`',
+    Code.TOKENIZER_BUSY: "too many long `/tokenize` or `/detokenize` calls of this tenant (or in all) are waiting "
+    "for the tokenizer (`router.tokenize_queue_per_tenant`, `tokenize_queue_max`)",
     Code.ROUTER_DRAINING: "the router is draining (SIGTERM, `POST /admin/drain`): a new request, one that could "
     "not finish before `router.drain_timeout_s`, or one still running at it (an SSE error event once streaming)",
     Code.GENERATION_DEADLINE: "the request ran past `generation_deadline_s`",

@@ -21,6 +21,7 @@ from router import openai_api as api
 from router.admission import Identity
 from router.model_registry import ServedModel
 from router.ports import RequestSink
+from router.quota import Group
 from shared import protocol as p
 from shared.errors import Code, error
 
@@ -38,8 +39,8 @@ class AsOwner:
         self.core = core
         self.who = who
 
-    def submit(self, sub: p.Submit, sink: RequestSink) -> int | p.ErrorInfo:
-        return self.core.submit(sub, sink, self.who)
+    def submit(self, sub: p.Submit, sink: RequestSink, *, group: Group | None = None) -> int | p.ErrorInfo:
+        return self.core.submit(sub, sink, self.who, group)
 
     def cancel(self, handle: int) -> None:
         self.core.cancel(handle)
@@ -81,15 +82,23 @@ class EmbeddingLine:
         self.prompt_tokens = 0
 
     def submit(self, who: AsOwner, subs: list[p.Submit]) -> p.ErrorInfo | None:
-        """Every input's job; the first refusal cancels those before it."""
-        for i, sub in enumerate(subs):
-            got = who.submit(sub, _Input(self, i))
-            if isinstance(got, p.ErrorInfo):
-                for h in self.handles:
-                    who.cancel(h)
-                self.handles.clear()
-                return got
-            self.handles.append(got)
+        """Every input's job, their request units taken whole (router.quota.Group);
+        the first refusal cancels those before it."""
+        group = Group(len(subs)) if len(subs) > 1 else None
+        failed = True
+        try:
+            for i, sub in enumerate(subs):
+                got = who.submit(sub, _Input(self, i), group=group)
+                if isinstance(got, p.ErrorInfo):
+                    for h in self.handles:
+                        who.cancel(h)
+                    self.handles.clear()
+                    return got
+                self.handles.append(got)
+            failed = False
+        finally:
+            if group is not None:
+                group.close(failed)
         return None
 
     def on_input(self, index: int, deltas: list[p.Delta]) -> None:

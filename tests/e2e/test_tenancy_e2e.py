@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import requests
@@ -250,6 +251,59 @@ def test_two_routers_share_one_budget_in_redis(tmp_path, redis_url):
         view = requests.get(sa.router_url + "/admin/tenants", timeout=5).json()
         assert view["store"] == "redis" and view["outstanding"] == 0 and not view["store_errors"]
     _no_key_text(tmp_path / "run-a", [KEY_Q])
+
+
+def test_a_fan_out_is_charged_whole_or_refused_whole_in_redis_through_envoy(tmp_path, redis_url):
+    """requests_per_minute = 10 in a real Redis, through Envoy: 20 embeddings
+    inputs can never fit (400 at once, the bucket untouched); 4 prompts take 4
+    units at once; 6 more are a 429 that takes none; a batch line of 20 inputs
+    is failed once (an error entry), not retried while its batch waits."""
+    from bench.localconfig import SIM_EMBED_MODEL, sim_embed_model
+
+    keys = [{"key_sha256": digest(KEY_Q), "tenant": "q", "requests_per_minute": 10}]
+    quota = {"store": "redis", "redis_url": redis_url, "redis_prefix": f"weir-fan-{os.getpid()}:"}
+    cfg = write_config(tmp_path, models=[{"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
+                                         sim_embed_model()],
+                       workers=[sim_worker("sim-0"), sim_worker("sim-e", model=SIM_EMBED_MODEL)],
+                       api_keys=keys, quota=quota,
+                       batch={"directory": str(tmp_path / "batches"), "scan_interval_s": 0.2})
+    with start_stack(cfg, tmp_path / "run") as s:
+        h = {"authorization": f"Bearer {KEY_Q}"}
+
+        def post(path, body):
+            return requests.post(s.envoy_url + path, json=body, headers=h, timeout=30)
+
+        def remaining(r):
+            return int(r.headers["x-ratelimit-remaining-requests"])
+
+        r = post("/v1/embeddings", {"model": SIM_EMBED_MODEL, "input": ["some text"] * 20})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "request_exceeds_budget", r.text
+        assert "retry-after" not in r.headers
+        r = _complete(s.envoy_url, KEY_Q)
+        assert r.status_code == 200 and remaining(r) == 9  # untouched by the 20
+        r = post("/v1/completions", {"model": SIM_MODEL, "prompt": ["a", "b", "c", "d"], "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+        assert remaining(r) in (5, 6)  # 4 at once (and a unit may have refilled meanwhile)
+        r = post("/v1/completions", {"model": SIM_MODEL, "prompt": ["e"] * 7, "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "requests", r.text
+        assert "needs 7 requests" in r.json()["error"]["message"] and int(r.headers["retry-after"]) >= 1
+        r = _complete(s.envoy_url, KEY_Q)
+        assert r.status_code == 200 and remaining(r) in (4, 5)  # the 429 took nothing
+
+        client = openai.OpenAI(base_url=s.envoy_url + "/v1", api_key=KEY_Q, max_retries=3, timeout=30)
+        rows = [{"custom_id": cid, "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": SIM_EMBED_MODEL, "input": ["x"] * n}} for cid, n in (("twenty", 20), ("two", 2))]
+        f = client.files.create(file=("emb.jsonl", b"".join(msgspec.json.encode(r) + b"\n" for r in rows)),
+                                purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, b.request_counts
+            time.sleep(0.2)
+        assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 1)
+        (entry,) = [msgspec.json.decode(x) for x in client.files.content(b.error_file_id).content.splitlines()]
+        assert entry["custom_id"] == "twenty" and entry["response"]["status_code"] == 400
+        assert entry["response"]["body"]["error"]["code"] == "request_exceeds_budget"
 
 
 def test_redis_unreachable_fails_open_then_closed(tmp_path):

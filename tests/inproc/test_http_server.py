@@ -70,7 +70,7 @@ class ScriptedCore:
         self.writes: list[int] = []
         self._next = 0
 
-    def submit(self, sub: Submit, sink):
+    def submit(self, sub: Submit, sink, group=None):
         self.submits.append(sub)
         if sub.model not in ("tiny", "sim-tiny"):
             return ErrorInfo(404, f"The model {sub.model!r} does not exist", code="model_not_found", param="model")

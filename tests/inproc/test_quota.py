@@ -16,7 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from router.http_headers import ratelimit_headers
 from router.http_headers import reset_duration as _duration
-from router.quota import MemoryStore
+from router.jobs import JobState
+from router.quota import Group, MemoryStore
 from shared import protocol as p
 from shared.config import Config
 from shared.keys import digest
@@ -159,6 +160,18 @@ def test_engine_error_and_deadline_return_what_was_not_generated(qh):
     assert qh.core.quota.outstanding == 0
 
 
+def test_an_end_before_any_output_carries_the_budget_figures(qh):
+    """Ended with an error before its first Delta (a drain, a queue deadline):
+    the refusal carries the figures the first Delta would have."""
+    from router.drain import draining_error
+
+    a = qh.submit_key(max_tokens=30)
+    qh.core.end_job("%x" % a, draining_error())
+    err = qh.sinks[a].finals[0].error
+    assert err.code == "router_draining" and err.ratelimit is not None
+    assert (err.ratelimit.limit_tokens, err.ratelimit.limit_requests) == (1000, 10)
+
+
 def test_a_policy_refusal_before_queueing_gives_everything_back():
     h = QHarness(config())
     try:  # no worker: refused at submit (503 no_worker)
@@ -264,6 +277,162 @@ def test_headers_render_openai_style():
     assert "x-ratelimit-limit-requests: 10\r\n" in h and "x-ratelimit-remaining-tokens: 940\r\n" in h
     assert "x-ratelimit-reset-tokens: 3.6s\r\n" in h and "x-ratelimit-reset-requests: 6s\r\n" in h
     assert ratelimit_headers(p.RateLimit(0, 0, 0, 5, 5, 0)).decode().count("x-ratelimit") == 3
+
+
+# ------------------------------------------------------------------ fan-out: k jobs, k request units at once
+
+
+def fan_config(rpm: int = 10, tpm: int = 100_000) -> Config:
+    return msgspec.convert({
+        "router": {"heartbeat_interval_s": 0.5},
+        "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096},
+                   {"name": "sim-e", "engine": "sim", "task": "embed", "max_model_len": 4096}],
+        "api_keys": [{"key_sha256": digest(KEY), "tenant": "a", "requests_per_minute": rpm,
+                      "tokens_per_minute": tpm}],
+    }, Config)
+
+
+@pytest.fixture
+def fh():
+    h = QHarness(fan_config())
+    h.join("w0", seqs=64, kv=10**6)
+    yield h
+    h.close()
+
+
+def fan_out(h: QHarness, k: int, prompts: list[str] | None = None, max_tokens: int = 8):
+    """A k-prompt completion as the ingress and batch lines submit it (router.prompt_fanout)."""
+    from router.prompt_fanout import PromptFanOut
+
+    sink = Sink()
+    subs = [p.Submit("c", "sim-m", prompt=pr, max_tokens=max_tokens, api_key=KEY) for pr in (prompts or [PROMPT] * k)]
+    fan = PromptFanOut(h.core, sink, 1, len(subs), [])
+    return fan, sink, fan.submit(subs)
+
+
+class _Conn:
+    """What router.http_embeddings answers through: the status and body it would send."""
+
+    def __init__(self):
+        self.answers = []
+
+    def respond_error(self, req, err, label, extra=b""):
+        self.answers.append((err.status, err))
+
+    def respond(self, req, status, ctype, body, label, extra=b""):
+        self.answers.append((status, body))
+
+
+def embed_inputs(h: QHarness, k: int):
+    """A k-input /v1/embeddings request through its real handler (router.http_embeddings)."""
+    from router import openai_api as api
+    from router.http_embeddings import EmbeddingBatch
+
+    body = msgspec.json.encode({"model": "sim-e", "input": [PROMPT] * k})
+    subs, ctx = api.parse_embeddings(body, api.meta_from_headers(f"Bearer {KEY}", None), "r1")
+    conn = _Conn()
+    batch = EmbeddingBatch(conn, None, ctx, "embeddings", h.core)
+    batch.start(subs)
+    h.settle()
+    return conn, batch
+
+
+def test_embeddings_inputs_over_the_requests_budget_are_400_and_take_nothing(fh):
+    """20 inputs under requests_per_minute = 10 can never fit: 400 at once
+    (not a 429 that empties the bucket each time), nothing taken."""
+    conn, _ = embed_inputs(fh, 20)
+    ((status, err),) = conn.answers
+    assert status == 400 and err.code == "request_exceeds_budget" and err.retry_after is None
+    assert "20 requests" in err.message and "`requests_per_minute`" not in err.message
+    assert "requests_per_minute budget of 10" in err.message
+    assert fh.level("requests_per_minute") == 10 and fh.level() == 100_000
+    assert fh.core.quota.outstanding == 0 and not fh.core.jobs
+    assert fh.core.quota.refusals[("a", "too_large")] == 1
+    conn, _ = embed_inputs(fh, 10)  # fits, but no worker serves sim-e: refused, all 10 units back
+    assert conn.answers[0][1].code == "no_worker" and fh.level("requests_per_minute") == 10
+    fh.workers.linked.add("we")
+    fh.core.worker_joined(p.Register(worker_id="we", model="sim-e", pool=p.Pool.ANY, max_model_len=4096,
+                                     kv_capacity_tokens=10**6, block_size=16, max_num_seqs=64, engine="sim"))
+    conn, batch = embed_inputs(fh, 10)  # the whole budget is still there for a request that fits
+    assert not conn.answers and len(batch.handles) == 10
+    assert fh.level("requests_per_minute") == 0
+
+
+def test_a_fan_out_takes_its_k_units_and_keeps_them_when_served(fh):
+    fan, sink, err = fan_out(fh, 3)
+    assert err is None and fh.level("requests_per_minute") == 7
+    fh.settle()
+    for h in fan.handles:
+        fh.tokens(h, 2, "stop")
+    assert sink.finals and sink.finals[-1].finish_reason == "stop"
+    assert fh.level("requests_per_minute") == 7  # served: three requests counted
+    assert fh.level() == 100_000 - 3 * (PROMPT_TOKENS + 2)
+    assert fh.core.quota.outstanding == 0
+
+
+def test_a_fan_out_larger_than_what_is_left_is_429_and_takes_nothing(fh):
+    for _ in range(6):
+        assert isinstance(fh.submit_key(), int)
+    assert fh.level("requests_per_minute") == 4
+    _, _, err = fan_out(fh, 5)
+    assert err.status == 429 and err.type == "requests" and "needs 5 requests" in err.message
+    assert err.retry_after == pytest.approx((5 - 4) * 60 / 10)
+    assert fh.level("requests_per_minute") == 4 and not [j for j in fh.core.jobs if j not in ("1", "2", "3", "4", "5", "6")]
+    fh.clock.t += err.retry_after  # as told: then it fits
+    _, _, err = fan_out(fh, 5)
+    assert err is None and fh.level("requests_per_minute") == pytest.approx(0)
+
+
+def test_one_prompt_refused_gives_every_unit_and_token_back(fh):
+    """Prompt 3 of 4 is refused (its tokens do not fit): the request is
+    refused and its other prompts, queued already, give back everything."""
+    fh.core.quota.reload(fan_config(tpm=200))
+    big = "x" * 4 * 150  # 150 tokens + 8: fits the budget alone, not after the others
+    fan, sink, err = fan_out(fh, 4, [PROMPT, PROMPT, big, PROMPT])
+    assert err is not None and err.status == 429 and err.type == "tokens"
+    fh.settle()
+    assert fh.level("requests_per_minute") == 10 and fh.level() == 200
+    assert fh.core.quota.outstanding == 0 and not fh.core.jobs
+
+
+def test_a_fan_out_cancelled_by_its_client_while_queued_counts_its_units(fh):
+    """As for one request: queued and then abandoned still counts."""
+    fan, _, err = fan_out(fh, 3)
+    assert err is None
+    fan.cancel()  # (queued, not yet dispatched: no prompt tokens used)
+    fh.settle()
+    assert fh.level("requests_per_minute") == 7 and fh.level() == 100_000
+    assert fh.core.quota.outstanding == 0
+
+
+def test_a_fan_out_with_a_store_that_answers_later_is_refused_whole():
+    """Redis answers later: the k units are one call, asked before any job's
+    tokens; refused, every job ends with that refusal and nothing stays taken."""
+    h = QHarness(fan_config())
+    try:
+        h.join("w0", seqs=64, kv=10**6)
+        store = h.core.quota.store = _Deferred()
+        async def go(k):
+            return fan_out(h, k)
+
+        for _ in range(7):  # 7 single requests: 3 units left
+            h.submit_key()
+        store.answer(100)
+        h.settle()
+        assert h.level("requests_per_minute") == 3
+        fan, sink, err = h.loop.run_until_complete(go(4))
+        assert err is None and len(fan.handles) == 4
+        assert store.queue[0][2] == [4]  # one reserve of 4 units, before the jobs' tokens
+        store.answer(100)
+        h.settle()
+        (final,) = sink.finals
+        assert final.error.status == 429 and final.error.type == "requests"
+        store.answer(100)  # the jobs' token holds given back
+        h.settle()
+        assert h.level("requests_per_minute") == 3 and h.level() == 100_000 - 7 * (PROMPT_TOKENS + 8)
+        assert len(h.core.jobs) == 7 and h.core.quota.outstanding == 7  # the single requests, live
+    finally:
+        h.close()
 
 
 # ------------------------------------------------------------------ the property
@@ -455,6 +624,151 @@ QuotaMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=3
 DeferredQuotaMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_quota_state_machine = QuotaMachine.TestCase
 test_quota_state_machine_with_a_store_that_answers_later = DeferredQuotaMachine.TestCase
+
+
+class _Recorded(Group):
+    """A fan-out's Group that remembers what its jobs and its fan-out told it."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.outcomes: list[bool] = []  # per ended job: was it queued
+        self.failed: bool | None = None  # the fan-out's close
+
+    def left(self, queued: bool) -> None:
+        self.outcomes.append(queued)
+        super().left(queued)
+
+    def close(self, failed: bool) -> None:
+        self.failed = failed
+        super().close(failed)
+
+
+class FanOutMachine(RuleBasedStateMachine):
+    """Single requests and fan-outs of k prompts (some of them refused: an
+    empty prompt, one over the context, one over the token budget) under any
+    interleaving of engine news, cancels and late store answers: the request
+    bucket holds exactly its capacity less one per single request that was
+    queued and k per fan-out whose every job was queued -- never more, and
+    a fan-out with any refusal takes nothing."""
+
+    deferred = False
+    RPM = 40
+
+    def __init__(self) -> None:
+        super().__init__()
+        import router.prompt_fanout
+
+        self.module = router.prompt_fanout
+        self.module.Group = _Recorded  # (restored at teardown)
+        self.h = QHarness(config(keys=[{"key_sha256": digest(KEY), "tenant": "a", "tokens_per_minute": 3000,
+                                        "requests_per_minute": self.RPM}]))
+        self.h.core.quota.store = _Deferred() if self.deferred else _Frozen()
+        self.singles: list = []  # the single requests' job records (kept past their end)
+        self.fans: list = []  # (PromptFanOut, its _Recorded group or None)
+        self.handles: list[int] = []
+        self.h.join("w0", seqs=4, kv=4096)
+
+    def teardown(self) -> None:
+        self.module.Group = Group
+        self.h.close()
+
+    @rule(max_tokens=st.integers(1, 400))
+    def single(self, max_tokens):
+        got = self.h.submit_key(max_tokens=max_tokens)
+        if isinstance(got, int):
+            self.handles.append(got)
+            self.singles.append(self.h.core.jobs["%x" % got])
+        self.h.settle()
+
+    @rule(prompts=st.lists(st.sampled_from([PROMPT, PROMPT, PROMPT, "", "x" * 20000]), min_size=2, max_size=50),
+          max_tokens=st.sampled_from([4, 40, 2990]))
+    def fan_out(self, prompts, max_tokens):
+        made = []
+        real = _Recorded.__init__
+
+        def record(group, size):  # the fan-out's group, as it makes it
+            real(group, size)
+            made.append(group)
+
+        _Recorded.__init__ = record
+        try:
+            fan, _, _ = fan_out(self.h, len(prompts), prompts, max_tokens=max_tokens)
+        finally:
+            _Recorded.__init__ = real
+        self.fans.append((fan, made[0]))
+        self.h.settle()
+
+    @precondition(lambda self: self.handles or self.fans)
+    @rule(i=st.integers(0, 1000), finish=st.sampled_from([None, "stop"]))
+    def news(self, i, finish):
+        live = [h for h in self.handles] + [h for f, _ in self.fans for h in f.handles]
+        if not live:
+            return
+        job_id = "%x" % live[i % len(live)]
+        where = self.h.workers.where(job_id)
+        if where is not None:
+            self.h.core.on_outputs(where, [p.Delta(job_id, " t", 1, finish, prompt_tokens=PROMPT_TOKENS)])
+        self.h.settle()
+
+    @precondition(lambda self: self.fans)
+    @rule(i=st.integers(0, 1000))
+    def client_leaves(self, i):
+        self.fans[i % len(self.fans)][0].cancel()
+        self.h.settle()
+
+    @precondition(lambda self: self.deferred)
+    @rule(n=st.integers(1, 6))
+    def store_answers(self, n):
+        self.h.core.quota.store.answer(n)
+        self.h.settle()
+
+    def _charged(self) -> int:
+        """What the request bucket should hold taken now."""
+        # a single request: its unit while held, kept once it was queued (``mx``: set once queued)
+        taken = sum(1 for j in self.singles if (j.mx is not None if j.state is JobState.ENDED else j.hold is not None))
+        for _, g in self.fans:
+            if g.hold is not None:  # held, not settled yet
+                taken += g.size
+            elif g.settled and g.quota is not None and not g.refund:
+                taken += g.size
+        return taken
+
+    @invariant()
+    def a_group_is_charged_whole_and_only_when_every_job_was_queued(self):
+        for _, g in self.fans:
+            if g.settled and not g.refund:
+                assert g.failed is False and all(g.outcomes) and len(g.outcomes) == g.size
+        if not self.deferred:  # (a store that answers later holds credits in flight)
+            q = self.h.core.quota
+            (rpm,) = [b for bs in q.by_key.values() for b in bs if not b.tokens]
+            assert rpm.cap - q.store.level(rpm, 0.0) == self._charged()
+
+    @rule()
+    def everything_ends(self):
+        for f, _ in self.fans:
+            f.cancel()
+        for h in self.handles:
+            self.h.core.cancel(h)
+        q = self.h.core.quota
+        if self.deferred:
+            for _ in range(3):
+                q.store.answer(10**6)
+                self.h.settle()
+        self.h.settle()
+        assert not self.h.core.jobs and q.outstanding == 0
+        assert all(g.settled or g.quota is None for _, g in self.fans)
+        (rpm,) = [b for bs in q.by_key.values() for b in bs if not b.tokens]
+        assert rpm.cap - q.store.level(rpm, 0.0) == self._charged() <= self.RPM
+
+
+class DeferredFanOutMachine(FanOutMachine):
+    deferred = True
+
+
+FanOutMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+DeferredFanOutMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+test_fan_out_state_machine = FanOutMachine.TestCase
+test_fan_out_state_machine_with_a_store_that_answers_later = DeferredFanOutMachine.TestCase
 
 
 def test_weir_keys_new_prints_a_key_once_and_an_entry_that_loads(capsys, tmp_path):

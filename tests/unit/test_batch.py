@@ -237,7 +237,7 @@ class _Core:
     def __init__(self, refuse_at=None):
         self.sinks, self.cancelled, self.refuse_at = [], [], refuse_at
 
-    def submit(self, sub, sink, who=None):
+    def submit(self, sub, sink, who=None, group=None):
         if len(self.sinks) == self.refuse_at:
             return p.ErrorInfo(429, "queue full", "rate_limit_error", code="queue_full")
         self.sinks.append(sink)

@@ -26,7 +26,7 @@ class FakeCore:
         self.cancelled: list[int] = []
         self.refuse_at = refuse_at
 
-    def submit(self, sub, sink):
+    def submit(self, sub, sink, group=None):
         if len(self.sinks) == self.refuse_at:
             return error(Code.RATE_LIMITED, "budget", retry_after=1.0)
         self.sinks.append(sink)
