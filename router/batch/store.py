@@ -151,11 +151,16 @@ def result_id(batch_id: str, line: int) -> str:
 _LINE_OF = re.compile(rb'"id": ?"batch_req_[0-9a-f]+_([0-9]+)"')
 
 
-class ResultLog:
-    """One output or error file, appended in whole lines and fsync'ed."""
+class ResultsTooLarge(Exception):
+    """Appending would take a result file past its bound (``[batch] max_result_bytes``)."""
 
-    def __init__(self, path: Path) -> None:
+
+class ResultLog:
+    """One output or error file, appended in whole lines and fsync'ed, up to ``max_bytes``."""
+
+    def __init__(self, path: Path, max_bytes: int | None = None) -> None:
         self.path = path
+        self.max_bytes = max_bytes
         self.lines = 0
         self._f: IO[bytes] | None = None  # opened on first append
 
@@ -186,13 +191,20 @@ class ResultLog:
 
     def append(self, lines: list[bytes]) -> None:
         """Whole lines, then fsync: on return they survive a crash.  An
-        OSError (disk full) propagates; what was written before stays."""
+        OSError (disk full) propagates; what was written before stays.
+        ResultsTooLarge if they would take the file past ``max_bytes``: none is written."""
         if self._f is None:
             self._f = open(self.path, "ab")
         f = self._f
         start = f.tell()
+        data = b"".join(lines)
+        if self.max_bytes is not None and start + len(data) > self.max_bytes:
+            raise ResultsTooLarge(
+                f"The batch's results would pass {self.max_bytes} bytes in {self.path.name} "
+                "(batch.max_result_bytes); what was written is kept."
+            )
         try:
-            f.write(b"".join(lines))
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         except OSError:
