@@ -24,7 +24,7 @@ import yaml
 
 from shared.config import Config, ConfigError, split_hostport
 from shared.errors import Code
-from shared.keys import config_digest
+from shared.keys import config_digest, well_formed
 
 HEADER = (
     "# Rendered from weir's config by `weir render-envoy` (deploy/envoy_config.py).\n"
@@ -38,23 +38,55 @@ RETRY_AFTER_S = 1  # 503s; a 429's Retry-After is Envoy's own, computed from the
 KEY_HEADER = "x-weir-rate-limit-key"  # set by the Lua filter: the request's API key, whichever header held it
 
 # One bucket per key whichever header carries it: the key the router would
-# read (x-api-key first, else an Authorization Bearer token; see
-# router.openai_api.meta_from_headers) is copied into KEY_HEADER, the one header the buckets
-# count.  A client's own KEY_HEADER is always dropped first.
-_KEY_LUA = f"""
+# read (x-api-key first, else an Authorization Bearer token) is copied into
+# KEY_HEADER, the one header the buckets count; a client's own KEY_HEADER is
+# always dropped first.  This is shared.keys.key_from_headers and
+# well_formed line by line (tests/unit/test_key_rule.py runs both on the same
+# headers): a malformed key is refused with 401 here, before any bucket is
+# touched, so no spelling of a key escapes its bucket.  A header sent twice is
+# read as the router reads it, its values joined by ", " (never a valid key).
+# Trimming walks bytes from each end: a pattern such as "[ \t]*$" would be
+# quadratic on a long run of blanks.
+KEY_LUA = f"""
+local function value(hs, name)
+  local n = hs:getNumValues(name)
+  if n == 0 then return nil end
+  if n == 1 then return hs:get(name) end
+  local parts = {{}}
+  for i = 0, n - 1 do parts[#parts + 1] = hs:getAtIndex(name, i) end
+  return table.concat(parts, ", ")
+end
+
+local function blank(b) return b == 32 or b == 9 end
+
+local function trim(s)
+  local i, j = 1, #s
+  while i <= j and blank(s:byte(i)) do i = i + 1 end
+  while j >= i and blank(s:byte(j)) do j = j - 1 end
+  return s:sub(i, j)
+end
+
 function envoy_on_request(h)
   local hs = h:headers()
   hs:remove("{KEY_HEADER}")
-  local key = hs:get("x-api-key")
-  if key ~= nil then key = key:match("^%s*(.-)%s*$") end
-  if key == nil or key == "" then
-    local auth = hs:get("authorization")
+  local key = value(hs, "x-api-key")
+  key = key and trim(key) or ""
+  if key == "" then
+    local auth = value(hs, "authorization")
     if auth ~= nil then
-      local scheme, token = auth:match("^%s*(%S+)%s+(.-)%s*$")
-      if scheme ~= nil and scheme:lower() == "bearer" then key = token end
+      auth = trim(auth)
+      local cut = auth:find("[ \t]")
+      if cut ~= nil and cut > 1 and auth:sub(1, cut - 1):lower() == "bearer" then
+        key = trim(auth:sub(cut))
+      end
     end
   end
-  if key ~= nil and key ~= "" then hs:add("{KEY_HEADER}", key) end
+  if key == "" then return end
+  if key:find("[^!-~]") then
+    h:respond({{[":status"] = "401"}}, "malformed API key")
+    return
+  end
+  hs:add("{KEY_HEADER}", key)
 end
 """
 
@@ -116,8 +148,8 @@ def check(cfg: Config) -> None:
     seen: set[str] = set()
     for k in cfg.api_keys:
         where = f"api key of tenant {k.tenant!r}"
-        if k.key is not None and (not k.key or not k.key.isprintable() or k.key != k.key.strip()):
-            raise ConfigError(f"{where}: a key must be non-empty printable text without surrounding spaces")
+        if k.key is not None and not well_formed(k.key):
+            raise ConfigError(f"{where}: a key must be printable ASCII without spaces")
         h = config_digest(k)
         if h in seen:
             raise ConfigError(f"{where}: duplicate key")
@@ -199,6 +231,14 @@ def _local_reply_config(cfg: Config) -> dict:
             "body_format_override": _error_body(
                 f"Request body too large: the limit is {limit} bytes.",
                 Code.REQUEST_TOO_LARGE,
+            ),
+        },
+        {
+            # the Lua filter's refusal of a malformed key (KEY_LUA)
+            "filter": _status_filter("EQ", 401),
+            "body_format_override": _error_body(
+                "Malformed API key: a key is printable ASCII without spaces (surrounding spaces and tabs are ignored).",
+                Code.INVALID_API_KEY,
             ),
         },
         {
@@ -360,7 +400,7 @@ def _http_connection_manager(cfg: Config) -> dict:
                 "name": "envoy.filters.http.lua",
                 "typed_config": {
                     "@type": f"{_TYPES}.filters.http.lua.v3.Lua",
-                    "default_source_code": {"inline_string": _KEY_LUA},
+                    "default_source_code": {"inline_string": KEY_LUA},
                 },
             },
             {

@@ -29,6 +29,7 @@ APP = "app.kubernetes.io/name"
 PART = "app.kubernetes.io/component"
 MODEL_LABEL = "weir.io/model"
 POOL_LABEL = "weir.io/pool"
+ROUTER_ADMIN_PORT = 8002  # router.admin_http's port when the config sets none (/admin, /metrics, /health)
 CLIENT_LABEL = "weir.io/zmq-client"  # pods allowed to reach the routers' direct-client plane
 HASH_ANNOTATION = "weir.io/config-sha256"
 
@@ -59,6 +60,11 @@ def worker_router_backend(cfg: Config) -> str:
 
 def _port(addr: str) -> int:
     return split_hostport(addr.partition("://")[2] if "://" in addr else addr)[1]
+
+
+def router_admin_port(cfg: Config) -> int:
+    """The routers' admin listener: /admin/*, /metrics, /health, apart from the API's port."""
+    return _port(cfg.router.admin_http) if cfg.router.admin_http else ROUTER_ADMIN_PORT
 
 
 class WorkerGroup(msgspec.Struct, frozen=True):
@@ -123,6 +129,12 @@ def check(cfg: Config) -> None:
         raise ConfigError("kubernetes.endpoint_propagation_s must be >= 0")
     if not cfg.workers:
         raise ConfigError("kubernetes: no [[workers]] to render")
+    if not cfg.api_keys and not k.allow_anonymous:
+        raise ConfigError(
+            "kubernetes: no [[api_keys]]: every client that reaches Envoy would be one anonymous tenant, able "
+            "to read and delete everyone's files, batches and responses. Add keys (`weir keys new`), or set "
+            "kubernetes.allow_anonymous = true for a cluster that is open on purpose."
+        )
     seen: dict[str, str] = {}
     for g in worker_groups(cfg):
         # a StatefulSet's pods carry a controller-revision-hash label of its
@@ -167,6 +179,10 @@ def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict:
         raw["security"]["curve_dir"] = k8s_security.CURVE_DIR
         for w in raw["workers"]:
             w["curve_secret_key"] = f"{k8s_security.CURVE_DIR}/{k8s_security.WORKER_KEY}"
+    # /admin/* needs the token from every pod but the router's own (the Secret weir-admin-token),
+    # and lives with /metrics on a port of its own: the API port is Envoy's alone (network_policies)
+    r["admin_token_file"] = k8s_security.ADMIN_TOKEN_FILE
+    r["admin_http"] = f"0.0.0.0:{router_admin_port(cfg)}"
     if cfg.envoy.tls_cert_file:
         e["tls_cert_file"] = f"{k8s_security.TLS_DIR}/tls.crt"
         e["tls_key_file"] = f"{k8s_security.TLS_DIR}/tls.key"
@@ -355,12 +371,15 @@ def envoy_objects(cfg: Config) -> list[dict]:
 def router_objects(cfg: Config) -> list[dict]:
     k = cfg.kubernetes
     http, front, back = _port(cfg.router.http), _port(cfg.router.frontend), _port(cfg.router.backend)
+    admin = router_admin_port(cfg)
     sel = _selector("router")
     mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     volumes = [_config_volume()]
     if _has_vllm(cfg):  # the router tokenizes: it reads each model's tokenizer files
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append(_models_volume(cfg))
+    mounts.append(k8s_security.admin_mount())  # the token /admin/* asks of other pods
+    volumes.append(k8s_security.admin_volume())
     if cfg.security.curve:  # its key pair and the public keys it lets in (Secret weir-curve-router)
         mounts.append(k8s_security.curve_mount())
         volumes.append(k8s_security.router_curve_volume(cfg, worker_groups(cfg)))
@@ -373,7 +392,7 @@ def router_objects(cfg: Config) -> list[dict]:
             "annotations": {
                 HASH_ANNOTATION: pod_config_sha(cfg, role_toml(cfg, "router")),
                 "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(http),
+                "prometheus.io/port": str(admin),
                 "prometheus.io/path": "/metrics",
             },
         },
@@ -398,6 +417,7 @@ def router_objects(cfg: Config) -> list[dict]:
                     "command": ["python", "-m", "router", "--config", f"{CONFIG_DIR}/router.toml"],
                     "ports": [
                         {"name": "http", "containerPort": http},
+                        {"name": "admin", "containerPort": admin},
                         {"name": "zmq-clients", "containerPort": front},
                         {"name": "zmq-workers", "containerPort": back},
                     ],
@@ -418,6 +438,7 @@ def router_objects(cfg: Config) -> list[dict]:
     }
     ports = [
         {"name": "http", "port": http, "targetPort": http},
+        {"name": "admin", "port": admin, "targetPort": admin},
         {"name": "zmq-clients", "port": front},
         {"name": "zmq-workers", "port": back},
     ]
@@ -474,6 +495,8 @@ def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
             {"name": "dshm", "mountPath": "/dev/shm"},
         ]
         volumes += [_models_volume(cfg), {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+    mounts.append(k8s_security.admin_mount())  # the probes and preStop send the routers' admin token
+    volumes.append(k8s_security.admin_volume())
     if cfg.security.curve:  # the StatefulSet's key pair, shared by its replicas (deploy/k8s_security.py)
         mounts.append(k8s_security.curve_mount())
         volumes.append(k8s_security.worker_curve_volume(g))
@@ -570,6 +593,7 @@ def network_policies(cfg: Config) -> list[dict]:
     k = cfg.kubernetes
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": k.monitoring_namespace}}}
     http, front, back = _port(cfg.router.http), _port(cfg.router.frontend), _port(cfg.router.backend)
+    admin = router_admin_port(cfg)
 
     def pol(name: str, part: str, ingress: list[dict]) -> dict:
         return {
@@ -607,10 +631,13 @@ def network_policies(cfg: Config) -> list[dict]:
             "weir-router",
             "router",
             [
+                # the API: Envoy alone (its keys, buckets and body limit come first)
                 {"from": [{"podSelector": {"matchLabels": _selector("envoy")}}], "ports": tcp(http)},
-                # workers: their link, and /admin/workers for their probes
-                {"from": [{"podSelector": {"matchLabels": _selector("worker")}}], "ports": tcp(back, http)},
-                {"from": [monitoring], "ports": tcp(http)},
+                # workers: their link, and the admin listener for their probes and
+                # preStop drain (/admin/workers/..., with the admin token)
+                {"from": [{"podSelector": {"matchLabels": _selector("worker")}}], "ports": tcp(back, admin)},
+                # /metrics: the monitoring namespace (the admin listener serves no API)
+                {"from": [monitoring], "ports": tcp(admin)},
                 {
                     "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {CLIENT_LABEL: "true"}}}],
                     "ports": tcp(front),

@@ -8,7 +8,9 @@ an Envoy pod's preStop.
 The worker is ``$POD_NAME`` (it registers under it: --instance-id), the
 config ``$WEIR_CONFIG``; the routers are every address of the host of the
 worker's ``router.backend`` (the headless Service: every router pod, as the
-worker links to them), on ``router.http``'s port (deploy/k8s_objects.py renders both).
+worker links to them), on ``router.admin_http``'s port (else ``router.http``'s;
+deploy/k8s_objects.py renders both), with the admin token of
+``router.admin_token_file`` (the Secret weir-admin-token).
 
 ``envoy-drain``: Envoy's listeners drain gracefully (admin
 ``/drain_listeners?graceful``: every connection is told to close, new ones
@@ -30,6 +32,7 @@ import urllib.error
 import urllib.request
 
 from shared.config import load, split_hostport
+from shared.keys import admin_headers
 
 TIMEOUT_S = 3.0
 POLL_S = 0.5
@@ -37,7 +40,7 @@ POLL_S = 0.5
 
 def _router_urls(cfg) -> list[str]:
     host, _ = split_hostport(cfg.router.backend.partition("://")[2])
-    _, port = split_hostport(cfg.router.http)
+    _, port = split_hostport(cfg.router.admin_http or cfg.router.http)
     try:
         ips = sorted({str(a[4][0]) for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
     except OSError:
@@ -45,9 +48,14 @@ def _router_urls(cfg) -> list[str]:
     return [f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}" for ip in ips] or [f"http://{host}:{port}"]
 
 
+# The router's admin token (router.admin_token_file: the Secret weir-admin-token
+# mounted in the pod): a router answers /admin/* from another pod only with it.
+_ADMIN: dict[str, str] = {}
+
+
 def _call(url: str, method: str = "GET"):
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None, headers=_ADMIN)
     with opener.open(req, timeout=TIMEOUT_S) as resp:
         return json.loads(resp.read() or b"null")
 
@@ -140,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bases = _router_urls(cfg)
     try:
+        _ADMIN.update(admin_headers(cfg))
         if argv[0] == "ready":
             ok = ready(bases, worker_id)
             print("ready" if ok else "not ready")
             return 0 if ok else 1
         print(drain(bases, worker_id, cfg.router.drain_timeout_s))
         return 0  # preStop: whatever happened, SIGTERM's own drain follows
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # (ConfigError: the token file unreadable)
         print(f"k8s_probe: routers {bases}: {e}", file=sys.stderr)
         return 1 if argv[0] == "ready" else 0
 

@@ -12,6 +12,9 @@ manifests name the Secrets and project the keys they need:
                            worker.key_secret (the group's pair), router.key
     weir-envoy-tls         Envoy pods, at /etc/weir-tls: tls.crt, tls.key -- the
                            kubernetes.io/tls shape cert-manager writes
+    weir-admin-token       router and worker pods, at /etc/weir-admin: token -- the
+                           router's /admin/* token (router.admin_token_file), which
+                           the workers' probes and preStop drain send (always rendered)
 
 One worker key pair per StatefulSet, shared by its replicas: pods come and
 go with the autoscaler and are named at run time, so a key per pod would need
@@ -29,6 +32,7 @@ public keys only: a missing file is a ConfigError naming it.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +47,10 @@ CURVE_DIR = "/etc/weir-curve"
 TLS_DIR = "/etc/weir-tls"
 ROUTER_CURVE_SECRET = "weir-curve-router"
 ENVOY_TLS_SECRET = "weir-envoy-tls"
+ADMIN_DIR = "/etc/weir-admin"
+ADMIN_SECRET = "weir-admin-token"
+ADMIN_TOKEN = "token"  # the Secret's key and the file's name
+ADMIN_TOKEN_FILE = f"{ADMIN_DIR}/{ADMIN_TOKEN}"
 WORKER_KEY = "worker.key_secret"  # a worker pod's own pair, whichever entry it runs
 _KEEP = ".present"  # a hidden (never loaded) file that makes an empty key subdirectory exist
 
@@ -128,6 +136,13 @@ def secret_commands(cfg: Config, groups: Sequence[WorkerGroup]) -> list[list[str
         check(cfg, groups)
         out.append(generic(ROUTER_CURVE_SECRET, router_secret_files(cfg, groups)))
         out += [generic(worker_secret(g), worker_secret_files(cfg, g)) for g in groups]
+    # The admin token: the config's file, else a fresh one (printed once, like `weir keys new`)
+    token = (
+        f"--from-file={ADMIN_TOKEN}={cfg.resolve(cfg.router.admin_token_file)}"
+        if cfg.router.admin_token_file
+        else (f"--from-literal={ADMIN_TOKEN}={secrets.token_urlsafe(32)}")
+    )
+    out.append(["kubectl", "-n", ns, "create", "secret", "generic", ADMIN_SECRET, token])
     if cfg.envoy.tls_cert_file and cfg.envoy.tls_key_file:
         cert, key = cfg.resolve(cfg.envoy.tls_cert_file), cfg.resolve(cfg.envoy.tls_key_file)
         out.append(["kubectl", "-n", ns, "create", "secret", "tls", ENVOY_TLS_SECRET, f"--cert={cert}", f"--key={key}"])
@@ -172,6 +187,14 @@ def worker_curve_volume(g: WorkerGroup) -> dict:
 
 def envoy_tls_volume() -> dict:
     return {"name": "tls", "secret": {"secretName": ENVOY_TLS_SECRET, "defaultMode": 0o444}}
+
+
+def admin_volume() -> dict:
+    return _projected("admin", ADMIN_SECRET, [(ADMIN_TOKEN, ADMIN_TOKEN)])
+
+
+def admin_mount() -> dict:
+    return {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True}
 
 
 def curve_mount() -> dict:

@@ -33,16 +33,23 @@ import tomli_w
 
 from deploy.processes import Component
 from shared.config import Config
+from shared.keys import admin_headers
 
 RECONCILE_S = 0.5
 RUNTIME_CONFIG = "runtime-models.toml"
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _call(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0) -> tuple[int, Any]:
+def _call(
+    url: str, body: dict[str, Any] | None = None, timeout: float = 2.0, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """``headers``: the admin token's (shared.keys.admin_headers) where configured."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        url, data=data, method="GET" if body is None else "POST", headers={"content-type": "application/json"}
+        url,
+        data=data,
+        method="GET" if body is None else "POST",
+        headers={"content-type": "application/json", **(headers or {})},
     )
     try:
         with _opener.open(req, timeout=timeout) as r:
@@ -70,12 +77,13 @@ class ModelReconciler:
         self.added: dict[str, dict[str, Any]] = {}  # model name -> {"config": ..., "workers": [...]}, started here
         self.stopping: set[str] = set()  # worker ids told to drain and exit
         self.runtime_cfg = stack.run_dir / RUNTIME_CONFIG
+        self.admin = admin_headers(stack.cfg)  # (loopback needs none; sent where configured)
 
     def step(self) -> list[str]:
         """One pass; what it did, in words.  The router unreachable: nothing."""
         stack = self.stack
         try:
-            _, models = _call(stack.router_url + "/admin/models")
+            _, models = _call(stack.router_url + "/admin/models", headers=self.admin)
         except (OSError, ValueError):
             return []
         said: list[str] = []
@@ -95,7 +103,9 @@ class ModelReconciler:
                 said.append(f"model {name} removed")
             else:  # the router restarted and knows only its config file
                 code, out = _call(
-                    stack.router_url + "/admin/models", {"model": spec["config"], "workers": spec["workers"]}
+                    stack.router_url + "/admin/models",
+                    {"model": spec["config"], "workers": spec["workers"]},
+                    headers=self.admin,
                 )
                 said.append(f"router told again of model {name} ({code})")
         return said

@@ -30,13 +30,13 @@ from router.http_routes import Routes
 from router.http_server import HttpConnection, start_http_server, written_out
 from router.metrics import RouterMetrics
 from router.operator_actions import RouterOperator
-from router.response_store import StoreCollector, make_store
+from router.response_store import StoreCollector, make_store, tenant_bounds
 from router.responses_http import ResponsesService
 from router.views import RouterViews
 from router.worker_link import WorkerLink
 from shared.config import DEFAULT_CONFIG, Config, ConfigError, load, split_hostport
 from shared.gc_tuning import freeze_startup_heap
-from shared.keys import secret_warnings
+from shared.keys import admin_token, secret_warnings
 from shared.logs import use_json
 from shared.transport import SocketPump
 
@@ -98,25 +98,27 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     operator = RouterOperator(core, link, reload, drain_router)
     link.serve(core)
     frontend.serve(core)
-    response_store = make_store(cfg)
+    response_store = make_store(cfg, lambda tenant: tenant_bounds(core.cfg, tenant))  # (reloaded tenants')
     metrics.registry.register(StoreCollector(response_store))
     host, port = split_hostport(cfg.router.http)
     connections: set[HttpConnection] = set()
     batches, batch_routes = _batch_tier(core, cfg)
-    server = await start_http_server(
-        core,
-        views,
-        metrics,
-        host,
-        port,
-        operator=operator,
-        max_body_bytes=cfg.envoy.max_request_bytes,
-        connections=connections,
-        max_prompts=cfg.router.max_prompts_per_request,
-        extra_routes=batch_routes,
-        max_upload_bytes=cfg.batch.max_file_bytes if batches is not None else 0,
-        responses=ResponsesService(core, response_store),
-    )
+    http_options: dict[str, Any] = {
+        "operator": operator,
+        "max_body_bytes": cfg.envoy.max_request_bytes,
+        "connections": connections,
+        "max_prompts": cfg.router.max_prompts_per_request,
+        "extra_routes": batch_routes,
+        "max_upload_bytes": cfg.batch.max_file_bytes if batches is not None else 0,
+        "responses": ResponsesService(core, response_store, lambda: core.keys.by_key),
+        "admin_token": admin_token(cfg),
+    }
+    servers = [await start_http_server(core, views, metrics, host, port, **http_options)]
+    if cfg.router.admin_http:  # /admin/*, /metrics and /health on a port of their own (NetworkPolicies)
+        admin_host, admin_port = split_hostport(cfg.router.admin_http)
+        servers.append(
+            await start_http_server(core, views, metrics, admin_host, admin_port, admin_plane=True, **http_options)
+        )
     freeze_startup_heap()  # tokenizers and templates are loaded: what start-up built lives on
     log.info(
         "router ready: http=%s frontend=%s backend=%s policy=%s",
@@ -129,7 +131,8 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
     loop.add_signal_handler(signal.SIGHUP, reload)
     await drain.done.wait()
-    server.close()  # (no new connection; the open ones get their last bytes out first)
+    for server in servers:
+        server.close()  # (no new connection; the open ones get their last bytes out first)
     if not await written_out(connections, FLUSH_S):
         log.warning("some responses were still being written after %.1f s", FLUSH_S)
     frontend.outbox.flush()  # direct clients' last deltas (the socket lingers to send them)

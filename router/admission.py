@@ -13,7 +13,7 @@ from typing import NamedTuple
 from shared import protocol as p
 from shared.config import ApiKey, Config
 from shared.errors import Code, context_length, error
-from shared.keys import config_digest, digest, key_id
+from shared.keys import config_digest, digest, key_id, well_formed
 
 ANONYMOUS_TENANT = "anonymous"
 DEFAULT_TIER = "normal"
@@ -53,6 +53,13 @@ def check_shape(sub: p.Submit) -> p.ErrorInfo | None:
     return None
 
 
+def malformed_key() -> p.ErrorInfo:
+    return error(
+        Code.INVALID_API_KEY,
+        "Malformed API key: a key is printable ASCII without spaces (surrounding spaces and tabs are ignored).",
+    )
+
+
 class Identity(NamedTuple):
     tenant: str
     klass: str  # the scheduler class the request runs in
@@ -72,6 +79,8 @@ class Keys:
 
     def identify(self, sub: p.Submit) -> Identity | p.ErrorInfo:
         kid = ""
+        if sub.api_key and not well_formed(sub.api_key):  # keys or not: the rule Envoy applies (shared.keys)
+            return malformed_key()
         if self.by_key:
             h = digest(sub.api_key) if sub.api_key else ""
             key = self.by_key.get(h)

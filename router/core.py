@@ -112,6 +112,7 @@ class RouterCore:
         self._intake = Intake(jobs, registry, policy, self.quota, self.metrics, clock, end, schedule)
         self._recovery = Recovery(jobs, registry, policy, workers, self.metrics, cfg.router, clock, end, schedule)
         self.batch_tenants: Callable[[], dict[str, Any]] | None = None  # set by router.batch.service
+        self.on_keys_reloaded: list[Callable[[], None]] = []  # told after reload_keys (router.batch.service)
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
@@ -246,6 +247,8 @@ class RouterCore:
         self.quota.reload(cfg)
         self._keys_config = cfg
         self._cfg_view = None
+        for fn in self.on_keys_reloaded:
+            fn()
 
     def close(self) -> None:
         if self._wakeup is not None:

@@ -11,6 +11,7 @@ Protocols declared here by their consumer.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -144,6 +145,32 @@ class PatternRoute(NamedTuple):
             and (not self.suffixes or path.endswith(self.suffixes))
             and (self.method == b"*" or method == self.method)
         )
+
+
+ADMIN_PREFIX = b"/admin"
+
+
+def admin_allowed(token: str | None, authorization: str | None, loopback: bool) -> bool:
+    """May this request use /admin/*?  With ``Authorization: Bearer`` the
+    admin token (router.admin_token_file); with no credentials at all, only
+    from loopback (`weir up` and the CLI on the router's host).  A wrong
+    token is refused from loopback too."""
+    if authorization is None or not authorization.strip(" \t"):
+        return loopback
+    scheme, _, given = authorization.strip(" \t").partition(" ")
+    if token is None or scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip(" \t").encode("latin-1"), token.encode("ascii"))
+
+
+def admin_refusal() -> Refusal:
+    return Refusal(
+        error(
+            Code.INVALID_ADMIN_TOKEN,
+            "The router's /admin/* needs the admin token (Authorization: Bearer TOKEN, the file "
+            "router.admin_token_file names); without one it answers loopback only.",
+        )
+    )
 
 
 def _json(status: int, obj: object) -> Reply:

@@ -25,6 +25,7 @@ of one table, path -> (method, handler).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import re
 import time
@@ -40,8 +41,8 @@ from router.http_embeddings import EmbeddingBatch, start_embeddings
 from router.http_exchange import STATUS_CLIENT_GONE
 from router.http_exchange import Exchange as Exchange  # (re-exported: router.responses_http subclasses it)
 from router.http_headers import error_headers, response_head
-from router.http_routes import JSON as _JSON
 from router.http_routes import (
+    ADMIN_PREFIX,
     Answer,
     BodyRoute,
     BodySink,
@@ -54,8 +55,11 @@ from router.http_routes import (
     Routes,
     Stream,
     Views,
+    admin_allowed,
+    admin_refusal,
     routes,
 )
+from router.http_routes import JSON as _JSON
 from router.metrics import RouterMetrics
 from router.model_registry import ServedModel
 from router.openai_api.prompt_forms import DEFAULT_MAX_PROMPTS
@@ -80,6 +84,9 @@ _WANTED_HEADERS = frozenset(
         b"content-type",  # multipart uploads (/v1/files)
     )
 )
+_KEY_HEADERS = (b"x-api-key", b"authorization")
+# What router.admin_http serves (probes, scrapes, operators); the API stays on router.http.
+ADMIN_PLANE_PATHS = (ADMIN_PREFIX, b"/metrics", b"/health")
 UPLOAD_PREFIX = b"/v1/files"  # bodies here may be up to max_upload_bytes
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
@@ -110,6 +117,14 @@ class ResponsesApi(Protocol):
     def by_id(self, req: Request) -> Answer | Awaitable[Answer]: ...
 
 
+def _is_loopback(peer: Any) -> bool:
+    """A TCP peer ``(host, port, ...)`` on a loopback address."""
+    try:
+        return ipaddress.ip_address(peer[0]).is_loopback
+    except (TypeError, ValueError, IndexError):
+        return False
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -126,13 +141,21 @@ def _request_id(value: bytes | None) -> str | None:
 
 
 class _Request:
-    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid", "sink")
+    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid", "query", "sink")
 
     def __init__(
-        self, method: bytes, path: bytes, headers: dict[bytes, bytes], body: bytes, keep_alive: bool, http11: bool
+        self,
+        method: bytes,
+        path: bytes,
+        headers: dict[bytes, bytes],
+        body: bytes,
+        keep_alive: bool,
+        http11: bool,
+        query: bytes = b"",
     ):
         self.method = method
         self.path = path
+        self.query = query  # after the "?" (paged lists: after, limit)
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
@@ -162,8 +185,12 @@ class _Ingress:
         extra: Routes | None = None,
         max_upload_bytes: int = 0,
         responses: ResponsesApi | None = None,
+        admin_token: str | None = None,
+        admin_plane: bool = False,
     ):
         self.core = core
+        self.admin_token = admin_token  # /admin/*: router.http_routes.admin_allowed
+        self.admin_plane = admin_plane  # router.admin_http: ADMIN_PLANE_PATHS only
         self.connections = connections  # open ones: what a drain waits on (``written_out``)
         self.max_prompts = max_prompts  # per completion request (router.max_prompts_per_request)
         self.responses = responses
@@ -233,6 +260,7 @@ class HttpConnection(asyncio.Protocol):
         self._keep_alive = True
         self._http11 = True
         self._upgrade = False
+        self.loopback = False  # the peer's address is a loopback one (connection_made)
 
     # ---------------------------------------------------------- asyncio
 
@@ -240,6 +268,7 @@ class HttpConnection(asyncio.Protocol):
         # (a stream server's transport: asyncio.Protocol's signature is BaseProtocol's)
         self.transport = cast(asyncio.Transport, transport)
         self.ingress.connections.add(self)
+        self.loopback = _is_loopback(transport.get_extra_info("peername"))
 
     def data_received(self, data: bytes) -> None:
         if self.dead_input or self.closed:
@@ -342,6 +371,9 @@ class HttpConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name in _WANTED_HEADERS:
+            held = self._headers.get(name)
+            if held is not None and name in _KEY_HEADERS:  # sent twice: ", "-joined as Envoy's Lua reads it
+                value = held + b", " + value
             self._headers[name] = value
 
     def on_headers_complete(self) -> None:
@@ -382,9 +414,8 @@ class HttpConnection(asyncio.Protocol):
     def _start_streamed(self, body_route: BodyRoute) -> None:
         """A body that goes to a sink as it arrives (an upload): the sink is
         made from the request's head, now, even behind a response in progress."""
-        req = _Request(
-            self.parser.get_method(), self._url.split(b"?", 1)[0], self._headers, b"", self._keep_alive, self._http11
-        )
+        path, _, query = self._url.partition(b"?")
+        req = _Request(self.parser.get_method(), path, self._headers, b"", self._keep_alive, self._http11, query)
         sink = body_route(req)
         if not isinstance(sink, Refusal):
             sink.resume = self._resume_body
@@ -402,9 +433,9 @@ class HttpConnection(asyncio.Protocol):
         if self._streamed is not None:
             req, self._streamed = self._streamed, None
         else:
-            path = self._url.split(b"?", 1)[0]
+            path, _, query = self._url.partition(b"?")
             body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-            req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11)
+            req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11, query)
         self._body = []  # the request holds its body now, and lets it go when its response starts
         if self.busy or self.pending:
             self.pending.append(req)
@@ -424,6 +455,12 @@ class HttpConnection(asyncio.Protocol):
                 return self.answer(req, sink, label)
             return self.answer_later(req, sink.finish(), label)
         ingress = self.ingress
+        if ingress.admin_plane and not req.path.startswith(ADMIN_PLANE_PATHS):
+            return self.respond_error(req, error(Code.NOT_FOUND, "Not served on the admin listener"), "other")
+        if req.path.startswith(ADMIN_PREFIX) and not admin_allowed(
+            ingress.admin_token, req.header(b"authorization"), self.loopback
+        ):
+            return self.respond_error(req, admin_refusal().info, "/admin")
         route = ingress.routes.get(req.path)
         if route is not None:
             method, handler = route
@@ -732,6 +769,8 @@ async def start_http_server(
     extra_routes: Routes | None = None,
     max_upload_bytes: int = 0,
     responses: ResponsesApi | None = None,
+    admin_token: str | None = None,
+    admin_plane: bool = False,
 ) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
@@ -740,6 +779,8 @@ async def start_http_server(
     the client is not reading is cancelled and its connection dropped.
     ``connections``: a set this server keeps its open connections in (for ``written_out``).
     ``max_prompts``: a completion's most prompts (a longer list: 400).
+    ``admin_token``: what /admin/* asks of a peer other than loopback (None: loopback only).
+    ``admin_plane``: serve only /admin/*, /metrics and /health (router.admin_http's listener).
     """
     conns = connections if connections is not None else set()
     ingress = _Ingress(
@@ -754,6 +795,8 @@ async def start_http_server(
         extra_routes,
         max_upload_bytes,
         responses,
+        admin_token,
+        admin_plane,
     )
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)

@@ -108,6 +108,15 @@ class RouterConfig(_Cfg):
     # A completion whose ``prompt`` is a list (strings or token-id lists) runs
     # one job per prompt; a longer list is refused (400, param ``prompt``).
     max_prompts_per_request: int = 128
+    # The router's /admin/* (drain, models, reload, views) needs this file's
+    # token (``Authorization: Bearer TOKEN``; relative to the config file),
+    # except from loopback without a token (`weir up`, the CLI on the host).
+    # "": no token -- /admin/* answers loopback only.  Kubernetes: a Secret.
+    admin_token_file: str = ""
+    # HOST:PORT of a second listener serving only /admin/*, /metrics and
+    # /health, so a firewall or NetworkPolicy can give the API port to Envoy
+    # alone (the rendered Kubernetes manifests do).  "": those stay on ``http`` only.
+    admin_http: str = ""
 
 
 class LoggingConfig(_Cfg):
@@ -146,6 +155,12 @@ class Budgets(_Cfg):
     # Tokens of batch lines (router/batch/) per day, on top of the budgets
     # above; [[tenants]] only.  Exhausted: the tenant's batches wait.
     batch_tokens_per_day: int | None = None
+    # Storage of the Batch API, per tenant (router/batch/usage.py): files
+    # kept, their bytes, batches not yet ended.  None: the [batch] default;
+    # set on a key and on its tenant, the smaller applies.
+    max_stored_files: int | None = None
+    max_stored_file_bytes: int | None = None
+    max_active_batches: int | None = None
 
 
 class ApiKey(Budgets, kw_only=True):
@@ -166,6 +181,9 @@ class TenantConfig(Budgets, kw_only=True):
     """Budgets shared by all of a tenant's keys (on top of each key's own)."""
 
     name: str
+    # This tenant's own stored-responses bounds (default: [responses] max_stored / max_bytes).
+    responses_max_stored: int | None = None
+    responses_max_bytes: int | None = None
 
 
 class QuotaConfig(_Cfg):
@@ -185,7 +203,11 @@ class ResponsesConfig(_Cfg):
     # (the [quota] Redis: redis_url and redis_timeout_s there).
     store: Literal["memory", "redis"] = "memory"
     redis_prefix: str = "weir:responses:"
-    max_stored: int = 10_000  # beyond: the oldest is evicted
+    # Per tenant (a [[tenants]] entry may set its own: responses_max_stored,
+    # responses_max_bytes): beyond either, that tenant's oldest is evicted,
+    # never another tenant's.
+    max_stored: int = 10_000
+    max_bytes: int = 64 << 20
     max_age_s: float = 3600.0  # older: gone (404), as if deleted
     max_stored_bytes: int = 1 << 20  # one response + its conversation; larger: served, not stored
 
@@ -377,6 +399,9 @@ class KubernetesConfig(_Cfg):
     polling_interval_s: int = 15
     prometheus_url: str = "http://prometheus.monitoring.svc:9090"
     monitoring_namespace: str = "monitoring"  # may scrape routers and Envoy
+    # Without [[api_keys]] the rendering is refused (an open cluster: one
+    # anonymous tenant for every client in reach) unless this says so.
+    allow_anonymous: bool = False
     # Scheduled pre-scaling (CronJob patches the ScaledObjects' floor):
     prescale_schedule: str = "30 7 * * 1-5"  # before the weekday peak
     prescale_min_workers: int = 2
@@ -411,6 +436,18 @@ class BatchConfig(_Cfg):
     # Weight of queued/running batch lines in the autoscaling demand (deploy/k8s_scaling.py).
     # 0: batch work never adds workers; it fills idle ones.
     autoscale_weight: float = 0.0
+    # Per tenant (a [[tenants]] or [[api_keys]] entry may set its own): files
+    # kept (uploads and results), their bytes, and batches not yet ended.
+    # Beyond: 429 (count, active batches) or 413 (bytes).
+    max_stored_files: int = 10_000
+    max_stored_file_bytes: int = 10 << 30
+    max_active_batches: int = 100
+    # A batch that ended is kept (GET /v1/batches/{id}) this long, then its
+    # directory is deleted; its files follow their own expires_at.
+    finished_retention_s: float = 30 * 86400.0
+    # How often expired files and old batches are deleted and the per-tenant
+    # index re-reads the directory (another router's uploads and deletions).
+    housekeeping_interval_s: float = 5.0
 
 
 class Config(_Cfg):
@@ -504,6 +541,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{where}: unknown tier {k.tier!r}")
         if (k.key is None) == (k.key_sha256 is None):
             raise ConfigError(f"{where}: give exactly one of key_sha256 (preferred) or key")
+        if k.key is not None and not re.fullmatch(r"[\x21-\x7e]+", k.key):  # shared.keys.well_formed
+            raise ConfigError(f"{where}: a key must be printable ASCII without spaces")
         if k.key_sha256 is not None:
             h = k.key_sha256
             if len(h) != 64 or any(c not in "0123456789abcdef" for c in h.lower()):
@@ -536,8 +575,25 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("batch.max_in_flight, queued_target and max_file_bytes must be >= 1")
     if bc.max_result_bytes < 1:
         raise ConfigError("batch.max_result_bytes must be >= 1")
+    limits = [("[batch]", bc), *((f"api key of tenant {k.tenant!r}", k) for k in cfg.api_keys)]
+    for where, lim in [*limits, *((f"tenant {t.name!r}", t) for t in cfg.tenants)]:
+        for f in ("max_stored_files", "max_stored_file_bytes", "max_active_batches"):
+            v = getattr(lim, f)
+            if v is not None and v < 0:
+                raise ConfigError(f"{where}: {f} = {v}: must be >= 0")
+    if bc.finished_retention_s < 0 or bc.housekeeping_interval_s <= 0:
+        raise ConfigError("batch.finished_retention_s must be >= 0 and housekeeping_interval_s > 0")
     if cfg.responses.max_stored < 1 or cfg.responses.max_age_s <= 0:
         raise ConfigError("[responses] max_stored must be >= 1 and max_age_s > 0")
+    if cfg.router.admin_http and len(cfg.routers) > 1:
+        raise ConfigError("router.admin_http is one address: it cannot serve several [[routers]] on one host")
+    for t in cfg.tenants:
+        for f in ("responses_max_stored", "responses_max_bytes"):
+            v = getattr(t, f)
+            if v is not None and v < 1:
+                raise ConfigError(f"tenant {t.name!r}: {f} = {v}: must be >= 1 (leave it out for [responses]'s)")
+    if cfg.responses.max_bytes < 1:
+        raise ConfigError("[responses] max_bytes must be >= 1")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 

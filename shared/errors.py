@@ -32,6 +32,7 @@ class Code(enum.Enum):
     UNSUPPORTED_VALUE = (400, _INVALID, "unsupported_value")
     CONTEXT_LENGTH = (400, _INVALID, "context_length_exceeded")
     INVALID_API_KEY = (401, "authentication_error", "invalid_api_key")
+    INVALID_ADMIN_TOKEN = (401, "authentication_error", "invalid_admin_token")
     MODEL_NOT_FOUND = (404, _INVALID, "model_not_found")
     NOT_FOUND = (404, _INVALID, "not_found")
     METHOD_NOT_ALLOWED = (405, _INVALID, "method_not_allowed")
@@ -46,6 +47,10 @@ class Code(enum.Enum):
     REQUESTS_BUDGET = (429, "requests", "rate_limit_exceeded")
     TOKENS_BUDGET = (429, "tokens", "rate_limit_exceeded")
     BUDGET_TOO_SMALL = (400, _INVALID, "request_exceeds_budget")  # could never fit: no Retry-After
+    # Per-tenant storage of the Batch API (router/batch/usage.py): ``param`` names the limit
+    FILES_LIMIT = (429, _RATE, "file_count_limit_exceeded")
+    FILE_BYTES_LIMIT = (413, _INVALID, "file_storage_limit_exceeded")
+    ACTIVE_BATCHES_LIMIT = (429, _RATE, "active_batch_limit_exceeded")
     # 5xx: the service
     INTERNAL = (500, _SERVER, "internal_error")
     ENGINE_ERROR = (500, _SERVER, "engine_error")
@@ -206,7 +211,9 @@ WHEN: dict[Code, str] = {
     Code.UNSUPPORTED_VALUE: "a known field weir cannot honour (`suffix`, vLLM extensions such as `echo` in chat, "
     "...; structured output or `logprobs` on a simulated engine)",
     Code.CONTEXT_LENGTH: "prompt + `max_tokens` exceeds the model's context, or the KV any worker can hold",
-    Code.INVALID_API_KEY: "keys are configured and this one is unknown or malformed",
+    Code.INVALID_API_KEY: "the key is malformed (not printable ASCII without spaces), or keys are configured "
+    "and this one is unknown",
+    Code.INVALID_ADMIN_TOKEN: "`/admin/*` from other than loopback without the admin token, or with a wrong one",
     Code.MODEL_NOT_FOUND: "no such model is served (or it was removed at run time)",
     Code.NOT_FOUND: "no such path, or no such worker on an admin path",
     Code.METHOD_NOT_ALLOWED: "a known path with the wrong method",
@@ -219,6 +226,9 @@ WHEN: dict[Code, str] = {
     Code.REQUESTS_BUDGET: "a `requests_per_minute` budget is empty",
     Code.TOKENS_BUDGET: "a token budget cannot hold prompt + n × `max_tokens` now",
     Code.BUDGET_TOO_SMALL: "the request is larger than a token budget could ever hold",
+    Code.FILES_LIMIT: "the tenant keeps `max_stored_files` files (`[batch]`, or its key's or tenant's own)",
+    Code.FILE_BYTES_LIMIT: "the upload would take the tenant's files over `max_stored_file_bytes`",
+    Code.ACTIVE_BATCHES_LIMIT: "the tenant has `max_active_batches` batches not yet ended",
     Code.INTERNAL: "a fault inside weir (or a request the worker link could not encode)",
     Code.ENGINE_ERROR: "the engine failed or ended the request without a result",
     Code.ENGINE_UNAVAILABLE: "the engine stopped",

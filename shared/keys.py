@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import stat
 from typing import TYPE_CHECKING
@@ -18,6 +19,59 @@ if TYPE_CHECKING:
     from shared.config import ApiKey, Config
 
 KEY_PREFIX = "sk-weir-"
+
+# The one rule for a key's text, the same at Envoy (deploy/envoy_config.py's
+# Lua runs it before any rate-limit bucket is touched) and at the router
+# (HTTP headers and direct ZeroMQ clients alike): a header value is trimmed
+# of ASCII spaces and tabs only, and what is left must be printable ASCII
+# without spaces.  Anything else is a malformed key (401): were U+00A0 or
+# another byte trimmed or kept by one side only, KEY + junk would be a fresh
+# Envoy bucket but the same key to the router.
+_WELL_FORMED = re.compile(r"[\x21-\x7e]+")
+_OWS = " \t"
+
+
+def admin_token(cfg: Config) -> str | None:
+    """The router's admin token (``router.admin_token_file``), None if none is configured."""
+    if not cfg.router.admin_token_file:
+        return None
+    path = cfg.resolve(cfg.router.admin_token_file)
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        from shared.config import ConfigError
+
+        raise ConfigError(f"router.admin_token_file: {e}") from None
+    if not well_formed(token):
+        from shared.config import ConfigError
+
+        raise ConfigError(f"router.admin_token_file {path}: the token must be printable ASCII without spaces")
+    return token
+
+
+def admin_headers(cfg: Config) -> dict[str, str]:
+    """What a caller of a router's /admin/* sends (nothing without a token: loopback)."""
+    token = admin_token(cfg)
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def well_formed(key: str) -> bool:
+    return _WELL_FORMED.fullmatch(key) is not None
+
+
+def key_from_headers(x_api_key: str | None, authorization: str | None) -> str | None:
+    """The key a request presents, before the ``well_formed`` check (header
+    values as latin-1 text, one character per byte): ``x-api-key`` trimmed,
+    else the token of ``Authorization: Bearer TOKEN``; None: no key.
+    Envoy's Lua (deploy/envoy_config.py) is this function line by line."""
+    key = x_api_key.strip(_OWS) if x_api_key is not None else ""
+    if not key and authorization is not None:
+        auth = authorization.strip(_OWS)
+        cut = min((i for i in (auth.find(" "), auth.find("\t")) if i >= 0), default=-1)
+        if cut > 0 and auth[:cut].lower() == "bearer":
+            key = auth[cut:].lstrip(_OWS)
+    return key or None
 
 
 def new_key() -> str:

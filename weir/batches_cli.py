@@ -86,7 +86,7 @@ def cmd_submit(args: Any) -> int:
 
 
 def cmd_list(args: Any) -> int:
-    for b in _client(args).batches.list().data:
+    for b in _client(args).batches.list(limit=100).data:  # the newest 100 (a page holds at most 100)
         print(_line(b))
     return 0
 

@@ -161,6 +161,13 @@ def cmd_render_k8s(args) -> int:
     cfg = load(args.config)
     for path in k8s.write(cfg, args.output):
         print(path)
+    if not cfg.api_keys:  # (rendered only with kubernetes.allow_anonymous = true)
+        print(
+            "\n#### WARNING: NO API KEYS. kubernetes.allow_anonymous = true: every client that reaches Envoy is\n"
+            "#### the one anonymous tenant and can read, download and delete everyone's files, batches and\n"
+            "#### stored responses. Add [[api_keys]] (`weir keys new`) for anything but a demo.",
+            file=sys.stderr,
+        )
     from deploy.k8s_security import secret_commands
 
     commands = secret_commands(cfg, k8s.worker_groups(cfg))

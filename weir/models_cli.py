@@ -44,17 +44,24 @@ def add_parser(sub) -> None:
     rm.set_defaults(func=cmd_remove)
 
 
+# The admin token's header where the config names one (one command, one config).
+_ADMIN: dict[str, str] = {}
+
+
 def _router(args) -> str:
     from deploy.stack import _http_url
+    from shared.keys import admin_headers
 
-    return _http_url(load(args.config).router.http)
+    cfg = load(args.config)
+    _ADMIN.update(admin_headers(cfg))
+    return _http_url(cfg.router.http)
 
 
 def _call(url: str, body=None):
     from deploy.runtime_models import _call as call
 
     try:
-        return call(url, body, timeout=10.0)
+        return call(url, body, timeout=10.0, headers=_ADMIN)
     except OSError as e:
         print(
             f"weir models: the router at {url} does not answer ({getattr(e, 'reason', e)}); is the stack "

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deploy.envoy_config import RATE_LIMIT_STAT_PREFIX, ROUTER_CLUSTER
 from deploy.stack import _http_url
 from shared.config import Config
+from shared.keys import admin_headers
 
 if TYPE_CHECKING:
     from rich.console import Group, RenderableType
@@ -41,9 +42,9 @@ class Unreachable(Exception):
     pass
 
 
-def _fetch(url: str) -> bytes:
+def _fetch(url: str, headers: dict[str, str] | None = None) -> bytes:
     try:
-        with _opener.open(url, timeout=FETCH_TIMEOUT_S) as r:
+        with _opener.open(urllib.request.Request(url, headers=headers or {}), timeout=FETCH_TIMEOUT_S) as r:
             return r.read()
     except urllib.error.HTTPError as e:  # 503 from /health/ready still has a body
         return e.read()
@@ -52,9 +53,9 @@ def _fetch(url: str) -> bytes:
         raise Unreachable(f"{url}: {reason}") from None
 
 
-def _json(url: str) -> Any:
+def _json(url: str, headers: dict[str, str] | None = None) -> Any:
     try:
-        return json.loads(_fetch(url))
+        return json.loads(_fetch(url, headers))
     except json.JSONDecodeError as e:
         raise Unreachable(f"{url}: not JSON ({e})") from None
 
@@ -68,23 +69,24 @@ def read_envoy(admin_url: str) -> dict:
     return {s["name"]: s["value"] for s in data.get("stats", []) if "value" in s}
 
 
-def read_router(url: str) -> dict:
+def read_router(url: str, admin: dict[str, str] | None = None) -> dict:
+    """``admin``: the headers /admin/* needs (shared.keys.admin_headers)."""
     metrics: dict[str, list] = {}
     for fam in text_string_to_metric_families(_fetch(url + "/metrics").decode()):
         for s in fam.samples:
             metrics.setdefault(s.name, []).append((s.labels, s.value))
     return {
-        "workers": _json(url + "/admin/workers"),
-        "queues": _json(url + "/admin/queues"),
-        "tenants": _json(url + "/admin/tenants"),
+        "workers": _json(url + "/admin/workers", admin),
+        "queues": _json(url + "/admin/queues", admin),
+        "tenants": _json(url + "/admin/tenants", admin),
         "ready": _json(url + "/health/ready"),
         "health": _json(url + "/health"),
-        "models": _json(url + "/admin/models"),
+        "models": _json(url + "/admin/models", admin),
         "metrics": metrics,
     }
 
 
-def read(envoy_admin: str, routers: list[str]) -> dict:
+def read(envoy_admin: str, routers: list[str], admin: dict[str, str] | None = None) -> dict:
     """One raw reading of everything; what did not answer says why."""
     out: dict[str, Any] = {"t": time.monotonic(), "envoy": None, "envoy_error": None, "routers": {}}
     try:
@@ -93,7 +95,7 @@ def read(envoy_admin: str, routers: list[str]) -> dict:
         out["envoy_error"] = str(e)
     for url in routers:
         try:
-            out["routers"][url] = read_router(url)
+            out["routers"][url] = read_router(url, admin)
         except Unreachable as e:
             out["routers"][url] = {"error": str(e)}
     return out
@@ -572,10 +574,11 @@ def run(
     count: int | None = None,
 ) -> int:
     admin, urls = targets(cfg, routers, envoy_admin)
+    token = admin_headers(cfg)
     # the config's one router should have its workers; routers named on the
     # command line only those they have been seen with
     expected = {urls[0]: {w.id for w in cfg.workers}} if routers is None else {}
-    prev = read(admin, urls)
+    prev = read(admin, urls, token)
     first = view(prev, None, expected)
     _registered(expected, prev)
     why = stack_down(first)
@@ -586,7 +589,7 @@ def run(
         return 1
     if as_json:
         time.sleep(interval)
-        cur = read(admin, urls)
+        cur = read(admin, urls, token)
         json.dump(view(cur, prev, expected), sys.stdout, indent=1)
         print()
         return 0
@@ -600,7 +603,7 @@ def run(
         with Live(render(first, title), console=console, screen=True, auto_refresh=False) as live:
             while count is None or shown < count:
                 time.sleep(interval)
-                cur = read(admin, urls)
+                cur = read(admin, urls, token)
                 live.update(render(view(cur, prev, expected), title), refresh=True)
                 _registered(expected, cur)
                 prev = cur

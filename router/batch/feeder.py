@@ -15,7 +15,22 @@ Any other refusal, or a line that does not parse, is an entry in the error
 file, keyed by its custom_id.  A line of several jobs (an embeddings line's
 inputs, a completions line's prompt list: router.batch.lines) counts each
 job against the window; one refused or failed ends the whole line.  Results are appended and fsync'ed on a
-thread, in groups (router.batch.store.ResultLog).
+thread, in groups (router.batch.store.ResultLog), each group and each state
+write under the batch's fence (router.batch.store.Fence): a run whose lease
+another router has taken over is refused there and stops, writing nothing.
+
+A draining router (router.drain) hands its batches on: the feeder sends no
+more lines, withdraws those still queued, lets the running ones finish (or
+the drain's deadline refuse them: retryable, so not written), writes what
+finished, and ends the run without ending the batch; the service then
+releases the lease at once, so another router -- or this one, restarted --
+takes the batch over where it stopped.
+
+
+A full disk (ENOSPC, EDQUOT) is nobody's fault, least of all this batch's:
+the results not written stay in memory (at most the window's lines), no new
+line is sent, and the write is tried again every ``retry_s`` until it
+succeeds; then feeding resumes.  The batch never fails for it.
 """
 
 from __future__ import annotations
@@ -33,9 +48,20 @@ from router import openai_api as api
 from router.admission import ANONYMOUS_TENANT, Identity
 from router.batch import model as m
 from router.batch.lines import AsOwner, EmbeddingLine
-from router.batch.store import BatchError, BatchRecord, ResultLog, ResultsTooLarge, is_done, mark_done, result_id
+from router.batch.store import (
+    BatchError,
+    BatchRecord,
+    ResultLog,
+    ResultsTooLarge,
+    StaleLease,
+    disk_full,
+    is_done,
+    mark_done,
+    result_id,
+)
 from router.batch.validate import LineJobs, check_file, decode_line, to_jobs
 from router.jobs import RUNNING, job_id_of
+from router.ownership import key_live
 from router.prompt_fanout import PromptFanOut, echo_texts
 from shared import protocol as p
 from shared.errors import Code, error
@@ -49,6 +75,11 @@ log = logging.getLogger("weir.batch")
 FLUSH_S = 0.05  # results wait at most this long for their group's fsync
 READ_PER_PASS = 4096  # input lines read per feeding pass at most (bad lines cost no slot)
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+REVOKED_CODE = "api_key_revoked"
+REVOKED_MESSAGE = (
+    "The API key that created this batch was removed or moved to another tenant: the batch was cancelled "
+    "and this request was not executed."
+)
 
 
 class _UsageOnly(msgspec.Struct):
@@ -117,7 +148,7 @@ class LineSink:
 
 
 class BatchRun:
-    def __init__(self, service: BatchService, rec: BatchRecord) -> None:
+    def __init__(self, service: BatchService, rec: BatchRecord, token: int = 0) -> None:
         self.svc = service
         self.core = service.core
         self.rec = rec
@@ -128,6 +159,7 @@ class BatchRun:
         self.input_path = service.files.data_path(rec.input_file_id)
         self.out = ResultLog(service.files.data_path(rec.output_file_id), bcfg.max_result_bytes)
         self.err = ResultLog(service.files.data_path(rec.error_file_id), bcfg.max_result_bytes)
+        self.fence = service.store.fence(rec.id, token)  # token: this router's lease grant (router.batch.lease)
         self.done = bytearray()
         self.cursor = 0  # the next physical input line to read
         self._input: IO[bytes] | None = None
@@ -144,22 +176,36 @@ class BatchRun:
         self.wake = asyncio.Event()
         self.ended = False
         self.stopped = False
+        self.draining = False  # the router drains: no more lines; hand the batch on once the running ones end
+        self.handed_off = False  # the run ended with the batch still running: its lease goes to another router
         self.started_mono = time.monotonic()
         self.done_at_start = 0
         self.dirty = True
+        self.disk_full_since: float | None = None  # writes fail for want of room: feeding waits
+        self._unfinished_written = 0  # expiry/revocation entries written by an attempt a full disk cut short
         self.who: Identity | p.ErrorInfo = self._identity()
+        self.revoked = isinstance(self.who, p.ErrorInfo)  # its key is gone: cancelled at the next step
 
     # ------------------------------------------------------------ identity and class
 
     def _identity(self) -> Identity | p.ErrorInfo:
+        """Who the lines run as: the creating key, while it still speaks for the batch's tenant."""
         keys = self.core.keys
         klass = self.svc.batch_class
+        if not key_live(self.rec.owner, self.rec.key_digest, keys.by_key):
+            return error(Code.INVALID_API_KEY, "The API key that created this batch is no longer valid.")
         if not keys.by_key:
             return Identity(ANONYMOUS_TENANT, klass, 1.0, "")
-        key = keys.by_key.get(self.rec.key_digest)
-        if key is None:
-            return error(Code.INVALID_API_KEY, "The API key that created this batch is no longer valid.")
+        key = keys.by_key[self.rec.key_digest]
         return Identity(key.tenant, klass, key.weight, key_id(self.rec.key_digest))
+
+    def recheck(self) -> None:
+        """The keys were reloaded: a batch whose key was removed or moved to another tenant is cancelled."""
+        self.who = self._identity()
+        if isinstance(self.who, p.ErrorInfo) and not self.revoked:
+            self.revoked = True
+            log.warning("batch %s: its API key was revoked; cancelling it", self.rec.id)
+            self.wake.set()
 
     # ------------------------------------------------------------ the run
 
@@ -171,20 +217,33 @@ class BatchRun:
                     return
             await self._recover()
             while not self.stopped:
-                await self.step()
-                if self.ended:
+                try:
+                    await self.step()
+                except OSError as e:
+                    if not disk_full(e) or self.stopped:
+                        raise
+                    self._disk_full(e)  # tried again at the next step
+                if self.ended or self.handed_off:
                     return
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), self.svc.bcfg.scan_interval_s)
                 except TimeoutError:
                     pass
+        except StaleLease as e:
+            self._stale(e)
         except Exception as e:
             log.exception("batch %s failed", self.rec.id)
             if not self.stopped:
                 await self._fail("internal_error", f"The batch failed: {e}")
         finally:
             self._close()
+
+    def _stale(self, e: StaleLease) -> None:
+        """A write was refused: another router holds the batch now.  Stop, write nothing more."""
+        if not self.stopped:
+            log.warning("batch %s: %s; another router runs it now, this one stops", self.rec.id, e)
+            self.stop()
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.svc.io, fn, *args)
@@ -211,7 +270,7 @@ class BatchRun:
             self.ended = True
             return False
         rec.move(m.IN_PROGRESS)
-        await self._save()
+        await self._save_or_wait()
         return True
 
     async def _recover(self) -> None:
@@ -223,6 +282,9 @@ class BatchRun:
         if (rec.completed, rec.failed) != (self.out.lines, self.err.lines):
             rec.completed, rec.failed = self.out.lines, self.err.lines
             self.dirty = True
+        if rec.usage != self.out.usage:  # (the state saved last may lag the files: a crash between)
+            rec.usage = msgspec.structs.replace(self.out.usage)
+            self.dirty = True
         self.done_at_start = rec.completed + rec.failed
         self.started_mono = time.monotonic()
         self._input = await self._io(open, self.input_path, "rb")
@@ -231,6 +293,8 @@ class BatchRun:
         rec = self.rec
         if rec.status == m.FINALIZING:
             return await self._finish(m.COMPLETED)
+        if self.revoked and rec.status in (m.IN_PROGRESS, m.CANCELLING):
+            return await self._revoke()
         if time.time() >= rec.expires_at and rec.status in (m.IN_PROGRESS, m.CANCELLING):
             return await self._expire()
         if rec.status == m.IN_PROGRESS and self.svc.store.cancel_requested(rec.id):
@@ -239,6 +303,10 @@ class BatchRun:
             self._cancel_queued()
         if rec.status == m.IN_PROGRESS:
             self.feed()
+            if self.draining:
+                if not self.in_flight:
+                    await self._hand_off()
+                return
             if self.eof and not self.retry and not self.in_flight:
                 await self._drain()
                 if self.stopped or self._write_failed or rec.status != m.IN_PROGRESS:
@@ -248,7 +316,7 @@ class BatchRun:
         elif rec.status == m.CANCELLING and not self.in_flight:
             return await self._finish(m.CANCELLED)
         if self.dirty:
-            await self._save()
+            await self._save_or_wait()
 
     # ------------------------------------------------------------ feeding
 
@@ -262,7 +330,7 @@ class BatchRun:
         self._kicked = False
         if not self.stopped and self.rec.status == m.IN_PROGRESS:
             self.feed()
-            if self.eof and not self.retry and not self.in_flight:
+            if (self.draining or (self.eof and not self.retry)) and not self.in_flight:
                 self.wake.set()
         elif self.rec.status == m.CANCELLING and not self.in_flight:
             self.wake.set()
@@ -280,11 +348,16 @@ class BatchRun:
         return len(self.in_flight) - self.queued()
 
     def feed(self) -> None:
+        if self.draining or self.core.draining:
+            self.drain()
+            return
         want = m.lines_to_send(m.FeedState(len(self.in_flight), self.queued(), self.window, self.queue_target))
         reads = 0
         now = time.monotonic()
         if want > 0 and not self.svc.budget_allows(self.rec.owner):
             return  # batch_tokens_per_day spent: the batch waits (checked again at each scan)
+        if self.disk_full_since is not None:
+            return  # results cannot be written: no new line until they can
         while want > 0 and reads < READ_PER_PASS:
             if self.retry and self.retry[0][0] <= now:
                 _, line, raw = self.retry.popleft()
@@ -295,6 +368,32 @@ class BatchRun:
                 line, raw = got
                 reads += 1
             want -= self._send(line, raw)
+
+    def drain(self) -> None:
+        """The router drains: send nothing more, withdraw the lines still queued
+        (not started: the next holder sends them), let the running ones end."""
+        if self.draining:
+            return
+        self.draining = True
+        if self.rec.status == m.IN_PROGRESS:
+            self._cancel_queued()
+        log.info(
+            "batch %s: router draining; %d lines running finish here, then the batch moves on",
+            self.rec.id,
+            len(self.in_flight),
+        )
+        self.wake.set()
+
+    async def _hand_off(self) -> None:
+        """Nothing of this run is in flight: write what finished, save, and end the run (not the batch)."""
+        await self._drain()
+        if self.stopped:
+            return
+        await self._save()
+        self.handed_off = True
+        log.info(
+            "batch %s: handed on (%d of %d done)", self.rec.id, self.rec.completed + self.rec.failed, self.rec.total
+        )
 
     def _next_line(self) -> tuple[int, bytes] | None:
         f = self._input
@@ -428,7 +527,8 @@ class BatchRun:
 
     def _flush_soon(self) -> None:
         if self._flush_timer is None and self._flushing is None:
-            self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+            wait = FLUSH_S if self.disk_full_since is None else self.retry_s
+            self._flush_timer = asyncio.get_running_loop().call_later(wait, self._flush)
 
     def _flush(self) -> None:
         self._flush_timer = None
@@ -439,18 +539,24 @@ class BatchRun:
         counts, self._pending = self._pending, [0, 0, 0, 0, 0]
         fut = asyncio.get_running_loop().run_in_executor(self.svc.io, self._write, out, err)
         self._flushing = fut
-        fut.add_done_callback(lambda f: self._flushed(f, counts))
+        fut.add_done_callback(lambda f: self._flushed(f, out, err, counts))
 
     def _write(self, out: list[bytes], err: list[bytes]) -> None:
-        if out:
-            self.out.append(out)
-        if err:
-            self.err.append(err)
+        """Each list is emptied once written (ResultLog.append: all or nothing)."""
+        with self.fence.hold():
+            if out:
+                self.out.append(out)
+                out.clear()
+            if err:
+                self.err.append(err)
+                err.clear()
 
-    def _flushed(self, fut: asyncio.Future[Any], counts: list[int]) -> None:
+    def _flushed(self, fut: asyncio.Future[Any], out: list[bytes], err: list[bytes], counts: list[int]) -> None:
         self._flushing = None
         exc = fut.exception()
-        if exc is not None:
+        if isinstance(exc, StaleLease):
+            return self._stale(exc)
+        if exc is not None and not disk_full(exc):
             log.error("batch %s: writing results failed: %s", self.rec.id, exc)
             if not self.stopped and not self._write_failed:
                 self._write_failed = True
@@ -461,6 +567,19 @@ class BatchRun:
                 )
                 asyncio.get_running_loop().create_task(self._fail(code, message))
             return
+        if exc is not None:  # no room: what was not written goes back, to be written when there is
+            back = [0] * 5
+            if out:
+                self._out_buf[:0] = out
+                back[0], back[2], back[3], back[4] = counts[0], counts[2], counts[3], counts[4]
+            if err:
+                self._err_buf[:0] = err
+                back[1] = counts[1]
+            self._pending = [a + b for a, b in zip(self._pending, back, strict=True)]
+            counts = [a - b for a, b in zip(counts, back, strict=True)]
+            self._disk_full(exc)
+        elif self.disk_full_since is not None:
+            self._disk_ok()
         rec = self.rec
         rec.completed += counts[0]
         rec.failed += counts[1]
@@ -468,8 +587,24 @@ class BatchRun:
         rec.usage.output_tokens += counts[3]
         rec.usage.cached_tokens += counts[4]
         self.dirty = True
-        if self._out_buf or self._err_buf:
+        if (self._out_buf or self._err_buf) and not self.stopped:
             self._flush_soon()
+
+    def _disk_full(self, exc: BaseException) -> None:
+        if self.disk_full_since is None:
+            self.disk_full_since = time.monotonic()
+            log.warning(
+                "batch %s: the disk is full (%s); feeding paused, writes retried every %g s",
+                self.rec.id,
+                exc,
+                self.retry_s,
+            )
+
+    def _disk_ok(self) -> None:
+        waited = time.monotonic() - (self.disk_full_since or 0.0)
+        log.warning("batch %s: results written again after %.1f s; feeding resumes", self.rec.id, waited)
+        self.disk_full_since = None
+        self.kick()
 
     async def _drain(self) -> None:
         """Every result so far on disk."""
@@ -482,7 +617,9 @@ class BatchRun:
                 continue
             if not (self._out_buf or self._err_buf):
                 return
-            self._flush()
+            if self.disk_full_since is not None:
+                await asyncio.sleep(self.retry_s)  # no room: try again in a while, not in a loop
+            self._flush()  # (nothing if a timer's flush runs already: awaited above next turn)
 
     # ------------------------------------------------------------ ends
 
@@ -515,16 +652,56 @@ class BatchRun:
             return
         rec = self.rec
         try:
-            n = await self._io(self._write_expired)
+            await self._io(self._write_unfinished, "batch_expired", EXPIRED_MESSAGE)
         except ResultsTooLarge as e:
             return await self._fail("results_too_large", str(e))
         except OSError as e:
+            if disk_full(e):
+                raise  # tried again at the next step (main): the entries written so far are marked done
             return await self._fail("results_write_failed", f"Writing expiry entries failed ({e}).")
-        rec.failed += n
+        rec.failed += self._unfinished_written
+        self._unfinished_written = 0
         await self._end_files(m.EXPIRED)
 
-    def _write_expired(self) -> int:
-        rec, n, chunk = self.rec, 0, []
+    async def _revoke(self) -> None:
+        """Its key was revoked: what finished stays; every other line gets an api_key_revoked
+        entry in the error file, and the batch ends cancelled with that error."""
+        self._withdraw_all()
+        await self._drain()
+        if self.stopped:
+            return
+        rec = self.rec
+        try:
+            await self._io(self._write_unfinished, REVOKED_CODE, REVOKED_MESSAGE)
+        except OSError as e:
+            if disk_full(e):
+                raise  # tried again at the next step (main): the entries written so far are marked done
+            return await self._fail("results_write_failed", f"Writing revocation entries failed ({e}).")
+        rec.failed += self._unfinished_written
+        self._unfinished_written = 0
+        rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
+        if rec.status == m.IN_PROGRESS:
+            rec.move(m.CANCELLING)
+        await self._end_files(m.CANCELLED)
+
+    def _write_unfinished(self, code: str, message: str) -> None:
+        with self.fence.hold():
+            self._write_unfinished_fenced(code, message)
+
+    def _write_unfinished_fenced(self, code: str, message: str) -> None:
+        """An error entry (``code``, ``message``) for every line not done (counted in ``_unfinished_written``)."""
+        rec = self.rec
+        chunk: list[bytes] = []
+        lines: list[int] = []
+
+        def write() -> None:
+            self.err.append(chunk)
+            for line in lines:  # done once written: a retry after a full disk writes only the rest
+                mark_done(self.done, line)
+            self._unfinished_written += len(lines)
+            chunk.clear()
+            lines.clear()
+
         with open(self.input_path, "rb") as f:
             for line, raw in enumerate(f):
                 if not raw.strip() or line >= rec.input_lines or is_done(self.done, line):
@@ -534,17 +711,14 @@ class BatchRun:
                     "id": result_id(rec.id, line),
                     "custom_id": head.custom_id if head is not None else "",
                     "response": None,
-                    "error": {"code": "batch_expired", "message": EXPIRED_MESSAGE},
+                    "error": {"code": code, "message": message},
                 }
                 chunk.append(_encode(entry) + b"\n")
-                mark_done(self.done, line)
-                n += 1
+                lines.append(line)
                 if len(chunk) >= 4096:
-                    self.err.append(chunk)
-                    chunk = []
+                    write()
         if chunk:
-            self.err.append(chunk)
-        return n
+            write()
 
     async def _finish(self, status: str) -> None:
         await self._drain()
@@ -561,8 +735,14 @@ class BatchRun:
         one on seeing the status must find the file (the register runs off the loop)."""
         rec = self.rec
         await self._register_files()
+        was, stamps = rec.status, dict(rec.stamps)
         rec.move(status)
-        await self._save()
+        try:
+            await self._save()
+        except OSError as e:
+            if disk_full(e):  # not ended until saved: back as it was, tried again at the next step
+                rec.status, rec.stamps = was, stamps
+            raise
         self.ended = True
         log.info("batch %s %s: %d completed, %d failed of %d", rec.id, rec.status, rec.completed, rec.failed, rec.total)
 
@@ -571,21 +751,37 @@ class BatchRun:
         try:
             await self._io(self._register)
         except OSError as e:
+            if disk_full(e) and not self.stopped:
+                raise  # no end status before its files are visible: tried again at the next step
             log.error("batch %s: registering result files failed: %s", self.rec.id, e)
 
     def _register(self) -> None:
+        with self.fence.hold():
+            self._register_fenced()
+
+    def _register_fenced(self) -> None:
         rec, files = self.rec, self.svc.files
         self.out.close()
         self.err.close()
+        exp = rec.output_expires_after_s
         if rec.completed:
-            files.register(rec.owner, rec.output_file_id, f"{rec.id}_output.jsonl", "batch_output")
+            files.register(rec.owner, rec.output_file_id, f"{rec.id}_output.jsonl", "batch_output", exp)
         if rec.failed:
-            files.register(rec.owner, rec.error_file_id, f"{rec.id}_error.jsonl", "batch_output")
+            files.register(rec.owner, rec.error_file_id, f"{rec.id}_error.jsonl", "batch_output", exp)
 
     async def _fail(self, code: str, message: str) -> None:
+        try:
+            await self._fail_fenced(code, message)
+        except StaleLease as e:
+            self._stale(e)
+
+    async def _fail_fenced(self, code: str, message: str) -> None:
         self._withdraw_all()
         rec = self.rec
-        await self._register_files()
+        try:
+            await self._register_files()
+        except OSError as e:  # (a full disk: failing anyway, what could be registered was)
+            log.error("batch %s: registering result files failed: %s", rec.id, e)
         rec.errors = [*rec.errors, BatchError(code, message)]
         if rec.status not in m.TERMINAL:
             rec.status = m.FAILED  # from any state: a failure is always recorded
@@ -598,7 +794,22 @@ class BatchRun:
 
     async def _save(self) -> None:
         self.dirty = False
-        await self._io(self.svc.store.save, msgspec.structs.replace(self.rec))
+        try:
+            await self._io(self.svc.store.save, msgspec.structs.replace(self.rec), self.fence)
+        except BaseException:
+            self.dirty = True
+            raise
+        if self.disk_full_since is not None and not (self._out_buf or self._err_buf):
+            self._disk_ok()  # the pause came from a save, and this one went through
+
+    async def _save_or_wait(self) -> None:
+        """Save; with the disk full, carry on: it is saved at a later step."""
+        try:
+            await self._save()
+        except OSError as e:
+            if not disk_full(e):
+                raise
+            self._disk_full(e)
 
     def stop(self) -> None:
         """The lease is lost (or the router stops): drop out at once, write nothing more."""

@@ -18,9 +18,15 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import msgspec
+
+from router.batch.retention import expired
+from router.ownership import may_see
+
+if TYPE_CHECKING:
+    from router.batch.usage import UsageIndex
 
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSES = ("batch_output",)
@@ -34,6 +40,7 @@ class FileMeta(msgspec.Struct, kw_only=True):
     purpose: str
     owner: str
     status: str = "processed"
+    expires_at: int | None = None  # gone (404, then deleted) from then on: expires_after
 
     def public(self) -> dict[str, object]:
         return {
@@ -44,7 +51,7 @@ class FileMeta(msgspec.Struct, kw_only=True):
             "filename": self.filename,
             "purpose": self.purpose,
             "status": self.status,
-            "expires_at": None,
+            "expires_at": self.expires_at,
             "status_details": None,
         }
 
@@ -113,9 +120,10 @@ class FileWriter:
 
 
 class FileStore:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, index: UsageIndex | None = None) -> None:
         self.dir = directory / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.index = index  # told of every file made or deleted (router.batch.usage)
 
     def data_path(self, file_id: str) -> Path:
         return self.dir / f"{file_id}.data"
@@ -123,7 +131,9 @@ class FileStore:
     def _meta_path(self, file_id: str) -> Path:
         return self.dir / f"{file_id}.json"
 
-    def create(self, owner: str, filename: str, purpose: str, data: bytes) -> FileMeta:
+    def create(
+        self, owner: str, filename: str, purpose: str, data: bytes, expires_after_s: int | None = None
+    ) -> FileMeta:
         meta = FileMeta(
             id=new_id("file-"),
             bytes=len(data),
@@ -132,15 +142,20 @@ class FileStore:
             purpose=purpose,
             owner=owner,
         )
+        if expires_after_s is not None:
+            meta.expires_at = meta.created_at + expires_after_s
         write_atomic(self.data_path(meta.id), data)
         write_atomic(self._meta_path(meta.id), msgspec.json.encode(meta))  # last: the file exists from here
+        self._indexed(meta)
         return meta
 
     def stage(self) -> FileWriter:
         """A new upload's writer (committed, or discarded, by its caller)."""
         return FileWriter(self.dir)
 
-    def commit(self, writer: FileWriter, owner: str, filename: str, purpose: str) -> FileMeta:
+    def commit(
+        self, writer: FileWriter, owner: str, filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> FileMeta:
         """A sealed upload becomes a file: its data renamed into place, then its
         meta written (the file exists from there).  Any failure (a full disk)
         leaves neither behind."""
@@ -152,6 +167,8 @@ class FileStore:
             purpose=purpose,
             owner=owner,
         )
+        if expires_after_s is not None:
+            meta.expires_at = meta.created_at + expires_after_s
         data = self.data_path(meta.id)
         try:
             os.replace(writer.tmp, data)
@@ -162,6 +179,7 @@ class FileStore:
             data.unlink(missing_ok=True)
             writer.discard()
             raise
+        self._indexed(meta)
         return meta
 
     def open_data(self, file_id: str) -> tuple[IO[bytes], int]:
@@ -169,7 +187,9 @@ class FileStore:
         f = open(self.data_path(file_id), "rb")
         return f, os.fstat(f.fileno()).st_size
 
-    def register(self, owner: str, file_id: str, filename: str, purpose: str) -> FileMeta:
+    def register(
+        self, owner: str, file_id: str, filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> FileMeta:
         """A file written in place (a batch's output or errors) becomes visible."""
         meta = FileMeta(
             id=file_id,
@@ -179,8 +199,27 @@ class FileStore:
             purpose=purpose,
             owner=owner,
         )
+        if expires_after_s is not None:
+            meta.expires_at = meta.created_at + expires_after_s
         write_atomic(self._meta_path(file_id), msgspec.json.encode(meta))
+        self._indexed(meta)
         return meta
+
+    def _indexed(self, meta: FileMeta) -> None:
+        if self.index is not None:
+            self.index.put_file(meta)
+
+    def read_meta(self, file_id: str) -> FileMeta | None:
+        """A file's metadata whoever owns it (housekeeping only: the API goes through ``get``)."""
+        try:
+            return _meta_decoder.decode(self._meta_path(file_id).read_bytes())
+        except (OSError, msgspec.DecodeError):
+            return None
+
+    def remove(self, file_id: str) -> None:
+        """Delete a file whoever owns it (the reaper: it expired)."""
+        self._meta_path(file_id).unlink(missing_ok=True)  # first: gone for readers from here
+        self.data_path(file_id).unlink(missing_ok=True)
 
     def get(self, owner: str, file_id: str) -> FileMeta | None:
         if not _safe_id(file_id):
@@ -189,25 +228,17 @@ class FileStore:
             meta = _meta_decoder.decode(self._meta_path(file_id).read_bytes())
         except (OSError, msgspec.DecodeError):
             return None
-        return meta if meta.owner == owner else None
-
-    def list(self, owner: str, purpose: str | None = None) -> list[FileMeta]:
-        out = []
-        for path in self.dir.glob("file-*.json"):
-            try:
-                meta = _meta_decoder.decode(path.read_bytes())
-            except (OSError, msgspec.DecodeError):
-                continue
-            if meta.owner == owner and (purpose is None or meta.purpose == purpose):
-                out.append(meta)
-        out.sort(key=lambda m: (m.created_at, m.id), reverse=True)
-        return out
+        if not may_see(meta.owner, owner) or expired(meta.expires_at, time.time()):
+            return None  # an expired file is gone before the reaper deletes it
+        return meta
 
     def delete(self, owner: str, file_id: str) -> bool:
         if self.get(owner, file_id) is None:
             return False
         self._meta_path(file_id).unlink(missing_ok=True)  # first: gone for readers from here
         self.data_path(file_id).unlink(missing_ok=True)
+        if self.index is not None:
+            self.index.drop_file(file_id)
         return True
 
 

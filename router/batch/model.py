@@ -8,7 +8,7 @@ batch moves through them:
   validating -> failed                       (not JSONL, custom_id missing or repeated)
   in_progress -> cancelling -> cancelled     (feeding stops; running lines finish)
   in_progress | cancelling -> expired        (the completion window passed)
-  in_progress | finalizing -> failed         (results could not be written: disk full)
+  in_progress | finalizing -> failed         (results could not be written; a full disk only pauses)
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ def window_seconds(window: str) -> int | None:
 
 
 # Refusals a live client would retry: a batch line waits and tries again
-# (its deadline is the completion window), it never fails for them.
+# (its deadline is the completion window), it never fails for them.  Every
+# "this router cannot take it now" (503: draining, no worker yet, a worker
+# or engine lost, the budget store down) is one; only a refusal about the
+# line itself fails it.
 _RETRY_CODES = frozenset(
     (
         Code.QUEUE_FULL,
@@ -89,6 +92,7 @@ _RETRY_CODES = frozenset(
         Code.ENGINE_UNAVAILABLE,
         Code.QUOTA_UNAVAILABLE,
         Code.SERVICE_UNAVAILABLE,
+        Code.ROUTER_DRAINING,
     )
 )
 _RETRY_WIRE = {(c.status, c.wire, c.type) for c in _RETRY_CODES}

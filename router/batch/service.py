@@ -7,6 +7,11 @@ lease (router.batch.lease) and runs it (router.batch.feeder.BatchRun),
 renewing the leases it holds; a lease lost stops that run at once.  So
 with several routers over one directory each batch runs on exactly one of
 them, and moves to another when its router dies.
+
+A draining router takes no lease from the moment its drain starts, and
+hands on each batch it runs as soon as that batch's running lines end
+(router.batch.feeder.BatchRun.drain): the lease is released then, not at
+its TTL, so another router (or this one, restarted) takes over at once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +30,10 @@ from router.batch import model as m
 from router.batch.feeder import BatchRun
 from router.batch.files import FileStore
 from router.batch.lease import FileLease, Lease, RedisLease
-from router.batch.store import BatchRecord, BatchStore
+from router.batch.store import BatchRecord, BatchStore, StaleLease
+from router.batch.usage import Limits, UsageIndex, limits_for
 from router.jobs import RUNNING, job_id_of
+from router.ownership import may_see
 from shared.config import Config
 
 if TYPE_CHECKING:
@@ -34,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weir.batch")
 
+HANDOFF_S = 5.0  # at close, how long the runs get to write what finished before they are stopped
 PREEMPT_S = 0.01  # how often interactive work waiting behind batch lines is looked for
 
 
@@ -59,8 +67,13 @@ class BatchService:
         self.max_body_bytes = cfg.envoy.max_request_bytes
         self.max_prompts = cfg.router.max_prompts_per_request  # a completions line's, as a live request's
         root = Path(cfg.resolve(cfg.batch.directory))
-        self.files = FileStore(root)
-        self.store = BatchStore(root)
+        self.index = UsageIndex()  # per tenant: what the API lists and the quotas count
+        self.files = FileStore(root, self.index)
+        self.store = BatchStore(root, self.index)
+        self.indexed = asyncio.Event()  # set once the index has read the directory
+        self.housekeeping = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-housekeeping")
+        self.pages = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-pages")  # list answers
+        self._housekeeping_task: asyncio.Task[None] | None = None
         self.lease: Lease = (
             RedisLease(cfg.quota.redis_url, cfg.quota.redis_prefix, cfg.batch.lease_ttl_s, cfg.quota.redis_timeout_s)
             if cfg.quota.store == "redis"
@@ -81,9 +94,44 @@ class BatchService:
         self._budgets: dict[str, m.DayBudget] = {}
         core.metrics.registry.register(_Collector(self))
         core.batch_tenants = self.tenants
+        core.on_keys_reloaded.append(self.recheck_owners)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._scan_forever())
+        self._housekeeping_task = asyncio.get_running_loop().create_task(self._housekeep_forever())
+
+    async def _housekeep_forever(self) -> None:
+        while True:
+            try:
+                await self.housekeep()
+            except Exception:
+                log.exception("batch housekeeping failed")
+            await asyncio.sleep(self.bcfg.housekeeping_interval_s)
+
+    async def housekeep(self) -> None:
+        """On a thread: the index reads the directory again (built at the first
+        pass), then expired files and old ended batches are deleted."""
+        loop = asyncio.get_running_loop()
+        local = frozenset(self.runs)
+        await loop.run_in_executor(self.housekeeping, self.index.refresh, self.files, self.store, local)
+        self.indexed.set()
+        gone = await loop.run_in_executor(
+            self.housekeeping, self.index.reap, self.files, self.store, time.time(), self.bcfg.finished_retention_s
+        )
+        for bid in gone:
+            self._ended.discard(bid)
+        if gone:
+            log.info("batch housekeeping: %d ended batches past their retention deleted", len(gone))
+
+    def off_loop(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """``fn`` on the list thread (router.openai_api.files_batches: pages)."""
+        return asyncio.get_running_loop().run_in_executor(self.pages, fn)
+
+    def limits(self, tenant: str, key_digest: str) -> Limits:
+        """The tenant's storage limits as the config reads now (router.batch.usage.limits_for)."""
+        key = self.core.keys.by_key.get(key_digest) if key_digest else None
+        tcfg = next((t for t in self.core.cfg.tenants if t.name == tenant), None)
+        return limits_for(self.bcfg, key, tcfg)
 
     def _arm_preempt(self) -> None:
         """Look for interactive work behind batch lines while a batch runs here.
@@ -135,8 +183,15 @@ class BatchService:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._housekeeping_task is not None:
+            self._housekeeping_task.cancel()
         if self._preempt_timer is not None:
             self._preempt_timer.cancel()
+        for run in self.runs.values():
+            run.drain()  # (a router closes after its drain: nothing runs; this writes what finished)
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=HANDOFF_S)
         for bid, run in list(self.runs.items()):
             run.stop()
             await self.lease.release(bid)
@@ -145,6 +200,15 @@ class BatchService:
         if isinstance(self.lease, RedisLease):
             await self.lease.close()
         self.io.shutdown(wait=False)
+        self.housekeeping.shutdown(wait=False)
+        self.pages.shutdown(wait=False)
+
+    def recheck_owners(self) -> None:
+        """After a reload: the batches running here whose key was removed or now
+        names another tenant are cancelled (router.batch.feeder ``BatchRun.recheck``);
+        one not running here is checked when a router takes it up."""
+        for run in list(self.runs.values()):
+            run.recheck()
 
     def kick(self) -> None:
         """A batch was created or cancelled here: scan now rather than at the next tick."""
@@ -160,7 +224,10 @@ class BatchService:
             await asyncio.sleep(self.bcfg.scan_interval_s)
 
     async def scan(self) -> None:
+        draining = self.core.draining
         for bid, run in list(self.runs.items()):
+            if draining:
+                run.drain()
             if run.ended or bid not in self._tasks or self._tasks[bid].done():
                 self._forget(bid)
                 await self.lease.release(bid)
@@ -172,6 +239,8 @@ class BatchService:
                 self._forget(bid)
             elif self.store.cancel_requested(bid):
                 run.wake.set()
+        if draining:
+            return  # a draining router takes no batch: the others (or this one, restarted) do
         for bid in self.store.ids():
             if bid in self._ended or bid in self.runs:
                 continue
@@ -183,17 +252,40 @@ class BatchService:
                 continue
             if not await self.lease.acquire(bid):
                 continue
+            if self.core.draining:  # (began while the lease was asked for)
+                await self.lease.release(bid)
+                return
+            token = self.lease.token(bid)
+            loop = asyncio.get_running_loop()
+            try:  # the fence first: from here an earlier holder that wakes up writes nothing
+                await loop.run_in_executor(self.io, self.store.fence(bid, token).claim)
+            except (StaleLease, OSError) as e:
+                log.warning("batch %s: not taken (%s)", bid, e)
+                await self.lease.release(bid)
+                continue
             rec = self.store.load(bid)  # as it is now that we hold it (its last holder may have moved it)
             if rec is None or rec.status in m.TERMINAL:
                 await self.lease.release(bid)
                 continue
-            run = BatchRun(self, rec)
+            run = BatchRun(self, rec, token)
             self.runs[bid] = run
             self._arm_preempt()
-            self._tasks[bid] = asyncio.get_running_loop().create_task(run.main())
+            self._tasks[bid] = loop.create_task(self._run(bid, run))
             log.info(
                 "batch %s: running here (%s, %d of %d done)", bid, rec.status, rec.completed + rec.failed, rec.total
             )
+
+    async def _run(self, bid: str, run: BatchRun) -> None:
+        """Run the batch; when the run ends (the batch ended, or handed on by a
+        drain) its lease is released at once, not at the next scan or TTL."""
+        try:
+            await run.main()
+        finally:
+            if self.runs.get(bid) is run and not run.stopped:
+                self._forget(bid)
+                if run.ended:
+                    self._ended.add(bid)
+                await self.lease.release(bid)
 
     def _forget(self, bid: str) -> None:
         self.runs.pop(bid, None)
@@ -209,6 +301,7 @@ class BatchService:
         endpoint: str,
         window: str,
         metadata: dict[str, str] | None,
+        output_expires_after_s: int | None = None,
     ) -> BatchRecord:
         now = int(time.time())
         return self.store.new(
@@ -220,21 +313,21 @@ class BatchService:
             created_at=now,
             expires_at=now + self.windows[window],
             metadata=metadata,
+            output_expires_after_s=output_expires_after_s,
         )
 
     def get(self, owner: str, batch_id: str) -> BatchRecord | None:
         run = self.runs.get(batch_id)
         rec = run.rec if run is not None else self.store.load(batch_id)
-        return rec if rec is not None and rec.owner == owner else None
+        return rec if rec is not None and may_see(rec.owner, owner) else None
 
-    def list(self, owner: str, limit: int = 100) -> list[BatchRecord]:
-        out = []
-        for bid in reversed(self.store.ids()):
-            rec = self.get(owner, bid)
-            if rec is not None:
-                out.append(rec)
-        out.sort(key=lambda r: (r.created_at, r.id), reverse=True)
-        return out[:limit]
+    def list(self, owner: str, after: str | None, limit: int) -> list[BatchRecord] | None:
+        """A page of the tenant's batches, newest first, from the index (no disk read;
+        one more than ``limit`` if there are more); those running here as they are now."""
+        page = self.index.batches_page(owner, after, limit)
+        if page is None:
+            return None
+        return [run.rec if (run := self.runs.get(r.id)) is not None else r for r in page]
 
     def cancel(self, rec: BatchRecord) -> BatchRecord:
         """Ask for the cancel (whichever router runs it acts on it); the object as it will be."""
@@ -270,13 +363,24 @@ class BatchService:
             b.charge(tokens, time.monotonic())
 
     def tenants(self) -> dict[str, Any]:
-        """Batch lines and tokens per tenant finished on this router (for /admin/tenants)."""
+        """Batch lines and tokens per tenant finished on this router, and what each
+        tenant stores against its limits (for /admin/tenants)."""
         out: dict[str, Any] = {}
         for t, (c, f, tok) in sorted(self.stats.by_tenant.items()):
             b = self._budgets.get(t)
             out[t] = {"completed": c, "failed": f, "tokens": tok}
             if b is not None:
                 out[t]["batch_tokens_per_day"] = {"limit": b.capacity, "left": int(b.level)}
+        default = limits_for(self.bcfg, None, None)
+        tenant_limits = {t.name: limits_for(self.bcfg, None, t) for t in self.core.cfg.tenants}
+        for t in self.index.tenants():
+            used, lim = self.index.usage(t), tenant_limits.get(t, default)
+            out.setdefault(t, {"completed": 0, "failed": 0, "tokens": 0})["storage"] = {
+                "files": used.files,
+                "file_bytes": used.file_bytes,
+                "active_batches": used.active_batches,
+                "limits": lim._asdict(),
+            }
         return out
 
 
@@ -317,6 +421,11 @@ class _Collector:
         for (model, state), n in sorted(per_model.items()):
             by_model.add_metric([model, state], n)
         yield by_model
+        paused = GaugeMetricFamily(
+            "weir_batch_disk_full_seconds",
+            "How long each running batch has waited for room on a full disk (absent: not waiting)",
+            labels=["batch"],
+        )
         now = time.time()
         running_batch = 0
         for bid, run in sorted(svc.runs.items()):
@@ -333,6 +442,8 @@ class _Collector:
             if e is not None:
                 eta.add_metric([bid], e)
             left.add_metric([bid], max(0.0, rec.expires_at - now))
+            if run.disk_full_since is not None:
+                paused.add_metric([bid], time.monotonic() - run.disk_full_since)
         share = GaugeMetricFamily(
             "weir_batch_slot_share", "Batch lines among the jobs running on engines (0..1), this router's"
         )
@@ -360,4 +471,4 @@ class _Collector:
             "weir_batch_lines_preempted", "Running batch lines taken off a worker for waiting interactive work"
         )
         pre.add_metric([], svc.preempted)
-        yield from (lines, eta, left, share, done_t, sent, retried, pre)
+        yield from (lines, eta, left, paused, share, done_t, sent, retried, pre)

@@ -16,16 +16,20 @@ import concurrent.futures
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import IO, Any, Protocol
+from urllib.parse import parse_qs
 
 import msgspec
 
 from router.batch import model as bm
+from router.batch import usage
 from router.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore
+from router.batch.retention import expires_after_seconds
 from router.batch.service import BatchService
 from router.batch.upload import MultipartToFile, Received, Upload, boundary_of
 from router.batch.validate import PARSERS
 from router.http_routes import Answer, BodyRoute, BodySink, PatternRoute, Refusal, Reply, Route, Routes, Stream
 from router.openai_api.encoding import encode
+from router.openai_api.metadata import metadata_problem
 from router.openai_api.request import meta_from_headers
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
@@ -50,6 +54,9 @@ class Request(Protocol):
     @property
     def body(self) -> bytes: ...
 
+    @property
+    def query(self) -> bytes: ...
+
     def header(self, name: bytes) -> str | None: ...
 
 
@@ -58,7 +65,7 @@ class CreateBatch(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
-    output_expires_after: dict[str, Any] | None = None  # accepted, not applied: files stay until deleted
+    output_expires_after: dict[str, Any] | None = None  # the result files' expires_at (router.batch.retention)
 
 
 _create_decoder = msgspec.json.Decoder(CreateBatch)
@@ -74,6 +81,48 @@ def _bad(message: str, param: str | None = None, code: Code = Code.BAD_REQUEST) 
 
 def _not_found(what: str, name: str) -> Refusal:
     return Refusal(error(Code.NOT_FOUND, f"No such {what}: {name!r}", param=f"{what}_id"))
+
+
+# GET /v1/files and /v1/batches: OpenAI's bounds and defaults of ``limit``
+FILES_LIMIT = (10_000, 10_000)
+BATCHES_LIMIT = (100, 20)
+
+
+class PageQuery(msgspec.Struct):
+    after: str | None
+    limit: int
+    purpose: str | None
+
+
+def page_query(query: bytes, bounds: tuple[int, int]) -> PageQuery | Refusal:
+    """``after``, ``limit`` (1..bounds[0], default bounds[1]) and ``purpose`` of a list's query string."""
+    try:
+        qs = parse_qs(query.decode("utf-8"), strict_parsing=False)
+    except (UnicodeDecodeError, ValueError):
+        return _bad("The query string is malformed.")
+    raw = qs.get("limit", [str(bounds[1])])[-1]
+    if not raw.isdigit() or not 1 <= int(raw) <= bounds[0]:
+        return _bad(f"limit must be an integer from 1 to {bounds[0]}; got {raw!r}", "limit")
+    order = qs.get("order", ["desc"])[-1]
+    if order != "desc":
+        return _bad("Only order=desc (newest first) is supported.", "order", Code.UNSUPPORTED_VALUE)
+    return PageQuery(qs.get("after", [None])[-1], int(raw), qs.get("purpose", [None])[-1])
+
+
+def _page(rows: list[dict[str, Any]], limit: int) -> Reply:
+    """OpenAI's list object: ``rows`` holds one more than ``limit`` when there are more."""
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return _json(
+        200,
+        {
+            "object": "list",
+            "data": rows,
+            "first_id": rows[0]["id"] if rows else None,
+            "last_id": rows[-1]["id"] if rows else None,
+            "has_more": more,
+        },
+    )
 
 
 def _storage_full(e: OSError) -> Refusal:
@@ -113,17 +162,49 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         got = owner_of(meta.api_key)
         return Refusal(got) if isinstance(got, ErrorInfo) else got
 
+    def indexed(answer: Callable[[], Answer]) -> Answer | Awaitable[Answer]:
+        """``answer`` now, or once the per-tenant index has read the directory (at start)."""
+        if svc.indexed.is_set():
+            return answer()
+
+        async def later() -> Answer:
+            await svc.indexed.wait()
+            return answer()
+
+        return later()
+
+    def listed(page: Callable[[], Answer]) -> Awaitable[Answer]:
+        """A list page, made and encoded on a thread (a page may hold 10,000 objects)."""
+
+        async def later() -> Answer:
+            await svc.indexed.wait()
+            answer: Answer = await svc.off_loop(page)
+            return answer
+
+        return later()
+
+    def quota(owner: tuple[str, str], size: int) -> Refusal | None:
+        got = usage.upload_refusal(svc.index.usage(owner[0]), svc.limits(*owner), size)
+        return None if got is None else Refusal(got)
+
     # ------------------------------------------------------------ files
 
-    def files(req: Any) -> Answer:
+    def files(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         if req.method == b"GET":
-            return _json(
-                200, {"object": "list", "data": [f.public() for f in svc.files.list(owner[0])], "has_more": False}
-            )
+            return listed(lambda: list_files(req, owner))
         return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
+
+    def list_files(req: Any, owner: tuple[str, str]) -> Answer:
+        q = page_query(req.query, FILES_LIMIT)
+        if isinstance(q, Refusal):
+            return q
+        rows = svc.index.files_page(owner[0], q.after, q.limit, q.purpose)
+        if rows is None:
+            return Refusal(error(Code.NOT_FOUND, f"No such file: {q.after!r}", param="after"))
+        return _page([f.public() for f in rows], q.limit)
 
     def upload(req: Any) -> BodySink | Refusal:
         """POST /v1/files, from its head: the body streams into the returned
@@ -134,11 +215,15 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         boundary = boundary_of(req.header(b"content-type"))
         if boundary is None:
             return _bad("Malformed upload: the body must be multipart/form-data with a boundary", "file")
-        # Storage checks before anything is written go here (the tenant, the declared content-length).
+        length = (req.header(b"content-length") or "").strip()
+        if length.isdigit() and svc.indexed.is_set():  # before anything is written: the declared size
+            refused = quota(owner, max(1, int(length) - usage.FRAMING_BYTES))
+            if refused is not None:
+                return refused  # (the body is read and dropped, then this answered)
         body = MultipartToFile(files_store, boundary, max_file_bytes)
-        return Upload(pool, body, lambda got: uploaded(owner[0], got))
+        return Upload(pool, body, lambda got: uploaded(owner, got))
 
-    async def uploaded(tenant: str, got: Received | ErrorInfo | OSError) -> Answer:
+    async def uploaded(owner: tuple[str, str], got: Received | ErrorInfo | OSError) -> Answer:
         """The whole body was read and written (or refused): keep the file, or leave nothing."""
         if isinstance(got, OSError):
             return _storage_full(got)
@@ -146,13 +231,24 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return Refusal(got)
         refusal: Refusal | None = None
         purpose = got.fields.get("purpose", "").strip()
+        expires_s = None
         if purpose not in UPLOAD_PURPOSES:
             refusal = _bad(f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}; got {purpose!r}", "purpose")
         elif got.file is None:
             refusal = _bad("a `file` part is required", "file")
         elif got.blank:
             refusal = _bad("The file is empty.", "file")
-        # Storage checks on the written file (its size: got.file.size) go here, before it is kept.
+        elif "expires_after[anchor]" in got.fields or "expires_after[seconds]" in got.fields:
+            expiry = expires_after_seconds(
+                got.fields.get("expires_after[anchor]", ""), got.fields.get("expires_after[seconds]", "")
+            )
+            if isinstance(expiry, str):
+                refusal = _bad(f"expires_after: {expiry}", "expires_after")
+            else:
+                expires_s = expiry
+        if refusal is None and got.file is not None:  # the size known, before the file is kept
+            await svc.indexed.wait()
+            refusal = quota(owner, got.file.size)
         loop = asyncio.get_running_loop()
         if refusal is not None or got.file is None:
             if got.file is not None:
@@ -160,7 +256,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return refusal or _bad("a `file` part is required", "file")
         try:
             meta = await loop.run_in_executor(
-                pool, files_store.commit, got.file, tenant, got.filename or "upload.jsonl", purpose
+                pool, files_store.commit, got.file, owner[0], got.filename or "upload.jsonl", purpose, expires_s
             )
         except OSError as e:
             return _storage_full(e)
@@ -206,24 +302,26 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     # ------------------------------------------------------------ batches
 
-    def batches(req: Any) -> Answer:
+    def batches(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         if req.method == b"GET":
-            rows = [r.public() for r in svc.list(owner[0])]
-            return _json(
-                200,
-                {
-                    "object": "list",
-                    "data": rows,
-                    "first_id": rows[0]["id"] if rows else None,
-                    "last_id": rows[-1]["id"] if rows else None,
-                    "has_more": False,
-                },
-            )
+            return listed(lambda: list_batches(req, owner))
         if req.method != b"POST":
             return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
+        return indexed(lambda: create_batch(req, owner))
+
+    def list_batches(req: Any, owner: tuple[str, str]) -> Answer:
+        q = page_query(req.query, BATCHES_LIMIT)
+        if isinstance(q, Refusal):
+            return q
+        rows = svc.list(owner[0], q.after, q.limit)
+        if rows is None:
+            return Refusal(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
+        return _page([r.public() for r in rows], q.limit)
+
+    def create_batch(req: Any, owner: tuple[str, str]) -> Answer:
         try:
             body = _create_decoder.decode(req.body)
         except msgspec.ValidationError as e:
@@ -236,6 +334,9 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _bad(
                 f"The endpoint {body.endpoint} is not served by this router.", "endpoint", Code.UNSUPPORTED_VALUE
             )
+        bad_metadata = metadata_problem(body.metadata)
+        if bad_metadata is not None:
+            return _bad(bad_metadata, "metadata")
         if body.completion_window not in svc.windows:
             return _bad(f"completion_window must be one of {', '.join(svc.windows)}", "completion_window")
         meta = svc.files.get(owner[0], body.input_file_id)
@@ -243,7 +344,20 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _not_found("input_file", body.input_file_id)
         if meta.purpose != "batch":
             return _bad("The input file's purpose must be batch.", "input_file_id")
-        rec = svc.create(owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata)
+        out_expires_s = None
+        if body.output_expires_after is not None:
+            got = expires_after_seconds(
+                body.output_expires_after.get("anchor"), body.output_expires_after.get("seconds")
+            )
+            if isinstance(got, str):
+                return _bad(f"output_expires_after: {got}", "output_expires_after")
+            out_expires_s = got
+        refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
+        if refused is not None:
+            return Refusal(refused)
+        rec = svc.create(
+            owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata, out_expires_s
+        )
         svc.kick()
         return _json(200, rec.public())
 
@@ -280,18 +394,11 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
 def owner_of_key(core: Any) -> Owner:
     """The caller's tenant and key digest, from the router's keys as reloaded
-    (``core.keys``: router.admission.Keys); no keys: everyone is the anonymous tenant."""
-    from router.admission import ANONYMOUS_TENANT
-    from shared.keys import digest
+    (``core.keys``: router.admission.Keys), by router.ownership's rule."""
+    from router.ownership import identify
 
     def owner(api_key: str | None) -> tuple[str, str] | ErrorInfo:
-        keys = core.keys
-        if not keys.by_key:
-            return ANONYMOUS_TENANT, ""
-        h = digest(api_key) if api_key else ""
-        key = keys.by_key.get(h)
-        if key is None:
-            return error(Code.INVALID_API_KEY, "Incorrect API key provided.")
-        return key.tenant, h
+        got = identify(core.keys.by_key, api_key)
+        return got if isinstance(got, ErrorInfo) else (got.tenant, got.key)
 
     return owner

@@ -11,6 +11,7 @@ import msgspec
 
 from router.admission import check_shape
 from router.openai_api.errors import RequestError, invalid
+from shared.keys import key_from_headers
 from shared.protocol import Submit
 
 T = TypeVar("T")
@@ -33,12 +34,9 @@ def meta_from_headers(
     x_weir_allow_fallback: str | None = None,
 ) -> RequestMeta:
     """``x-api-key`` wins over ``Authorization: Bearer`` because it is the
-    header Envoy's per-key rate limit counts."""
-    key = x_api_key.strip() if x_api_key else None
-    if not key and authorization:
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() == "bearer":
-            key = token.strip() or None
+    header Envoy's per-key rate limit counts; the key is taken as Envoy takes
+    it (shared.keys.key_from_headers) and a malformed one refused at admission."""
+    key = key_from_headers(x_api_key, authorization)
     allow = (x_weir_allow_fallback or "").strip().lower() in ("1", "true", "yes")
     return RequestMeta(key or None, x_weir_priority or None, x_weir_task_type or None, allow)
 

@@ -27,6 +27,7 @@ from router.openai_api.chat import parse_chat
 from router.openai_api.context import ResponseContext
 from router.openai_api.encoding import encode
 from router.openai_api.errors import RequestError, invalid
+from router.openai_api.metadata import metadata_problem
 from router.openai_api.request import RequestMeta, decode_body
 from router.openai_api.usage import TokenCounts
 from shared.errors import Code, error
@@ -103,6 +104,9 @@ def decode_responses(body: bytes) -> ResponsesRequest:
     for param, refused, why in unsupported:
         if refused:
             raise invalid(why, param=param, code=Code.UNSUPPORTED_VALUE)
+    bad_metadata = metadata_problem(req.metadata)
+    if bad_metadata is not None:
+        raise invalid(bad_metadata, param="metadata")
     if req.background and req.stream:
         raise invalid("background with stream is not supported", param="background", code=Code.UNSUPPORTED_VALUE)
     if req.background and req.store is False:

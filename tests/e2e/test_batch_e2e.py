@@ -68,8 +68,10 @@ def batch_stack(tmp_path_factory):
     cfg = _config(
         d,
         models=[*localconfig.models(), localconfig.sim_embed_model()],
-        workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM),
-                 sim_worker("sim-e", model=localconfig.SIM_EMBED_MODEL, max_num_seqs=8)],
+        workers=[
+            sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM),
+            sim_worker("sim-e", model=localconfig.SIM_EMBED_MODEL, max_num_seqs=8),
+        ],
     )
     with start_stack(cfg, d / "run") as s:
         yield s
@@ -126,12 +128,26 @@ def test_embeddings_and_prompt_list_lines_run_as_several_jobs_with_one_result_ea
     emb = localconfig.SIM_EMBED_MODEL
     inputs = {f"e-{i}": [f"text {i}.{k}" for k in range(1 + i % 3)] for i in range(12)}
     inputs["e-tokens"] = [[1, 2, 3], [4, 5]]
-    rows = [{"custom_id": c, "method": "POST", "url": "/v1/embeddings", "body": {"model": emb, "input": x}}
-            for c, x in inputs.items()]
-    rows.append({"custom_id": "wrong-task", "method": "POST", "url": "/v1/embeddings",
-                 "body": {"model": SIM_MODEL, "input": ["a", "b"]}})
-    rows.append({"custom_id": "one-too-long", "method": "POST", "url": "/v1/embeddings",
-                 "body": {"model": emb, "input": ["short", "word " * 3000]}})
+    rows = [
+        {"custom_id": c, "method": "POST", "url": "/v1/embeddings", "body": {"model": emb, "input": x}}
+        for c, x in inputs.items()
+    ]
+    rows.append(
+        {
+            "custom_id": "wrong-task",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": SIM_MODEL, "input": ["a", "b"]},
+        }
+    )
+    rows.append(
+        {
+            "custom_id": "one-too-long",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": emb, "input": ["short", "word " * 3000]},
+        }
+    )
     f = client.files.create(file=("emb.jsonl", _jsonl(rows)), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
     done = _wait(client, b.id, {"completed", "failed"})
@@ -155,8 +171,15 @@ def test_embeddings_and_prompt_list_lines_run_as_several_jobs_with_one_result_ea
     assert err["response"]["body"]["error"]["message"] == refused.value.body["message"]
 
     prompts = {"one": "alone", "list": ["a", "b", "c"], "ids": [7, 8, 9], "id-lists": [[7, 8], [9]]}
-    rows = [{"custom_id": c, "method": "POST", "url": "/v1/completions",
-             "body": {"model": SIM_MODEL, "prompt": x, "max_tokens": 4}} for c, x in prompts.items()]
+    rows = [
+        {
+            "custom_id": c,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": SIM_MODEL, "prompt": x, "max_tokens": 4},
+        }
+        for c, x in prompts.items()
+    ]
     f = client.files.create(file=("multi.jsonl", _jsonl(rows)), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
     done = _wait(client, b.id, {"completed", "failed"})
@@ -317,15 +340,21 @@ def test_interactive_work_preempts_running_batch_lines_which_still_finish_once(t
         f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=64))), purpose="batch")
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         deadline = time.monotonic() + 20
-        while not any(line.startswith("weir_worker_running{") and line.endswith(" 8.0")
-                      for line in requests.get(stack.metrics_url, timeout=5).text.splitlines()):
+        while not any(
+            line.startswith("weir_worker_running{") and line.endswith(" 8.0")
+            for line in requests.get(stack.metrics_url, timeout=5).text.splitlines()
+        ):
             assert time.monotonic() < deadline, "the batch never filled the worker"
             time.sleep(0.05)
         ttfts = []
         for _ in range(3):
             t0 = time.monotonic()
-            with requests.post(stack.envoy_url + "/v1/completions", stream=True, timeout=30,
-                               json={"model": SIM_MODEL, "prompt": "now", "max_tokens": 4, "stream": True}) as r:
+            with requests.post(
+                stack.envoy_url + "/v1/completions",
+                stream=True,
+                timeout=30,
+                json={"model": SIM_MODEL, "prompt": "now", "max_tokens": 4, "stream": True},
+            ) as r:
                 assert r.status_code == 200
                 next(r.iter_lines(chunk_size=1))
                 ttfts.append(time.monotonic() - t0)
@@ -335,5 +364,251 @@ def test_interactive_work_preempts_running_batch_lines_which_still_finish_once(t
         done = _wait(client, b.id, {"completed", "failed"}, timeout=60)
         ids = [r["custom_id"] for r in _results(client, done.output_file_id)]
         assert done.status == "completed" and len(ids) == n and len(set(ids)) == n
-        assert all(r["response"]["body"]["usage"]["completion_tokens"] == 64
-                   for r in _results(client, done.output_file_id))
+        assert all(
+            r["response"]["body"]["usage"]["completion_tokens"] == 64 for r in _results(client, done.output_file_id)
+        )
+
+
+# ------------------------------------------------------------------ drains and fenced leases
+
+
+class _Progress:
+    """Polls a batch while something breaks its router: when its done count
+    moved, so the longest stretch without progress can be read afterwards."""
+
+    def __init__(self, client: openai.OpenAI, batch_id: str) -> None:
+        self.client, self.batch_id = client, batch_id
+        self.moves: list[tuple[float, int]] = []  # (when, completed + failed), at each change
+
+    def poll(self):
+        try:
+            b = self.client.batches.retrieve(self.batch_id)
+        except openai.APIError:
+            return None  # (the only router restarting: Envoy has nobody to ask)
+        done = b.request_counts.completed + b.request_counts.failed
+        if not self.moves or self.moves[-1][1] != done:
+            self.moves.append((time.monotonic(), done))
+        return b
+
+    def until(self, statuses: set[str], timeout: float = 90.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            b = self.poll()
+            if b is not None and b.status in statuses:
+                return b
+            assert time.monotonic() < deadline, f"batch stuck: {b}"
+            time.sleep(0.1)
+
+    def until_done(self, at_least: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.moves or self.moves[-1][1] < at_least:
+            assert time.monotonic() < deadline
+            self.poll()
+            time.sleep(0.1)
+
+    def stall_after(self, t0: float) -> float:
+        """The longest time without progress from ``t0`` on (seconds)."""
+        times = [t0] + [t for t, _ in self.moves if t > t0]
+        return max(b - a for a, b in zip(times, times[1:], strict=False)) if len(times) > 1 else float("nan")
+
+
+def _exactly_once(client: openai.OpenAI, done, n: int) -> tuple[int, int, int]:
+    """(lines answered, distinct custom_ids answered, failed lines) over both result files."""
+    out = _results(client, done.output_file_id)
+    errs = _results(client, done.error_file_id)
+    ids = [r["custom_id"] for r in out + errs]
+    assert len(ids) == len(set(ids)) == n, (len(ids), len(set(ids)), [e["response"] for e in errs[:3]])
+    return len(out), len(set(ids)), len(errs)
+
+
+def test_router_sigterm_mid_batch_hands_it_on_every_line_answered_once(tmp_path):
+    """The only router drains (SIGTERM), is restarted by the supervisor (as
+    `weir up` does): no line fails for the drain, none runs twice."""
+    cfg = _config(
+        tmp_path, workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM)], router={"heartbeat_interval_s": 0.25}
+    )
+    n = 400
+    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
+        client = _client(stack)
+        f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=32))), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        prog = _Progress(client, b.id)
+        prog.until_done(80)
+        t_term = time.monotonic()
+        stack.components["router"].signal_group(signal.SIGTERM)
+        done = prog.until({"completed", "failed", "cancelled", "expired"})
+        assert done.status == "completed", done
+        answered, once, failed = _exactly_once(client, done, n)
+        assert (answered, once, failed) == (n, n, 0) and done.request_counts.failed == 0
+        assert stack.restarts == {"router": 1}
+        assert done.usage.output_tokens == 32 * n  # the drained router's lines are counted too
+        print(
+            f"\n1 router SIGTERM mid-batch: {answered}/{n} answered 200, {once} exactly once, {failed} failed; "
+            f"no progress for {prog.stall_after(t_term):.1f} s at most"
+        )
+
+
+def test_sigterm_to_the_router_running_a_batch_of_two_the_other_takes_it_over(tmp_path, redis_url):
+    """Two routers over one directory, the lease in Redis (its TTL 10 s): the
+    drained one releases the lease when its running lines end, so the other
+    takes over at its next scan, not after the TTL."""
+    cfg = _config(
+        tmp_path,
+        routers=localconfig.routers(2),
+        workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM)],
+        router={"heartbeat_interval_s": 0.25},
+        quota={"store": "redis", "redis_url": redis_url},
+        batch={"lease_ttl_s": 10.0},
+    )
+    n = 400
+    with start_stack(cfg, tmp_path / "run") as stack:
+        client = _client(stack)
+        f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=32))), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        prog = _Progress(client, b.id)
+        prog.until_done(80)
+        holder = _holder(stack, b.id)
+        t_term = time.monotonic()
+        stack.components[holder].signal_group(signal.SIGTERM)
+        done = prog.until({"completed", "failed", "cancelled", "expired"})
+        assert done.status == "completed", done
+        answered, once, failed = _exactly_once(client, done, n)
+        assert (answered, once, failed) == (n, n, 0)
+        assert stack.components[holder].exited() == 0  # drained and gone: the other router finished it
+        log = stack.components[holder].log_path.read_text()
+        assert "handed on" in log and "router_draining" not in log
+        print(
+            f"\n2 routers, SIGTERM the holder: {answered}/{n} answered 200, {once} exactly once, {failed} failed; "
+            f"no progress for {prog.stall_after(t_term):.1f} s at most (lease TTL 10 s)"
+        )
+
+
+def test_a_lease_holder_paused_past_its_ttl_writes_nothing_when_it_wakes(tmp_path, redis_url):
+    """SIGSTOP the router running a batch past lease_ttl_s: the other router
+    takes the batch over (a newer fencing token); SIGCONT: the woken holder's
+    next write is refused by the fence, it stops, and no line is written twice."""
+    ttl = 2.0
+    cfg = _config(
+        tmp_path,
+        routers=localconfig.routers(2),
+        workers=[sim_worker("sim-0", max_num_seqs=8, sim=SLOW_SIM)],
+        router={"heartbeat_interval_s": 0.25},
+        quota={"store": "redis", "redis_url": redis_url},
+        batch={"lease_ttl_s": ttl},
+    )
+    n = 400
+    with start_stack(cfg, tmp_path / "run") as stack:
+        client = _client(stack)
+        f = client.files.create(file=("in.jsonl", _jsonl(_lines(n, max_tokens=32))), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        prog = _Progress(client, b.id)
+        prog.until_done(80)
+        holder = _holder(stack, b.id)
+        victim = stack.components[holder]
+        victim.signal_group(signal.SIGSTOP)
+        try:
+            at_stop = prog.moves[-1][1]
+            time.sleep(ttl + 1.0)
+            prog.until_done(at_stop + 40)  # the other router runs it now
+        finally:
+            victim.signal_group(signal.SIGCONT)
+        done = prog.until({"completed", "failed", "cancelled", "expired"})
+        assert done.status == "completed", done
+        answered, once, failed = _exactly_once(client, done, n)
+        assert (answered, once, failed) == (n, n, 0)
+        time.sleep(1.0)
+        log = victim.log_path.read_text()
+        stale = "is stale" in log
+        assert stale or "lease lost" in log, log[-2000:]
+        assert victim.exited() is None  # it serves on; it only stopped running the batch
+        print(
+            f"\nSIGSTOP the holder past lease_ttl_s, then SIGCONT: {answered} lines, 0 duplicates; the woken "
+            f"holder {'was refused by the fence at its next write' if stale else 'lost its lease at renewal'}"
+            f" and stopped"
+        )
+
+
+def test_a_redis_lease_taken_over_after_its_ttl_fences_out_the_first_holder(tmp_path, redis_url):
+    """Each Redis grant's token is larger than the last; the first holder, its
+    key expired and taken, can neither renew nor write to the batch's files."""
+    import asyncio
+
+    from router.batch.lease import RedisLease
+    from router.batch.store import BatchStore, ResultLog, StaleLease
+
+    store = BatchStore(tmp_path)
+    (store.dir / "batch_f").mkdir()
+    log = ResultLog(tmp_path / "out.data")
+    a, b = RedisLease(redis_url, "fence-test:", 0.3), RedisLease(redis_url, "fence-test:", 0.3)
+
+    async def main() -> None:
+        assert await a.acquire("batch_f") and not await b.acquire("batch_f")
+        first = store.fence("batch_f", a.token("batch_f"))
+        first.claim()
+        with first.hold():
+            log.append([b"a\n"])
+        await asyncio.sleep(0.5)  # a stalls past the TTL
+        assert await b.acquire("batch_f") and b.token("batch_f") > a.token("batch_f") >= 1
+        store.fence("batch_f", b.token("batch_f")).claim()
+        with pytest.raises(StaleLease):
+            with first.hold():
+                log.append([b"stale\n"])
+        assert not await a.renew("batch_f") and await b.renew("batch_f")
+        await b.release("batch_f")
+        assert await a.acquire("batch_f") and a.token("batch_f") > 2  # a later grant: larger again
+        await a.release("batch_f")
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+    assert (tmp_path / "out.data").read_bytes() == b"a\n"
+
+
+def test_storage_limits_expiry_and_paged_lists_through_envoy_with_the_sdk(tmp_path):
+    """The tenant's limits refuse with OpenAI's bodies, ``expires_after`` and
+    ``output_expires_after`` come back in the objects, and the SDK's paging
+    (``after``) walks the lists."""
+    cfg = _config(
+        tmp_path,
+        workers=[sim_worker("sim-0", max_num_seqs=8)],
+        batch={"max_stored_files": 4, "max_active_batches": 1},
+    )
+    with start_stack(cfg, tmp_path / "run") as stack:
+        client = _client(stack)
+        once = client.with_options(max_retries=0)  # a 429 here is an answer, not a reason to wait
+        expiry = {"anchor": "created_at", "seconds": 3600}
+        made = [
+            client.files.create(file=(f"in{i}.jsonl", _jsonl(_lines(2))), purpose="batch", expires_after=expiry)
+            for i in range(3)
+        ]
+        assert all(f.expires_at == f.created_at + 3600 for f in made)
+        with pytest.raises(openai.BadRequestError) as bad:
+            once.files.create(
+                file=("x.jsonl", _jsonl(_lines(1))),
+                purpose="batch",
+                expires_after={"anchor": "created_at", "seconds": 5},
+            )
+        assert bad.value.body["param"] == "expires_after"
+        page = client.files.list(limit=2)
+        assert len(page.data) == 2 and page.has_more
+        assert sorted(f.id for f in page) == sorted(f.id for f in made)  # the SDK follows `after` to the end
+        b = client.batches.create(
+            input_file_id=made[0].id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 7200},
+        )
+        with pytest.raises(openai.RateLimitError) as full:
+            once.batches.create(input_file_id=made[1].id, endpoint="/v1/completions", completion_window="24h")
+        assert full.value.body["code"] == "active_batch_limit_exceeded"
+        assert full.value.body["param"] == "max_active_batches" and full.value.response.headers["retry-after"]
+        done = _wait(client, b.id, {"completed"})
+        out = client.files.retrieve(done.output_file_id)  # the output file: the 4th of the tenant's 4
+        assert out.expires_at == out.created_at + 7200
+        with pytest.raises(openai.RateLimitError) as count:
+            once.files.create(file=("y.jsonl", _jsonl(_lines(1))), purpose="batch")
+        assert count.value.body["code"] == "file_count_limit_exceeded"
+        client.files.delete(made[2].id)
+        client.files.create(file=("y.jsonl", _jsonl(_lines(1))), purpose="batch")  # room again
+        batches = client.batches.list(limit=1)
+        assert [x.id for x in batches.data] == [b.id] and not batches.has_more

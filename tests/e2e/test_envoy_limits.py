@@ -125,3 +125,72 @@ def test_router_admin_and_metrics_are_not_exposed(stack):
         assert status in (400, 404), (path, status, body)
         assert b'"error"' in body
     assert requests.get(stack.envoy_url + "/health", timeout=5).status_code == 200
+
+
+def _raw_get_with_headers(base_url: str, path: str, headers: list[tuple[str, bytes]]) -> requests.Response:
+    """GET with header values sent byte for byte (requests would re-encode them)."""
+    u = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    try:
+        conn.putrequest("GET", path, skip_accept_encoding=True)
+        for name, value in headers:
+            conn.putheader(name, value)
+        conn.endheaders()
+        raw = conn.getresponse()
+        resp = requests.Response()
+        resp.status_code, resp._content = raw.status, raw.read()
+        resp.headers = requests.structures.CaseInsensitiveDict(raw.getheaders())
+        return resp
+    finally:
+        conn.close()
+
+
+def test_key_spellings_with_non_ascii_blanks_are_refused_before_the_bucket(stack):
+    """KEY + U+00A0 x k was a fresh Envoy bucket for each k and the same key to the
+    router: 60 of 60 served where the key's bucket allows ~7.  Each spelling
+    outside the one key rule (shared.keys) is a 401 at Envoy, and none of them
+    touches the key's bucket, which still holds its burst afterwards."""
+    time.sleep(LIMITED_BURST / LIMITED_RPS + 0.5)  # the bucket refills (after the tests above)
+    before = _rate_limited_count(stack)
+    variants = [
+        [("x-api-key", KEY_LIMITED.encode() + b"\xa0" * k)] for k in range(1, 31)
+    ] + [
+        [("authorization", b"Bearer " + KEY_LIMITED.encode() + b"\xc2\xa0" * k)] for k in range(1, 16)
+    ] + [
+        [("x-api-key", KEY_LIMITED.encode()), ("x-api-key", KEY_LIMITED.encode() + b"x" * k)] for k in range(1, 16)
+    ]
+    served = 0
+    for headers in variants:
+        r = _raw_get_with_headers(stack.envoy_url, "/v1/models", headers)
+        served += r.status_code == 200
+        err = _assert_openai_error(r, 401, "authentication_error", "invalid_api_key")
+        assert "Malformed API key" in err["message"]
+    assert served == 0
+    assert _rate_limited_count(stack) == before  # nothing was metered, let alone refused
+    # The key's own bucket is untouched: its whole burst is still there, then it refuses.
+    _check_burst(stack, {"x-api-key": KEY_LIMITED})
+    # Spaces and tabs around the key are the same key: its bucket, now empty.
+    r = _raw_get_with_headers(stack.envoy_url, "/v1/models", [("x-api-key", b"\t" + KEY_LIMITED.encode() + b" ")])
+    _assert_openai_error(r, 429, "rate_limit_error", "rate_limit_exceeded")
+
+
+def test_router_direct_refuses_a_malformed_key(stack):
+    """The same rule at the router itself (router-direct HTTP; direct ZeroMQ
+    clients meet it at admission: tests/unit/test_key_rule.py)."""
+    key = KEY_BETA.encode()
+    for headers in ([("x-api-key", key + b"\xa0")], [("authorization", b"Bearer " + key + b"\xa0")],
+                    [("x-api-key", key), ("x-api-key", key)]):
+        u = urllib.parse.urlsplit(stack.router_url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        try:
+            body = b'{"model": "%s", "prompt": "hi", "max_tokens": 1}' % SIM_MODEL.encode()
+            conn.putrequest("POST", "/v1/completions", skip_accept_encoding=True)
+            for name, value in [*headers, ("content-type", b"application/json"), ("content-length", b"%d" % len(body))]:
+                conn.putheader(name, value)
+            conn.endheaders(body)
+            raw = conn.getresponse()
+            status, payload = raw.status, raw.read()
+        finally:
+            conn.close()
+        assert status == 401, payload
+        assert b"Malformed API key" in payload and b'"invalid_api_key"' in payload

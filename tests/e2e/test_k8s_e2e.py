@@ -165,20 +165,24 @@ def test_pods_run_as_rendered(tmp_path):
     from deploy.envoy_config import envoy_binary
     from deploy.k8s_security import CURVE_DIR, TLS_DIR
     from shared import curve
+    from bench.localconfig import free_port
     from stackutil import SIM_MODEL, sim_worker, write_config
 
     keys = tmp_path / "keys"
+    admin_token = "adm-" + "7" * 40
+    (tmp_path / "admin.token").write_text(admin_token + "\n")
     curve.generate(keys, ["sim-0"], ["client"])
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
                     "/CN=localhost", "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt")],
                    check=True, capture_output=True)
     cfg_path = write_config(tmp_path, models=[{"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096}],
                             workers=[sim_worker("sim-0", discovery_interval_s=0.5)],
-                            router={"heartbeat_interval_s": 0.25},
+                            router={"heartbeat_interval_s": 0.25, "admin_token_file": str(tmp_path / "admin.token"),
+                                    "admin_http": f"127.0.0.1:{free_port()}"},
                             security={"curve": True, "curve_dir": str(keys)},
                             envoy={"tls_cert_file": str(tmp_path / "tls.crt"),
                                    "tls_key_file": str(tmp_path / "tls.key")},
-                            kubernetes={"endpoint_propagation_s": 1})
+                            kubernetes={"endpoint_propagation_s": 1, "allow_anonymous": True})
     cfg = load(cfg_path)
     objs = k8s.built(cfg)
     secrets = _secret_files(cfg)
@@ -262,6 +266,16 @@ def test_pods_run_as_rendered(tmp_path):
         for ip in ROUTER_IPS:  # the worker found both routers by the one name, over CURVE
             w = requests.get(f"http://{ip}:{http}/admin/workers/{pod_name}", timeout=5).json()
             assert w["state"] == "ready", (ip, w)
+        # the admin listener the probes use: the Secret's token opens it, another is refused, no API there
+        admin_port = next(p["containerPort"] for p in router["ports"] if p["name"] == "admin")
+        for ip in ROUTER_IPS:
+            base = f"http://{ip}:{admin_port}"
+            ok = requests.get(f"{base}/admin/workers", headers={"authorization": f"Bearer {admin_token}"}, timeout=5)
+            assert ok.status_code == 200 and pod_name in {w["id"] for w in ok.json()}
+            bad = requests.get(f"{base}/admin/workers", headers={"authorization": "Bearer nope"}, timeout=5)
+            assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_admin_token"
+            assert requests.get(f"{base}/v1/models", timeout=5).status_code == 404
+            assert requests.get(f"{base}/metrics", timeout=5).status_code == 200
         # Envoy's readiness is Envoy's own (/ready), not its routers': a probe
         # through the rate-limited route would take every Envoy out under
         # overload.  Its health checks reach each router up to an interval later.

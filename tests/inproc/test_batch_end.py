@@ -30,9 +30,9 @@ OWNER = "tenant-a"
 class SlowFileStore(FileStore):
     """The real store; its register takes a while, as an fsync on a busy disk does."""
 
-    def register(self, owner: str, file_id: str, filename: str, purpose: str) -> Any:
+    def register(self, *args: Any, **kwargs: Any) -> Any:
         time.sleep(0.2)
-        return super().register(owner, file_id, filename, purpose)
+        return super().register(*args, **kwargs)
 
 
 def _service(root: Path) -> types.SimpleNamespace:

@@ -27,7 +27,7 @@ def _service(root: Path) -> types.SimpleNamespace:
     bcfg = types.SimpleNamespace(
         max_in_flight=4, queued_target=4, retry_s=1.0, scan_interval_s=0.5, max_result_bytes=BOUND
     )
-    core = types.SimpleNamespace(keys=types.SimpleNamespace(by_key={}), jobs={})
+    core = types.SimpleNamespace(keys=types.SimpleNamespace(by_key={}), jobs={}, draining=False)
     stats = types.SimpleNamespace(line_done=lambda *a, **k: None)
     return types.SimpleNamespace(
         core=core,

@@ -3,8 +3,9 @@ parsed and written as they arrive, downloads sent in chunks, and no request
 body is held after its response starts.
 
 The server is the real one with the real Batch API routes over a real
-FileStore in a temporary directory; only the owner lookup (a key -> tenant
-table) and the generation core (unused here) are stand-ins.  Memory is what
+BatchService (its stores, index and limits) in a temporary directory; only
+the generation core (unused here) and the router core's key table holder are
+stand-ins.  Memory is what
 ``tracemalloc`` sees the whole process allocate (the server runs on a thread
 of this process), so "never whole in memory" is measured, not inferred.
 """
@@ -28,21 +29,29 @@ import prometheus_client
 import pytest
 import uvloop
 
+from router.admission import Keys
 from router.batch.files import FileStore, FileWriter
+from router.batch.service import BatchService
 from router.http_server import HttpConnection, start_http_server
 from router.metrics import RouterMetrics
-from router.openai_api.files_batches import batch_routes
+from router.openai_api.files_batches import batch_routes, owner_of_key
+from shared.config import loads
 
 MB = 1 << 20
 BOUNDARY = "weirtestboundary7MA4YWxkTrZu0gW"
-KEYS = {"sk-a": ("tenant-a", "da"), "sk-b": ("tenant-b", "db")}
+CONFIG = """
+[batch]
+directory = "{root}"
+max_file_bytes = {max_file_bytes}
 
+[[api_keys]]
+key = "sk-a"
+tenant = "tenant-a"
 
-def _owner(api_key):
-    from shared.errors import Code, error
-
-    got = KEYS.get(api_key or "")
-    return got if got is not None else error(Code.INVALID_API_KEY, "Incorrect API key provided.")
+[[api_keys]]
+key = "sk-b"
+tenant = "tenant-b"
+"""
 
 
 class SlowWriter(FileWriter):
@@ -77,18 +86,26 @@ def serve(root: Path, *, max_file_bytes: int = 64 * MB, max_body_bytes: int = 64
     loop = uvloop.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    store = store_cls(root)
-    svc = types.SimpleNamespace(files=store)
+    cfg = loads(CONFIG.format(root=root, max_file_bytes=max_file_bytes), str(root))
     registry = prometheus_client.CollectorRegistry()
+    core = types.SimpleNamespace(
+        cfg=cfg,
+        keys=Keys(cfg),
+        metrics=types.SimpleNamespace(registry=registry),
+        batch_tenants=None,
+        on_keys_reloaded=[],
+    )
     metrics = RouterMetrics(registry)
     conns: set[HttpConnection] = set()
-    views = types.SimpleNamespace()
 
     async def start():
-        routes = batch_routes(svc, _owner, max_file_bytes)  # type: ignore[arg-type]
-        return await start_http_server(
+        svc = BatchService(core, cfg)  # type: ignore[arg-type]
+        await svc.housekeep()  # the index built from the directory, as at start
+        svc.files = store_cls(root, svc.files.index)
+        routes = batch_routes(svc, owner_of_key(core), max_file_bytes)
+        server = await start_http_server(
             types.SimpleNamespace(),  # type: ignore[arg-type]
-            views,  # type: ignore[arg-type]
+            types.SimpleNamespace(),  # type: ignore[arg-type]
             metrics,
             "127.0.0.1",
             0,
@@ -97,14 +114,17 @@ def serve(root: Path, *, max_file_bytes: int = 64 * MB, max_body_bytes: int = 64
             extra_routes=routes,
             max_upload_bytes=max_file_bytes,
         )
+        return svc, server
 
-    srv = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    svc, srv = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     try:
-        yield Srv(srv.sockets[0].getsockname()[1], store, loop, conns)
+        yield Srv(srv.sockets[0].getsockname()[1], svc.files, loop, conns)
     finally:
         loop.call_soon_threadsafe(srv.close)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+        for pool in (svc.io, svc.housekeeping, svc.pages):
+            pool.shutdown()
 
 
 # ------------------------------------------------------------ raw HTTP

@@ -78,8 +78,9 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
         {"path": "/tokenize"},
         {"path": "/detokenize"},
     ]
+    # Uploads stream through to the router (which writes them as they arrive and gives the 413): never buffered whole.
     upload = vhost["routes"][0]["typed_per_filter_config"]["envoy.filters.http.buffer"]
-    assert upload["buffer"]["max_request_bytes"] == cfg.batch.max_file_bytes
+    assert upload["disabled"] is True and "buffer" not in upload
     for r in vhost["routes"]:
         assert r["route"]["timeout"] == "0s"  # SSE streams are never cut by a route timeout
         assert r["route"]["cluster"] == "router"
@@ -108,7 +109,7 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
     assert hc["interval"] == hc["no_traffic_interval"] == "0.5s"
     statuses = [m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
                 for m in hcm["local_reply_config"]["mappers"]]
-    assert statuses[:4] == [429, 413, 404, 503]
+    assert statuses[:5] == [429, 413, 401, 404, 503]  # 401: the Lua filter's malformed key
 
 
 @pytest.mark.parametrize(
@@ -131,9 +132,8 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
     ],
 )
 def test_bad_values_give_a_clear_config_error(toml, message):
-    cfg = loads(toml)
-    with pytest.raises(ConfigError, match=message):
-        render(cfg)
+    with pytest.raises(ConfigError, match=message):  # at load (a malformed plain key) or at rendering
+        render(loads(toml))
 
 
 def test_validate_reports_envoys_own_message():

@@ -240,14 +240,111 @@ def test_network_policies_deny_by_default_and_open_only_the_planes(cfg):
     assert "weir-worker" not in pols  # workers accept nothing: default deny
 
 
+def _sources(rule: dict) -> list[tuple[str, str]]:
+    """(who, what) of each peer a policy rule admits: ("pods", component) or ("namespace", name)."""
+    out = []
+    for peer in rule.get("from", [{"anywhere": True}]):
+        if "namespaceSelector" in peer and "podSelector" not in peer:
+            out.append(("namespace", peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]))
+        elif "podSelector" in peer and "namespaceSelector" not in peer:
+            out.append(("pods", peer["podSelector"]["matchLabels"].get(k8s.PART, "?")))
+        else:
+            out.append(("other", json.dumps(peer, sort_keys=True)))
+    return out
+
+
+@pytest.mark.parametrize("monitoring", ["monitoring", "observability"])
+def test_router_ports_admit_only_their_peers(cfg, monitoring):
+    """The API port: Envoy pods only (keys, buckets, body limit come first); the
+    admin listener (/admin/*, /metrics, /health): the workers' probes and the
+    monitoring namespace; the worker plane: workers; nothing else anywhere."""
+    import msgspec
+
+    from deploy.k8s_objects import _port, router_admin_port
+
+    k = msgspec.structs.replace(cfg.kubernetes, monitoring_namespace=monitoring)
+    cfg = msgspec.structs.replace(cfg, kubernetes=k)
+    objs = k8s.built(cfg)
+    pol = _by(objs, "NetworkPolicy", "weir-router")[0]["spec"]
+    assert pol["podSelector"]["matchLabels"][k8s.PART] == "router" and pol["policyTypes"] == ["Ingress"]
+    http, back, front = _port(cfg.router.http), _port(cfg.router.backend), _port(cfg.router.frontend)
+    admin = router_admin_port(cfg)
+    admitted: dict[int, set] = {}
+    for rule in pol["ingress"]:
+        assert rule.get("from"), "no rule admits every source"
+        for p in rule["ports"]:
+            admitted.setdefault(p["port"], set()).update(_sources(rule))
+    assert admitted[http] == {("pods", "envoy")}
+    assert admitted[admin] == {("pods", "worker"), ("namespace", monitoring)}
+    assert admitted[back] == {("pods", "worker")}
+    assert set(admitted) == {http, admin, back, front}
+    # the routers serve the admin listener there, the probes and Prometheus use it
+    router_cfg = loads(_by(objs, "ConfigMap")[0]["data"]["router.toml"])
+    assert _port(router_cfg.router.admin_http) == admin and _port(router_cfg.router.http) == http
+    worker_cfg = loads(_by(objs, "ConfigMap")[0]["data"]["worker.toml"])
+    assert _port(worker_cfg.router.admin_http) == admin  # deploy/k8s_probe.py's port
+    pod = _by(objs, "Deployment", "weir-router")[0]["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(admin)
+    envoy_pol = _by(objs, "NetworkPolicy", "weir-envoy")[0]["spec"]["ingress"]
+    admin_rule = next(r for r in envoy_pol if r["ports"][0]["port"] == _port(cfg.envoy.admin))
+    assert _sources(admin_rule) == [("namespace", monitoring)]
+
+
+def test_a_config_without_api_keys_is_refused_unless_it_allows_anonymous(cfg, tmp_path):
+    import msgspec
+
+    assert not cfg.api_keys and cfg.kubernetes.allow_anonymous  # deploy/weir.toml: the open demo, said so
+    closed = msgspec.structs.replace(cfg, kubernetes=msgspec.structs.replace(cfg.kubernetes, allow_anonymous=False))
+    with pytest.raises(ConfigError, match=r"no \[\[api_keys\]\].*allow_anonymous"):
+        k8s.files(closed)
+    keyed = loads('[[api_keys]]\nkey_sha256 = "' + "a" * 64 + '"\ntenant = "t"\n', base_dir=str(REPO / "deploy"))
+    keyed = msgspec.structs.replace(closed, api_keys=keyed.api_keys)
+    assert k8s.files(keyed)  # with keys: rendered
+    # the CLI: refused (exit non-zero, the reason on stderr); allowed: rendered with a loud warning
+    import sys
+
+    weir = [sys.executable, "-m", "weir"]
+    bad = tmp_path / "closed.toml"
+    bad.write_text((REPO / "deploy" / "weir.toml").read_text().replace("allow_anonymous = true", ""))
+    out = subprocess.run([*weir, "render-k8s", "--config", str(bad), "-o", str(tmp_path / "a")],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode != 0 and "allow_anonymous" in out.stderr and not (tmp_path / "a").exists()
+    out = subprocess.run([*weir, "render-k8s", "--config", str(REPO / "deploy" / "weir.toml"),
+                          "-o", str(tmp_path / "b")], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "WARNING: NO API KEYS" in out.stderr
+
+
+def test_router_and_worker_pods_mount_the_admin_token_secret(cfg):
+    """Every router and worker pod reads /admin/*'s token from the Secret (never the ConfigMap)."""
+    from deploy import k8s_security as sec
+
+    objs = k8s.built(cfg)
+    data = _by(objs, "ConfigMap")[0]["data"]
+    for role in ("router.toml", "worker.toml"):
+        assert loads(data[role]).router.admin_token_file == sec.ADMIN_TOKEN_FILE
+    pods = [_by(objs, "Deployment", "weir-router")[0]] + [_by(objs, "StatefulSet", g.name)[0]
+                                                          for g in k8s.worker_groups(cfg)]
+    for o in pods:
+        spec = o["spec"]["template"]["spec"]
+        vol = next(v for v in spec["volumes"] if v["name"] == "admin")["projected"]["sources"][0]["secret"]
+        assert vol == {"name": sec.ADMIN_SECRET, "items": [{"key": sec.ADMIN_TOKEN, "path": sec.ADMIN_TOKEN}]}
+        assert {"name": "admin", "mountPath": sec.ADMIN_DIR, "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    envoy = _by(objs, "Deployment", "weir-envoy")[0]["spec"]["template"]["spec"]
+    assert all(v["name"] != "admin" for v in envoy["volumes"])  # Envoy never calls /admin
+    cmds = {c[6]: c for c in sec.secret_commands(cfg, k8s.worker_groups(cfg))}
+    token_arg = cmds[sec.ADMIN_SECRET][7]
+    assert token_arg.startswith(f"--from-literal={sec.ADMIN_TOKEN}=") and len(token_arg.split("=", 2)[2]) >= 32
+    assert token_arg.split("=", 2)[2] not in "".join(k8s.files(cfg).values())
+
+
 def test_bad_kubernetes_settings_are_refused(cfg):
-    text = (REPO / "deploy" / "weir.toml").read_text()
-    for extra, msg in (("router_replicas = 1", "router_replicas"), ("min_workers = 9", "min_workers"),
-                       ("scale_down_window_s = 4000", "scale_down_window_s")):
-        bad = loads(text + f"\n[kubernetes]\n{extra}\n", base_dir=str(REPO / "deploy"))
+    import msgspec
+
+    for extra, msg in (({"router_replicas": 1}, "router_replicas"), ({"min_workers": 9}, "min_workers"),
+                       ({"scale_down_window_s": 4000}, "scale_down_window_s")):
+        bad = msgspec.structs.replace(cfg, kubernetes=msgspec.structs.replace(cfg.kubernetes, **extra))
         with pytest.raises(ConfigError, match=msg):
             k8s.files(bad)
-    import msgspec
 
     for names, msg in ((["m" * 50], "at most 52"), (["a.b", "a-b"], "both render")):
         raw = msgspec.to_builtins(cfg)

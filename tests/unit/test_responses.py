@@ -252,18 +252,54 @@ def test_memory_store_bounds_by_count_age_and_size():
     store = MemoryResponseStore(max_stored=2, max_age_s=10.0, max_stored_bytes=100, clock=lambda: now[0])
 
     async def run():
-        rec = encode_record(b'{"id":"a"}', [{"role": "user", "content": "x"}])
-        assert decode_record(rec).messages == [{"role": "user", "content": "x"}]
+        rec = encode_record(b'{"id":"a"}', [{"role": "user", "content": "x"}], "t", "k")
+        got = decode_record(rec)
+        assert got.messages == [{"role": "user", "content": "x"}] and (got.tenant, got.key) == ("t", "k")
         for rid in "abc":
-            assert await store.put(rid, rec)
+            assert await store.put(rid, rec, "t")
         assert await store.get("a") is None and await store.get("c") == rec  # count: the oldest went
         now[0] = 5.0
-        await store.put("d", rec)  # b goes (count)
+        await store.put("d", rec, "t")  # b goes (count)
         now[0] = 10.5  # c is 10.5 s old: gone (age); d is 5.5
         assert await store.get("c") is None and await store.get("d") == rec
-        assert not await store.put("big", b"x" * 101)
-        assert await store.delete("d") and not await store.delete("d")
+        assert not await store.put("big", b"x" * 101, "t")
+        assert not await store.delete("d", "another tenant")  # only from its own tenant's shelf
+        assert await store.delete("d", "t") and not await store.delete("d", "t")
         return store.counters()
 
     c = asyncio.run(run())
-    assert c == {"stored": 0, "bytes": 0, "evicted_count": 2, "evicted_age": 1, "too_large": 1, "errors": 0}
+    assert c == {
+        "stored": 0,
+        "bytes": 0,
+        "evicted_count": 2,
+        "evicted_bytes": 0,
+        "evicted_age": 1,
+        "too_large": 1,
+        "errors": 0,
+    }
+
+
+def test_memory_store_evicts_within_each_tenants_own_bounds():
+    """One tenant storing far past its bound evicts only its own oldest; its
+    byte bound counts too; another tenant's own (configured) bound applies to it."""
+    bounds = {"noisy": (3, 10_000), "quiet": (2, 10_000), "small": (100, 260)}
+    store = MemoryResponseStore(10, 3600.0, 1 << 20, bounds=lambda t: bounds[t])
+    rec = encode_record(b"{}", [{"role": "user", "content": "y" * 50}])
+
+    async def run():
+        await store.put("q1", rec, "quiet")
+        await store.put("q2", rec, "quiet")
+        for i in range(1000):
+            assert await store.put(f"n{i}", rec, "noisy")
+        assert await store.get("q1") == rec and await store.get("q2") == rec
+        assert [await store.get(f"n{i}") is not None for i in (996, 997, 998, 999)] == [False, True, True, True]
+        await store.put("q3", rec, "quiet")  # quiet's own count bound: its oldest goes
+        assert await store.get("q1") is None and await store.get("q3") == rec
+        for i in range(5):  # small: 260 bytes hold 2 of these records
+            await store.put(f"s{i}", rec, "small")
+        assert [await store.get(f"s{i}") is not None for i in range(5)] == [False, False, False, True, True]
+        return store.counters()
+
+    c = asyncio.run(run())
+    assert len(rec) * 3 > 260 >= len(rec) * 2
+    assert c["stored"] == 3 + 2 + 2 and c["evicted_count"] == 997 + 1 and c["evicted_bytes"] == 3

@@ -1,0 +1,218 @@
+"""A batch through a router drain, and a stale lease holder, in process: the
+real RouterCore (fake workers), the real BatchService and its on-disk stores.
+
+A draining router sends no more lines of its batches, withdraws the queued
+ones, lets the running ones end (a line the drain's deadline cuts waits to be
+sent again: it is not a failure), writes what finished and releases the lease
+at once; a second router over the same directory takes the batch over and
+ends it with every line answered exactly once and none failed.  A holder
+whose lease another router took over writes nothing more and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import msgspec
+from test_lifecycle import Harness
+
+from router.batch import model as m
+from router.batch.files import FileStore
+from router.batch.lease import FileLease
+from router.batch.service import BatchService
+from router.batch.store import BatchStore
+from router.drain import Drain
+from shared.config import Config
+
+N = 20
+
+
+def _config(root: Path) -> Config:
+    return msgspec.convert(
+        {
+            "router": {"heartbeat_interval_s": 0.5},
+            "scheduler": {"generation_deadline_s": 30.0},
+            "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096}],
+            "batch": {
+                "directory": str(root),
+                "scan_interval_s": 0.05,
+                "queued_target": 4,
+                "retry_s": 0.05,
+                "preempt": False,
+            },
+        },
+        Config,
+    )
+
+
+class Router:
+    """One router: a core on fake workers, its batch service, pumped by hand."""
+
+    def __init__(self, root: Path) -> None:
+        self.h = Harness(_config(root))
+        self.h.join("w0", seqs=2)
+        self.svc = BatchService(self.h.core, self.h.core.cfg)
+
+        async def start() -> None:
+            self.svc.start()
+
+        self.h.loop.run_until_complete(start())
+
+    def pump(self, s: float = 0.05) -> None:
+        self.h.loop.run_until_complete(asyncio.sleep(s))
+
+    def run(self):
+        (run,) = self.svc.runs.values()
+        return run
+
+    def running(self) -> list[int]:
+        """Handles of the batches' jobs on the (fake) worker."""
+        jobs = self.h.core.jobs
+        return [hd for run in self.svc.runs.values() for hd in run.in_flight if jobs["%x" % hd].worker is not None]
+
+    def call(self, fn, *args) -> None:
+        """``fn`` on the loop, as the socket's reader calls the core (the batch tier arms timers)."""
+
+        async def on_loop() -> None:
+            fn(*args)
+
+        self.h.loop.run_until_complete(on_loop())
+
+    def finish(self, handle: int) -> None:
+        self.call(self.h.tokens, handle, 3, "length")
+
+    def close(self) -> None:
+        self.h.loop.run_until_complete(self.svc.close())
+        self.h.close()
+
+
+def _until(router: Router, cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        router.pump()
+
+
+def _batch(root: Path) -> tuple[str, BatchStore]:
+    """A batch of N lines, created as the API creates one: no router runs it yet."""
+    files, store = FileStore(root), BatchStore(root)
+    rows = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "sim-m", "prompt": f"line {i}", "max_tokens": 3},
+        }
+        for i in range(N)
+    ]
+    f = files.create("anonymous", "in.jsonl", "batch", b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+    now = int(time.time())
+    rec = store.new(
+        owner="anonymous",
+        key_digest="",
+        input_file_id=f.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    return rec.id, store
+
+
+def _results(root: Path, file_id: str) -> list[dict]:
+    path = root / "files" / f"{file_id}.data"
+    return [json.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def test_a_draining_router_hands_its_batch_on_and_no_line_fails(tmp_path):
+    bid, store = _batch(tmp_path)
+    a = Router(tmp_path)
+    try:
+        _until(a, lambda: bid in a.svc.runs and len(a.running()) == 2, "router a never ran two lines")
+        first = a.running()[0]
+        a.finish(first)
+        _until(a, lambda: a.run().rec.completed == 1, "the first line was never written")
+        sent_before = a.svc.stats.sent
+        drain = Drain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
+        a.call(drain.start, "test")
+        a.pump(0.2)
+        run = a.run()
+        # no line sent since, the queued ones withdrawn: only the two running remain
+        assert a.svc.stats.sent == sent_before and len(run.in_flight) == 2 == len(a.running())
+        later, _ = _batch(tmp_path)  # created while it drains: left for the others
+        a.pump(0.2)
+        assert later not in a.svc.runs and store.load(later).status == m.VALIDATING
+        ending, cut = a.running()
+        a.finish(ending)
+        a.h.clock.t += 5.0  # the drain's deadline: the other running line is cut (router_draining)
+        a.call(drain._tick)
+        _until(a, lambda: bid not in a.svc.runs, "the run was not handed on")
+        assert run.handed_off and not run.ended and drain.done.is_set()
+        probe = FileLease(store.dir)
+        assert asyncio.run(probe.acquire(bid))  # released at once, not at the router's exit
+        asyncio.run(probe.release(bid))
+        on_disk = store.load(bid)
+        assert (on_disk.status, on_disk.completed, on_disk.failed) == (m.IN_PROGRESS, 2, 0)
+        assert _results(tmp_path, on_disk.error_file_id) == []  # no line failed for the drain
+        assert "%x" % cut not in [r["id"] for r in _results(tmp_path, on_disk.output_file_id)]
+        drain.close()
+    finally:
+        a.close()
+
+    b = Router(tmp_path)  # another router (or the same one, restarted)
+    try:
+
+        def finish_all() -> bool:
+            if bid not in b.svc.runs and later not in b.svc.runs:
+                return True
+            for hd in b.running():
+                b.finish(hd)
+            return False
+
+        _until(b, lambda: bid in b.svc.runs and later in b.svc.runs, "router b never took the batches over")
+        _until(b, finish_all, "router b never finished the batch", timeout=20.0)
+        rec = store.load(bid)
+        assert (rec.status, rec.completed, rec.failed) == (m.COMPLETED, N, 0)
+        ids = [r["custom_id"] for r in _results(tmp_path, rec.output_file_id)]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(N))  # each exactly once
+        assert rec.usage.output_tokens == 3 * N  # the tokens of a's lines are counted too
+        assert store.load(later).status == m.COMPLETED
+    finally:
+        b.close()
+
+
+def test_a_holder_whose_lease_was_taken_over_writes_nothing_more_and_stops(tmp_path):
+    """A router stalled past its lease (SIGSTOP, a long pause) wakes up with
+    lines that finished meanwhile: its next write meets the newer holder's
+    fence, is refused, and the run stops; the files hold only what the batch's
+    holders wrote while they held it."""
+    bid, store = _batch(tmp_path)
+    a = Router(tmp_path)
+    try:
+        _until(a, lambda: bid in a.svc.runs and len(a.running()) == 2, "router a never ran two lines")
+        first, second = a.running()
+        a.finish(first)
+        _until(a, lambda: a.run().rec.completed == 1, "the first line was never written")
+        run = a.run()
+        rec = store.load(bid)
+        out = tmp_path / "files" / f"{rec.output_file_id}.data"
+        written = out.read_bytes()
+        token = a.svc.lease.token(bid)
+        assert token >= 1 and run.fence.token == token
+        store.fence(bid, token + 1).claim()  # another router's grant, as after a takeover
+
+        async def held_elsewhere(_bid: str) -> bool:
+            return False
+
+        a.svc.lease.acquire = held_elsewhere  # (that router holds the lease from now on)
+        a.finish(second)
+        _until(a, lambda: run.stopped, "the stale holder did not stop")
+        a.pump(0.2)
+        assert out.read_bytes() == written  # its finished line was not appended
+        assert not run.in_flight and not run.ended and bid not in a.svc.runs
+        assert store.load(bid).completed == rec.completed  # nor its state saved
+    finally:
+        a.close()

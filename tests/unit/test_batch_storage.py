@@ -1,0 +1,200 @@
+"""Per-tenant storage of the Batch API, its pure parts: the quota decision, the
+limits a key and its tenant resolve to, the retention math, and the usage
+index's accounting and pages (router.batch.usage, router.batch.retention)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from router.batch import model as m
+from router.batch import retention
+from router.batch.files import FileMeta, FileStore
+from router.batch.store import BatchStore
+from router.batch.usage import Limits, Usage, UsageIndex, batch_refusal, limits_for, upload_refusal
+from shared.config import ApiKey, BatchConfig, TenantConfig
+from shared.errors import Code, code_of
+
+
+def test_limits_are_the_batch_defaults_unless_the_key_or_tenant_sets_its_own_and_the_smaller_wins():
+    b = BatchConfig(max_stored_files=100, max_stored_file_bytes=1000, max_active_batches=10)
+    key = ApiKey(key="k", tenant="t", max_stored_files=5)
+    tenant = TenantConfig(name="t", max_stored_files=50, max_active_batches=20)
+    assert limits_for(b, None, None) == Limits(100, 1000, 10)
+    assert limits_for(b, None, tenant) == Limits(50, 1000, 20)  # a tenant may raise a default
+    assert limits_for(b, key, None) == Limits(5, 1000, 10)
+    assert limits_for(b, key, tenant) == Limits(5, 1000, 20)
+    assert limits_for(b, ApiKey(key="k", tenant="t", max_stored_files=500), tenant).files == 50
+
+
+def test_an_upload_is_refused_at_the_count_limit_with_429_and_over_the_bytes_limit_with_413():
+    lim = Limits(files=3, file_bytes=100, active_batches=1)
+    assert upload_refusal(Usage(2, 50, 0), lim, 50) is None  # exactly full after it: allowed
+    count = upload_refusal(Usage(3, 0, 0), lim, 1)
+    assert count is not None and code_of(count) is Code.FILES_LIMIT
+    assert (count.status, count.param, count.code) == (429, "max_stored_files", "file_count_limit_exceeded")
+    assert count.retry_after and count.retry_after > 0
+    size = upload_refusal(Usage(2, 50, 0), lim, 51)
+    assert size is not None and code_of(size) is Code.FILE_BYTES_LIMIT
+    assert (size.status, size.param) == (413, "max_stored_file_bytes")
+    assert "max_stored_file_bytes = 100" in size.message and "50 used" in size.message
+    assert upload_refusal(Usage(0, 0, 0), Limits(0, 100, 1), 1) is not None  # a limit of 0: none at all
+
+
+def test_a_batch_is_refused_at_the_active_batch_limit():
+    lim = Limits(files=3, file_bytes=100, active_batches=2)
+    assert batch_refusal(Usage(0, 0, 1), lim) is None
+    got = batch_refusal(Usage(0, 0, 2), lim)
+    assert got is not None and (got.status, got.code, got.param) == (
+        429,
+        "active_batch_limit_exceeded",
+        "max_active_batches",
+    )
+
+
+@pytest.mark.parametrize(
+    "anchor, seconds, want",
+    [
+        ("created_at", 3600, 3600),
+        ("created_at", 2_592_000, 2_592_000),
+        ("created_at", "7200", 7200),  # a multipart form field
+        ("created_at", 3599, "between 3600 and 2592000"),
+        ("created_at", 2_592_001, "between 3600 and 2592000"),
+        ("created_at", True, "integer"),
+        ("created_at", 3600.5, "integer"),
+        ("created_at", None, "integer"),
+        ("last_active_at", 3600, "anchor"),
+        (None, 3600, "anchor"),
+    ],
+)
+def test_expires_after_takes_openais_anchor_and_bounds(anchor, seconds, want):
+    got = retention.expires_after_seconds(anchor, seconds)
+    if isinstance(want, int):
+        assert got == want
+    else:
+        assert isinstance(got, str) and want in got
+
+
+def test_retention_math():
+    assert not retention.expired(None, 1e12)
+    assert not retention.expired(100, 99.9) and retention.expired(100, 100)
+    stamps = {"completed_at": 1000}
+    assert not retention.batch_reapable(m.IN_PROGRESS, {}, 0, 1e12, 0)  # running: never
+    assert not retention.batch_reapable(m.COMPLETED, stamps, 0, 1999, 1000)
+    assert retention.batch_reapable(m.COMPLETED, stamps, 0, 2000, 1000)
+    assert retention.batch_reapable(m.FAILED, {}, 500, 1500, 1000)  # no end stamp: from its creation
+
+
+def _meta(fid: str, owner: str, created: int, size: int = 10, purpose: str = "batch", expires_at=None) -> FileMeta:
+    return FileMeta(
+        id=fid, bytes=size, created_at=created, filename="f", purpose=purpose, owner=owner, expires_at=expires_at
+    )
+
+
+def test_the_index_counts_each_tenants_files_bytes_and_active_batches(tmp_path: Path):
+    idx = UsageIndex()
+    idx.put_file(_meta("file-a1", "a", 1, 10))
+    idx.put_file(_meta("file-a2", "a", 2, 30))
+    idx.put_file(_meta("file-b1", "b", 1, 5))
+    idx.put_file(_meta("file-a2", "a", 2, 40))  # the same file again: counted once, its new size
+    assert idx.usage("a") == Usage(2, 50, 0) and idx.usage("b") == Usage(1, 5, 0) and idx.usage("c") == Usage(0, 0, 0)
+    idx.drop_file("file-a1")
+    idx.drop_file("file-a1")
+    assert idx.usage("a") == Usage(1, 40, 0)
+    store = BatchStore(tmp_path, idx)
+    now = int(time.time())
+    rec = store.new(
+        owner="a",
+        key_digest="",
+        input_file_id="file-a2",
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 60,
+    )
+    assert idx.usage("a").active_batches == 1
+    rec.move(m.IN_PROGRESS)
+    rec.move(m.EXPIRED)
+    store.save(rec)
+    assert idx.usage("a").active_batches == 0 and idx.usage("b").active_batches == 0
+
+
+def test_pages_are_newest_first_from_after_with_has_more_and_one_tenants_only():
+    idx = UsageIndex()
+    for i in range(5):
+        idx.put_file(_meta(f"file-a{i}", "a", 100 + i, purpose="batch" if i % 2 else "batch_output"))
+    idx.put_file(_meta("file-b0", "b", 200))
+    first = idx.files_page("a", None, 2, None)
+    assert [f.id for f in first] == ["file-a4", "file-a3", "file-a2"]  # limit + 1: there are more
+    assert [f.id for f in idx.files_page("a", "file-a3", 2, None)] == ["file-a2", "file-a1", "file-a0"]
+    assert [f.id for f in idx.files_page("a", "file-a1", 2, None)] == ["file-a0"]
+    assert [f.id for f in idx.files_page("a", None, 10, "batch")] == ["file-a3", "file-a1"]
+    assert idx.files_page("a", "file-b0", 2, None) is None  # another tenant's id is no cursor
+    assert idx.files_page("c", None, 2, None) == []
+    idx.put_file(_meta("file-a9", "a", 300, expires_at=1000))
+    assert idx.files_page("a", None, 1, None, now=999)[0].id == "file-a9"
+    assert idx.files_page("a", None, 1, None, now=1000)[0].id == "file-a4"  # expired: not listed
+
+
+def test_the_index_learns_another_routers_files_and_deletions_from_the_directory(tmp_path: Path):
+    mine, other = UsageIndex(), UsageIndex()
+    files_mine, files_other = FileStore(tmp_path, mine), FileStore(tmp_path, other)
+    batches = BatchStore(tmp_path, mine)
+    a = files_other.create("a", "x.jsonl", "batch", b"{}\n")
+    files_mine.create("a", "y.jsonl", "batch", b"{}\n{}\n")
+    assert mine.usage("a").files == 1
+    mine.refresh(files_mine, batches)
+    assert mine.usage("a") == Usage(2, 9, 0)
+    files_other.delete("a", a.id)
+    mine.refresh(files_mine, batches)
+    assert mine.usage("a") == Usage(1, 6, 0)
+
+
+def test_the_reaper_deletes_expired_files_but_not_a_running_batchs_input_and_old_ended_batches(tmp_path: Path):
+    idx = UsageIndex()
+    files, batches = FileStore(tmp_path, idx), BatchStore(tmp_path, idx)
+    keep = files.create("a", "k", "batch", b"{}\n")
+    gone = files.create("a", "g", "batch", b"{}\n", expires_after_s=3600)
+    used = files.create("a", "u", "batch", b"{}\n", expires_after_s=3600)
+    now = int(time.time())
+    run = batches.new(
+        owner="a",
+        key_digest="",
+        input_file_id=used.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    old = batches.new(
+        owner="a",
+        key_digest="",
+        input_file_id=keep.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    old.move(m.CANCELLED, now=now)
+    batches.save(old)
+    assert files.get("a", gone.id) is not None
+    later = now + 3601
+    assert idx.reap(files, batches, later, retention_s=7200) == []  # the batch ended 3601 s ago
+    assert not files.data_path(gone.id).exists() and files.read_meta(gone.id) is None
+    assert files.data_path(used.id).exists() and files.data_path(keep.id).exists()
+    assert idx.usage("a") == Usage(2, 6, 1)
+    assert idx.reap(files, batches, now + 7200, retention_s=7200) == [old.id]
+    assert not batches.path(old.id).exists() and batches.load(old.id) is None and batches.load(run.id) is not None
+
+
+def test_storage_limits_load_from_the_config_and_a_negative_one_is_refused():
+    from shared.config import ConfigError, loads
+
+    cfg = loads('[batch]\nmax_active_batches = 3\n[[tenants]]\nname = "t"\nmax_stored_files = 7\n')
+    assert limits_for(cfg.batch, None, cfg.tenants[0]) == Limits(7, 10 << 30, 3)
+    with pytest.raises(ConfigError, match="max_stored_file_bytes"):
+        loads('[[tenants]]\nname = "t"\nmax_stored_file_bytes = -1\n')
+    with pytest.raises(ConfigError, match="housekeeping_interval_s"):
+        loads("[batch]\nhousekeeping_interval_s = 0\n")
