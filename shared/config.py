@@ -417,7 +417,7 @@ class BatchConfig(_Cfg):
     # running batches share it (one host, or a shared filesystem + Redis).
     directory: str = "~/.local/state/weir/batches"
     # An upload over this is refused (413).  The router writes an upload to
-    # disk as it arrives (never whole in memory); Envoy buffers it.
+    # disk as it arrives (never whole in memory); Envoy streams it through.
     max_file_bytes: int = 100 << 20
     # Each result file of a batch (output, errors) may grow to this; a batch whose
     # results would pass it fails alone (results_too_large), what it wrote kept.

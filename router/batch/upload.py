@@ -217,7 +217,6 @@ class Upload:
         self.done = done
         self.resume: Callable[[], None] | None = None
         self.held = 0  # bytes read and not yet written (queued + in the thread)
-        self.peak = 0  # the most ``held`` ever was (shown by tests and the benchmark)
         self._queue: list[bytes] = []
         self._busy = False  # a batch of chunks is in the thread
         self._aborted = False
@@ -228,7 +227,6 @@ class Upload:
             return True
         self._queue.append(chunk)
         self.held += len(chunk)
-        self.peak = max(self.peak, self.held)
         if not self._busy:
             self._next()
         return self.held < HIGH_WATER
