@@ -85,6 +85,12 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 _meta_decoder = msgspec.json.Decoder(FileMeta)
 
+# A temporary file (an upload being written, an atomic write) untouched this
+# long belongs to a router that died mid-write: the reaper removes it.  Live
+# ones are written to at least every few seconds (Envoy's stream idle timeout
+# ends a stalled upload long before this).
+STALE_TEMP_S = 3600.0
+
 
 class FileWriter:
     """An upload being written: a temporary file beside the store's files,
@@ -215,6 +221,23 @@ class FileStore:
             return _meta_decoder.decode(self._meta_path(file_id).read_bytes())
         except (OSError, msgspec.DecodeError):
             return None
+
+    def remove_stale_temps(self, now: float) -> int:
+        """Delete temporary files (``.*.tmp``) untouched for ``STALE_TEMP_S``; how many."""
+        n = 0
+        try:
+            with os.scandir(self.dir) as it:
+                for e in it:
+                    if e.name.startswith(".") and e.name.endswith(".tmp"):
+                        try:
+                            if e.stat().st_mtime < now - STALE_TEMP_S:
+                                os.unlink(e.path)
+                                n += 1
+                        except OSError:
+                            pass  # (gone meanwhile: committed, discarded or reaped by another router)
+        except OSError:
+            pass
+        return n
 
     def remove(self, file_id: str) -> None:
         """Delete a file whoever owns it (the reaper: it expired)."""
