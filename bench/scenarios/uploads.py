@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -233,6 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg = write_config(tmp, workers=[sim_worker("sim-0", max_num_seqs=SLOTS, **SIM)],
                        batch={"max_file_bytes": max(64 * MIB, size + MIB), "directory": str(tmp / "batches")})
     report: dict[str, Any] = {"args": vars(args), "file_bytes": size}
+    try:
+        _run(cfg, tmp, args, upload_file, size, report)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (the uploads: a GB and more)
+    (out / "uploads.json").write_text(json.dumps(report, indent=1))
+    text = _markdown(report, argv)
+    (out / "README.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _run(cfg: Path, tmp: Path, args: argparse.Namespace, upload_file: Path, size: int, report: dict[str, Any]) -> None:
     with stack(cfg, tmp / "run") as s:
         asyncio.run(_warm(s))
         report["alone"] = asyncio.run(_phase(s, args, None))
@@ -241,11 +254,6 @@ def main(argv: list[str] | None = None) -> int:
         print("with uploads:", json.dumps({k: v for k, v in report["with_uploads"].items() if k != "uploads"}),
               file=sys.stderr)
         report["files_intact"] = _check_files(s, report["with_uploads"]["uploads"], size)
-    (out / "uploads.json").write_text(json.dumps(report, indent=1))
-    text = _markdown(report, argv)
-    (out / "README.md").write_text(text)
-    print(text)
-    return 0
 
 
 async def _warm(s: Any) -> None:
