@@ -340,15 +340,19 @@ def _route(match: dict, idle: str, cfg: Config) -> dict:
 
 
 def _upload_routes(idle: str, cfg: Config) -> list[dict]:
-    """Batch input uploads (POST /v1/files) may be up to ``batch.max_file_bytes``;
-    every other request keeps ``envoy.max_request_bytes``."""
+    """Batch input uploads (POST /v1/files) are not buffered: they stream through,
+    under Envoy's flow control, to the router, which writes them to disk as they
+    arrive and refuses one the moment it passes ``batch.max_file_bytes`` (413).
+    Buffered, each upload would be held whole in Envoy's memory (20 uploads of
+    50 MiB: 1.9 GiB) and pushed on in one burst.  Every other request keeps
+    ``envoy.max_request_bytes``."""
     if not cfg.batch.enabled:
         return []
     route = _route({"prefix": "/v1/files"}, idle, cfg)
     route["typed_per_filter_config"] = {
         "envoy.filters.http.buffer": {
             "@type": f"{_TYPES}.filters.http.buffer.v3.BufferPerRoute",
-            "buffer": {"max_request_bytes": max(cfg.batch.max_file_bytes, cfg.envoy.max_request_bytes)},
+            "disabled": True,
         }
     }
     return [route]

@@ -12,7 +12,8 @@ Protocols declared here by their consumer.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from router import openai_api as api
@@ -88,8 +89,40 @@ class Refusal(NamedTuple):
     extra: bytes = b""
 
 
-Answer = Reply | Refusal
+class Stream(NamedTuple):
+    """A body of ``length`` bytes sent chunk by chunk as ``chunks`` yields them
+    (a file download: never whole in memory; the writer waits for the socket)."""
+
+    status: int
+    length: int
+    chunks: AsyncGenerator[bytes, None]
+    content_type: bytes = JSON
+    extra: bytes = b""
+
+
+Answer = Reply | Refusal | Stream
 Handler = Callable[[Request], Answer | Awaitable[Answer]]  # awaitable: answered when it completes
+
+
+class BodySink(Protocol):
+    """Where a streamed request body goes as it arrives (an upload), instead of
+    being gathered in memory: ``feed`` each chunk; False asks the server to stop
+    reading until the sink calls ``resume`` (set by the server); ``finish`` once
+    the body is complete (the answer); ``abort`` if it never will be."""
+
+    resume: Callable[[], None] | None
+
+    def feed(self, chunk: bytes) -> bool: ...
+
+    def finish(self) -> Awaitable[Answer]: ...
+
+    def abort(self) -> None: ...
+
+
+# A streamed-body route: called once the request's head is read (its body is
+# b""), returns the sink for the body or a refusal (answered once the body,
+# discarded, has been read).
+BodyRoute = Callable[[Request], "BodySink | Refusal"]
 
 
 class Route(NamedTuple):
@@ -174,6 +207,7 @@ def _name(req: Request, prefix: bytes, suffix: bytes = b"") -> str:
 class Routes(NamedTuple):
     exact: dict[bytes, Route]
     patterns: list[PatternRoute]  # tried in order when no exact path matches
+    bodies: Mapping[bytes, BodyRoute] = MappingProxyType({})  # POST paths whose body streams to a sink (uploads)
 
 
 def routes(views: Views, operator: Operator | None, created: int) -> Routes:

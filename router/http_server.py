@@ -45,6 +45,8 @@ from router.http_headers import error_headers, response_head
 from router.http_routes import (
     ADMIN_PREFIX,
     Answer,
+    BodyRoute,
+    BodySink,
     Handler,
     Operator,
     PatternRoute,
@@ -52,6 +54,7 @@ from router.http_routes import (
     Reply,
     Request,
     Routes,
+    Stream,
     Views,
     admin_allowed,
     admin_refusal,
@@ -148,7 +151,7 @@ def _request_id(value: bytes | None) -> str | None:
 
 
 class _Request:
-    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid", "query")
+    __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid", "query", "sink")
 
     def __init__(
         self,
@@ -169,6 +172,7 @@ class _Request:
         self.http11 = http11
         self.t0 = time.perf_counter()
         self.rid = _request_id(headers.get(b"x-request-id"))  # generation: its own id if None
+        self.sink: BodySink | Refusal | None = None  # a streamed body's (router.http_routes.BodyRoute)
 
     def header(self, name: bytes) -> str | None:
         v = self.headers.get(name)
@@ -218,9 +222,11 @@ class _Ingress:
             **{path: (r.method, _answering(r.handler)) for path, r in table.exact.items()},
         }
         self.patterns: list[PatternRoute] = table.patterns  # when no path matches: in order
+        self.bodies: dict[bytes, BodyRoute] = {}  # POST path -> where its body streams (uploads)
         if extra is not None:  # (the Batch API: router.openai_api.files_batches)
             self.routes.update({path: (r.method, _answering(r.handler)) for path, r in extra.exact.items()})
             self.patterns = [*extra.patterns, *self.patterns]
+            self.bodies.update(extra.bodies)
         if responses is not None:
             self.routes[b"/v1/responses"] = (b"POST", HttpConnection.responses)
             self.patterns.append(PatternRoute(b"/v1/responses/", (), b"*", "/v1/responses/{id}", responses.by_id))
@@ -249,7 +255,9 @@ class HttpConnection(asyncio.Protocol):
         self.closed = False  # closing or closed: write nothing more
         self.dead_input = False  # parse error seen: ignore further bytes
         self.write_paused = False
-        self.reading_paused = False
+        self.reading_paused = False  # too many pipelined requests queued
+        self.body_paused = False  # a streamed body's sink is behind (router.http_routes.BodySink)
+        self._drained: asyncio.Future[None] | None = None  # a streamed answer waiting for the socket
         self.current: Exchange | EmbeddingBatch | None = None  # generation whose response is in progress
         self.busy = False  # a response is in progress (generation or not)
         self.pending: deque[_Request | ErrorInfo] = deque()  # requests, or an input error to answer
@@ -258,6 +266,7 @@ class HttpConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._body_limit = ingress.max_body_bytes
+        self._streamed: _Request | None = None  # the request whose body goes to its sink as it arrives
         self._keep_alive = True
         self._http11 = True
         self._upgrade = False
@@ -277,6 +286,7 @@ class HttpConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
+            self._drop_streamed()
             if isinstance(e.__context__, _BodyTooLarge):
                 self._input_error(Code.REQUEST_TOO_LARGE, f"Request body exceeds the limit of {self._body_limit} bytes")
             else:
@@ -292,12 +302,15 @@ class HttpConnection(asyncio.Protocol):
                 if rest:
                     self.data_received(rest)
         except httptools.HttpParserError as e:
+            self._drop_streamed()
             self._input_error(Code.BAD_REQUEST, f"Malformed HTTP request: {e}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.ingress.connections.discard(self)
-        self.pending.clear()
+        self._clear_pending()
+        self._drop_streamed()
+        self._wake_writer()
         ex = self.current
         if isinstance(ex, EmbeddingBatch):
             self.current = None
@@ -316,6 +329,43 @@ class HttpConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self._wake_writer()
+
+    def gone(self) -> bool:
+        """Closing or closed (a method: read again after an await)."""
+        return self.closed
+
+    def _wake_writer(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    def _set_reading(self) -> None:
+        """Read the socket unless something asked to stop (pipelined queue, a sink behind)."""
+        if self.closed:
+            return
+        if self.reading_paused or self.body_paused:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+
+    def _resume_body(self) -> None:
+        if self.body_paused:
+            self.body_paused = False
+            self._set_reading()
+
+    def _clear_pending(self) -> None:
+        """Forget the queued requests; an upload among them discards what it wrote."""
+        for item in self.pending:
+            if isinstance(item, _Request) and item.sink is not None and not isinstance(item.sink, Refusal):
+                item.sink.abort()
+        self.pending.clear()
+
+    def _drop_streamed(self) -> None:
+        """A streamed body that will never be complete: its sink discards what it wrote."""
+        req, self._streamed = self._streamed, None
+        if req is not None and req.sink is not None and not isinstance(req.sink, Refusal):
+            req.sink.abort()
 
     # ---------------------------------------------------------- httptools
 
@@ -347,6 +397,10 @@ class HttpConnection(asyncio.Protocol):
         self._body_limit = ingress.max_upload_bytes if self._url.startswith(UPLOAD_PREFIX) else ingress.max_body_bytes
         if length is not None and length.strip().isdigit() and int(length) > self._body_limit:
             raise _BodyTooLarge()
+        if ingress.bodies and parser.get_method() == b"POST":
+            body_route = ingress.bodies.get(self._url.split(b"?", 1)[0])
+            if body_route is not None:
+                self._start_streamed(body_route)
         expect = self._headers.get(b"expect")
         if expect is not None and expect.lower() == b"100-continue" and not self.busy and self._http11:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -355,7 +409,28 @@ class HttpConnection(asyncio.Protocol):
         self._body_len += len(body)
         if self._body_len > self._body_limit:
             raise _BodyTooLarge()
-        self._body.append(body)
+        streamed = self._streamed
+        if streamed is None:
+            self._body.append(body)
+            return
+        sink = streamed.sink
+        if isinstance(sink, Refusal):
+            return  # refused at its head: the body is read and dropped, then the refusal answered
+        assert sink is not None
+        if not sink.feed(body) and not self.body_paused:
+            self.body_paused = True
+            self._set_reading()
+
+    def _start_streamed(self, body_route: BodyRoute) -> None:
+        """A body that goes to a sink as it arrives (an upload): the sink is
+        made from the request's head, now, even behind a response in progress."""
+        path, _, query = self._url.partition(b"?")
+        req = _Request(self.parser.get_method(), path, self._headers, b"", self._keep_alive, self._http11, query)
+        sink = body_route(req)
+        if not isinstance(sink, Refusal):
+            sink.resume = self._resume_body
+        req.sink = sink
+        self._streamed = req
 
     def on_message_complete(self) -> None:
         if self.closed:
@@ -365,20 +440,30 @@ class HttpConnection(asyncio.Protocol):
             return self._input_error(
                 Code.BAD_REQUEST, "HTTP protocol upgrade is not supported; send the request without Upgrade"
             )
-        path, _, query = self._url.partition(b"?")
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11, query)
+        if self._streamed is not None:
+            req, self._streamed = self._streamed, None
+        else:
+            path, _, query = self._url.partition(b"?")
+            body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+            req = _Request(self.parser.get_method(), path, self._headers, body, self._keep_alive, self._http11, query)
+        self._body = []  # the request holds its body now, and lets it go when its response starts
         if self.busy or self.pending:
             self.pending.append(req)
             if len(self.pending) >= MAX_PIPELINED and not self.reading_paused:
                 self.reading_paused = True
-                self.transport.pause_reading()
+                self._set_reading()
         else:
             self._start(req)
 
     # ---------------------------------------------------------- requests
 
     def _start(self, req: _Request) -> None:
+        if req.sink is not None:  # a streamed body, complete: its sink answers
+            sink, req.sink = req.sink, None
+            label = req.path.decode()
+            if isinstance(sink, Refusal):
+                return self.answer(req, sink, label)
+            return self.answer_later(req, sink.finish(), label)
         ingress = self.ingress
         if ingress.admin_plane and not req.path.startswith(ADMIN_PLANE_PATHS):
             return self.respond_error(req, error(Code.NOT_FOUND, "Not served on the admin listener"), "other")
@@ -529,7 +614,9 @@ class HttpConnection(asyncio.Protocol):
             except Exception:
                 log.exception("handler for %s failed", label)
                 answer = Refusal(error(Code.INTERNAL, "Internal error"))
-            if not self.closed:
+            if isinstance(answer, Stream):
+                await self.send_stream(req, answer, label)
+            elif not self.closed:
                 self.answer(req, answer, label)
 
         asyncio.get_running_loop().create_task(wait())
@@ -538,8 +625,48 @@ class HttpConnection(asyncio.Protocol):
         """A route's answer (router.http_routes) as a whole response."""
         if isinstance(answer, Refusal):
             self.respond_error(req, answer.info, label, answer.extra)
+        elif isinstance(answer, Stream):
+            self.busy = True
+            asyncio.get_running_loop().create_task(self.send_stream(req, answer, label))
         else:
             self.respond(req, answer.status, answer.content_type, answer.body, label, answer.extra)
+
+    async def send_stream(self, req: _Request, answer: Stream, label: str) -> None:
+        """A body sent chunk by chunk, each written once the socket took the last
+        (memory: a chunk and the transport's buffer).  A source that fails
+        midway drops the connection: the client sees a short body, never a
+        wrong one."""
+        chunks = answer.chunks
+        try:
+            if self.closed:
+                return
+            req.body = b""
+            self.transport.write(
+                response_head(answer.status, answer.content_type, answer.length, req.keep_alive, extra=answer.extra)
+            )
+            sent = 0
+            async for chunk in chunks:
+                if self.gone():
+                    return
+                self.transport.write(chunk)
+                sent += len(chunk)
+                if self.write_paused:
+                    self._drained = self.ingress.loop.create_future()
+                    await self._drained
+            if sent != answer.length:
+                raise RuntimeError(f"{label}: sent {sent} of {answer.length} bytes")
+        except Exception:
+            log.exception("streaming the answer of %s failed", label)
+            if not self.closed:
+                self.ingress.metrics.observe_http(label, 500, time.perf_counter() - req.t0)
+                self.closed = True
+                self._clear_pending()
+                self.transport.abort()
+            return
+        finally:
+            await chunks.aclose()  # its source (a file) closes, however the loop ended
+        if not self.closed:
+            self.response_complete(req, answer.status, label, req.keep_alive)
 
     # ---------------------------------------------------------- responses
 
@@ -549,6 +676,7 @@ class HttpConnection(asyncio.Protocol):
         """A whole response (head + body) in one write."""
         if self.closed:
             return
+        req.body = b""  # answered: a keep-alive connection (an hour behind Envoy) must not hold it
         self.transport.write(response_head(status, content_type, len(body), req.keep_alive, extra=extra) + body)
         self.response_complete(req, status, label, req.keep_alive)
 
@@ -577,7 +705,7 @@ class HttpConnection(asyncio.Protocol):
                 self._start(item)
         if self.reading_paused and not self.closed and len(self.pending) < MAX_PIPELINED // 2:
             self.reading_paused = False
-            self.transport.resume_reading()
+            self._set_reading()
 
     def _input_error(self, code: Code, message: str) -> None:
         """Unusable input: answer (after any response in progress) and close."""
@@ -600,7 +728,7 @@ class HttpConnection(asyncio.Protocol):
         self.ingress.metrics.observe_http("other", info.status, 0.0)
         self.closed = True
         self.dead_input = True
-        self.pending.clear()
+        self._clear_pending()
         if transport.can_write_eof():
             transport.write_eof()
             asyncio.get_running_loop().call_later(LINGER_S, transport.close)
@@ -614,12 +742,12 @@ class HttpConnection(asyncio.Protocol):
         ex.cancel_jobs()
         self.ingress.metrics.observe_http(ex.label, status, time.perf_counter() - ex.req.t0)
         self.closed = True
-        self.pending.clear()
+        self._clear_pending()
         self.transport.abort()
 
     def _close(self) -> None:
         self.closed = True
-        self.pending.clear()
+        self._clear_pending()
         self.transport.close()  # flushes what is buffered first
 
 
@@ -628,7 +756,7 @@ def _answering(handler: Handler) -> Callable[[HttpConnection, _Request, str], No
 
     def run(conn: HttpConnection, req: _Request, label: str) -> None:
         answer = handler(req)
-        if isinstance(answer, (Reply, Refusal)):
+        if isinstance(answer, (Reply, Refusal, Stream)):
             conn.answer(req, answer, label)
         else:
             conn.answer_later(req, answer, label)

@@ -420,9 +420,12 @@ class BatchConfig(_Cfg):
     # Files and batch state (relative to the config file).  Several routers
     # running batches share it (one host, or a shared filesystem + Redis).
     directory: str = "~/.local/state/weir/batches"
-    # An upload over this is refused (413).  The router holds an upload in
-    # memory while it writes it to disk; Envoy buffers it too.
+    # An upload over this is refused (413).  The router writes an upload to
+    # disk as it arrives (never whole in memory); Envoy streams it through.
     max_file_bytes: int = 100 << 20
+    # Each result file of a batch (output, errors) may grow to this; a batch whose
+    # results would pass it fails alone (results_too_large), what it wrote kept.
+    max_result_bytes: int = 1 << 30
     completion_windows: list[str] = msgspec.field(default_factory=lambda: ["24h"])  # may ask for (<n>s|m|h|d)
     # Lines of one batch in the router at once (queued + running), and how
     # many of them wait queued for a free slot; the rest of the file stays on disk.
@@ -576,6 +579,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"batch.completion_windows: {window!r} is not <n>s, <n>m, <n>h or <n>d")
     if bc.max_in_flight < 1 or bc.queued_target < 1 or bc.max_file_bytes < 1:
         raise ConfigError("batch.max_in_flight, queued_target and max_file_bytes must be >= 1")
+    if bc.max_result_bytes < 1:
+        raise ConfigError("batch.max_result_bytes must be >= 1")
     limits = [("[batch]", bc), *((f"api key of tenant {k.tenant!r}", k) for k in cfg.api_keys)]
     for where, lim in [*limits, *((f"tenant {t.name!r}", t) for t in cfg.tenants)]:
         for f in ("max_stored_files", "max_stored_file_bytes", "max_active_batches"):

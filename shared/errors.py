@@ -64,6 +64,7 @@ class Code(enum.Enum):
     TOKENIZER_BUSY = (503, _UNAVAILABLE, "tokenizer_busy")  # /tokenize calls queued (router/tokenizer_queue.py)
     ROUTER_DRAINING = (503, _UNAVAILABLE, "router_draining")  # shutting down: retry elsewhere (router/drain.py)
     GENERATION_DEADLINE = (504, "timeout_error", "generation_deadline")
+    STORAGE_FULL = (507, _SERVER, "insufficient_storage")  # an upload met a full disk: nothing kept
 
     def __init__(self, status: int, type_: str, wire: str | None) -> None:
         self.status = status
@@ -245,6 +246,8 @@ WHEN: dict[Code, str] = {
     Code.ROUTER_DRAINING: "the router is draining (SIGTERM, `POST /admin/drain`): a new request, one that could "
     "not finish before `router.drain_timeout_s`, or one still running at it (an SSE error event once streaming)",
     Code.GENERATION_DEADLINE: "the request ran past `generation_deadline_s`",
+    Code.STORAGE_FULL: "an upload met a full disk (or another write error): nothing of it is kept; "
+    "retry after `Retry-After`",
 }
 
 

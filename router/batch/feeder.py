@@ -52,6 +52,7 @@ from router.batch.store import (
     BatchError,
     BatchRecord,
     ResultLog,
+    ResultsTooLarge,
     StaleLease,
     disk_full,
     is_done,
@@ -156,8 +157,8 @@ class BatchRun:
         self.max_body = service.max_body_bytes
         self.max_prompts = service.max_prompts
         self.input_path = service.files.data_path(rec.input_file_id)
-        self.out = ResultLog(service.files.data_path(rec.output_file_id))
-        self.err = ResultLog(service.files.data_path(rec.error_file_id))
+        self.out = ResultLog(service.files.data_path(rec.output_file_id), bcfg.max_result_bytes)
+        self.err = ResultLog(service.files.data_path(rec.error_file_id), bcfg.max_result_bytes)
         self.fence = service.store.fence(rec.id, token)  # token: this router's lease grant (router.batch.lease)
         self.done = bytearray()
         self.cursor = 0  # the next physical input line to read
@@ -168,6 +169,7 @@ class BatchRun:
         self._out_buf: list[bytes] = []
         self._err_buf: list[bytes] = []
         self._flushing: asyncio.Future[Any] | None = None
+        self._write_failed = False  # the batch fails: nothing more is written
         self._flush_timer: asyncio.TimerHandle | None = None
         self._pending = [0, 0, 0, 0, 0]  # unflushed: completed, failed, input, output, cached tokens
         self._kicked = False
@@ -307,7 +309,7 @@ class BatchRun:
                 return
             if self.eof and not self.retry and not self.in_flight:
                 await self._drain()
-                if self.stopped or rec.status != m.IN_PROGRESS:
+                if self.stopped or self._write_failed or rec.status != m.IN_PROGRESS:
                     return
                 rec.move(m.FINALIZING)
                 return await self._finish(m.COMPLETED)
@@ -530,7 +532,7 @@ class BatchRun:
 
     def _flush(self) -> None:
         self._flush_timer = None
-        if self._flushing is not None or self.stopped or not (self._out_buf or self._err_buf):
+        if self._flushing is not None or self.stopped or self._write_failed or not (self._out_buf or self._err_buf):
             return
         out, self._out_buf = self._out_buf, []
         err, self._err_buf = self._err_buf, []
@@ -556,10 +558,14 @@ class BatchRun:
             return self._stale(exc)
         if exc is not None and not disk_full(exc):
             log.error("batch %s: writing results failed: %s", self.rec.id, exc)
-            if not self.stopped:
-                asyncio.get_running_loop().create_task(
-                    self._fail("results_write_failed", f"Writing results failed ({exc}); what was written is kept.")
+            if not self.stopped and not self._write_failed:
+                self._write_failed = True
+                code, message = (
+                    ("results_too_large", str(exc))
+                    if isinstance(exc, ResultsTooLarge)
+                    else ("results_write_failed", f"Writing results failed ({exc}); what was written is kept.")
                 )
+                asyncio.get_running_loop().create_task(self._fail(code, message))
             return
         if exc is not None:  # no room: what was not written goes back, to be written when there is
             back = [0] * 5
@@ -605,7 +611,7 @@ class BatchRun:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
-        while not self.stopped:
+        while not self.stopped and not self._write_failed:
             if self._flushing is not None:
                 await asyncio.wait([self._flushing])
                 continue
@@ -642,11 +648,13 @@ class BatchRun:
         """The window passed: what finished stays; every other line gets a batch_expired entry."""
         self._withdraw_all()
         await self._drain()
-        if self.stopped:
+        if self.stopped or self._write_failed:  # (a failed write: _fail ends it)
             return
         rec = self.rec
         try:
             await self._io(self._write_unfinished, "batch_expired", EXPIRED_MESSAGE)
+        except ResultsTooLarge as e:
+            return await self._fail("results_too_large", str(e))
         except OSError as e:
             if disk_full(e):
                 raise  # tried again at the next step (main): the entries written so far are marked done
@@ -714,7 +722,7 @@ class BatchRun:
 
     async def _finish(self, status: str) -> None:
         await self._drain()
-        if self.stopped:
+        if self.stopped or self._write_failed:  # (a failed write: _fail ends it)
             return
         if status == m.COMPLETED and self.rec.status != m.FINALIZING:
             self.rec.move(m.FINALIZING)

@@ -5,6 +5,11 @@ One directory (``[batch] directory``/files): ``<id>.data`` holds the bytes,
 that uploaded it; other tenants are told it does not exist).  Every write
 is atomic -- a temporary file, fsync, rename, fsync of the directory -- so
 a router killed mid-upload leaves either the whole file or none.
+
+Uploads are written as they arrive (``stage`` -> ``FileWriter.write`` ...
+-> ``commit`` or ``discard``) and downloads read in chunks (``open_data``),
+so no file is ever whole in memory; every call here blocks on the disk and
+runs on a thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import msgspec
 
@@ -80,6 +85,45 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 _meta_decoder = msgspec.json.Decoder(FileMeta)
 
+# A temporary file (an upload being written, an atomic write) untouched this
+# long belongs to a router that died mid-write: the reaper removes it.  Live
+# ones are written to at least every few seconds (Envoy's stream idle timeout
+# ends a stalled upload long before this).
+STALE_TEMP_S = 3600.0
+
+
+class FileWriter:
+    """An upload being written: a temporary file beside the store's files,
+    renamed into place by ``FileStore.commit`` or removed by ``discard``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.tmp = directory / f".upload-{secrets.token_hex(8)}.tmp"
+        self._f: IO[bytes] | None = open(self.tmp, "xb")
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self._f is not None
+        self._f.write(data)
+        self.size += len(data)
+
+    def seal(self) -> None:
+        """Everything written is on disk (fsync); OSError (disk full) propagates."""
+        assert self._f is not None
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+
+    def discard(self) -> None:
+        """Nothing of it is left (whatever state it is in; never raises)."""
+        if self._f is not None:
+            try:
+                self._f.close()
+            except OSError:
+                pass  # (a full disk fails the close's flush: the file goes anyway)
+            self._f = None
+        self.tmp.unlink(missing_ok=True)
+
 
 class FileStore:
     def __init__(self, directory: Path, index: UsageIndex | None = None) -> None:
@@ -111,6 +155,44 @@ class FileStore:
         self._indexed(meta)
         return meta
 
+    def stage(self) -> FileWriter:
+        """A new upload's writer (committed, or discarded, by its caller)."""
+        return FileWriter(self.dir)
+
+    def commit(
+        self, writer: FileWriter, owner: str, filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> FileMeta:
+        """A sealed upload becomes a file: its data renamed into place, then its
+        meta written (the file exists from there).  Any failure (a full disk)
+        leaves neither behind."""
+        meta = FileMeta(
+            id=new_id("file-"),
+            bytes=writer.size,
+            created_at=int(time.time()),
+            filename=filename,
+            purpose=purpose,
+            owner=owner,
+        )
+        if expires_after_s is not None:
+            meta.expires_at = meta.created_at + expires_after_s
+        data = self.data_path(meta.id)
+        try:
+            os.replace(writer.tmp, data)
+            fsync_dir(self.dir)
+            write_atomic(self._meta_path(meta.id), msgspec.json.encode(meta))
+        except BaseException:
+            self._meta_path(meta.id).unlink(missing_ok=True)
+            data.unlink(missing_ok=True)
+            writer.discard()
+            raise
+        self._indexed(meta)
+        return meta
+
+    def open_data(self, file_id: str) -> tuple[IO[bytes], int]:
+        """A file's bytes to read in chunks, and their size now (OSError: gone)."""
+        f = open(self.data_path(file_id), "rb")
+        return f, os.fstat(f.fileno()).st_size
+
     def register(
         self, owner: str, file_id: str, filename: str, purpose: str, expires_after_s: int | None = None
     ) -> FileMeta:
@@ -139,6 +221,23 @@ class FileStore:
             return _meta_decoder.decode(self._meta_path(file_id).read_bytes())
         except (OSError, msgspec.DecodeError):
             return None
+
+    def remove_stale_temps(self, now: float) -> int:
+        """Delete temporary files (``.*.tmp``) untouched for ``STALE_TEMP_S``; how many."""
+        n = 0
+        try:
+            with os.scandir(self.dir) as it:
+                for e in it:
+                    if e.name.startswith(".") and e.name.endswith(".tmp"):
+                        try:
+                            if e.stat().st_mtime < now - STALE_TEMP_S:
+                                os.unlink(e.path)
+                                n += 1
+                        except OSError:
+                            pass  # (gone meanwhile: committed, discarded or reaped by another router)
+        except OSError:
+            pass
+        return n
 
     def remove(self, file_id: str) -> None:
         """Delete a file whoever owns it (the reaper: it expired)."""

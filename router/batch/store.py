@@ -251,11 +251,16 @@ def line_usage(raw: bytes) -> tuple[int, int, int]:
     return u.prompt_tokens, u.completion_tokens, (u.prompt_tokens_details or {}).get("cached_tokens", 0)
 
 
-class ResultLog:
-    """One output or error file, appended in whole lines and fsync'ed."""
+class ResultsTooLarge(Exception):
+    """Appending would take a result file past its bound (``[batch] max_result_bytes``)."""
 
-    def __init__(self, path: Path) -> None:
+
+class ResultLog:
+    """One output or error file, appended in whole lines and fsync'ed, up to ``max_bytes``."""
+
+    def __init__(self, path: Path, max_bytes: int | None = None) -> None:
         self.path = path
+        self.max_bytes = max_bytes
         self.lines = 0
         self.usage = Usage()  # of the lines read back by recover
         self._fd: int | None = None  # opened (O_APPEND) on first append
@@ -293,13 +298,20 @@ class ResultLog:
         """Whole lines, then fsync: on return they survive a crash.  An
         OSError (disk full) propagates with the file as it was before the
         call, so the same lines can be appended again later.  Unbuffered: no
-        byte of a failed call is left in a buffer to be written later."""
+        byte of a failed call is left in a buffer to be written later.
+        ResultsTooLarge if they would take the file past ``max_bytes``: none is written."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         fd = self._fd
         start = os.fstat(fd).st_size
+        data = b"".join(lines)
+        if self.max_bytes is not None and start + len(data) > self.max_bytes:
+            raise ResultsTooLarge(
+                f"The batch's results would pass {self.max_bytes} bytes in {self.path.name} "
+                "(batch.max_result_bytes); what was written is kept."
+            )
         try:
-            view = memoryview(b"".join(lines))
+            view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]  # a short write (disk filling up): the rest, or ENOSPC
             os.fsync(fd)

@@ -316,6 +316,7 @@ class UsageIndex:
         for fid in self._expired_files(now):
             self.drop_file(fid)
             files.remove(fid)
+        files.remove_stale_temps(now)  # uploads (and atomic writes) of a router that died mid-write
         gone = self._old_batches(now, retention_s)
         for bid in gone:
             self.drop_batch(bid)

@@ -11,28 +11,37 @@ router's route table (router.http_routes).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import IO, Any, Protocol
 from urllib.parse import parse_qs
 
 import msgspec
-from python_multipart.multipart import MultipartParser, parse_options_header
 
 from router.batch import model as bm
 from router.batch import usage
-from router.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES
+from router.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore
 from router.batch.retention import expires_after_seconds
 from router.batch.service import BatchService
+from router.batch.upload import MultipartToFile, Received, Upload, boundary_of
 from router.batch.validate import PARSERS
-from router.http_routes import Answer, PatternRoute, Refusal, Reply, Route, Routes
+from router.http_routes import Answer, BodyRoute, BodySink, PatternRoute, Refusal, Reply, Route, Routes, Stream
 from router.openai_api.encoding import encode
 from router.openai_api.metadata import metadata_problem
 from router.openai_api.request import meta_from_headers
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
 
+log = logging.getLogger("weir.batch")
+
 # api key (or None) -> (tenant, key digest), or the refusal (401)
 Owner = Callable[[str | None], "tuple[str, str] | ErrorInfo"]
+
+CHUNK = 256 << 10  # a download is read and sent this much at a time
+FILE_THREADS = 4  # uploads' parse + write + fsync and downloads' reads (never the event loop)
+STORAGE_FULL_RETRY_S = 30.0
 
 
 class Request(Protocol):
@@ -116,55 +125,38 @@ def _page(rows: list[dict[str, Any]], limit: int) -> Reply:
     )
 
 
-def parse_multipart(content_type: str | None, body: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """Form fields by name -> (filename or None, bytes); ValueError if it is not multipart."""
-    ctype, params = parse_options_header(content_type or "")
-    boundary = params.get(b"boundary")
-    if ctype != b"multipart/form-data" or not boundary:
-        raise ValueError("the body must be multipart/form-data with a boundary")
-    parts: dict[str, tuple[str | None, bytes]] = {}
-    state: dict[str, Any] = {"field": b"", "value": b"", "headers": {}, "data": []}
-
-    def on_header_field(data: bytes, start: int, end: int) -> None:
-        state["field"] += data[start:end]
-
-    def on_header_value(data: bytes, start: int, end: int) -> None:
-        state["value"] += data[start:end]
-
-    def on_header_end() -> None:
-        state["headers"][state["field"].lower()] = state["value"]
-        state["field"], state["value"] = b"", b""
-
-    def on_part_data(data: bytes, start: int, end: int) -> None:
-        state["data"].append(data[start:end])
-
-    def on_part_end() -> None:
-        _, disp = parse_options_header(state["headers"].get(b"content-disposition", b""))
-        name = disp.get(b"name")
-        if name is not None:
-            filename = disp.get(b"filename")
-            parts[name.decode("utf-8", "replace")] = (
-                None if filename is None else filename.decode("utf-8", "replace"),
-                b"".join(state["data"]),
-            )
-        state["headers"], state["data"] = {}, []
-
-    parser = MultipartParser(
-        boundary,
-        {
-            "on_header_field": on_header_field,
-            "on_header_value": on_header_value,
-            "on_header_end": on_header_end,
-            "on_part_data": on_part_data,
-            "on_part_end": on_part_end,
-        },
+def _storage_full(e: OSError) -> Refusal:
+    log.error("an upload could not be written: %s", e)
+    return Refusal(
+        error(
+            Code.STORAGE_FULL,
+            "The file could not be stored: the server's storage is full. Nothing was kept; try again later.",
+            param="file",
+            retry_after=STORAGE_FULL_RETRY_S,
+        )
     )
-    parser.write(body)
-    parser.finalize()
-    return parts
+
+
+async def _chunks(
+    loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executor, f: IO[bytes], size: int
+) -> AsyncGenerator[bytes, None]:
+    """``size`` bytes of ``f``, read a chunk at a time on the file pool; the file closes however it ends."""
+    try:
+        left = size
+        while left > 0:
+            chunk = await loop.run_in_executor(pool, f.read, min(CHUNK, left))
+            if not chunk:
+                return  # (shorter than it was: the server drops the connection)
+            left -= len(chunk)
+            yield chunk
+    finally:
+        f.close()
 
 
 def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Routes:
+    files_store: FileStore = svc.files
+    pool = concurrent.futures.ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="file-io")
+
     def who(req: Request) -> tuple[str, str] | Refusal:
         meta = meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"))
         got = owner_of(meta.api_key)
@@ -203,9 +195,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return owner
         if req.method == b"GET":
             return listed(lambda: list_files(req, owner))
-        if req.method != b"POST":
-            return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
-        return indexed(lambda: upload(req, owner))
+        return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
 
     def list_files(req: Any, owner: tuple[str, str]) -> Answer:
         q = page_query(req.query, FILES_LIMIT)
@@ -216,44 +206,60 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return Refusal(error(Code.NOT_FOUND, f"No such file: {q.after!r}", param="after"))
         return _page([f.public() for f in rows], q.limit)
 
-    def upload(req: Any, owner: tuple[str, str]) -> Answer:
-        if len(req.body) > max_file_bytes:
-            return Refusal(
-                error(Code.REQUEST_TOO_LARGE, f"The file exceeds the limit of {max_file_bytes} bytes", param="file")
-            )
-        refused = quota(owner, max(1, len(req.body) - usage.FRAMING_BYTES))  # before the body is parsed
-        if refused is not None:
-            return refused
-        try:
-            parts = parse_multipart(req.header(b"content-type"), req.body)
-        except Exception as e:  # python_multipart raises its own errors on malformed input
-            return _bad(f"Malformed upload: {e}", "file")
-        purpose = parts.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
-        if purpose not in UPLOAD_PURPOSES:
-            return _bad(f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}; got {purpose!r}", "purpose")
-        upload = parts.get("file")
-        if upload is None:
-            return _bad("a `file` part is required", "file")
-        filename, data = upload
-        if len(data) > max_file_bytes:
-            return Refusal(
-                error(Code.REQUEST_TOO_LARGE, f"The file exceeds the limit of {max_file_bytes} bytes", param="file")
-            )
-        if not data.strip():
-            return _bad("The file is empty.", "file")
+    def upload(req: Any) -> BodySink | Refusal:
+        """POST /v1/files, from its head: the body streams into the returned
+        Upload (router.batch.upload) as it arrives; ``uploaded`` answers."""
+        owner = who(req)
+        if isinstance(owner, Refusal):
+            return owner
+        boundary = boundary_of(req.header(b"content-type"))
+        if boundary is None:
+            return _bad("Malformed upload: the body must be multipart/form-data with a boundary", "file")
+        length = (req.header(b"content-length") or "").strip()
+        if length.isdigit() and svc.indexed.is_set():  # before anything is written: the declared size
+            refused = quota(owner, max(1, int(length) - usage.FRAMING_BYTES))
+            if refused is not None:
+                return refused  # (the body is read and dropped, then this answered)
+        body = MultipartToFile(files_store, boundary, max_file_bytes)
+        return Upload(pool, body, lambda got: uploaded(owner, got))
+
+    async def uploaded(owner: tuple[str, str], got: Received | ErrorInfo | OSError) -> Answer:
+        """The whole body was read and written (or refused): keep the file, or leave nothing."""
+        if isinstance(got, OSError):
+            return _storage_full(got)
+        if isinstance(got, ErrorInfo):
+            return Refusal(got)
+        refusal: Refusal | None = None
+        purpose = got.fields.get("purpose", "").strip()
         expires_s = None
-        if "expires_after[anchor]" in parts or "expires_after[seconds]" in parts:
-            got = expires_after_seconds(
-                parts.get("expires_after[anchor]", (None, b""))[1].decode("utf-8", "replace"),
-                parts.get("expires_after[seconds]", (None, b""))[1].decode("utf-8", "replace"),
+        if purpose not in UPLOAD_PURPOSES:
+            refusal = _bad(f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}; got {purpose!r}", "purpose")
+        elif got.file is None:
+            refusal = _bad("a `file` part is required", "file")
+        elif got.blank:
+            refusal = _bad("The file is empty.", "file")
+        elif "expires_after[anchor]" in got.fields or "expires_after[seconds]" in got.fields:
+            expiry = expires_after_seconds(
+                got.fields.get("expires_after[anchor]", ""), got.fields.get("expires_after[seconds]", "")
             )
-            if isinstance(got, str):
-                return _bad(f"expires_after: {got}", "expires_after")
-            expires_s = got
-        refused = quota(owner, len(data))  # the size known
-        if refused is not None:
-            return refused
-        meta = svc.files.create(owner[0], filename or "upload.jsonl", purpose, data, expires_s)
+            if isinstance(expiry, str):
+                refusal = _bad(f"expires_after: {expiry}", "expires_after")
+            else:
+                expires_s = expiry
+        if refusal is None and got.file is not None:  # the size known, before the file is kept
+            await svc.indexed.wait()
+            refusal = quota(owner, got.file.size)
+        loop = asyncio.get_running_loop()
+        if refusal is not None or got.file is None:
+            if got.file is not None:
+                await loop.run_in_executor(pool, got.file.discard)
+            return refusal or _bad("a `file` part is required", "file")
+        try:
+            meta = await loop.run_in_executor(
+                pool, files_store.commit, got.file, owner[0], got.filename or "upload.jsonl", purpose, expires_s
+            )
+        except OSError as e:
+            return _storage_full(e)
         return _json(200, meta.public())
 
     def file_item(req: Any) -> Answer:
@@ -270,7 +276,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _json(200, {"id": fid, "object": "file", "deleted": True})
         return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or DELETE"), b"allow: GET, DELETE\r\n")
 
-    def file_content(req: Any) -> Answer:
+    def file_content(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
@@ -278,16 +284,21 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         meta = svc.files.get(owner[0], fid)
         if meta is None:
             return _not_found("file", fid)
-        try:
-            data = svc.files.data_path(fid).read_bytes()
-        except OSError:
-            return _not_found("file", fid)
         ctype = (
             b"application/jsonl"
             if meta.purpose in (*UPLOAD_PURPOSES, *OUTPUT_PURPOSES)
             else b"application/octet-stream"
         )
-        return Reply(200, data, ctype)
+        return download(fid, ctype)
+
+    async def download(fid: str, ctype: bytes) -> Answer:
+        """The file's bytes in chunks, each read on the file pool as the socket takes the last."""
+        loop = asyncio.get_running_loop()
+        try:
+            f, size = await loop.run_in_executor(pool, files_store.open_data, fid)
+        except OSError:
+            return _not_found("file", fid)
+        return Stream(200, size, _chunks(loop, pool, f, size), ctype)
 
     # ------------------------------------------------------------ batches
 
@@ -371,13 +382,14 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         return _json(200, svc.cancel(rec).public())
 
     exact = {b"/v1/files": Route(b"*", files), b"/v1/batches": Route(b"*", batches)}
+    bodies: dict[bytes, BodyRoute] = {b"/v1/files": upload}
     patterns = [
         PatternRoute(b"/v1/files/", (b"/content",), b"GET", "/v1/files/{id}/content", file_content),
         PatternRoute(b"/v1/files/", (), b"*", "/v1/files/{id}", file_item),
         PatternRoute(b"/v1/batches/", (b"/cancel",), b"POST", "/v1/batches/{id}/cancel", batch_cancel),
         PatternRoute(b"/v1/batches/", (), b"GET", "/v1/batches/{id}", batch_item),
     ]
-    return Routes(exact, patterns)
+    return Routes(exact, patterns, bodies)
 
 
 def owner_of_key(core: Any) -> Owner:

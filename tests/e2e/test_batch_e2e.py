@@ -612,3 +612,44 @@ def test_storage_limits_expiry_and_paged_lists_through_envoy_with_the_sdk(tmp_pa
         client.files.create(file=("y.jsonl", _jsonl(_lines(1))), purpose="batch")  # room again
         batches = client.batches.list(limit=1)
         assert [x.id for x in batches.data] == [b.id] and not batches.has_more
+
+
+def test_uploads_stream_through_envoy_the_router_refuses_one_over_the_limit_and_keeps_nothing(tmp_path):
+    """Envoy's /v1/files route does not buffer: a body over ``batch.max_file_bytes``
+    is refused by the router (413, OpenAI's body) as it streams, chunked or not,
+    and nothing of it stays on disk; one within the limit is stored whole."""
+    import requests
+
+    cfg = _config(tmp_path, workers=[sim_worker("sim-0", max_num_seqs=8)], batch={"max_file_bytes": 1 << 20})
+    files_dir = tmp_path / "batches" / "files"
+    with start_stack(cfg, tmp_path / "run") as stack:
+        big = _jsonl(_lines(10000))  # ~1.4 MiB
+        assert len(big) > 1 << 20
+        url = stack.envoy_url + "/v1/files"
+
+        def chunked():
+            for i in range(0, len(big), 64 << 10):
+                yield big[i : i + (64 << 10)]
+
+        for body in (big, chunked()):  # with a Content-Length, and chunked (no length to refuse on)
+            if isinstance(body, bytes):
+                r = requests.post(url, files={"file": ("big.jsonl", body)}, data={"purpose": "batch"}, timeout=30)
+            else:
+                head = b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\n'
+                head += b'Content-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'
+                r = requests.post(
+                    url,
+                    data=(x for x in (head, *body, b"\r\n--B--\r\n")),
+                    headers={"content-type": "multipart/form-data; boundary=B"},
+                    timeout=30,
+                )
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large"
+        deadline = time.monotonic() + 5
+        while [p.name for p in files_dir.iterdir()] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.name for p in files_dir.iterdir()] == []
+        small = _jsonl(_lines(100))
+        f = _client(stack).files.create(file=("small.jsonl", small), purpose="batch")
+        assert f.bytes == len(small)
+        assert _client(stack).files.content(f.id).content == small

@@ -185,3 +185,19 @@ def test_cpu_cost_pins_every_engine_thread_apart_from_the_rest(tmp_path):
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+def test_uploads_scenario_reports_memory_and_gaps(tmp_path):
+    """bench.scenarios.uploads, small: every upload stored whole, the report's figures present."""
+    from bench.scenarios import uploads
+
+    out = tmp_path / "out"
+    rc = uploads.main(["--uploads", "2", "--mib", "2", "--seconds", "2", "--rate", "10", "--tokens", "16",
+                       "--after-s", "1", "--out", str(out)])
+    r = json.loads((out / "uploads.json").read_text())
+    assert rc == 0 and r["files_intact"] == 2
+    b = r["with_uploads"]
+    assert [u["status"] for u in b["uploads"]] == [200, 200]
+    assert b["router_rss_before_mib"] > 0 and b["router_rss_peak_mib"] >= b["router_rss_before_mib"]
+    assert r["alone"]["streams"] > 0 and r["alone"]["failed_streams"] == 0
+    assert "router RSS" in (out / "README.md").read_text()

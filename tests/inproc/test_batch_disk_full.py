@@ -72,7 +72,9 @@ def test_an_append_that_meets_a_full_disk_leaves_the_file_as_it_was(small_disk: 
 def _service(root: Path) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         core=types.SimpleNamespace(keys=types.SimpleNamespace(by_key={}), jobs={}, draining=False),
-        bcfg=types.SimpleNamespace(max_in_flight=4, queued_target=4, retry_s=0.05, scan_interval_s=0.05),
+        bcfg=types.SimpleNamespace(
+            max_in_flight=4, queued_target=4, retry_s=0.05, scan_interval_s=0.05, max_result_bytes=1 << 30
+        ),
         max_body_bytes=1 << 20,
         max_prompts=8,
         files=FileStore(root),

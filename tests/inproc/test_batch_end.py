@@ -36,7 +36,9 @@ class SlowFileStore(FileStore):
 
 
 def _service(root: Path) -> types.SimpleNamespace:
-    bcfg = types.SimpleNamespace(max_in_flight=4, queued_target=4, retry_s=1.0, scan_interval_s=0.5)
+    bcfg = types.SimpleNamespace(
+        max_in_flight=4, queued_target=4, retry_s=1.0, scan_interval_s=0.5, max_result_bytes=1 << 30
+    )
     core = types.SimpleNamespace(keys=types.SimpleNamespace(by_key={}))
     return types.SimpleNamespace(
         core=core,

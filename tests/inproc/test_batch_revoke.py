@@ -30,7 +30,9 @@ LINES = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "bod
 
 
 def _service(root: Path, by_key: dict) -> types.SimpleNamespace:
-    bcfg = types.SimpleNamespace(max_in_flight=4, queued_target=4, retry_s=1.0, scan_interval_s=0.05)
+    bcfg = types.SimpleNamespace(
+        max_in_flight=4, queued_target=4, retry_s=1.0, scan_interval_s=0.05, max_result_bytes=1 << 30
+    )
     return types.SimpleNamespace(
         core=types.SimpleNamespace(keys=types.SimpleNamespace(by_key=by_key)),
         bcfg=bcfg,

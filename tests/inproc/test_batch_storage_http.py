@@ -64,6 +64,8 @@ class Req:
         self._headers = {b"authorization": f"Bearer {key}"}
         if ctype is not None:
             self._headers[b"content-type"] = ctype
+        if body:
+            self._headers[b"content-length"] = str(len(body))
 
     def header(self, name: bytes) -> str | None:
         return self._headers.get(name)
@@ -74,6 +76,10 @@ class Api:
         self.svc, self.routes = svc, routes
 
     def call(self, req: Req) -> tuple[int, dict[str, Any]]:
+        body_route = self.routes.bodies.get(req.path) if req.method == b"POST" else None
+        if body_route is not None:  # an upload: its body streams into the route's sink, as the server feeds it
+            got = asyncio.get_event_loop().run_until_complete(self._stream(body_route, req))
+            return self._answer(got)
         route = self.routes.exact.get(req.path)
         handler = (
             route.handler
@@ -83,6 +89,19 @@ class Api:
         got = handler(req)  # type: ignore[arg-type]
         if not isinstance(got, (Reply, Refusal)):
             got = asyncio.get_event_loop().run_until_complete(got)
+        return self._answer(got)
+
+    @staticmethod
+    async def _stream(body_route: Any, req: Req) -> Any:
+        sink = body_route(req)
+        if isinstance(sink, Refusal):
+            return sink
+        for i in range(0, len(req.body), 65536):
+            sink.feed(req.body[i : i + 65536])
+        return await sink.finish()
+
+    @staticmethod
+    def _answer(got: Any) -> tuple[int, dict[str, Any]]:
         if isinstance(got, Refusal):
             i = got.info
             return i.status, {"error": {"code": i.code, "param": i.param, "message": i.message, "retry": i.retry_after}}

@@ -198,3 +198,22 @@ def test_storage_limits_load_from_the_config_and_a_negative_one_is_refused():
         loads('[[tenants]]\nname = "t"\nmax_stored_file_bytes = -1\n')
     with pytest.raises(ConfigError, match="housekeeping_interval_s"):
         loads("[batch]\nhousekeeping_interval_s = 0\n")
+
+
+def test_the_reaper_removes_a_dead_routers_upload_temps_and_leaves_live_ones(tmp_path: Path):
+    """A router killed mid-upload leaves ``.upload-*.tmp``; untouched for an hour, the reaper deletes it."""
+    import os
+
+    from router.batch.files import STALE_TEMP_S
+
+    files, batches = FileStore(tmp_path), BatchStore(tmp_path)
+    dead, live = files.stage(), files.stage()
+    dead.write(b"half an upload")
+    live.write(b"being written")
+    now = time.time()
+    os.utime(dead.tmp, (now - STALE_TEMP_S - 1, now - STALE_TEMP_S - 1))
+    kept = files.create("t", "in.jsonl", "batch", b"x\n")
+    UsageIndex().reap(files, batches, now, 86400.0)
+    assert not dead.tmp.exists() and live.tmp.exists()
+    assert files.get("t", kept.id) is not None
+    live.discard()

@@ -1,0 +1,105 @@
+"""A batch's result files are bounded (``[batch] max_result_bytes``): a batch
+whose results would pass the bound fails alone, with ``results_too_large``,
+keeping what it wrote; another batch of the same service runs on.
+
+Two real BatchRuns over the real on-disk stores and a real I/O thread; their
+lines' results are handed to them as the core would (``line_ok``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+import types
+from pathlib import Path
+
+from router.batch import model as m
+from router.batch.feeder import BatchRun
+from router.batch.files import FileStore
+from router.batch.store import BatchStore
+
+OWNER = "tenant-a"
+BOUND = 16384
+
+
+def _service(root: Path) -> types.SimpleNamespace:
+    bcfg = types.SimpleNamespace(
+        max_in_flight=4, queued_target=4, retry_s=1.0, scan_interval_s=0.5, max_result_bytes=BOUND
+    )
+    core = types.SimpleNamespace(keys=types.SimpleNamespace(by_key={}), jobs={}, draining=False)
+    stats = types.SimpleNamespace(line_done=lambda *a, **k: None)
+    return types.SimpleNamespace(
+        core=core,
+        bcfg=bcfg,
+        max_body_bytes=1 << 20,
+        max_prompts=8,
+        files=FileStore(root),
+        store=BatchStore(root),
+        io=concurrent.futures.ThreadPoolExecutor(1),
+        batch_class="batch",
+        stats=stats,
+        charge=lambda *a: None,
+        budget_allows=lambda owner: True,
+    )
+
+
+def _run(svc: types.SimpleNamespace, lines: int) -> BatchRun:
+    now = int(time.time())
+    rec = svc.store.new(
+        owner=OWNER,
+        key_digest="",
+        input_file_id="file-" + "0" * 24,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    rec.move(m.IN_PROGRESS)
+    rec.total = rec.input_lines = lines
+    run = BatchRun(svc, rec)  # type: ignore[arg-type]
+    run.done = bytearray((lines + 7) // 8)
+    run.eof = True
+    return run
+
+
+def _finish_line(run: BatchRun, line: int, text_bytes: int) -> None:
+    ctx = types.SimpleNamespace(id=f"cmpl-{line}")
+    sink = types.SimpleNamespace(handles=[], line=line, custom_id=f"c{line}", ctx=ctx)
+    body = json.dumps(
+        {"id": ctx.id, "choices": [{"text": "x" * text_bytes}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    ).encode()
+    run.line_ok(sink, body)  # type: ignore[arg-type]
+
+
+def test_a_batch_whose_results_pass_the_bound_fails_alone(tmp_path: Path) -> None:
+    svc = _service(tmp_path)
+
+    async def main() -> None:
+        big, small = _run(svc, 40), _run(svc, 40)
+        for line in range(40):
+            _finish_line(big, line, 1000)  # ~45 KB of results: past the 16 KiB bound
+            _finish_line(small, line, 10)  # ~10 KB: within it
+            await asyncio.sleep(0.01)  # (results flush in groups, FLUSH_S apart)
+        await small._drain()
+        for _ in range(200):
+            if big.ended:
+                break
+            await asyncio.sleep(0.01)
+        assert big.rec.status == m.FAILED and big.ended
+        assert [e.code for e in big.rec.errors] == ["results_too_large"]
+        assert "max_result_bytes" in big.rec.errors[0].message
+        written = svc.files.data_path(big.rec.output_file_id)
+        assert 0 < written.stat().st_size <= BOUND  # what fitted is kept, in whole lines
+        assert written.read_bytes().endswith(b"\n")
+        # The other batch of the same service is untouched and ends normally.
+        assert small.rec.status == m.IN_PROGRESS and not small.ended and small.rec.completed == 40
+        await small.step()
+        assert small.rec.status == m.COMPLETED
+        out = svc.files.get(OWNER, small.rec.output_file_id)
+        assert out is not None and out.bytes == svc.files.data_path(small.rec.output_file_id).stat().st_size
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.io.shutdown()
