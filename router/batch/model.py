@@ -94,7 +94,7 @@ _RETRY_CODES = frozenset(
         Code.SERVICE_UNAVAILABLE,
         Code.ROUTER_DRAINING,
     )
-)
+) | frozenset(c for c in Code if c.status == 503)  # and any 503 added later (tokenizer_busy, ...)
 _RETRY_WIRE = {(c.status, c.wire, c.type) for c in _RETRY_CODES}
 
 
