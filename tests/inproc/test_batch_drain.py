@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -215,4 +216,43 @@ def test_a_holder_whose_lease_was_taken_over_writes_nothing_more_and_stops(tmp_p
         assert not run.in_flight and not run.ended and bid not in a.svc.runs
         assert store.load(bid).completed == rec.completed  # nor its state saved
     finally:
+        a.close()
+
+
+def test_a_write_queued_on_the_io_thread_before_a_takeover_is_refused_when_it_runs(tmp_path):
+    """The stale holder's group of results is already queued on its I/O thread
+    (behind a slow write) when another router takes the batch over and raises
+    the fence: when the queued write runs, the fence refuses it, nothing is
+    appended, and the run stops -- the check is made under the fence's lock at
+    the write itself, not when the write was queued."""
+    bid, store = _batch(tmp_path)
+    a = Router(tmp_path)
+    gate = threading.Event()
+    try:
+        _until(a, lambda: bid in a.svc.runs and len(a.running()) == 2, "router a never ran two lines")
+        first, second = a.running()
+        a.finish(first)
+        _until(a, lambda: a.run().rec.completed == 1, "the first line was never written")
+        run = a.run()
+        rec = store.load(bid)
+        out = tmp_path / "files" / f"{rec.output_file_id}.data"
+        written = out.read_bytes()
+        token = a.svc.lease.token(bid)
+        a.svc.io.submit(gate.wait)  # the I/O thread is busy (a slow disk, a long fsync)
+        a.finish(second)
+        _until(a, lambda: run._flushing is not None, "the second line's write was never queued")
+        store.fence(bid, token + 1).claim()  # meanwhile another router takes the batch over
+
+        async def held_elsewhere(_bid: str) -> bool:
+            return False
+
+        a.svc.lease.acquire = held_elsewhere  # (that router holds the lease from now on)
+        gate.set()
+        _until(a, lambda: run.stopped, "the stale holder did not stop")
+        a.pump(0.2)
+        assert out.read_bytes() == written  # the queued group was not appended
+        assert store.load(bid).completed == rec.completed  # nor a state saved
+        assert not run.in_flight and not run.ended and bid not in a.svc.runs
+    finally:
+        gate.set()
         a.close()
