@@ -556,6 +556,14 @@ class BatchRun:
         exc = fut.exception()
         if isinstance(exc, StaleLease):
             return self._stale(exc)
+        # What the write left unwritten (_write empties each list it appended): a failure
+        # on the error file comes after the output file's lines are on disk, and those count.
+        back = [0] * 5
+        if out:
+            back[0], back[2], back[3], back[4] = counts[0], counts[2], counts[3], counts[4]
+        if err:
+            back[1] = counts[1]
+        counts = [a - b for a, b in zip(counts, back, strict=True)]
         if exc is not None and not disk_full(exc):
             log.error("batch %s: writing results failed: %s", self.rec.id, exc)
             if not self.stopped and not self._write_failed:
@@ -566,17 +574,12 @@ class BatchRun:
                     else ("results_write_failed", f"Writing results failed ({exc}); what was written is kept.")
                 )
                 asyncio.get_running_loop().create_task(self._fail(code, message))
-            return
-        if exc is not None:  # no room: what was not written goes back, to be written when there is
-            back = [0] * 5
+        elif exc is not None:  # no room: what was not written goes back, to be written when there is
             if out:
                 self._out_buf[:0] = out
-                back[0], back[2], back[3], back[4] = counts[0], counts[2], counts[3], counts[4]
             if err:
                 self._err_buf[:0] = err
-                back[1] = counts[1]
             self._pending = [a + b for a, b in zip(self._pending, back, strict=True)]
-            counts = [a - b for a, b in zip(counts, back, strict=True)]
             self._disk_full(exc)
         elif self.disk_full_since is not None:
             self._disk_ok()
@@ -587,7 +590,7 @@ class BatchRun:
         rec.usage.output_tokens += counts[3]
         rec.usage.cached_tokens += counts[4]
         self.dirty = True
-        if (self._out_buf or self._err_buf) and not self.stopped:
+        if (self._out_buf or self._err_buf) and not self.stopped and not self._write_failed:
             self._flush_soon()
 
     def _disk_full(self, exc: BaseException) -> None:

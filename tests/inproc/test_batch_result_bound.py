@@ -18,6 +18,7 @@ from router.batch import model as m
 from router.batch.feeder import BatchRun
 from router.batch.files import FileStore
 from router.batch.store import BatchStore
+from shared.errors import Code, error
 
 OWNER = "tenant-a"
 BOUND = 16384
@@ -98,6 +99,38 @@ def test_a_batch_whose_results_pass_the_bound_fails_alone(tmp_path: Path) -> Non
         assert small.rec.status == m.COMPLETED
         out = svc.files.get(OWNER, small.rec.output_file_id)
         assert out is not None and out.bytes == svc.files.data_path(small.rec.output_file_id).stat().st_size
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.io.shutdown()
+
+
+def test_a_group_cut_by_the_bound_counts_the_results_it_wrote(tmp_path: Path) -> None:
+    """One group holds a small output line (within the bound) and a large error
+    entry (past it): the output line is appended and fsync'ed before the error
+    file refuses.  The batch fails, and its counts, usage and visible files say
+    what the files hold: the written result is counted and its file shown."""
+    svc = _service(tmp_path)
+    svc.bcfg.max_result_bytes = 2048
+
+    async def main() -> None:
+        run = _run(svc, 2)
+        _finish_line(run, 0, 10)  # ~300 bytes: fits
+        sink = types.SimpleNamespace(handles=[], line=1, custom_id="c1", raw=b"")
+        run.line_refused(sink, error(Code.BAD_REQUEST, "x" * 4096))  # type: ignore[arg-type]
+        for _ in range(200):
+            if run.ended:
+                break
+            await asyncio.sleep(0.01)
+        assert run.rec.status == m.FAILED and [e.code for e in run.rec.errors] == ["results_too_large"]
+        out = svc.files.data_path(run.rec.output_file_id).read_bytes().splitlines()
+        assert [json.loads(x)["custom_id"] for x in out] == ["c0"]
+        saved = svc.store.load(run.rec.id)
+        assert (saved.completed, saved.failed) == (1, 0)
+        assert saved.usage.input_tokens == 1 and saved.usage.output_tokens == 1
+        assert saved.public()["output_file_id"] == run.rec.output_file_id
+        assert svc.files.get(OWNER, run.rec.output_file_id) is not None
 
     try:
         asyncio.run(main())
