@@ -676,6 +676,8 @@ class BatchRun:
         rec = self.rec
         try:
             await self._io(self._write_unfinished, REVOKED_CODE, REVOKED_MESSAGE)
+        except ResultsTooLarge as e:
+            return await self._fail("results_too_large", str(e))
         except OSError as e:
             if disk_full(e):
                 raise  # tried again at the next step (main): the entries written so far are marked done
@@ -781,6 +783,8 @@ class BatchRun:
     async def _fail_fenced(self, code: str, message: str) -> None:
         self._withdraw_all()
         rec = self.rec
+        rec.failed += self._unfinished_written  # expiry/revocation entries written before the failure
+        self._unfinished_written = 0
         try:
             await self._register_files()
         except OSError as e:  # (a full disk: failing anyway, what could be registered was)

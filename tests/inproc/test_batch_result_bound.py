@@ -14,6 +14,8 @@ import time
 import types
 from pathlib import Path
 
+import pytest
+
 from router.batch import model as m
 from router.batch.feeder import BatchRun
 from router.batch.files import FileStore
@@ -131,6 +133,42 @@ def test_a_group_cut_by_the_bound_counts_the_results_it_wrote(tmp_path: Path) ->
         assert saved.usage.input_tokens == 1 and saved.usage.output_tokens == 1
         assert saved.public()["output_file_id"] == run.rec.output_file_id
         assert svc.files.get(OWNER, run.rec.output_file_id) is not None
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.io.shutdown()
+
+
+@pytest.mark.parametrize("end", ["expired", "revoked"])
+def test_expiry_or_revocation_entries_cut_by_the_bound_are_counted(tmp_path: Path, end: str) -> None:
+    """The entries for the lines never run are written in chunks (4,096 lines):
+    when a later chunk would pass the bound, the batch fails with
+    ``results_too_large``, and the entries already written are counted and
+    their error file shown -- the counts say what the files hold."""
+    svc = _service(tmp_path)
+    svc.bcfg.max_result_bytes = 1_200_000  # one chunk of entries (~0.8 MB) fits, two do not
+    lines = 8200
+    rows = (
+        json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {}}) for i in range(lines)
+    )
+    run = _run(svc, lines)
+    svc.files.data_path(run.rec.input_file_id).write_bytes("".join(r + "\n" for r in rows).encode())
+    if end == "expired":
+        run.rec.expires_at = int(time.time()) - 1
+    else:
+        run.revoked = True
+
+    async def main() -> None:
+        await run.step()
+        assert run.ended and run.rec.status == m.FAILED
+        assert [e.code for e in run.rec.errors] == ["results_too_large"]
+        written = svc.files.data_path(run.rec.error_file_id).read_bytes().splitlines()
+        assert len(written) == 4096
+        saved = svc.store.load(run.rec.id)
+        assert (saved.completed, saved.failed) == (0, 4096)
+        assert saved.public()["error_file_id"] == run.rec.error_file_id
+        assert svc.files.get(OWNER, run.rec.error_file_id) is not None
 
     try:
         asyncio.run(main())
