@@ -806,8 +806,8 @@ class BatchRun:
         except BaseException:
             self.dirty = True
             raise
-        if self.disk_full_since is not None and not (self._out_buf or self._err_buf):
-            self._disk_ok()  # the pause came from a save, and this one went through
+        if self.disk_full_since is not None and self._flushing is None and not (self._out_buf or self._err_buf):
+            self._disk_ok()  # the pause came from a save, and this one went through (no result waits for room)
 
     async def _save_or_wait(self) -> None:
         """Save; with the disk full, carry on: it is saved at a later step."""
