@@ -684,7 +684,8 @@ class BatchRun:
             return await self._fail("results_write_failed", f"Writing revocation entries failed ({e}).")
         rec.failed += self._unfinished_written
         self._unfinished_written = 0
-        rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
+        if not any(e.code == REVOKED_CODE for e in rec.errors):  # (once: an end a full disk cut short runs again)
+            rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
         if rec.status == m.IN_PROGRESS:
             rec.move(m.CANCELLING)
         await self._end_files(m.CANCELLED)

@@ -254,3 +254,42 @@ def test_a_state_save_that_fits_does_not_resume_feeding_while_results_wait_for_r
         asyncio.run(main())
     finally:
         svc.io.shutdown()
+
+
+def test_a_revocation_whose_end_meets_a_full_disk_records_its_error_once(small_disk: Path):
+    """The revoked batch's end (its files' registration, its state) meets a full
+    disk and is tried again at the next step: once room comes back it ends
+    cancelled with one ``api_key_revoked`` error, not one per attempt."""
+    svc = _service(small_disk)
+    now = int(time.time())
+    rec = svc.store.new(
+        owner="tenant-a",
+        key_digest="",
+        input_file_id="file-" + "0" * 24,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    rec.move(m.IN_PROGRESS)
+    rec.total = rec.input_lines = 1
+    svc.files.data_path(rec.input_file_id).write_bytes(b'{"custom_id": "c0", "method": "POST", "body": {}}\n')
+
+    async def main() -> None:
+        run = BatchRun(svc, rec)  # type: ignore[arg-type]
+        run.done = bytearray(b"\x01")  # its one line was answered already: nothing more to write but the end
+        run.revoked = True
+        filler = _fill(small_disk)
+        for _ in range(3):  # the runner's steps while the disk is full
+            with pytest.raises(OSError) as e:
+                await run.step()
+            assert disk_full(e.value) and not run.ended
+        filler.unlink()
+        await run.step()
+        assert run.ended and rec.status == m.CANCELLED
+        assert [e.code for e in svc.store.load(rec.id).errors] == ["api_key_revoked"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.io.shutdown()
