@@ -387,7 +387,7 @@ class BatchRun:
     async def _hand_off(self) -> None:
         """Nothing of this run is in flight: write what finished, save, and end the run (not the batch)."""
         await self._drain()
-        if self.stopped:
+        if self.stopped or self._write_failed:  # (a failed write: _fail ends the batch, under the lease still)
             return
         await self._save()
         self.handed_off = True
@@ -671,7 +671,7 @@ class BatchRun:
         entry in the error file, and the batch ends cancelled with that error."""
         self._withdraw_all()
         await self._drain()
-        if self.stopped:
+        if self.stopped or self._write_failed:  # (a failed write: _fail ends it)
             return
         rec = self.rec
         try:

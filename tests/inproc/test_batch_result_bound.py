@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
 import time
 import types
 from pathlib import Path
@@ -169,6 +170,54 @@ def test_expiry_or_revocation_entries_cut_by_the_bound_are_counted(tmp_path: Pat
         assert (saved.completed, saved.failed) == (0, 4096)
         assert saved.public()["error_file_id"] == run.rec.error_file_id
         assert svc.files.get(OWNER, run.rec.error_file_id) is not None
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.io.shutdown()
+
+
+@pytest.mark.parametrize("then", ["revoked", "draining"])
+def test_a_revocation_or_a_drain_after_a_failed_write_leaves_the_failure_alone(tmp_path: Path, then: str) -> None:
+    """A group of results was refused (past the bound): the batch is failing.
+    Its key revoked meanwhile does not write revocation entries after the
+    failure nor end it a second time; a drain meanwhile does not hand it on
+    (releasing its lease) before the failure is saved: it ends failed, once,
+    as it would alone."""
+    svc = _service(tmp_path)
+    svc.bcfg.max_result_bytes = 512
+    run = _run(svc, 2)
+    rows = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {}} for i in range(2)]
+    svc.files.data_path(run.rec.input_file_id).write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+
+    async def main() -> None:
+        _finish_line(run, 0, 1000)  # its result alone passes the bound
+        assert run._flush_timer is not None
+        run._flush_timer.cancel()
+        run._flush()  # (now, not at the timer)
+        writing = run._flushing
+        assert writing is not None
+        gate = threading.Event()
+        svc.io.submit(gate.wait)  # the failing write runs; what the failure does next waits behind this
+        await asyncio.wait([writing])
+        assert run._write_failed
+        if then == "revoked":
+            run.revoked = True  # the key is revoked while the failure is being recorded
+        else:
+            run.draining = True  # the router drains meanwhile
+        stepping = asyncio.ensure_future(run.step())
+        await asyncio.sleep(0.05)
+        gate.set()
+        await stepping
+        for _ in range(200):
+            if run.ended:
+                break
+            await asyncio.sleep(0.01)
+        saved = svc.store.load(run.rec.id)
+        assert saved.status == m.FAILED and [e.code for e in saved.errors] == ["results_too_large"]
+        assert run.ended and not run.handed_off
+        errors = svc.files.data_path(run.rec.error_file_id)
+        assert not errors.exists() or errors.read_bytes() == b""  # no entry written after the failure
 
     try:
         asyncio.run(main())
