@@ -387,7 +387,7 @@ class BatchRun:
     async def _hand_off(self) -> None:
         """Nothing of this run is in flight: write what finished, save, and end the run (not the batch)."""
         await self._drain()
-        if self.stopped:
+        if self.stopped or self._write_failed:  # (a failed write: _fail ends the batch, under the lease still)
             return
         await self._save()
         self.handed_off = True
@@ -556,6 +556,14 @@ class BatchRun:
         exc = fut.exception()
         if isinstance(exc, StaleLease):
             return self._stale(exc)
+        # What the write left unwritten (_write empties each list it appended): a failure
+        # on the error file comes after the output file's lines are on disk, and those count.
+        back = [0] * 5
+        if out:
+            back[0], back[2], back[3], back[4] = counts[0], counts[2], counts[3], counts[4]
+        if err:
+            back[1] = counts[1]
+        counts = [a - b for a, b in zip(counts, back, strict=True)]
         if exc is not None and not disk_full(exc):
             log.error("batch %s: writing results failed: %s", self.rec.id, exc)
             if not self.stopped and not self._write_failed:
@@ -566,17 +574,12 @@ class BatchRun:
                     else ("results_write_failed", f"Writing results failed ({exc}); what was written is kept.")
                 )
                 asyncio.get_running_loop().create_task(self._fail(code, message))
-            return
-        if exc is not None:  # no room: what was not written goes back, to be written when there is
-            back = [0] * 5
+        elif exc is not None:  # no room: what was not written goes back, to be written when there is
             if out:
                 self._out_buf[:0] = out
-                back[0], back[2], back[3], back[4] = counts[0], counts[2], counts[3], counts[4]
             if err:
                 self._err_buf[:0] = err
-                back[1] = counts[1]
             self._pending = [a + b for a, b in zip(self._pending, back, strict=True)]
-            counts = [a - b for a, b in zip(counts, back, strict=True)]
             self._disk_full(exc)
         elif self.disk_full_since is not None:
             self._disk_ok()
@@ -587,7 +590,7 @@ class BatchRun:
         rec.usage.output_tokens += counts[3]
         rec.usage.cached_tokens += counts[4]
         self.dirty = True
-        if (self._out_buf or self._err_buf) and not self.stopped:
+        if (self._out_buf or self._err_buf) and not self.stopped and not self._write_failed:
             self._flush_soon()
 
     def _disk_full(self, exc: BaseException) -> None:
@@ -668,18 +671,21 @@ class BatchRun:
         entry in the error file, and the batch ends cancelled with that error."""
         self._withdraw_all()
         await self._drain()
-        if self.stopped:
+        if self.stopped or self._write_failed:  # (a failed write: _fail ends it)
             return
         rec = self.rec
         try:
             await self._io(self._write_unfinished, REVOKED_CODE, REVOKED_MESSAGE)
+        except ResultsTooLarge as e:
+            return await self._fail("results_too_large", str(e))
         except OSError as e:
             if disk_full(e):
                 raise  # tried again at the next step (main): the entries written so far are marked done
             return await self._fail("results_write_failed", f"Writing revocation entries failed ({e}).")
         rec.failed += self._unfinished_written
         self._unfinished_written = 0
-        rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
+        if not any(e.code == REVOKED_CODE for e in rec.errors):  # (once: an end a full disk cut short runs again)
+            rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
         if rec.status == m.IN_PROGRESS:
             rec.move(m.CANCELLING)
         await self._end_files(m.CANCELLED)
@@ -778,6 +784,8 @@ class BatchRun:
     async def _fail_fenced(self, code: str, message: str) -> None:
         self._withdraw_all()
         rec = self.rec
+        rec.failed += self._unfinished_written  # expiry/revocation entries written before the failure
+        self._unfinished_written = 0
         try:
             await self._register_files()
         except OSError as e:  # (a full disk: failing anyway, what could be registered was)
@@ -799,8 +807,8 @@ class BatchRun:
         except BaseException:
             self.dirty = True
             raise
-        if self.disk_full_since is not None and not (self._out_buf or self._err_buf):
-            self._disk_ok()  # the pause came from a save, and this one went through
+        if self.disk_full_since is not None and self._flushing is None and not (self._out_buf or self._err_buf):
+            self._disk_ok()  # the pause came from a save, and this one went through (no result waits for room)
 
     async def _save_or_wait(self) -> None:
         """Save; with the disk full, carry on: it is saved at a later step."""

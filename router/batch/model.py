@@ -93,6 +93,7 @@ _RETRY_CODES = frozenset(
         Code.QUOTA_UNAVAILABLE,
         Code.SERVICE_UNAVAILABLE,
         Code.ROUTER_DRAINING,
+        Code.TOKENIZER_BUSY,  # (a /tokenize call's, not a batch line's: every 503 means "not now")
     )
 ) | frozenset(c for c in Code if c.status == 503)  # and any 503 added later (tokenizer_busy, ...)
 _RETRY_WIRE = {(c.status, c.wire, c.type) for c in _RETRY_CODES}

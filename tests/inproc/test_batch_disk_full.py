@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import os
 import subprocess
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -179,6 +180,114 @@ def test_a_state_save_that_meets_a_full_disk_pauses_feeding_until_a_save_goes_th
         await run.step()
         assert run.disk_full_since is None and not run.dirty
         assert svc.store.load(rec.id).status == m.IN_PROGRESS
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.io.shutdown()
+
+
+def test_a_state_save_that_fits_does_not_resume_feeding_while_results_wait_for_room(small_disk: Path):
+    """The disk has room for a small state file but not for a group of results:
+    a save that goes through while that group's retry is on the I/O thread does
+    not end the pause -- the results are still not written, and feeding more
+    lines would only pile up more results in memory."""
+    svc = _service(small_disk)
+    n = 40
+    now = int(time.time())
+    rec = svc.store.new(
+        owner="tenant-a",
+        key_digest="",
+        input_file_id="file-" + "0" * 24,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    rec.move(m.IN_PROGRESS)
+    rec.total = rec.input_lines = n
+    body = json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 5}, "pad": "x" * 400}).encode()
+
+    async def main() -> None:
+        run = BatchRun(svc, rec)  # type: ignore[arg-type]
+        run.done = bytearray((n + 7) // 8)
+        spare = small_disk / "spare"
+        spare.write_bytes(b"\0" * 4096)
+        filler = _fill(small_disk)
+        spare.unlink()  # one page free: a state file fits, ~20 KB of results do not
+        for i in range(n):
+            sink = types.SimpleNamespace(line=i, custom_id=f"c{i}", ctx=types.SimpleNamespace(id=f"r{i}"), handles=[])
+            run.line_ok(sink, body)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 5
+        while run.disk_full_since is None:
+            assert time.monotonic() < deadline, "the write never met the full disk"
+            await asyncio.sleep(0.01)
+        if run._flushing is not None:
+            await asyncio.wait([run._flushing])
+        gate = threading.Event()
+        svc.io.submit(gate.wait)  # the I/O thread busy: the save, then the retry, queue behind it
+
+        async def save_then_look() -> float | None:
+            await run._save()
+            return run.disk_full_since  # as the save left it (before the retry's answer is read)
+
+        saving = asyncio.ensure_future(save_then_look())
+        await asyncio.sleep(0)  # (the save is queued)
+        if run._flush_timer is not None:
+            run._flush_timer.cancel()
+            run._flush_timer = None
+        run._flush()  # the retry of the results, queued after the save
+        assert run._flushing is not None and not run._out_buf
+        gate.set()
+        assert await saving is not None  # the pause holds: the results are not written
+        if run._flushing is not None:
+            await asyncio.wait([run._flushing])
+        assert run.disk_full_since is not None and rec.completed == 0
+        filler.unlink()
+        while rec.completed < n:
+            assert time.monotonic() < deadline + 5, f"not resumed: {rec.completed} of {n} written"
+            await asyncio.sleep(0.02)
+        assert run.disk_full_since is None
+        run.out.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.io.shutdown()
+
+
+def test_a_revocation_whose_end_meets_a_full_disk_records_its_error_once(small_disk: Path):
+    """The revoked batch's end (its files' registration, its state) meets a full
+    disk and is tried again at the next step: once room comes back it ends
+    cancelled with one ``api_key_revoked`` error, not one per attempt."""
+    svc = _service(small_disk)
+    now = int(time.time())
+    rec = svc.store.new(
+        owner="tenant-a",
+        key_digest="",
+        input_file_id="file-" + "0" * 24,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=now,
+        expires_at=now + 86400,
+    )
+    rec.move(m.IN_PROGRESS)
+    rec.total = rec.input_lines = 1
+    svc.files.data_path(rec.input_file_id).write_bytes(b'{"custom_id": "c0", "method": "POST", "body": {}}\n')
+
+    async def main() -> None:
+        run = BatchRun(svc, rec)  # type: ignore[arg-type]
+        run.done = bytearray(b"\x01")  # its one line was answered already: nothing more to write but the end
+        run.revoked = True
+        filler = _fill(small_disk)
+        for _ in range(3):  # the runner's steps while the disk is full
+            with pytest.raises(OSError) as e:
+                await run.step()
+            assert disk_full(e.value) and not run.ended
+        filler.unlink()
+        await run.step()
+        assert run.ended and rec.status == m.CANCELLED
+        assert [e.code for e in svc.store.load(rec.id).errors] == ["api_key_revoked"]
 
     try:
         asyncio.run(main())

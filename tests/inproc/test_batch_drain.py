@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
 import msgspec
+from test_batch_disk_full import _fill
+from test_batch_disk_full import small_disk as small_disk  # (a fixture)
 from test_lifecycle import Harness
 
 from router.batch import model as m
@@ -216,3 +219,95 @@ def test_a_holder_whose_lease_was_taken_over_writes_nothing_more_and_stops(tmp_p
         assert store.load(bid).completed == rec.completed  # nor its state saved
     finally:
         a.close()
+
+
+def test_a_write_queued_on_the_io_thread_before_a_takeover_is_refused_when_it_runs(tmp_path):
+    """The stale holder's group of results is already queued on its I/O thread
+    (behind a slow write) when another router takes the batch over and raises
+    the fence: when the queued write runs, the fence refuses it, nothing is
+    appended, and the run stops -- the check is made under the fence's lock at
+    the write itself, not when the write was queued."""
+    bid, store = _batch(tmp_path)
+    a = Router(tmp_path)
+    gate = threading.Event()
+    try:
+        _until(a, lambda: bid in a.svc.runs and len(a.running()) == 2, "router a never ran two lines")
+        first, second = a.running()
+        a.finish(first)
+        _until(a, lambda: a.run().rec.completed == 1, "the first line was never written")
+        run = a.run()
+        rec = store.load(bid)
+        out = tmp_path / "files" / f"{rec.output_file_id}.data"
+        written = out.read_bytes()
+        token = a.svc.lease.token(bid)
+        a.svc.io.submit(gate.wait)  # the I/O thread is busy (a slow disk, a long fsync)
+        a.finish(second)
+        _until(a, lambda: run._flushing is not None, "the second line's write was never queued")
+        store.fence(bid, token + 1).claim()  # meanwhile another router takes the batch over
+
+        async def held_elsewhere(_bid: str) -> bool:
+            return False
+
+        a.svc.lease.acquire = held_elsewhere  # (that router holds the lease from now on)
+        gate.set()
+        _until(a, lambda: run.stopped, "the stale holder did not stop")
+        a.pump(0.2)
+        assert out.read_bytes() == written  # the queued group was not appended
+        assert store.load(bid).completed == rec.completed  # nor a state saved
+        assert not run.in_flight and not run.ended and bid not in a.svc.runs
+    finally:
+        gate.set()
+        a.close()
+
+
+def test_a_drain_while_the_disk_is_full_hands_on_only_what_was_written(small_disk):
+    """Results a draining router holds in memory for want of room are written if
+    room comes back before it exits; if not they are dropped with its lease, and
+    the next holder -- which reads the batch from its files alone -- runs those
+    lines again: every line ends with exactly one result, none failed."""
+    bid, store = _batch(small_disk)
+    a = Router(small_disk)
+    try:
+        _until(a, lambda: bid in a.svc.runs and len(a.running()) == 2, "router a never ran two lines")
+        first, second = a.running()
+        a.finish(first)
+        _until(a, lambda: a.run().rec.completed == 1, "the first line was never written")
+        run = a.run()
+        filler = _fill(small_disk)
+        a.call(a.h.tokens, second, 3000, "length")  # its result (~6 KB) meets the full disk: held in memory
+        _until(a, lambda: run.disk_full_since is not None, "the write never met the full disk")
+        drain = Drain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
+        a.call(drain.start, "test")
+        a.pump(0.2)
+        for hd in a.running():  # the lines that took the freed slots meanwhile end too: held as well
+            a.finish(hd)
+        a.pump(0.5)
+        # nothing runs, but results are not written: the batch is not handed on yet
+        assert not run.in_flight and not run.handed_off and bid in a.svc.runs
+        drain.close()
+    finally:
+        a.close()  # the router exits with the disk still full: the held result goes with it
+    on_disk = store.load(bid)
+    assert on_disk.status == m.IN_PROGRESS
+    assert [r["custom_id"] for r in _results(small_disk, on_disk.output_file_id)] == ["req-0"]
+    filler.unlink()
+
+    b = Router(small_disk)
+    try:
+
+        def finish_all() -> bool:
+            if bid not in b.svc.runs:
+                return True
+            for hd in b.running():
+                b.finish(hd)
+            return False
+
+        _until(b, lambda: bid in b.svc.runs, "router b never took the batch over")
+        _until(b, finish_all, "router b never finished the batch", timeout=20.0)
+        rec = store.load(bid)
+        assert (rec.status, rec.completed, rec.failed) == (m.COMPLETED, N, 0)
+        ids = [r["custom_id"] for r in _results(small_disk, rec.output_file_id)]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(N))  # each exactly once
+        assert rec.usage.output_tokens == 3 * N  # the held result was not written: its line ran again
+    finally:
+        b.close()
