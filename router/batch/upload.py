@@ -210,11 +210,13 @@ class Upload:
         pool: concurrent.futures.Executor,
         body: MultipartToFile,
         done: Callable[[Received | ErrorInfo | OSError], Awaitable[Answer]],
+        aborted: Callable[[], None] | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.pool = pool
         self.body = body
-        self.done = done
+        self.done = done  # the body is complete: answers (whatever it decides, its own cleanup)
+        self.aborted = aborted  # the body never will be (its reservation returns)
         self.resume: Callable[[], None] | None = None
         self.held = 0  # bytes read and not yet written (queued + in the thread)
         self._queue: list[bytes] = []
@@ -268,3 +270,5 @@ class Upload:
         self._queue.clear()
         if not self._busy:
             self.pool.submit(self.body.discard)
+        if self.aborted is not None:
+            self.aborted()

@@ -183,10 +183,6 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
         return later()
 
-    def quota(owner: tuple[str, str], size: int) -> Refusal | None:
-        got = usage.upload_refusal(svc.index.usage(owner[0]), svc.limits(*owner), size)
-        return None if got is None else Refusal(got)
-
     # ------------------------------------------------------------ files
 
     def files(req: Any) -> Answer | Awaitable[Answer]:
@@ -216,15 +212,25 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if boundary is None:
             return _bad("Malformed upload: the body must be multipart/form-data with a boundary", "file")
         length = (req.header(b"content-length") or "").strip()
-        if length.isdigit() and svc.indexed.is_set():  # before anything is written: the declared size
-            refused = quota(owner, max(1, int(length) - usage.FRAMING_BYTES))
-            if refused is not None:
-                return refused  # (the body is read and dropped, then this answered)
+        declared = max(1, int(length) - usage.FRAMING_BYTES) if length.isdigit() else 0
         body = MultipartToFile(files_store, boundary, max_file_bytes)
-        return Upload(pool, body, lambda got: uploaded(owner, got))
+        # Room taken now, before anything is written, so uploads of one tenant at
+        # once each count the others' (before the index is built: checked at the end).
+        held = svc.index.hold(owner[0], svc.limits(*owner) if svc.indexed.is_set() else None, declared)
+        if isinstance(held, ErrorInfo):
+            body.discard()
+            return Refusal(held)  # (the body is read and dropped, then this answered)
+        return Upload(pool, body, lambda got: uploaded(owner, held, got), lambda: svc.index.release(held))
 
-    async def uploaded(owner: tuple[str, str], got: Received | ErrorInfo | OSError) -> Answer:
-        """The whole body was read and written (or refused): keep the file, or leave nothing."""
+    async def uploaded(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
+        """The whole body was read and written (or refused): keep the file in
+        place of its hold, or leave nothing and release the hold."""
+        try:
+            return await keep(owner, held, got)
+        finally:
+            svc.index.release(held)  # (nothing if the file took its place)
+
+    async def keep(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
         if isinstance(got, OSError):
             return _storage_full(got)
         if isinstance(got, ErrorInfo):
@@ -248,7 +254,8 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
                 expires_s = expiry
         if refusal is None and got.file is not None:  # the size known, before the file is kept
             await svc.indexed.wait()
-            refusal = quota(owner, got.file.size)
+            refused = svc.index.settle(held, svc.limits(*owner), got.file.size)
+            refusal = None if refused is None else Refusal(refused)
         loop = asyncio.get_running_loop()
         if refusal is not None or got.file is None:
             if got.file is not None:
@@ -256,7 +263,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return refusal or _bad("a `file` part is required", "file")
         try:
             meta = await loop.run_in_executor(
-                pool, files_store.commit, got.file, owner[0], got.filename or "upload.jsonl", purpose, expires_s
+                pool, files_store.commit, got.file, owner[0], got.filename or "upload.jsonl", purpose, expires_s, held
             )
         except OSError as e:
             return _storage_full(e)

@@ -277,3 +277,67 @@ def test_lists_are_paged_per_tenant_and_read_no_disk(api: Api, monkeypatch):
     assert api.call(Req("GET", "/v1/files?limit=0", KEY_A))[0] == 400
     status, body = api.call(Req("GET", f"/v1/files?after={seen[0]}", KEY_B))
     assert status == 404 and body["error"]["param"] == "after"  # another tenant's cursor
+
+
+def _body(data: bytes, key: str = KEY_A2, purpose: str = "batch") -> Req:
+    b = "XBOUNDARYX"
+    raw = (
+        f'--{b}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+        f'--{b}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'.encode()
+        + data
+        + f"\r\n--{b}--\r\n".encode()
+    )
+    return Req("POST", "/v1/files", key, raw, f"multipart/form-data; boundary={b}")
+
+
+def _at_once(api: Api, reqs: list[Req]) -> list[int]:
+    """Uploads of one tenant at once, as the server runs them: every head
+    accepted (or refused), then every body fed, then all answered together."""
+
+    async def run() -> list[int]:
+        route = api.routes.bodies[b"/v1/files"]
+        sinks = [route(r) for r in reqs]
+        for sink, r in zip(sinks, reqs):
+            if not isinstance(sink, Refusal):
+                sink.feed(r.body)
+        got = await asyncio.gather(*(s.finish() for s in sinks if not isinstance(s, Refusal)))
+        return [s.info.status for s in sinks if isinstance(s, Refusal)] + [Api._answer(a)[0] for a in got]
+
+    return asyncio.get_event_loop().run_until_complete(run())
+
+
+def _stored(api: Api) -> list[str]:
+    return [n for n in os.listdir(api.svc.files.dir) if n.endswith(".data")]
+
+
+def test_uploads_of_one_tenant_at_once_cannot_pass_its_limits_together(api: Api):
+    # KEY_A2 may keep 2 files: of 3 uploads at once, 2 are kept and one refused
+    statuses = _at_once(api, [_body(LINE) for _ in range(3)])
+    assert sorted(statuses) == [200, 200, 429]
+    assert len(_stored(api)) == 2 and api.svc.index.usage("a").files == 2
+    # tenant a may keep 300 bytes: of 3 uploads of 150 bytes each (a key of 4 files), 2 fit
+    for f in _stored(api):
+        api.call(Req("DELETE", f"/v1/files/{f.removesuffix('.data')}", KEY_A))
+    statuses = _at_once(api, [_body(LINE * 2, KEY_A) for _ in range(3)])
+    assert sorted(statuses) == [200, 200, 413]
+    assert api.svc.index.usage("a") == (2, 300, 0)
+
+
+def test_an_upload_that_ends_without_a_file_returns_its_room_exactly_once(api: Api):
+    route = api.routes.bodies[b"/v1/files"]
+
+    async def run() -> None:
+        gone = route(_body(LINE))  # the client leaves mid-body
+        assert api.svc.index.usage("a").files == 1  # held while it is written
+        gone.feed(_body(LINE).body[:40])
+        gone.abort()
+        gone.abort()
+        bad = _body(LINE, purpose="other")
+        refused = route(bad)
+        refused.feed(bad.body)
+        assert (await refused.finish()).info.status == 400  # another purpose
+
+    asyncio.get_event_loop().run_until_complete(run())
+    assert api.svc.index.usage("a") == (0, 0, 0) and _stored(api) == []
+    # the room came back once: the key's 2 files can still be kept, not more
+    assert sorted(_at_once(api, [_body(LINE) for _ in range(3)])) == [200, 200, 429]

@@ -349,11 +349,13 @@ def test_an_upload_that_meets_a_full_disk_is_507_and_leaves_nothing(tiny_disk):
         assert err["code"] == "insufficient_storage" and err["type"] == "server_error"
         assert int(headers["retry-after"]) >= 1
         assert srv.leftovers() == []
+        assert srv.store.index.usage("tenant-a") == (0, 0, 0)  # the upload's room returned
         # The disk is free again: the next upload that fits is kept.
         status, _, body, sha = upload(srv, MB // 2)
         assert status == 200, body
         fid = json.loads(body)["id"]
         assert hashlib.sha256(srv.store.data_path(fid).read_bytes()).hexdigest() == sha
+        assert srv.store.index.usage("tenant-a") == (1, MB // 2, 0)  # counted once, as the file
 
 
 # ------------------------------------------------------------ downloads
