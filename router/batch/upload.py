@@ -256,10 +256,15 @@ class Upload:
             self.resume()
 
     async def finish(self) -> Answer:
-        while self._busy:
-            self._idle = self.loop.create_future()
-            await self._idle
-        got = await self.loop.run_in_executor(self.pool, self.body.finish)
+        try:
+            while self._busy:
+                self._idle = self.loop.create_future()
+                await self._idle
+            got = await self.loop.run_in_executor(self.pool, self.body.finish)
+        except BaseException:
+            if self.aborted is not None:
+                self.aborted()  # (``done`` is never reached: its room returns here)
+            raise
         return await self.done(got)
 
     def abort(self) -> None:
