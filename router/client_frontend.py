@@ -56,6 +56,12 @@ class Admission(Protocol):
 
 class ClientFrontend(RouterPlane):
     side = "frontend"
+    # A client's identity is all that binds it to its replies and Cancels, and
+    # libzmq generates them predictably (0x00 + a counter from random()'s
+    # unseeded first value): with handover, a peer setting one as its own
+    # would take over another tenant's outputs.  Clients do not choose theirs
+    # (shared.client), so a reconnecting one gets a fresh identity anyway.
+    handover = False
 
     def __init__(
         self,
