@@ -246,7 +246,7 @@ WHEN: dict[Code, str] = {
     Code.ROUTER_DRAINING: "the router is draining (SIGTERM, `POST /admin/drain`): a new request, one that could "
     "not finish before `router.drain_timeout_s`, or one still running at it (an SSE error event once streaming)",
     Code.GENERATION_DEADLINE: "the request ran past `generation_deadline_s`",
-    Code.STORAGE_FULL: "an upload met a full disk (or another write error): nothing of it is kept; "
+    Code.STORAGE_FULL: "an upload or a batch create met a full disk (or another write error): nothing of it is kept; "
     "retry after `Retry-After`",
 }
 

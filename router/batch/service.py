@@ -124,7 +124,8 @@ class BatchService:
             log.info("batch housekeeping: %d ended batches past their retention deleted", len(gone))
 
     def off_loop(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """``fn`` on the list thread (router.openai_api.files_batches: pages)."""
+        """``fn`` on the API's one thread (router.openai_api.files_batches: list
+        pages, and batch creates, one at a time)."""
         return asyncio.get_running_loop().run_in_executor(self.pages, fn)
 
     def limits(self, tenant: str, key_digest: str) -> Limits:

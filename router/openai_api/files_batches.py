@@ -125,13 +125,13 @@ def _page(rows: list[dict[str, Any]], limit: int) -> Reply:
     )
 
 
-def _storage_full(e: OSError) -> Refusal:
-    log.error("an upload could not be written: %s", e)
+def _storage_full(e: OSError, what: str = "file") -> Refusal:
+    log.error("a %s could not be written: %s", what, e)
     return Refusal(
         error(
             Code.STORAGE_FULL,
-            "The file could not be stored: the server's storage is full. Nothing was kept; try again later.",
-            param="file",
+            f"The {what} could not be stored: the server's storage is full. Nothing was kept; try again later.",
+            param=what if what == "file" else None,
             retry_after=STORAGE_FULL_RETRY_S,
         )
     )
@@ -161,17 +161,6 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         meta = meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"))
         got = owner_of(meta.api_key)
         return Refusal(got) if isinstance(got, ErrorInfo) else got
-
-    def indexed(answer: Callable[[], Answer]) -> Answer | Awaitable[Answer]:
-        """``answer`` now, or once the per-tenant index has read the directory (at start)."""
-        if svc.indexed.is_set():
-            return answer()
-
-        async def later() -> Answer:
-            await svc.indexed.wait()
-            return answer()
-
-        return later()
 
     def listed(page: Callable[[], Answer]) -> Awaitable[Answer]:
         """A list page, made and encoded on a thread (a page may hold 10,000 objects)."""
@@ -317,7 +306,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return listed(lambda: list_batches(req, owner))
         if req.method != b"POST":
             return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
-        return indexed(lambda: create_batch(req, owner))
+        return create_batch(req, owner)
 
     def list_batches(req: Any, owner: tuple[str, str]) -> Answer:
         q = page_query(req.query, BATCHES_LIMIT)
@@ -328,7 +317,10 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return Refusal(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
         return _page([r.public() for r in rows], q.limit)
 
-    def create_batch(req: Any, owner: tuple[str, str]) -> Answer:
+    def create_batch(req: Any, owner: tuple[str, str]) -> Answer | Awaitable[Answer]:
+        """The body is checked here; the input file, the tenant's room and the
+        new state are read and written on the API thread, one create at a
+        time (so the active-batch count of creates at once is exact)."""
         try:
             body = _create_decoder.decode(req.body)
         except msgspec.ValidationError as e:
@@ -346,11 +338,6 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _bad(bad_metadata, "metadata")
         if body.completion_window not in svc.windows:
             return _bad(f"completion_window must be one of {', '.join(svc.windows)}", "completion_window")
-        meta = svc.files.get(owner[0], body.input_file_id)
-        if meta is None:
-            return _not_found("input_file", body.input_file_id)
-        if meta.purpose != "batch":
-            return _bad("The input file's purpose must be batch.", "input_file_id")
         out_expires_s = None
         if body.output_expires_after is not None:
             got = expires_after_seconds(
@@ -359,14 +346,32 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             if isinstance(got, str):
                 return _bad(f"output_expires_after: {got}", "output_expires_after")
             out_expires_s = got
-        refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
-        if refused is not None:
-            return Refusal(refused)
-        rec = svc.create(
-            owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata, out_expires_s
-        )
-        svc.kick()
-        return _json(200, rec.public())
+
+        def make() -> Answer:  # (the API thread)
+            meta = svc.files.get(owner[0], body.input_file_id)
+            if meta is None:
+                return _not_found("input_file", body.input_file_id)
+            if meta.purpose != "batch":
+                return _bad("The input file's purpose must be batch.", "input_file_id")
+            refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
+            if refused is not None:
+                return Refusal(refused)
+            try:
+                rec = svc.create(
+                    owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata, out_expires_s
+                )
+            except OSError as e:
+                return _storage_full(e, "batch")
+            return _json(200, rec.public())
+
+        async def created() -> Answer:
+            await svc.indexed.wait()
+            answer: Answer = await svc.off_loop(make)
+            if isinstance(answer, Reply):
+                svc.kick()
+            return answer
+
+        return created()
 
     def batch_item(req: Any) -> Answer:
         owner = who(req)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import time
 import types
 from pathlib import Path
@@ -129,8 +130,25 @@ LINE = b'{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": 
 
 
 @pytest.fixture
-def api(tmp_path: Path):
-    cfg = loads(CONFIG, str(tmp_path))
+def root(tmp_path: Path, request: pytest.FixtureRequest):
+    """The config's directory: ``tmp_path``, or (parametrized "tmpfs") a 1 MiB
+    tmpfs, a real filesystem that fills up (ENOSPC)."""
+    if getattr(request, "param", None) != "tmpfs":
+        yield tmp_path
+        return
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def api(root: Path):
+    cfg = loads(CONFIG, str(root))
     core = types.SimpleNamespace(
         cfg=cfg,
         keys=Keys(cfg),
@@ -341,3 +359,22 @@ def test_an_upload_that_ends_without_a_file_returns_its_room_exactly_once(api: A
     assert api.svc.index.usage("a") == (0, 0, 0) and _stored(api) == []
     # the room came back once: the key's 2 files can still be kept, not more
     assert sorted(_at_once(api, [_body(LINE) for _ in range(3)])) == [200, 200, 429]
+
+
+@pytest.mark.parametrize("root", ["tmpfs"], indirect=True)
+def test_a_batch_created_on_a_full_disk_is_507_and_leaves_nothing(api: Api, root: Path):
+    _, f = api.upload(KEY_A, LINE)
+    filler = root / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass  # full
+    finally:
+        os.close(fd)
+    status, body = api.batch(KEY_A, f["id"])
+    assert status == 507 and body["error"]["code"] == "insufficient_storage" and body["error"]["retry"] > 0
+    assert os.listdir(api.svc.store.dir) == [] and api.svc.index.usage("a").active_batches == 0
+    filler.unlink()
+    assert api.batch(KEY_A, f["id"])[0] == 200  # room again
