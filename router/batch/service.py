@@ -330,9 +330,15 @@ class BatchService:
             return None
         return [run.rec if (run := self.runs.get(r.id)) is not None else r for r in page]
 
-    def cancel(self, rec: BatchRecord) -> BatchRecord:
-        """Ask for the cancel (whichever router runs it acts on it); the object as it will be."""
-        self.store.request_cancel(rec.id)
+    def visible(self, owner: str, batch_id: str) -> BatchRecord | None:
+        """The tenant's batch as its state file reads (a thread: it reads the disk), else None."""
+        rec = self.store.load(batch_id)
+        return rec if rec is not None and may_see(rec.owner, owner) else None
+
+    async def cancel(self, rec: BatchRecord) -> BatchRecord:
+        """Ask for the cancel (whichever router runs it acts on it; written on the
+        API thread: OSError if it cannot be); the object as it will be."""
+        await self.off_loop(lambda: self.store.request_cancel(rec.id))
         run = self.runs.get(rec.id)
         if run is not None:
             run.wake.set()

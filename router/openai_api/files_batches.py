@@ -25,12 +25,14 @@ from router.batch import usage
 from router.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore
 from router.batch.retention import expires_after_seconds
 from router.batch.service import BatchService
+from router.batch.store import BatchRecord
 from router.batch.upload import MultipartToFile, Received, Upload, boundary_of
 from router.batch.validate import PARSERS
 from router.http_routes import Answer, BodyRoute, BodySink, PatternRoute, Refusal, Reply, Route, Routes, Stream
 from router.openai_api.encoding import encode
 from router.openai_api.metadata import metadata_problem
 from router.openai_api.request import meta_from_headers
+from router.ownership import may_see
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
 
@@ -258,18 +260,27 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _storage_full(e)
         return _json(200, meta.public())
 
-    def file_item(req: Any) -> Answer:
+    def file_item(req: Any) -> Answer | Awaitable[Answer]:
+        """GET / DELETE /v1/files/{id}: the meta read (and the delete) on the API thread."""
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         fid = req.path[len(b"/v1/files/") :].decode("utf-8", "replace")
         if req.method == b"GET":
-            meta = svc.files.get(owner[0], fid)
-            return _not_found("file", fid) if meta is None else _json(200, meta.public())
+
+            def retrieve() -> Answer:
+                meta = svc.files.get(owner[0], fid)
+                return _not_found("file", fid) if meta is None else _json(200, meta.public())
+
+            return svc.off_loop(retrieve)
         if req.method == b"DELETE":
-            if not svc.files.delete(owner[0], fid):
-                return _not_found("file", fid)
-            return _json(200, {"id": fid, "object": "file", "deleted": True})
+
+            def delete() -> Answer:
+                if not svc.files.delete(owner[0], fid):
+                    return _not_found("file", fid)
+                return _json(200, {"id": fid, "object": "file", "deleted": True})
+
+            return svc.off_loop(delete)
         return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or DELETE"), b"allow: GET, DELETE\r\n")
 
     def file_content(req: Any) -> Answer | Awaitable[Answer]:
@@ -277,15 +288,19 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if isinstance(owner, Refusal):
             return owner
         fid = req.path[len(b"/v1/files/") : -len(b"/content")].decode("utf-8", "replace")
-        meta = svc.files.get(owner[0], fid)
-        if meta is None:
-            return _not_found("file", fid)
-        ctype = (
-            b"application/jsonl"
-            if meta.purpose in (*UPLOAD_PURPOSES, *OUTPUT_PURPOSES)
-            else b"application/octet-stream"
-        )
-        return download(fid, ctype)
+
+        async def content() -> Answer:
+            meta = await svc.off_loop(lambda: svc.files.get(owner[0], fid))
+            if meta is None:
+                return _not_found("file", fid)
+            ctype = (
+                b"application/jsonl"
+                if meta.purpose in (*UPLOAD_PURPOSES, *OUTPUT_PURPOSES)
+                else b"application/octet-stream"
+            )
+            return await download(fid, ctype)
+
+        return content()
 
     async def download(fid: str, ctype: bytes) -> Answer:
         """The file's bytes in chunks, each read on the file pool as the socket takes the last."""
@@ -373,25 +388,50 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
         return created()
 
-    def batch_item(req: Any) -> Answer:
+    def lookup(owner: tuple[str, str], bid: str) -> BatchRecord | None | Awaitable[BatchRecord | None]:
+        """The tenant's batch: as it runs here (memory), else its state file read on the API thread."""
+        run = svc.runs.get(bid)
+        if run is not None:
+            return run.rec if may_see(run.rec.owner, owner[0]) else None
+        return svc.off_loop(lambda: svc.visible(owner[0], bid))
+
+    def batch_item(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         bid = req.path[len(b"/v1/batches/") :].decode("utf-8", "replace")
-        rec = svc.get(owner[0], bid)
-        return _not_found("batch", bid) if rec is None else _json(200, rec.public())
 
-    def batch_cancel(req: Any) -> Answer:
+        def shown(rec: BatchRecord | None) -> Answer:
+            return _not_found("batch", bid) if rec is None else _json(200, rec.public())
+
+        got = lookup(owner, bid)
+        if got is None or isinstance(got, BatchRecord):
+            return shown(got)
+
+        async def later(pending: Awaitable[BatchRecord | None]) -> Answer:
+            return shown(await pending)
+
+        return later(got)
+
+    def batch_cancel(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         bid = req.path[len(b"/v1/batches/") : -len(b"/cancel")].decode("utf-8", "replace")
-        rec = svc.get(owner[0], bid)
-        if rec is None:
-            return _not_found("batch", bid)
-        if rec.status in bm.TERMINAL or rec.status in (bm.FINALIZING,):
-            return _bad(f"Cannot cancel a batch whose status is {rec.status}.", "batch_id")
-        return _json(200, svc.cancel(rec).public())
+
+        async def cancel() -> Answer:
+            got = lookup(owner, bid)
+            rec = got if got is None or isinstance(got, BatchRecord) else await got
+            if rec is None:
+                return _not_found("batch", bid)
+            if rec.status in bm.TERMINAL or rec.status in (bm.FINALIZING,):
+                return _bad(f"Cannot cancel a batch whose status is {rec.status}.", "batch_id")
+            try:
+                return _json(200, (await svc.cancel(rec)).public())
+            except OSError as e:
+                return _storage_full(e, "cancel")
+
+        return cancel()
 
     exact = {b"/v1/files": Route(b"*", files), b"/v1/batches": Route(b"*", batches)}
     bodies: dict[bytes, BodyRoute] = {b"/v1/files": upload}
