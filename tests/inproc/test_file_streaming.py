@@ -274,6 +274,30 @@ def test_an_upload_over_the_limit_is_413_at_once_and_leaves_nothing(tmp_path):
         assert srv.leftovers() == []
 
 
+@pytest.mark.parametrize("path", ["/v1/files/file-0123abcd", "/v1/files/file-0123abcd/content", "/v1/filesx"])
+def test_only_the_upload_route_takes_an_upload_sized_body_others_are_413_at_the_request_limit(tmp_path, path):
+    """Only POST /v1/files streams its body to disk; any other path under it
+    (a file's id, a typo) gathers its body in memory, so it gets the request
+    limit, not max_file_bytes -- before any key is checked."""
+    with serve(tmp_path, max_file_bytes=64 * MB) as srv:
+        with srv.connect() as s:
+            s.settimeout(5)
+            s.sendall(_head(key="nobody", length=32 * MB, path=path))  # announced, not sent
+            status, _, body = read_response(s)
+            assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+        with srv.connect() as s:
+            s.settimeout(5)
+            s.sendall(_head(key="nobody", path=path))
+            piece = _chunk_of(16 * 1024)
+            try:
+                for _ in range(64):  # 1 MiB, chunked: refused once past the 64 KiB request limit
+                    s.sendall(b"%x\r\n%b\r\n" % (len(piece), piece))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            status, _, body = read_response(s)
+            assert status == 413
+
+
 def test_a_client_gone_mid_upload_leaves_nothing(tmp_path):
     with serve(tmp_path) as srv:
         with srv.connect() as s:
