@@ -124,3 +124,36 @@ def test_a_client_that_claims_another_clients_identity_gets_neither_its_output_n
         victim.close()
         thief.close()
         frontend.close()
+
+
+def test_a_direct_clients_message_over_the_bound_is_never_read_and_the_router_serves_on() -> None:
+    """libzmq reads a message whole before handing it over: one over
+    ``max_message_bytes`` disconnects its sender unread (HTTP bodies stop at
+    envoy.max_request_bytes; a ZeroMQ Submit must not be the way around it)."""
+    h = Harness()
+    ctx = zmq.Context()
+    router_cfg = msgspec.structs.replace(h.core.cfg.router, frontend=f"tcp://127.0.0.1:{_free_port()}")
+    frontend = ClientFrontend(router_cfg, h.loop, SocketPump(h.loop), h.core.metrics, ctx, max_message_bytes=1 << 20)
+    frontend.serve(h.core)
+    h.join("sim-a", seqs=4)
+    big, small = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+
+    def submit(sock: zmq.Socket, rid: str, prompt: str) -> None:
+        sub = p.Submit(request_id=rid, model="sim-m", kind=p.RequestKind.COMPLETION, prompt=prompt, max_tokens=4)
+        sock.send(p.encoder.encode(sub))
+
+    try:
+        for s in (big, small):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(router_cfg.frontend)
+        submit(big, "big", "x" * (3 << 20))
+        deadline = time.monotonic() + 0.5
+        _spin(h, lambda: time.monotonic() > deadline, 5, "")
+        assert not frontend.clients and not h.core.jobs and not big.poll(0)  # never read, so never answered
+        submit(small, "small", "hello")  # the router serves on
+        _spin(h, lambda: bool(frontend.clients), 10, "a small Submit was not read")
+        assert list(frontend.clients.values()) == [{"small": next(iter(frontend.clients.values()))["small"]}]
+    finally:
+        big.close()
+        small.close()
+        frontend.close()
