@@ -274,6 +274,22 @@ def test_an_upload_over_the_limit_is_413_at_once_and_leaves_nothing(tmp_path):
         assert srv.leftovers() == []
 
 
+def test_a_client_gone_after_its_whole_body_leaves_a_kept_file_counted_once(tmp_path):
+    """As OpenAI: a create that succeeded server-side made the file, answer
+    delivered or not; it counts against the tenant, so nothing is uncounted."""
+    size = MB // 4
+    pre = _preamble()
+    with serve(tmp_path) as srv:
+        with srv.connect() as s:
+            s.sendall(_head(length=len(pre) + size + len(CLOSE)) + pre + _chunk_of(size) + CLOSE)
+        deadline = time.monotonic() + 10
+        while srv.store.index.usage("tenant-a") != (1, size, 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.store.index.usage("tenant-a") == (1, size, 0)  # kept, and counted (its hold: now the file)
+        names = srv.leftovers()
+        assert len([n for n in names if n.endswith(".json")]) == 1 and not [n for n in names if n.endswith(".tmp")]
+
+
 @pytest.mark.parametrize("path", ["/v1/files/file-0123abcd", "/v1/files/file-0123abcd/content", "/v1/filesx"])
 def test_only_the_upload_route_takes_an_upload_sized_body_others_are_413_at_the_request_limit(tmp_path, path):
     """Only POST /v1/files streams its body to disk; any other path under it
