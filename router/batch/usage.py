@@ -47,6 +47,11 @@ log = logging.getLogger("weir.batch")
 # lower bound of the file's size: the multipart framing and the other fields.
 FRAMING_BYTES = 64 << 10
 QUOTA_RETRY_AFTER_S = 60.0  # a hint: room comes back when files are deleted or expire, batches end
+# Uploads of one tenant in progress at once: each may hold router.batch.upload's
+# HIGH_WATER (256 KiB) in memory while the disk catches up, so this bounds a
+# tenant's share of router memory (shared.errors' text says 16: keep them one).
+MAX_UPLOADS_IN_PROGRESS = 16
+UPLOADS_RETRY_AFTER_S = 1.0
 
 
 class Limits(NamedTuple):
@@ -240,6 +245,14 @@ class UsageIndex:
         (``limits`` None: taken unchecked, ``settle`` checks it)."""
         with self._lock:
             t = self._tenant(owner)
+            if t.held_files >= MAX_UPLOADS_IN_PROGRESS:
+                return error(
+                    Code.UPLOADS_IN_PROGRESS,
+                    f"This tenant has {t.held_files} uploads in progress, the most at once "
+                    f"({MAX_UPLOADS_IN_PROGRESS}); send this one when one of them has ended.",
+                    param="file",
+                    retry_after=UPLOADS_RETRY_AFTER_S,
+                )
             if limits is not None:
                 refused = upload_refusal(t.usage(), limits, size)
                 if refused is not None:

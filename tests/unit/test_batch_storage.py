@@ -13,7 +13,16 @@ from router.batch import model as m
 from router.batch import retention
 from router.batch.files import FileMeta, FileStore
 from router.batch.store import BatchStore
-from router.batch.usage import Hold, Limits, Usage, UsageIndex, batch_refusal, limits_for, upload_refusal
+from router.batch.usage import (
+    MAX_UPLOADS_IN_PROGRESS,
+    Hold,
+    Limits,
+    Usage,
+    UsageIndex,
+    batch_refusal,
+    limits_for,
+    upload_refusal,
+)
 from shared.config import ApiKey, BatchConfig, TenantConfig
 from shared.errors import Code, code_of
 
@@ -247,3 +256,17 @@ def test_an_upload_holds_room_until_its_file_takes_its_place_or_it_is_released_o
     assert idx.usage("t") == Usage(2, 55, 0)  # the file in the hold's place + the unchecked hold
     idx.release(unchecked)
     assert idx.usage("t") == Usage(1, 55, 0)
+
+
+def test_a_tenant_has_at_most_sixteen_uploads_in_progress_whatever_its_storage_limits():
+    idx = UsageIndex()
+    roomy = Limits(files=10_000, file_bytes=10**12, active_batches=1)
+    held = [idx.hold("t", roomy, 1) for _ in range(MAX_UPLOADS_IN_PROGRESS)]
+    assert all(isinstance(h, Hold) for h in held)
+    over = idx.hold("t", roomy, 1)
+    assert not isinstance(over, Hold) and code_of(over) is Code.UPLOADS_IN_PROGRESS
+    assert (over.status, over.param) == (429, "file") and over.retry_after
+    assert not isinstance(idx.hold("t", None, 0), Hold)  # before the index is built too
+    assert isinstance(idx.hold("u", roomy, 1), Hold)  # another tenant is not affected
+    idx.release(held[0])  # type: ignore[arg-type]
+    assert isinstance(idx.hold("t", roomy, 1), Hold)  # one ended: room for one more
