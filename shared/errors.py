@@ -232,7 +232,7 @@ WHEN: dict[Code, str] = {
     Code.FILES_LIMIT: "the tenant keeps `max_stored_files` files (`[batch]`, or its key's or tenant's own)",
     Code.FILE_BYTES_LIMIT: "the upload would take the tenant's files over `max_stored_file_bytes`",
     Code.ACTIVE_BATCHES_LIMIT: "the tenant has `max_active_batches` batches not yet ended",
-    Code.UPLOADS_IN_PROGRESS: "the tenant has 16 uploads in progress (each holds up to 256 KiB of router memory)",
+    Code.UPLOADS_IN_PROGRESS: "the tenant has 32 uploads in progress (each holds up to 256 KiB of router memory)",
     Code.INTERNAL: "a fault inside weir (or a request the worker link could not encode)",
     Code.ENGINE_ERROR: "the engine failed or ended the request without a result",
     Code.ENGINE_UNAVAILABLE: "the engine stopped",

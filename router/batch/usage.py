@@ -49,8 +49,8 @@ FRAMING_BYTES = 64 << 10
 QUOTA_RETRY_AFTER_S = 60.0  # a hint: room comes back when files are deleted or expire, batches end
 # Uploads of one tenant in progress at once: each may hold router.batch.upload's
 # HIGH_WATER (256 KiB) in memory while the disk catches up, so this bounds a
-# tenant's share of router memory (shared.errors' text says 16: keep them one).
-MAX_UPLOADS_IN_PROGRESS = 16
+# tenant's share of router memory (shared.errors' text says 32: keep them one).
+MAX_UPLOADS_IN_PROGRESS = 32
 UPLOADS_RETRY_AFTER_S = 1.0
 
 

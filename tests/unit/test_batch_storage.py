@@ -258,7 +258,7 @@ def test_an_upload_holds_room_until_its_file_takes_its_place_or_it_is_released_o
     assert idx.usage("t") == Usage(1, 55, 0)
 
 
-def test_a_tenant_has_at_most_sixteen_uploads_in_progress_whatever_its_storage_limits():
+def test_a_tenant_has_at_most_32_uploads_in_progress_whatever_its_storage_limits():
     idx = UsageIndex()
     roomy = Limits(files=10_000, file_bytes=10**12, active_batches=1)
     held = [idx.hold("t", roomy, 1) for _ in range(MAX_UPLOADS_IN_PROGRESS)]
