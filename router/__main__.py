@@ -22,7 +22,7 @@ from typing import Any
 import uvloop
 
 from router.batch.service import BatchService
-from router.client_frontend import ClientFrontend
+from router.client_frontend import ClientFrontend, client_message_bytes
 from router.core import RouterCore
 from router.core_reads import CoreView
 from router.drain import Drain
@@ -55,7 +55,15 @@ async def serve(config_path: str | None, index: int = 0) -> None:
     pump = SocketPump(loop)
     link = WorkerLink(cfg.router, loop, pump, metrics, security=cfg.security, base_dir=cfg.base_dir)
     core = RouterCore(cfg, loop, link, metrics=metrics)
-    frontend = ClientFrontend(cfg.router, loop, pump, metrics, security=cfg.security, base_dir=cfg.base_dir)
+    frontend = ClientFrontend(
+        cfg.router,
+        loop,
+        pump,
+        metrics,
+        security=cfg.security,
+        base_dir=cfg.base_dir,
+        max_message_bytes=client_message_bytes(cfg),
+    )
     cfg_file = config_path or os.environ.get("WEIR_CONFIG") or str(DEFAULT_CONFIG)
     for warning in secret_warnings(cfg, cfg_file):
         log.warning(warning)

@@ -25,7 +25,7 @@ import zmq
 from router.metrics import RouterMetrics
 from router.plane import RouterPlane
 from shared import protocol as p
-from shared.config import RouterConfig, SecurityConfig
+from shared.config import Config, RouterConfig, SecurityConfig
 from shared.errors import Code, error
 from shared.transport import Outbox, SocketPump
 
@@ -54,8 +54,21 @@ class Admission(Protocol):
     def awaiting_output(self, handle: int) -> bool: ...
 
 
+def client_message_bytes(cfg: Config) -> int:
+    """The largest message a direct client may send: twice an HTTP request's
+    body limit (``envoy.max_request_bytes``; msgpack may spell a field longer
+    than JSON), and 64 KiB at least."""
+    return max(2 * cfg.envoy.max_request_bytes, 64 << 10)
+
+
 class ClientFrontend(RouterPlane):
     side = "frontend"
+    # A client's identity is all that binds it to its replies and Cancels, and
+    # libzmq generates them predictably (0x00 + a counter from random()'s
+    # unseeded first value): with handover, a peer setting one as its own
+    # would take over another tenant's outputs.  Clients do not choose theirs
+    # (shared.client), so a reconnecting one gets a fresh identity anyway.
+    handover = False
 
     def __init__(
         self,
@@ -67,8 +80,13 @@ class ClientFrontend(RouterPlane):
         *,
         security: SecurityConfig | None = None,
         base_dir: str = "",
+        max_message_bytes: int = -1,
     ) -> None:
         super().__init__(cfg, loop, pump, metrics, ctx, security=security, base_dir=base_dir)
+        # libzmq reads a message whole before it hands it over: without a bound one
+        # client's multi-GB Submit would be in router memory (HTTP bodies stop at
+        # envoy.max_request_bytes); a peer sending more is disconnected unread.
+        self.max_message_bytes = max_message_bytes
         self.core: Admission  # set by serve(), before the socket can deliver anything
         self.clients: dict[bytes, dict[str, int]] = {}  # identity -> client request id -> handle
         self.outbox = Outbox(loop, self._flush_to)

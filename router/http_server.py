@@ -90,7 +90,6 @@ _WANTED_HEADERS = frozenset(
 _KEY_HEADERS = (b"x-api-key", b"authorization")
 # What router.admin_http serves (probes, scrapes, operators); the API stays on router.http.
 ADMIN_PLANE_PATHS = (ADMIN_PREFIX, b"/metrics", b"/health")
-UPLOAD_PREFIX = b"/v1/files"  # bodies here may be up to max_upload_bytes
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
 
@@ -394,13 +393,14 @@ class HttpConnection(asyncio.Protocol):
         self._upgrade = parser.should_upgrade()
         length = self._headers.get(b"content-length")
         ingress = self.ingress
-        self._body_limit = ingress.max_upload_bytes if self._url.startswith(UPLOAD_PREFIX) else ingress.max_body_bytes
+        # Only a streamed body (an upload) may be upload-sized: any other is
+        # gathered in memory, so /v1/files/{id} or /v1/filesX get the request limit.
+        body_route = ingress.bodies.get(self._url.split(b"?", 1)[0]) if parser.get_method() == b"POST" else None
+        self._body_limit = ingress.max_upload_bytes if body_route is not None else ingress.max_body_bytes
         if length is not None and length.strip().isdigit() and int(length) > self._body_limit:
             raise _BodyTooLarge()
-        if ingress.bodies and parser.get_method() == b"POST":
-            body_route = ingress.bodies.get(self._url.split(b"?", 1)[0])
-            if body_route is not None:
-                self._start_streamed(body_route)
+        if body_route is not None:
+            self._start_streamed(body_route)
         expect = self._headers.get(b"expect")
         if expect is not None and expect.lower() == b"100-continue" and not self.busy and self._http11:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -30,6 +30,8 @@ _Msg = TypeVar("_Msg")  # the messages one side's decoder gives
 
 class RouterPlane:
     side = ""  # "frontend" | "backend": its address in RouterConfig and its ZAP domain
+    handover = True  # a peer connecting with an identity in use takes it over (shared.transport.bind_router)
+    max_message_bytes = -1  # a larger message disconnects its peer before it is read whole (-1: none)
 
     def __init__(
         self,
@@ -56,7 +58,7 @@ class RouterPlane:
     ) -> None:
         """Bind this side's socket, let the pump drive it, start its timer."""
         addr = getattr(self.cfg, self.side)
-        self.sock = bind_router(self.ctx, addr, self._curve())
+        self.sock = bind_router(self.ctx, addr, self._curve(), self.handover, self.max_message_bytes)
         self.pump.add(self.sock, on_message, **callbacks)
         self._tick = tick
         self._timer = self.loop.call_later(self.cfg.heartbeat_interval_s, self._on_timer)

@@ -51,6 +51,7 @@ class Code(enum.Enum):
     FILES_LIMIT = (429, _RATE, "file_count_limit_exceeded")
     FILE_BYTES_LIMIT = (413, _INVALID, "file_storage_limit_exceeded")
     ACTIVE_BATCHES_LIMIT = (429, _RATE, "active_batch_limit_exceeded")
+    UPLOADS_IN_PROGRESS = (429, _RATE, "uploads_in_progress_limit_exceeded")  # memory: each holds a buffer
     # 5xx: the service
     INTERNAL = (500, _SERVER, "internal_error")
     ENGINE_ERROR = (500, _SERVER, "engine_error")
@@ -231,6 +232,7 @@ WHEN: dict[Code, str] = {
     Code.FILES_LIMIT: "the tenant keeps `max_stored_files` files (`[batch]`, or its key's or tenant's own)",
     Code.FILE_BYTES_LIMIT: "the upload would take the tenant's files over `max_stored_file_bytes`",
     Code.ACTIVE_BATCHES_LIMIT: "the tenant has `max_active_batches` batches not yet ended",
+    Code.UPLOADS_IN_PROGRESS: "the tenant has 32 uploads in progress (each holds up to 256 KiB of router memory)",
     Code.INTERNAL: "a fault inside weir (or a request the worker link could not encode)",
     Code.ENGINE_ERROR: "the engine failed or ended the request without a result",
     Code.ENGINE_UNAVAILABLE: "the engine stopped",
@@ -246,7 +248,7 @@ WHEN: dict[Code, str] = {
     Code.ROUTER_DRAINING: "the router is draining (SIGTERM, `POST /admin/drain`): a new request, one that could "
     "not finish before `router.drain_timeout_s`, or one still running at it (an SSE error event once streaming)",
     Code.GENERATION_DEADLINE: "the request ran past `generation_deadline_s`",
-    Code.STORAGE_FULL: "an upload met a full disk (or another write error): nothing of it is kept; "
+    Code.STORAGE_FULL: "an upload or a batch create met a full disk (or another write error): nothing of it is kept; "
     "retry after `Retry-After`",
 }
 

@@ -233,15 +233,24 @@ class Outbox(Generic[_Dest, _Item]):
 
 
 def bind_router(
-    ctx: zmq.Context[zmq.Socket[bytes]], addr: str, configure: Callable[[zmq.Socket[bytes]], None] | None = None
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    addr: str,
+    configure: Callable[[zmq.Socket[bytes]], None] | None = None,
+    handover: bool = True,
+    max_message_bytes: int = -1,
 ) -> zmq.Socket[bytes]:
     """A ROUTER socket as the router's two planes use it, bound to ``addr``;
-    ``configure`` sets options that must precede the bind (CURVE: shared.curve)."""
+    ``configure`` sets options that must precede the bind (CURVE: shared.curve).
+    ``handover``: a peer that connects with an identity in use takes it over
+    (workers reconnecting under their id); without it, that peer is refused.
+    ``max_message_bytes``: a peer sending a larger message is disconnected
+    before it is read whole (-1: no bound)."""
     s = ctx.socket(zmq.ROUTER)
     if configure is not None:
         configure(s)
+    s.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # tell us when a peer is gone instead of dropping
-    s.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer reuses its identity
+    s.setsockopt(zmq.ROUTER_HANDOVER, 1 if handover else 0)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 100_000)
     s.setsockopt(zmq.RCVHWM, 100_000)

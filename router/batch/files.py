@@ -26,7 +26,7 @@ from router.batch.retention import expired
 from router.ownership import may_see
 
 if TYPE_CHECKING:
-    from router.batch.usage import UsageIndex
+    from router.batch.usage import Hold, UsageIndex
 
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSES = ("batch_output",)
@@ -160,11 +160,17 @@ class FileStore:
         return FileWriter(self.dir)
 
     def commit(
-        self, writer: FileWriter, owner: str, filename: str, purpose: str, expires_after_s: int | None = None
+        self,
+        writer: FileWriter,
+        owner: str,
+        filename: str,
+        purpose: str,
+        expires_after_s: int | None = None,
+        hold: Hold | None = None,
     ) -> FileMeta:
         """A sealed upload becomes a file: its data renamed into place, then its
-        meta written (the file exists from there).  Any failure (a full disk)
-        leaves neither behind."""
+        meta written (the file exists from there), counted in place of the
+        upload's ``hold``.  Any failure (a full disk) leaves neither behind."""
         meta = FileMeta(
             id=new_id("file-"),
             bytes=writer.size,
@@ -185,7 +191,7 @@ class FileStore:
             data.unlink(missing_ok=True)
             writer.discard()
             raise
-        self._indexed(meta)
+        self._indexed(meta, hold)
         return meta
 
     def open_data(self, file_id: str) -> tuple[IO[bytes], int]:
@@ -211,9 +217,9 @@ class FileStore:
         self._indexed(meta)
         return meta
 
-    def _indexed(self, meta: FileMeta) -> None:
+    def _indexed(self, meta: FileMeta, hold: Hold | None = None) -> None:
         if self.index is not None:
-            self.index.put_file(meta)
+            self.index.put_file(meta, hold)
 
     def read_meta(self, file_id: str) -> FileMeta | None:
         """A file's metadata whoever owns it (housekeeping only: the API goes through ``get``)."""

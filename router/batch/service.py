@@ -124,7 +124,8 @@ class BatchService:
             log.info("batch housekeeping: %d ended batches past their retention deleted", len(gone))
 
     def off_loop(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """``fn`` on the list thread (router.openai_api.files_batches: pages)."""
+        """``fn`` on the API's one thread (router.openai_api.files_batches: list
+        pages, and batch creates, one at a time)."""
         return asyncio.get_running_loop().run_in_executor(self.pages, fn)
 
     def limits(self, tenant: str, key_digest: str) -> Limits:
@@ -329,9 +330,15 @@ class BatchService:
             return None
         return [run.rec if (run := self.runs.get(r.id)) is not None else r for r in page]
 
-    def cancel(self, rec: BatchRecord) -> BatchRecord:
-        """Ask for the cancel (whichever router runs it acts on it); the object as it will be."""
-        self.store.request_cancel(rec.id)
+    def visible(self, owner: str, batch_id: str) -> BatchRecord | None:
+        """The tenant's batch as its state file reads (a thread: it reads the disk), else None."""
+        rec = self.store.load(batch_id)
+        return rec if rec is not None and may_see(rec.owner, owner) else None
+
+    async def cancel(self, rec: BatchRecord) -> BatchRecord:
+        """Ask for the cancel (whichever router runs it acts on it; written on the
+        API thread: OSError if it cannot be); the object as it will be."""
+        await self.off_loop(lambda: self.store.request_cancel(rec.id))
         run = self.runs.get(rec.id)
         if run is not None:
             run.wake.set()

@@ -27,6 +27,7 @@ import errno
 import fcntl
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,7 +169,11 @@ class BatchStore:
     def new(self, **fields: Any) -> BatchRecord:
         rec = BatchRecord(id=new_id("batch_"), output_file_id=new_id("file-"), error_file_id=new_id("file-"), **fields)
         self.path(rec.id).mkdir()
-        self.save(rec)
+        try:
+            self.save(rec)
+        except BaseException:
+            shutil.rmtree(self.path(rec.id), ignore_errors=True)  # (a full disk): no batch, no directory
+            raise
         return rec
 
     def save(self, rec: BatchRecord, fence: Fence | None = None) -> None:

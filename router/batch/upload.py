@@ -210,11 +210,13 @@ class Upload:
         pool: concurrent.futures.Executor,
         body: MultipartToFile,
         done: Callable[[Received | ErrorInfo | OSError], Awaitable[Answer]],
+        aborted: Callable[[], None] | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.pool = pool
         self.body = body
-        self.done = done
+        self.done = done  # the body is complete: answers (whatever it decides, its own cleanup)
+        self.aborted = aborted  # the body never will be (its reservation returns)
         self.resume: Callable[[], None] | None = None
         self.held = 0  # bytes read and not yet written (queued + in the thread)
         self._queue: list[bytes] = []
@@ -254,10 +256,15 @@ class Upload:
             self.resume()
 
     async def finish(self) -> Answer:
-        while self._busy:
-            self._idle = self.loop.create_future()
-            await self._idle
-        got = await self.loop.run_in_executor(self.pool, self.body.finish)
+        try:
+            while self._busy:
+                self._idle = self.loop.create_future()
+                await self._idle
+            got = await self.loop.run_in_executor(self.pool, self.body.finish)
+        except BaseException:
+            if self.aborted is not None:
+                self.aborted()  # (``done`` is never reached: its room returns here)
+            raise
         return await self.done(got)
 
     def abort(self) -> None:
@@ -268,3 +275,5 @@ class Upload:
         self._queue.clear()
         if not self._busy:
             self.pool.submit(self.body.discard)
+        if self.aborted is not None:
+            self.aborted()

@@ -8,6 +8,12 @@ from the directory at start and read again every ``housekeeping_interval_s``
 sharing the directory did.  Lists (``GET /v1/files``, ``GET /v1/batches``)
 are pages of it: they read no disk and see only the caller's tenant.
 
+An upload holds room while it is written (``hold``: its count, and the bytes
+it declared), so uploads of one tenant running at once cannot each pass the
+limits on what is stored: each counts the others' holds.  The hold is
+settled to the file's size once it is known (``settle``: checked again), and
+ends exactly once: turned into the file by ``put_file``, or ``release``d.
+
 ``upload_refusal`` and ``batch_refusal`` decide from a tenant's usage and
 limits alone (pure); ``reap`` deletes expired files and old ended batches
 (router.batch.retention decides which), on a thread.
@@ -41,6 +47,11 @@ log = logging.getLogger("weir.batch")
 # lower bound of the file's size: the multipart framing and the other fields.
 FRAMING_BYTES = 64 << 10
 QUOTA_RETRY_AFTER_S = 60.0  # a hint: room comes back when files are deleted or expire, batches end
+# Uploads of one tenant in progress at once: each may hold router.batch.upload's
+# HIGH_WATER (256 KiB) in memory while the disk catches up, so this bounds a
+# tenant's share of router memory (shared.errors' text says 32: keep them one).
+MAX_UPLOADS_IN_PROGRESS = 32
+UPLOADS_RETRY_AFTER_S = 1.0
 
 
 class Limits(NamedTuple):
@@ -101,6 +112,18 @@ def batch_refusal(usage: Usage, limits: Limits) -> ErrorInfo | None:
     return None
 
 
+class Hold:
+    """Room an upload in progress takes (one file, ``bytes``) until it is
+    kept (``UsageIndex.put_file``) or ``UsageIndex.release``d: exactly once."""
+
+    __slots__ = ("owner", "bytes", "live")
+
+    def __init__(self, owner: str, size: int) -> None:
+        self.owner = owner
+        self.bytes = size
+        self.live = True
+
+
 class Page(NamedTuple):
     ids: list[str]
     has_more: bool
@@ -146,13 +169,18 @@ class _Sorted:
 
 
 class _Tenant:
-    __slots__ = ("files", "batches", "file_bytes", "active")
+    __slots__ = ("files", "batches", "file_bytes", "active", "held_files", "held_bytes")
 
     def __init__(self) -> None:
         self.files = _Sorted()
         self.batches = _Sorted()
         self.file_bytes = 0
         self.active: set[str] = set()  # batch ids not ended
+        self.held_files = 0  # uploads in progress (Hold), counted with the stored files
+        self.held_bytes = 0
+
+    def usage(self) -> Usage:
+        return Usage(len(self.files.by_id) + self.held_files, self.file_bytes + self.held_bytes, len(self.active))
 
 
 class UsageIndex:
@@ -173,8 +201,11 @@ class UsageIndex:
 
     # ------------------------------------------------------------ what the stores tell it
 
-    def put_file(self, meta: FileMeta) -> None:
+    def put_file(self, meta: FileMeta, hold: Hold | None = None) -> None:
+        """A file written (``hold``: the upload's, which it replaces at once)."""
         with self._lock:
+            if hold is not None:
+                self._release(hold)
             t = self._tenant(meta.owner)
             old = t.files.put(meta.id, meta.created_at, meta)
             t.file_bytes += meta.bytes - (old.bytes if old is not None else 0)  # type: ignore[attr-defined]
@@ -207,14 +238,65 @@ class UsageIndex:
                 t.batches.drop(batch_id)
                 t.active.discard(batch_id)
 
+    # ------------------------------------------------------------ uploads in progress
+
+    def hold(self, owner: str, limits: Limits | None, size: int) -> Hold | ErrorInfo:
+        """Take room for an upload of at least ``size`` bytes, or why not
+        (``limits`` None: taken unchecked, ``settle`` checks it)."""
+        with self._lock:
+            t = self._tenant(owner)
+            if t.held_files >= MAX_UPLOADS_IN_PROGRESS:
+                return error(
+                    Code.UPLOADS_IN_PROGRESS,
+                    f"This tenant has {t.held_files} uploads in progress, the most at once "
+                    f"({MAX_UPLOADS_IN_PROGRESS}); send this one when one of them has ended.",
+                    param="file",
+                    retry_after=UPLOADS_RETRY_AFTER_S,
+                )
+            if limits is not None:
+                refused = upload_refusal(t.usage(), limits, size)
+                if refused is not None:
+                    return refused
+            t.held_files += 1
+            t.held_bytes += size
+            return Hold(owner, size)
+
+    def settle(self, hold: Hold, limits: Limits, size: int) -> ErrorInfo | None:
+        """The upload is ``size`` bytes: its hold becomes that if the tenant has
+        room for it beside everything else stored and held; else it is released."""
+        with self._lock:
+            if not hold.live:
+                raise ValueError("settle of a hold already ended")
+            t = self._tenant(hold.owner)
+            u = t.usage()
+            refused = upload_refusal(Usage(u.files - 1, u.file_bytes - hold.bytes, u.active_batches), limits, size)
+            if refused is not None:
+                self._release(hold)
+                return refused
+            t.held_bytes += size - hold.bytes
+            hold.bytes = size
+            return None
+
+    def release(self, hold: Hold) -> None:
+        """The upload ends without a file (refused, client gone, disk full); a second call does nothing."""
+        with self._lock:
+            self._release(hold)
+
+    def _release(self, hold: Hold) -> None:
+        if not hold.live:
+            return
+        hold.live = False
+        t = self._tenant(hold.owner)
+        t.held_files -= 1
+        t.held_bytes -= hold.bytes
+
     # ------------------------------------------------------------ what the API reads
 
     def usage(self, owner: str) -> Usage:
+        """What counts against the tenant's limits: stored, and held by uploads in progress."""
         with self._lock:
             t = self._by.get(owner)
-            if t is None:
-                return Usage(0, 0, 0)
-            return Usage(len(t.files.by_id), t.file_bytes, len(t.active))
+            return Usage(0, 0, 0) if t is None else t.usage()
 
     def tenants(self) -> list[str]:
         with self._lock:

@@ -25,12 +25,14 @@ from router.batch import usage
 from router.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore
 from router.batch.retention import expires_after_seconds
 from router.batch.service import BatchService
+from router.batch.store import BatchRecord
 from router.batch.upload import MultipartToFile, Received, Upload, boundary_of
 from router.batch.validate import PARSERS
 from router.http_routes import Answer, BodyRoute, BodySink, PatternRoute, Refusal, Reply, Route, Routes, Stream
 from router.openai_api.encoding import encode
 from router.openai_api.metadata import metadata_problem
 from router.openai_api.request import meta_from_headers
+from router.ownership import may_see
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
 
@@ -125,13 +127,13 @@ def _page(rows: list[dict[str, Any]], limit: int) -> Reply:
     )
 
 
-def _storage_full(e: OSError) -> Refusal:
-    log.error("an upload could not be written: %s", e)
+def _storage_full(e: OSError, what: str = "file") -> Refusal:
+    log.error("a %s could not be written: %s", what, e)
     return Refusal(
         error(
             Code.STORAGE_FULL,
-            "The file could not be stored: the server's storage is full. Nothing was kept; try again later.",
-            param="file",
+            f"The {what} could not be stored: the server's storage is full. Nothing was kept; try again later.",
+            param=what if what == "file" else None,
             retry_after=STORAGE_FULL_RETRY_S,
         )
     )
@@ -162,17 +164,6 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         got = owner_of(meta.api_key)
         return Refusal(got) if isinstance(got, ErrorInfo) else got
 
-    def indexed(answer: Callable[[], Answer]) -> Answer | Awaitable[Answer]:
-        """``answer`` now, or once the per-tenant index has read the directory (at start)."""
-        if svc.indexed.is_set():
-            return answer()
-
-        async def later() -> Answer:
-            await svc.indexed.wait()
-            return answer()
-
-        return later()
-
     def listed(page: Callable[[], Answer]) -> Awaitable[Answer]:
         """A list page, made and encoded on a thread (a page may hold 10,000 objects)."""
 
@@ -182,10 +173,6 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return answer
 
         return later()
-
-    def quota(owner: tuple[str, str], size: int) -> Refusal | None:
-        got = usage.upload_refusal(svc.index.usage(owner[0]), svc.limits(*owner), size)
-        return None if got is None else Refusal(got)
 
     # ------------------------------------------------------------ files
 
@@ -216,15 +203,25 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if boundary is None:
             return _bad("Malformed upload: the body must be multipart/form-data with a boundary", "file")
         length = (req.header(b"content-length") or "").strip()
-        if length.isdigit() and svc.indexed.is_set():  # before anything is written: the declared size
-            refused = quota(owner, max(1, int(length) - usage.FRAMING_BYTES))
-            if refused is not None:
-                return refused  # (the body is read and dropped, then this answered)
+        declared = max(1, int(length) - usage.FRAMING_BYTES) if length.isdigit() else 0
         body = MultipartToFile(files_store, boundary, max_file_bytes)
-        return Upload(pool, body, lambda got: uploaded(owner, got))
+        # Room taken now, before anything is written, so uploads of one tenant at
+        # once each count the others' (before the index is built: checked at the end).
+        held = svc.index.hold(owner[0], svc.limits(*owner) if svc.indexed.is_set() else None, declared)
+        if isinstance(held, ErrorInfo):
+            body.discard()
+            return Refusal(held)  # (the body is read and dropped, then this answered)
+        return Upload(pool, body, lambda got: uploaded(owner, held, got), lambda: svc.index.release(held))
 
-    async def uploaded(owner: tuple[str, str], got: Received | ErrorInfo | OSError) -> Answer:
-        """The whole body was read and written (or refused): keep the file, or leave nothing."""
+    async def uploaded(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
+        """The whole body was read and written (or refused): keep the file in
+        place of its hold, or leave nothing and release the hold."""
+        try:
+            return await keep(owner, held, got)
+        finally:
+            svc.index.release(held)  # (nothing if the file took its place)
+
+    async def keep(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
         if isinstance(got, OSError):
             return _storage_full(got)
         if isinstance(got, ErrorInfo):
@@ -248,7 +245,8 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
                 expires_s = expiry
         if refusal is None and got.file is not None:  # the size known, before the file is kept
             await svc.indexed.wait()
-            refusal = quota(owner, got.file.size)
+            refused = svc.index.settle(held, svc.limits(*owner), got.file.size)
+            refusal = None if refused is None else Refusal(refused)
         loop = asyncio.get_running_loop()
         if refusal is not None or got.file is None:
             if got.file is not None:
@@ -256,24 +254,33 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return refusal or _bad("a `file` part is required", "file")
         try:
             meta = await loop.run_in_executor(
-                pool, files_store.commit, got.file, owner[0], got.filename or "upload.jsonl", purpose, expires_s
+                pool, files_store.commit, got.file, owner[0], got.filename or "upload.jsonl", purpose, expires_s, held
             )
         except OSError as e:
             return _storage_full(e)
         return _json(200, meta.public())
 
-    def file_item(req: Any) -> Answer:
+    def file_item(req: Any) -> Answer | Awaitable[Answer]:
+        """GET / DELETE /v1/files/{id}: the meta read (and the delete) on the API thread."""
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         fid = req.path[len(b"/v1/files/") :].decode("utf-8", "replace")
         if req.method == b"GET":
-            meta = svc.files.get(owner[0], fid)
-            return _not_found("file", fid) if meta is None else _json(200, meta.public())
+
+            def retrieve() -> Answer:
+                meta = svc.files.get(owner[0], fid)
+                return _not_found("file", fid) if meta is None else _json(200, meta.public())
+
+            return svc.off_loop(retrieve)
         if req.method == b"DELETE":
-            if not svc.files.delete(owner[0], fid):
-                return _not_found("file", fid)
-            return _json(200, {"id": fid, "object": "file", "deleted": True})
+
+            def delete() -> Answer:
+                if not svc.files.delete(owner[0], fid):
+                    return _not_found("file", fid)
+                return _json(200, {"id": fid, "object": "file", "deleted": True})
+
+            return svc.off_loop(delete)
         return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or DELETE"), b"allow: GET, DELETE\r\n")
 
     def file_content(req: Any) -> Answer | Awaitable[Answer]:
@@ -281,15 +288,19 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if isinstance(owner, Refusal):
             return owner
         fid = req.path[len(b"/v1/files/") : -len(b"/content")].decode("utf-8", "replace")
-        meta = svc.files.get(owner[0], fid)
-        if meta is None:
-            return _not_found("file", fid)
-        ctype = (
-            b"application/jsonl"
-            if meta.purpose in (*UPLOAD_PURPOSES, *OUTPUT_PURPOSES)
-            else b"application/octet-stream"
-        )
-        return download(fid, ctype)
+
+        async def content() -> Answer:
+            meta = await svc.off_loop(lambda: svc.files.get(owner[0], fid))
+            if meta is None:
+                return _not_found("file", fid)
+            ctype = (
+                b"application/jsonl"
+                if meta.purpose in (*UPLOAD_PURPOSES, *OUTPUT_PURPOSES)
+                else b"application/octet-stream"
+            )
+            return await download(fid, ctype)
+
+        return content()
 
     async def download(fid: str, ctype: bytes) -> Answer:
         """The file's bytes in chunks, each read on the file pool as the socket takes the last."""
@@ -310,7 +321,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return listed(lambda: list_batches(req, owner))
         if req.method != b"POST":
             return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
-        return indexed(lambda: create_batch(req, owner))
+        return create_batch(req, owner)
 
     def list_batches(req: Any, owner: tuple[str, str]) -> Answer:
         q = page_query(req.query, BATCHES_LIMIT)
@@ -321,7 +332,10 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return Refusal(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
         return _page([r.public() for r in rows], q.limit)
 
-    def create_batch(req: Any, owner: tuple[str, str]) -> Answer:
+    def create_batch(req: Any, owner: tuple[str, str]) -> Answer | Awaitable[Answer]:
+        """The body is checked here; the input file, the tenant's room and the
+        new state are read and written on the API thread, one create at a
+        time (so the active-batch count of creates at once is exact)."""
         try:
             body = _create_decoder.decode(req.body)
         except msgspec.ValidationError as e:
@@ -339,11 +353,6 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _bad(bad_metadata, "metadata")
         if body.completion_window not in svc.windows:
             return _bad(f"completion_window must be one of {', '.join(svc.windows)}", "completion_window")
-        meta = svc.files.get(owner[0], body.input_file_id)
-        if meta is None:
-            return _not_found("input_file", body.input_file_id)
-        if meta.purpose != "batch":
-            return _bad("The input file's purpose must be batch.", "input_file_id")
         out_expires_s = None
         if body.output_expires_after is not None:
             got = expires_after_seconds(
@@ -352,34 +361,77 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             if isinstance(got, str):
                 return _bad(f"output_expires_after: {got}", "output_expires_after")
             out_expires_s = got
-        refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
-        if refused is not None:
-            return Refusal(refused)
-        rec = svc.create(
-            owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata, out_expires_s
-        )
-        svc.kick()
-        return _json(200, rec.public())
 
-    def batch_item(req: Any) -> Answer:
+        def make() -> Answer:  # (the API thread)
+            meta = svc.files.get(owner[0], body.input_file_id)
+            if meta is None:
+                return _not_found("input_file", body.input_file_id)
+            if meta.purpose != "batch":
+                return _bad("The input file's purpose must be batch.", "input_file_id")
+            refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
+            if refused is not None:
+                return Refusal(refused)
+            try:
+                rec = svc.create(
+                    owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata, out_expires_s
+                )
+            except OSError as e:
+                return _storage_full(e, "batch")
+            return _json(200, rec.public())
+
+        async def created() -> Answer:
+            await svc.indexed.wait()
+            answer: Answer = await svc.off_loop(make)
+            if isinstance(answer, Reply):
+                svc.kick()
+            return answer
+
+        return created()
+
+    def lookup(owner: tuple[str, str], bid: str) -> BatchRecord | None | Awaitable[BatchRecord | None]:
+        """The tenant's batch: as it runs here (memory), else its state file read on the API thread."""
+        run = svc.runs.get(bid)
+        if run is not None:
+            return run.rec if may_see(run.rec.owner, owner[0]) else None
+        return svc.off_loop(lambda: svc.visible(owner[0], bid))
+
+    def batch_item(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         bid = req.path[len(b"/v1/batches/") :].decode("utf-8", "replace")
-        rec = svc.get(owner[0], bid)
-        return _not_found("batch", bid) if rec is None else _json(200, rec.public())
 
-    def batch_cancel(req: Any) -> Answer:
+        def shown(rec: BatchRecord | None) -> Answer:
+            return _not_found("batch", bid) if rec is None else _json(200, rec.public())
+
+        got = lookup(owner, bid)
+        if got is None or isinstance(got, BatchRecord):
+            return shown(got)
+
+        async def later(pending: Awaitable[BatchRecord | None]) -> Answer:
+            return shown(await pending)
+
+        return later(got)
+
+    def batch_cancel(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
         if isinstance(owner, Refusal):
             return owner
         bid = req.path[len(b"/v1/batches/") : -len(b"/cancel")].decode("utf-8", "replace")
-        rec = svc.get(owner[0], bid)
-        if rec is None:
-            return _not_found("batch", bid)
-        if rec.status in bm.TERMINAL or rec.status in (bm.FINALIZING,):
-            return _bad(f"Cannot cancel a batch whose status is {rec.status}.", "batch_id")
-        return _json(200, svc.cancel(rec).public())
+
+        async def cancel() -> Answer:
+            got = lookup(owner, bid)
+            rec = got if got is None or isinstance(got, BatchRecord) else await got
+            if rec is None:
+                return _not_found("batch", bid)
+            if rec.status in bm.TERMINAL or rec.status in (bm.FINALIZING,):
+                return _bad(f"Cannot cancel a batch whose status is {rec.status}.", "batch_id")
+            try:
+                return _json(200, (await svc.cancel(rec)).public())
+            except OSError as e:
+                return _storage_full(e, "cancel")
+
+        return cancel()
 
     exact = {b"/v1/files": Route(b"*", files), b"/v1/batches": Route(b"*", batches)}
     bodies: dict[bytes, BodyRoute] = {b"/v1/files": upload}

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import threading
 import time
 import types
 from pathlib import Path
@@ -86,10 +88,12 @@ class Api:
             if route is not None
             else next(p.handler for p in self.routes.patterns if p.matches(req.path, req.method))
         )
-        got = handler(req)  # type: ignore[arg-type]
-        if not isinstance(got, (Reply, Refusal)):
-            got = asyncio.get_event_loop().run_until_complete(got)
-        return self._answer(got)
+
+        async def on_the_loop() -> Any:  # (as the server calls a handler)
+            got = handler(req)  # type: ignore[arg-type]
+            return got if isinstance(got, (Reply, Refusal)) else await got
+
+        return self._answer(asyncio.get_event_loop().run_until_complete(on_the_loop()))
 
     @staticmethod
     async def _stream(body_route: Any, req: Req) -> Any:
@@ -129,8 +133,25 @@ LINE = b'{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": 
 
 
 @pytest.fixture
-def api(tmp_path: Path):
-    cfg = loads(CONFIG, str(tmp_path))
+def root(tmp_path: Path, request: pytest.FixtureRequest):
+    """The config's directory: ``tmp_path``, or (parametrized "tmpfs") a 1 MiB
+    tmpfs, a real filesystem that fills up (ENOSPC)."""
+    if getattr(request, "param", None) != "tmpfs":
+        yield tmp_path
+        return
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def api(root: Path):
+    cfg = loads(CONFIG, str(root))
     core = types.SimpleNamespace(
         cfg=cfg,
         keys=Keys(cfg),
@@ -277,3 +298,120 @@ def test_lists_are_paged_per_tenant_and_read_no_disk(api: Api, monkeypatch):
     assert api.call(Req("GET", "/v1/files?limit=0", KEY_A))[0] == 400
     status, body = api.call(Req("GET", f"/v1/files?after={seen[0]}", KEY_B))
     assert status == 404 and body["error"]["param"] == "after"  # another tenant's cursor
+
+
+def _body(data: bytes, key: str = KEY_A2, purpose: str = "batch") -> Req:
+    b = "XBOUNDARYX"
+    raw = (
+        f'--{b}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+        f'--{b}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'.encode()
+        + data
+        + f"\r\n--{b}--\r\n".encode()
+    )
+    return Req("POST", "/v1/files", key, raw, f"multipart/form-data; boundary={b}")
+
+
+def _at_once(api: Api, reqs: list[Req]) -> list[int]:
+    """Uploads of one tenant at once, as the server runs them: every head
+    accepted (or refused), then every body fed, then all answered together."""
+
+    async def run() -> list[int]:
+        route = api.routes.bodies[b"/v1/files"]
+        sinks = [route(r) for r in reqs]
+        for sink, r in zip(sinks, reqs):
+            if not isinstance(sink, Refusal):
+                sink.feed(r.body)
+        got = await asyncio.gather(*(s.finish() for s in sinks if not isinstance(s, Refusal)))
+        return [s.info.status for s in sinks if isinstance(s, Refusal)] + [Api._answer(a)[0] for a in got]
+
+    return asyncio.get_event_loop().run_until_complete(run())
+
+
+def _stored(api: Api) -> list[str]:
+    return [n for n in os.listdir(api.svc.files.dir) if n.endswith(".data")]
+
+
+def test_uploads_of_one_tenant_at_once_cannot_pass_its_limits_together(api: Api):
+    # KEY_A2 may keep 2 files: of 3 uploads at once, 2 are kept and one refused
+    statuses = _at_once(api, [_body(LINE) for _ in range(3)])
+    assert sorted(statuses) == [200, 200, 429]
+    assert len(_stored(api)) == 2 and api.svc.index.usage("a").files == 2
+    # tenant a may keep 300 bytes: of 3 uploads of 150 bytes each (a key of 4 files), 2 fit
+    for f in _stored(api):
+        api.call(Req("DELETE", f"/v1/files/{f.removesuffix('.data')}", KEY_A))
+    statuses = _at_once(api, [_body(LINE * 2, KEY_A) for _ in range(3)])
+    assert sorted(statuses) == [200, 200, 413]
+    assert api.svc.index.usage("a") == (2, 300, 0)
+
+
+def test_an_upload_that_ends_without_a_file_returns_its_room_exactly_once(api: Api):
+    route = api.routes.bodies[b"/v1/files"]
+
+    async def run() -> None:
+        gone = route(_body(LINE))  # the client leaves mid-body
+        assert api.svc.index.usage("a").files == 1  # held while it is written
+        gone.feed(_body(LINE).body[:40])
+        gone.abort()
+        gone.abort()
+        bad = _body(LINE, purpose="other")
+        refused = route(bad)
+        refused.feed(bad.body)
+        assert (await refused.finish()).info.status == 400  # another purpose
+
+    asyncio.get_event_loop().run_until_complete(run())
+    assert api.svc.index.usage("a") == (0, 0, 0) and _stored(api) == []
+    # the room came back once: the key's 2 files can still be kept, not more
+    assert sorted(_at_once(api, [_body(LINE) for _ in range(3)])) == [200, 200, 429]
+
+
+@pytest.mark.parametrize("root", ["tmpfs"], indirect=True)
+def test_a_batch_created_on_a_full_disk_is_507_and_leaves_nothing(api: Api, root: Path):
+    _, f = api.upload(KEY_A, LINE)
+    filler = root / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass  # full
+    finally:
+        os.close(fd)
+    status, body = api.batch(KEY_A, f["id"])
+    assert status == 507 and body["error"]["code"] == "insufficient_storage" and body["error"]["retry"] > 0
+    assert os.listdir(api.svc.store.dir) == [] and api.svc.index.usage("a").active_batches == 0
+    filler.unlink()
+    assert api.batch(KEY_A, f["id"])[0] == 200  # room again
+
+
+def test_a_tenants_item_calls_read_and_write_the_disk_off_the_event_loop(api: Api, monkeypatch):
+    """Retrieve, download, delete and cancel read metas and state files, and
+    write (fsync) cancels, on a thread: on a slow or shared (NFS) directory one
+    tenant's calls must not stall the loop every other tenant's streams run on."""
+    _, f = api.upload(KEY_A, LINE)
+    _, other = api.upload(KEY_A, LINE)
+    _, b = api.batch(KEY_A, f["id"])
+    loop_thread = threading.get_ident()  # (the test's loop runs in this thread)
+    on_loop: list[str] = []
+
+    def watch(name: str, real: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            if threading.get_ident() == loop_thread:
+                on_loop.append(name)
+            return real(*a, **k)
+
+        return call
+
+    monkeypatch.setattr(Path, "read_bytes", watch("read", Path.read_bytes))
+    monkeypatch.setattr(Path, "unlink", watch("unlink", Path.unlink))
+    monkeypatch.setattr(os, "fsync", watch("fsync", os.fsync))
+    assert api.call(Req("GET", f"/v1/files/{f['id']}", KEY_A))[0] == 200
+    assert api.call(Req("GET", f"/v1/files/{f['id']}", KEY_B))[0] == 404
+    assert api.call(Req("GET", f"/v1/batches/{b['id']}", KEY_A))[0] == 200
+    assert api.call(Req("GET", f"/v1/batches/{b['id']}", KEY_B))[0] == 404
+    assert api.call(Req("POST", f"/v1/batches/{b['id']}/cancel", KEY_B))[0] == 404
+    status, cancelled = api.call(Req("POST", f"/v1/batches/{b['id']}/cancel", KEY_A))
+    assert status == 200 and cancelled["status"] == "cancelling"
+    assert api.svc.store.cancel_requested(b["id"])
+    assert api.call(Req("DELETE", f"/v1/files/{other['id']}", KEY_B))[0] == 404
+    assert api.call(Req("DELETE", f"/v1/files/{other['id']}", KEY_A))[0] == 200
+    assert on_loop == []

@@ -274,6 +274,46 @@ def test_an_upload_over_the_limit_is_413_at_once_and_leaves_nothing(tmp_path):
         assert srv.leftovers() == []
 
 
+def test_a_client_gone_after_its_whole_body_leaves_a_kept_file_counted_once(tmp_path):
+    """As OpenAI: a create that succeeded server-side made the file, answer
+    delivered or not; it counts against the tenant, so nothing is uncounted."""
+    size = MB // 4
+    pre = _preamble()
+    with serve(tmp_path) as srv:
+        with srv.connect() as s:
+            s.sendall(_head(length=len(pre) + size + len(CLOSE)) + pre + _chunk_of(size) + CLOSE)
+        deadline = time.monotonic() + 10
+        while srv.store.index.usage("tenant-a") != (1, size, 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.store.index.usage("tenant-a") == (1, size, 0)  # kept, and counted (its hold: now the file)
+        names = srv.leftovers()
+        assert len([n for n in names if n.endswith(".json")]) == 1 and not [n for n in names if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("path", ["/v1/files/file-0123abcd", "/v1/files/file-0123abcd/content", "/v1/filesx"])
+def test_only_the_upload_route_takes_an_upload_sized_body_others_are_413_at_the_request_limit(tmp_path, path):
+    """Only POST /v1/files streams its body to disk; any other path under it
+    (a file's id, a typo) gathers its body in memory, so it gets the request
+    limit, not max_file_bytes -- before any key is checked."""
+    with serve(tmp_path, max_file_bytes=64 * MB) as srv:
+        with srv.connect() as s:
+            s.settimeout(5)
+            s.sendall(_head(key="nobody", length=32 * MB, path=path))  # announced, not sent
+            status, _, body = read_response(s)
+            assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+        with srv.connect() as s:
+            s.settimeout(5)
+            s.sendall(_head(key="nobody", path=path))
+            piece = _chunk_of(16 * 1024)
+            try:
+                for _ in range(64):  # 1 MiB, chunked: refused once past the 64 KiB request limit
+                    s.sendall(b"%x\r\n%b\r\n" % (len(piece), piece))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            status, _, body = read_response(s)
+            assert status == 413
+
+
 def test_a_client_gone_mid_upload_leaves_nothing(tmp_path):
     with serve(tmp_path) as srv:
         with srv.connect() as s:
@@ -349,11 +389,13 @@ def test_an_upload_that_meets_a_full_disk_is_507_and_leaves_nothing(tiny_disk):
         assert err["code"] == "insufficient_storage" and err["type"] == "server_error"
         assert int(headers["retry-after"]) >= 1
         assert srv.leftovers() == []
+        assert srv.store.index.usage("tenant-a") == (0, 0, 0)  # the upload's room returned
         # The disk is free again: the next upload that fits is kept.
         status, _, body, sha = upload(srv, MB // 2)
         assert status == 200, body
         fid = json.loads(body)["id"]
         assert hashlib.sha256(srv.store.data_path(fid).read_bytes()).hexdigest() == sha
+        assert srv.store.index.usage("tenant-a") == (1, MB // 2, 0)  # counted once, as the file
 
 
 # ------------------------------------------------------------ downloads

@@ -13,7 +13,16 @@ from router.batch import model as m
 from router.batch import retention
 from router.batch.files import FileMeta, FileStore
 from router.batch.store import BatchStore
-from router.batch.usage import Limits, Usage, UsageIndex, batch_refusal, limits_for, upload_refusal
+from router.batch.usage import (
+    MAX_UPLOADS_IN_PROGRESS,
+    Hold,
+    Limits,
+    Usage,
+    UsageIndex,
+    batch_refusal,
+    limits_for,
+    upload_refusal,
+)
 from shared.config import ApiKey, BatchConfig, TenantConfig
 from shared.errors import Code, code_of
 
@@ -217,3 +226,47 @@ def test_the_reaper_removes_a_dead_routers_upload_temps_and_leaves_live_ones(tmp
     assert not dead.tmp.exists() and live.tmp.exists()
     assert files.get("t", kept.id) is not None
     live.discard()
+
+
+def test_an_upload_holds_room_until_its_file_takes_its_place_or_it_is_released_once(tmp_path: Path):
+    idx = UsageIndex()
+    store = FileStore(tmp_path, idx)
+    lim = Limits(files=3, file_bytes=100, active_batches=1)
+    first = idx.hold("t", lim, 40)
+    assert isinstance(first, Hold) and idx.usage("t") == Usage(1, 40, 0)
+    second = idx.hold("t", lim, 60)  # 100: exactly full with both held
+    assert isinstance(second, Hold)
+    over = idx.hold("t", lim, 1)  # the holds count: no room
+    assert not isinstance(over, Hold) and code_of(over) is Code.FILE_BYTES_LIMIT
+    unchecked = idx.hold("t", None, 0)  # before the index is built (a chunked body: no size yet)
+    assert isinstance(unchecked, Hold) and idx.usage("t") == Usage(3, 100, 0)
+    # the first turns out 50 bytes: no room beside the second's 60
+    got = idx.settle(first, lim, 50)
+    assert got is not None and code_of(got) is Code.FILE_BYTES_LIMIT and not first.live
+    idx.release(first)  # released already: nothing changes
+    assert idx.usage("t").files == 2
+    # the second is written whole: its file takes its place, counted once
+    assert idx.settle(second, lim, 55) is None and idx.usage("t") == Usage(2, 55, 0)
+    w = store.stage()
+    w.write(b"x" * 55)
+    w.seal()
+    store.commit(w, "t", "f", "batch", hold=second)
+    assert not second.live
+    idx.release(second)
+    assert idx.usage("t") == Usage(2, 55, 0)  # the file in the hold's place + the unchecked hold
+    idx.release(unchecked)
+    assert idx.usage("t") == Usage(1, 55, 0)
+
+
+def test_a_tenant_has_at_most_32_uploads_in_progress_whatever_its_storage_limits():
+    idx = UsageIndex()
+    roomy = Limits(files=10_000, file_bytes=10**12, active_batches=1)
+    held = [idx.hold("t", roomy, 1) for _ in range(MAX_UPLOADS_IN_PROGRESS)]
+    assert all(isinstance(h, Hold) for h in held)
+    over = idx.hold("t", roomy, 1)
+    assert not isinstance(over, Hold) and code_of(over) is Code.UPLOADS_IN_PROGRESS
+    assert (over.status, over.param) == (429, "file") and over.retry_after
+    assert not isinstance(idx.hold("t", None, 0), Hold)  # before the index is built too
+    assert isinstance(idx.hold("u", roomy, 1), Hold)  # another tenant is not affected
+    idx.release(held[0])  # type: ignore[arg-type]
+    assert isinstance(idx.hold("t", roomy, 1), Hold)  # one ended: room for one more
