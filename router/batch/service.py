@@ -91,6 +91,11 @@ class BatchService:
         self._ended: set[str] = set()  # batch ids seen terminal: not read again
         self.stats = BatchStats()
         self._task: asyncio.Task[None] | None = None
+        # One scan at a time: a scan awaits between taking a lease and recording its run
+        # (the fence is claimed on the I/O thread), and a kick's scan beside the periodic
+        # one would find the batch not yet running here and, holding the lease already,
+        # start a second run of it: every line answered twice.
+        self._scan_lock = asyncio.Lock()
         self._budgets: dict[str, m.DayBudget] = {}
         core.metrics.registry.register(_Collector(self))
         core.batch_tenants = self.tenants
@@ -225,6 +230,10 @@ class BatchService:
             await asyncio.sleep(self.bcfg.scan_interval_s)
 
     async def scan(self) -> None:
+        async with self._scan_lock:
+            await self._scan()
+
+    async def _scan(self) -> None:
         draining = self.core.draining
         for bid, run in list(self.runs.items()):
             if draining:

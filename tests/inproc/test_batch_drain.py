@@ -311,3 +311,34 @@ def test_a_drain_while_the_disk_is_full_hands_on_only_what_was_written(small_dis
         assert rec.usage.output_tokens == 3 * N  # the held result was not written: its line ran again
     finally:
         b.close()
+
+
+def test_two_scans_at_once_start_one_run_of_a_batch(tmp_path):
+    """A create's kick scans beside the periodic scan; a scan awaits (the fence,
+    claimed on the I/O thread) between taking the lease and recording its run,
+    so without one scan at a time both started a run of the batch and every
+    line was answered twice."""
+    a = Router(tmp_path)
+    try:
+        bid, store = _batch(tmp_path)
+
+        async def scans() -> None:
+            await asyncio.gather(a.svc.scan(), a.svc.scan(), a.svc.scan())
+
+        a.h.loop.run_until_complete(scans())
+        jobs = a.h.core.jobs
+
+        def finish_every_job() -> bool:
+            if store.load(bid).status == m.COMPLETED:
+                return True
+            for key in [k for k, j in jobs.items() if j.worker is not None]:
+                a.finish(int(key, 16))
+            return False
+
+        _until(a, finish_every_job, "the batch never finished", timeout=20.0)
+        rec = store.load(bid)
+        ids = [r["custom_id"] for r in _results(tmp_path, rec.output_file_id)]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(N))  # each exactly once
+        assert (rec.completed, rec.failed) == (N, 0)
+    finally:
+        a.close()
