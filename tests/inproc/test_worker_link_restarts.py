@@ -11,7 +11,9 @@ two statements that do not await.
   has read that Register arrives on the new link.  On reading the Register
   the router counts every job it had there lost and runs it again
   elsewhere -- so the worker must not run that Dispatch too
-  (Register.epoch / Dispatch.epoch).
+  (Register.epoch / Dispatch.epoch).  A router restarted before it read
+  that Register learns the worker from one it reads itself, and runs jobs
+  there (none dropped as stale, left waiting).
 * The engine dies under a live worker (vLLM's EngineCore exits): the worker
   says Drain, reports its jobs Lost, starts the engine again and registers
   anew; the router resumes the jobs elsewhere as a lost worker's."""
@@ -62,6 +64,26 @@ async def _until(pred, timeout_s: float = 5.0) -> None:
     while not pred():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+async def _port_free(port: int, timeout_s: float = 5.0) -> None:
+    """Until a router may bind ``port`` again: a probe binds it in a context
+    of its own, whose term returns once the probe has let it go."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ctx = zmq.Context()
+        probe = ctx.socket(zmq.ROUTER)
+        try:
+            probe.bind(f"tcp://127.0.0.1:{port}")
+            free = True
+        except zmq.ZMQError:
+            free = False
+        probe.close(0)
+        ctx.term()
+        if free:
+            return
+        assert time.monotonic() < deadline, "port still bound"
+        await asyncio.sleep(0.05)
 
 
 def _stand_in(ctx: zmq.Context, port: int, worker_id: str) -> zmq.Socket:
@@ -213,5 +235,50 @@ def test_an_engine_that_dies_under_its_jobs_has_them_resumed_elsewhere_and_regis
             await _until(lambda: bool(again.finals))
             assert again.finals[0].finish_reason == "length" and again.finals[0].completion_tokens == 3
             assert not core.jobs and all(w.reserved == 0 for w in workers.values())
+
+    asyncio.run(scenario())
+
+
+def test_a_router_restarted_after_a_worker_timed_it_out_runs_its_jobs_there():
+    """The worker times the router out and registers anew; the router process
+    is killed before it reads that Register (lost with it) and a new one
+    starts on the same address.  The new process knows the worker only by a
+    Register it reads itself (the worker's next heartbeat is answered
+    Goodbye, and it registers again), so its Dispatches carry the link's
+    current epoch and the job runs there -- none is dropped as stale and
+    left waiting."""
+
+    async def scenario() -> None:
+        async with fleet() as f:
+            worker, port = f.worker, f.link.cfg.backend.rsplit(":", 1)[1]
+            (wlink,) = worker.links.values()
+            wlink.backoff = 0.0
+            await worker._reconnect(wlink)
+            time.sleep(0.3)  # noqa: ASYNC251 -- the loop held: the new Register sent, unread
+            epoch = wlink.epoch
+            # SIGKILL: the socket goes with no Goodbye, what it had not read with it.
+            super(WorkerLink, f.link).close()
+            f.core.close()
+
+            await _port_free(int(port))  # (the closed socket's unbind is asynchronous)
+            loop = asyncio.get_running_loop()
+            cfg = _config(int(port))
+            metrics = RouterMetrics()
+            link = WorkerLink(cfg.router, loop, SocketPump(loop), metrics)
+            core = RouterCore(cfg, loop, link, metrics=metrics)
+            link.serve(core)
+            try:
+                worker._send(wlink, p.Heartbeat(worker.stats(), worker.prefix_feed.seq))  # its heartbeat tick
+                await _until(lambda: "w-a" in link.workers)
+                assert link.workers["w-a"].reg.epoch == wlink.epoch != epoch  # registered again, to this process
+                sink = FakeSink()
+                handle = core.submit(p.Submit("c", "sim-m", prompt="hello", max_tokens=8), sink)
+                assert isinstance(handle, int), handle
+                await _until(lambda: bool(sink.finals))
+                assert (sink.finals[0].finish_reason, sink.finals[0].completion_tokens) == ("length", 8)
+                assert worker._stale_dispatches == 0 and not core.jobs
+            finally:
+                core.close()
+                link.close()
 
     asyncio.run(scenario())

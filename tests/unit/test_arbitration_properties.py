@@ -160,9 +160,16 @@ class Fleet:
 
     def restart_router(self, r: int) -> None:
         """SIGKILL and supervisor restart: its clients got an error; the
-        workers hear Goodbye (unknown worker) and forget what it ran."""
+        workers hear Goodbye (unknown worker), forget what it ran and
+        register anew.  The new process knows a worker only by the Register
+        it reads, so it stamps that registration's epoch -- not the one the
+        old process last read (a worker that had timed the old one out holds
+        a newer epoch, its Register lost with the old process)."""
         for w in range(self.n):
             self._worker_forgets(r, w)
+            if (r, w) not in self.down:  # (one partitioned from it registers at heal: _rejoin)
+                self.epochs[w][r] += 1
+                self.known[r][w] = self.epochs[w][r]
         self.policies[r] = self._new_router(r)
         self.admitted[r].clear()
         self.jobs[r].clear()
@@ -298,6 +305,11 @@ op = st.one_of(
     ops=[("partition", 0, 0), ("worker_times_out", 0, 1), ("submit", 0, 16, 200), ("to_worker", 0, 1),
          ("heal", 0, 0), ("to_router", 0, 1), ("to_worker", 0, 0)],
 )
+# A worker times router 0 out and registers again; router 0 restarts before
+# reading that Register: the new process must stamp what it dispatches with
+# the registration it reads itself, not the old process's (in this model it
+# kept the old epoch, the worker dropped every dispatch and the job never ran).
+@example(k=2, n_workers=1, ops=[("worker_times_out", 0, 0), ("restart_router", 0), ("submit", 0, 1, 1)])
 @given(k=st.integers(2, 4), n_workers=st.integers(1, 3), ops=st.lists(op, max_size=120))
 def test_no_worker_over_committed_across_routers(k, n_workers, ops):
     f = Fleet(k, n_workers)
