@@ -649,46 +649,42 @@ class BatchRun:
 
     async def _expire(self) -> None:
         """The window passed: what finished stays; every other line gets a batch_expired entry."""
-        self._withdraw_all()
-        await self._drain()
-        if self.stopped or self._write_failed:  # (a failed write: _fail ends it)
-            return
-        rec = self.rec
-        try:
-            await self._io(self._write_unfinished, "batch_expired", EXPIRED_MESSAGE)
-        except ResultsTooLarge as e:
-            return await self._fail("results_too_large", str(e))
-        except OSError as e:
-            if disk_full(e):
-                raise  # tried again at the next step (main): the entries written so far are marked done
-            return await self._fail("results_write_failed", f"Writing expiry entries failed ({e}).")
-        rec.failed += self._unfinished_written
-        self._unfinished_written = 0
-        await self._end_files(m.EXPIRED)
+        if await self._end_unfinished("batch_expired", EXPIRED_MESSAGE, "expiry"):
+            await self._end_files(m.EXPIRED)
 
     async def _revoke(self) -> None:
         """Its key was revoked: what finished stays; every other line gets an api_key_revoked
         entry in the error file, and the batch ends cancelled with that error."""
-        self._withdraw_all()
-        await self._drain()
-        if self.stopped or self._write_failed:  # (a failed write: _fail ends it)
+        if not await self._end_unfinished(REVOKED_CODE, REVOKED_MESSAGE, "revocation"):
             return
         rec = self.rec
-        try:
-            await self._io(self._write_unfinished, REVOKED_CODE, REVOKED_MESSAGE)
-        except ResultsTooLarge as e:
-            return await self._fail("results_too_large", str(e))
-        except OSError as e:
-            if disk_full(e):
-                raise  # tried again at the next step (main): the entries written so far are marked done
-            return await self._fail("results_write_failed", f"Writing revocation entries failed ({e}).")
-        rec.failed += self._unfinished_written
-        self._unfinished_written = 0
         if not any(e.code == REVOKED_CODE for e in rec.errors):  # (once: an end a full disk cut short runs again)
             rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
         if rec.status == m.IN_PROGRESS:
             rec.move(m.CANCELLING)
         await self._end_files(m.CANCELLED)
+
+    async def _end_unfinished(self, code: str, message: str, what: str) -> bool:
+        """Stop feeding, let the running lines end, then an error entry (``code``)
+        for every line not done, counted in ``failed``; whether the batch may end
+        now (not when the run stopped or a failed write ends it through _fail)."""
+        self._withdraw_all()
+        await self._drain()
+        if self.stopped or self._write_failed:  # (a failed write: _fail ends it)
+            return False
+        try:
+            await self._io(self._write_unfinished, code, message)
+        except ResultsTooLarge as e:
+            await self._fail("results_too_large", str(e))
+            return False
+        except OSError as e:
+            if disk_full(e):
+                raise  # tried again at the next step (main): the entries written so far are marked done
+            await self._fail("results_write_failed", f"Writing {what} entries failed ({e}).")
+            return False
+        self.rec.failed += self._unfinished_written
+        self._unfinished_written = 0
+        return True
 
     def _write_unfinished(self, code: str, message: str) -> None:
         with self.fence.hold():

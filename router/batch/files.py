@@ -125,6 +125,21 @@ class FileWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+def _new_meta(
+    owner: str, filename: str, purpose: str, size: int, expires_after_s: int | None, file_id: str | None = None
+) -> FileMeta:
+    now = int(time.time())
+    return FileMeta(
+        id=file_id or new_id("file-"),
+        bytes=size,
+        created_at=now,
+        filename=filename,
+        purpose=purpose,
+        owner=owner,
+        expires_at=None if expires_after_s is None else now + expires_after_s,
+    )
+
+
 class FileStore:
     def __init__(self, directory: Path, index: UsageIndex | None = None) -> None:
         self.dir = directory / "files"
@@ -140,16 +155,7 @@ class FileStore:
     def create(
         self, owner: str, filename: str, purpose: str, data: bytes, expires_after_s: int | None = None
     ) -> FileMeta:
-        meta = FileMeta(
-            id=new_id("file-"),
-            bytes=len(data),
-            created_at=int(time.time()),
-            filename=filename,
-            purpose=purpose,
-            owner=owner,
-        )
-        if expires_after_s is not None:
-            meta.expires_at = meta.created_at + expires_after_s
+        meta = _new_meta(owner, filename, purpose, len(data), expires_after_s)
         write_atomic(self.data_path(meta.id), data)
         write_atomic(self._meta_path(meta.id), msgspec.json.encode(meta))  # last: the file exists from here
         self._indexed(meta)
@@ -171,16 +177,7 @@ class FileStore:
         """A sealed upload becomes a file: its data renamed into place, then its
         meta written (the file exists from there), counted in place of the
         upload's ``hold``.  Any failure (a full disk) leaves neither behind."""
-        meta = FileMeta(
-            id=new_id("file-"),
-            bytes=writer.size,
-            created_at=int(time.time()),
-            filename=filename,
-            purpose=purpose,
-            owner=owner,
-        )
-        if expires_after_s is not None:
-            meta.expires_at = meta.created_at + expires_after_s
+        meta = _new_meta(owner, filename, purpose, writer.size, expires_after_s)
         data = self.data_path(meta.id)
         try:
             os.replace(writer.tmp, data)
@@ -203,16 +200,8 @@ class FileStore:
         self, owner: str, file_id: str, filename: str, purpose: str, expires_after_s: int | None = None
     ) -> FileMeta:
         """A file written in place (a batch's output or errors) becomes visible."""
-        meta = FileMeta(
-            id=file_id,
-            bytes=self.data_path(file_id).stat().st_size,
-            created_at=int(time.time()),
-            filename=filename,
-            purpose=purpose,
-            owner=owner,
-        )
-        if expires_after_s is not None:
-            meta.expires_at = meta.created_at + expires_after_s
+        size = self.data_path(file_id).stat().st_size
+        meta = _new_meta(owner, filename, purpose, size, expires_after_s, file_id)
         write_atomic(self._meta_path(file_id), msgspec.json.encode(meta))
         self._indexed(meta)
         return meta
