@@ -198,6 +198,8 @@ def test_uploads_scenario_reports_memory_and_gaps(tmp_path):
     assert rc == 0 and r["files_intact"] == 2
     b = r["with_uploads"]
     assert [u["status"] for u in b["uploads"]] == [200, 200]
-    assert b["router_rss_before_mib"] > 0 and b["router_rss_peak_mib"] >= b["router_rss_before_mib"]
+    # each reading is of the live router (the peak is the highest sample during the uploads:
+    # with 2 MiB uploads it can sit a few KiB under the reading before them, as memory is returned)
+    assert all(b[k] > 0 for k in ("router_rss_before_mib", "router_rss_peak_mib", "router_rss_10s_after_mib"))
     assert r["alone"]["streams"] > 0 and r["alone"]["failed_streams"] == 0
     assert "router RSS" in (out / "README.md").read_text()
