@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from batchutil import in_progress_batch
 
 from router.batch import model as m
 from router.batch.feeder import BatchRun
@@ -104,18 +105,7 @@ def test_a_running_batch_pauses_while_the_disk_is_full_and_finishes_its_lines_on
 ):
     svc = _service(small_disk)
     n = 40
-    now = int(time.time())
-    rec = svc.store.new(
-        owner="tenant-a",
-        key_digest="",
-        input_file_id="file-" + "0" * 24,
-        endpoint="/v1/completions",
-        completion_window="24h",
-        created_at=now,
-        expires_at=now + 86400,
-    )
-    rec.move(m.IN_PROGRESS)
-    rec.total = rec.input_lines = n
+    rec = in_progress_batch(svc.store, "tenant-a", n)
 
     async def main() -> None:
         run = BatchRun(svc, rec)  # type: ignore[arg-type]
@@ -156,18 +146,7 @@ def test_a_running_batch_pauses_while_the_disk_is_full_and_finishes_its_lines_on
 
 def test_a_state_save_that_meets_a_full_disk_pauses_feeding_until_a_save_goes_through(small_disk: Path):
     svc = _service(small_disk)
-    now = int(time.time())
-    rec = svc.store.new(
-        owner="tenant-a",
-        key_digest="",
-        input_file_id="file-" + "0" * 24,
-        endpoint="/v1/completions",
-        completion_window="24h",
-        created_at=now,
-        expires_at=now + 86400,
-    )
-    rec.move(m.IN_PROGRESS)
-    rec.total = rec.input_lines = 1
+    rec = in_progress_batch(svc.store, "tenant-a", 1)
 
     async def main() -> None:
         run = BatchRun(svc, rec)  # type: ignore[arg-type]
@@ -194,18 +173,7 @@ def test_a_state_save_that_fits_does_not_resume_feeding_while_results_wait_for_r
     lines would only pile up more results in memory."""
     svc = _service(small_disk)
     n = 40
-    now = int(time.time())
-    rec = svc.store.new(
-        owner="tenant-a",
-        key_digest="",
-        input_file_id="file-" + "0" * 24,
-        endpoint="/v1/completions",
-        completion_window="24h",
-        created_at=now,
-        expires_at=now + 86400,
-    )
-    rec.move(m.IN_PROGRESS)
-    rec.total = rec.input_lines = n
+    rec = in_progress_batch(svc.store, "tenant-a", n)
     body = json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 5}, "pad": "x" * 400}).encode()
 
     async def main() -> None:
@@ -261,18 +229,7 @@ def test_a_revocation_whose_end_meets_a_full_disk_records_its_error_once(small_d
     disk and is tried again at the next step: once room comes back it ends
     cancelled with one ``api_key_revoked`` error, not one per attempt."""
     svc = _service(small_disk)
-    now = int(time.time())
-    rec = svc.store.new(
-        owner="tenant-a",
-        key_digest="",
-        input_file_id="file-" + "0" * 24,
-        endpoint="/v1/completions",
-        completion_window="24h",
-        created_at=now,
-        expires_at=now + 86400,
-    )
-    rec.move(m.IN_PROGRESS)
-    rec.total = rec.input_lines = 1
+    rec = in_progress_batch(svc.store, "tenant-a", 1)
     svc.files.data_path(rec.input_file_id).write_bytes(b'{"custom_id": "c0", "method": "POST", "body": {}}\n')
 
     async def main() -> None:

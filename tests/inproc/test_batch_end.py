@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from batchutil import in_progress_batch
 
 from router.batch import model as m
 from router.batch.feeder import BatchRun
@@ -53,20 +54,10 @@ def _service(root: Path) -> types.SimpleNamespace:
 
 
 def _running_batch(svc: types.SimpleNamespace, completed: int, failed: int, status: str) -> BatchRun:
-    now = int(time.time())
-    rec = svc.store.new(
-        owner=OWNER,
-        key_digest="",
-        input_file_id="file-" + "0" * 24,
-        endpoint="/v1/completions",
-        completion_window="24h",
-        created_at=now,
-        expires_at=now + 86400,
-    )
-    rec.move(m.IN_PROGRESS)
+    rec = in_progress_batch(svc.store, OWNER, completed + failed + 3)
     if status == m.CANCELLED:
         rec.move(m.CANCELLING)
-    rec.total, rec.completed, rec.failed = completed + failed + 3, completed, failed
+    rec.completed, rec.failed = completed, failed
     run = BatchRun(svc, rec)  # type: ignore[arg-type]
     if completed:
         run.out.append([b'{"id":"r0","custom_id":"a"}\n'] * completed)

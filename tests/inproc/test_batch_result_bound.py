@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
+from batchutil import in_progress_batch
 
 from router.batch import model as m
 from router.batch.feeder import BatchRun
@@ -49,18 +50,7 @@ def _service(root: Path) -> types.SimpleNamespace:
 
 
 def _run(svc: types.SimpleNamespace, lines: int) -> BatchRun:
-    now = int(time.time())
-    rec = svc.store.new(
-        owner=OWNER,
-        key_digest="",
-        input_file_id="file-" + "0" * 24,
-        endpoint="/v1/completions",
-        completion_window="24h",
-        created_at=now,
-        expires_at=now + 86400,
-    )
-    rec.move(m.IN_PROGRESS)
-    rec.total = rec.input_lines = lines
+    rec = in_progress_batch(svc.store, OWNER, lines)
     run = BatchRun(svc, rec)  # type: ignore[arg-type]
     run.done = bytearray((lines + 7) // 8)
     run.eof = True
