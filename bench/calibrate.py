@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-from router.prompts import ModelPrompts, PromptTokens
+from router.lifecycle.prompts import ModelPrompts, PromptTokens
 from shared.config import SimEngineConfig
 from shared.protocol import GenerateRequest, SamplingParams, Submit
 

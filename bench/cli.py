@@ -159,9 +159,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     label = args.label or f"{workload.name}-{args.target}"
     out = args.out or RESULTS_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
-    from . import report
-
     import uvloop
+
+    from . import report
 
     points = []
     any_ok = False

@@ -1,7 +1,7 @@
 """The router's request lifecycle alone, in process: µs per request.
 
 submit -> policy pass -> dispatch -> one final Delta, with fake workers
-(router.fakes) and no sockets: what router.core, router.intake and the
+(fakes) and no sockets: what router.lifecycle.core, router.lifecycle.intake and the
 policy cost per 1-token request, apart from the transport and the loop.
 
     python -m bench.lifecycle_cost [-n 3000] [--rounds 5]
@@ -14,9 +14,9 @@ import asyncio
 import time
 
 import msgspec
+from fakes import FakeWorkers
 
-from router.core import RouterCore
-from router.fakes import FakeWorkers
+from router.lifecycle.core import RouterCore
 from shared import protocol as p
 from shared.config import Config
 

@@ -2,8 +2,8 @@
 
 For each setting (no logprobs, logprobs 0, 5, 20) it builds the Outputs
 message a worker sends for 256 streams x one token, then times what the
-router does with it: decode the message (as router.worker_link) and render
-each stream's SSE event (router.openai_api.StreamRenderer), and reports
+router does with it: decode the message (as router.fleet.worker_link) and render
+each stream's SSE event (router.api.StreamRenderer), and reports
 wire bytes per token and router microseconds per token.
 
     python -m bench.logprobs_cost
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import random
 import time
-
-from router import openai_api as api
-from router.prompts import ModelPrompts
-from shared import protocol as p
 from pathlib import Path
+
+from router import api
+from router.lifecycle.prompts import ModelPrompts
+from shared import protocol as p
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
 STREAMS = 256

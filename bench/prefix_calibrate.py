@@ -3,13 +3,18 @@ prefix-cache hit, for the sim's prefill cost in bench/scenarios/prefix.py.
 
     python -m bench.prefix_calibrate      (~1 min; the deployment's one OpenMP thread)
 """
-import asyncio, os, sys, time, statistics
+import asyncio
+import os
+import statistics
+import time
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind"); os.environ.setdefault("OMP_NUM_THREADS", "1")
-from router.prompts import ModelPrompts
-from shared.protocol import GenerateRequest, SamplingParams, Submit
-from engine_worker.vllm_engine import VllmEngine
 from bench.localconfig import TINY_MODEL_DIR
+from engine_worker.vllm_engine import VllmEngine
+from router.lifecycle.prompts import ModelPrompts
+from shared.protocol import GenerateRequest, SamplingParams, Submit
+
 MODEL = str(TINY_MODEL_DIR)
 P = ModelPrompts(MODEL)
 async def main():

@@ -33,7 +33,7 @@ HEADER = (
 
 ROUTER_CLUSTER = "router"
 RATE_LIMIT_STAT_PREFIX = "weir_api"  # -> weir_api.http_local_rate_limit.*
-DRAINING_HEADER = "x-weir-draining"  # on a draining router's 503 (router/http_headers.py): retried elsewhere
+DRAINING_HEADER = "x-weir-draining"  # on a draining router's 503 (router/ingress/headers.py): retried elsewhere
 RETRY_AFTER_S = 1  # 503s; a 429's Retry-After is Envoy's own, computed from the bucket
 KEY_HEADER = "x-weir-rate-limit-key"  # set by the Lua filter: the request's API key, whichever header held it
 
@@ -318,7 +318,7 @@ def _route(match: dict, idle: str, cfg: Config) -> dict:
         # Only failures before the request reached a router are retried (it
         # cannot have started there): a router restarting or being replaced;
         # and a draining router's 503, which it marks x-weir-draining and
-        # gives only before starting anything (router/drain.py).
+        # gives only before starting anything (router/lifecycle/drain.py).
         route["retry_policy"] = {
             "retry_on": "connect-failure,refused-stream,reset-before-request,retriable-headers",
             "retriable_headers": [{"name": DRAINING_HEADER, "present_match": True}],

@@ -1,7 +1,7 @@
 """Restart a running stack's components one by one, losing no request
 (``weir restart [router|workers|envoy|all]``, carried out by ``weir up``).
 
-  * a router: SIGTERM drains it (router/drain.py: no new work, Envoy retries
+  * a router: SIGTERM drains it (router/lifecycle/drain.py: no new work, Envoy retries
     what it refuses on another router, admitted requests finish); it exits 0,
     the supervisor starts it again, and the next one goes once it is ready
     and Envoy's health check sends to every router again;

@@ -25,7 +25,7 @@ from __future__ import annotations
 def kv_tokens_of(prompt_tokens: int, max_tokens: int, n: int, block_size: int) -> int:
     """KV tokens of a dispatch whose router did not state them (an older
     router): prompt + max_tokens per sequence, whole blocks, no sharing --
-    the most ``router.estimate.kv_cost`` ever charges."""
+    the most ``router.policy.estimate.kv_cost`` ever charges."""
     bs = max(1, block_size)
     per_seq = -(-(max(1, prompt_tokens) + max(0, max_tokens)) // bs) * bs
     return per_seq * max(1, n)

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SIM_TOKEN_TEXT = " tok"
 SIM_TOKEN_ID = 0
-SIM_EMBEDDING_SIZE = 64  # (router.embedding_model.SIM_EMBEDDING_SIZE: the width the router checks against)
+SIM_EMBEDDING_SIZE = 64  # (router.lifecycle.embedding_model.SIM_EMBEDDING_SIZE: the width the router checks against)
 
 
 def sim_vector(prompt_tokens: int, block_hashes: list[int], dimensions: int = 0) -> bytes:

@@ -1,11 +1,11 @@
 """``python -m router --config weir.toml``: the router process (uvloop).
 
 SIGTERM (or ``POST /admin/drain``) drains it -- no new requests, the
-admitted ones finish up to ``router.drain_timeout_s`` (router/drain.py) --
+admitted ones finish up to ``router.drain_timeout_s`` (router/lifecycle/drain.py) --
 then it says Goodbye to its workers and exits 0; a second SIGTERM, or a
 SIGINT, ends what is left at once, each request with an error event.
 
-Wires the socket-free lifecycle (router.core) to its adapters: the worker
+Wires the socket-free lifecycle (router.lifecycle.core) to its adapters: the worker
 link (backend socket), the direct-client frontend (frontend socket) and the
 HTTP ingress, all on one event loop and one SocketPump.
 """
@@ -21,19 +21,19 @@ from typing import Any
 
 import uvloop
 
-from router.batch.service import BatchService
-from router.client_frontend import ClientFrontend, client_message_bytes
-from router.core import RouterCore
-from router.core_reads import CoreView
-from router.drain import Drain
-from router.http_routes import Routes
-from router.http_server import HttpConnection, start_http_server, written_out
-from router.metrics import RouterMetrics
-from router.operator_actions import RouterOperator
-from router.response_store import StoreCollector, make_store, tenant_bounds
-from router.responses_http import ResponsesService
-from router.views import RouterViews
-from router.worker_link import WorkerLink
+from router.fleet.worker_link import WorkerLink
+from router.ingress.http_server import HttpConnection, start_http_server, written_out
+from router.ingress.responses import ResponsesService
+from router.ingress.routes import Routes
+from router.ingress.zmq_clients import ClientFrontend, client_message_bytes
+from router.lifecycle.core import RouterCore
+from router.lifecycle.drain import Drain
+from router.lifecycle.reads import CoreView
+from router.observe.metrics import RouterMetrics
+from router.observe.operator_actions import RouterOperator
+from router.observe.views import RouterViews
+from router.services.batch.service import BatchService
+from router.services.response_store import StoreCollector, make_store, tenant_bounds
 from shared.config import DEFAULT_CONFIG, Config, ConfigError, load, split_hostport
 from shared.gc_tuning import freeze_startup_heap
 from shared.keys import admin_token, secret_warnings
@@ -160,10 +160,10 @@ async def serve(config_path: str | None, index: int = 0) -> None:
 
 
 def _batch_tier(core: RouterCore, cfg: Config) -> tuple[BatchService | None, Routes | None]:
-    """The Batch API and the runner of batches ([batch]; router/batch/), unless disabled."""
+    """The Batch API and the runner of batches ([batch]; router/services/batch/), unless disabled."""
     if not cfg.batch.enabled:
         return None, None
-    from router.openai_api.files_batches import batch_routes, owner_of_key
+    from router.ingress.files_batches import batch_routes, owner_of_key
 
     svc = BatchService(core, cfg)
     svc.start()

@@ -99,7 +99,7 @@ class RouterConfig(_Cfg):
     # work and has this long to finish what it runs; the rest then resumes elsewhere.
     # A router told to stop (SIGTERM, POST /admin/drain) likewise: no new
     # requests (503 router_draining), the admitted ones finish within this,
-    # what still runs then ends with an error event (router/drain.py).
+    # what still runs then ends with an error event (router/lifecycle/drain.py).
     drain_timeout_s: float = 30.0
     # A dispatched request that hears nothing from its (heartbeating) worker
     # for this long is aborted there and resumed elsewhere.  0: off.  The
@@ -150,16 +150,16 @@ class RouterEndpoint(_Cfg):
 
 
 class Budgets(_Cfg):
-    """Token and request budgets (router/quota.py): None = unlimited.  Reserved
+    """Token and request budgets (router/tenancy/budgets.py): None = unlimited.  Reserved
     at admission (prompt + max_tokens), settled on the engine's usage."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
-    # Tokens of batch lines (router/batch/) per day, on top of the budgets
+    # Tokens of batch lines (router/services/batch/) per day, on top of the budgets
     # above; [[tenants]] only.  Exhausted: the tenant's batches wait.
     batch_tokens_per_day: int | None = None
-    # Storage of the Batch API, per tenant (router/batch/usage.py): files
+    # Storage of the Batch API, per tenant (router/services/batch/usage.py): files
     # kept, their bytes, batches not yet ended.  None: the [batch] default;
     # set on a key and on its tenant, the smaller applies.
     max_stored_files: int | None = None
@@ -201,7 +201,7 @@ class QuotaConfig(_Cfg):
 
 
 class ResponsesConfig(_Cfg):
-    """/v1/responses: where stored responses live (router/response_store.py)."""
+    """/v1/responses: where stored responses live (router/services/response_store.py)."""
 
     # memory: this router alone; redis: shared by every router naming it
     # (the [quota] Redis: redis_url and redis_timeout_s there).
@@ -324,7 +324,7 @@ class SchedulerConfig(_Cfg):
     gpu_free_floor_bytes: int = 0  # a GPU with less free memory gets no new work
     # A GPU at or over this temperature (NVML, degrees C), or with at least
     # this fraction of its memory used, gets no new work until a heartbeat
-    # reads it under again (router/gpu_gate.py).  0: off.
+    # reads it under again (router/policy/gpu_gate.py).  0: off.
     gpu_max_temperature_c: float = 0.0
     gpu_max_memory_fraction: float = 0.0
     # Queued requests per tenant, all classes; beyond -> 429 tenant_queue_full.
@@ -345,7 +345,7 @@ class SchedulerConfig(_Cfg):
     # a worker -> router -> worker round trip; their KV is reserved all the
     # same.  Worth it where a hop is long next to an engine step (bench/README.md).
     dispatch_lookahead: int = 0
-    # Prefix-cache affinity (router/prefix_index.py; README "Scheduling").  A
+    # Prefix-cache affinity (router/fleet/prefix_index.py; README "Scheduling").  A
     # job whose prompt blocks a worker's cache holds prefers that worker, but
     # only among the workers that can take it now whose load score (KV budget
     # left + seq slots left, fractions: 0..2) is within prefix_load_margin of
@@ -413,7 +413,7 @@ class KubernetesConfig(_Cfg):
 
 
 class BatchConfig(_Cfg):
-    """The Batch API (/v1/files, /v1/batches; router/batch/): offline work in
+    """The Batch API (/v1/files, /v1/batches; router/services/batch/): offline work in
     the lowest scheduler class, fed in only as fast as slots free up."""
 
     enabled: bool = True
@@ -435,7 +435,7 @@ class BatchConfig(_Cfg):
     scan_interval_s: float = 0.5  # new batches, cancels, leases, state saved
     retry_s: float = 1.0  # a line refused for room (429/503) waits at least this long
     # Interactive work waiting for room while batch lines run on its model:
-    # the newest batch lines leave their workers and resume later (router/batch/service.py).
+    # the newest batch lines leave their workers and resume later (router/services/batch/service.py).
     preempt: bool = True
     # Weight of queued/running batch lines in the autoscaling demand (deploy/k8s_scaling.py).
     # 0: batch work never adds workers; it fills idle ones.
@@ -604,7 +604,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
 
 
-validate = _validate  # a Config built in code (router/views.py: a model added at run time)
+validate = _validate  # a Config built in code (router/observe/views.py: a model added at run time)
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:

@@ -42,12 +42,12 @@ class Code(enum.Enum):
     TENANT_QUEUE_FULL = (429, _RATE, "tenant_queue_full")
     QUEUE_WAIT_EXCEEDED = (429, _RATE, "queue_wait_exceeded")  # predicted wait over the class's bound
     TENANT_SHARE_EXCEEDED = (429, _RATE, "tenant_share_exceeded")  # ... and the tenant over its share
-    # Budgets (router/quota.py): OpenAI's own shape, code rate_limit_exceeded
+    # Budgets (router/tenancy/budgets.py): OpenAI's own shape, code rate_limit_exceeded
     # and ``type`` naming the budget ("requests" or "tokens").
     REQUESTS_BUDGET = (429, "requests", "rate_limit_exceeded")
     TOKENS_BUDGET = (429, "tokens", "rate_limit_exceeded")
     BUDGET_TOO_SMALL = (400, _INVALID, "request_exceeds_budget")  # could never fit: no Retry-After
-    # Per-tenant storage of the Batch API (router/batch/usage.py): ``param`` names the limit
+    # Per-tenant storage of the Batch API (router/services/batch/usage.py): ``param`` names the limit
     FILES_LIMIT = (429, _RATE, "file_count_limit_exceeded")
     FILE_BYTES_LIMIT = (413, _INVALID, "file_storage_limit_exceeded")
     ACTIVE_BATCHES_LIMIT = (429, _RATE, "active_batch_limit_exceeded")
@@ -57,13 +57,21 @@ class Code(enum.Enum):
     ENGINE_ERROR = (500, _SERVER, "engine_error")
     ENGINE_UNAVAILABLE = (503, _SERVER, "engine_unavailable")
     NO_WORKER = (503, _UNAVAILABLE, "no_worker")
-    MODEL_UNLOADING = (503, _UNAVAILABLE, "model_unloading")  # being removed at run time (router/core.py)
+    MODEL_UNLOADING = (503, _UNAVAILABLE, "model_unloading")  # being removed at run time (router/lifecycle/core.py)
     QUEUE_DEADLINE = (503, _UNAVAILABLE, "queue_deadline")
     WORKER_LOST = (503, _SERVER, "worker_lost")
     SERVICE_UNAVAILABLE = (503, _SERVER, "service_unavailable")  # Envoy: no healthy router
     QUOTA_UNAVAILABLE = (503, _UNAVAILABLE, "quota_unavailable")  # budget store down, fail closed
-    TOKENIZER_BUSY = (503, _UNAVAILABLE, "tokenizer_busy")  # /tokenize calls queued (router/tokenizer_queue.py)
-    ROUTER_DRAINING = (503, _UNAVAILABLE, "router_draining")  # shutting down: retry elsewhere (router/drain.py)
+    TOKENIZER_BUSY = (
+        503,
+        _UNAVAILABLE,
+        "tokenizer_busy",
+    )  # /tokenize calls queued (router/lifecycle/tokenizer_queue.py)
+    ROUTER_DRAINING = (
+        503,
+        _UNAVAILABLE,
+        "router_draining",
+    )  # shutting down: retry elsewhere (router/lifecycle/drain.py)
     GENERATION_DEADLINE = (504, "timeout_error", "generation_deadline")
     STORAGE_FULL = (507, _SERVER, "insufficient_storage")  # an upload met a full disk: nothing kept
 

@@ -84,7 +84,7 @@ class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
 class ChatOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """How a chat is rendered into its prompt, as vLLM's chat endpoint does
-    (router.prompts): the tools shown to the template, its options, and the
+    (router.lifecycle.prompts): the tools shown to the template, its options, and the
     tool choice (the model's tool-call parser decides if it may be served).
     JSON fields are JSON text: the router parses them where it renders."""
 
@@ -134,7 +134,7 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     """A constraint for the engine's structured-output backend (vLLM's
     ``StructuredOutputsParams``): exactly one of ``json`` (a JSON schema, as
     JSON text), ``json_object``, ``regex``, ``choice``, ``grammar`` (EBNF).
-    The router compiles it before anything is reserved (router.prompts)."""
+    The router compiles it before anything is reserved (router.lifecycle.prompts)."""
 
     json: str | None = None
     json_object: bool = False
@@ -160,7 +160,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     """Subset of OpenAI sampling parameters that every engine honours.
 
     ``max_tokens``: ignored in a Submit (``Submit.max_tokens`` says it); in a
-    GenerateRequest always the router's resolution (``router.admission``),
+    GenerateRequest always the router's resolution (``router.tenancy.identity``),
     so workers never guess it.
     """
 
@@ -177,14 +177,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     top_k: TopK = 0
     min_p: MinP = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
-    min_tokens: NonNegativeInt = 0  # at most max_tokens (router.admission)
+    min_tokens: NonNegativeInt = 0  # at most max_tokens (router.tenancy.identity)
     stop_token_ids: StopTokenIds = []
     logit_bias: LogitBias = {}
     structured: StructuredOutput | None = None
 
 
 class RateLimit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Where a request's API key stands against its budgets (router/quota.py):
+    """Where a request's API key stands against its budgets (router/tenancy/budgets.py):
     the figures of OpenAI's ``x-ratelimit-*`` headers.  A limit of 0: no such
     budget.  ``reset_*_s``: seconds until that budget is whole again."""
 
@@ -428,12 +428,12 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     params: SamplingParams
     priority: int = 0  # lower runs first (vLLM's convention)
     trace_id: str = ""  # Submit.trace_id (or the router's job id): for the worker's log lines
-    # KV tokens the router reserved for it on this worker (router.estimate.kv_cost
+    # KV tokens the router reserved for it on this worker (router.policy.estimate.kv_cost
     # at the worker's block size); the worker's ledger admits it on this figure.
     # 0: not stated (an older router): the worker prices it itself.
     kv_tokens: int = 0
     # The simulated engine only (it has no token ids): the prompt's block
-    # hashes as the router computed them (router.block_hash), the identities
+    # hashes as the router computed them (router.fleet.block_hash), the identities
     # of the blocks its modelled prefix cache holds.
     block_hashes: list[BlockHashInt] = []
     # An embedding (pooling) request: prefill only (``params.max_tokens`` 0);
@@ -508,7 +508,7 @@ class PrefixResync(_Msg, tag=19):
 class Lost(_Msg, tag=20):
     """Worker -> router: these dispatched requests stopped here and no
     Delta of them will follow (the engine died under them: vLLM's EngineCore
-    exited).  The router takes them as a lost worker's (router.recovery):
+    exited).  The router takes them as a lost worker's (router.lifecycle.recovery):
     queued again, or resumed elsewhere from the tokens it streamed."""
 
     request_ids: list[str]

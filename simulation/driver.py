@@ -3,7 +3,7 @@ fleet of simulated engines, in virtual time.
 
 Events at one instant are applied together -- arrivals, engine steps ending,
 heartbeats, policy wake-ups -- then every router whose state changed runs a
-policy pass and its actions are carried out as router.core carries them out:
+policy pass and its actions are carried out as router.lifecycle.core carries them out:
 a dispatch reaches the engine (through the worker's own ledger when the
 workers arbitrate, as with several routers), a refusal or an abort ends the
 job.  Engine steps are modelled as vLLM runs them: ``SimCore.step()`` decides
@@ -276,7 +276,7 @@ class Driver:
 
     def _worker_admits(self, r: int, a: DispatchJob, now: float) -> bool:
         """The worker's ledger's say (always yes without arbitration); a
-        refusal is router.core's ``refused``: the worker's figures, then
+        refusal is router.lifecycle.core's ``refused``: the worker's figures, then
         the job queued again."""
         if self.ledgers is None:
             return True

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from router.batch import model as m
-from router.batch.store import BatchRecord, BatchStore
+from router.services.batch import model as m
+from router.services.batch.store import BatchRecord, BatchStore
 
 
 def in_progress_batch(store: BatchStore, owner: str, lines: int) -> BatchRecord:

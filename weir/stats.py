@@ -326,7 +326,7 @@ def _tenants_view(cur: dict) -> list[dict]:
 
 
 def _batches_view(url: str, cur: dict, prev: dict | None, dt: float) -> list[dict]:
-    """One row per batch this router runs (router/batch: weir_batch_* gauges)."""
+    """One row per batch this router runs (router/services/batch: weir_batch_* gauges)."""
     if "error" in cur:
         return []
     metrics = cur["metrics"]

@@ -36,8 +36,16 @@ from typing import Any
 import requests
 
 from bench.httpclient import Pool
-from bench.scenarios.common import (SIM_MODEL, VLLM_MODEL, header, results_dir, sim_worker, stack, vllm_worker,
-                                    write_config)
+from bench.scenarios.common import (
+    SIM_MODEL,
+    VLLM_MODEL,
+    header,
+    results_dir,
+    sim_worker,
+    stack,
+    vllm_worker,
+    write_config,
+)
 
 SLOTS = 16
 SIM = {"step_fixed_ms": 20.0, "decode_token_us": 60.0}

@@ -12,12 +12,21 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from bench import localconfig
 from bench.arrivals import Arrivals
+from bench.localconfig import (  # noqa: F401
+    CPU_ENGINE_ENV,
+    REPO,
+    SIM_MODEL,
+    TINY_MODEL_DIR,
+    VLLM_MODEL,
+    free_port,
+    free_ports,
+    vllm_worker,
+)
 from bench.runner import Limits, RunResult, machine, run_bench
 from bench.spec import Workload
 from bench.targets import make_target
-from bench import localconfig
-from bench.localconfig import CPU_ENGINE_ENV, REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, free_ports, vllm_worker  # noqa: F401
 
 RESULTS = REPO / "bench" / "results"
 CLASSES = ("critical", "high", "normal", "low", "batch")  # the scheduler's default classes

@@ -38,8 +38,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.pythonpath:
         os.environ["PYTHONPATH"] = args.pythonpath  # inherited by the stack's children only
-    from shared.client import AsyncClient
     from tokenizers import Tokenizer
+
+    from shared.client import AsyncClient
 
     out = args.out or common.results_dir("long-prompt")
     text = WORD * (args.tokens // 2)

@@ -6,7 +6,7 @@ a new question); the control sends prompts of the same lengths that share
 nothing.  Poisson arrivals at ``--rate`` through the direct ZeroMQ client,
 the same seeded sequence for every placement:
 
-* ``prefix``: weir's placement with prefix affinity (router/prefix_index.py),
+* ``prefix``: weir's placement with prefix affinity (router/fleet/prefix_index.py),
 * ``least_loaded``: weir's placement without it (weir before this issue),
 * ``round_robin``: the next worker in turn.
 

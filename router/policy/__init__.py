@@ -16,7 +16,7 @@ Model of the world
   default 0), so all waiting -- and all its priorities -- happens here, not
   in an engine's FIFO.  A worker whose GPU
   free memory is under ``gpu_free_floor_bytes``, whose GPU is over a
-  temperature or memory threshold (``router.gpu_gate``) or that is unhealthy
+  temperature or memory threshold (``router.policy.gpu_gate``) or that is unhealthy
   gets no new work.
 * **Queues.**  Per model, one queue per (class, size) where size is short or
   long (``task_type``, or prompt+max_tokens against ``short_threshold_tokens``).
@@ -68,7 +68,7 @@ Model of the world
   (``reserve_target``, a full scan, only then).  The workers whose cache
   holds the job's prefix (below) are scored beside those drawn.
 * **Prefix affinity** (``ScoredPlacement.affine``): where the prefix index
-  (router/prefix_index.py) says a worker's cache holds the job's leading
+  (router/fleet/prefix_index.py) says a worker's cache holds the job's leading
   prompt blocks, the score gains ``prefix_affinity_weight x`` the cached
   fraction of the prompt -- only among the workers of the best pool
   preference whose load score is within ``prefix_load_margin`` of the best.

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from router.estimate import kv_cost
-from router.policy.jobs import JobTable
+from router.policy.entries import JobTable
+from router.policy.estimate import kv_cost
 from router.policy.placement import ScoredPlacement
 from router.policy.queues import QueueOrder, TenantQueue
 from router.policy.records import Entry

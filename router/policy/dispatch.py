@@ -13,7 +13,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from router.policy.jobs import JobTable
+from router.fleet.prefix_index import PrefixIndex
+from router.policy.entries import JobTable
 from router.policy.model import ModelState
 from router.policy.placement import ScoredPlacement
 from router.policy.queues import QueueKey, QueueOrder, TenantQueue
@@ -21,7 +22,6 @@ from router.policy.records import RUNNING, Entry, WorkerState
 from router.policy.reservations import Ledger
 from router.policy.types import LONG, SHORT, AbortJob, Action, DispatchJob, RejectJob
 from router.policy.wait_model import WaitModel
-from router.prefix_index import PrefixIndex
 from shared.config import ClassConfig, SchedulerConfig
 from shared.errors import Code, Refusal
 

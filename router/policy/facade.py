@@ -7,17 +7,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from router.gpu_gate import gpu_block
+from router.fleet.prefix_index import PrefixIndex
 from router.policy.admission import Admission
 from router.policy.dispatch import Dispatcher
-from router.policy.jobs import JobTable
+from router.policy.entries import JobTable
+from router.policy.gpu_gate import gpu_block
 from router.policy.placement import placement
 from router.policy.queues import queue_order
 from router.policy.records import QUEUED, RUNNING
 from router.policy.reservations import Ledger
 from router.policy.types import LONG, POOL_NAMES, SHORT, SIZE_NAMES, Action, Job, WorkerSpec
 from router.policy.wait_model import WaitModel
-from router.prefix_index import PrefixIndex
 from shared.config import SchedulerConfig
 from shared.errors import Refusal
 from shared.protocol import GpuInfo
@@ -234,7 +234,7 @@ class Policy:
 
     def queued_by_model(self) -> dict[tuple[str, str], int]:
         """Queued requests per (model, pool), all classes: what an autoscaler of
-        a model's workers reads (router/ops_metrics.py)."""
+        a model's workers reads (router/observe/ops_metrics.py)."""
         return {
             (m.name, SIZE_NAMES[size]): sum(c[size] for c in m.totals.size_count)
             for m in self.models.values()

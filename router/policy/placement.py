@@ -11,12 +11,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection
 
-from router.estimate import kv_cost
+from router.fleet.prefix_index import PrefixIndex
+from router.policy.estimate import kv_cost
 from router.policy.model import ModelState
 from router.policy.queues import QueueOrder
 from router.policy.records import Entry, WorkerState
 from router.policy.types import LONG, PLACE_SAMPLE, PLACE_SCAN_ALL, POOL_ANY, POOL_LONG, POOL_SHORT, SHORT
-from router.prefix_index import PrefixIndex
 from shared.config import SchedulerConfig
 from shared.protocol import Pool
 

@@ -61,7 +61,7 @@ class WorkerState:
         self.spec = spec
         self.healthy = True
         self.gpu_used: int | None = None
-        self.gpu_block: str | None = None  # router.gpu_gate: why its GPU takes no new work
+        self.gpu_block: str | None = None  # router.policy.gpu_gate: why its GPU takes no new work
         self.reserved = 0
         self.running: dict[str, int] = {}  # job id -> reserved KV tokens
         self.budget = cfg.kv_budget(spec.capacity_tokens)

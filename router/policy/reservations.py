@@ -9,7 +9,7 @@ loss."""
 
 from __future__ import annotations
 
-from router.estimate import kv_cost
+from router.policy.estimate import kv_cost
 from router.policy.model import ModelState
 from router.policy.records import DONE, RUNNING, Entry, WorkerState
 from router.policy.types import WorkerSpec

@@ -87,13 +87,13 @@ class Job:
     model: str
     tenant: str
     klass: str  # a class name from config
-    prompt_tokens: int  # estimate (router.estimate); the engine's count re-prices the policy's copy
+    prompt_tokens: int  # estimate (router.policy.estimate); the engine's count re-prices the policy's copy
     max_tokens: int
     task_type: TaskType
     arrival: float
     weight: float = 1.0  # tenant's fair-share weight inside its class
     n: int = 1  # sequences (OpenAI's n): KV and token budgets count all of them
-    block_hashes: Sequence[int] = ()  # the prompt's full blocks (router.block_hash), for prefix affinity
+    block_hashes: Sequence[int] = ()  # the prompt's full blocks (router.fleet.block_hash), for prefix affinity
 
 
 class DispatchJob(NamedTuple):

@@ -18,7 +18,6 @@ Tests that break their stack on purpose start their own with
 from __future__ import annotations
 
 import pytest
-
 import stackutil
 
 

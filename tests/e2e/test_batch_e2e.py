@@ -12,10 +12,8 @@ import time
 
 import openai
 import pytest
-
-from test_tenancy_e2e import redis_url  # noqa: F401 (a fixture: one redis-server for this module)
-
 from stackutil import SIM_MODEL, localconfig, sim_worker, start_stack, write_config
+from test_tenancy_e2e import redis_url  # noqa: F401 (a fixture: one redis-server for this module)
 
 # A sim line of 64 tokens takes ~0.2 s on 8 slots: a few hundred lines take seconds.
 SLOW_SIM = {"step_fixed_ms": 3.0, "decode_token_us": 60.0}
@@ -533,8 +531,8 @@ def test_a_redis_lease_taken_over_after_its_ttl_fences_out_the_first_holder(tmp_
     key expired and taken, can neither renew nor write to the batch's files."""
     import asyncio
 
-    from router.batch.lease import RedisLease
-    from router.batch.store import BatchStore, ResultLog, StaleLease
+    from router.services.batch.lease import RedisLease
+    from router.services.batch.store import BatchStore, ResultLog, StaleLease
 
     store = BatchStore(tmp_path)
     (store.dir / "batch_f").mkdir()

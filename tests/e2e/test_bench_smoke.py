@@ -8,14 +8,13 @@ import json
 import os
 
 import pytest
+from stackutil import free_port
 
 from bench import spec
 from bench.cli import main as bench_main
 from bench.prompts import PromptMaker
 from bench.runner import plan
 from weir.cli import main as weir_main
-
-from stackutil import free_port
 
 N = 8
 LAT_KEYS = {"p50", "p90", "p99", "mean", "min", "max"}

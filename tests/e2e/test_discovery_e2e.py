@@ -17,12 +17,12 @@ import sys
 import threading
 import time
 
+import hostsfile
 import pytest
 import requests
+from stackutil import REPO, SIM_MODEL, sim_worker, write_config
 
 from bench.localconfig import free_ports
-import hostsfile
-from stackutil import REPO, SIM_MODEL, sim_worker, write_config
 
 INTERVAL_S = 0.5
 IPS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]

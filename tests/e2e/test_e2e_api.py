@@ -15,12 +15,11 @@ import openai
 import pytest
 import requests
 import zmq
+from stackutil import KEY_ALPHA, KEY_BETA, LONG_STREAM_TOKENS, SIM_MODEL, TINY_MODEL_DIR, TOO_LONG_PROMPT, VLLM_MODEL
 from tokenizers import Tokenizer
 
 from shared import protocol as p
 from shared.client import AsyncClient, Client, WeirError
-from stackutil import (KEY_ALPHA, KEY_BETA, LONG_STREAM_TOKENS, SIM_MODEL, TINY_MODEL_DIR, TOO_LONG_PROMPT,
-                       VLLM_MODEL)
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 

@@ -10,16 +10,15 @@ counts and constraints (a grammar, a banned or forced token), never words.
 from __future__ import annotations
 
 import json
-import time
 
 import jsonschema
 import pytest
 import requests
+from stackutil import KEY_BETA, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL
+from test_e2e_api import metric, sdk, wait_until, worker_row
 from tokenizers import Tokenizer
 
 from shared.client import Client, WeirError
-from stackutil import KEY_BETA, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL
-from test_e2e_api import metric, sdk, wait_until, worker_row
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 TOK = Tokenizer.from_file(str(TINY_MODEL_DIR / "tokenizer.json"))

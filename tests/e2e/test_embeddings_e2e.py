@@ -16,11 +16,11 @@ import numpy as np
 import openai
 import pytest
 import requests
+from stackutil import REPO, SIM_MODEL, localconfig, sim_worker, start_stack, write_config
 
-from router.prompts import ModelPrompts
+from router.lifecycle.prompts import ModelPrompts
 from shared import protocol as p
 from shared.keys import digest
-from stackutil import REPO, SIM_MODEL, localconfig, sim_worker, start_stack, write_config
 
 pytestmark = pytest.mark.vllm
 

@@ -18,9 +18,8 @@ KV_BYTES = 1 << 20  # tiny-llama: 512 B of KV per token -> 2048 tokens: preempti
 
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="models/tiny-llama not built")
 
-from router.prompts import ModelPrompts  # noqa: E402
-from shared.protocol import (ChatMessage, Delta, GenerateRequest, RequestKind,  # noqa: E402
-                             SamplingParams, Submit)
+from router.lifecycle.prompts import ModelPrompts  # noqa: E402
+from shared.protocol import ChatMessage, Delta, GenerateRequest, RequestKind, SamplingParams, Submit  # noqa: E402
 
 PROMPTS = ModelPrompts(str(MODEL))  # the router's tokenizing, as the worker receives it
 
@@ -266,7 +265,7 @@ def test_too_long_prompt_is_a_400_and_engine_keeps_working(env):
 
 import json  # noqa: E402
 
-from router.estimate import kv_cost  # noqa: E402
+from router.policy.estimate import kv_cost  # noqa: E402
 from shared.protocol import StructuredOutput, unpack_logprobs  # noqa: E402
 
 
@@ -421,8 +420,8 @@ def kv(env):
     # the replay is over then (its batch came last), so the tests that follow
     # see only their own events.  A SUB that joined late misses a batch:
     # another request's blocks make the next one.
-    from router.block_hash import BlockHasher
-    from router.core import tokenize_hashed
+    from router.fleet.block_hash import BlockHasher
+    from router.lifecycle.core import tokenize_hashed
 
     hasher = BlockHasher(info.prefix_hash, info.block_size, info.prefix_hash_seed)
     joined = False
@@ -457,11 +456,11 @@ def _wait(loop, cond, timeout=5.0):
 
 
 def test_router_block_hashes_equal_the_engines_kv_events(env, kv):
-    """The router's tokens + block hashes (router.core.tokenize_hashed) are
+    """The router's tokens + block hashes (router.lifecycle.core.tokenize_hashed) are
     exactly the blocks the engine reports storing, for 1-3 blocks, completion
     and chat (template applied)."""
-    from router.block_hash import BlockHasher
-    from router.core import tokenize_hashed
+    from router.fleet.block_hash import BlockHasher
+    from router.lifecycle.core import tokenize_hashed
     from shared.protocol import PrefixEvents
 
     loop, engine, info = env
@@ -546,9 +545,10 @@ def test_reset_prefix_cache_while_a_request_runs_takes_once_it_ends(env, kv):
 def test_extra_keys_match_vllm():
     """cache_salt / LoRA go into the first block's extra keys: the router's
     hasher agrees with vLLM's own hash_block_tokens (weir sends neither yet)."""
-    from router.block_hash import BlockHasher
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils as kcu
+
+    from router.fleet.block_hash import BlockHasher
 
     ids = list(range(1000, 1000 + 128 * 3 + 5))
     for algo in ("sha256", "sha256_cbor"):

@@ -9,9 +9,7 @@ import time
 import urllib.parse
 
 import requests
-
-from stackutil import (KEY_ALPHA, KEY_BETA, KEY_LIMITED, LIMITED_BURST, LIMITED_RPS, SIM_MODEL,
-                       STACK_MAX_REQUEST_BYTES)
+from stackutil import KEY_ALPHA, KEY_BETA, KEY_LIMITED, LIMITED_BURST, LIMITED_RPS, SIM_MODEL, STACK_MAX_REQUEST_BYTES
 
 STAT = "weir_api.http_local_rate_limit.rate_limited"
 

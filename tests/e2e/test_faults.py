@@ -9,7 +9,6 @@ must be back to zero.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 

@@ -10,10 +10,10 @@ import time
 
 import requests
 import zmq
+from stackutil import SIM_MODEL
 
 from bench import fuzz
 from shared.client import Client
-from stackutil import SIM_MODEL
 
 
 def _host_port(url: str) -> tuple[str, int]:

@@ -13,13 +13,13 @@ import sys
 import threading
 import time
 
+import hostsfile
 import pytest
 import requests
+from stackutil import REPO
 
-import hostsfile
 from deploy import k8s
 from shared.config import DEFAULT_CONFIG, load
-from stackutil import REPO
 
 # Named by the GPU telemetry work, not served by a router without GPUs.
 GPU_METRICS = {"weir_gpu_utilization_percent", "weir_gpu_memory_used_bytes", "weir_gpu_memory_total_bytes",
@@ -162,11 +162,12 @@ def test_pods_run_as_rendered(tmp_path):
     worker pod that finds both by that name, Envoy over both; then Envoy's
     preStop under a stream (it completes; the listener closes after), the
     worker's preStop drain at both routers, SIGTERM."""
+    from stackutil import SIM_MODEL, sim_worker, write_config
+
+    from bench.localconfig import free_port
     from deploy.envoy_config import envoy_binary
     from deploy.k8s_security import CURVE_DIR, TLS_DIR
     from shared import curve
-    from bench.localconfig import free_port
-    from stackutil import SIM_MODEL, sim_worker, write_config
 
     keys = tmp_path / "keys"
     admin_token = "adm-" + "7" * 40

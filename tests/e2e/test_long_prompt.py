@@ -16,7 +16,7 @@ import pytest
 import stackutil
 from stackutil import TINY_MODEL_DIR
 
-from router.prompts import ModelPrompts
+from router.lifecycle.prompts import ModelPrompts
 from shared.client import AsyncClient
 from shared.protocol import Submit
 

@@ -13,7 +13,6 @@ import threading
 import time
 
 import requests
-
 import stackutil
 
 EXTRA = "sim-extra"

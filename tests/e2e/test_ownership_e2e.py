@@ -20,7 +20,7 @@ import tomli_w
 from stackutil import KEY_ALPHA, KEY_BETA, SIM_MODEL, sim_worker, start_stack, write_config
 from test_tenancy_e2e import redis_url  # noqa: F401  (the module's real redis-server fixture)
 
-from router.response_store import RedisResponseStore, decode_record, encode_record
+from router.services.response_store import RedisResponseStore, decode_record, encode_record
 from shared.config import load
 
 

@@ -15,12 +15,12 @@ import time
 
 import pytest
 import requests
-import zmq
-
 import stackutil
+import zmq
+from test_e2e_api import metric, wait_until
+
 from shared import protocol as p
 from shared.client import Client
-from test_e2e_api import metric, wait_until
 
 LONG = "The quick brown fox jumps over the lazy dog while the router keeps every block exact. " * 6
 

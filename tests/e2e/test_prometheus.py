@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-
 from stackutil import REPO, SIM_MODEL, VLLM_MODEL, free_port
 
 RULES = REPO / "deploy" / "prometheus" / "weir-rules.yaml"

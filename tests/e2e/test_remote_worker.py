@@ -23,10 +23,10 @@ import sys
 import time
 
 import requests
+from stackutil import sim_worker, start_stack, write_config
 
 from bench import localconfig
 from bench.localconfig import REPO, free_ports
-from stackutil import sim_worker, start_stack, write_config
 
 REMOTE_MODEL = "sim-remote"
 

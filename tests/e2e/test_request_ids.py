@@ -13,7 +13,6 @@ import uuid
 
 import pytest
 import requests
-
 import stackutil
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -101,9 +100,7 @@ def test_router_direct_ids_and_unusable_ones(logged_stack):
 
 
 def test_zeromq_clients_trace_id(logged_stack):
-    from shared.client import Client
-
-    from shared.client import WeirError
+    from shared.client import Client, WeirError
 
     with Client(logged_stack.zmq_frontend) as c:
         out = c.complete(stackutil.SIM_MODEL, "hello", max_tokens=3, trace_id="zmq-trace-7")

@@ -17,8 +17,8 @@ import signal
 import time
 
 import requests
-
 from stackutil import SIM_MODEL, sim_worker, start_stack, write_config
+
 from bench.localconfig import routers
 
 # 8 slots but KV for 4 requests of 224 tokens (prompt ~4 + 200, whole blocks of

@@ -14,7 +14,6 @@ import json
 import time
 
 import requests
-
 from stackutil import SIM_MODEL, sim_worker, start_stack, write_config
 
 KV_TOKENS = 4096  # per sim worker

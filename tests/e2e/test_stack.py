@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import requests
+from stackutil import SIM_MODEL, alive, sim_worker, start_stack, write_config
 
 from deploy.stack import Stack, StackError, group_members
 from shared.config import load
-from stackutil import SIM_MODEL, alive, sim_worker, start_stack, write_config
 
 
 def _children_of(pid: int) -> list[int]:

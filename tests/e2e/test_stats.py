@@ -16,7 +16,6 @@ import uuid
 
 import pytest
 import requests
-
 import stackutil
 
 KEY = "sk-stats"

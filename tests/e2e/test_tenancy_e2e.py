@@ -23,12 +23,12 @@ import openai
 import pytest
 import requests
 import tomli_w
+from stackutil import REPO, SIM_MODEL, free_port, sim_worker, start_stack, write_config
 
 from shared import curve
 from shared.client import Client, WeirError
 from shared.config import load
 from shared.keys import digest
-from stackutil import REPO, SIM_MODEL, free_port, sim_worker, start_stack, write_config
 
 KEY_Q = "sk-test-quota-7d1f0c2b9e"  # budgets: 3,000 tokens/min, 100 requests/min
 KEY_R = "sk-test-roomy-55aa31c0de"  # no budget
@@ -204,7 +204,7 @@ def test_redis_credits_apply_once_and_undo_only_a_reserve_that_took(redis_url):
     what it took if it ran, and nothing if it never took."""
     import asyncio
 
-    from router.quota import Bucket, RedisStore
+    from router.tenancy.budgets import Bucket, RedisStore
 
     tpm = Bucket("k:exact:tpm", 1000, 60.0, True, "tokens_per_minute")
 

@@ -17,10 +17,8 @@ import jsonschema
 import openai
 import pytest
 import requests
-
-from tokenizers import Tokenizer
-
 from stackutil import KEY_ALPHA, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL
+from tokenizers import Tokenizer
 
 WEATHER = {
     "type": "object",

@@ -6,7 +6,6 @@ router's end of the link with a real ROUTER socket bound by the test.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,8 +15,21 @@ from pathlib import Path
 import pytest
 import zmq
 
-from shared.protocol import (Abort, Delta, Dispatch, Drain, GenerateRequest, Goodbye, Heartbeat,
-                             Outputs, Pool, Register, SamplingParams, encoder, worker_decoder)
+from shared.protocol import (
+    Abort,
+    Delta,
+    Dispatch,
+    Drain,
+    GenerateRequest,
+    Goodbye,
+    Heartbeat,
+    Outputs,
+    Pool,
+    Register,
+    SamplingParams,
+    encoder,
+    worker_decoder,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ID = "sim-link-0"

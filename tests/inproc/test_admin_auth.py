@@ -1,4 +1,4 @@
-"""The router's /admin/* on a real socket (router.http_server with the
+"""The router's /admin/* on a real socket (router.ingress.http_server with the
 scripted core of test_http_server): from an address other than loopback it
 needs the admin token (401 without it or with a wrong one, and the action is
 not carried out); from loopback without a token it stays open (`weir up`, the
@@ -14,16 +14,16 @@ import pytest
 import requests
 import uvloop
 
-from router.exposition import MetricsPage
-from router.http_routes import admin_allowed
-from router.http_server import start_http_server
-from router.metrics import RouterMetrics
+from router.ingress.http_server import start_http_server
+from router.ingress.routes import admin_allowed
+from router.observe.exposition import MetricsPage
+from router.observe.metrics import RouterMetrics
 
 TOKEN = "adm-0123456789abcdef"
 
 
 class _Operator:
-    """router.operator_actions.RouterOperator's interface; counts what it was told to do."""
+    """router.observe.operator_actions.RouterOperator's interface; counts what it was told to do."""
 
     def __init__(self) -> None:
         self.done: list[str] = []

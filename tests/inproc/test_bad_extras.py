@@ -1,7 +1,7 @@
 """Bad sampling extras for a vLLM model are 400s naming the field, and nothing
-is reserved or queued: the HTTP decoder (router.openai_api) and then the
+is reserved or queued: the HTTP decoder (router.api) and then the
 lifecycle's checks against the tiny model's tokenizer and grammar compiler
-(router.core, router.prompts), in-process with fake workers.  The wire
+(router.lifecycle.core, router.lifecycle.prompts), in-process with fake workers.  The wire
 mapping of such a refusal (status, JSON body) is tests/inproc/test_http_server.py's."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import msgspec
 import pytest
 from test_lifecycle import Harness, Sink
 
-from router import openai_api as api
-from router import prompts as prompts_module
-from router.prompts import ModelPrompts
+from router import api
+from router.lifecycle import prompts as prompts_module
+from router.lifecycle.prompts import ModelPrompts
 from shared import protocol as p
 from shared.config import Config
 

@@ -22,12 +22,12 @@ from test_batch_disk_full import _fill
 from test_batch_disk_full import small_disk as small_disk  # (a fixture)
 from test_lifecycle import Harness
 
-from router.batch import model as m
-from router.batch.files import FileStore
-from router.batch.lease import FileLease
-from router.batch.service import BatchService
-from router.batch.store import BatchStore
-from router.drain import Drain
+from router.lifecycle.drain import Drain
+from router.services.batch import model as m
+from router.services.batch.files import FileStore
+from router.services.batch.lease import FileLease
+from router.services.batch.service import BatchService
+from router.services.batch.store import BatchStore
 from shared.config import Config
 
 N = 20

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from batchutil import in_progress_batch
 
-from router.batch import model as m
-from router.batch.feeder import BatchRun
-from router.batch.files import FileStore
-from router.batch.store import BatchStore
+from router.services.batch import model as m
+from router.services.batch.feeder import BatchRun
+from router.services.batch.files import FileStore
+from router.services.batch.store import BatchStore
 from shared.errors import Code, error
 
 OWNER = "tenant-a"

@@ -1,5 +1,5 @@
 """A batch whose key is revoked, in process: the runner with the real on-disk
-stores and I/O thread, and the keys a reload leaves (router.ownership's rule).
+stores and I/O thread, and the keys a reload leaves (router.tenancy.ownership's rule).
 
 A key removed, or moved to another tenant, cancels the batch: what finished
 stays, every other line gets one ``api_key_revoked`` entry in the error
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from router.batch import model as m
-from router.batch.feeder import REVOKED_CODE, BatchRun
-from router.batch.files import FileStore
-from router.batch.store import BatchStore, result_id
+from router.services.batch import model as m
+from router.services.batch.feeder import REVOKED_CODE, BatchRun
+from router.services.batch.files import FileStore
+from router.services.batch.store import BatchStore, result_id
 from shared.config import ApiKey
 from shared.keys import digest
 

@@ -1,4 +1,4 @@
-"""The direct-client frontend (router.client_frontend) on a real loopback
+"""The direct-client frontend (router.ingress.zmq_clients) on a real loopback
 socket in this process, over the real lifecycle with fake workers: a client
 that vanishes (no Cancel) while its request waits gives up its place -- the
 router probes waiting clients once per heartbeat."""
@@ -12,11 +12,11 @@ from typing import Callable
 
 import msgspec
 import zmq
+from test_lifecycle import Harness
 
-from router.client_frontend import ClientFrontend
+from router.ingress.zmq_clients import ClientFrontend
 from shared import protocol as p
 from shared.transport import SocketPump
-from test_lifecycle import Harness
 
 
 def _free_port() -> int:

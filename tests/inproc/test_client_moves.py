@@ -9,13 +9,13 @@ import socket
 
 import msgspec
 import zmq
+from fakes import FakeWorkers
+from test_lifecycle import Harness, config
 
-from router.client_frontend import ClientFrontend
-from router.core import RouterCore
-from router.fakes import FakeWorkers
+from router.ingress.zmq_clients import ClientFrontend
+from router.lifecycle.core import RouterCore
 from shared.client import AsyncClient
 from shared.transport import SocketPump
-from test_lifecycle import Harness, config
 
 
 def _free_port() -> int:

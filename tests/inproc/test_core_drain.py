@@ -1,12 +1,13 @@
-"""A draining router's lifecycle (router.core + router.drain) in-process:
+"""A draining router's lifecycle (router.lifecycle.core + router.lifecycle.drain) in-process:
 new requests refused before anything starts, admitted ones ended cleanly
 at the deadline, and the KV ledger back to zero."""
 
 from __future__ import annotations
 
-from router.drain import Drain
-from shared import protocol as p
 from test_lifecycle import Harness
+
+from router.lifecycle.drain import Drain
+from shared import protocol as p
 
 
 def test_a_draining_core_refuses_new_work_and_ends_the_rest_with_one_error_each() -> None:

@@ -1,4 +1,4 @@
-"""Embedding requests through the router's lifecycle (router.core) with fake
+"""Embedding requests through the router's lifecycle (router.lifecycle.core) with fake
 workers: priced and budgeted as prefill only, dispatched with ``embed``,
 released once; refused before anything is reserved when the model serves the
 other task, the input is too long or ``dimensions`` does not fit the model."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from test_lifecycle import Harness, Sink
 
-from router.estimate import kv_cost
+from router.policy.estimate import kv_cost
 from shared import protocol as p
 from shared.config import Config
 from shared.keys import digest
-from test_lifecycle import Harness, Sink
 
 KEY = "sk-embed"
 PROMPT = "x" * 40  # the sim models (no tokenizer) count 40 bytes as 10 tokens

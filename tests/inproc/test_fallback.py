@@ -1,4 +1,4 @@
-"""The fallback choice (router.core): a model's configured fallback answers
+"""The fallback choice (router.lifecycle.core): a model's configured fallback answers
 when the primary has no worker -- only for a request that asks for it -- and
 the client learns which model answered with its first news.
 
@@ -10,10 +10,10 @@ tests/e2e/test_faults.py."""
 from __future__ import annotations
 
 import msgspec
+from test_lifecycle import Harness, Sink
 
 from shared import protocol as p
 from shared.config import Config
-from test_lifecycle import Harness, Sink
 
 PRIMARY, BACKUP = "sim-primary", "sim-backup"
 

@@ -1,4 +1,4 @@
-"""/v1/files through router.http_server on a real loopback socket: uploads are
+"""/v1/files through router.ingress.http_server on a real loopback socket: uploads are
 parsed and written as they arrive, downloads sent in chunks, and no request
 body is held after its response starts.
 
@@ -29,12 +29,12 @@ import prometheus_client
 import pytest
 import uvloop
 
-from router.admission import Keys
-from router.batch.files import FileStore, FileWriter
-from router.batch.service import BatchService
-from router.http_server import HttpConnection, start_http_server
-from router.metrics import RouterMetrics
-from router.openai_api.files_batches import batch_routes, owner_of_key
+from router.ingress.files_batches import batch_routes, owner_of_key
+from router.ingress.http_server import HttpConnection, start_http_server
+from router.observe.metrics import RouterMetrics
+from router.services.batch.files import FileStore, FileWriter
+from router.services.batch.service import BatchService
+from router.tenancy.identity import Keys
 from shared.config import loads
 
 MB = 1 << 20

@@ -1,4 +1,4 @@
-"""router.http_server on a real loopback socket, driven by the real openai SDK,
+"""router.ingress.http_server on a real loopback socket, driven by the real openai SDK,
 `requests` and raw sockets.
 
 The router core is replaced by ``ScriptedCore``, a test double of the
@@ -22,9 +22,9 @@ import pytest
 import requests
 import uvloop
 
-from router.http_server import start_http_server
-from router.exposition import MetricsPage
-from router.metrics import RouterMetrics
+from router.ingress.http_server import start_http_server
+from router.observe.exposition import MetricsPage
+from router.observe.metrics import RouterMetrics
 from shared.protocol import Delta, ErrorInfo, RequestKind, Submit
 
 MAX_BODY = 64 * 1024
@@ -47,7 +47,7 @@ class _CountingTransport:
 
 
 class ScriptedCore:
-    """Test double of router.core.RouterCore's interface.  The prompt (or the
+    """Test double of router.lifecycle.core.RouterCore's interface.  The prompt (or the
     last chat message) picks the script:
 
       refuse:<status>     submit() refuses at once (retry_after 1.5 on 429/503)

@@ -1,8 +1,8 @@
-"""The router's request lifecycle (router.core) in-process: no sockets, no processes.
+"""The router's request lifecycle (router.lifecycle.core) in-process: no sockets, no processes.
 
 A fake worker port records dispatches and aborts, fake sinks record what
 each request's client would see, and a fake clock drives deadlines (after
-vLLM's MockEngineCore pattern; router.fakes, beside the ports they fake).
+vLLM's MockEngineCore pattern; fakes, beside the ports they fake).
 Every test checks the two promises every exit must keep: the client hears
 exactly one final Delta, and the KV ledger is back to zero.
 """
@@ -14,16 +14,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from fakes import FakeClock as Clock
+from fakes import FakeSink as Sink
+from fakes import FakeWorkers
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from router.core import RouterCore
-from router.fakes import FakeClock as Clock
-from router.fakes import FakeSink as Sink
-from router.fakes import FakeWorkers
-from router.jobs import JobState
-from router.prompts import ModelPrompts
+from router.lifecycle.core import RouterCore
+from router.lifecycle.jobs import JobState
+from router.lifecycle.prompts import ModelPrompts
 from shared import protocol as p
 from shared.config import Config
 
@@ -395,7 +395,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         super().__init__()
         self.h = Harness(config(generation_deadline_s=5.0))
         self.handles: list[int] = []
-        self.records = []  # every admitted job's record (router.jobs), kept past its end
+        self.records = []  # every admitted job's record (router.lifecycle.jobs), kept past its end
 
     def teardown(self) -> None:
         self.h.close()
@@ -505,7 +505,7 @@ def submit_params(h: Harness, model: str = "sim-m", prompt: str = "hello", max_t
 
 
 def test_n_choices_reserve_every_sequence_and_release_once(h):
-    from router.estimate import kv_cost
+    from router.policy.estimate import kv_cost
 
     h.workers.linked.add("w0")
     h.core.worker_joined(msgspec.structs.replace(register("w0"), prefix_caching=True))

@@ -1,4 +1,4 @@
-"""Budgets (router/quota.py) through the lifecycle, in-process: fake ports,
+"""Budgets (router/tenancy/budgets.py) through the lifecycle, in-process: fake ports,
 fake clock, the real Quota with its MemoryStore (or a store that answers
 later, as Redis does).  The promise checked everywhere: a job's reservation
 returns exactly once, whatever path it ends on, and what stays taken is
@@ -13,15 +13,15 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_lifecycle import Harness, Sink
 
-from router.http_headers import ratelimit_headers
-from router.http_headers import reset_duration as _duration
-from router.jobs import JobState
-from router.quota import Group, MemoryStore
+from router.ingress.headers import ratelimit_headers
+from router.ingress.headers import reset_duration as _duration
+from router.lifecycle.jobs import JobState
+from router.tenancy.budgets import Group, MemoryStore
 from shared import protocol as p
 from shared.config import Config
 from shared.keys import digest
-from test_lifecycle import Harness, Sink
 
 KEY, KEY2, OTHER = "sk-test-a", "sk-test-a2", "sk-test-b"
 PROMPT = "x" * 40  # the sim model (no tokenizer) counts 40 bytes as 10 tokens
@@ -163,7 +163,7 @@ def test_engine_error_and_deadline_return_what_was_not_generated(qh):
 def test_an_end_before_any_output_carries_the_budget_figures(qh):
     """Ended with an error before its first Delta (a drain, a queue deadline):
     the refusal carries the figures the first Delta would have."""
-    from router.drain import draining_error
+    from router.lifecycle.drain import draining_error
 
     a = qh.submit_key(max_tokens=30)
     qh.core.end_job("%x" % a, draining_error())
@@ -301,8 +301,8 @@ def fh():
 
 
 def fan_out(h: QHarness, k: int, prompts: list[str] | None = None, max_tokens: int = 8):
-    """A k-prompt completion as the ingress and batch lines submit it (router.prompt_fanout)."""
-    from router.prompt_fanout import PromptFanOut
+    """A k-prompt completion as the ingress and batch lines submit it (router.lifecycle.fanout)."""
+    from router.lifecycle.fanout import PromptFanOut
 
     sink = Sink()
     subs = [p.Submit("c", "sim-m", prompt=pr, max_tokens=max_tokens, api_key=KEY) for pr in (prompts or [PROMPT] * k)]
@@ -311,7 +311,7 @@ def fan_out(h: QHarness, k: int, prompts: list[str] | None = None, max_tokens: i
 
 
 class _Conn:
-    """What router.http_embeddings answers through: the status and body it would send."""
+    """What router.ingress.embeddings answers through: the status and body it would send."""
 
     def __init__(self):
         self.answers = []
@@ -324,9 +324,9 @@ class _Conn:
 
 
 def embed_inputs(h: QHarness, k: int):
-    """A k-input /v1/embeddings request through its real handler (router.http_embeddings)."""
-    from router import openai_api as api
-    from router.http_embeddings import EmbeddingBatch
+    """A k-input /v1/embeddings request through its real handler (router.ingress.embeddings)."""
+    from router import api
+    from router.ingress.embeddings import EmbeddingBatch
 
     body = msgspec.json.encode({"model": "sim-e", "input": [PROMPT] * k})
     subs, ctx = api.parse_embeddings(body, api.meta_from_headers(f"Bearer {KEY}", None), "r1")
@@ -656,9 +656,9 @@ class FanOutMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        import router.prompt_fanout
+        import router.lifecycle.fanout
 
-        self.module = router.prompt_fanout
+        self.module = router.lifecycle.fanout
         self.module.Group = _Recorded  # (restored at teardown)
         self.h = QHarness(config(keys=[{"key_sha256": digest(KEY), "tenant": "a", "tokens_per_minute": 3000,
                                         "requests_per_minute": self.RPM}]))

@@ -17,10 +17,10 @@ import msgspec
 import pytest
 import requests
 import uvloop
+from fakes import FakeClock, FakeSink, FakeWorkers
 
-from router.core import RouterCore
-from router.fakes import FakeClock, FakeSink, FakeWorkers
-from router.http_server import start_http_server
+from router.ingress.http_server import start_http_server
+from router.lifecycle.core import RouterCore
 from shared import protocol as p
 from shared.config import Config
 from shared.keys import digest

@@ -1,5 +1,5 @@
-"""The operators' views (router/views.py), actions (router/operator_actions.py)
-and their HTTP routes (router/http_routes.py), over the real lifecycle and a
+"""The operators' views (router/observe/views.py), actions (router/observe/operator_actions.py)
+and their HTTP routes (router/ingress/routes.py), over the real lifecycle and a
 fake worker link: no sockets, no processes."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router import exposition
-from router.core import RouterCore
-from router.core_reads import CoreView
-from router.http_routes import Refusal, Reply, Routes, routes
-from router.metrics import RouterMetrics
-from router.operator_actions import RouterOperator
-from router.views import RouterViews
-from router.worker_link import WorkerReport
+from router.fleet.worker_link import WorkerReport
+from router.ingress.routes import Refusal, Reply, Routes, routes
+from router.lifecycle.core import RouterCore
+from router.lifecycle.reads import CoreView
+from router.observe import exposition
+from router.observe.metrics import RouterMetrics
+from router.observe.operator_actions import RouterOperator
+from router.observe.views import RouterViews
 from shared import protocol as p
 from shared.config import Config
 
@@ -111,7 +111,7 @@ class Router:
         else:
             pattern = next(r for r in self.routes.patterns if r.matches(req.path, req.method))
             answer = pattern.handler(req)
-        if inspect.isawaitable(answer):  # /metrics: rendered over loop turns (router.exposition)
+        if inspect.isawaitable(answer):  # /metrics: rendered over loop turns (router.observe.exposition)
             answer = self.loop.run_until_complete(answer)
         if isinstance(answer, Refusal):
             return answer.info.status, answer.info.code

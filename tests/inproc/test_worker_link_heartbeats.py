@@ -11,9 +11,9 @@ import time
 
 import zmq
 
-from router import worker_link
-from router.metrics import RouterMetrics
-from router.worker_link import WorkerLink
+from router.fleet import worker_link
+from router.fleet.worker_link import WorkerLink
+from router.observe.metrics import RouterMetrics
 from shared.config import RouterConfig
 from shared.protocol import Heartbeat, Pool, Register, encoder, to_worker_decoder
 from shared.transport import SocketPump

@@ -6,8 +6,17 @@ from __future__ import annotations
 
 import zmq
 
-from shared.protocol import (Abort, Dispatch, GenerateRequest, Heartbeat, Pool, Register, SamplingParams, encoder,
-                             to_worker_decoder)
+from shared.protocol import (
+    Abort,
+    Dispatch,
+    GenerateRequest,
+    Heartbeat,
+    Pool,
+    Register,
+    SamplingParams,
+    encoder,
+    to_worker_decoder,
+)
 
 
 def req(rid: str, max_tokens: int = 6, prompt_tokens: int = 5, **kw) -> GenerateRequest:
@@ -23,8 +32,8 @@ def test_link_sends_aborts_and_dispatches_in_the_order_queued():
     And dispatch-then-cancel within one turn keeps its order too."""
     import asyncio
 
-    from router.metrics import RouterMetrics
-    from router.worker_link import WorkerLink
+    from router.fleet.worker_link import WorkerLink
+    from router.observe.metrics import RouterMetrics
     from shared.config import RouterConfig
     from shared.transport import SocketPump
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+from fakes import FakeSink
 
 from engine_worker.sim_engine import SimEngine
 from engine_worker.worker import Worker
-from router.core import RouterCore
-from router.fakes import FakeSink
-from router.metrics import RouterMetrics
-from router.worker_link import WorkerLink
+from router.fleet.worker_link import WorkerLink
+from router.lifecycle.core import RouterCore
+from router.observe.metrics import RouterMetrics
 from shared import protocol as p
 from shared.config import Config, WorkerConfig
 from shared.transport import SocketPump

@@ -1,4 +1,4 @@
-"""Who a request runs as (router.admission.Keys): a client may lower the
+"""Who a request runs as (router.tenancy.identity.Keys): a client may lower the
 priority its API key's tier gives it, never raise it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router.admission import Identity, Keys
+from router.tenancy.identity import Identity, Keys
 from shared import protocol as p
 from shared.config import Config
 

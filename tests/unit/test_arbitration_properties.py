@@ -66,7 +66,7 @@ class Fleet:
 
     def _new_router(self, r: int) -> Policy:
         """A router process just started: it knows only the workers that
-        registered with it -- as router.worker_link.WorkerLink, whose table
+        registered with it -- as router.fleet.worker_link.WorkerLink, whose table
         starts empty and fills only in _on_register.  A worker partitioned
         from it cannot register (nor hear the Goodbye that makes it); it
         joins at heal (_rejoin)."""
@@ -182,7 +182,7 @@ class Fleet:
         self.down.add((r, w))
         self._worker_forgets(r, w)
         lost = self.policies[r].remove_worker(f"w{w}", self.now)
-        for job_id in lost:  # Recovery.after_loss (router.recovery): nothing streamed in this model: queued again
+        for job_id in lost:  # Recovery.after_loss (router.lifecycle.recovery): nothing streamed in this model: queued again
             self._requeue_lost(r, job_id)
         self.schedule(r)
 

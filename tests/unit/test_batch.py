@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from router import openai_api as api
-from router.batch import model as m
-from router.batch.lease import FileLease
-from router.batch.store import BatchStore, ResultLog, is_done, result_id
-from router.batch.validate import BatchLine, check_file, decode_line, to_jobs
+from router import api
+from router.services.batch import model as m
+from router.services.batch.lease import FileLease
+from router.services.batch.store import BatchStore, ResultLog, is_done, result_id
+from router.services.batch.validate import BatchLine, check_file, decode_line, to_jobs
 from shared import protocol as p
 from shared.errors import Code
 
@@ -221,7 +221,7 @@ def test_weir_stats_shows_a_line_per_running_batch():
 
 
 class _Run:
-    """What an EmbeddingLine reports to (router.batch.feeder.BatchRun): its one end."""
+    """What an EmbeddingLine reports to (router.services.batch.feeder.BatchRun): its one end."""
 
     def __init__(self):
         self.ends = []
@@ -250,7 +250,7 @@ class _Core:
 def test_an_embeddings_line_ends_once_with_every_vector_in_order_or_with_the_first_failure():
     import struct
 
-    from router.batch.lines import AsOwner, EmbeddingLine
+    from router.services.batch.lines import AsOwner, EmbeddingLine
 
     emb = "/v1/embeddings"
     jobs = to_jobs(_line(emb, model="e", input=["a", "b", "c"]), emb, 1 << 20, "rid")

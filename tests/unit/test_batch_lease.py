@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from router.batch import model as m
-from router.batch.lease import FileLease
-from router.batch.store import BatchStore, ResultLog, StaleLease, result_id
+from router.services.batch import model as m
+from router.services.batch.lease import FileLease
+from router.services.batch.store import BatchStore, ResultLog, StaleLease, result_id
 from shared.errors import Code
 
 

@@ -1,6 +1,6 @@
 """Per-tenant storage of the Batch API, its pure parts: the quota decision, the
 limits a key and its tenant resolve to, the retention math, and the usage
-index's accounting and pages (router.batch.usage, router.batch.retention)."""
+index's accounting and pages (router.services.batch.usage, router.services.batch.retention)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from router.batch import model as m
-from router.batch import retention
-from router.batch.files import FileMeta, FileStore
-from router.batch.store import BatchStore
-from router.batch.usage import (
+from router.services.batch import model as m
+from router.services.batch import retention
+from router.services.batch.files import FileMeta, FileStore
+from router.services.batch.store import BatchStore
+from router.services.batch.usage import (
     MAX_UPLOADS_IN_PROGRESS,
     Hold,
     Limits,
@@ -213,7 +213,7 @@ def test_the_reaper_removes_a_dead_routers_upload_temps_and_leaves_live_ones(tmp
     """A router killed mid-upload leaves ``.upload-*.tmp``; untouched for an hour, the reaper deletes it."""
     import os
 
-    from router.batch.files import STALE_TEMP_S
+    from router.services.batch.files import STALE_TEMP_S
 
     files, batches = FileStore(tmp_path), BatchStore(tmp_path)
     dead, live = files.stage(), files.stage()

@@ -9,9 +9,24 @@ policy lost its effect.
 
 from __future__ import annotations
 
-from simulation.des import (BURST, SHORT, SimWorker, Workload, burst_arrivals, deadline_classes, fifo_cfg,
-                        fleet, retry_stats, scenario_burst, scenario_ledger, scenario_mixed,
-                        scenario_overload, simulate, wait_errors, weir_cfg)
+from simulation.des import (
+    BURST,
+    SHORT,
+    SimWorker,
+    Workload,
+    burst_arrivals,
+    deadline_classes,
+    fifo_cfg,
+    fleet,
+    retry_stats,
+    scenario_burst,
+    scenario_ledger,
+    scenario_mixed,
+    scenario_overload,
+    simulate,
+    wait_errors,
+    weir_cfg,
+)
 
 
 def test_short_requests_do_not_wait_behind_long_ones():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shared.errors import Code, WHEN, markdown_table
+from shared.errors import WHEN, Code, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 while not (REPO / "pyproject.toml").exists():  # (the tests may sit a folder deeper)

@@ -1,4 +1,4 @@
-"""Router drain (router.drain): its pure decisions and its state, against a
+"""Router drain (router.lifecycle.drain): its pure decisions and its state, against a
 fake lifecycle and a hand-moved clock."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fakes import FakeClock
 
-from router.drain import Drain, token_time, worth_starting
-from router.fakes import FakeClock
+from router.lifecycle.drain import Drain, token_time, worth_starting
 from shared import protocol as p
 
 

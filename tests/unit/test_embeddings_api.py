@@ -15,10 +15,10 @@ import pytest
 from openai.types import CreateEmbeddingResponse
 
 from engine_worker.sim_engine import SIM_EMBEDDING_SIZE, sim_vector
-from router import openai_api as api
-from router.admission import check_shape, resolve_max_tokens
-from router.embedding_model import SIM_SHAPE, EmbeddingShape, dimensions_error, read_shape
-from router.embedding_model import SIM_EMBEDDING_SIZE as ROUTER_SIM_SIZE
+from router import api
+from router.api.checks import check_shape, resolve_max_tokens
+from router.lifecycle.embedding_model import SIM_EMBEDDING_SIZE as ROUTER_SIM_SIZE
+from router.lifecycle.embedding_model import SIM_SHAPE, EmbeddingShape, dimensions_error, read_shape
 from shared.protocol import ErrorInfo, RequestKind, Submit, TaskType, pack_floats
 
 META = api.RequestMeta()

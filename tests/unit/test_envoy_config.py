@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from stackutil import API_KEYS, REPO, write_config
 
 from deploy import envoy_config
 from deploy.envoy_config import EnvoyValidationError, render, render_dict, validate
 from shared.config import DEFAULT_CONFIG, ConfigError, load, loads
-from stackutil import API_KEYS, REPO, write_config
 
 CHECKED_IN = REPO / "envoy" / "envoy.yaml"
 

@@ -1,4 +1,4 @@
-"""The router's text exposition (router.exposition, the families' ``text()``)
+"""The router's text exposition (router.observe.exposition, the families' ``text()``)
 is byte for byte what prometheus_client's ``generate_latest`` writes for the
 same families, awkward label values and numbers included: dashboards and
 alert rules read the same page whichever writes it."""
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.utils import floatToGoString
 
-from router.exposition import label_text, number
-from router.metrics import CounterFamily, HistogramFamily
+from router.observe.exposition import label_text, number
+from router.observe.metrics import CounterFamily, HistogramFamily
 
 
 class _One:

@@ -1,5 +1,5 @@
 """GPU telemetry (engine_worker/gpu.py -> heartbeats -> /metrics, /admin/workers)
-and the GPU gate (router/gpu_gate.py, consulted by the policy).
+and the GPU gate (router/policy/gpu_gate.py, consulted by the policy).
 
 There is no GPU here: the threshold logic is pure and tested on readings, the
 probe script reports NVML's absence; the "no GPU" state on a real sim stack is
@@ -14,13 +14,12 @@ import sys
 import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
+from stackutil import REPO
 
-from router.gpu_gate import FULL, HOT, gpu_block
 from router.policy import DispatchJob, Job, Policy, WorkerSpec
+from router.policy.gpu_gate import FULL, HOT, gpu_block
 from shared.config import SchedulerConfig
 from shared.protocol import GpuInfo, Heartbeat, Pool, TaskType, WorkerStats, encoder, worker_decoder
-
-from stackutil import REPO
 
 GIB = 1 << 30
 

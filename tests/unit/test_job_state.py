@@ -1,14 +1,14 @@
-"""The job state machine (router.jobs): the one table of transitions and the one function that makes them."""
+"""The job state machine (router.lifecycle.jobs): the one table of transitions and the one function that makes them."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
+from fakes import FakeSink
 
-from router.admission import Identity
-from router.fakes import FakeSink
-from router.jobs import TRANSITIONS, IllegalTransition, JobRecord, JobState, advance
+from router.lifecycle.jobs import TRANSITIONS, IllegalTransition, JobRecord, JobState, advance
+from router.tenancy.identity import Identity
 from shared import protocol as p
 
 S = JobState

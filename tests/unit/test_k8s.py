@@ -15,10 +15,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from stackutil import REPO
 
 from deploy import envoy_config, k8s
 from shared.config import DEFAULT_CONFIG, ConfigError, load, loads
-from stackutil import REPO
 
 K8S_DIR = REPO / "deploy" / "k8s"
 KEDA_SCHEMA = json.loads((REPO / "deploy" / "schemas" / "keda-scaledobject.schema.json").read_text())

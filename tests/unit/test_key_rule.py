@@ -1,6 +1,6 @@
 """One API key rule at Envoy and at the router: the Lua text Envoy runs
 (deploy.envoy_config.KEY_LUA, under LuaJIT as in Envoy) and the router's
-parser (shared.keys, as router/http_server.py feeds it) accept exactly the
+parser (shared.keys, as router/ingress/http_server.py feeds it) accept exactly the
 same header values, refuse the same ones, and agree on the key."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deploy.envoy_config import KEY_HEADER, KEY_LUA
-from router.admission import Keys
-from router.openai_api import meta_from_headers
+from router.api import meta_from_headers
+from router.tenancy.identity import Keys
 from shared import protocol as p
 from shared.config import ConfigError, loads
 from shared.keys import well_formed
@@ -55,7 +55,7 @@ def envoy_lua():
 
 
 def router_decides(headers: dict[bytes, list[bytes]]) -> tuple[str, bytes | None]:
-    """As router/http_server.py reads headers (a repeated one ", "-joined,
+    """As router/ingress/http_server.py reads headers (a repeated one ", "-joined,
     latin-1 text), then meta_from_headers and admission's rule."""
     joined = {name: b", ".join(vals) for name, vals in headers.items() if vals}
 

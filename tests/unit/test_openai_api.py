@@ -1,4 +1,4 @@
-"""router.openai_api: request validation -> Submit, and response rendering as
+"""router.api: request validation -> Submit, and response rendering as
 the openai SDK parses it (its own SSE decoder and pydantic response types)."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ import json
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai._streaming import SSEDecoder
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from router import openai_api as api
-from router.openai_api.context import system_fingerprint
+from router import api
+from router.api.context import system_fingerprint
 from shared.protocol import Delta, ErrorInfo, RequestKind, TaskType
 
 NO_META = api.RequestMeta()

@@ -1,5 +1,5 @@
 """The per-model queue depth the autoscalers read (Policy.queued_by_model,
-router/ops_metrics.py) counts what the policy holds, model by model and pool
+router/observe/ops_metrics.py) counts what the policy holds, model by model and pool
 by pool, and agrees with the per-class view /metrics already had."""
 
 from __future__ import annotations

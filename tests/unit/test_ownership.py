@@ -1,14 +1,14 @@
-"""router.ownership: who may see a stored response, file or batch; and
-router.openai_api.metadata: OpenAI's limits on ``metadata``."""
+"""router.tenancy.ownership: who may see a stored response, file or batch; and
+router.api.metadata: OpenAI's limits on ``metadata``."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.openai_api import responses as rs
-from router.openai_api.errors import RequestError
-from router.openai_api.metadata import metadata_problem
-from router.ownership import ANONYMOUS_TENANT, Caller, identify, key_live, may_see
+from router.api import responses as rs
+from router.api.errors import RequestError
+from router.api.metadata import metadata_problem
+from router.tenancy.ownership import ANONYMOUS_TENANT, Caller, identify, key_live, may_see
 from shared.config import ApiKey
 from shared.keys import digest
 from shared.protocol import ErrorInfo

@@ -1,5 +1,5 @@
 """Unit tests of the pure scheduling policy (router/policy/) and the cost
-estimate (router/estimate.py).  No processes: time is passed in."""
+estimate (router/policy/estimate.py).  No processes: time is passed in."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from router.estimate import kv_cost
 from router.policy import AbortJob, DispatchJob, Job, Policy, RejectJob, WorkerSpec
+from router.policy.estimate import kv_cost
 from shared.config import ClassConfig, SchedulerConfig
 from shared.protocol import Pool, TaskType
 

@@ -1,4 +1,4 @@
-"""The prefix index (router/prefix_index.py) and prefix affinity in placement
+"""The prefix index (router/fleet/prefix_index.py) and prefix affinity in placement
 (router/policy/placement.py ``ScoredPlacement.affine``): pure, in-process.
 
 Properties (hypothesis): affinity never changes *whether* a job is placed,
@@ -15,8 +15,8 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.fleet.prefix_index import PrefixIndex
 from router.policy import DispatchJob, Job, Policy, WorkerSpec
-from router.prefix_index import PrefixIndex
 from shared.config import SchedulerConfig
 from shared.protocol import Pool, TaskType
 

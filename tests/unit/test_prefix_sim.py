@@ -6,8 +6,8 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.config import SimEngineConfig
 from engine_worker.sim_model import SimCore
+from shared.config import SimEngineConfig
 
 CFG = msgspec.structs.replace(SimEngineConfig(), kv_capacity_tokens=64 * 16, block_size=16, prefix_caching=True)
 

@@ -1,4 +1,4 @@
-"""router.prompt_fanout: a multi-prompt completion's jobs merged into one
+"""router.lifecycle.fanout: a multi-prompt completion's jobs merged into one
 response (numbering, usage, ends, failures), rendered by the real renderers."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from router import openai_api as api
-from router.admission import check_shape
-from router.prompt_fanout import PromptFanOut
-from router.prompts import BadInput, ModelPrompts
+from router import api
+from router.api.checks import check_shape
+from router.lifecycle.fanout import PromptFanOut
+from router.lifecycle.prompts import BadInput, ModelPrompts
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, Submit
 
@@ -19,7 +19,7 @@ NO_META = api.meta_from_headers(None, None, None, None, None)
 
 
 class FakeCore:
-    """submit/cancel as router.core.RouterCore's: records sinks and cancels."""
+    """submit/cancel as router.lifecycle.core.RouterCore's: records sinks and cancels."""
 
     def __init__(self, refuse_at: int | None = None) -> None:
         self.sinks: list = []
@@ -176,7 +176,7 @@ def test_echo_prefixes_each_prompts_choices():
     assert texts == ["p", "p1", "q2", "q"]
 
 
-# ------------------------------------------------------------ token-id prompts in router.prompts
+# ------------------------------------------------------------ token-id prompts in router.lifecycle.prompts
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 

@@ -1,11 +1,11 @@
-"""router.prompts: prompts to token ids once, in the router (exactness against
+"""router.lifecycle.prompts: prompts to token ids once, in the router (exactness against
 vLLM's own rendering is in tests/e2e/test_engine_vllm.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from router.prompts import INLINE_MAX_CHARS, ModelPrompts
+from router.lifecycle.prompts import INLINE_MAX_CHARS, ModelPrompts
 from shared.protocol import ChatMessage, RequestKind, Submit
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"

@@ -1,5 +1,5 @@
-"""router.quota's fan-out arithmetic, without the lifecycle: a request of k
-jobs takes its k request units in one reservation (router.quota.Group) or
+"""router.tenancy.budgets's fan-out arithmetic, without the lifecycle: a request of k
+jobs takes its k request units in one reservation (router.tenancy.budgets.Group) or
 none; it is never charged more than k, and any refusal among its jobs gives
 every unit back.  The lifecycle around it: tests/inproc/test_quota.py."""
 
@@ -9,9 +9,9 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.admission import Identity
-from router.metrics import RouterMetrics
-from router.quota import Bucket, Group, Hold, MemoryStore, Quota, costs, settle_amounts, too_large
+from router.observe.metrics import RouterMetrics
+from router.tenancy.budgets import Bucket, Group, Hold, MemoryStore, Quota, costs, settle_amounts, too_large
+from router.tenancy.identity import Identity
 from shared.config import Config
 from shared.keys import config_digest, digest, key_id
 

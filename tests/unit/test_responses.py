@@ -10,12 +10,12 @@ import json
 import msgspec
 import pytest
 
-from router.openai_api import RequestError
-from router.openai_api import responses as rs
-from router.openai_api.context import ResponseContext
-from router.openai_api.request import RequestMeta
-from router.openai_api.responses_stream import ResponsesAccumulator, ResponsesStream
-from router.response_store import MemoryResponseStore, decode_record, encode_record
+from router.api import RequestError
+from router.api import responses as rs
+from router.api.context import ResponseContext
+from router.api.request import RequestMeta
+from router.api.responses_stream import ResponsesAccumulator, ResponsesStream
+from router.services.response_store import MemoryResponseStore, decode_record, encode_record
 from shared.errors import Code, error
 from shared.protocol import ChatMessage, Delta, RequestKind
 

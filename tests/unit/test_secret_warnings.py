@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 
+from stackutil import write_config
+
 from shared.config import load
 from shared.keys import secret_warnings
-from stackutil import write_config
 
 KEY_Q = "sk-test-quota-7d1f0c2b9e"
 

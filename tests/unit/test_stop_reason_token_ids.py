@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 
 import msgspec
+from fakes import FakeSink
 from openai._streaming import SSEDecoder
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from router import openai_api as api
-from router.admission import Identity
-from router.fakes import FakeSink
-from router.jobs import JobRecord
+from router import api
+from router.lifecycle.jobs import JobRecord
+from router.tenancy.identity import Identity
 from shared import protocol as p
 from shared.protocol import Delta, RequestKind
 

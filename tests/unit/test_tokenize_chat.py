@@ -1,5 +1,5 @@
 """/tokenize with ``messages`` and the chat-template fields renders the ids a
-chat completion with the same fields is given (router.openai_api.tokenize
+chat completion with the same fields is given (router.api.tokenize
 reuses the chat path's options; test_tools_vllm checks those against vLLM),
 and refuses what the chat path refuses, naming the field."""
 
@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 from test_tools_vllm import HISTORY, MODEL, TOOLS, TOOLS_TEMPLATE, USER
 
-from router import prompts as prompts_module
-from router.openai_api import RequestError, parse_chat
-from router.openai_api.request import RequestMeta
-from router.openai_api.tokenize import answer_tokenize, parse_tokenize
-from router.prompts import ModelPrompts
+from router.api import RequestError, parse_chat
+from router.api.request import RequestMeta
+from router.api.tokenize import answer_tokenize, parse_tokenize
+from router.lifecycle import prompts as prompts_module
+from router.lifecycle.prompts import ModelPrompts
 
 CASES = {
     "plain": {"messages": USER[:1]},

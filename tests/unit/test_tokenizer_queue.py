@@ -1,4 +1,4 @@
-"""router.tokenizer_queue.FairQueue: who runs next on the tokenizer threads.
+"""router.lifecycle.tokenizer_queue.FairQueue: who runs next on the tokenizer threads.
 Per tenant FIFO, tenants round robin, calls bounded and on at most their own
 threads (a prompt never waits behind a call), under any sequence of pushes,
 pops and ends (hypothesis)."""
@@ -10,7 +10,7 @@ from collections import Counter, deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.tokenizer_queue import CALL, PROMPT, FairQueue
+from router.lifecycle.tokenizer_queue import CALL, PROMPT, FairQueue
 
 TENANTS = ["a", "b", "c"]
 

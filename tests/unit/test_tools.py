@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router import openai_api as api
-from router.openai_api.tools import (
+from router import api
+from router.api.tools import (
     ChatTool,
     ChoiceToolStream,
     NamedFunction,
@@ -23,7 +23,7 @@ from router.openai_api.tools import (
     tool_spec,
     unsupported_tool_choice,
 )
-from router.prompts import BadInput, ModelPrompts
+from router.lifecycle.prompts import BadInput, ModelPrompts
 from shared.protocol import ChatMessage, ChatOptions, Delta, RequestKind, Submit
 
 TOOLS = msgspec.convert(

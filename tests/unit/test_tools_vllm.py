@@ -13,11 +13,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from router.openai_api import parse_chat
-from router.openai_api.request import RequestMeta
-from router.openai_api.tool_parsers import extract
-from router.openai_api.tools import ChatTool, template_tools, tool_spec
-from router.prompts import BadInput, ModelPrompts
+from router.api import parse_chat
+from router.api.request import RequestMeta
+from router.api.tool_parsers import extract
+from router.api.tools import ChatTool, template_tools, tool_spec
+from router.lifecycle.prompts import BadInput, ModelPrompts
 
 pytestmark = pytest.mark.slow
 

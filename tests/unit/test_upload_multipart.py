@@ -1,4 +1,4 @@
-"""router.batch.upload.MultipartToFile: a multipart body pushed in arbitrary
+"""router.ingress.file_upload.MultipartToFile: a multipart body pushed in arbitrary
 chunks gives the same fields and the same file bytes as the body whole --
 whatever the split, even through the boundary, a CRLF or a part's headers --
 and a bad body leaves no file behind."""
@@ -12,8 +12,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.batch.files import FileStore
-from router.batch.upload import MultipartToFile, Received, boundary_of
+from router.ingress.file_upload import MultipartToFile, Received, boundary_of
+from router.services.batch.files import FileStore
 
 BOUNDARY = b"----weirBoundaryX7y"
 

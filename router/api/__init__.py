@@ -1,0 +1,119 @@
+"""OpenAI-compatible request decoding and response rendering (pure, no I/O).
+
+The HTTP server (``router.ingress.http_server``) feeds request bodies and a few
+headers in and gets a ``Submit`` plus a ``ResponseContext`` back; it feeds
+``Delta`` batches to a ``StreamRenderer`` (SSE) or accumulates them and calls
+``render_completion`` once.  Every refusal is a ``RequestError`` carrying an
+``ErrorInfo`` whose ``status`` is the HTTP status.
+
+One module per concern, one per endpoint:
+
+- ``request``: headers (``RequestMeta``), body decoding with OpenAI-style 400s,
+  the shape check of a finished ``Submit``;
+- ``sampling``: the body fields every generation endpoint shares, mapped to
+  ``SamplingParams``, task type and priority (structured outputs included);
+- ``completions``, ``chat``: each endpoint's request body, its parser and its
+  response shapes -- a new endpoint is a new module beside them;
+- ``context``: request ids and the ``ResponseContext`` rendering needs;
+- ``render``: non-streamed bodies; ``streaming``: SSE events (the per-token
+  hot path); ``logprobs``, ``usage``: their shared parts;
+- ``errors``: ``RequestError`` and the error body; ``encoding``: the encoder.
+
+This package re-exports the names callers use (``from router import
+openai_api as api``; ``api.parse_chat``, ``api.StreamRenderer``, ...).
+"""
+
+from __future__ import annotations
+
+from router.api.chat import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatLogprobs,
+    ChatRequest,
+    ChatTokenLogprob,
+    Message,
+    TextPart,
+    TopLogprob,
+    parse_chat,
+)
+from router.api.completions import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    Completion,
+    CompletionChoice,
+    CompletionJobs,
+    CompletionLogprobs,
+    CompletionRequest,
+    parse_completion,
+    parse_completions,
+)
+from router.api.context import ResponseContext, new_request_id
+from router.api.embeddings import (
+    MAX_EMBEDDING_INPUTS,
+    EmbeddingContext,
+    EmbeddingList,
+    EmbeddingRequest,
+    parse_embeddings,
+    render_embeddings,
+)
+from router.api.encoding import encode
+from router.api.errors import ErrorBody, ErrorEnvelope, RequestError, error_body, invalid
+from router.api.logprobs import MIN_LOGPROB, chat_logprobs, completion_logprobs, token_id_text
+from router.api.render import Accumulator, render_completion, render_models
+from router.api.request import RequestMeta, meta_from_headers
+from router.api.sampling import JsonSchemaFormat, ResponseFormat, StreamOptions, StructuredOutputsBody
+from router.api.streaming import SSE_DONE, StreamRenderer
+from router.api.usage import PromptTokensDetails, TokenCounts, Usage
+
+__all__ = [
+    "DEFAULT_COMPLETION_MAX_TOKENS",
+    "MAX_EMBEDDING_INPUTS",
+    "EmbeddingContext",
+    "EmbeddingList",
+    "EmbeddingRequest",
+    "parse_embeddings",
+    "render_embeddings",
+    "MIN_LOGPROB",
+    "SSE_DONE",
+    "Accumulator",
+    "AssistantMessage",
+    "ChatChoice",
+    "ChatCompletion",
+    "ChatLogprobs",
+    "ChatRequest",
+    "ChatTokenLogprob",
+    "Completion",
+    "CompletionChoice",
+    "CompletionJobs",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "ErrorBody",
+    "ErrorEnvelope",
+    "JsonSchemaFormat",
+    "Message",
+    "PromptTokensDetails",
+    "RequestError",
+    "RequestMeta",
+    "ResponseContext",
+    "ResponseFormat",
+    "StreamOptions",
+    "StreamRenderer",
+    "StructuredOutputsBody",
+    "TextPart",
+    "TokenCounts",
+    "TopLogprob",
+    "Usage",
+    "chat_logprobs",
+    "completion_logprobs",
+    "encode",
+    "error_body",
+    "invalid",
+    "meta_from_headers",
+    "new_request_id",
+    "parse_chat",
+    "parse_completion",
+    "parse_completions",
+    "render_completion",
+    "render_models",
+    "token_id_text",
+]

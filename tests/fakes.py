@@ -1,0 +1,63 @@
+"""Fakes of the lifecycle's ports (router.lifecycle.ports) and of its clock, for
+in-process tests of router.lifecycle.core: no sockets, no processes, time moved by hand
+(after vLLM's MockEngineCore pattern)."""
+
+from __future__ import annotations
+
+from shared import protocol as p
+
+
+class FakeWorkers:
+    """The WorkerPort: which worker got which request, and the aborts."""
+
+    def __init__(self) -> None:
+        self.linked: set[str] = set()
+        self.dispatched: dict[str, list[p.GenerateRequest]] = {}
+        self.current: dict[str, str] = {}  # job id -> the worker it was dispatched to last
+        self.attempts: dict[str, int] = {}  # job id -> dispatches so far
+        self.aborted: list[tuple[str, str]] = []
+        self.refuse_next = False  # the next dispatch finds the worker unlinked
+
+    def dispatch(self, worker_id: str, req: p.GenerateRequest) -> bool:
+        if self.refuse_next or worker_id not in self.linked:
+            self.refuse_next = False
+            return False
+        self.dispatched.setdefault(worker_id, []).append(req)
+        self.current[req.request_id] = worker_id
+        self.attempts[req.request_id] = self.attempts.get(req.request_id, 0) + 1
+        return True
+
+    def abort(self, worker_id: str, job_id: str) -> None:
+        self.aborted.append((worker_id, job_id))
+
+    def flush(self) -> None:
+        pass
+
+    def where(self, job_id: str) -> str | None:
+        return self.current.get(job_id)
+
+
+class FakeSink:
+    """A RequestSink that records what the client would see, and fails on news after the final Delta."""
+
+    def __init__(self) -> None:
+        self.deltas: list[p.Delta] = []
+
+    def on_deltas(self, deltas: list[p.Delta]) -> None:
+        assert not self.finals, "news after the final Delta"
+        assert deltas and all(not d.finished for d in deltas[:-1])
+        self.deltas.extend(deltas)
+
+    @property
+    def finals(self) -> list[p.Delta]:
+        return [d for d in self.deltas if d.finished]
+
+
+class FakeClock:
+    """A monotonic clock that moves only when a test sets ``t``."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
