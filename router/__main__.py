@@ -17,17 +17,18 @@ import asyncio
 import logging
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
-from router.fleet.worker_link import WorkerLink
+from router.fleet.worker_link import WorkerEvents, WorkerLink
 from router.ingress.http_server import HttpConnection, start_http_server, written_out
 from router.ingress.responses import ResponsesService
 from router.ingress.routes import Routes
 from router.ingress.zmq_clients import ClientFrontend, client_message_bytes
 from router.lifecycle.core import RouterCore
 from router.lifecycle.drain import Drain
+from router.lifecycle.ports import WorkerPort
 from router.lifecycle.reads import CoreView
 from router.observe.metrics import RouterMetrics
 from router.observe.operator_actions import RouterOperator
@@ -43,6 +44,10 @@ from shared.transport import SocketPump
 log = logging.getLogger("weir.router")
 
 FLUSH_S = 2.0  # after a drain, how long the last responses get to be written before the process exits
+
+if TYPE_CHECKING:  # the link's two ports, checked where they are wired (the fleet knows no lifecycle)
+    _port: type[WorkerPort] = WorkerLink  # what the lifecycle sends through
+    _events: type[WorkerEvents] = RouterCore  # what the link tells the lifecycle
 
 
 async def serve(config_path: str | None, index: int = 0) -> None:

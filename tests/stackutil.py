@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from bench import localconfig
 from bench.localconfig import REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, sim_worker  # noqa: F401

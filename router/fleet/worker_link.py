@@ -32,20 +32,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+from typing import Protocol, cast
 
 import zmq
 
 from router.fleet.router_socket import RouterPlane
 from router.observe.metrics import RouterMetrics
+from router.observe.worker_report import WorkerReport
 from shared import protocol as p
 from shared.config import RouterConfig, SecurityConfig
 from shared.errors import Code, error
 from shared.transport import Outbox, SocketPump
-
-if TYPE_CHECKING:  # (router.lifecycle.core imports the policy and the rest: not at run time)
-    from router.lifecycle.core import RouterCore
-    from router.lifecycle.ports import WorkerPort
 
 log = logging.getLogger("weir.router.workers")
 
@@ -94,21 +91,6 @@ class LinkedWorker:
     missed: int = 0  # heartbeat ticks in a row with nothing heard from it
     stats: p.WorkerStats = field(default_factory=p.WorkerStats)
     drain_deadline: float | None = None  # draining until then (None: accepting work)
-
-
-class WorkerReport(NamedTuple):
-    """One linked worker as operators see it: a copy, read at the time asked."""
-
-    worker_id: str
-    model: str
-    engine: str  # "vllm" | "sim"
-    gpu: p.GpuInfo  # as registered (a heartbeat's own reading is ``stats.gpu``)
-    stats: p.WorkerStats  # its engine's last report
-    drain_left_s: float | None  # time left of its drain (None: it takes new work)
-
-    @property
-    def draining(self) -> bool:
-        return self.drain_left_s is not None
 
 
 class WorkerLink(RouterPlane):
@@ -385,8 +367,3 @@ class WorkerLink(RouterPlane):
         self.metrics.child(self.metrics.worker_events, worker_id, why).inc()
         log.warning("worker %s lost (%s)", worker_id, why)
         self.events.worker_left(worker_id, why)
-
-
-if TYPE_CHECKING:  # each side of the link's two ports, checked where the port is read
-    _port: type[WorkerPort] = WorkerLink  # what the lifecycle sends through
-    _events: type[WorkerEvents] = RouterCore  # what this link tells the lifecycle

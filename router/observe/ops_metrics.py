@@ -14,7 +14,7 @@ from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from router.fleet.worker_link import WorkerReport
+from router.observe.worker_report import WorkerReport
 from shared.config import ModelConfig
 
 

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 import msgspec
 
-from router.fleet.worker_link import WorkerReport
 from router.observe.exposition import MetricsPage
 from router.observe.metrics import RouterMetrics
 from router.observe.ops_metrics import OpsCollector
+from router.observe.worker_report import WorkerReport
 from router.observe.worker_series import WorkerSeries
 from shared.config import ModelConfig, WorkerConfig
 from shared.protocol import GpuInfo

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from router.fleet.worker_link import WorkerReport
 from router.observe.exposition import TextCollector, header, label_text, number
+from router.observe.worker_report import WorkerReport
 from shared.protocol import GpuInfo, WorkerStats
 
 # The policy's (router.policy.Policy.snapshot), for every worker it places on.

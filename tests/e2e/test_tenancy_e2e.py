@@ -391,7 +391,7 @@ def _self_signed(d: Path) -> tuple[Path, Path, Path]:
     def name(cn):
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(name("weir test CA")).issuer_name(name("weir test CA"))
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())

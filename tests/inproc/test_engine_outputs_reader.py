@@ -14,13 +14,13 @@ import zmq.asyncio
 
 pytest.importorskip("vllm")
 
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, UtilityOutput  # noqa: E402
-from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
-from vllm.v1.engine.core_client import BackgroundResources  # noqa: E402
-from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, UtilityOutput
+from vllm.v1.engine.core import EngineCoreProc
+from vllm.v1.engine.core_client import BackgroundResources
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
 
-from engine_worker.vllm_direct import EngineOutputs  # noqa: E402
+from engine_worker.vllm_direct import EngineOutputs
 
 
 def _step(i: int) -> EngineCoreOutputs:

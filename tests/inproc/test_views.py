@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.fleet.worker_link import WorkerReport
 from router.ingress.routes import Refusal, Reply, Routes, routes
 from router.lifecycle.core import RouterCore
 from router.lifecycle.reads import CoreView
@@ -21,6 +20,7 @@ from router.observe import exposition
 from router.observe.metrics import RouterMetrics
 from router.observe.operator_actions import RouterOperator
 from router.observe.views import RouterViews
+from router.observe.worker_report import WorkerReport
 from shared import protocol as p
 from shared.config import Config
 
@@ -51,7 +51,7 @@ class FakeLink:
     def workers_of(self, model: str) -> list[str]:
         return [w for w, m in self.models.items() if m == model]
 
-    def report(self, worker_id: str) -> Optional[WorkerReport]:
+    def report(self, worker_id: str) -> WorkerReport | None:
         model = self.models.get(worker_id)
         if model is None:
             return None
