@@ -421,7 +421,7 @@ def kv(env):
     # see only their own events.  A SUB that joined late misses a batch:
     # another request's blocks make the next one.
     from router.fleet.block_hash import BlockHasher
-    from router.lifecycle.core import tokenize_hashed
+    from router.lifecycle.models import tokenize_hashed
 
     hasher = BlockHasher(info.prefix_hash, info.block_size, info.prefix_hash_seed)
     joined = False
@@ -460,7 +460,7 @@ def test_router_block_hashes_equal_the_engines_kv_events(env, kv):
     exactly the blocks the engine reports storing, for 1-3 blocks, completion
     and chat (template applied)."""
     from router.fleet.block_hash import BlockHasher
-    from router.lifecycle.core import tokenize_hashed
+    from router.lifecycle.models import tokenize_hashed
     from shared.protocol import PrefixEvents
 
     loop, engine, info = env

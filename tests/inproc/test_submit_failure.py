@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_lifecycle import Harness, Sink
 
-import router.lifecycle.core
+import router.lifecycle.intake
 from shared import protocol as p
 
 
@@ -15,7 +15,7 @@ def test_an_inline_tokenize_that_raises_leaves_no_job(monkeypatch: pytest.Monkey
     def broken(*args: object) -> object:
         raise RuntimeError("tokenizer defect")
 
-    monkeypatch.setattr(router.lifecycle.core, "tokenize_hashed", broken)
+    monkeypatch.setattr(router.lifecycle.intake, "tokenize_hashed", broken)
     h = Harness()
     try:
         h.join("w0")
