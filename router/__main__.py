@@ -27,7 +27,7 @@ from router.ingress.responses import ResponsesService
 from router.ingress.routes import Routes
 from router.ingress.zmq_clients import ClientFrontend, client_message_bytes
 from router.lifecycle.core import RouterCore
-from router.lifecycle.drain import Drain
+from router.lifecycle.drain import RouterDrain
 from router.lifecycle.ports import WorkerPort
 from router.lifecycle.reads import CoreView
 from router.observe.metrics import RouterMetrics
@@ -86,7 +86,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         log.info("reloaded %d api keys and %d tenant budgets", len(new.api_keys), len(new.tenants))
         return {"ok": True, "api_keys": len(new.api_keys), "tenants": len(new.tenants)}
 
-    drain = Drain(core, loop, cfg.router.drain_timeout_s, loop.time)
+    drain = RouterDrain(core, loop, cfg.router.drain_timeout_s, loop.time)
 
     def drain_router() -> dict[str, Any]:
         """POST /admin/drain: as SIGTERM."""

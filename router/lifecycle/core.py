@@ -55,7 +55,7 @@ from router.lifecycle.parts import CoreParts
 from router.lifecycle.ports import RequestSink, WorkerPort
 from router.lifecycle.prompts import ModelPrompts
 from router.lifecycle.recovery import Recovery
-from router.lifecycle.tokenizer_queue import CALL, Tokenizer
+from router.lifecycle.tokenizer_queue import CALL, TokenizerQueue
 from router.observe.metrics import RouterMetrics
 from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
 from router.tenancy.budgets import NO_HOLD, Answer, Group, Quota
@@ -94,7 +94,7 @@ class RouterCore:
         self.registry = ModelRegistry(cfg, prompts)
         # Long prompts and /tokenize calls, off the loop with the GIL released:
         # fair between tenants, calls bounded and never ahead of a prompt (router.lifecycle.tokenizer_queue).
-        self.tokenizer = Tokenizer(loop, cfg.router.tokenize_queue_per_tenant, cfg.router.tokenize_queue_max)
+        self.tokenizer = TokenizerQueue(loop, cfg.router.tokenize_queue_per_tenant, cfg.router.tokenize_queue_max)
         self.jobs: dict[str, JobRecord] = {}
         self._policy_pending = False
         self._wakeup: asyncio.TimerHandle | None = None

@@ -29,7 +29,7 @@ from router.lifecycle.jobs import AWAITING_BUDGET, ENDED, QUEUED, JobMetrics, Jo
 from router.lifecycle.models import HashedPrompt, tokenize_hashed
 from router.lifecycle.parts import CoreParts
 from router.lifecycle.ports import RequestSink
-from router.lifecycle.tokenizer_queue import PROMPT, Tokenizer
+from router.lifecycle.tokenizer_queue import PROMPT, TokenizerQueue
 from router.policy import Job
 from router.tenancy.budgets import Answer, Group, Hold
 from router.tenancy.identity import Identity, Keys
@@ -90,7 +90,7 @@ class Intake:
     """The intake, for the core: its parts (``CoreParts``), the API keys in
     use (replaced on a reload) and the tokenizing thread."""
 
-    def __init__(self, parts: CoreParts, keys: Keys, tokenizer: Tokenizer) -> None:
+    def __init__(self, parts: CoreParts, keys: Keys, tokenizer: TokenizerQueue) -> None:
         self.parts = parts
         self.jobs = parts.jobs  # (read on every request)
         self.keys = keys

@@ -456,7 +456,7 @@ def _wait(loop, cond, timeout=5.0):
 
 
 def test_router_block_hashes_equal_the_engines_kv_events(env, kv):
-    """The router's tokens + block hashes (router.lifecycle.core.tokenize_hashed) are
+    """The router's tokens + block hashes (router.lifecycle.models.tokenize_hashed) are
     exactly the blocks the engine reports storing, for 1-3 blocks, completion
     and chat (template applied)."""
     from router.fleet.block_hash import BlockHasher

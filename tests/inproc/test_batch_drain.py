@@ -22,7 +22,7 @@ from test_batch_disk_full import _fill
 from test_batch_disk_full import small_disk as small_disk  # (a fixture)
 from test_lifecycle import Harness
 
-from router.lifecycle.drain import Drain
+from router.lifecycle.drain import RouterDrain
 from router.services.batch import model as m
 from router.services.batch.files import FileStore
 from router.services.batch.lease import FileLease
@@ -139,7 +139,7 @@ def test_a_draining_router_hands_its_batch_on_and_no_line_fails(tmp_path):
         a.finish(first)
         _until(a, lambda: a.run().rec.completed == 1, "the first line was never written")
         sent_before = a.svc.stats.sent
-        drain = Drain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
+        drain = RouterDrain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
         a.call(drain.start, "test")
         a.pump(0.2)
         run = a.run()
@@ -276,7 +276,7 @@ def test_a_drain_while_the_disk_is_full_hands_on_only_what_was_written(small_dis
         filler = _fill(small_disk)
         a.call(a.h.tokens, second, 3000, "length")  # its result (~6 KB) meets the full disk: held in memory
         _until(a, lambda: run.disk_full_since is not None, "the write never met the full disk")
-        drain = Drain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
+        drain = RouterDrain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
         a.call(drain.start, "test")
         a.pump(0.2)
         for hd in a.running():  # the lines that took the freed slots meanwhile end too: held as well
