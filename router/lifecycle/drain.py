@@ -2,7 +2,7 @@
 
 SIGTERM (or ``POST /admin/drain``) starts it.  From that moment the core
 refuses every new request with 503 ``router_draining`` + Retry-After before
-starting anything (router.lifecycle.core.RouterCore.submit), and readiness fails, so
+starting anything (router.lifecycle.intake.Intake.submit), and readiness fails, so
 Envoy's health check stops sending here and Envoy retries such a 503 on
 another router (deploy/envoy_config.py: the ``x-weir-draining`` header).
 What was admitted -- queued or streaming, HTTP or direct ZeroMQ -- runs on
