@@ -100,8 +100,8 @@ class RedisBudgetStore:
 
     def _connect(self) -> redis.asyncio.Redis:
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         # No retries inside the client: a failure is the Quota's to handle, at once.
         client = self._client = aioredis.from_url(
