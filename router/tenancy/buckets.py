@@ -22,6 +22,7 @@ from typing import NamedTuple, TypeAlias
 
 from shared import protocol as p
 from shared.config import Budgets
+from shared.errors import Code, error
 
 # (config field, period in seconds, counts tokens?)
 BUDGET_KINDS = (
@@ -120,3 +121,38 @@ def too_large(buckets: tuple[Bucket, ...], tokens: int, requests: int) -> Bucket
         if (tokens if b.tokens else requests) > b.cap:
             return b
     return None
+
+
+def too_large_refusal(big: Bucket, tokens: int, requests: int) -> p.ErrorInfo:
+    """The 400 for a request larger than ``big``'s capacity (``too_large``)."""
+    if big.tokens:
+        return error(
+            Code.BUDGET_TOO_SMALL,
+            f"This request needs {tokens} tokens (prompt + max_tokens), more than this "
+            f"key's {big.field} budget of {big.cap}: it can never be served under it. Reduce "
+            f"max_tokens or the prompt.",
+            param="max_tokens",
+        )
+    scope = "tenant" if big.key.startswith("t:") else "key"
+    return error(
+        Code.BUDGET_TOO_SMALL,
+        f"This request needs {requests} requests (one per prompt or input), more than this "
+        f"{scope}'s {big.field} budget of {big.cap}: it can never be served under it. Send at "
+        f"most {big.cap} prompts or inputs per request.",
+    )
+
+
+def empty_refusal(b: Bucket, level: float, wait: float, tokens: int, requests: int, rl: p.RateLimit) -> p.ErrorInfo:
+    """The 429 for a request that does not fit ``b`` now (at ``level``; it will in ``wait`` s)."""
+    scope = "tenant" if b.key.startswith("t:") else "key"
+    budget = "tokens" if b.tokens else "requests"
+    per = "minute" if b.period == 60.0 else "day"
+    need = f"{tokens} tokens" if b.tokens else ("1 request" if requests == 1 else f"{requests} requests")
+    return error(
+        Code.TOKENS_BUDGET if b.tokens else Code.REQUESTS_BUDGET,
+        f"Rate limit reached on {budget} per {per} for this {scope} (`{b.field}`): limit "
+        f"{b.cap}, remaining {max(0, math.floor(level))}, this request needs {need}. "
+        f"Retry after {math.ceil(wait)} s.",
+        retry_after=max(wait, 0.001),
+        ratelimit=rl,
+    )

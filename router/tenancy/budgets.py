@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, cast
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from router.observe.metrics import RouterMetrics
 from router.tenancy.buckets import (
@@ -63,9 +63,11 @@ from router.tenancy.buckets import (
     StoreCallback,
     config_buckets,
     costs,
+    empty_refusal,
     ratelimit,
     settle_amounts,
     too_large,
+    too_large_refusal,
 )
 from router.tenancy.store_memory import MemoryBudgetStore
 from router.tenancy.store_redis import RedisBudgetStore
@@ -256,21 +258,7 @@ class Quota:
         big = too_large(buckets, tokens, requests)
         if big is not None:
             self._refused(who.tenant, "too_large")
-            if big.tokens:
-                return error(
-                    Code.BUDGET_TOO_SMALL,
-                    f"This request needs {tokens} tokens (prompt + max_tokens), more than this "
-                    f"key's {big.field} budget of {big.cap}: it can never be served under it. Reduce "
-                    f"max_tokens or the prompt.",
-                    param="max_tokens",
-                )
-            scope = "tenant" if big.key.startswith("t:") else "key"
-            return error(
-                Code.BUDGET_TOO_SMALL,
-                f"This request needs {requests} requests (one per prompt or input), more than this "
-                f"{scope}'s {big.field} budget of {big.cap}: it can never be served under it. Send at "
-                f"most {big.cap} prompts or inputs per request.",
-            )
+            return too_large_refusal(big, tokens, requests)
         amounts = costs(buckets, tokens, requests)
         store = self.store
         if store.sync:
@@ -336,19 +324,8 @@ class Quota:
         assert why is not None  # a refusal names its binding bucket
         i, wait = why
         b = buckets[i]
-        scope = "tenant" if b.key.startswith("t:") else "key"
-        budget = "tokens" if b.tokens else "requests"
-        self._refused(who.tenant, budget)
-        per = "minute" if b.period == 60.0 else "day"
-        need = f"{tokens} tokens" if b.tokens else ("1 request" if requests == 1 else f"{requests} requests")
-        return error(
-            Code.TOKENS_BUDGET if b.tokens else Code.REQUESTS_BUDGET,
-            f"Rate limit reached on {budget} per {per} for this {scope} (`{b.field}`): limit "
-            f"{b.cap}, remaining {max(0, math.floor(levels[i]))}, this request needs {need}. "
-            f"Retry after {math.ceil(wait)} s.",
-            retry_after=max(wait, 0.001),
-            ratelimit=rl,
-        )
+        self._refused(who.tenant, "tokens" if b.tokens else "requests")
+        return empty_refusal(b, levels[i], wait, tokens, requests, rl)
 
     def _store_down(
         self, who: Identity, buckets: tuple[Bucket, ...], tokens: int, exc: BaseException | None, requests: int = 1
@@ -477,41 +454,41 @@ class Quota:
         }
 
     def _install_metrics(self, metrics: RouterMetrics) -> None:
-        quota = self
+        metrics.registry.register(_UsageCollector(self))
 
-        class _Collector:
-            def describe(self) -> list[Metric]:
-                return []
 
-            def collect(self) -> Iterator[Metric]:
-                from prometheus_client.core import CounterMetricFamily
+class _UsageCollector:
+    """The ledger's counters in /metrics, read at each scrape."""
 
-                tok = CounterMetricFamily(
-                    "weir_tenant_tokens",
-                    "Tokens processed per tenant (prompt: reached an engine; completion: generated)",
-                    labels=["tenant", "kind"],
-                )
-                req = CounterMetricFamily("weir_tenant_requests", "Requests admitted per tenant", labels=["tenant"])
-                for t, (r, pr, co) in sorted(quota.usage.items()):
-                    tok.add_metric([t, "prompt"], pr)
-                    tok.add_metric([t, "completion"], co)
-                    req.add_metric([t], r)
-                ref = CounterMetricFamily(
-                    "weir_quota_refusals",
-                    "Requests refused by a budget, per tenant "
-                    "and budget (requests, tokens, too_large, store_unavailable)",
-                    labels=["tenant", "budget"],
-                )
-                for (t, b), n in sorted(quota.refusals.items()):
-                    ref.add_metric([t, b], n)
-                err = CounterMetricFamily(
-                    "weir_quota_store_errors", "Budget store calls that failed, by op", labels=["op"]
-                )
-                for op, n in sorted(quota.store_errors.items()):
-                    err.add_metric([op], n)
-                yield tok
-                yield req
-                yield ref
-                yield err
+    def __init__(self, quota: Quota) -> None:
+        self.quota = quota
 
-        metrics.registry.register(_Collector())
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        quota = self.quota
+        tok = CounterMetricFamily(
+            "weir_tenant_tokens",
+            "Tokens processed per tenant (prompt: reached an engine; completion: generated)",
+            labels=["tenant", "kind"],
+        )
+        req = CounterMetricFamily("weir_tenant_requests", "Requests admitted per tenant", labels=["tenant"])
+        for t, (r, pr, co) in sorted(quota.usage.items()):
+            tok.add_metric([t, "prompt"], pr)
+            tok.add_metric([t, "completion"], co)
+            req.add_metric([t], r)
+        ref = CounterMetricFamily(
+            "weir_quota_refusals",
+            "Requests refused by a budget, per tenant and budget (requests, tokens, too_large, store_unavailable)",
+            labels=["tenant", "budget"],
+        )
+        for (t, b), n in sorted(quota.refusals.items()):
+            ref.add_metric([t, b], n)
+        err = CounterMetricFamily("weir_quota_store_errors", "Budget store calls that failed, by op", labels=["op"])
+        for op, n in sorted(quota.store_errors.items()):
+            err.add_metric([op], n)
+        yield tok
+        yield req
+        yield ref
+        yield err
