@@ -65,7 +65,7 @@ from router.lifecycle.fanout import PromptFanOut, echo_texts
 from router.lifecycle.models import ServedModel
 from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
-from router.tenancy.budgets import Answer as QuotaAnswer
+from router.tenancy.buckets import QuotaAnswer
 from router.tenancy.budgets import Group, Quota
 from router.tenancy.identity import Identity
 from shared.errors import Code, error

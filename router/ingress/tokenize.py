@@ -20,7 +20,7 @@ from router.ingress.headers import ratelimit_headers
 from router.ingress.routes import JSON
 from router.lifecycle.models import ServedModel
 from router.lifecycle.prompts import INLINE_MAX_CHARS
-from router.tenancy.budgets import Answer, Hold
+from router.tenancy.buckets import Hold, QuotaAnswer
 from router.tenancy.identity import Identity
 from shared.errors import Code, error
 
@@ -78,7 +78,7 @@ def _charged(
     when too many of its calls are waiting there."""
     core = conn.ingress.core
 
-    def go(got: Answer) -> None:
+    def go(got: QuotaAnswer) -> None:
         if not isinstance(got, Hold):
             return conn.respond_error(req, got, label)
         rl = ratelimit_headers(got.ratelimit) if got.ratelimit is not None else b""

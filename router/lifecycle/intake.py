@@ -24,7 +24,8 @@ from router.lifecycle.jobs import AWAITING_BUDGET, ENDED, QUEUED, JobMetrics, Jo
 from router.lifecycle.models import ModelRegistry, PromptTokens, tokenize_hashed
 from router.observe.metrics import RouterMetrics
 from router.policy import Job, Policy
-from router.tenancy.budgets import Answer, Hold, Quota
+from router.tenancy.buckets import Hold, QuotaAnswer
+from router.tenancy.budgets import Quota
 from shared import protocol as p
 from shared.config import ModelConfig
 from shared.errors import Code, error, label
@@ -143,7 +144,7 @@ class Intake:
             # usage sums the completion tokens of all n choices: reserve for all of them
             n = sub.params.n if sub.params is not None else 1
 
-            def answered(got: Answer) -> None:
+            def answered(got: QuotaAnswer) -> None:
                 self._reserved(j, got, tokens, max_tokens)
 
             if j.group is not None and j.group.refusal is not None:
@@ -158,7 +159,7 @@ class Intake:
             j.hold, j.rl = got, got.ratelimit
         return self._enqueue(j, tokens, max_tokens, now)
 
-    def _reserved(self, j: JobRecord, got: Answer, tokens: PromptTokens, max_tokens: int) -> None:
+    def _reserved(self, j: JobRecord, got: QuotaAnswer, tokens: PromptTokens, max_tokens: int) -> None:
         """The budget store's answer for a job that waited for it."""
         if j.state is ENDED:  # cancelled meanwhile: give it back at once
             if isinstance(got, Hold):
