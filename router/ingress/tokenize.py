@@ -19,7 +19,7 @@ from router.ingress.connection import Connection, Request
 from router.ingress.headers import ratelimit_headers
 from router.ingress.routes import JSON
 from router.lifecycle.models import ServedModel
-from router.lifecycle.prompts import INLINE_MAX_CHARS
+from router.lifecycle.prompts import INLINE_MAX_CHARS, BadInput, ModelPrompts
 from router.tenancy.budgets import Answer, Hold
 from router.tenancy.identity import Identity
 from shared.errors import Code, error
@@ -109,7 +109,7 @@ def tokenize(conn: Connection, req: Request, label: str) -> None:
         return
     served, who = found
     prompts, max_len = served.prompts, served.config.max_model_len
-    work = partial(tokenize_api.answer_tokenize, prompts, job, max_len)
+    work = partial(answer_tokenize, prompts, job, max_len)
     _charged(conn, req, label, who, job.chars <= INLINE_MAX_CHARS, work)
 
 
@@ -125,4 +125,26 @@ def detokenize(conn: Connection, req: Request, label: str) -> None:
     served, who = found
     # (decoding an id costs about what encoding ~4 characters does)
     inline = len(parsed.tokens) * 4 <= INLINE_MAX_CHARS
-    _charged(conn, req, label, who, inline, partial(tokenize_api.answer_detokenize, served.prompts, parsed))
+    _charged(conn, req, label, who, inline, partial(answer_detokenize, served.prompts, parsed))
+
+
+def answer_tokenize(prompts: ModelPrompts, job: tokenize_api.TokenizeJob, max_model_len: int) -> bytes:
+    """The response body (RequestError for a chat the template refuses)."""
+    if job.chat is not None:
+        try:
+            text = prompts.render_chat(job.chat)
+        except BadInput as e:
+            raise api.invalid(str(e), param=e.param or "messages") from None
+        except Exception as e:  # the template's raise_exception, or no template
+            raise api.invalid(f"The chat template failed: {e}", param="messages") from None
+    else:
+        assert job.text is not None
+        text = job.text
+    ids = prompts.encode(text, job.add_special_tokens)
+    strs = prompts.token_strs(ids) if job.return_token_strs else None
+    return tokenize_api.tokenize_body(ids, max_model_len, strs)
+
+
+def answer_detokenize(prompts: ModelPrompts, req: tokenize_api.DetokenizeRequest) -> bytes:
+    # (ids outside the vocabulary decode to nothing: the tokenizer skips them, as under vLLM)
+    return tokenize_api.detokenize_body(prompts.decode(req.tokens))
