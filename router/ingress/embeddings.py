@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from router import api
+from router.ingress.connection import Connection, Request
+from router.ingress.exchange import STATUS_CLIENT_GONE
 from router.ingress.headers import ratelimit_headers
 from router.ingress.routes import JSON
 from router.lifecycle.ports import RequestSink
@@ -25,12 +27,7 @@ from router.tenancy.budgets import Group
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, Submit
 
-if TYPE_CHECKING:
-    from router.ingress.http_server import HttpConnection, _Request
-
 log = logging.getLogger("weir.http")
-
-STATUS_CLIENT_GONE = 499  # as router.ingress.http_server
 
 
 class _Core(Protocol):
@@ -57,12 +54,11 @@ class EmbeddingBatch:
 
     __slots__ = ("conn", "req", "ctx", "label", "core", "handles", "vectors", "left", "prompt_tokens", "done", "rl")
 
-    # What router.ingress.http_server's connection reads of its current exchange.
+    # What its connection reads of the response in progress (router.ingress.connection.InFlight).
     renderer = None
     queued = False
-    handle = None
 
-    def __init__(self, conn: HttpConnection, req: _Request, ctx: api.EmbeddingContext, label: str, core: _Core) -> None:
+    def __init__(self, conn: Connection, req: Request, ctx: api.EmbeddingContext, label: str, core: _Core) -> None:
         self.conn = conn
         self.req = req
         self.ctx = ctx
@@ -119,10 +115,11 @@ class EmbeddingBatch:
 
     def _fail(self, err: ErrorInfo) -> None:
         self.done = True
-        self._cancel_all()
+        self.cancel_jobs()
         self.conn.respond_error(self.req, err, self.label, self.rl if err.ratelimit is None else b"")
 
-    def _cancel_all(self) -> None:
+    def cancel_jobs(self) -> None:
+        """End every input's job in the core."""
         for h in self.handles:  # (one that ended already: a no-op)
             self.core.cancel(h)
 
@@ -130,11 +127,11 @@ class EmbeddingBatch:
         """The connection closed before the answer: cancel every input."""
         if not self.done:
             self.done = True
-            self._cancel_all()
+            self.cancel_jobs()
             self.conn.ingress.metrics.observe_http(self.label, STATUS_CLIENT_GONE, time.perf_counter() - self.req.t0)
 
 
-def start_embeddings(conn: HttpConnection, req: _Request, label: str, core: _Core) -> None:
+def start_embeddings(conn: Connection, req: Request, label: str, core: _Core) -> None:
     meta = api.meta_from_headers(
         req.header(b"authorization"),
         req.header(b"x-api-key"),
@@ -158,7 +155,7 @@ def start_embeddings(conn: HttpConnection, req: _Request, label: str, core: _Cor
         batch.start(subs)
     except Exception:
         batch.done = True
-        batch._cancel_all()
+        batch.cancel_jobs()
         conn.current = None
         conn.busy = False
         raise

@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import IO, Any, Protocol
+from typing import IO, Any
 from urllib.parse import parse_qs
 
 import msgspec
@@ -23,8 +23,9 @@ import msgspec
 from router.api.encoding import encode
 from router.api.metadata import metadata_problem
 from router.api.request import meta_from_headers
+from router.ingress.connection import Request
 from router.ingress.file_upload import MultipartToFile, Received, Upload, boundary_of
-from router.ingress.routes import Answer, BodyRoute, BodySink, PatternRoute, Refusal, Reply, Route, Routes, Stream
+from router.ingress.routes import Answer, BodyRoute, BodySink, ErrorReply, PatternRoute, Reply, Route, Routes, Stream
 from router.services.batch import model as bm
 from router.services.batch import usage
 from router.services.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore
@@ -46,22 +47,6 @@ FILE_THREADS = 4  # uploads' parse + write + fsync and downloads' reads (never t
 STORAGE_FULL_RETRY_S = 30.0
 
 
-class Request(Protocol):
-    @property
-    def method(self) -> bytes: ...
-
-    @property
-    def path(self) -> bytes: ...
-
-    @property
-    def body(self) -> bytes: ...
-
-    @property
-    def query(self) -> bytes: ...
-
-    def header(self, name: bytes) -> str | None: ...
-
-
 class CreateBatch(msgspec.Struct, forbid_unknown_fields=True):
     input_file_id: str
     endpoint: str
@@ -77,12 +62,12 @@ def _json(status: int, obj: object) -> Reply:
     return Reply(status, encode(obj))
 
 
-def _bad(message: str, param: str | None = None, code: Code = Code.BAD_REQUEST) -> Refusal:
-    return Refusal(error(code, message, param=param))
+def _bad(message: str, param: str | None = None, code: Code = Code.BAD_REQUEST) -> ErrorReply:
+    return ErrorReply(error(code, message, param=param))
 
 
-def _not_found(what: str, name: str) -> Refusal:
-    return Refusal(error(Code.NOT_FOUND, f"No such {what}: {name!r}", param=f"{what}_id"))
+def _not_found(what: str, name: str) -> ErrorReply:
+    return ErrorReply(error(Code.NOT_FOUND, f"No such {what}: {name!r}", param=f"{what}_id"))
 
 
 # GET /v1/files and /v1/batches: OpenAI's bounds and defaults of ``limit``
@@ -96,7 +81,7 @@ class PageQuery(msgspec.Struct):
     purpose: str | None
 
 
-def page_query(query: bytes, bounds: tuple[int, int]) -> PageQuery | Refusal:
+def page_query(query: bytes, bounds: tuple[int, int]) -> PageQuery | ErrorReply:
     """``after``, ``limit`` (1..bounds[0], default bounds[1]) and ``purpose`` of a list's query string."""
     try:
         qs = parse_qs(query.decode("utf-8"), strict_parsing=False)
@@ -127,9 +112,9 @@ def _page(rows: list[dict[str, Any]], limit: int) -> Reply:
     )
 
 
-def _storage_full(e: OSError, what: str = "file") -> Refusal:
+def _storage_full(e: OSError, what: str = "file") -> ErrorReply:
     log.error("a %s could not be written: %s", what, e)
-    return Refusal(
+    return ErrorReply(
         error(
             Code.STORAGE_FULL,
             f"The {what} could not be stored: the server's storage is full. Nothing was kept; try again later.",
@@ -159,10 +144,10 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
     files_store: FileStore = svc.files
     pool = concurrent.futures.ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="file-io")
 
-    def who(req: Request) -> tuple[str, str] | Refusal:
+    def who(req: Request) -> tuple[str, str] | ErrorReply:
         meta = meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"))
         got = owner_of(meta.api_key)
-        return Refusal(got) if isinstance(got, ErrorInfo) else got
+        return ErrorReply(got) if isinstance(got, ErrorInfo) else got
 
     def listed(page: Callable[[], Answer]) -> Awaitable[Answer]:
         """A list page, made and encoded on a thread (a page may hold 10,000 objects)."""
@@ -178,26 +163,26 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     def files(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         if req.method == b"GET":
             return listed(lambda: list_files(req, owner))
-        return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
+        return ErrorReply(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
 
     def list_files(req: Any, owner: tuple[str, str]) -> Answer:
         q = page_query(req.query, FILES_LIMIT)
-        if isinstance(q, Refusal):
+        if isinstance(q, ErrorReply):
             return q
         rows = svc.index.files_page(owner[0], q.after, q.limit, q.purpose)
         if rows is None:
-            return Refusal(error(Code.NOT_FOUND, f"No such file: {q.after!r}", param="after"))
+            return ErrorReply(error(Code.NOT_FOUND, f"No such file: {q.after!r}", param="after"))
         return _page([f.public() for f in rows], q.limit)
 
-    def upload(req: Any) -> BodySink | Refusal:
+    def upload(req: Any) -> BodySink | ErrorReply:
         """POST /v1/files, from its head: the body streams into the returned
         Upload (router.ingress.file_upload) as it arrives; ``uploaded`` answers."""
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         boundary = boundary_of(req.header(b"content-type"))
         if boundary is None:
@@ -210,7 +195,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         held = svc.index.hold(owner[0], svc.limits(*owner) if svc.indexed.is_set() else None, declared)
         if isinstance(held, ErrorInfo):
             body.discard()
-            return Refusal(held)  # (the body is read and dropped, then this answered)
+            return ErrorReply(held)  # (the body is read and dropped, then this answered)
         return Upload(pool, body, lambda got: uploaded(owner, held, got), lambda: svc.index.release(held))
 
     async def uploaded(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
@@ -225,8 +210,8 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if isinstance(got, OSError):
             return _storage_full(got)
         if isinstance(got, ErrorInfo):
-            return Refusal(got)
-        refusal: Refusal | None = None
+            return ErrorReply(got)
+        refusal: ErrorReply | None = None
         purpose = got.fields.get("purpose", "").strip()
         expires_s = None
         if purpose not in UPLOAD_PURPOSES:
@@ -246,7 +231,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if refusal is None and got.file is not None:  # the size known, before the file is kept
             await svc.indexed.wait()
             refused = svc.index.settle(held, svc.limits(*owner), got.file.size)
-            refusal = None if refused is None else Refusal(refused)
+            refusal = None if refused is None else ErrorReply(refused)
         loop = asyncio.get_running_loop()
         if refusal is not None or got.file is None:
             if got.file is not None:
@@ -263,7 +248,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
     def file_item(req: Any) -> Answer | Awaitable[Answer]:
         """GET / DELETE /v1/files/{id}: the meta read (and the delete) on the API thread."""
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         fid = req.path[len(b"/v1/files/") :].decode("utf-8", "replace")
         if req.method == b"GET":
@@ -281,11 +266,11 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
                 return _json(200, {"id": fid, "object": "file", "deleted": True})
 
             return svc.off_loop(delete)
-        return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or DELETE"), b"allow: GET, DELETE\r\n")
+        return ErrorReply(error(Code.METHOD_NOT_ALLOWED, "use GET or DELETE"), b"allow: GET, DELETE\r\n")
 
     def file_content(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         fid = req.path[len(b"/v1/files/") : -len(b"/content")].decode("utf-8", "replace")
 
@@ -315,21 +300,21 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     def batches(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         if req.method == b"GET":
             return listed(lambda: list_batches(req, owner))
         if req.method != b"POST":
-            return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
+            return ErrorReply(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
         return create_batch(req, owner)
 
     def list_batches(req: Any, owner: tuple[str, str]) -> Answer:
         q = page_query(req.query, BATCHES_LIMIT)
-        if isinstance(q, Refusal):
+        if isinstance(q, ErrorReply):
             return q
         rows = svc.list(owner[0], q.after, q.limit)
         if rows is None:
-            return Refusal(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
+            return ErrorReply(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
         return _page([r.public() for r in rows], q.limit)
 
     def create_batch(req: Any, owner: tuple[str, str]) -> Answer | Awaitable[Answer]:
@@ -370,7 +355,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
                 return _bad("The input file's purpose must be batch.", "input_file_id")
             refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
             if refused is not None:
-                return Refusal(refused)
+                return ErrorReply(refused)
             try:
                 rec = svc.create(
                     owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata, out_expires_s
@@ -397,7 +382,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     def batch_item(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         bid = req.path[len(b"/v1/batches/") :].decode("utf-8", "replace")
 
@@ -415,7 +400,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     def batch_cancel(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         bid = req.path[len(b"/v1/batches/") : -len(b"/cancel")].decode("utf-8", "replace")
 

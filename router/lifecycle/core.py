@@ -58,7 +58,8 @@ from router.lifecycle.recovery import Recovery
 from router.lifecycle.tokenizer_queue import CALL, TokenizerQueue
 from router.observe.metrics import RouterMetrics
 from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
-from router.tenancy.budgets import NO_HOLD, Answer, Group, Quota
+from router.tenancy.buckets import NO_HOLD, QuotaAnswer
+from router.tenancy.budgets import Group, Quota
 from router.tenancy.identity import Identity, Keys
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
@@ -188,7 +189,7 @@ class RouterCore:
         """The key check of ``submit`` alone (/tokenize): who it is, or why not."""
         return self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
 
-    def charge_call(self, who: Identity, on_answer: Callable[[Answer], None]) -> Answer | None:
+    def charge_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None:
         """One request unit of ``who``'s budgets for a call that is not a
         generation (/tokenize): a Hold or a refusal now, or None and ``on_answer`` later."""
         if not self.quota.active:

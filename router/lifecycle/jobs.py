@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
-from router.tenancy.budgets import Group, Hold
+from router.tenancy.buckets import Hold
+from router.tenancy.budgets import Group
 from router.tenancy.identity import Identity
 from shared import protocol as p
 

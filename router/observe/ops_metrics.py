@@ -18,7 +18,7 @@ from router.observe.worker_report import WorkerReport
 from shared.config import ModelConfig
 
 
-class ModelQueues(Protocol):
+class QueuedByModel(Protocol):
     """What the gauges read of the lifecycle (router.lifecycle.core.RouterCore)."""
 
     def served_models(self) -> list[ModelConfig]: ...
@@ -33,7 +33,7 @@ class LinkedWorkers(Protocol):
 
 
 class OpsCollector:
-    def __init__(self, core: ModelQueues, link: LinkedWorkers) -> None:
+    def __init__(self, core: QueuedByModel, link: LinkedWorkers) -> None:
         self.core = core
         self.link = link
 

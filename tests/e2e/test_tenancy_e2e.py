@@ -204,12 +204,13 @@ def test_redis_credits_apply_once_and_undo_only_a_reserve_that_took(redis_url):
     what it took if it ran, and nothing if it never took."""
     import asyncio
 
-    from router.tenancy.budgets import Bucket, RedisStore
+    from router.tenancy.buckets import Bucket
+    from router.tenancy.store_redis import RedisBudgetStore
 
     tpm = Bucket("k:exact:tpm", 1000, 60.0, True, "tokens_per_minute")
 
     async def scenario():
-        store = RedisStore(redis_url, f"weir-exact-{os.getpid()}:", 2.0)
+        store = RedisBudgetStore(redis_url, f"weir-exact-{os.getpid()}:", 2.0)
 
         def call(op, amount, hold_id):
             fut = asyncio.get_running_loop().create_future()

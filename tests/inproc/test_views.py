@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.ingress.routes import Refusal, Reply, Routes, routes
+from router.ingress.routes import ErrorReply, Reply, Routes, routes
 from router.lifecycle.core import RouterCore
 from router.lifecycle.reads import CoreView
 from router.observe import exposition
@@ -113,7 +113,7 @@ class Router:
             answer = pattern.handler(req)
         if inspect.isawaitable(answer):  # /metrics: rendered over loop turns (router.observe.exposition)
             answer = self.loop.run_until_complete(answer)
-        if isinstance(answer, Refusal):
+        if isinstance(answer, ErrorReply):
             return answer.info.status, answer.info.code
         assert isinstance(answer, Reply)
         return answer.status, json.loads(answer.body) if answer.content_type == b"application/json" else answer.body

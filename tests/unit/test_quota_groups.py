@@ -1,4 +1,4 @@
-"""router.tenancy.budgets's fan-out arithmetic, without the lifecycle: a request of k
+"""The budgets' fan-out arithmetic (router.tenancy.buckets, .budgets), without the lifecycle: a request of k
 jobs takes its k request units in one reservation (router.tenancy.budgets.Group) or
 none; it is never charged more than k, and any refusal among its jobs gives
 every unit back.  The lifecycle around it: tests/inproc/test_quota.py."""
@@ -10,8 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.observe.metrics import RouterMetrics
-from router.tenancy.budgets import Bucket, Group, Hold, MemoryStore, Quota, costs, settle_amounts, too_large
+from router.tenancy.buckets import Bucket, Hold, costs, settle_amounts, too_large
+from router.tenancy.budgets import Group, Quota
 from router.tenancy.identity import Identity
+from router.tenancy.store_memory import MemoryBudgetStore
 from shared.config import Config
 from shared.keys import config_digest, digest, key_id
 
@@ -37,7 +39,7 @@ def test_too_large_names_the_budget_a_request_could_never_fit():
     assert too_large((RPM, TPM), 10, 11) is RPM
 
 
-class _Frozen(MemoryStore):
+class _Frozen(MemoryBudgetStore):
     """No refill: what is taken can be compared exactly."""
 
     def level(self, b, now):
