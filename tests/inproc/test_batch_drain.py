@@ -23,7 +23,7 @@ from test_batch_disk_full import small_disk as small_disk  # (a fixture)
 from test_lifecycle import Harness
 
 from router.lifecycle.drain import Drain
-from router.services.batch import model as m
+from router.services.batch import rules as m
 from router.services.batch.files import FileStore
 from router.services.batch.lease import FileLease
 from router.services.batch.service import BatchService
@@ -204,7 +204,7 @@ def test_a_holder_whose_lease_was_taken_over_writes_nothing_more_and_stops(tmp_p
         out = tmp_path / "files" / f"{rec.output_file_id}.data"
         written = out.read_bytes()
         token = a.svc.lease.token(bid)
-        assert token >= 1 and run.fence.token == token
+        assert token >= 1 and run.results.fence.token == token
         store.fence(bid, token + 1).claim()  # another router's grant, as after a takeover
 
         async def held_elsewhere(_bid: str) -> bool:
@@ -242,7 +242,7 @@ def test_a_write_queued_on_the_io_thread_before_a_takeover_is_refused_when_it_ru
         token = a.svc.lease.token(bid)
         a.svc.io.submit(gate.wait)  # the I/O thread is busy (a slow disk, a long fsync)
         a.finish(second)
-        _until(a, lambda: run._flushing is not None, "the second line's write was never queued")
+        _until(a, lambda: run.results._flushing is not None, "the second line's write was never queued")
         store.fence(bid, token + 1).claim()  # meanwhile another router takes the batch over
 
         async def held_elsewhere(_bid: str) -> bool:
@@ -275,7 +275,7 @@ def test_a_drain_while_the_disk_is_full_hands_on_only_what_was_written(small_dis
         run = a.run()
         filler = _fill(small_disk)
         a.call(a.h.tokens, second, 3000, "length")  # its result (~6 KB) meets the full disk: held in memory
-        _until(a, lambda: run.disk_full_since is not None, "the write never met the full disk")
+        _until(a, lambda: run.results.disk_full_since is not None, "the write never met the full disk")
         drain = Drain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
         a.call(drain.start, "test")
         a.pump(0.2)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from batchutil import in_progress_batch
 
-from router.services.batch import model as m
+from router.services.batch import rules as m
 from router.services.batch.feeder import BatchRun
 from router.services.batch.files import FileStore
 from router.services.batch.store import BatchStore
@@ -52,7 +52,7 @@ def _service(root: Path) -> types.SimpleNamespace:
 def _run(svc: types.SimpleNamespace, lines: int) -> BatchRun:
     rec = in_progress_batch(svc.store, OWNER, lines)
     run = BatchRun(svc, rec)  # type: ignore[arg-type]
-    run.done = bytearray((lines + 7) // 8)
+    run.results.done = bytearray((lines + 7) // 8)
     run.eof = True
     return run
 
@@ -74,8 +74,8 @@ def test_a_batch_whose_results_pass_the_bound_fails_alone(tmp_path: Path) -> Non
         for line in range(40):
             _finish_line(big, line, 1000)  # ~45 KB of results: past the 16 KiB bound
             _finish_line(small, line, 10)  # ~10 KB: within it
-            await asyncio.sleep(0.01)  # (results flush in groups, FLUSH_S apart)
-        await small._drain()
+            await asyncio.sleep(0.01)  # (results flush in groups, GROUP_WAIT_S apart)
+        await small.results.drain()
         for _ in range(200):
             if big.ended:
                 break
@@ -182,15 +182,15 @@ def test_a_revocation_or_a_drain_after_a_failed_write_leaves_the_failure_alone(t
 
     async def main() -> None:
         _finish_line(run, 0, 1000)  # its result alone passes the bound
-        assert run._flush_timer is not None
-        run._flush_timer.cancel()
-        run._flush()  # (now, not at the timer)
-        writing = run._flushing
+        assert run.results._flush_timer is not None
+        run.results._flush_timer.cancel()
+        run.results._flush()  # (now, not at the timer)
+        writing = run.results._flushing
         assert writing is not None
         gate = threading.Event()
         svc.io.submit(gate.wait)  # the failing write runs; what the failure does next waits behind this
         await asyncio.wait([writing])
-        assert run._write_failed
+        assert run.results.write_failed
         if then == "revoked":
             run.revoked = True  # the key is revoked while the failure is being recorded
         else:

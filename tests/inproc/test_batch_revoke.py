@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from router.services.batch import model as m
+from router.services.batch import rules as m
 from router.services.batch.feeder import REVOKED_CODE, BatchRun
 from router.services.batch.files import FileStore
 from router.services.batch.store import BatchStore, result_id

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 import router.services.batch.files as files_mod
 from router.ingress.files_batches import batch_routes, owner_of_key
 from router.ingress.routes import Refusal, Reply, Routes
-from router.services.batch import model as m
+from router.services.batch import rules as m
 from router.services.batch.service import BatchService
 from router.tenancy.identity import Keys
 from shared.config import loads
