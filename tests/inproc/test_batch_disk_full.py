@@ -24,9 +24,9 @@ import pytest
 from batchutil import in_progress_batch
 
 from router.services.batch import rules as m
-from router.services.batch.feeder import BatchRun
 from router.services.batch.files import FileStore
 from router.services.batch.host import BatchStats
+from router.services.batch.run import BatchRun
 from router.services.batch.service import _BatchCollector
 from router.services.batch.store import BatchStore, ResultLog, disk_full
 
@@ -115,7 +115,7 @@ def test_a_running_batch_pauses_while_the_disk_is_full_and_finishes_its_lines_on
         filler = _fill(small_disk)
         for i in range(n):  # the lines end while the disk is full
             sink = types.SimpleNamespace(line=i, custom_id=f"c{i}", ctx=types.SimpleNamespace(id=f"r{i}"), handles=[])
-            run.line_ok(sink, BODY)  # type: ignore[arg-type]
+            run.feeder.line_ok(sink, BODY)  # type: ignore[arg-type]
         deadline = time.monotonic() + 5
         while run.results.disk_full_since is None:
             assert time.monotonic() < deadline, "the write never met the full disk"
@@ -186,7 +186,7 @@ def test_a_state_save_that_fits_does_not_resume_feeding_while_results_wait_for_r
         spare.unlink()  # one page free: a state file fits, ~20 KB of results do not
         for i in range(n):
             sink = types.SimpleNamespace(line=i, custom_id=f"c{i}", ctx=types.SimpleNamespace(id=f"r{i}"), handles=[])
-            run.line_ok(sink, body)  # type: ignore[arg-type]
+            run.feeder.line_ok(sink, body)  # type: ignore[arg-type]
         deadline = time.monotonic() + 5
         while run.results.disk_full_since is None:
             assert time.monotonic() < deadline, "the write never met the full disk"

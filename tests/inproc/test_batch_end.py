@@ -21,8 +21,8 @@ import pytest
 from batchutil import in_progress_batch
 
 from router.services.batch import rules as m
-from router.services.batch.feeder import BatchRun
 from router.services.batch.files import FileStore
+from router.services.batch.run import BatchRun
 from router.services.batch.store import BatchStore
 
 OWNER = "tenant-a"

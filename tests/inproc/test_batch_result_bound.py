@@ -19,8 +19,8 @@ import pytest
 from batchutil import in_progress_batch
 
 from router.services.batch import rules as m
-from router.services.batch.feeder import BatchRun
 from router.services.batch.files import FileStore
+from router.services.batch.run import BatchRun
 from router.services.batch.store import BatchStore
 from shared.errors import Code, error
 
@@ -53,7 +53,7 @@ def _run(svc: types.SimpleNamespace, lines: int) -> BatchRun:
     rec = in_progress_batch(svc.store, OWNER, lines)
     run = BatchRun(svc, rec)  # type: ignore[arg-type]
     run.results.done = bytearray((lines + 7) // 8)
-    run.eof = True
+    run.feeder.eof = True
     return run
 
 
@@ -63,7 +63,7 @@ def _finish_line(run: BatchRun, line: int, text_bytes: int) -> None:
     body = json.dumps(
         {"id": ctx.id, "choices": [{"text": "x" * text_bytes}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
     ).encode()
-    run.line_ok(sink, body)  # type: ignore[arg-type]
+    run.feeder.line_ok(sink, body)  # type: ignore[arg-type]
 
 
 def test_a_batch_whose_results_pass_the_bound_fails_alone(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_a_group_cut_by_the_bound_counts_the_results_it_wrote(tmp_path: Path) ->
         run = _run(svc, 2)
         _finish_line(run, 0, 10)  # ~300 bytes: fits
         sink = types.SimpleNamespace(handles=[], line=1, custom_id="c1", raw=b"")
-        run.line_refused(sink, error(Code.BAD_REQUEST, "x" * 4096))  # type: ignore[arg-type]
+        run.feeder.line_refused(sink, error(Code.BAD_REQUEST, "x" * 4096))  # type: ignore[arg-type]
         for _ in range(200):
             if run.ended:
                 break
@@ -194,7 +194,7 @@ def test_a_revocation_or_a_drain_after_a_failed_write_leaves_the_failure_alone(t
         if then == "revoked":
             run.revoked = True  # the key is revoked while the failure is being recorded
         else:
-            run.draining = True  # the router drains meanwhile
+            run.feeder.draining = True  # the router drains meanwhile
         stepping = asyncio.ensure_future(run.step())
         await asyncio.sleep(0.05)
         gate.set()

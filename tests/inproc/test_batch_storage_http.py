@@ -240,7 +240,7 @@ def test_output_expires_after_is_validated_and_kept_for_the_result_files(api: Ap
     assert status == 200
     rec = api.svc.store.load(b["id"])
     assert rec.output_expires_after_s == 7200
-    # the result file, registered at the batch's end (router.services.batch.feeder), expires 7200 s after it is made
+    # the result file, registered at the batch's end (router.services.batch.results), expires 7200 s after it is made
     api.svc.files.data_path(rec.output_file_id).write_bytes(b"{}\n")
     meta = api.svc.files.register("a", rec.output_file_id, "out.jsonl", "batch_output", rec.output_expires_after_s)
     assert meta.public()["expires_at"] == meta.created_at + 7200

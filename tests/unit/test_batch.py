@@ -221,7 +221,7 @@ def test_weir_stats_shows_a_line_per_running_batch():
 
 
 class _Run:
-    """What an EmbeddingLine reports to (router.services.batch.feeder.BatchRun): its one end."""
+    """What an EmbeddingLine reports to (router.services.batch.feeder.LineFeeder): its one end."""
 
     def __init__(self):
         self.ends = []

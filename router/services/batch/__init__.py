@@ -15,7 +15,9 @@ none of them ``router.ingress``):
 - ``storage`` (what each tenant keeps, against its limits: ``StorageIndex``);
 - ``host`` (``BatchHost``: what a run needs of its router; ``BatchStats``);
 - ``results`` (one run's writes, under its fence: ``ResultWriter``),
-  ``feeder`` (one run's feeding and its ends: ``BatchRun``);
+  ``feeder`` (one run's lines into the core: ``LineFeeder``);
+- ``run`` (one batch's life on this router, its steps and its ends:
+  ``BatchRun``, over its feeder and its writer);
 - ``service`` (all of it in one router: scans, leases, the API's calls,
   preemption, metrics: ``BatchService``, the ``BatchHost`` of its runs).
 

@@ -1,6 +1,6 @@
-"""One batch running on this router: its lines fed into the normal submit path.
+"""One batch's lines fed into the normal submit path.
 
-``BatchRun`` streams the input file (never loaded whole) and submits each
+``LineFeeder`` streams the input file (never loaded whole) and submits each
 line through ``RouterCore.submit`` -- the same admission, budgets, policy and
 workers as a live request -- in the lowest class (``batch``, or the config's
 last), as the key that created the batch.  The policy's class headroom and
@@ -15,21 +15,13 @@ Any other refusal, or a line that does not parse, is an entry in the error
 file, keyed by its custom_id.  A line of several jobs (an embeddings line's
 inputs, a completions line's prompt list: router.services.batch.lines) counts each
 job against the window; one refused or failed ends the whole line.  Each
-line's end goes to the run's ``ResultWriter`` (router.services.batch.results),
-which writes the result and error files and the batch's state under its
-fence: a run whose lease another router has taken over is refused there and
-stops, writing nothing.  The run decides; the writer writes.
+line's end goes to the run's ``ResultWriter`` (router.services.batch.results);
+while it waits for room on a full disk, no new line is sent.
 
-A draining router (router.lifecycle.drain) hands its batches on: the feeder sends no
-more lines, withdraws those still queued, lets the running ones finish (or
-the drain's deadline refuse them: retryable, so not written), writes what
-finished, and ends the run without ending the batch; the service then
-releases the lease at once, so another router -- or this one, restarted --
-takes the batch over where it stopped.
-
-A full disk (ENOSPC, EDQUOT) pauses the run: no new line is sent while the
-writer waits for room (router.services.batch.results), and feeding resumes
-once a write goes through.  The batch never fails for it.
+A draining router (router.lifecycle.drain): the feeder sends no more lines,
+withdraws those still queued (not started: the next holder sends them) and
+lets the running ones finish; the run (router.services.batch.run) then hands
+the batch on.
 """
 
 from __future__ import annotations
@@ -38,195 +30,68 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from router import api
 from router.lifecycle.fanout import PromptFanOut, echo_texts
 from router.lifecycle.jobs import RUNNING, job_id_of
 from router.services.batch import rules as m
 from router.services.batch.lines import AsOwner, EmbeddingLine, InFlightLine, LineSink
-from router.services.batch.results import ResultWriter
-from router.services.batch.store import BatchError, BatchRecord, ResultsTooLarge, StaleLease, disk_full, result_id
-from router.services.batch.validate import LineJobs, check_file, decode_line, to_jobs
-from router.tenancy.identity import ANONYMOUS_TENANT, Identity
-from router.tenancy.ownership import key_live
+from router.services.batch.store import BatchRecord, result_id
+from router.services.batch.validate import LineJobs, decode_line, to_jobs
+from router.tenancy.identity import Identity
 from shared import protocol as p
 from shared.errors import Code, error
-from shared.keys import key_id
 
 if TYPE_CHECKING:
     from router.services.batch.host import BatchHost
+    from router.services.batch.results import ResultWriter
 
 log = logging.getLogger("weir.batch")
 
 READ_PER_PASS = 4096  # input lines read per feeding pass at most (bad lines cost no slot)
-EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
-REVOKED_CODE = "api_key_revoked"
-REVOKED_MESSAGE = (
-    "The API key that created this batch was removed or moved to another tenant: the batch was cancelled "
-    "and this request was not executed."
-)
 
 
-class BatchRun:
-    """One batch on this router: its lines fed into the core, its ends decided (written by ``results``)."""
+class LineFeeder:
+    """One run's feeding: the ``LineOwner`` of its lines in flight (router.services.batch.lines)."""
 
-    def __init__(self, host: BatchHost, rec: BatchRecord, token: int = 0) -> None:
+    def __init__(
+        self,
+        host: BatchHost,
+        rec: BatchRecord,
+        results: ResultWriter,
+        wake: asyncio.Event,
+        who: Identity | p.ErrorInfo,
+    ) -> None:
         self.svc = host
         self.core = host.core
         self.rec = rec
+        self.results = results
+        self.wake = wake  # the run's: it steps when a line's end may end the batch, or the drain starts
+        self.who = who  # the lines' identity (the run's, checked again when the keys are reloaded)
         bcfg = host.bcfg
         self.window, self.queue_target, self.retry_s = bcfg.max_in_flight, bcfg.queued_target, bcfg.retry_s
         self.max_body = host.max_body_bytes
         self.max_prompts = host.max_prompts
         self.input_path = host.files.data_path(rec.input_file_id)
-        self.results = ResultWriter(host, rec, token, resume=self.kick, fail=self._fail, stale=self._stale)
         self.cursor = 0  # the next physical input line to read
         self._input: IO[bytes] | None = None
         self.eof = False
         self.in_flight: dict[int, InFlightLine] = {}  # job handle -> its line
         self.retry: collections.deque[tuple[float, int, bytes]] = collections.deque()  # (not before, line, raw)
         self._kicked = False
-        self.wake = asyncio.Event()
-        self.ended = False
-        self.draining = False  # the router drains: no more lines; hand the batch on once the running ones end
-        self.handed_off = False  # the run ended with the batch still running: its lease goes to another router
-        self.started_mono = time.monotonic()
-        self.done_at_start = 0
-        self.who: Identity | p.ErrorInfo = self._identity()
-        self.revoked = isinstance(self.who, p.ErrorInfo)  # its key is gone: cancelled at the next step
+        self.draining = False  # the router drains: no more lines; the batch is handed on once the running ones end
 
-    @property
-    def stopped(self) -> bool:
-        """The lease is lost (or the router stops): this run writes nothing more."""
-        return self.results.stopped
+    async def open(self) -> None:
+        """The input, from its start (the lines done already are skipped as they are read)."""
+        self._input = await asyncio.get_running_loop().run_in_executor(self.svc.io, open, self.input_path, "rb")
 
-    # ------------------------------------------------------------ identity and class
+    def close(self) -> None:
+        if self._input is not None:
+            self._input.close()
+            self._input = None
 
-    def _identity(self) -> Identity | p.ErrorInfo:
-        """Who the lines run as: the creating key, while it still speaks for the batch's tenant."""
-        keys = self.core.keys
-        klass = self.svc.batch_class
-        if not key_live(self.rec.owner, self.rec.key_digest, keys.by_key):
-            return error(Code.INVALID_API_KEY, "The API key that created this batch is no longer valid.")
-        if not keys.by_key:
-            return Identity(ANONYMOUS_TENANT, klass, 1.0, "")
-        key = keys.by_key[self.rec.key_digest]
-        return Identity(key.tenant, klass, key.weight, key_id(self.rec.key_digest))
-
-    def recheck(self) -> None:
-        """The keys were reloaded: a batch whose key was removed or moved to another tenant is cancelled."""
-        self.who = self._identity()
-        if isinstance(self.who, p.ErrorInfo) and not self.revoked:
-            self.revoked = True
-            log.warning("batch %s: its API key was revoked; cancelling it", self.rec.id)
-            self.wake.set()
-
-    # ------------------------------------------------------------ the run
-
-    async def main(self) -> None:
-        """Validate (a new batch) or recover (one this or another router ran), then feed until it ends."""
-        try:
-            if self.rec.status == m.VALIDATING:
-                if not await self._validate():
-                    return
-            await self._recover()
-            while not self.stopped:
-                try:
-                    await self.step()
-                except OSError as e:
-                    if not disk_full(e) or self.stopped:
-                        raise
-                    self.results.disk_full(e)  # tried again at the next step
-                if self.ended or self.handed_off:
-                    return
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), self.svc.bcfg.scan_interval_s)
-                except TimeoutError:
-                    pass
-        except StaleLease as e:
-            self._stale(e)
-        except Exception as e:
-            log.exception("batch %s failed", self.rec.id)
-            if not self.stopped:
-                await self._fail("internal_error", f"The batch failed: {e}")
-        finally:
-            self._close()
-
-    def _stale(self, e: StaleLease) -> None:
-        """A write was refused: another router holds the batch now.  Stop, write nothing more."""
-        if not self.stopped:
-            log.warning("batch %s: %s; another router runs it now, this one stops", self.rec.id, e)
-            self.stop()
-
-    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.svc.io, fn, *args)
-
-    async def _validate(self) -> bool:
-        rec = self.rec
-        if self.svc.store.cancel_requested(rec.id):
-            rec.move(m.CANCELLED)
-            await self.results.save()
-            self.ended = True
-            return False
-        try:
-            checked = await self._io(check_file, self.input_path)
-        except OSError as e:
-            checked = None
-            rec.errors = [BatchError("input_file_unreadable", f"The input file could not be read: {e}")]
-        if checked is not None:
-            rec.total, rec.input_lines = checked.total, checked.lines
-            if checked.errors:
-                rec.errors = checked.errors
-        if rec.errors:
-            rec.move(m.FAILED)
-            await self.results.save()
-            self.ended = True
-            return False
-        rec.move(m.IN_PROGRESS)
-        await self.results.save_or_wait()
-        return True
-
-    async def _recover(self) -> None:
-        """What is done already (router.services.batch.results: from the result files alone); the input opened."""
-        await self.results.recover()
-        rec = self.rec
-        self.done_at_start = rec.completed + rec.failed
-        self.started_mono = time.monotonic()
-        self._input = await self._io(open, self.input_path, "rb")
-
-    async def step(self) -> None:
-        rec = self.rec
-        if rec.status == m.FINALIZING:
-            return await self._finish(m.COMPLETED)
-        if self.revoked and rec.status in (m.IN_PROGRESS, m.CANCELLING):
-            return await self._revoke()
-        if time.time() >= rec.expires_at and rec.status in (m.IN_PROGRESS, m.CANCELLING):
-            return await self._expire()
-        if rec.status == m.IN_PROGRESS and self.svc.store.cancel_requested(rec.id):
-            rec.move(m.CANCELLING)
-            self.results.dirty = True
-            self._cancel_queued()
-        if rec.status == m.IN_PROGRESS:
-            self.feed()
-            if self.draining:
-                if not self.in_flight:
-                    await self._hand_off()
-                return
-            if self.eof and not self.retry and not self.in_flight:
-                await self.results.drain()
-                if self.stopped or self.results.write_failed or rec.status != m.IN_PROGRESS:
-                    return
-                rec.move(m.FINALIZING)
-                return await self._finish(m.COMPLETED)
-        elif rec.status == m.CANCELLING and not self.in_flight:
-            return await self._finish(m.CANCELLED)
-        if self.results.dirty:
-            await self.results.save_or_wait()
-
-    # ------------------------------------------------------------ feeding
+    # ------------------------------------------------------------ sending
 
     def kick(self) -> None:
         """A line ended: top the queue up at the end of this loop turn (once per turn)."""
@@ -236,7 +101,7 @@ class BatchRun:
 
     def _kick(self) -> None:
         self._kicked = False
-        if not self.stopped and self.rec.status == m.IN_PROGRESS:
+        if not self.results.stopped and self.rec.status == m.IN_PROGRESS:
             self.feed()
             if (self.draining or (self.eof and not self.retry)) and not self.in_flight:
                 self.wake.set()
@@ -284,24 +149,13 @@ class BatchRun:
             return
         self.draining = True
         if self.rec.status == m.IN_PROGRESS:
-            self._cancel_queued()
+            self.cancel_queued()
         log.info(
             "batch %s: router draining; %d lines running finish here, then the batch moves on",
             self.rec.id,
             len(self.in_flight),
         )
         self.wake.set()
-
-    async def _hand_off(self) -> None:
-        """Nothing of this run is in flight: write what finished, save, and end the run (not the batch)."""
-        await self.results.drain()
-        if self.stopped or self.results.write_failed:  # (a failed write: _fail ends the batch, under the lease still)
-            return
-        await self.results.save()
-        self.handed_off = True
-        log.info(
-            "batch %s: handed on (%d of %d done)", self.rec.id, self.rec.completed + self.rec.failed, self.rec.total
-        )
 
     def _next_line(self) -> tuple[int, bytes] | None:
         f = self._input
@@ -407,9 +261,9 @@ class BatchRun:
         self.results.error(line, custom_id, err)
         self.svc.stats.line_done(self.rec.owner, 0, 1)
 
-    # ------------------------------------------------------------ ends
+    # ------------------------------------------------------------ withdrawing
 
-    def _cancel_queued(self) -> None:
+    def cancel_queued(self) -> None:
         """Cancel: lines still waiting in the queue are withdrawn; running ones finish
         (a line of several jobs with any of them still queued is withdrawn whole)."""
         jobs = self.core.jobs
@@ -425,113 +279,7 @@ class BatchRun:
             if self.in_flight.pop(h, None) is not None:
                 self.core.cancel(h)
 
-    def _withdraw_all(self) -> None:
+    def withdraw_all(self) -> None:
         for sink in list(self.in_flight.values()):
             self._withdraw(sink)
         self.retry.clear()
-
-    async def _expire(self) -> None:
-        """The window passed: what finished stays; every other line gets a batch_expired entry."""
-        if await self._end_unfinished("batch_expired", EXPIRED_MESSAGE, "expiry"):
-            await self._end_files(m.EXPIRED)
-
-    async def _revoke(self) -> None:
-        """Its key was revoked: what finished stays; every other line gets an api_key_revoked
-        entry in the error file, and the batch ends cancelled with that error."""
-        if not await self._end_unfinished(REVOKED_CODE, REVOKED_MESSAGE, "revocation"):
-            return
-        rec = self.rec
-        if not any(e.code == REVOKED_CODE for e in rec.errors):  # (once: an end a full disk cut short runs again)
-            rec.errors = [*rec.errors, BatchError(REVOKED_CODE, REVOKED_MESSAGE)]
-        if rec.status == m.IN_PROGRESS:
-            rec.move(m.CANCELLING)
-        await self._end_files(m.CANCELLED)
-
-    async def _end_unfinished(self, code: str, message: str, what: str) -> bool:
-        """Stop feeding, let the running lines end, then an error entry (``code``)
-        for every line not done, counted in ``failed``; whether the batch may end
-        now (not when the run stopped or a failed write ends it through _fail)."""
-        self._withdraw_all()
-        await self.results.drain()
-        if self.stopped or self.results.write_failed:  # (a failed write: _fail ends it)
-            return False
-        try:
-            await self.results.write_unfinished(code, message)
-        except ResultsTooLarge as e:
-            await self._fail("results_too_large", str(e))
-            return False
-        except OSError as e:
-            if disk_full(e):
-                raise  # tried again at the next step (main): the entries written so far are marked done
-            await self._fail("results_write_failed", f"Writing {what} entries failed ({e}).")
-            return False
-        self.results.count_unfinished()
-        return True
-
-    async def _finish(self, status: str) -> None:
-        await self.results.drain()
-        if self.stopped or self.results.write_failed:  # (a failed write: _fail ends it)
-            return
-        if status == m.COMPLETED and self.rec.status != m.FINALIZING:
-            self.rec.move(m.FINALIZING)
-        await self._end_files(status)
-
-    async def _end_files(self, status: str) -> None:
-        """Output and error files become visible (/v1/files), then the batch ends and is saved.
-
-        In that order: a terminal batch shows its file ids at once, and a client that reads
-        one on seeing the status must find the file (the register runs off the loop)."""
-        rec = self.rec
-        await self.results.register()
-        was, stamps = rec.status, dict(rec.stamps)
-        rec.move(status)
-        try:
-            await self.results.save()
-        except OSError as e:
-            if disk_full(e):  # not ended until saved: back as it was, tried again at the next step
-                rec.status, rec.stamps = was, stamps
-            raise
-        self.ended = True
-        log.info("batch %s %s: %d completed, %d failed of %d", rec.id, rec.status, rec.completed, rec.failed, rec.total)
-
-    async def _fail(self, code: str, message: str) -> None:
-        try:
-            await self._fail_fenced(code, message)
-        except StaleLease as e:
-            self._stale(e)
-
-    async def _fail_fenced(self, code: str, message: str) -> None:
-        self._withdraw_all()
-        rec = self.rec
-        self.results.count_unfinished()  # expiry/revocation entries written before the failure
-        try:
-            await self.results.register()
-        except OSError as e:  # (a full disk: failing anyway, what could be registered was)
-            log.error("batch %s: registering result files failed: %s", rec.id, e)
-        rec.errors = [*rec.errors, BatchError(code, message)]
-        if rec.status not in m.TERMINAL:
-            rec.status = m.FAILED  # from any state: a failure is always recorded
-            rec.stamps[m.STAMP[m.FAILED]] = int(time.time())
-        try:
-            await self.results.save()
-        except OSError as e:
-            log.error("batch %s: saving its failed state failed too: %s", rec.id, e)
-        self.ended = True
-
-    def stop(self) -> None:
-        """The lease is lost (or the router stops): drop out at once, write nothing more."""
-        self.results.stop()  # (first: what a withdrawn line reports is written nowhere)
-        self._withdraw_all()
-        self.wake.set()
-
-    def _close(self) -> None:
-        if self._input is not None:
-            self._input.close()
-            self._input = None
-
-    # ------------------------------------------------------------ views
-
-    def eta_s(self) -> float | None:
-        rec = self.rec
-        done = rec.completed + rec.failed - self.done_at_start
-        return m.eta_seconds(done, rec.total - self.done_at_start, time.monotonic() - self.started_mono)

@@ -1,7 +1,7 @@
 """What a batch run needs of the router that runs it (``BatchHost``), and the counters it adds to.
 
-Declared here, below both: the run (router.services.batch.feeder,
-router.services.batch.results) reads its host through this Protocol, and the
+Declared here, below both: the run (router.services.batch.run, its
+feeder and its results) reads its host through this Protocol, and the
 service (router.services.batch.service.BatchService) is that host without the
 run importing it.
 """

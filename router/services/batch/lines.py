@@ -6,7 +6,7 @@ the line itself (``LineSink``); a completions line with a prompt list is one
 job per prompt, merged by router.lifecycle.fanout exactly as the live ingress
 merges them, into a ``LineSink`` too; an embeddings line is one job per
 input, its vectors gathered here (``EmbeddingLine``) into the live endpoint's
-body.  Each reports its end to its ``LineOwner`` (the feeder's run), declared
+body.  Each reports its end to its ``LineOwner`` (the run's feeder), declared
 here so that a line needs nothing of the run but those two calls.
 
 Every job of a line is admitted, budgeted and placed on its own, and the
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 class LineOwner(Protocol):
-    """Where a line reports how it ended (router.services.batch.feeder.BatchRun): once, muted after."""
+    """Where a line reports how it ended (router.services.batch.feeder.LineFeeder): once, muted after."""
 
     def line_ok(self, sink: InFlightLine, body: bytes) -> None:
         """The line's response ``body`` (200)."""

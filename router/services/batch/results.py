@@ -1,10 +1,11 @@
 """One running batch's writes: its result entries, its end files and its state, under its fence.
 
-``ResultWriter`` is the disk side of a run (router.services.batch.feeder.BatchRun
-is the feeding side).  It keeps which input lines are done (a bitmap rebuilt
-from the result files alone: ``recover``), turns each line's end into an
-entry of the output or error file (``ok``, ``error``), and appends them and
-fsyncs them on the batch I/O thread, in groups (router.services.batch.store.ResultLog),
+``ResultWriter`` is the disk side of a run (router.services.batch.run.BatchRun
+decides, router.services.batch.feeder.LineFeeder feeds).  It keeps which
+input lines are done (a bitmap rebuilt from the result files alone:
+``recover``), turns each line's end into an entry of the output or error
+file (``ok``, ``error``), and appends them and fsyncs them on the batch I/O
+thread, in groups (router.services.batch.store.ResultLog),
 each group -- and each state write (``save``), the entries of an expiry or a
 revocation (``write_unfinished``) and the files' registration (``register``)
 -- under the batch's fence (router.services.batch.store.Fence): a run whose lease

@@ -3,14 +3,14 @@
 ``BatchService`` answers the HTTP API (router.ingress.files_batches) from
 the directory (router.services.batch.files, router.services.batch.store), and every
 ``scan_interval_s`` looks for batches no router runs: it takes each one's
-lease (router.services.batch.lease) and runs it (router.services.batch.feeder.BatchRun),
+lease (router.services.batch.lease) and runs it (router.services.batch.run.BatchRun),
 renewing the leases it holds; a lease lost stops that run at once.  So
 with several routers over one directory each batch runs on exactly one of
 them, and moves to another when its router dies.
 
 A draining router takes no lease from the moment its drain starts, and
 hands on each batch it runs as soon as that batch's running lines end
-(router.services.batch.feeder.BatchRun.drain): the lease is released then, not at
+(router.services.batch.run.BatchRun.drain): the lease is released then, not at
 its TTL, so another router (or this one, restarted) takes over at once.
 """
 
@@ -28,10 +28,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from router.lifecycle.jobs import RUNNING, job_id_of
 from router.services.batch import rules as m
-from router.services.batch.feeder import BatchRun
 from router.services.batch.files import FileStore
 from router.services.batch.host import BatchStats
 from router.services.batch.lease import FileLease, Lease, RedisLease
+from router.services.batch.run import BatchRun
 from router.services.batch.storage import StorageIndex, StorageLimits, limits_for
 from router.services.batch.store import BatchRecord, BatchStore, StaleLease
 from router.tenancy.ownership import may_see
@@ -161,7 +161,7 @@ class BatchService:
             return 0
         jobs, moved = self.core.jobs, 0
         for run in list(self.runs.values()):
-            for handle, sink in reversed(list(run.in_flight.items())):
+            for handle, sink in reversed(list(run.feeder.in_flight.items())):
                 j = jobs.get(job_id_of(handle))
                 if sink.preempted or j is None or j.state is not RUNNING or waiting.get(j.sub.model, 0) <= 0:
                     continue
@@ -199,7 +199,7 @@ class BatchService:
 
     def recheck_owners(self) -> None:
         """After a reload: the batches running here whose key was removed or now
-        names another tenant are cancelled (router.services.batch.feeder ``BatchRun.recheck``);
+        names another tenant are cancelled (router.services.batch.run ``BatchRun.recheck``);
         one not running here is checked when a router takes it up."""
         for run in list(self.runs.values()):
             run.recheck()
@@ -419,7 +419,7 @@ class _BatchCollector:
         per_model: dict[tuple[str, str], int] = {}
         jobs = svc.core.jobs
         for run in svc.runs.values():
-            for handle in run.in_flight:
+            for handle in run.feeder.in_flight:
                 j = jobs.get(job_id_of(handle))
                 if j is not None:
                     key = (j.sub.model, "running" if j.state is RUNNING else "queued")
@@ -436,14 +436,14 @@ class _BatchCollector:
         running_batch = 0
         for bid, run in sorted(svc.runs.items()):
             rec = run.rec
-            queued = run.queued()
-            running = len(run.in_flight) - queued
+            queued = run.feeder.queued()
+            running = len(run.feeder.in_flight) - queued
             running_batch += running
             done = rec.completed + rec.failed
             lines.add_metric([bid, "queued"], queued)
             lines.add_metric([bid, "running"], running)
             lines.add_metric([bid, "done"], done)
-            lines.add_metric([bid, "pending"], max(0, rec.total - done - len(run.in_flight)))
+            lines.add_metric([bid, "pending"], max(0, rec.total - done - len(run.feeder.in_flight)))
             e = run.eta_s()
             if e is not None:
                 eta.add_metric([bid], e)
