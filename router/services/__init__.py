@@ -14,6 +14,8 @@ Layer: below ``router.ingress`` (its handlers call into services; a service
 never imports the ingress) and above ``router.lifecycle``.  A service may
 import ``router.lifecycle``, ``router.policy``, ``router.fleet``,
 ``router.tenancy``, ``router.observe``, ``router.api`` and ``shared``.
-What a service needs from a layer above it is declared here as a Protocol
-and wired by the composition root (``router.__main__``).
+A service that needs something of a layer above it declares a small Protocol
+of it beside its use, and the composition root (``router.__main__``) wires
+it; inside a service the same rule breaks circles (router.services.batch.host,
+router.services.batch.lines ``LineOwner``).
 """
