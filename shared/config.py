@@ -159,7 +159,7 @@ class Budgets(_Cfg):
     # Tokens of batch lines (router/services/batch/) per day, on top of the budgets
     # above; [[tenants]] only.  Exhausted: the tenant's batches wait.
     batch_tokens_per_day: int | None = None
-    # Storage of the Batch API, per tenant (router/services/batch/usage.py): files
+    # Storage of the Batch API, per tenant (router/services/batch/storage.py): files
     # kept, their bytes, batches not yet ended.  None: the [batch] default;
     # set on a key and on its tenant, the smaller applies.
     max_stored_files: int | None = None

@@ -26,9 +26,9 @@ from router.api.request import meta_from_headers
 from router.ingress.connection import Request
 from router.ingress.file_upload import MultipartToFile, Received, Upload, boundary_of
 from router.ingress.routes import Answer, BodyRoute, BodySink, ErrorReply, PatternRoute, Reply, Route, Routes, Stream
-from router.services.batch import model as bm
-from router.services.batch import usage
-from router.services.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore
+from router.services.batch import rules as bm
+from router.services.batch import storage
+from router.services.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore, StorageReservation
 from router.services.batch.retention import expires_after_seconds
 from router.services.batch.service import BatchService
 from router.services.batch.store import BatchRecord
@@ -188,17 +188,17 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if boundary is None:
             return _bad("Malformed upload: the body must be multipart/form-data with a boundary", "file")
         length = (req.header(b"content-length") or "").strip()
-        declared = max(1, int(length) - usage.FRAMING_BYTES) if length.isdigit() else 0
+        declared = max(1, int(length) - storage.FRAMING_BYTES) if length.isdigit() else 0
         body = MultipartToFile(files_store, boundary, max_file_bytes)
         # Room taken now, before anything is written, so uploads of one tenant at
         # once each count the others' (before the index is built: checked at the end).
-        held = svc.index.hold(owner[0], svc.limits(*owner) if svc.indexed.is_set() else None, declared)
+        held = svc.index.reserve(owner[0], svc.limits(*owner) if svc.indexed.is_set() else None, declared)
         if isinstance(held, ErrorInfo):
             body.discard()
             return ErrorReply(held)  # (the body is read and dropped, then this answered)
         return Upload(pool, body, lambda got: uploaded(owner, held, got), lambda: svc.index.release(held))
 
-    async def uploaded(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
+    async def uploaded(owner: tuple[str, str], held: StorageReservation, got: Received | ErrorInfo | OSError) -> Answer:
         """The whole body was read and written (or refused): keep the file in
         place of its hold, or leave nothing and release the hold."""
         try:
@@ -206,7 +206,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         finally:
             svc.index.release(held)  # (nothing if the file took its place)
 
-    async def keep(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
+    async def keep(owner: tuple[str, str], held: StorageReservation, got: Received | ErrorInfo | OSError) -> Answer:
         if isinstance(got, OSError):
             return _storage_full(got)
         if isinstance(got, ErrorInfo):
@@ -353,7 +353,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
                 return _not_found("input_file", body.input_file_id)
             if meta.purpose != "batch":
                 return _bad("The input file's purpose must be batch.", "input_file_id")
-            refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
+            refused = storage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
             if refused is not None:
                 return ErrorReply(refused)
             try:

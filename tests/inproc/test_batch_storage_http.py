@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 import router.services.batch.files as files_mod
 from router.ingress.files_batches import batch_routes, owner_of_key
 from router.ingress.routes import ErrorReply, Reply, Routes
-from router.services.batch import model as m
+from router.services.batch import rules as m
 from router.services.batch.service import BatchService
 from router.tenancy.identity import Keys
 from shared.config import loads
@@ -240,7 +240,7 @@ def test_output_expires_after_is_validated_and_kept_for_the_result_files(api: Ap
     assert status == 200
     rec = api.svc.store.load(b["id"])
     assert rec.output_expires_after_s == 7200
-    # the result file, registered at the batch's end (router.services.batch.feeder), expires 7200 s after it is made
+    # the result file, registered at the batch's end (router.services.batch.results), expires 7200 s after it is made
     api.svc.files.data_path(rec.output_file_id).write_bytes(b"{}\n")
     meta = api.svc.files.register("a", rec.output_file_id, "out.jsonl", "batch_output", rec.output_expires_after_s)
     assert meta.public()["expires_at"] == meta.created_at + 7200

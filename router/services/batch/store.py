@@ -2,7 +2,7 @@
 
 ``<dir>/batches/<id>/state.json`` is the batch (OpenAI's object plus what
 the runner needs: owner, key digest, line count), rewritten atomically
-(router.services.batch.files.write_atomic).  Results go straight into the output and
+(router.services.batch.disk.write_atomic).  Results go straight into the output and
 error files (``<dir>/files/<file id>.data``), one JSON line per request
 line, appended and fsync'ed in groups; each result's ``id`` carries its
 input line number, so after a crash the runner rebuilds which lines are done
@@ -31,15 +31,12 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
-from router.services.batch import model as m
-from router.services.batch.files import new_id, write_atomic
-
-if TYPE_CHECKING:
-    from router.services.batch.usage import UsageIndex
+from router.services.batch import rules as m
+from router.services.batch.disk import new_id, write_atomic
 
 
 class BatchError(msgspec.Struct):
@@ -49,7 +46,9 @@ class BatchError(msgspec.Struct):
     param: str | None = None
 
 
-class Usage(msgspec.Struct):
+class BatchUsage(msgspec.Struct):
+    """The tokens a batch's answered lines took (the batch object's ``usage``)."""
+
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -79,7 +78,7 @@ class BatchRecord(msgspec.Struct, kw_only=True):
     input_lines: int = 0  # lines of the input file, blank ones included
     completed: int = 0
     failed: int = 0
-    usage: Usage = msgspec.field(default_factory=Usage)
+    usage: BatchUsage = msgspec.field(default_factory=BatchUsage)
     errors: list[BatchError] = []
     output_file_id: str  # allocated at create, shown once the batch ends with output
     error_file_id: str
@@ -157,11 +156,17 @@ class Fence:
             pass
 
 
+class BatchIndex(Protocol):
+    """What the store tells of each state it saves (router.services.batch.storage.StorageIndex)."""
+
+    def put_batch(self, rec: BatchRecord) -> None: ...
+
+
 class BatchStore:
-    def __init__(self, directory: Path, index: UsageIndex | None = None) -> None:
+    def __init__(self, directory: Path, index: BatchIndex | None = None) -> None:
         self.dir = directory / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.index = index  # told of every state saved (router.services.batch.usage)
+        self.index = index  # told of every state saved (router.services.batch.storage)
 
     def path(self, batch_id: str) -> Path:
         return self.dir / batch_id
@@ -267,7 +272,7 @@ class ResultLog:
         self.path = path
         self.max_bytes = max_bytes
         self.lines = 0
-        self.usage = Usage()  # of the lines read back by recover
+        self.usage = BatchUsage()  # of the lines read back by recover
         self._fd: int | None = None  # opened (O_APPEND) on first append
 
     def recover(self, done: bytearray) -> None:
