@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from deploy.k8s_groups import dns_name, worker_groups
 from deploy.k8s_objects import (
     APP,
     BATCH_DIR,
@@ -50,13 +51,11 @@ from deploy.k8s_objects import (
     _has_vllm,
     check,
     configmap,
-    dns_name,
     envoy_objects,
     network_policies,
     pod_config_sha,
     router_objects,
     routers_host,
-    worker_groups,
     worker_objects,
     worker_router_backend,
     worker_statefulset,

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from typing import Any
 
 import msgspec
 import tomli_w
 
 from deploy import envoy_config, k8s_security
-from shared.config import Config, ConfigError, WorkerConfig, split_hostport
+from deploy.k8s_groups import WorkerGroup, dns_name, worker_groups
+from shared.config import Config, ConfigError, split_hostport
 
 CONFIG_DIR = "/etc/weir"
 MODELS_DIR = "/models"
@@ -35,12 +35,6 @@ HASH_ANNOTATION = "weir.io/config-sha256"
 
 
 # ------------------------------------------------------------------ names
-
-
-def dns_name(text: str) -> str:
-    """A DNS-1123 label from a model or pool name."""
-    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
-    return name[:50] or "x"
 
 
 def routers_host(cfg: Config) -> str:
@@ -65,27 +59,6 @@ def _port(addr: str) -> int:
 def router_admin_port(cfg: Config) -> int:
     """The routers' admin listener: /admin/*, /metrics, /health, apart from the API's port."""
     return _port(cfg.router.admin_http) if cfg.router.admin_http else ROUTER_ADMIN_PORT
-
-
-class WorkerGroup(msgspec.Struct, frozen=True):
-    """One StatefulSet: the [[workers]] of one model and pool."""
-
-    name: str
-    model: str
-    pool: str
-    engine: str
-    template: WorkerConfig  # the first entry's settings, run by every pod
-
-
-def worker_groups(cfg: Config) -> list[WorkerGroup]:
-    groups: dict[tuple[str, str], list[WorkerConfig]] = {}
-    for w in cfg.workers:
-        groups.setdefault((w.model, w.pool), []).append(w)
-    out = []
-    for (model, pool), ws in groups.items():
-        suffix = "" if pool == "any" else f"-{pool}"
-        out.append(WorkerGroup(f"weir-worker-{dns_name(model)}{suffix}", model, pool, cfg.model(model).engine, ws[0]))
-    return out
 
 
 STATEFULSET_NAME_MAX = 52

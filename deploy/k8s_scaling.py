@@ -4,7 +4,8 @@ the weekday peak and lower it after."""
 
 from __future__ import annotations
 
-from deploy.k8s_objects import WorkerGroup, _meta, _selector, worker_groups
+from deploy.k8s_groups import WorkerGroup, worker_groups
+from deploy.k8s_objects import _meta, _selector
 from shared.config import Config
 
 PRESCALER = "weir-prescaler"

@@ -35,13 +35,10 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from deploy.k8s_groups import WorkerGroup
 from shared.config import Config, ConfigError
 from shared.curve import ROUTER, worker_key_files
-
-if TYPE_CHECKING:
-    from deploy.k8s_objects import WorkerGroup
 
 CURVE_DIR = "/etc/weir-curve"
 TLS_DIR = "/etc/weir-tls"
