@@ -33,13 +33,22 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weir bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", "-w", default="smoke", help="TOML file, or a name in bench/workloads/ (default: smoke)")
+    p = argparse.ArgumentParser(
+        prog="weir bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--workload", "-w", default="smoke", help="TOML file, or a name in bench/workloads/ (default: smoke)"
+    )
     p.add_argument("--target", "-t", choices=KINDS, default="router")
-    p.add_argument("--url", "--address", dest="url", help="base URL (http://host:port[/v1]) or ZeroMQ address; "
-                   "default for envoy/router/zmq: from --config")
-    p.add_argument("--config", help="weir config to take default addresses from (default: $WEIR_CONFIG or deploy/weir.toml)")
+    p.add_argument(
+        "--url",
+        "--address",
+        dest="url",
+        help="base URL (http://host:port[/v1]) or ZeroMQ address; default for envoy/router/zmq: from --config",
+    )
+    p.add_argument(
+        "--config", help="weir config to take default addresses from (default: $WEIR_CONFIG or deploy/weir.toml)"
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--rate", "-r", type=float, help="open loop: mean arrivals per second ('inf': all at once)")
     g.add_argument("--concurrency", "-c", type=int, help="closed loop: requests kept in flight")
@@ -112,8 +121,7 @@ def _save(res: RunResult, out: Path, plots: bool, with_requests: bool) -> dict:
     report.write_json(out / "result.json", data)
     (out / "summary.md").write_text(
         f"# {res.meta['label']}\n\n{res.meta['target']}, {res.meta['arrivals']}, "
-        f"{res.meta['started_at']}, {res.meta['machine']['cpus']} CPUs\n\n"
-        + report.markdown_table(res.summary) + "\n"
+        f"{res.meta['started_at']}, {res.meta['machine']['cpus']} CPUs\n\n" + report.markdown_table(res.summary) + "\n"
     )
     if plots:
         from .plots import latency_cdf

@@ -153,8 +153,7 @@ class Pool:
     async def warm(self, n: int) -> None:
         """Open up to ``n`` connections now so that the measured requests
         do not pay for connection set-up."""
-        conns = await asyncio.gather(*(self._open() for _ in range(n - len(self._all))),
-                                     return_exceptions=True)
+        conns = await asyncio.gather(*(self._open() for _ in range(n - len(self._all))), return_exceptions=True)
         for c in conns:
             # A target that is down fails each request instead (and is
             # counted as such), not the whole run.
@@ -194,10 +193,12 @@ class Pool:
     ) -> Response:
         """POST ``body`` (JSON) to ``path``; returns once the whole response
         is in.  ``headers``: extra pre-encoded ``Name: value\\r\\n`` lines."""
-        req = (
-            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n%s\r\n%s"
-            % (path.encode(), self.hostport, len(body), headers, body)
+        req = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
+            path.encode(),
+            self.hostport,
+            len(body),
+            headers,
+            body,
         )
         for attempt in (0, 1):
             reused = bool(self._idle)

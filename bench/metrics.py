@@ -144,8 +144,7 @@ def summarise(records: list[Record], slo: Optional[Slo], elapsed_s: float, issue
     return s
 
 
-def summarise_run(records: list[Record], workload: Workload, issue_s: float,
-                  elapsed_s: Optional[float] = None) -> dict:
+def summarise_run(records: list[Record], workload: Workload, issue_s: float, elapsed_s: Optional[float] = None) -> dict:
     """Overall and per-class summaries; throughput is over the run's span.
 
     Records merged from several runs (times relative to each run's start)

@@ -221,7 +221,12 @@ async def run_bench(
         "rate": None if arrivals.rate is None or math.isinf(arrivals.rate) else arrivals.rate,
         "burstiness": arrivals.burstiness,
         "concurrency": arrivals.concurrency,
-        "limits": {"num_requests": limits.num_requests, "duration_s": limits.duration_s, "drain_s": limits.drain_s, "warmup": limits.warmup},
+        "limits": {
+            "num_requests": limits.num_requests,
+            "duration_s": limits.duration_s,
+            "drain_s": limits.drain_s,
+            "warmup": limits.warmup,
+        },
         "model": model or workload.model,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),

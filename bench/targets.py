@@ -38,6 +38,7 @@ class Planned:
 
 # -------------------------------------------------------------- OpenAI SSE
 
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -197,6 +198,7 @@ class HttpTarget:
 
 # -------------------------------------------------------------- ZeroMQ
 
+
 class ZmqTarget:
     """weir's direct ZeroMQ client: one DEALER socket per API key."""
 
@@ -273,8 +275,13 @@ class ZmqTarget:
         rec.status = OK
 
 
-def make_target(kind: str, url: Optional[str] = None, api_key: Optional[str] = None, max_connections: int = 4096,
-                curve: Optional[tuple[str, str]] = None):
+def make_target(
+    kind: str,
+    url: Optional[str] = None,
+    api_key: Optional[str] = None,
+    max_connections: int = 4096,
+    curve: Optional[tuple[str, str]] = None,
+):
     if kind not in KINDS:
         raise ValueError(f"unknown target {kind!r}; one of {', '.join(KINDS)}")
     if not url:

@@ -32,11 +32,34 @@ def _r(x: Optional[float]) -> Optional[float]:
 def fingerprint(res: Result) -> dict[str, Any]:
     h = hashlib.sha256()
     for r in sorted(res.records, key=lambda r: r.job_id):
-        h.update(repr((r.job_id, r.kind, r.klass, r.tenant, r.prompt, r.max_tokens, _r(r.arrival),
-                       _r(r.dispatched), _r(r.first_token), _r(r.finished), r.outcome, _r(r.predicted),
-                       _r(r.submitted), r.attempts, r.first_refusal)).encode())
-    return {"records": len(res.records), "done": len(res.done()), "preemptions": res.preemptions,
-            "sim_time_s": _r(res.sim_time_s), "sha256": h.hexdigest()}
+        h.update(
+            repr(
+                (
+                    r.job_id,
+                    r.kind,
+                    r.klass,
+                    r.tenant,
+                    r.prompt,
+                    r.max_tokens,
+                    _r(r.arrival),
+                    _r(r.dispatched),
+                    _r(r.first_token),
+                    _r(r.finished),
+                    r.outcome,
+                    _r(r.predicted),
+                    _r(r.submitted),
+                    r.attempts,
+                    r.first_refusal,
+                )
+            ).encode()
+        )
+    return {
+        "records": len(res.records),
+        "done": len(res.done()),
+        "preemptions": res.preemptions,
+        "sim_time_s": _r(res.sim_time_s),
+        "sha256": h.hexdigest(),
+    }
 
 
 def _mixed() -> dict[str, Result]:
@@ -70,8 +93,12 @@ def _routers() -> dict[str, Result]:
 
 
 SCENARIOS: dict[str, Callable[[], dict[str, Result]]] = {
-    "mixed": _mixed, "overload": _overload, "burst": _burst, "ledger": _ledger,
-    "sampled_placement": _sampled, "routers": _routers,
+    "mixed": _mixed,
+    "overload": _overload,
+    "burst": _burst,
+    "ledger": _ledger,
+    "sampled_placement": _sampled,
+    "routers": _routers,
 }
 
 

@@ -51,13 +51,21 @@ def main(argv=None) -> int:
     cfg = common.write_config(
         out / "stack",
         models=[{"name": MODEL, "engine": "sim", "path": str(common.TINY_MODEL_DIR), "max_model_len": 200_000}],
-        workers=[common.localconfig.sim_worker("sim-long-0", model=MODEL, max_num_seqs=8, sim={
-            "kv_capacity_tokens": 1_000_000, "prefill_token_us": 0.2, "max_prefill_tokens": 8192})])
+        workers=[
+            common.localconfig.sim_worker(
+                "sim-long-0",
+                model=MODEL,
+                max_num_seqs=8,
+                sim={"kv_capacity_tokens": 1_000_000, "prefill_token_us": 0.2, "max_prefill_tokens": 8192},
+            )
+        ],
+    )
 
     async def scenario(frontend: str) -> tuple[list[float], list[tuple[float, float]]]:
         arrivals: list[float] = []
         windows: list[tuple[float, float]] = []
         async with AsyncClient(frontend) as c:
+
             async def running():
                 async for d in c.stream(MODEL, prompt="hello", max_tokens=100_000, ignore_eos=True):
                     if d.num_tokens:
@@ -98,8 +106,11 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    common.save(out, "long_prompt.json", {"tokens": n_tokens, "tokenize_ms": tokenize_ms,
-                                          "during_ms": during, "between_ms": between})
+    common.save(
+        out,
+        "long_prompt.json",
+        {"tokens": n_tokens, "tokenize_ms": tokenize_ms, "during_ms": during, "between_ms": between},
+    )
     return 0
 
 
