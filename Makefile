@@ -21,7 +21,7 @@ test: setup lint
 test-fast: $(STAMP) $(MODEL) $(EMBED_MODEL)
 	$(VENV)/bin/pytest -m "not slow" tests/unit tests/inproc $(PYTEST_ARGS)
 
-# Static checks (configured in pyproject.toml): lint, formatting, and types (strict on shared/ and router/).
+# Static checks (configured in pyproject.toml): lint, formatting, and types (mypy --strict).
 LINT_PATHS := shared router engine_worker deploy weir
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)

@@ -20,7 +20,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any
 
 import msgspec
 
@@ -43,22 +43,31 @@ class Result:
     preemptions: int
     sim_time_s: float
     wall_s: float
-    counters: dict
+    counters: dict[str, Any]
 
-    def done(self, **match) -> list[Record]:
+    def done(self, **match: object) -> list[Record]:
         return [r for r in self.records if r.outcome == "ok" and _match(r, match)]
 
-    def rejections(self) -> Counter:
+    def rejections(self) -> Counter[str]:
         return Counter(r.outcome for r in self.records if r.outcome != "ok")
 
-    def p(self, q: float, metric: str = "e2e", **match) -> float:
+    def p(self, q: float, metric: str = "e2e", **match: object) -> float:
         """Percentile ``q`` (0..100) of ``e2e`` or ``ttft`` seconds over completed jobs."""
-        vals = sorted((r.finished if metric == "e2e" else r.first_token) - r.arrival for r in self.done(**match))
+        vals = sorted(
+            occurred(r.finished if metric == "e2e" else r.first_token) - r.arrival for r in self.done(**match)
+        )
         return percentile(vals, q)
 
 
-def _match(r: Record, match: dict) -> bool:
+def _match(r: Record, match: dict[str, object]) -> bool:
     return all(getattr(r, k) == v for k, v in match.items())
+
+
+def occurred(t: float | None) -> float:
+    """A time a job's record holds once it has happened: a completed job has
+    been submitted, dispatched, given its first token and finished."""
+    assert t is not None
+    return t
 
 
 def percentile(sorted_vals: list[float], q: float) -> float:
@@ -73,7 +82,7 @@ def arrivals(w: Workload) -> list[Arrival]:
     """Seeded Poisson arrivals: (time, kind, tenant, prompt, max_tokens)."""
     rng = random.Random(w.seed)
     total = sum(k.share for k in w.mix)
-    out = []
+    out: list[Arrival] = []
     t = 0.0
     while True:
         t += rng.expovariate(w.rate)
@@ -93,7 +102,7 @@ def simulate(
     workload: Workload,
     drain_s: float = 600.0,
     retries: int = 0,
-    burst: Optional[list[Arrival]] = None,
+    burst: list[Arrival] | None = None,
     score_every_worker: bool = False,
 ) -> Result:
     """Run ``workload`` (or the explicit arrivals ``burst``) through a
@@ -124,11 +133,11 @@ SHORT = Kind("short", 0.8, prompt=(32, 256), max_tokens=(8, 64))
 LONG = Kind("long", 0.2, prompt=(1024, 3072), max_tokens=(128, 512))
 
 
-def weir_cfg(**kw) -> SchedulerConfig:
+def weir_cfg(**kw: Any) -> SchedulerConfig:
     return msgspec.structs.replace(SchedulerConfig(), **kw)
 
 
-def fifo_cfg(**kw) -> SchedulerConfig:
+def fifo_cfg(**kw: Any) -> SchedulerConfig:
     return msgspec.structs.replace(SchedulerConfig(policy="fifo"), **kw)
 
 
@@ -152,13 +161,13 @@ def saturation_rate(
     )
     res = simulate(probe, workers, Workload(mix, probe_rate, duration_s, seed), drain_s=0.0)
     half = duration_s / 2
-    done = [r for r in res.records if r.outcome == "ok" and r.finished >= half]
+    done = [r for r in res.records if r.outcome == "ok" and occurred(r.finished) >= half]
     return len(done) / (res.sim_time_s - half)
 
 
 def scenario_mixed(
-    util: float = 0.9, duration_s: float = 120.0, seed: int = 1, workers: Optional[list[SimWorker]] = None
-):
+    util: float = 0.9, duration_s: float = 120.0, seed: int = 1, workers: list[SimWorker] | None = None
+) -> tuple[float, Result, Result]:
     """(a) 80 % short / 20 % long at ``util`` of saturation: weir vs FIFO.
 
     Default fleet: KV is the scarce resource (16k tokens per worker: a handful
@@ -179,7 +188,9 @@ def deadline_classes(queue_deadline_s: float) -> list[ClassConfig]:
     return [ClassConfig(name=c.name, queue_deadline_s=queue_deadline_s) for c in SchedulerConfig().classes]
 
 
-def scenario_overload(load: float = 2.0, duration_s: float = 60.0, seed: int = 2, queue_deadline_s: float = 10.0):
+def scenario_overload(
+    load: float = 2.0, duration_s: float = 60.0, seed: int = 2, queue_deadline_s: float = 10.0
+) -> tuple[float, Result, Result, Result]:
     """(b) 10 % high-priority traffic: unloaded (10 % of saturation) vs ``load``x
     saturation, weir and FIFO, every class with a ``queue_deadline_s`` wait
     bound (so that overload is shed within the run).  Returns (rate, unloaded,
@@ -221,7 +232,7 @@ def burst_arrivals(
 
 def scenario_burst(
     multiple: float = 20.0, queue_deadline_s: float = 10.0, max_num_seqs: int = 64, retries: int = 1, seed: int = 4
-):
+) -> tuple[int, int, Result]:
     """(d) one sim worker; a burst of ``multiple`` x what it serves within
     the deadline, all at once; refused clients honour Retry-After ``retries``
     times.  Returns (n, served within the deadline, result)."""
@@ -240,10 +251,10 @@ def scenario_burst(
     return n, within, res
 
 
-def wait_errors(res: Result) -> dict:
+def wait_errors(res: Result) -> dict[str, float]:
     """Predicted vs actual queue wait (dispatch - last submission) of admitted jobs."""
     pairs = [
-        (r.predicted, r.dispatched - r.submitted)
+        (r.predicted, r.dispatched - occurred(r.submitted))
         for r in res.records
         if r.predicted is not None and r.dispatched is not None
     ]
@@ -259,7 +270,7 @@ def wait_errors(res: Result) -> dict:
     }
 
 
-def retry_stats(res: Result) -> dict:
+def retry_stats(res: Result) -> dict[str, float]:
     first = [r for r in res.records if r.first_refusal]
     again = [r for r in first if r.attempts >= 2]
     served = [r for r in again if r.outcome == "ok" and r.attempts == 2]
@@ -271,7 +282,7 @@ def retry_stats(res: Result) -> dict:
     }
 
 
-def scenario_ledger(duration_s: float = 30.0, seed: int = 3):
+def scenario_ledger(duration_s: float = 30.0, seed: int = 3) -> tuple[Result, Result]:
     """(c) long-prompt traffic whose max_num_seqs x size exceeds KV: ledger on
     (overcommit 1) vs off (overcommit 1000).  Returns (on, off)."""
     workers = fleet(max_num_seqs=64, kv_tokens=32768)
@@ -281,7 +292,9 @@ def scenario_ledger(duration_s: float = 30.0, seed: int = 3):
     return simulate(weir_cfg(), workers, wl), simulate(weir_cfg(overcommit=1000.0), workers, wl)
 
 
-def scenario_sampled_placement(n_workers: int = 48, util: float = 0.9, duration_s: float = 30.0, seed: int = 5):
+def scenario_sampled_placement(
+    n_workers: int = 48, util: float = 0.9, duration_s: float = 30.0, seed: int = 5
+) -> tuple[float, Result, Result]:
     """Placement by sampling (fleets over PLACE_SCAN_ALL workers) against
     scoring every worker, on the same arrivals: (a)'s mix at ``util`` of
     saturation on ``n_workers`` workers.  Returns (rate, sampled, every)."""
@@ -293,7 +306,7 @@ def scenario_sampled_placement(n_workers: int = 48, util: float = 0.9, duration_
 
 def utilisation(res: Result, workers: list[SimWorker]) -> float:
     """Completed jobs' busy seq-seconds over the fleet's seq-seconds while arrivals came."""
-    busy = sum(min(r.finished, res.sim_time_s) - r.dispatched for r in res.done())
+    busy = sum(min(occurred(r.finished), res.sim_time_s) - occurred(r.dispatched) for r in res.done())
     return busy / (sum(w.max_num_seqs for w in workers) * res.sim_time_s)
 
 

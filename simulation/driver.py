@@ -20,7 +20,7 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from engine_worker.ledger import Ledger
 from engine_worker.sim_model import SimCore, StepResult
@@ -66,12 +66,12 @@ class Record:
     prompt: int
     max_tokens: int
     arrival: float
-    dispatched: Optional[float] = None
-    first_token: Optional[float] = None
-    finished: Optional[float] = None
+    dispatched: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
     outcome: str = ""  # "ok" | refusal code | "generation_deadline"
-    predicted: Optional[float] = None  # queue wait the policy predicted when it admitted it
-    submitted: Optional[float] = None  # its last (admitted or refused) submission
+    predicted: float | None = None  # queue wait the policy predicted when it admitted it
+    submitted: float | None = None  # its last (admitted or refused) submission
     attempts: int = 0
     first_refusal: str = ""  # code of the first attempt's refusal, if it was refused
 
@@ -91,7 +91,7 @@ class Engine:
             max_model_len=w.max_model_len,
         )
         self.busy = False
-        self.pending: Optional[StepResult] = None
+        self.pending: StepResult | None = None
 
 
 _ARRIVE, _STEP, _BEAT, _WAKE = 0, 1, 2, 3
@@ -122,7 +122,7 @@ class Driver:
         *,
         arbitrate: bool = False,
         heartbeat_s: float = 1.0,
-        pick: Optional[random.Random] = None,
+        pick: random.Random | None = None,
         retries: int = 0,
         record_predicted: bool = False,
         pass_each_instant: bool = False,
@@ -132,7 +132,7 @@ class Driver:
         for p in self.routers:
             for e in self.engines.values():
                 p.add_worker(e.spec, 0.0)
-        self.ledgers: Optional[dict[str, Ledger]] = None
+        self.ledgers: dict[str, Ledger] | None = None
         if arbitrate:
             self.ledgers = {
                 wid: Ledger(cfg.kv_budget(e.spec.capacity_tokens), cfg.seq_slots(e.spec.max_num_seqs))

@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from simulation import des, routers_des
 from simulation.des import Result
@@ -25,7 +26,7 @@ from simulation.des import Result
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "des.json"
 
 
-def _r(x: Optional[float]) -> Optional[float]:
+def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 9)
 
 
@@ -102,7 +103,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Result]]] = {
 }
 
 
-def compute(names: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
+def compute(names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in names or list(SCENARIOS):
         for run, res in SCENARIOS[name]().items():

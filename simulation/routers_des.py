@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import sys
 import time
-from typing import Optional
+from collections.abc import Iterable
 
 from shared.config import SchedulerConfig
 from simulation import des
@@ -36,7 +36,7 @@ def simulate_routers(
     heartbeat_s: float = 1.0,
     drain_s: float = 600.0,
     seed: int = 11,
-) -> tuple[Result, dict]:
+) -> tuple[Result, dict[str, int]]:
     """Run ``workload`` through ``n_routers`` policies over ``workers``;
     the Result, and counts: refusals by a worker's ledger, the worst
     over-commit any engine saw (always 0: the ledger's bound)."""
@@ -48,12 +48,12 @@ def simulate_routers(
 
 
 def compare(
-    ns=(1, 2, 4, 8),
+    ns: Iterable[int] = (1, 2, 4, 8),
     util: float = 0.9,
     duration_s: float = 60.0,
     seed: int = 1,
-    workers: Optional[list[SimWorker]] = None,
-) -> tuple[float, dict]:
+    workers: list[SimWorker] | None = None,
+) -> tuple[float, dict[int, tuple[Result, dict[str, int]]]]:
     """des.scenario_mixed's fleet and mix at ``util`` of saturation, through
     N routers each; {N: (Result, counts)}."""
     workers = workers or des.fleet(kv_tokens=16384)
@@ -76,7 +76,7 @@ def main() -> int:
     )
     for n, (res, c) in out.items():
         done = res.done()
-        span = max(r.finished for r in done) if done else 1.0
+        span = max(des.occurred(r.finished) for r in done) if done else 1.0
         print(
             f"{n:>3}{len(done):>7}{len(done) / span:>8.1f}{des._ms(res.p(50, 'ttft')):>10}"
             f"{des._ms(res.p(99, 'ttft')):>10}{des._ms(res.p(99, 'e2e', kind='short')):>15}"
