@@ -21,7 +21,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlsplit
 
 from .arrivals import Arrivals
@@ -73,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_url(kind: str, config: Optional[str]) -> str:
+def _default_url(kind: str, config: str | None) -> str:
     from shared.config import load as load_config
 
     cfg = load_config(config)
@@ -132,7 +131,7 @@ def _save(res: RunResult, out: Path, plots: bool, with_requests: bool) -> dict:
     return data
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         workload = load(args.workload)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import random
 import socket
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 
@@ -135,7 +135,7 @@ def http_body(rng: random.Random, model: str) -> bytes:
         return b"{}"
 
 
-def check_http(status: int, headers: dict[str, str], body: bytes) -> Optional[str]:
+def check_http(status: int, headers: dict[str, str], body: bytes) -> str | None:
     """What is wrong with this answer, or None."""
     if status not in ALLOWED_STATUS:
         return f"status {status}: {body[:200]!r}"
@@ -216,7 +216,7 @@ def send_raw(host: str, port: int, data: bytes, timeout: float = 3.0, half_close
         return b"".join(out)
 
 
-def check_raw(answer: bytes) -> Optional[str]:
+def check_raw(answer: bytes) -> str | None:
     """Each response in a raw answer is well-formed and none is a 500 from the router."""
     if not answer:
         return None  # closed without an answer: allowed for garbage
@@ -283,7 +283,7 @@ def zmq_frame(rng: random.Random, side: str) -> bytes:
     return _msgpack([rng.choice([11, 12, 15, 13, 14, 1, 99]), _value(rng)])
 
 
-def decode_outputs(payload: bytes) -> Optional[str]:
+def decode_outputs(payload: bytes) -> str | None:
     """A frontend reply must decode as Outputs."""
     try:
         p.to_client_decoder.decode(payload)

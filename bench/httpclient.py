@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -34,7 +34,7 @@ class Response:
 
     __slots__ = ("status", "headers", "body", "sse", "on_event", "done", "_buf", "t_headers")
 
-    def __init__(self, on_event: Optional[Callable[[bytes, float], None]]):
+    def __init__(self, on_event: Callable[[bytes, float], None] | None):
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
         self.body = bytearray()
@@ -61,11 +61,11 @@ class Response:
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, pool: "Pool"):
+    def __init__(self, pool: Pool):
         self.pool = pool
-        self.transport: Optional[asyncio.Transport] = None
+        self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.resp: Optional[Response] = None
+        self.resp: Response | None = None
         self.t = 0.0
         self.closed = False
         self._hname = b""
@@ -189,7 +189,7 @@ class Pool:
         path: str,
         body: bytes,
         headers: bytes = b"",
-        on_event: Optional[Callable[[bytes, float], None]] = None,
+        on_event: Callable[[bytes, float], None] | None = None,
     ) -> Response:
         """POST ``body`` (JSON) to ``path``; returns once the whole response
         is in.  ``headers``: extra pre-encoded ``Name: value\\r\\n`` lines."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import tomli_w
 
@@ -141,7 +142,7 @@ def base_config(**overrides: Any) -> dict:
 
 
 def write_config(
-    directory: os.PathLike, name: str = "weir.toml", *, defaults: Optional[Mapping[str, Any]] = None, **overrides: Any
+    directory: os.PathLike, name: str = "weir.toml", *, defaults: Mapping[str, Any] | None = None, **overrides: Any
 ) -> Path:
     """Write ``base_config()`` with the caller's ``defaults`` and then its
     ``overrides`` merged in (see merge) to ``directory/name`` (created if

@@ -63,7 +63,7 @@ async def main():
             statistics.median(t for t, _ in hit[1:]) * 1e3,
             statistics.median(c for _, c in hit),
         )
-    for k, (n, m, h, c) in res.items():
+    for n, m, h, c in res.values():
         print(f"prompt {n} tokens: TTFT miss {m:.1f} ms, hit {h:.1f} ms (cached {c:.0f})", flush=True)
     await eng.shutdown()
 

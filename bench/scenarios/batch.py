@@ -323,7 +323,8 @@ def _markdown(out: Path, r: dict, argv: list[str] | None) -> None:
     m = r["rss"]
     text += (
         f"Router RSS: {m['router_rss_before_mib']:.0f} MiB before, {m['router_rss_running_mib']:.0f} MiB with a "
-        f"{m['lines']:,}-line ({m['file_mib']:.0f} MiB) batch running; upload + create {m['upload_and_create_s']:.1f} s.\n\n"
+        f"{m['lines']:,}-line ({m['file_mib']:.0f} MiB) batch running; "
+        f"upload + create {m['upload_and_create_s']:.1f} s.\n\n"
     )
     k = r["sigkill"]
     text += (

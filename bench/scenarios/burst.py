@@ -96,7 +96,7 @@ def micro(n_big: int = 100_000, tenants: int = 1) -> dict:
             dt.append(time.perf_counter_ns() - t0)
         # pass cost: a running job ends, the pass dispatches the next one
         passes = []
-        for i in range(1000):
+        for _ in range(1000):
             t += 0.001
             p.finish(running.pop(0), t)
             t0 = time.perf_counter_ns()

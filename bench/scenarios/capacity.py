@@ -19,7 +19,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from bench import spec
 from bench.arrivals import Arrivals
@@ -41,15 +40,15 @@ def _cpu(stack) -> dict[str, float]:
     return out
 
 
-def _measured(stack, fn):
-    """Run ``fn(on_phase)``; return its result and each component's CPU use
-    (cores) over the measured part of the run."""
+def _measured(stack, *args, **kwargs):
+    """Run ``common.bench(*args, **kwargs)``; return its result and each
+    component's CPU use (cores) over the measured part of the run."""
     marks = {}
 
     def on_phase(phase: str) -> None:
         marks[phase] = (_cpu(stack), time.monotonic())
 
-    res = fn(on_phase)
+    res = common.bench(*args, on_phase=on_phase, **kwargs)
     (c0, t0), (c1, t1) = marks["start"], marks["end"]
     return res, {k: (c1[k] - c0[k]) / (t1 - t0) for k in c1 if k in c0}
 
@@ -62,7 +61,7 @@ def _rates(start: float, stop: float, factor: float) -> list[float]:
     return out
 
 
-def sweep(stack, kind: str, args, workload) -> tuple[list[dict], Optional[float]]:
+def sweep(stack, kind: str, args, workload) -> tuple[list[dict], float | None]:
     url = getattr(stack, KIND_URL[kind])
     points: list[dict] = []
     base_p99 = None
@@ -71,16 +70,13 @@ def sweep(stack, kind: str, args, workload) -> tuple[list[dict], Optional[float]
         n = max(200, int(rate * args.step_s))
         res, cpu = _measured(
             stack,
-            lambda on_phase: common.bench(
-                workload,
-                kind,
-                url,
-                Arrivals(rate=rate),
-                Limits(n, args.step_s * 1.5, 10),
-                label=f"{kind} @ {rate} req/s",
-                connections=min(512, max(8, rate // 100)),
-                on_phase=on_phase,
-            ),
+            workload,
+            kind,
+            url,
+            Arrivals(rate=rate),
+            Limits(n, args.step_s * 1.5, 10),
+            label=f"{kind} @ {rate} req/s",
+            connections=min(512, max(8, rate // 100)),
         )
         o = res.summary["overall"]
         p99 = o["e2e_ms"]["p99"] if o["e2e_ms"] else float("inf")
@@ -108,16 +104,13 @@ def streaming(stack, kind: str, args) -> dict:
     n = args.streams * args.stream_rounds
     res, cpu = _measured(
         stack,
-        lambda on_phase: common.bench(
-            w,
-            kind,
-            url,
-            Arrivals(concurrency=args.streams),
-            Limits(n, 120, 60),
-            label=f"{kind}: {args.streams} streams",
-            connections=args.streams,
-            on_phase=on_phase,
-        ),
+        w,
+        kind,
+        url,
+        Arrivals(concurrency=args.streams),
+        Limits(n, 120, 60),
+        label=f"{kind}: {args.streams} streams",
+        connections=args.streams,
     )
     o = res.summary["overall"]
     print(f"{kind} streaming: {o['output_tok_per_s']:.0f} tok/s, {o['ok']}/{o['sent']} ok", file=sys.stderr)

@@ -9,8 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from bench import localconfig
 from bench.arrivals import Arrivals
@@ -79,12 +80,12 @@ def bench(
     *,
     label: str,
     progress: bool = True,
-    connections: Optional[int] = None,
-    tokenizer: Optional[str] = None,
-    api_key: Optional[str] = None,
-    model: Optional[str] = None,
+    connections: int | None = None,
+    tokenizer: str | None = None,
+    api_key: str | None = None,
+    model: str | None = None,
     on_phase=None,
-    curve: Optional[tuple[str, str]] = None,
+    curve: tuple[str, str] | None = None,
 ) -> RunResult:
     """One run, synchronously (each on a fresh uvloop event loop)."""
     import uvloop

@@ -65,15 +65,22 @@ def main(argv=None) -> int:
         arrivals: list[float] = []
         windows: list[tuple[float, float]] = []
         async with AsyncClient(frontend) as c:
+            warm = asyncio.Event()  # 100 tokens in: the stream runs steadily
 
             async def running():
                 async for d in c.stream(MODEL, prompt="hello", max_tokens=100_000, ignore_eos=True):
                     if d.num_tokens:
                         arrivals.append(time.perf_counter())
+                        if len(arrivals) == 100:
+                            warm.set()
 
             run = asyncio.ensure_future(running())
-            while len(arrivals) < 100:
-                await asyncio.sleep(0.01)
+            warmed = asyncio.ensure_future(warm.wait())
+            await asyncio.wait([run, warmed], return_when=asyncio.FIRST_COMPLETED)
+            if not warm.is_set():  # the stream ended (or failed) first: waiting on would hang
+                warmed.cancel()
+                run.result()
+                raise RuntimeError(f"the stream ended after {len(arrivals)} tokens")
             await c.complete(MODEL, prompt=text, max_tokens=1)  # warm-up (chat engine imports etc.)
             for _ in range(args.rounds):
                 await asyncio.sleep(0.5)

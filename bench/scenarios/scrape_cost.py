@@ -25,12 +25,16 @@ import statistics
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
 from bench.scenarios import common
 from shared.protocol import GpuInfo, Heartbeat, Pool, Register, WorkerStats, encoder
+
+T = TypeVar("T")
 
 HEARTBEAT_S = 0.5  # well within the router's liveness (6 x 0.5 s in the bench stacks)
 # Each worker heartbeats every HEARTBEAT_S at its own phase, as a real fleet's
@@ -120,9 +124,10 @@ def _time(url: str, n: int, warmup: int = 3) -> tuple[list[float], int]:
     return times, size
 
 
-def _pings_during(url: str, work) -> list[float]:
+def _pings_during(url: str, work: Callable[[], T]) -> tuple[list[float], T]:
     """Latencies of back-to-back GET ``url`` (another client of the same
-    router) while ``work()`` runs: how long the router's loop is held."""
+    router) while ``work()`` runs: how long the router's loop is held; and
+    what ``work()`` returned."""
     out: list[float] = []
     done = threading.Event()
 
@@ -135,11 +140,11 @@ def _pings_during(url: str, work) -> list[float]:
     th = threading.Thread(target=ping)
     th.start()
     try:
-        work()
+        result = work()
     finally:
         done.set()
         th.join()
-    return out
+    return out, result
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -183,15 +188,12 @@ def main(argv=None) -> int:
                 while _registered(st.router_url) < n + 1:
                     assert time.monotonic() < deadline, "stand-in workers did not all register"
                     time.sleep(0.2)
-                idle = _pings_during(st.router_url + "/health/live", lambda: time.sleep(IDLE_S))
-                got = {}
+                idle, _ = _pings_during(st.router_url + "/health/live", lambda: time.sleep(IDLE_S))
                 scrapes_from = time.time()
-                pings = _pings_during(
-                    st.router_url + "/health/live",
-                    lambda: got.update(zip(("t", "size"), _time(st.metrics_url, args.scrapes))),
+                pings, (metrics, size) = _pings_during(
+                    st.router_url + "/health/live", lambda: _time(st.metrics_url, args.scrapes)
                 )
                 during_gc = _full_collections(gc_log, scrapes_from, time.time())
-                metrics, size = got["t"], got["size"]
                 one, _ = (
                     _time(st.router_url + f"/admin/workers/stand-in-{max(0, n - 1)}", args.scrapes) if n else ([0.0], 0)
                 )

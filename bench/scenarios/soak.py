@@ -51,7 +51,7 @@ def _resumed(url: str) -> float:
         text = requests.get(url, timeout=2).text
     except requests.RequestException:
         return -1.0
-    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("weir_resumed_total{"))
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("weir_resumed_total{"))
 
 
 def main(argv=None) -> int:
@@ -152,7 +152,8 @@ def main(argv=None) -> int:
         "",
         (
             f"Streams running across a worker kill: {len(gaps)}; their longest inter-token gap (fault to "
-            f"next token) p50 {gaps[len(gaps) // 2]:.0f} ms, p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.0f} ms, "
+            f"next token) p50 {gaps[len(gaps) // 2]:.0f} ms, "
+            f"p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.0f} ms, "
             f"max {gaps[-1]:.0f} ms.\n"
         )
         if gaps
