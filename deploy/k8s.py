@@ -247,7 +247,7 @@ def built(cfg: Config, overlay: str | None = None) -> list[dict[str, Any]]:
     return objs
 
 
-class _Dumper(yaml.SafeDumper):
+class _ManifestDumper(yaml.SafeDumper):
     def ignore_aliases(self, data: Any) -> bool:
         return True
 
@@ -257,11 +257,11 @@ def _str_presenter(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
     return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
 
 
-_Dumper.add_representer(str, _str_presenter)
+_ManifestDumper.add_representer(str, _str_presenter)
 
 
 def dump(objs: list[dict[str, Any]]) -> str:
-    return HEADER + "---\n".join(yaml.dump(o, Dumper=_Dumper, sort_keys=False, width=120) for o in objs)
+    return HEADER + "---\n".join(yaml.dump(o, Dumper=_ManifestDumper, sort_keys=False, width=120) for o in objs)
 
 
 def files(cfg: Config) -> dict[str, str]:
@@ -272,7 +272,7 @@ def files(cfg: Config) -> dict[str, str]:
         out[f"base/{name}"] = dump(objs)
     out["base/kustomization.yaml"] = HEADER + yaml.dump(
         {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": list(b)},
-        Dumper=_Dumper,
+        Dumper=_ManifestDumper,
         sort_keys=False,
     )
     for overlay, patches in OVERLAYS.items():
@@ -286,7 +286,7 @@ def files(cfg: Config) -> dict[str, str]:
                 "resources": ["../../base"],
                 "patches": [{"path": name} for name in ps],
             },
-            Dumper=_Dumper,
+            Dumper=_ManifestDumper,
             sort_keys=False,
         )
     return out
