@@ -30,10 +30,10 @@ import math
 import struct
 
 from shared.config import SimEngineConfig
-from shared.protocol import GenerateRequest, SamplingParams, WorkerStats
+from shared.protocol import ErrorInfo, GenerateRequest, SamplingParams, WorkerStats
 
 from .base import EngineBase, EngineInfo, Live, bad_request
-from .sim_model import SimCore
+from .sim_model import SimCore, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def sim_vector(prompt_tokens: int, block_hashes: list[int], dimensions: int = 0)
 _MAX_LAG_S = 0.02
 
 
-def refusal(p: SamplingParams):
+def refusal(p: SamplingParams) -> ErrorInfo | None:
     """The 400 for a parameter the simulated engine cannot honour, or None."""
     what = None
     if p.structured is not None:
@@ -195,7 +195,7 @@ class SimEngine(EngineBase):
         else:
             self._handle = loop.call_soon(self._end_step, result)
 
-    def _end_step(self, result) -> None:
+    def _end_step(self, result: StepResult) -> None:
         live_map = self._live
         try:
             feed = self.kv_feed

@@ -69,7 +69,7 @@ class _SchedulerStats(Hooks):
         self.preemptions_total += preempted
 
 
-class _StatsOn(PrometheusStatLogger):
+class _StatsOn(PrometheusStatLogger):  # type: ignore[misc]  # vLLM is read as Any (pyproject: follow_imports)
     """A stat logger that records nothing, handed to AsyncLLM so that vLLM's
     EngineCore sends its per-step scheduler stats (the heartbeat's running,
     waiting and KV use) and AsyncLLM adds no Prometheus logger of its own.
@@ -459,7 +459,7 @@ def vllm_params(p: SamplingParams) -> VllmSamplingParams:
     )
 
 
-def _pack(logprobs, ids: list[int], k: int) -> tuple[bytes, list[int]]:
+def _pack(logprobs: Any, ids: list[int], k: int) -> tuple[bytes, list[int]]:
     """vLLM's per-token {id: Logprob} (the sampled token plus the top k, by
     rank) -> Delta.logprobs ([sampled, top-1..top-k] per token) and top_ids."""
     values: list[float] = []

@@ -191,7 +191,7 @@ class Worker:
         self.exit_code = 0
         self._stop = asyncio.Event()
         self._stop_reason = "shutdown"
-        self._draining: asyncio.Task | None = None
+        self._draining: asyncio.Task[None] | None = None
         self._malformed = 0
         self._stale_dispatches = 0  # requests in Dispatches of a replaced registration (dropped)
         self._restarting: asyncio.Task[None] | None = None  # the engine died and starts again

@@ -53,11 +53,11 @@ from router.api.chat import (
 )
 from router.api.completions import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    Completion,
     CompletionChoice,
     CompletionJobs,
     CompletionLogprobs,
     CompletionRequest,
+    TextCompletion,
     parse_completion,
     parse_completions,
 )
@@ -96,7 +96,7 @@ __all__ = [
     "ChatLogprobs",
     "ChatRequest",
     "ChatTokenLogprob",
-    "Completion",
+    "TextCompletion",
     "CompletionChoice",
     "CompletionJobs",
     "CompletionLogprobs",

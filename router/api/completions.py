@@ -120,7 +120,7 @@ class CompletionChoice(msgspec.Struct, gc=False):
     token_ids: list[int] | None = None
 
 
-class Completion(msgspec.Struct, gc=False):
+class TextCompletion(msgspec.Struct, gc=False):
     id: str
     object: str
     created: int

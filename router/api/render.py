@@ -5,7 +5,7 @@ model list."""
 from __future__ import annotations
 
 from router.api.chat import AssistantMessage, ChatChoice, ChatCompletion
-from router.api.completions import Completion, CompletionChoice
+from router.api.completions import CompletionChoice, TextCompletion
 from router.api.context import ResponseContext
 from router.api.encoding import encode
 from router.api.logprobs import ChoiceState, add_logprobs, chat_logprobs, completion_logprobs
@@ -26,7 +26,7 @@ def render_completion(
     usage = usage_of(prompt_tokens, completion_tokens, cached_tokens)
     if ctx.kind == RequestKind.COMPLETION:
         return encode(
-            Completion(
+            TextCompletion(
                 ctx.id,
                 "text_completion",
                 ctx.created,
@@ -93,7 +93,7 @@ class Accumulator:
         ids = ctx.return_token_ids
         if ctx.kind == RequestKind.COMPLETION:
             return encode(
-                Completion(
+                TextCompletion(
                     ctx.id,
                     "text_completion",
                     ctx.created,

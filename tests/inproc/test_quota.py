@@ -613,7 +613,7 @@ class QuotaMachine(RuleBasedStateMachine):
         self.h.settle()
         q = self.h.core.quota
         assert not self.h.core.jobs and q.outstanding == 0
-        for _kid, hold, prompt, completion in self.ended:
+        for _kid, _hold, prompt, _completion in self.ended:
             assert prompt in (0, PROMPT_TOKENS)
 
 
