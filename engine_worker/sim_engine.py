@@ -30,7 +30,7 @@ import math
 import struct
 
 from shared.config import SimEngineConfig
-from shared.protocol import ErrorInfo, GenerateRequest, SamplingParams, WorkerStats
+from shared.protocol import SIM_EMBEDDING_SIZE, ErrorInfo, GenerateRequest, SamplingParams, WorkerStats
 
 from .base import EngineBase, EngineInfo, Live, bad_request
 from .sim_model import SimCore, StepResult
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 SIM_TOKEN_TEXT = " tok"
 SIM_TOKEN_ID = 0
-SIM_EMBEDDING_SIZE = 64  # (router.lifecycle.embedding_model.SIM_EMBEDDING_SIZE: the width the router checks against)
 
 
 def sim_vector(prompt_tokens: int, block_hashes: list[int], dimensions: int = 0) -> bytes:
