@@ -113,9 +113,7 @@ StopList = Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)]
 MAX_N = 128  # OpenAI's bound on n
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (and vLLM's default max_logprobs)
 MAX_STOP_TOKEN_IDS = 64
-SIM_EMBEDDING_SIZE = (
-    64  # the simulated engine's embedding width: its vectors, and what the router checks dimensions against
-)
+SIM_EMBEDDING_SIZE = 64  # the simulated engine's embedding width (its vectors; the router checks dimensions on it)
 MAX_LOGIT_BIAS = 300  # entries; each id is checked against the model's vocabulary by the router
 N = Annotated[int, Meta(ge=1, le=MAX_N)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
