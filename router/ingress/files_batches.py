@@ -432,10 +432,10 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 def owner_of_key(core: Any) -> Owner:
     """The caller's tenant and key digest, from the router's keys as reloaded
     (``core.keys``: router.tenancy.identity.Keys), by router.tenancy.ownership's rule."""
-    from router.tenancy.ownership import identify
+    from router.tenancy.ownership import caller_of
 
     def owner(api_key: str | None) -> tuple[str, str] | ErrorInfo:
-        got = identify(core.keys.by_key, api_key)
+        got = caller_of(core.keys.by_key, api_key)
         return got if isinstance(got, ErrorInfo) else (got.tenant, got.key)
 
     return owner

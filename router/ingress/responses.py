@@ -36,7 +36,7 @@ from router.ingress.connection import Connection, Generation, Request
 from router.ingress.exchange import Exchange, ExchangeFactory
 from router.ingress.routes import JSON, Answer, ErrorReply, Reply
 from router.services.response_store import ResponseStore, StoredResponse, decode_record, encode_record
-from router.tenancy.ownership import Caller, KeyEntry, identify, may_see
+from router.tenancy.ownership import Caller, KeyEntry, caller_of, may_see
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, Submit
 
@@ -76,7 +76,7 @@ class ResponsesService:
 
     def caller(self, req: Request) -> Caller | ErrorInfo:
         meta = api.meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"))
-        return identify(self.keys(), meta.api_key)
+        return caller_of(self.keys(), meta.api_key)
 
     def _visible(self, record: StoredResponse, caller: Caller) -> bool:
         return may_see(record.tenant, caller.tenant, record.key, self.keys())
