@@ -19,7 +19,7 @@ from router.api.context import ResponseContext
 from router.api.encoding import encode
 from router.api.errors import error_body
 from router.api.logprobs import ChoiceState, add_logprobs, chat_logprobs, completion_logprobs
-from router.api.tools import ChoiceToolStream, tool_finish_reason
+from router.api.tools import ChoiceToolStream, chat_deltas, tool_finish_reason
 from router.api.usage import TokenCounts
 from shared.protocol import Delta, ErrorInfo, RequestKind
 
@@ -235,9 +235,10 @@ class StreamRenderer:
     ) -> list[bytes]:
         """A choice whose output may be tool calls: content and tool-call deltas
         (the batch's logprobs and token ids on the first)."""
-        bodies = stream.feed(text) if text else []
+        pieces = stream.feed(text) if text else []
         if fin is not None:
-            bodies += stream.finish()
+            pieces += stream.finish()
+        bodies = chat_deltas(pieces)
         out = [
             self._event(i, b'"delta":' + encode(body), logprobs if k == 0 else None, None, ids if k == 0 else b"")
             for k, body in enumerate(bodies)
