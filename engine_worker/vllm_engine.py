@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
@@ -426,16 +426,33 @@ def _engine_stopped(e: BaseException) -> ErrorInfo:
     return engine_error(f"Internal error in the engine: {type(e).__name__}")
 
 
+@lru_cache(maxsize=256)
+def compact_json_grammar(schema: str) -> str:
+    """A JSON schema as an xgrammar EBNF grammar with no free whitespace:
+    vLLM 0.32 takes ``disable_any_whitespace`` only server-wide
+    (``--structured-outputs-config``), so a request that asks for it gets
+    the equivalent grammar (~0.2 ms, cached).  (xgrammar 0.2.8 still writes
+    ", " inside free-form values such as ``additionalProperties``: a fixed
+    space, never a choice.)"""
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":")))
+
+
 def vllm_params(p: SamplingParams) -> VllmSamplingParams:
     so = p.structured
     structured = None
     if so is not None:
+        json_schema, grammar = so.json, so.grammar
+        if so.disable_any_whitespace and (json_schema is not None or so.json_object):
+            grammar = compact_json_grammar(json_schema if json_schema is not None else '{"type": "object"}')
+            json_schema = None
         structured = StructuredOutputsParams(
-            json=so.json,
+            json=json_schema,
             regex=so.regex,
             choice=list(so.choice) or None,
-            grammar=so.grammar,
-            json_object=True if so.json_object else None,
+            grammar=grammar,
+            json_object=True if so.json_object and grammar is None else None,
         )
     return VllmSamplingParams(
         n=p.n,

@@ -141,6 +141,10 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     regex: str | None = None
     choice: list[str] = []
     grammar: str | None = None
+    # vLLM's name: json / json_object with no free whitespace (the worker
+    # compiles the schema to a grammar that has none; vLLM 0.32 honours it
+    # only server-wide)
+    disable_any_whitespace: bool = False
 
     def kinds(self) -> list[str]:
         return [

@@ -189,7 +189,11 @@ def tool_schema(spec: ToolSpec) -> dict[str, Any] | None:
 
 def tool_constraint(spec: ToolSpec) -> StructuredOutput | None:
     schema = tool_schema(spec)
-    return None if schema is None else StructuredOutput(json=json.dumps(schema, ensure_ascii=False))
+    if schema is None:
+        return None
+    # compact: free whitespace between JSON tokens would spend the call's
+    # tokens on nothing (a random model may never close it)
+    return StructuredOutput(json=json.dumps(schema, ensure_ascii=False), disable_any_whitespace=True)
 
 
 # ------------------------------------------------------------ output
