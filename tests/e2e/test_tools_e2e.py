@@ -230,3 +230,27 @@ def test_bad_tool_requests_are_400s_that_reserve_nothing(stack, extra, param):
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     rows = requests.get(stack.router_url + "/admin/workers", timeout=5).json()
     assert all(row.get("reserved_tokens", 0) == 0 for row in rows), rows
+
+
+def test_responses_stream_a_call_as_it_is_generated(client):
+    """Responses with a named tool, greedy: the function_call item is added
+    with its name before its arguments, which come over several
+    function_call_arguments.delta events; the item and the stored response
+    equal the non-streamed response's call."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    kw = {"model": VLLM_MODEL, "input": "What is the weather in Oslo?", "tools": tools,
+          "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0, "max_output_tokens": 64}
+    whole = client.responses.create(**kw)
+    [call] = [o for o in whole.output if o.type == "function_call"]
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert events[added].item.type == "function_call" and events[added].item.name == "get_weather"
+    assert events[added].item.arguments == "" and len(deltas) >= 2
+    assert kinds.index("response.function_call_arguments.delta") > added
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert "".join(deltas) == call.arguments == events[-2].item.arguments
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    stored = client.responses.retrieve(events[-1].response.id)
+    assert [(o.name, o.arguments) for o in stored.output] == [("get_weather", call.arguments)]
