@@ -148,6 +148,8 @@ def render_models(models: list[tuple[str, int, int, str]], created: int) -> byte
                     "object": "model",
                     "created": created,
                     "owned_by": "weir",
+                    "root": name,
+                    "parent": None,
                     "max_model_len": max_len,
                     "ready_workers": ready,
                     "state": state,
