@@ -397,7 +397,7 @@ def tool_finish_reason(spec: ToolSpec, called: bool, finish: str | None) -> str 
     keeps ``length``."""
     if finish != "stop":
         return finish
-    if spec.choice == "required" or (spec.choice == "auto" and called):
+    if spec.choice in ("required", "auto") and called:
         return "tool_calls"
     return finish
 
