@@ -119,6 +119,9 @@ CORPUS: list[Case] = [
     _c("strings-echo", prompt=["The river", "A mountain"], echo=True, **GREEDY),
     _c("ids-echo", prompt=IDS, echo=True, **GREEDY),
     _c("strings-logprobs", prompt=["The river", "A mountain"], logprobs=2, **GREEDY),
+    _c("echo-logprobs", prompt="The river runs", echo=True, logprobs=2, **GREEDY),
+    _c("echo-logprobs-lists", prompt=["The river", "A mountain"], echo=True, logprobs=1, **GREEDY),
+    _c("echo-logprobs-stream", prompt="The river runs", echo=True, logprobs=1, stream=True, **GREEDY),
     _c("strings-stream", prompt=["The river", "A mountain"], stream=True, **GREEDY),
     _c(
         "ids-stream-usage",
@@ -272,7 +275,7 @@ DELIBERATE = {
     "*.choices[].token_ids": "vLLM's return_token_ids extension: null unless asked for",
     "*.choices[].prompt_token_ids": "vLLM's return_token_ids extension: null unless asked for",
     "*.prompt_token_ids": "vLLM's return_token_ids extension: null unless asked for",
-    "*.choices[].prompt_logprobs": "prompt logprobs are not computed by weir",
+    "*.choices[].prompt_logprobs*": "vLLM's raw prompt_logprobs field (weir: echo's logprobs carry them)",
     "*.prompt_logprobs": "prompt logprobs are not computed by weir",
     "*.kv_transfer_params": "vLLM's disaggregated-prefill extension",
     "*.service_tier": "OpenAI's field, always null in vLLM",
@@ -398,6 +401,7 @@ def _outputs(case: Case, a: Answer) -> Any:
     if case.stream:
         texts: dict[int, str] = {}
         finish: dict[int, str | None] = {}
+        lp_tokens: dict[int, list[str]] = {}
         usage = None
         for e in a.events:
             for c in e["choices"]:
@@ -406,10 +410,12 @@ def _outputs(case: Case, a: Answer) -> Any:
                 texts[i] = texts.get(i, "") + (piece or "")
                 if c.get("finish_reason"):
                     finish[i] = c["finish_reason"]
+                if (c.get("logprobs") or {}).get("tokens"):  # completions' logprob tokens (echo: the prompt's too)
+                    lp_tokens[i] = lp_tokens.get(i, []) + c["logprobs"]["tokens"]
             if e.get("usage"):
                 u = e["usage"]
                 usage = (u["prompt_tokens"], u["completion_tokens"])
-        return sorted(texts.items()), sorted(finish.items()), usage
+        return sorted(texts.items()), sorted(finish.items()), usage, sorted(lp_tokens.items())
     body = a.body
     choices = []
     for c in body["choices"]:
