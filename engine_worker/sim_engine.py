@@ -58,7 +58,7 @@ def refusal(p: SamplingParams) -> ErrorInfo | None:
     what = None
     if p.structured is not None:
         what, param = "structured output (response_format / structured_outputs)", "response_format"
-    elif p.logprobs is not None:
+    elif p.logprobs is not None or p.prompt_logprobs is not None:
         what, param = "logprobs", "logprobs"
     elif p.logit_bias:
         what, param = "logit_bias", "logit_bias"

@@ -51,13 +51,15 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 
 
 class StructuredOutputsBody(msgspec.Struct, kw_only=True):
-    """vLLM's ``structured_outputs`` field (its other options are ignored)."""
+    """vLLM's ``structured_outputs`` field (its other options are ignored;
+    ``disable_any_whitespace`` is honoured for json and json_object)."""
 
     json: msgspec.Raw = msgspec.Raw()
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -142,6 +144,7 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
                     regex=so.regex,
                     choice=so.choice or [],
                     grammar=so.grammar,
+                    disable_any_whitespace=so.disable_any_whitespace,
                 ),
             )
         )

@@ -8,10 +8,11 @@ tests/unit/test_tools.py runs both on one corpus and compares.  weir does not
 import vLLM's classes: they import torch and vLLM's server (9 s of CPU and
 ~550 MB measured on this VM), which the router must not carry.
 
-``AutoStream`` is the streaming side: content before a call streams at once;
-from the first sign of a call (or a partial tag that may become one) the
-text is held, and at the end the whole text is parsed as above -- so a
-stream's calls always equal the whole response's.
+``AutoStream`` is the streaming side of ``llama3_json``: content before a
+call streams at once; from the first sign of a call the text is held, and at
+the end the whole text is parsed as above.  (hermes calls are read as they
+are generated, by router.api.tools.ChoiceToolStream; ``extract`` keeps
+vLLM's whole-text reading of them, the reference that test compares.)
 """
 
 from __future__ import annotations

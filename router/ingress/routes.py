@@ -175,14 +175,18 @@ def _no_worker(worker_id: str) -> ErrorReply:
 
 
 def model_object(row: ModelRow, created: int) -> dict[str, Any]:
-    """One model as OpenAI shows it; weir adds its context, its workers ready
-    now and its state (loading / ready / unloading: models at run time)."""
+    """One model as OpenAI shows it, with vLLM's ``root`` (here the served
+    name: no server path is shown) and ``parent`` (null: no adapters); weir
+    adds its context, its workers ready now and its state (loading / ready /
+    unloading: models at run time)."""
     name, max_len, ready, state = row
     return {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": "weir",
+        "root": name,
+        "parent": None,
         "max_model_len": max_len,
         "ready_workers": ready,
         "state": state,

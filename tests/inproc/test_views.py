@@ -132,8 +132,8 @@ def test_one_model_renders_as_in_the_list(router):
     _, listed = router.call("GET", "/v1/models")
     status, one = router.call("GET", "/v1/models/sim-m")
     assert status == 200 and listed["data"] == [one]
-    assert one == {"id": "sim-m", "object": "model", "created": 7, "owned_by": "weir", "max_model_len": 4096,
-                   "ready_workers": 1, "state": "ready"}
+    assert one == {"id": "sim-m", "object": "model", "created": 7, "owned_by": "weir", "root": "sim-m",
+                   "parent": None, "max_model_len": 4096, "ready_workers": 1, "state": "ready"}
     assert router.call("GET", "/v1/models/nope") == (404, "model_not_found")
 
 
