@@ -6,6 +6,7 @@ ENGINE ?= cpu
 STAMP := $(VENV)/.weir-installed-$(ENGINE)
 MODEL := models/tiny-llama/config.json
 EMBED_MODEL := models/tiny-embed/config.json
+ADAPTER := models/tiny-lora/adapter_config.json
 
 .PHONY: run test lint setup render-envoy render-k8s redis prometheus tmux
 
@@ -18,7 +19,7 @@ test: setup lint
 
 # The unit and in-process tiers without the slow tests (tests/conftest.py): seconds, no processes.
 .PHONY: test-fast
-test-fast: $(STAMP) $(MODEL) $(EMBED_MODEL)
+test-fast: $(STAMP) $(MODEL) $(EMBED_MODEL) $(ADAPTER)
 	$(VENV)/bin/pytest -m "not slow" tests/unit tests/inproc $(PYTEST_ARGS)
 
 # Static checks (configured in pyproject.toml): ruff's lint and formatting over every Python file in the
@@ -29,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
-setup: $(STAMP) $(MODEL) $(EMBED_MODEL) redis prometheus tmux
+setup: $(STAMP) $(MODEL) $(EMBED_MODEL) $(ADAPTER) redis prometheus tmux
 
 # The Redis quota store's tests run a real redis-server on a loopback port:
 # Debian's package, installed when missing (root, or sudo).
@@ -71,6 +72,10 @@ $(MODEL): | $(STAMP)
 # The tiny embedding model (a pooling LlamaModel) that `make run` serves on /v1/embeddings.
 $(EMBED_MODEL): | $(STAMP)
 	$(VENV)/bin/python -m deploy.make_model --embed models/tiny-embed
+
+# A tiny LoRA adapter of tiny-llama (PEFT's format, seeded): docs/operating.md#lora-adapters.
+$(ADAPTER): $(MODEL) | $(STAMP)
+	$(VENV)/bin/python -m deploy.make_adapter models/tiny-lora --base models/tiny-llama
 
 render-envoy: setup
 	$(VENV)/bin/weir render-envoy > envoy/envoy.yaml

@@ -34,9 +34,12 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
+from shared.config import LoraConfig
 from shared.protocol import ErrorInfo, GenerateRequest, SamplingParams, WorkerStats, pack_logprobs
 
 from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
+from .lora import engine_args as lora_args
+from .lora import lora_request
 from .vllm_direct import DirectAsyncLLM, Hooks
 
 log = logging.getLogger(__name__)
@@ -113,8 +116,10 @@ class VllmEngine(EngineBase):
         dtype: str,
         kv_cache_bytes: int | None,
         gpu_memory_utilization: float,
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
+        self.lora = lora
         # Prefix caching on, and its KV events on per-worker ipc sockets that
         # this worker consumes (engine_worker.vllm_events): nothing to open
         # beyond the host, no port to pick per engine.
@@ -138,6 +143,7 @@ class VllmEngine(EngineBase):
                 replay_endpoint=self._kv_replay,
                 topic="kv",
             ),
+            **lora_args(lora),
             **(
                 {"kv_cache_memory_bytes": kv_cache_bytes}
                 if kv_cache_bytes
@@ -333,7 +339,11 @@ class VllmEngine(EngineBase):
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
             outputs = await engine.add_request(
-                live.engine_id, engine_input, vllm_params(req.params), priority=req.priority
+                live.engine_id,
+                engine_input,
+                vllm_params(req.params),
+                priority=req.priority,
+                lora_request=lora_request(req.lora, self.lora is not None),
             )
         except asyncio.CancelledError:
             raise

@@ -129,6 +129,7 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
         dtype=wcfg.dtype,
         kv_cache_bytes=wcfg.kv_cache_bytes,
         gpu_memory_utilization=wcfg.gpu_memory_utilization,
+        **({"lora": cfg.lora(model)} if model.task == "generate" else {}),
     )
 
 

@@ -225,6 +225,26 @@ class SecurityConfig(_Cfg):
     curve_dir: str = "curve"  # relative to the config file
 
 
+class LoraConfig(_Cfg):
+    """LoRA on a model's vLLM workers (vLLM's --enable-lora and its bounds).
+    On CPU every slot costs max_lora_rank x the layers' widths of host memory,
+    so the bounds are small by default."""
+
+    max_loras: int = 2  # adapters in one engine step (vLLM's GPU slots)
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16  # vLLM's allowed ranks
+    max_cpu_loras: int = 8  # adapters kept loaded in host memory (>= max_loras): LRU beyond
+
+
+class AdapterConfig(_Cfg):
+    """A LoRA adapter (PEFT's format: adapter_config.json + adapter_model.safetensors)
+    served beside its base model: a request whose ``model`` is ``name`` runs on
+    ``base``'s workers with the adapter applied."""
+
+    name: str
+    base: str  # a [[models]] name (a vLLM generation model)
+    path: str  # the adapter's directory; relative to the config file
+
+
 class ModelConfig(_Cfg):
     name: str
     engine: Literal["vllm", "sim"] = "vllm"
@@ -243,6 +263,9 @@ class ModelConfig(_Cfg):
     # tool_choice needs parsing gets 400.  docs/api.md#tool-calling
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) parses calls
+    # LoRA adapters on this model's workers (with its defaults when [[adapters]]
+    # name the model and this is unset); set it to add adapters at run time.
+    lora: LoraConfig | None = None
 
 
 class SimEngineConfig(_Cfg):
@@ -470,6 +493,7 @@ class Config(_Cfg):
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     models: list[ModelConfig] = []
+    adapters: list[AdapterConfig] = []  # LoRA adapters of the models (docs/operating.md#lora-adapters)
     workers: list[WorkerConfig] = []
     kubernetes: KubernetesConfig = msgspec.field(default_factory=KubernetesConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
@@ -480,6 +504,12 @@ class Config(_Cfg):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def lora(self, model: ModelConfig) -> LoraConfig | None:
+        """The LoRA bounds of ``model``'s workers; None: LoRA off there."""
+        if model.lora is not None:
+            return model.lora
+        return LoraConfig() if any(a.base == model.name for a in self.adapters) else None
 
     def router_endpoints(self) -> list[RouterEndpoint]:
         if self.routers:
@@ -538,6 +568,7 @@ def _validate(cfg: Config) -> None:
                 raise ConfigError(f"model {m.name!r}: fallback {fb!r} is not another configured model")
             if cfg.model(fb).task != m.task:
                 raise ConfigError(f"model {m.name!r}: fallback {fb!r} serves another task ({cfg.model(fb).task})")
+    _validate_adapters(cfg, names)
     for w in cfg.workers:
         if w.model not in names:
             raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")
@@ -602,6 +633,40 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[responses] max_bytes must be >= 1")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
+
+
+def adapter_problem(a: AdapterConfig, base: ModelConfig | None, taken: set[str]) -> str | None:
+    """Why ``a`` cannot be served on ``base`` (None: it can); ``taken``: model and adapter names in use."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}", a.name):
+        return f"adapter {a.name!r}: a name is 1-128 letters, digits and ._:/-"
+    if a.name in taken:
+        return f"adapter {a.name!r}: the name is already a model's or an adapter's"
+    if base is None:
+        return f"adapter {a.name!r}: base {a.base!r} is not a model served"
+    if base.engine != "vllm" or base.task != "generate":
+        return f"adapter {a.name!r}: base {a.base!r} is not a vLLM generation model"
+    if not a.path:
+        return f"adapter {a.name!r} needs a path"
+    return None
+
+
+def _validate_adapters(cfg: Config, names: list[str]) -> None:
+    taken = set(names)
+    for a in cfg.adapters:
+        why = adapter_problem(a, next((m for m in cfg.models if m.name == a.base), None), taken)
+        if why is not None:
+            raise ConfigError(why)
+        taken.add(a.name)
+    for m in cfg.models:
+        lc = m.lora
+        if lc is None:
+            continue
+        if m.engine != "vllm" or m.task != "generate":
+            raise ConfigError(f"model {m.name!r}: lora needs a vLLM generation model")
+        if not 1 <= lc.max_loras <= 64 or not lc.max_loras <= lc.max_cpu_loras <= 1024:
+            raise ConfigError(
+                f"model {m.name!r}: lora needs 1 <= max_loras <= max_cpu_loras, max_loras <= 64, max_cpu_loras <= 1024"
+            )
 
 
 validate = _validate  # a Config built in code (router/observe/views.py: a model added at run time)

@@ -431,6 +431,16 @@ class Goodbye(_Msg, tag=12):
     reason: str = ""
 
 
+class LoraRef(msgspec.Struct, array_like=True, gc=False):
+    """A LoRA adapter a request runs under (vLLM's LoRARequest): its name, an
+    id every router derives alike from name and path (router.lifecycle.adapters),
+    and the directory the worker loads it from when it does not hold it."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
 class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request for an engine, already tokenized by the router (chat
     template applied): ``prompt_token_ids`` for a model with a tokenizer,
@@ -455,6 +465,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # ``dimensions`` values (0: the model's full width).
     embed: bool = False
     dimensions: int = 0
+    lora: LoraRef | None = None  # run under this adapter of the model (None: the base model)
 
 
 class Dispatch(_Msg, tag=13):

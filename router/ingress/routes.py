@@ -32,6 +32,8 @@ class Views(Protocol):
 
     def models(self) -> list[ModelRow]: ...
 
+    def adapters(self) -> list[tuple[str, str, int, int, str]]: ...
+
     def admin_models(self) -> list[dict[str, Any]]: ...
 
     def health(self) -> dict[str, Any]: ...
@@ -174,11 +176,11 @@ def _no_worker(worker_id: str) -> ErrorReply:
     return ErrorReply(error(Code.NOT_FOUND, f"No worker {worker_id!r} is registered"))
 
 
-def model_object(row: ModelRow, created: int) -> dict[str, Any]:
+def model_object(row: ModelRow, created: int, parent: str | None = None) -> dict[str, Any]:
     """One model as OpenAI shows it, with vLLM's ``root`` (here the served
-    name: no server path is shown) and ``parent`` (null: no adapters); weir
-    adds its context, its workers ready now and its state (loading / ready /
-    unloading: models at run time)."""
+    name: no server path is shown) and ``parent`` (a LoRA adapter's base
+    model, null for a model); weir adds its context, its workers ready now
+    and its state (loading / ready / unloading: models at run time)."""
     name, max_len, ready, state = row
     return {
         "id": name,
@@ -186,7 +188,7 @@ def model_object(row: ModelRow, created: int) -> dict[str, Any]:
         "created": created,
         "owned_by": "weir",
         "root": name,
-        "parent": None,
+        "parent": parent,
         "max_model_len": max_len,
         "ready_workers": ready,
         "state": state,
@@ -206,14 +208,20 @@ class Routes(NamedTuple):
 def routes(views: Views, operator: Operator | None, created: int) -> Routes:
     """The table; without ``operator`` the routes that change state are absent (404)."""
 
+    def listed() -> list[dict[str, Any]]:
+        """The models, then the LoRA adapters (with their base model as ``parent``)."""
+        out = [model_object(r, created) for r in views.models()]
+        out += [model_object((a[0], *a[2:]), created, a[1]) for a in views.adapters()]
+        return out
+
     def models(req: Request) -> Answer:
-        return _json(200, {"object": "list", "data": [model_object(r, created) for r in views.models()]})
+        return _json(200, {"object": "list", "data": listed()})
 
     def model(req: Request) -> Answer:
         name = _name(req, b"/v1/models/")
-        for row in views.models():
-            if row[0] == name:
-                return _json(200, model_object(row, created))
+        for obj in listed():
+            if obj["id"] == name:
+                return _json(200, obj)
         return ErrorReply(error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"))
 
     def ready(req: Request) -> Answer:

@@ -171,19 +171,19 @@ class RouterCore:
 
     def token_text(self, model: str) -> Callable[[int], str] | None:
         """Token id -> text for rendering logprobs (None: unknown model or no tokenizer)."""
-        served = self.registry.get(model)
+        served = self.registry.get_or_base(model)  # (an adapter: its base's)
         return served.prompts.token_text() if served is not None else None
 
     def tool_parser(self, model: str) -> tuple[str | None, bool]:
         """The model's tool-call parser and whether ``auto`` parses calls (its config)."""
-        served = self.registry.get(model)
+        served = self.registry.get_or_base(model)  # (an adapter: its base's)
         if served is None:
             return None, False
         return served.config.tool_call_parser, served.config.enable_auto_tool_choice
 
     def served_model(self, model: str) -> ServedModel | None:
         """A model's config and tokenizer (/tokenize, echo of token ids); None: unknown."""
-        return self.registry.get(model)
+        return self.registry.get_or_base(model)  # (an adapter: its base's)
 
     def identify(self, api_key: str | None) -> Identity | p.ErrorInfo:
         """The key check of ``submit`` alone (/tokenize): who it is, or why not."""

@@ -113,6 +113,9 @@ class Intake:
         if not isinstance(who, Identity):
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)
+        adapter = parts.registry.adapters.get(sub.model)
+        if adapter is not None:  # runs as its base model's job, the adapter applied on the worker
+            sub = msgspec.structs.replace(sub, model=adapter.base, allow_fallback=False)
         model = parts.registry.get(sub.model)
         if model is None:
             if err is None:
@@ -134,6 +137,8 @@ class Intake:
         handle = self._next_handle
         self._next_handle += 1
         j = JobRecord(job_id_of(handle), sub, sink, who, now, group=group)
+        if adapter is not None:
+            j.lora = adapter.ref
         if group is not None:
             group.joined()
         self.jobs[j.job_id] = j  # its one entry into the table: TOKENIZING, cancellable like any job
@@ -256,7 +261,7 @@ class Intake:
         """The policy queued ``j`` for ``model``: what its worker gets, and the record's attempt."""
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
-        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=j.trace)
+        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=j.trace, lora=j.lora)
         if j.sub.kind == p.RequestKind.EMBEDDING:  # prefill only (max_tokens 0); the vector comes back
             j.request.embed, j.request.dimensions = True, j.sub.dimensions or 0
         if tokens.hashes and not tokens.ids:  # the simulated engine names its cached blocks by them

@@ -119,6 +119,7 @@ class JobRecord:
     hold: Hold | None = None  # its budget reservation (router.tenancy.budgets), returned at its end
     group: Group | None = None  # a fan-out's job: the request units its request took (router.tenancy.budgets)
     rl: p.RateLimit | None = None  # budget figures for its client's first Delta
+    lora: p.LoraRef | None = None  # the adapter it runs under (router.lifecycle.adapters); sub.model is its base
 
     @property
     def model(self) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from router.fleet.block_hash import SIM, BlockHasher
+from router.lifecycle.adapters import Adapters
 from router.lifecycle.prompts import ModelPrompts
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
@@ -65,6 +66,7 @@ class ModelRegistry:
     def __init__(self, cfg: Config, prompts: dict[str, ModelPrompts] | None = None) -> None:
         self._resolve: Callable[[str], str] = cfg.resolve
         self._models: dict[str, ServedModel] = {}
+        self.adapters = Adapters(cfg)  # the LoRA adapters served beside the models
         self.version = 0  # counts changes to the set (readers cache what they derive from it)
         for m in cfg.models:
             given = prompts.get(m.name) if prompts is not None else None
@@ -80,6 +82,11 @@ class ModelRegistry:
     def get(self, name: str) -> ServedModel | None:
         """A model known now, unloading or not."""
         return self._models.get(name)
+
+    def get_or_base(self, name: str) -> ServedModel | None:
+        """A model known now, or the base model of an adapter served now."""
+        adapter = self.adapters.get(name)
+        return self._models.get(adapter.base if adapter is not None else name)
 
     def of(self, name: str) -> ServedModel:
         """A model a live job names: known until its last job ends (KeyError otherwise)."""
@@ -127,5 +134,7 @@ class ModelRegistry:
     def forget(self, name: str) -> None:
         """An unloaded model with nothing of it left."""
         if self._models.pop(name, None) is not None:
+            for adapter in self.adapters.of_base(name):  # nothing left to run them on
+                self.adapters.remove(adapter.name)
             self.version += 1
             log.info("model %s removed", name)

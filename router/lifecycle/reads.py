@@ -26,6 +26,10 @@ class CoreView:
         """The models served now (the config file's, then those added at run time)."""
         return self.core.registry.configs()
 
+    def served_adapters(self) -> list[tuple[str, str]]:
+        """(name, base model) of each LoRA adapter served now."""
+        return [(a.name, a.base) for a in self.core.registry.adapters.all()]
+
     def model_state(self, name: str) -> str:
         return self.core.model_state(name)
 

@@ -92,7 +92,13 @@ class Recovery:
         ids = j.prompt_ids + j.generated if j.prompt_ids else []
         params = msgspec.structs.replace(sp, max_tokens=remaining, min_tokens=max(0, sp.min_tokens - n))
         j.request = p.GenerateRequest(
-            j.job_id, ids, j.attempt_prompt_tokens, params, trace_id=j.trace, block_hashes=req.block_hashes
+            j.job_id,
+            ids,
+            j.attempt_prompt_tokens,
+            params,
+            trace_id=j.trace,
+            block_hashes=req.block_hashes,
+            lora=req.lora,
         )
         j.done_before = n
         j.resumes += 1

@@ -35,6 +35,8 @@ class CoreReads(Protocol):
 
     def model_state(self, name: str) -> str: ...
 
+    def served_adapters(self) -> list[tuple[str, str]]: ...
+
     def runtime_workers_of(self, name: str) -> list[WorkerConfig] | None: ...
 
     def uptime_s(self) -> float: ...
@@ -76,6 +78,12 @@ class RouterViews:
         return [
             (m.name, m.max_model_len, ready[m.name], self.core.model_state(m.name)) for m in self.core.served_models()
         ]
+
+    def adapters(self) -> list[tuple[str, str, int, int, str]]:
+        """(name, base model, max_model_len, workers ready, state) per LoRA adapter served:
+        its base model's figures (the adapter runs on its base's workers)."""
+        rows = {name: (max_len, ready, state) for name, max_len, ready, state in self.models()}
+        return [(name, base, *rows[base]) for name, base in self.core.served_adapters() if base in rows]
 
     def admin_models(self) -> list[dict[str, Any]]:
         """Every model and its state: what the supervisor (deploy/runtime_models.py) carries out."""

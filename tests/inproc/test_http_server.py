@@ -145,6 +145,9 @@ class ScriptedCore:
     def models(self):
         return [("tiny", 512, 1, "ready"), ("sim-tiny", 2048, 0, "loading")]
 
+    def adapters(self):
+        return [("tiny-lora", "tiny", 512, 1, "ready")]
+
     def health(self):
         return {"status": "ok", "workers": 1}
 
@@ -354,8 +357,12 @@ def test_sdk_chat_stream(server):
 
 def test_sdk_models(server):
     client = server.client()
-    assert [m.id for m in client.models.list()] == ["tiny", "sim-tiny"]
+    listed = client.models.list().data
+    assert [m.id for m in listed] == ["tiny", "sim-tiny", "tiny-lora"]
+    # a LoRA adapter names its base model as parent (vLLM's field), a model none
+    assert [getattr(m, "parent", "?") for m in listed] == [None, None, "tiny"]
     assert client.models.retrieve("sim-tiny").id == "sim-tiny"
+    assert client.models.retrieve("tiny-lora").parent == "tiny"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
 
