@@ -8,7 +8,7 @@ weir make-model [DIR] [--embed]           tiny local Llama (or embedding model) 
 weir keys new --tenant T [--tier high] [--tokens-per-minute N]   an API key, printed once
 weir keys curve DIR                       CURVE key pairs for the ZeroMQ planes
 weir stats [--config PATH] [--json]       live view of the whole stack (or one JSON snapshot)
-weir models list|add|remove ...           models of a running stack (weir up carries them out)
+weir models list|add|remove|add-adapter|remove-adapter ...   models and LoRA adapters of a running stack
 weir restart [router|workers|envoy|all]   restart a running `weir up`'s components one by one, losing no request
 weir batches submit|list|show|download|cancel ...   offline batches (OpenAI's Batch API)
 weir router|worker ...                    one component (python -m router / engine_worker)

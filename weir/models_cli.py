@@ -5,6 +5,8 @@ workers (deploy/runtime_models.py).
     weir models add sim-extra --engine sim --workers 2 --wait
     weir models add big --path /models/big --max-model-len 4096 --worker-env CUDA_VISIBLE_DEVICES=1
     weir models remove sim-extra --wait
+    weir models add-adapter my-lora --base tiny-llama --path models/tiny-lora
+    weir models remove-adapter my-lora
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ def add_parser(sub: Any) -> None:  # argparse's subparsers action
     rm.add_argument("--wait", action="store_true", help="until it is gone (its in-flight requests finished)")
     rm.add_argument("--timeout", type=float, default=300.0)
     rm.set_defaults(func=cmd_remove)
+    aa = ms.add_parser("add-adapter", help="serve a LoRA adapter beside its base model (its workers run LoRA)")
+    aa.add_argument("name")
+    aa.add_argument("--base", required=True, help="the model it adapts")
+    aa.add_argument("--path", required=True, help="its directory (PEFT's adapter_config.json + safetensors)")
+    aa.add_argument("--config")
+    aa.set_defaults(func=cmd_add_adapter)
+    ra = ms.add_parser("remove-adapter", help="stop serving a LoRA adapter (requests in flight finish)")
+    ra.add_argument("name")
+    ra.add_argument("--config")
+    ra.set_defaults(func=cmd_remove_adapter)
 
 
 # The admin token's header where the config names one (one command, one config).
@@ -85,6 +97,33 @@ def cmd_list(args: argparse.Namespace) -> int:
             f"{m['name']:<24} {m['state']:<10} ready workers: {m['ready_workers']}"
             + ("  (added at run time)" if m["runtime"] else "")
         )
+    _, adapters = _call(_router(args) + "/admin/adapters")
+    for a in adapters if isinstance(adapters, list) else []:
+        print(f"{a['name']:<24} {a['state']:<10} adapter of {a['base']}")
+    return 0
+
+
+def cmd_add_adapter(args: argparse.Namespace) -> int:
+    import os
+
+    router = _router(args)
+    # (the router reads the path: absolute, as this shell means it)
+    adapter = {"name": args.name, "base": args.base, "path": os.path.abspath(args.path)}
+    t0 = time.monotonic()
+    code, out = _call(router + "/admin/adapters", {"adapter": adapter})
+    if code != 200:
+        print(f"weir models add-adapter: {out.get('error', out)}", file=sys.stderr)
+        return 1
+    print(json.dumps({"adapter": args.name, "base": args.base, "seconds": round(time.monotonic() - t0, 3)}))
+    return 0
+
+
+def cmd_remove_adapter(args: argparse.Namespace) -> int:
+    code, out = _call(_router(args) + f"/admin/adapters/{args.name}/remove", {})
+    if code != 200:
+        print(f"weir models remove-adapter: {out.get('error', out)}", file=sys.stderr)
+        return 1
+    print(f"adapter {args.name} removed")
     return 0
 
 

@@ -45,6 +45,7 @@ from router.ingress.exchange import STATUS_CLIENT_GONE, Exchange, ExchangeFactor
 from router.ingress.headers import error_headers, response_head
 from router.ingress.routes import (
     ADMIN_PREFIX,
+    LORA_ADMIN_PATHS,
     Answer,
     BodyRoute,
     BodySink,
@@ -84,7 +85,7 @@ _WANTED_HEADERS = frozenset(
 )
 _KEY_HEADERS = (b"x-api-key", b"authorization")
 # What router.admin_http serves (probes, scrapes, operators); the API stays on router.http.
-ADMIN_PLANE_PATHS = (ADMIN_PREFIX, b"/metrics", b"/health")
+ADMIN_PLANE_PATHS = (ADMIN_PREFIX, b"/metrics", b"/health", *LORA_ADMIN_PATHS)
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
 
@@ -442,6 +443,14 @@ class HttpConnection(asyncio.Protocol):
             return self.respond_error(req, error(Code.NOT_FOUND, "Not served on the admin listener"), "other")
         if req.path.startswith(ADMIN_PREFIX) and not admin_allowed(
             ingress.admin_token, req.header(b"authorization"), self.loopback
+        ):
+            return self.respond_error(req, admin_refusal().info, "/admin")
+        if req.path in LORA_ADMIN_PATHS and not admin_allowed(
+            # vLLM's adapter routes: as /admin on the admin listener; on the API listener (Envoy's
+            # requests come from loopback) only with the admin token
+            ingress.admin_token,
+            req.header(b"authorization"),
+            self.loopback and ingress.admin_plane,
         ):
             return self.respond_error(req, admin_refusal().info, "/admin")
         route = ingress.routes.get(req.path)

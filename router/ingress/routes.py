@@ -58,6 +58,14 @@ class Operator(Protocol):
 
     def remove_model(self, name: str) -> tuple[int, dict[str, Any]]: ...
 
+    def add_adapter(self, body: bytes) -> tuple[int, dict[str, Any]]: ...
+
+    def remove_adapter(self, name: str) -> tuple[int, dict[str, Any]]: ...
+
+    def load_lora_adapter(self, body: bytes) -> str | ErrorInfo: ...
+
+    def unload_lora_adapter(self, body: bytes) -> str | ErrorInfo: ...
+
     def drain(self, worker_id: str, on: bool) -> bool: ...
 
     def reload(self) -> dict[str, Any]: ...
@@ -251,6 +259,7 @@ def routes(views: Views, operator: Operator | None, created: int) -> Routes:
         b"/admin/queues": Route(b"GET", lambda req: _json(200, views.admin_queues())),
         b"/admin/tenants": Route(b"GET", lambda req: _json(200, views.admin_tenants())),
         b"/admin/models": Route(b"GET", lambda req: _json(200, views.admin_models())),
+        b"/admin/adapters": Route(b"GET", lambda req: _admin_adapters(views)),
     }
     patterns = [PatternRoute(b"/v1/models/", (), b"GET", "/v1/models/{model}", model)]
     if operator is not None:
@@ -259,7 +268,50 @@ def routes(views: Views, operator: Operator | None, created: int) -> Routes:
     patterns.append(PatternRoute(b"/admin/workers/", (), b"GET", "/admin/workers/{id}", admin_worker))
     if operator is not None:
         patterns.append(_remove_model_route(operator))
+        exact.update(_adapter_routes(views, operator))
+        patterns.append(_remove_adapter_route(operator))
     return Routes(exact, patterns)
+
+
+# vLLM's run-time LoRA routes: admin actions (router.ingress.http_server asks the admin token for them).
+LORA_ADMIN_PATHS = (b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter")
+
+
+def _admin_adapters(views: Views) -> Answer:
+    """GET /admin/adapters: every LoRA adapter served, its base, its base's state and ready workers."""
+    rows = views.adapters()
+    return _json(200, [{"name": a, "base": b, "state": s, "ready_workers": r} for a, b, _, r, s in rows])
+
+
+def _adapter_routes(views: Views, operator: Operator) -> dict[bytes, Route]:
+    def admin_adapters(req: Request) -> Answer:
+        """GET: every adapter served and its base; POST: add one."""
+        if req.method == b"GET":
+            return _admin_adapters(views)
+        if req.method != b"POST":
+            return _not_allowed("GET or POST", b"GET, POST")
+        return _json(*operator.add_adapter(req.body))
+
+    def vllm_answer(result: str | ErrorInfo) -> Answer:
+        if isinstance(result, str):  # vLLM answers a success in plain text
+            return Reply(200, result.encode(), b"text/plain; charset=utf-8")
+        return ErrorReply(result)
+
+    return {
+        b"/admin/adapters": Route(b"*", admin_adapters),
+        LORA_ADMIN_PATHS[0]: Route(b"POST", lambda req: vllm_answer(operator.load_lora_adapter(req.body))),
+        LORA_ADMIN_PATHS[1]: Route(b"POST", lambda req: vllm_answer(operator.unload_lora_adapter(req.body))),
+    }
+
+
+def _remove_adapter_route(operator: Operator) -> PatternRoute:
+    def remove(req: Request) -> Answer:
+        """POST /admin/adapters/{name}/remove."""
+        if req.method != b"POST":
+            return _not_allowed("POST", b"POST")
+        return _json(*operator.remove_adapter(_name(req, b"/admin/adapters/", b"/remove")))
+
+    return PatternRoute(b"/admin/adapters/", (b"/remove",), b"*", "/admin/adapters/{name}/remove", remove)
 
 
 def _operator_routes(views: Views, operator: Operator) -> dict[bytes, Route]:

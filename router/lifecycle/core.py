@@ -62,7 +62,7 @@ from router.tenancy.buckets import NO_HOLD, QuotaAnswer
 from router.tenancy.budgets import Group, Quota
 from router.tenancy.identity import Identity, Keys
 from shared import protocol as p
-from shared.config import Config, ModelConfig, WorkerConfig
+from shared.config import AdapterConfig, Config, ModelConfig, WorkerConfig
 from shared.errors import Code, label
 
 T = TypeVar("T")
@@ -549,6 +549,17 @@ class RouterCore:
                 )
         self._forget_unloaded()
         return None
+
+    def add_adapter(self, adapter: AdapterConfig) -> str | None:
+        """Serve a LoRA adapter of a model served now (router.lifecycle.adapters); an error message if not."""
+        return self.registry.add_adapter(adapter)
+
+    def remove_adapter(self, name: str) -> str | None:
+        """Stop serving an adapter: new requests for it get 404, those admitted finish."""
+        return None if self.registry.remove_adapter(name) else f"no adapter {name!r}"
+
+    def lora_models(self) -> list[str]:
+        return self.registry.lora_models()
 
     def _forget_unloaded(self) -> None:
         """Forget each unloading model once no worker and no job of it is left."""

@@ -22,7 +22,7 @@ from router.fleet.block_hash import SIM, BlockHasher
 from router.lifecycle.adapters import Adapters
 from router.lifecycle.prompts import ModelPrompts
 from shared import protocol as p
-from shared.config import Config, ModelConfig, WorkerConfig
+from shared.config import AdapterConfig, Config, ModelConfig, WorkerConfig
 
 log = logging.getLogger("weir.router")
 
@@ -65,6 +65,7 @@ class ServedModel:
 class ModelRegistry:
     def __init__(self, cfg: Config, prompts: dict[str, ModelPrompts] | None = None) -> None:
         self._resolve: Callable[[str], str] = cfg.resolve
+        self._cfg = cfg  # (which models' workers run LoRA: Config.lora)
         self._models: dict[str, ServedModel] = {}
         self.adapters = Adapters(cfg)  # the LoRA adapters served beside the models
         self.version = 0  # counts changes to the set (readers cache what they derive from it)
@@ -121,6 +122,31 @@ class ModelRegistry:
         self.version += 1
         log.info("model %s added (%s, %d workers to start)", model.name, model.engine, len(workers))
         return None
+
+    def lora_models(self) -> list[str]:
+        """The models served now whose workers run LoRA (an adapter may be added to them)."""
+        return [n for n, m in self._models.items() if not m.unloading and self._cfg.lora(m.config) is not None]
+
+    def add_adapter(self, a: AdapterConfig) -> str | None:
+        """Serve adapter ``a`` beside its base model from now on; an error message if it cannot be."""
+        base = self._models.get(a.base)
+        if base is not None and base.unloading:
+            return f"adapter {a.name!r}: model {a.base!r} is being removed"
+        taken = set(self._models) | {x.name for x in self.adapters.all()}
+        lora = self._cfg.lora(base.config) if base is not None else None
+        added = self.adapters.add(a, base.config if base is not None else None, lora, taken)
+        if isinstance(added, str):
+            return added
+        self.version += 1
+        return None
+
+    def remove_adapter(self, name: str) -> bool:
+        """Stop serving adapter ``name`` (False: none): new requests for it get 404; those
+        queued or running carry their adapter and finish."""
+        if self.adapters.remove(name) is None:
+            return False
+        self.version += 1
+        return True
 
     def start_unloading(self, name: str) -> bool:
         """True if ``name`` was served and is unloading from now on."""

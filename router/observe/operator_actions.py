@@ -15,7 +15,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from shared.config import Config, ConfigError, ModelConfig, WorkerConfig, validate
+from shared.config import AdapterConfig, Config, ConfigError, ModelConfig, WorkerConfig, validate
+from shared.errors import Code, error
+from shared.protocol import ErrorInfo
 
 # A reload's outcome: {"ok": True, ...} or {"ok": False, "error": ...}.
 Reload = Callable[[], dict[str, Any]]
@@ -38,6 +40,12 @@ class ModelControl(Protocol):
 
     def remove_model(self, name: str) -> str | None: ...
 
+    def add_adapter(self, adapter: AdapterConfig) -> str | None: ...
+
+    def remove_adapter(self, name: str) -> str | None: ...
+
+    def lora_models(self) -> list[str]: ...
+
 
 class WorkerControl(Protocol):
     """What the actions need of the worker link (router.fleet.worker_link.WorkerLink)."""
@@ -54,6 +62,22 @@ class WorkerControl(Protocol):
 class _AddModel(msgspec.Struct, forbid_unknown_fields=True):
     model: dict[str, Any]
     workers: list[dict[str, Any]] = []
+
+
+class _AddAdapter(msgspec.Struct, forbid_unknown_fields=True):
+    adapter: dict[str, Any]
+
+
+class _LoadLora(msgspec.Struct):
+    """vLLM's /v1/load_lora_adapter body (its other fields are ignored, as vLLM does)."""
+
+    lora_name: str
+    lora_path: str = ""
+    base_model_name: str | None = None  # weir: which model, when several run LoRA
+
+
+class _UnloadLora(msgspec.Struct):
+    lora_name: str
 
 
 class RouterOperator:
@@ -99,6 +123,62 @@ class RouterOperator:
             self.link.drain(worker_id)
         gone = not self.core.has_model(name)
         return 200, {"ok": True, "model": name, "state": "removed" if gone else "unloading"}
+
+    def add_adapter(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        """POST /admin/adapters {"adapter": {"name", "base", "path"}}: the [[adapters]] fields and checks,
+        the adapter's rank against its base's max_lora_rank included."""
+        try:
+            req = msgspec.json.decode(body, type=_AddAdapter)
+            adapter = msgspec.convert(req.adapter, AdapterConfig)
+        except msgspec.MsgspecError as e:
+            return 400, {"ok": False, "error": str(e)}
+        err = self.core.add_adapter(adapter)
+        if err is not None:
+            return 400, {"ok": False, "error": err}
+        return 200, {"ok": True, "adapter": adapter.name, "base": adapter.base}
+
+    def remove_adapter(self, name: str) -> tuple[int, dict[str, Any]]:
+        """POST /admin/adapters/{name}/remove: new requests for it get 404, admitted ones finish."""
+        err = self.core.remove_adapter(name)
+        if err is not None:
+            return 404, {"ok": False, "error": err}
+        return 200, {"ok": True, "adapter": name, "state": "removed"}
+
+    def load_lora_adapter(self, body: bytes) -> str | ErrorInfo:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: its success text, or the error.
+        The base is ``base_model_name`` or else the one model whose workers run LoRA."""
+        try:
+            req = msgspec.json.decode(body, type=_LoadLora)
+        except msgspec.MsgspecError as e:
+            return error(Code.BAD_REQUEST, f"Invalid body: {e}")
+        if not req.lora_name or not req.lora_path:
+            return error(Code.BAD_REQUEST, "Both 'lora_name' and 'lora_path' must be provided.")
+        base = req.base_model_name
+        if base is None:
+            lora = self.core.lora_models()
+            if len(lora) != 1:
+                return error(
+                    Code.BAD_REQUEST,
+                    f"Models running LoRA: {sorted(lora)}; name the adapter's base in 'base_model_name'.",
+                    param="base_model_name",
+                )
+            base = lora[0]
+        err = self.core.add_adapter(AdapterConfig(name=req.lora_name, base=base, path=req.lora_path))
+        if err is not None:
+            return error(Code.BAD_REQUEST, err, param="lora_name")
+        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    def unload_lora_adapter(self, body: bytes) -> str | ErrorInfo:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}."""
+        try:
+            req = msgspec.json.decode(body, type=_UnloadLora)
+        except msgspec.MsgspecError as e:
+            return error(Code.BAD_REQUEST, f"Invalid body: {e}")
+        if self.core.remove_adapter(req.lora_name) is not None:
+            return error(
+                Code.MODEL_NOT_FOUND, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name"
+            )
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
 
     def drain(self, worker_id: str, on: bool) -> bool:
         """POST /admin/workers/{id}/drain (``on``) or /undrain; False: no such worker."""

@@ -1,6 +1,7 @@
 """LoRA adapters end to end: real Envoy, router and vLLM (CPU build) workers.
 
-One stack for the module: ``tiny-llama`` with two tiny adapters
+One stack for the module (an admin listener and an admin token, for the
+run-time routes): ``tiny-llama`` with two tiny adapters
 (deploy/make_adapter.py, seeds 1 and 2) on a LoRA worker that holds one
 adapter in its engine at a time (``max_loras`` 1, so the two take turns),
 and ``tiny-plain``: the same weights on a worker without LoRA, the
@@ -8,6 +9,11 @@ reference for the base model's output.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import requests
@@ -20,6 +26,7 @@ BASE = stackutil.VLLM_MODEL
 PLAIN = "tiny-plain"
 LORA_A, LORA_B = "tiny-lora-a", "tiny-lora-b"
 PROMPT = "The quick brown fox"
+ADMIN_TOKEN = "weir-admin-test-token"
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +37,18 @@ def lora_stack(tmp_path_factory):
     models = stackutil.localconfig.models()
     models[0]["lora"] = {"max_loras": 1, "max_lora_rank": 8, "max_cpu_loras": 2}
     models.append({"name": PLAIN, "engine": "vllm", "path": str(stackutil.TINY_MODEL_DIR), "max_model_len": 512})
+    (d / "admin.token").write_text(ADMIN_TOKEN + "\n")
+    admin_port = stackutil.free_port()
     cfg = stackutil.write_config(
         d,
+        router={"admin_http": f"127.0.0.1:{admin_port}", "admin_token_file": str(d / "admin.token")},
         models=models,
         adapters=[{"name": LORA_A, "base": BASE, "path": str(a)}, {"name": LORA_B, "base": BASE, "path": str(b)}],
         workers=[stackutil.vllm_worker("vllm-lora"), stackutil.vllm_worker("vllm-plain", model=PLAIN)],
     )
     with stackutil.start_stack(cfg, d / "run") as s:
+        s.lora_admin = f"http://127.0.0.1:{admin_port}"  # (the router's admin listener)
+        s.lora_dir = d
         yield s
 
 
@@ -94,3 +106,91 @@ def test_unknown_adapter_is_model_not_found(lora_stack):
     r = _complete(lora_stack, "tiny-lora-nope")
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
+
+
+def _weir(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "weir.cli", *args], cwd=stackutil.REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_adapter_added_and_removed_at_run_time_while_a_stream_runs(lora_stack):
+    s = lora_stack
+    path = build_adapter(str(s.lora_dir / "lora-c"), str(stackutil.TINY_MODEL_DIR), seed=3)
+    big = build_adapter(str(s.lora_dir / "lora-big"), str(stackutil.TINY_MODEL_DIR), seed=3, rank=16)
+    cfg = str(s.cfg_path)
+    # refused at add time, with the reason: a rank over the workers' max_lora_rank, a base without LoRA
+    out = _weir("models", "add-adapter", "tiny-lora-big", "--base", BASE, "--path", str(big), "--config", cfg)
+    assert out.returncode == 1 and "exceeds" in out.stderr and "max_lora_rank 8" in out.stderr
+    out = _weir("models", "add-adapter", "tiny-lora-p", "--base", PLAIN, "--path", str(path), "--config", cfg)
+    assert out.returncode == 1 and "without LoRA" in out.stderr
+    assert _complete(s, "tiny-lora-c").status_code == 404
+
+    t0 = time.monotonic()
+    out = _weir("models", "add-adapter", "tiny-lora-c", "--base", BASE, "--path", str(path), "--config", cfg)
+    assert out.returncode == 0, out.stdout + out.stderr
+    c = _text(s, "tiny-lora-c")
+    print(f"\nadd-adapter to first served request: {time.monotonic() - t0:.2f} s")
+    assert c not in (_text(s, BASE), _text(s, LORA_A))
+    listed = _weir("models", "list", "--config", cfg)
+    assert "tiny-lora-c" in listed.stdout and f"adapter of {BASE}" in listed.stdout
+    out = _weir("models", "remove-adapter", "tiny-lora-nope", "--config", cfg)
+    assert out.returncode == 1 and "no adapter" in out.stderr
+
+    # a long stream under the adapter, removed meanwhile: it finishes whole; new requests get 404
+    got: dict[str, object] = {"lines": []}
+    started = threading.Event()
+
+    def stream() -> None:
+        r = requests.post(
+            s.envoy_url + "/v1/completions",
+            json={"model": "tiny-lora-c", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True},
+            stream=True,
+            timeout=120,
+        )
+        got["status"] = r.status_code
+        for x in r.iter_lines():
+            if x:
+                got["lines"].append(x)  # type: ignore[attr-defined]
+                started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    r = requests.post(s.lora_admin + "/admin/adapters/tiny-lora-c/remove", json={}, timeout=10)
+    assert r.status_code == 200 and r.json()["state"] == "removed"
+    assert t.is_alive()  # removed while its stream runs
+    r = _complete(s, "tiny-lora-c")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    t.join(120)
+    lines = got["lines"]
+    assert got["status"] == 200 and lines[-1] == b"data: [DONE]"
+    assert b'"finish_reason":"length"' in lines[-2] or b'"finish_reason":"length"' in lines[-3]
+    assert not any(b'"error"' in x for x in lines)
+
+
+def test_vllm_lora_routes_on_the_admin_listener_and_through_envoy_with_the_token(lora_stack):
+    s = lora_stack
+    path = build_adapter(str(s.lora_dir / "lora-d"), str(stackutil.TINY_MODEL_DIR), seed=4)
+    body = {"lora_name": "tiny-lora-d", "lora_path": str(path)}
+    # through Envoy (or the API listener): the admin token or nothing
+    r = requests.post(s.envoy_url + "/v1/load_lora_adapter", json=body, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
+    # the admin listener, from loopback: as vLLM (the one model running LoRA is the base)
+    r = requests.post(s.lora_admin + "/v1/load_lora_adapter", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.text == "Success: LoRA adapter 'tiny-lora-d' added successfully."
+    d = _text(s, "tiny-lora-d")
+    assert d != _text(s, BASE)
+    again = requests.post(s.lora_admin + "/v1/load_lora_adapter", json=body, timeout=10)
+    assert again.status_code == 400 and "already" in again.json()["error"]["message"]
+    r = requests.post(
+        s.envoy_url + "/v1/unload_lora_adapter",
+        json={"lora_name": "tiny-lora-d"},
+        headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=10,
+    )
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tiny-lora-d' removed successfully."
+    assert _complete(s, "tiny-lora-d").status_code == 404
+    r = requests.post(s.lora_admin + "/v1/unload_lora_adapter", json={"lora_name": "tiny-lora-d"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

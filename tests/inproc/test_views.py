@@ -190,9 +190,12 @@ def test_health_queues_tenants_metrics_and_reload(router):
 
 def test_without_an_operator_nothing_changes_state(router):
     read_only = routes(router.views, None, created=7)
-    assert set(read_only.exact) == set(router.routes.exact) - {b"/admin/reload", b"/admin/drain"}
+    changing = {b"/admin/reload", b"/admin/drain", b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter"}
+    assert set(read_only.exact) == set(router.routes.exact) - changing
     assert read_only.exact[b"/admin/models"].method == b"GET"
+    assert read_only.exact[b"/admin/adapters"].method == b"GET"
     assert not any(r.matches(b"/admin/models/m/remove", b"POST") for r in read_only.patterns)
+    assert not any(r.matches(b"/admin/adapters/a/remove", b"POST") for r in read_only.patterns)
 
 
 def _samples(page: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
