@@ -40,6 +40,7 @@ from shared.protocol import ErrorInfo, GenerateRequest, SamplingParams, WorkerSt
 from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
 from .lora import engine_args as lora_args
 from .lora import lora_request
+from .lora_cache import LoraCache
 from .vllm_direct import DirectAsyncLLM, Hooks
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class VllmEngine(EngineBase):
     ) -> None:
         super().__init__()
         self.lora = lora
+        self.lora_cache = LoraCache(lora.max_loras, lora.max_cpu_loras) if lora is not None else None
         # Prefix caching on, and its KV events on per-worker ipc sockets that
         # this worker consumes (engine_worker.vllm_events): nothing to open
         # beyond the host, no port to pick per engine.
@@ -252,6 +254,7 @@ class VllmEngine(EngineBase):
             preemptions_total=s.preemptions_total,
             aborts_total=self.aborts_total,
             finished_total=self.finished_total,
+            loras=self.lora_cache.held() if self.lora_cache is not None else None,
         )
 
     async def shutdown(self) -> None:
@@ -338,6 +341,8 @@ class VllmEngine(EngineBase):
             engine, engine_input = await self._render(req)
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
+            if req.lora is not None and self.lora_cache is not None:
+                self.lora_cache.touch(req.lora.lora_id)
             outputs = await engine.add_request(
                 live.engine_id,
                 engine_input,

@@ -165,6 +165,9 @@ class Budgets(_Cfg):
     max_stored_files: int | None = None
     max_stored_file_bytes: int | None = None
     max_active_batches: int | None = None
+    # LoRA adapters its requests may name (None: every adapter); set on a key
+    # and on its tenant, both apply.  Any other adapter is a 404 to it.
+    adapters: list[str] | None = None
 
 
 class ApiKey(Budgets, kw_only=True):
@@ -382,6 +385,12 @@ class SchedulerConfig(_Cfg):
     # dispatched to, instead of the least loaded: a baseline for benchmarks
     # (bench/scenarios/prefix.py), not for serving.
     placement: Literal["least_loaded", "round_robin"] = "least_loaded"
+    # LoRA adapters (router/policy/adapter_placement.py): a job under an adapter
+    # prefers a worker holding it, then one with a free adapter slot; a worker
+    # takes a job whose adapter it must load only while fewer than this many
+    # such loads are in flight there.
+    adapter_affinity: bool = True
+    adapter_loads_in_flight: int = 1
 
     def kv_budget(self, capacity_tokens: int) -> int:
         """A worker's KV budget: what the router's policy reserves against and
@@ -569,6 +578,8 @@ def _validate(cfg: Config) -> None:
             if cfg.model(fb).task != m.task:
                 raise ConfigError(f"model {m.name!r}: fallback {fb!r} serves another task ({cfg.model(fb).task})")
     _validate_adapters(cfg, names)
+    if cfg.scheduler.adapter_loads_in_flight < 1:
+        raise ConfigError("scheduler.adapter_loads_in_flight must be at least 1")
     for w in cfg.workers:
         if w.model not in names:
             raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")

@@ -398,6 +398,16 @@ class Register(_Msg, tag=10):
     epoch: int = 0
 
 
+class LoraHeld(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The LoRA adapters a worker's engine holds (engine_worker.lora_cache), by id
+    (LoraRef.lora_id): in its slots (``max_loras`` of them: used at no cost)
+    and in its host-memory cache beyond those."""
+
+    slot: list[int] = []
+    cache: list[int] = []
+    slots: int = 0  # max_loras
+
+
 class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     running: int = 0
     waiting: int = 0
@@ -413,6 +423,7 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     # KV tokens and sequences the receiving router must count as taken.
     other_tokens: int = 0
     other_seqs: int = 0
+    loras: LoraHeld | None = None  # a LoRA worker's adapters (router.policy.adapter_placement); left out if none
 
 
 class Heartbeat(_Msg, tag=11):

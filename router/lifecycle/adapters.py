@@ -90,14 +90,20 @@ class Adapters:
     def __init__(self, cfg: Config) -> None:
         self._cfg = cfg
         self._by_name: dict[str, Adapter] = {}
+        self._names: dict[int, str] = {}  # every id ever served -> its name (metrics of removed ones too)
         for a in cfg.adapters:
             try:
-                self._by_name[a.name] = make_adapter(cfg, a, cfg.lora(cfg.model(a.base)))
+                adapter = self._by_name[a.name] = make_adapter(cfg, a, cfg.lora(cfg.model(a.base)))
+                self._names[adapter.lora_id] = a.name
             except ValueError as e:  # a config that cannot be served: the router does not start
                 raise ConfigError(f"[[adapters]]: {e}") from None
 
     def get(self, name: str) -> Adapter | None:
         return self._by_name.get(name)
+
+    def name_of(self, lora_id: int) -> str:
+        """The name an adapter id was served under (its id if never: another router's)."""
+        return self._names.get(lora_id) or str(lora_id)
 
     def all(self) -> list[Adapter]:
         return list(self._by_name.values())
@@ -118,6 +124,7 @@ class Adapters:
         except ValueError as e:
             return str(e)
         self._by_name[a.name] = adapter
+        self._names[adapter.lora_id] = a.name
         log.info("adapter %s added (base %s, rank %d)", a.name, a.base, adapter.rank)
         return adapter
 

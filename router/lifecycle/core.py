@@ -287,6 +287,10 @@ class RouterCore:
             m.child(m.rejected, j.who.klass, "-", outcome).inc()
         else:
             m.child(m.requests, j.model, j.who.klass, outcome).inc()
+            if j.lora is not None:
+                m.child(m.adapter_requests, j.lora.name, outcome).inc()
+                m.child(m.adapter_tokens, j.lora.name, "prompt").inc(j.prompt_tokens)
+                m.child(m.adapter_tokens, j.lora.name, "completion").inc(j.completion_tokens)
             if error is None:
                 mx = j.mx
                 assert mx is not None  # set once queued
@@ -318,6 +322,10 @@ class RouterCore:
                     self._end(j, action.error.label, error=action.error.render())
             elif isinstance(action, AbortJob):
                 self._end(j, action.error.label, error=action.error.render(), abort_worker=action.worker_id)
+        loads = self.policy.placement.adapters.new_loads
+        if loads:  # (per adapter: a load there for each)
+            for lora in self.policy.placement.adapters.take_loads():
+                self.metrics.child(self.metrics.adapter_loads, self.registry.adapters.name_of(lora)).inc()
         self.workers.flush()
         # A timer that fires early is harmless (the pass re-arms it for the
         # next event), so it is only moved earlier: no cancel/re-arm per request.
@@ -415,6 +423,9 @@ class RouterCore:
             other_tokens=stats.other_tokens,
             other_seqs=stats.other_seqs,
         )
+        evicted = self.policy.placement.adapters.report(worker_id, stats.loras, self.clock())
+        for lora in evicted:
+            self.metrics.child(self.metrics.adapter_evictions, self.registry.adapters.name_of(lora)).inc()
         self._schedule_policy()
 
     def refused(self, worker_id: str, job_ids: list[str], other_tokens: int, other_seqs: int) -> None:

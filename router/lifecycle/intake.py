@@ -84,6 +84,7 @@ def policy_job(
         who.weight,
         sub.params.n if sub.params is not None else 1,
         hashes,
+        j.lora.lora_id if j.lora is not None else 0,
     )
 
 
@@ -114,6 +115,11 @@ class Intake:
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)
         adapter = parts.registry.adapters.get(sub.model)
+        if adapter is not None and who.adapters is not None and adapter.name not in who.adapters:
+            # not this key's or tenant's: as if it did not exist (nothing told about others' adapters)
+            return self._rejected(
+                error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model"), who.klass
+            )
         if adapter is not None:  # runs as its base model's job, the adapter applied on the worker
             sub = msgspec.structs.replace(sub, model=adapter.base, allow_fallback=False)
         model = parts.registry.get(sub.model)

@@ -269,7 +269,26 @@ class RouterMetrics(TextCollector):
             "ZeroMQ peers refused by CURVE (unknown key), by ZAP domain (clients, workers)",
             ["domain"],
         )
+        # LoRA adapters (router.lifecycle.adapters, router.policy.adapter_placement)
+        self.adapter_requests = CounterFamily(
+            "weir_adapter_requests",
+            "Requests finished under a LoRA adapter, by adapter and outcome",
+            ["adapter", "outcome"],
+        )
+        self.adapter_tokens = CounterFamily(
+            "weir_adapter_tokens", "Tokens of requests under a LoRA adapter, by adapter and kind", ["adapter", "kind"]
+        )
+        self.adapter_loads = CounterFamily(
+            "weir_adapter_loads", "Dispatches under an adapter to a worker that did not hold it (a load)", ["adapter"]
+        )
+        self.adapter_evictions = CounterFamily(
+            "weir_adapter_evictions", "Adapters a worker's heartbeat stopped reporting held", ["adapter"]
+        )
         self._families: list[CounterFamily | HistogramFamily] = [
+            self.adapter_requests,
+            self.adapter_tokens,
+            self.adapter_loads,
+            self.adapter_evictions,
             self.auth_denied,
             self.requests,
             self.rejected,

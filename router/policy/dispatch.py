@@ -151,6 +151,8 @@ class Dispatcher:
             self.prefix.speculate(worker_id, job.block_hashes, now)
         if self.placement.remembers:
             self.placement.placed(m, worker_id)
+        if job.lora_id:
+            self.placement.adapters.dispatched(worker_id, job.lora_id, now)
         if self.cfg.generation_deadline_s > 0:
             h = self.deadlines
             if len(h) > 1024 and len(h) > 4 * len(self.entries):

@@ -128,6 +128,7 @@ class Policy:
     def remove_worker(self, worker_id: str, now: float) -> list[str]:
         """Forget a worker; the ids of the jobs that ran there, released."""
         self.prefix.remove_worker(worker_id)
+        self.placement.adapters.remove_worker(worker_id)
         return self.ledger.remove_worker(worker_id, now)
 
     # ------------------------------------------------------------ jobs
@@ -257,6 +258,7 @@ class Policy:
                 "gpu_block": w.gpu_block,
                 "other_routers_tokens": w.other_tokens,
                 "other_routers_seqs": w.other_seqs,
+                **self.placement.adapters.view(w.spec.worker_id),
             }
             for w in sorted(self.workers.values(), key=lambda w: w.spec.worker_id)
         ]

@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Collection
 
 from router.fleet.prefix_index import PrefixIndex
+from router.policy.adapter_placement import AdapterPlacement
 from router.policy.estimate import kv_cost
 from router.policy.model import ModelState
 from router.policy.queues import QueueOrder
@@ -37,6 +38,8 @@ class ScoredPlacement:
         self.short_borrows_freely = order.short_borrows_freely
         self.prefix = prefix
         self.affinity = cfg.prefix_affinity
+        # which workers hold which LoRA adapters (reported) and their loads in flight
+        self.adapters = AdapterPlacement(cfg.adapter_loads_in_flight, cfg.adapter_affinity)
         self.rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
         self.scan_all: float = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
         # the pools a job of each size may use, in order of preference
@@ -153,6 +156,7 @@ class ScoredPlacement:
         best_pref = -1
         best_score = 0.0
         score_of = self.scorer(m)
+        lora = job.lora_id if self.adapters.enabled else 0
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
         cands: list[Candidate] | None = [] if hits else None  # affinity chooses among them
         if hits and not complete:  # a sample: the workers holding the prefix are scored too
@@ -204,6 +208,11 @@ class ScoredPlacement:
             if pref < best_pref:
                 continue
             score = score_of(w, e, after, n)
+            if lora:  # its adapter held there, or a free slot; None: loads in flight there at the bound
+                bonus = self.adapters.bonus(spec.worker_id, lora)
+                if bonus is None:
+                    continue
+                score += bonus
             if cands is not None:
                 cands.append((pref, score, w, cost))
             # (pref, score) beats the best so far; ties keep the lower worker id

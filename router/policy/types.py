@@ -94,6 +94,7 @@ class Job:
     weight: float = 1.0  # tenant's fair-share weight inside its class
     n: int = 1  # sequences (OpenAI's n): KV and token budgets count all of them
     block_hashes: Sequence[int] = ()  # the prompt's full blocks (router.fleet.block_hash), for prefix affinity
+    lora_id: int = 0  # the LoRA adapter it runs under (0: none): router.policy.adapter_placement
 
 
 class DispatchJob(NamedTuple):

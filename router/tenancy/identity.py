@@ -29,6 +29,7 @@ class Identity(NamedTuple):
     klass: str  # the scheduler class the request runs in
     weight: float  # its tenant's fair-share weight
     key_id: str = ""  # the API key's public name (shared.keys.key_id); "" without keys
+    adapters: frozenset[str] | None = None  # the LoRA adapters it may use (None: all)
 
 
 class Keys:
@@ -38,6 +39,11 @@ class Keys:
 
     def __init__(self, cfg: Config) -> None:
         self.by_key: dict[str, ApiKey] = {config_digest(k): k for k in cfg.api_keys}
+        # each key's adapter allow-list: its own and its tenant's, both (None: no list)
+        tenant_lists = {t.name: t.adapters for t in cfg.tenants}
+        self.adapters: dict[str, frozenset[str] | None] = {
+            h: _allowed(k.adapters, tenant_lists.get(k.tenant)) for h, k in self.by_key.items()
+        }
         self.rank = {c.name: i for i, c in enumerate(cfg.scheduler.classes)}
         self.default_tier = DEFAULT_TIER if DEFAULT_TIER in self.rank else cfg.scheduler.classes[0].name
 
@@ -64,4 +70,13 @@ class Keys:
                 )
             if rank > self.rank[tier]:
                 klass = sub.priority
-        return Identity(tenant, klass, weight, kid)
+        return Identity(tenant, klass, weight, kid, self.adapters.get(h) if self.by_key else None)
+
+
+def _allowed(*lists: list[str] | None) -> frozenset[str] | None:
+    """What every given allow-list allows (None: no list, everything)."""
+    out: frozenset[str] | None = None
+    for names in lists:
+        if names is not None:
+            out = frozenset(names) if out is None else out & frozenset(names)
+    return out

@@ -20,6 +20,7 @@ import requests
 import stackutil
 
 from deploy.make_adapter import build as build_adapter
+from router.lifecycle.adapters import lora_id
 from shared.client import Client
 
 BASE = stackutil.VLLM_MODEL
@@ -86,6 +87,20 @@ def test_adapter_output_differs_from_the_base_and_is_deterministic(lora_stack):
     assert base == plain  # LoRA on the worker leaves the base model's output as it was
     assert a1 != base and b1 != base and a1 != b1
     assert a1 == a2 and base2 == base  # greedy under an adapter is deterministic; the base stays untouched
+
+    # the worker's heartbeats tell the router what its engine holds: a in its one slot, b in its cache
+    ids = {n: lora_id(n, str((lora_stack.lora_dir / d).resolve())) for n, d in ((LORA_A, "lora-a"), (LORA_B, "lora-b"))}
+    deadline = time.monotonic() + 10
+    while True:
+        w = next(
+            x
+            for x in requests.get(lora_stack.router_url + "/admin/workers", timeout=5).json()
+            if x["id"] == "vllm-lora"
+        )
+        if w.get("adapters", {}).get("slot") == [ids[LORA_A]] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert w["adapters"] == {"slot": [ids[LORA_A]], "cache": [ids[LORA_B]], "loading": []}
 
 
 def test_adapter_in_chat_and_over_zeromq(lora_stack):

@@ -1,0 +1,125 @@
+"""Adapter-aware placement: which LoRA adapters each worker holds, and how
+much a worker holding a job's adapter is preferred.
+
+A worker reports in its heartbeats the adapters its engine holds in its
+slots (vLLM's ``max_loras``: usable in the next step at no cost) and in its
+host-memory cache (``max_cpu_loras``: a copy into a slot away), as
+``WorkerStats.loras``.  For a job under an adapter, placement adds to a
+worker's load score (router.policy.placement: 0..2, least loaded highest):
+
+- ``HELD_SLOT`` if the adapter is in one of its slots;
+- ``HELD_CACHE`` if it is in its cache;
+- ``FREE_SLOT`` if it has a slot no adapter uses (a load, but no eviction);
+- nothing otherwise: a load from disk that evicts the least recently used.
+
+The bonuses are below the score's range, so a busy holder still loses to an
+idle worker (the load is then paid once, and the adapter is held in two
+places).  A worker that must load an adapter it does not hold takes it only
+while fewer than ``max_loads`` such loads are in flight there: a load counts
+from its dispatch until a heartbeat reports the adapter held (or
+``LOAD_TIMEOUT_S`` passed).  Pure: no I/O, the caller's clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.protocol import LoraHeld
+
+HELD_SLOT = 1.0
+HELD_CACHE = 0.6
+FREE_SLOT = 0.3
+LOAD_TIMEOUT_S = 30.0  # a load never confirmed stops counting (a lost heartbeat, an engine that failed it)
+
+
+@dataclass(slots=True)
+class _Worker:
+    slot: frozenset[int] = frozenset()  # adapter ids in the engine's slots
+    cache: frozenset[int] = frozenset()  # ... in its host-memory cache (slots not included)
+    slots: int = 0  # max_loras (0: not reported)
+    loading: dict[int, float] = field(default_factory=dict)  # adapter id -> when its load was dispatched
+
+
+class AdapterPlacement:
+    def __init__(self, max_loads: int = 1, enabled: bool = True) -> None:
+        self.max_loads = max(1, max_loads)
+        self.enabled = enabled
+        self._workers: dict[str, _Worker] = {}
+        self.loads = 0  # dispatches that needed a load (not held where they went)
+        self.new_loads: list[int] = []  # their adapters since the caller last took them (metrics)
+
+    def report(self, worker_id: str, held: LoraHeld | None, now: float) -> list[int]:
+        """A heartbeat's adapters (None: it holds none, or runs no LoRA); the adapters it
+        held before and holds no more (evicted)."""
+        w = self._workers.get(worker_id)
+        if held is None:
+            if w is None:
+                return []
+            gone = sorted(w.slot | w.cache)
+            w.slot = w.cache = frozenset()
+            self._expire(w, now)
+            return gone
+        if w is None:
+            w = self._workers[worker_id] = _Worker()
+        before = w.slot | w.cache
+        w.slot, w.cache, w.slots = frozenset(held.slot), frozenset(held.cache), held.slots
+        gone = sorted(before - w.slot - w.cache)
+        for lora in [x for x in w.loading if x in w.slot or x in w.cache]:
+            del w.loading[lora]  # loaded
+        self._expire(w, now)
+        return gone
+
+    def take_loads(self) -> list[int]:
+        """The adapters of the loads dispatched since the last call (for metrics)."""
+        out, self.new_loads = self.new_loads, []
+        return out
+
+    @staticmethod
+    def _expire(w: _Worker, now: float) -> None:
+        for lora in [x for x, t in w.loading.items() if now - t > LOAD_TIMEOUT_S]:
+            del w.loading[lora]
+
+    def bonus(self, worker_id: str, lora: int) -> float | None:
+        """What ``worker_id`` adds to its score for a job under adapter ``lora``;
+        None: it may not take it now (too many loads in flight there)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0.0  # nothing reported yet: a load like any
+        if lora in w.slot:
+            return HELD_SLOT
+        if lora in w.cache:
+            return HELD_CACHE
+        if lora not in w.loading and len(w.loading) >= self.max_loads:
+            return None
+        if lora in w.loading:
+            return HELD_CACHE  # on its way: joining it costs no second load
+        return FREE_SLOT if len(w.slot) < w.slots else 0.0
+
+    def dispatched(self, worker_id: str, lora: int, now: float) -> None:
+        """A job under ``lora`` went to ``worker_id``: a load if it does not hold it (or load it already)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker()
+        if lora in w.slot or lora in w.cache or lora in w.loading:
+            return
+        w.loading[lora] = now
+        self.loads += 1
+        self.new_loads.append(lora)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def view(self, worker_id: str) -> dict[str, Any]:
+        """A worker's adapters for /admin/workers ({}: it never reported any)."""
+        if worker_id not in self._workers:
+            return {}
+        slot, cache, loading = self.held(worker_id)
+        return {"adapters": {"slot": slot, "cache": cache, "loading": loading}}
+
+    def held(self, worker_id: str) -> tuple[list[int], list[int], list[int]]:
+        """(in slots, in cache, loading) of a worker, for views and tests."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return [], [], []
+        return sorted(w.slot), sorted(w.cache), sorted(w.loading)
