@@ -84,18 +84,25 @@ class BlockHasher:
     def key(self) -> tuple[str, str, int]:
         return self.algo, self.seed, self.block_size
 
-    def hashes(self, token_ids: Sequence[int], first_extra: tuple[object, ...] | None = None) -> list[int]:
-        """The published 64-bit hash of each full block of ``token_ids``."""
+    def hashes(
+        self,
+        token_ids: Sequence[int],
+        first_extra: tuple[object, ...] | None = None,
+        every_extra: tuple[object, ...] | None = None,
+    ) -> list[int]:
+        """The published 64-bit hash of each full block of ``token_ids``.
+        ``every_extra``: extra keys of every block (vLLM's LoRA key, ``lora_extra``),
+        ahead of ``first_extra`` on the first block (its cache salt), as vLLM orders them."""
         fn = self._fn
         if fn is None:
             raise ValueError("the sim scheme hashes text (text_hashes)")
         bs = self.block_size
         parent = self._none
         out = []
-        extra = first_extra
+        extra = (every_extra or ()) + (first_extra or ()) or None
         for start in range(0, len(token_ids) - bs + 1, bs):
             parent = fn((parent, tuple(token_ids[start : start + bs]), extra))
-            extra = None
+            extra = every_extra
             out.append(int.from_bytes(parent, "big") & _MASK64)
         return out
 
@@ -109,3 +116,10 @@ class BlockHasher:
             parent = hashlib.blake2b(parent + data[i * span : (i + 1) * span], digest_size=8).digest()
             out.append(int.from_bytes(parent, "big"))
         return out
+
+
+def lora_extra(name: str, path: str) -> tuple[tuple[str, str, str]]:
+    """vLLM's extra key of every block computed under a LoRA adapter (its
+    ``_gen_lora_extra_hash_keys``: name and path): blocks of one adapter never
+    match another's or the base model's."""
+    return (("lora", name, path),)

@@ -152,14 +152,14 @@ class Intake:
         hasher = parts.policy.prefix.hasher(sub.model)
         if model.prompts.inline(sub):
             try:
-                tokens = tokenize_hashed(model.prompts, sub, hasher)
+                tokens = tokenize_hashed(model.prompts, sub, hasher, j.lora)
             except Exception as e:
                 err = self._tokenizing_failed(j, e)
             else:
                 err = self.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
         alive = functools.partial(self._live, j.job_id)  # (a job cancelled meanwhile is not tokenized)
-        fut = self.tokenizer.run(PROMPT, who.tenant, tokenize_hashed, model.prompts, sub, hasher, alive=alive)
+        fut = self.tokenizer.run(PROMPT, who.tenant, tokenize_hashed, model.prompts, sub, hasher, j.lora, alive=alive)
         assert fut is not None  # (prompts are never refused there)
         fut.add_done_callback(functools.partial(self.tokenized, j.job_id))
         return handle

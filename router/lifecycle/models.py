@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from router.fleet.block_hash import SIM, BlockHasher
+from router.fleet.block_hash import SIM, BlockHasher, lora_extra
 from router.lifecycle.adapters import Adapters
 from router.lifecycle.prompts import ModelPrompts
 from shared import protocol as p
@@ -35,10 +35,13 @@ class HashedPrompt(NamedTuple):
     hashes: Sequence[int] = ()  # its full blocks as its model's engines hash them (router.fleet.block_hash)
 
 
-def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: BlockHasher | None) -> HashedPrompt:
+def tokenize_hashed(
+    prompts: ModelPrompts, sub: p.Submit, hasher: BlockHasher | None, lora: p.LoraRef | None = None
+) -> HashedPrompt:
     """Tokens, and the prompt's block hashes as its model's engines compute
-    them (prefix affinity): in the same place, on the tokenizing thread for
-    long prompts, so hashing never stalls the loop either."""
+    them (prefix affinity; under ``lora``, as they hash that adapter's blocks):
+    in the same place, on the tokenizing thread for long prompts, so hashing
+    never stalls the loop either."""
     ids, count = prompts.tokenize(sub)
     if hasher is None:
         return HashedPrompt(ids, count)
@@ -49,7 +52,8 @@ def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: BlockHasher | 
             else "".join(m.role + "\n" + m.content + "\n" for m in sub.messages)
         )
         return HashedPrompt(ids, count, hasher.text_hashes(text, count))
-    return HashedPrompt(ids, count, hasher.hashes(ids) if ids else ())
+    every = lora_extra(lora.name, lora.path) if lora is not None else None
+    return HashedPrompt(ids, count, hasher.hashes(ids, every_extra=every) if ids else ())
 
 
 @dataclass(slots=True, eq=False)

@@ -104,3 +104,40 @@ def test_tiny_adapter_is_deterministic_and_seeded(tmp_path):
     assert digest(one) == digest(again) and digest(one) != digest(two)
     conf = json.loads((one / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 8
+
+
+def test_block_hashes_under_an_adapter_agree_with_vllms():
+    """The router's block hashes of a prompt under an adapter are vLLM's own
+    (its request block hasher, LoRA extra keys on every block), and differ from
+    the base model's and from another adapter's: the prefix index never matches
+    one adapter's cached blocks for another."""
+    from types import SimpleNamespace
+
+    from vllm.lora.request import LoRARequest
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    from router.fleet.block_hash import BlockHasher, lora_extra
+
+    ids = list(range(100, 100 + 16 * 4 + 3))
+    for algo in ("sha256", "sha256_cbor"):
+        hf = get_hash_fn_by_name(algo)
+        kcu.init_none_hash(hf)
+        vllm_hasher = kcu.get_request_block_hasher(16, hf)
+        ours = BlockHasher(algo, 16)
+        got = {}
+        for lora in (None, LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")):
+            request = SimpleNamespace(
+                block_hashes=[],
+                num_tokens=len(ids),
+                all_token_ids=ids,
+                mm_features=[],
+                lora_request=lora,
+                cache_salt=None,
+                prompt_embeds=None,
+            )
+            want = [kcu.maybe_convert_block_hash(h) for h in vllm_hasher(request)]
+            extra = lora_extra(lora.lora_name, lora.lora_path) if lora is not None else None
+            got[lora and lora.lora_name] = ours.hashes(ids, every_extra=extra)
+            assert got[lora and lora.lora_name] == want and len(want) == 4
+        assert len({tuple(h) for h in got.values()}) == 3  # no block shared between base, a and b
