@@ -90,17 +90,15 @@ def test_adapter_output_differs_from_the_base_and_is_deterministic(lora_stack):
 
     # the worker's heartbeats tell the router what its engine holds: a in its one slot, b in its cache
     ids = {n: lora_id(n, str((lora_stack.lora_dir / d).resolve())) for n, d in ((LORA_A, "lora-a"), (LORA_B, "lora-b"))}
-    deadline = time.monotonic() + 10
+    want = {"slot": [ids[LORA_A]], "cache": [ids[LORA_B]], "loading": []}
+    deadline = time.monotonic() + 10  # (until a heartbeat sent after the last request came)
     while True:
-        w = next(
-            x
-            for x in requests.get(lora_stack.router_url + "/admin/workers", timeout=5).json()
-            if x["id"] == "vllm-lora"
-        )
-        if w.get("adapters", {}).get("slot") == [ids[LORA_A]] or time.monotonic() > deadline:
+        workers = requests.get(lora_stack.router_url + "/admin/workers", timeout=5).json()
+        w = next(x for x in workers if x["id"] == "vllm-lora")
+        if w.get("adapters") == want or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert w["adapters"] == {"slot": [ids[LORA_A]], "cache": [ids[LORA_B]], "loading": []}
+    assert w["adapters"] == want
 
 
 def test_adapter_in_chat_and_over_zeromq(lora_stack):
