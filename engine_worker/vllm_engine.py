@@ -166,6 +166,8 @@ class VllmEngine(EngineBase):
         # after the EngineCore died) has told its routers to send it nothing.
         self._loop = asyncio.get_running_loop()
         os.makedirs(self._kv_dir, exist_ok=True)  # (a restart: shutdown removed it)
+        if self.lora is not None:  # (a restarted engine holds no adapter)
+            self.lora_cache = LoraCache(self.lora.max_loras, self.lora.max_cpu_loras)
         self._aborted = []
         self.engine = DirectAsyncLLM.from_engine_args(self.args, stat_loggers=[_StatsOn])
         self.engine.set_hooks(self._sched)
