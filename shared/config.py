@@ -391,6 +391,9 @@ class SchedulerConfig(_Cfg):
     # such loads are in flight there.
     adapter_affinity: bool = True
     adapter_loads_in_flight: int = 1
+    # Added to the predicted wait of a job whose adapter no worker of its model
+    # holds: one load from disk into an engine (the tiny adapter on CPU: ~50 ms).
+    adapter_load_s: float = 0.2
 
     def kv_budget(self, capacity_tokens: int) -> int:
         """A worker's KV budget: what the router's policy reserves against and

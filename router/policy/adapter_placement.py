@@ -17,11 +17,14 @@ idle worker (the load is then paid once, and the adapter is held in two
 places).  A worker that must load an adapter it does not hold takes it only
 while fewer than ``max_loads`` such loads are in flight there: a load counts
 from its dispatch until a heartbeat reports the adapter held (or
-``LOAD_TIMEOUT_S`` passed).  Pure: no I/O, the caller's clock.
+``LOAD_TIMEOUT_S`` passed).  A job whose adapter no worker of its model
+holds or is loading has one load (``load_s``) added to its predicted wait
+(router.policy.admission).  Pure: no I/O, the caller's clock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +45,9 @@ class _Worker:
 
 
 class AdapterPlacement:
-    def __init__(self, max_loads: int = 1, enabled: bool = True) -> None:
+    def __init__(self, max_loads: int = 1, enabled: bool = True, load_s: float = 0.0) -> None:
         self.max_loads = max(1, max_loads)
+        self.load_s = load_s  # what one load from disk adds to a job's wait (scheduler.adapter_load_s)
         self.enabled = enabled
         self._workers: dict[str, _Worker] = {}
         self.loads = 0  # dispatches that needed a load (not held where they went)
@@ -95,6 +99,15 @@ class AdapterPlacement:
         if lora in w.loading:
             return HELD_CACHE  # on its way: joining it costs no second load
         return FREE_SLOT if len(w.slot) < w.slots else 0.0
+
+    def load_wait(self, worker_ids: Iterable[str], lora: int) -> float:
+        """What a job under ``lora`` waits for its adapter beyond its place in the queue:
+        nothing if one of ``worker_ids`` (its model's) holds it or is loading it, else one load."""
+        for wid in worker_ids:
+            w = self._workers.get(wid)
+            if w is not None and (lora in w.slot or lora in w.cache or lora in w.loading):
+                return 0.0
+        return self.load_s
 
     def dispatched(self, worker_id: str, lora: int, now: float) -> None:
         """A job under ``lora`` went to ``worker_id``: a load if it does not hold it (or load it already)."""

@@ -117,6 +117,8 @@ class Admission:
                 refusal = self.waits.admit(m, e, bound, now)
                 if refusal is not None:
                     return refusal
+            if job.lora_id and e.predicted >= 0.0:  # its adapter's load if no worker of its model holds it
+                e.predicted += self.placement.adapters.load_wait(m.workers, job.lora_id)
         key = self.keys[rank][size]
         q = m.queues.by_key.get(key)
         if q is None:

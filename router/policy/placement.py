@@ -39,7 +39,7 @@ class ScoredPlacement:
         self.prefix = prefix
         self.affinity = cfg.prefix_affinity
         # which workers hold which LoRA adapters (reported) and their loads in flight
-        self.adapters = AdapterPlacement(cfg.adapter_loads_in_flight, cfg.adapter_affinity)
+        self.adapters = AdapterPlacement(cfg.adapter_loads_in_flight, cfg.adapter_affinity, cfg.adapter_load_s)
         self.rng = random.Random(0)  # placement samples in large fleets: seeded, runs repeat
         self.scan_all: float = PLACE_SCAN_ALL  # (the DES sets it higher to compare with scoring all)
         # the pools a job of each size may use, in order of preference

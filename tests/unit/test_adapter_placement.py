@@ -169,3 +169,18 @@ def test_adapter_aware_placement_loads_far_less_than_round_robin_and_least_loade
     )
     assert aware * 5 <= rr and aware * 5 <= least
     assert aware_act * 3 <= rr_act and aware_act * 3 <= least_act
+
+
+def test_predicted_wait_counts_a_load_when_no_worker_holds_the_adapter():
+    def predicted(lora: int) -> float:
+        p = Policy(_cfg(adapter_load_s=0.5))
+        p.add_worker(_spec("a"), 0.0)
+        p.add_worker(_spec("b"), 0.0)
+        p.placement.adapters.report("b", LoraHeld(slot=[7], cache=[6], slots=1), 0.0)
+        p.placement.adapters.dispatched("a", 5, 0.0)  # on its way to a
+        j = _job(lora)
+        assert p.submit(j, 0.0) is None
+        return p.jobs.entries[j.job_id].predicted
+
+    assert predicted(8) == 0.5  # nobody holds it: one load
+    assert predicted(7) == predicted(6) == predicted(5) == predicted(0) == 0.0
