@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 from router import api
 from router.ingress.connection import Request
 from shared.errors import Code, error
+from shared.keys import key_from_headers
 from shared.protocol import ErrorInfo
 
 JSON = b"application/json"
@@ -33,6 +34,8 @@ class Views(Protocol):
     def models(self) -> list[ModelRow]: ...
 
     def adapters(self) -> list[tuple[str, str, int, int, str]]: ...
+
+    def adapters_for(self, api_key: str | None) -> list[tuple[str, str, int, int, str]]: ...
 
     def admin_models(self) -> list[dict[str, Any]]: ...
 
@@ -216,18 +219,19 @@ class Routes(NamedTuple):
 def routes(views: Views, operator: Operator | None, created: int) -> Routes:
     """The table; without ``operator`` the routes that change state are absent (404)."""
 
-    def listed() -> list[dict[str, Any]]:
-        """The models, then the LoRA adapters (with their base model as ``parent``)."""
+    def listed(req: Request) -> list[dict[str, Any]]:
+        """The models, then the LoRA adapters the caller may use (with their base model as ``parent``)."""
         out = [model_object(r, created) for r in views.models()]
-        out += [model_object((a[0], *a[2:]), created, a[1]) for a in views.adapters()]
+        key = key_from_headers(req.header(b"x-api-key"), req.header(b"authorization"))
+        out += [model_object((a[0], *a[2:]), created, a[1]) for a in views.adapters_for(key)]
         return out
 
     def models(req: Request) -> Answer:
-        return _json(200, {"object": "list", "data": listed()})
+        return _json(200, {"object": "list", "data": listed(req)})
 
     def model(req: Request) -> Answer:
         name = _name(req, b"/v1/models/")
-        for obj in listed():
+        for obj in listed(req):
             if obj["id"] == name:
                 return _json(200, obj)
         return ErrorReply(error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.lifecycle.core import RouterCore
+from router.tenancy.identity import Identity
 from shared.config import ModelConfig, WorkerConfig
 
 
@@ -29,6 +30,11 @@ class CoreView:
     def served_adapters(self) -> list[tuple[str, str]]:
         """(name, base model) of each LoRA adapter served now."""
         return [(a.name, a.base) for a in self.core.registry.adapters.all()]
+
+    def allowed_adapters(self, api_key: str | None) -> frozenset[str] | None:
+        """The adapters a caller may use (None: every one; a key that is not one: none)."""
+        who = self.core.identify(api_key)
+        return who.adapters if isinstance(who, Identity) else frozenset()
 
     def model_state(self, name: str) -> str:
         return self.core.model_state(name)

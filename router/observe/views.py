@@ -37,6 +37,8 @@ class CoreReads(Protocol):
 
     def served_adapters(self) -> list[tuple[str, str]]: ...
 
+    def allowed_adapters(self, api_key: str | None) -> frozenset[str] | None: ...
+
     def runtime_workers_of(self, name: str) -> list[WorkerConfig] | None: ...
 
     def uptime_s(self) -> float: ...
@@ -84,6 +86,11 @@ class RouterViews:
         its base model's figures (the adapter runs on its base's workers)."""
         rows = {name: (max_len, ready, state) for name, max_len, ready, state in self.models()}
         return [(name, base, *rows[base]) for name, base in self.core.served_adapters() if base in rows]
+
+    def adapters_for(self, api_key: str | None) -> list[tuple[str, str, int, int, str]]:
+        """``adapters`` less those the caller's key or tenant may not use (/v1/models)."""
+        allowed = self.core.allowed_adapters(api_key)
+        return [a for a in self.adapters() if allowed is None or a[0] in allowed]
 
     def admin_models(self) -> list[dict[str, Any]]:
         """Every model and its state: what the supervisor (deploy/runtime_models.py) carries out."""

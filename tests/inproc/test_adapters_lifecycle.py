@@ -155,3 +155,24 @@ def test_per_adapter_metrics(core):
     core.worker_stats(worker, p.WorkerStats(loras=p.LoraHeld(slot=[99], slots=1)))  # evicted for another
     assert _sample(core, "weir_adapter_evictions_total", adapter="lora-a") == 1
     assert _sample(core, "weir_adapter_requests_total", adapter="lora-b", outcome="length") == 0
+
+
+def test_models_list_shows_a_key_only_the_adapters_it_may_use(core):
+    from router.lifecycle.reads import CoreView
+    from router.observe.metrics import RouterMetrics
+    from router.observe.views import RouterViews
+
+    class NoLink:
+        def worker_count(self):
+            return 0
+
+        def report(self, worker_id):
+            return None
+
+        def reports(self):
+            return []
+
+    views = RouterViews(CoreView(core), NoLink(), RouterMetrics())
+    names = {key: [a[0] for a in views.adapters_for(key)] for key in (KEY_A, KEY_B, KEY_ALL, "sk-unknown", None)}
+    assert names == {KEY_A: ["lora-a"], KEY_B: ["lora-b"], KEY_ALL: ["lora-a", "lora-b"], "sk-unknown": [], None: []}
+    assert [a[0] for a in views.adapters()] == ["lora-a", "lora-b"]  # the operator's view: all

@@ -148,6 +148,9 @@ class ScriptedCore:
     def adapters(self):
         return [("tiny-lora", "tiny", 512, 1, "ready")]
 
+    def adapters_for(self, api_key):
+        return self.adapters() if api_key != "sk-no-adapters" else []
+
     def health(self):
         return {"status": "ok", "workers": 1}
 
@@ -363,6 +366,11 @@ def test_sdk_models(server):
     assert [getattr(m, "parent", "?") for m in listed] == [None, None, "tiny"]
     assert client.models.retrieve("sim-tiny").id == "sim-tiny"
     assert client.models.retrieve("tiny-lora").parent == "tiny"
+    # a key whose allow-list leaves an adapter out is not shown it, and gets a 404 for it
+    other = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-no-adapters", max_retries=0, timeout=10)
+    assert [m.id for m in other.models.list()] == ["tiny", "sim-tiny"]
+    with pytest.raises(openai.NotFoundError):
+        other.models.retrieve("tiny-lora")
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
 

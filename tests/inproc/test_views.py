@@ -77,6 +77,9 @@ class Req(msgspec.Struct):
     path: bytes
     body: bytes = b""
 
+    def header(self, name: bytes) -> str | None:
+        return None
+
 
 def _config() -> Config:
     return msgspec.convert({"models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096}]}, Config)
