@@ -134,6 +134,31 @@ class LoggingConfig(_Cfg):
     requests: bool = False
 
 
+class TracingConfig(_Cfg):
+    """OpenTelemetry traces from every component (docs/operating.md#tracing):
+    Envoy's tracer, the router, the workers and vLLM export spans over OTLP to
+    one collector.  Off unless ``endpoint`` is set."""
+
+    endpoint: str = ""  # HOST:PORT of an OTLP collector (4317: grpc, 4318: http); "": off
+    protocol: Literal["grpc", "http"] = "grpc"  # http: OTLP/HTTP protobuf, POST /v1/traces
+    # A request without a sampled parent (a client's traceparent) is traced
+    # with this probability, decided once at the edge (Envoy, or the router
+    # for a direct client) and followed by every component after it.
+    sampling_ratio: float = 0.01
+    envoy_service: str = "weir-envoy"
+    router_service: str = "weir-router"
+    worker_service: str = "weir-worker"
+    engine_service: str = "vllm"  # vLLM's own request spans (--otlp-traces-endpoint)
+    # Spans waiting for export per process; beyond it (a collector that is
+    # down or slow) new ones are dropped and counted, never waited for.
+    max_queued_spans: int = 8192
+    export_timeout_s: float = 2.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+
 class RouterEndpoint(_Cfg):
     """One router process of several (``[[routers]]``): its own three listen
     addresses.  The settings in ``[router]`` apply to all of them."""
@@ -469,6 +494,7 @@ class Config(_Cfg):
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     models: list[ModelConfig] = []
     workers: list[WorkerConfig] = []
     kubernetes: KubernetesConfig = msgspec.field(default_factory=KubernetesConfig)
@@ -602,6 +628,21 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[responses] max_bytes must be >= 1")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
+    _validate_tracing(cfg.tracing)
+
+
+def _validate_tracing(t: TracingConfig) -> None:
+    if not 0.0 <= t.sampling_ratio <= 1.0:
+        raise ConfigError(f"tracing.sampling_ratio = {t.sampling_ratio!r}: must be within 0..1")
+    if t.max_queued_spans < 1 or t.export_timeout_s <= 0:
+        raise ConfigError("tracing.max_queued_spans must be >= 1 and export_timeout_s > 0")
+    if t.endpoint:
+        try:
+            host, port = split_hostport(t.endpoint)
+        except ValueError:
+            host, port = "", 0
+        if not host or not 0 < port < 65536:
+            raise ConfigError(f"tracing.endpoint = {t.endpoint!r}: expected HOST:PORT of an OTLP collector")
 
 
 validate = _validate  # a Config built in code (router/observe/views.py: a model added at run time)
