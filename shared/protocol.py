@@ -208,6 +208,39 @@ class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ratelimit: RateLimit | None = None  # the key's budgets, where it has any
 
 
+class Timing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Where one request's time went in the router, in seconds (router ->
+    client: the first news with tokens carries the phases so far, the last
+    Delta all of them; HTTP renders it as the ``server-timing`` header).
+    ``tokenize``: arrival -> tokenized; ``queue``: tokenized -> the dispatch
+    that produced its first token (budget reservation and queue wait);
+    ``prefill``: that dispatch -> the first token (the engine's part of TTFT);
+    ``decode``: first token -> end; ``total``: arrival -> end (0: not ended yet)."""
+
+    tokenize: float = 0.0
+    queue: float = 0.0
+    prefill: float = 0.0
+    decode: float = 0.0
+    total: float = 0.0
+
+
+TraceId16 = Annotated[bytes, Meta(min_length=16, max_length=16)]
+SpanId8 = Annotated[bytes, Meta(min_length=8, max_length=8)]
+TraceState = Annotated[str, Meta(max_length=512)]
+
+
+class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """W3C trace context (``traceparent`` / ``tracestate``) in binary, ~30
+    bytes: the trace, the sender's span the receiver's spans hang under, and
+    whether the trace is sampled.  A direct client's Submit may carry its own;
+    the router sends its dispatch span's on a sampled GenerateRequest."""
+
+    trace_id: TraceId16
+    span_id: SpanId8
+    sampled: bool = False
+    state: TraceState = ""
+
+
 class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """New output of one request since the previous Delta for it.
 
@@ -250,6 +283,9 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # router -> client, on a request's first Delta when its Submit asked for
     # ``return_token_ids``: the prompt's token ids as the router tokenized them.
     prompt_token_ids: list[int] = []
+    # router -> client: where the request's time went (partial on its first
+    # news with tokens, whole on its last Delta).
+    timing: Timing | None = None
 
     @property
     def finished(self) -> bool:
@@ -313,6 +349,9 @@ class Submit(_Msg, tag=1):
     # The prompt's token ids on the first Delta (``Delta.prompt_token_ids``):
     # vLLM's ``return_token_ids`` (the generated ids are in every Delta's ``token_ids``).
     return_token_ids: bool = False
+    # The client's trace (W3C trace context): the router's spans of this
+    # request are its children.  None: a new trace, sampled at [tracing]'s ratio.
+    trace_context: TraceContext | None = None
 
 
 class Cancel(_Msg, tag=2):
@@ -441,6 +480,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # ``dimensions`` values (0: the model's full width).
     embed: bool = False
     dimensions: int = 0
+    # A sampled trace: the router's dispatch span, parent of the worker's spans
+    # (and of vLLM's own).  None: not traced.
+    trace_context: TraceContext | None = None
 
 
 class Dispatch(_Msg, tag=13):

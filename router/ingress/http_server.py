@@ -65,6 +65,7 @@ from router.lifecycle.fanout import PromptFanOut, echo_texts
 from router.lifecycle.models import ServedModel
 from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
+from router.observe.phases import total_only
 from router.tenancy.buckets import QuotaAnswer
 from router.tenancy.budgets import Group, Quota
 from router.tenancy.identity import Identity
@@ -585,7 +586,7 @@ class HttpConnection(asyncio.Protocol):
             ex.done = True
             self.current = None
             self.busy = False
-            return self.respond_error(req, result, label)
+            return self.respond_error(req, result, label, total_only(time.perf_counter() - req.t0))
         ex.handle = result
 
     def completions(self, req: _Request, label: str) -> None:

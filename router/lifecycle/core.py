@@ -59,6 +59,8 @@ from router.lifecycle.prompts import ModelPrompts
 from router.lifecycle.recovery import Recovery
 from router.lifecycle.tokenizer_queue import CALL, PROMPT, Tokenizer
 from router.observe.metrics import RouterMetrics
+from router.observe.phases import ended as phases_ended
+from router.observe.phases import timing as phases_so_far
 from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
 from router.tenancy.buckets import NO_HOLD, QuotaAnswer
 from router.tenancy.budgets import Group, Quota
@@ -191,6 +193,7 @@ class RouterCore:
             except Exception:  # a defect: the job must still leave the table (as on the tokenizing thread)
                 log.exception("tokenizing request %s (job %s) failed", j.trace, j.job_id, extra={"request_id": j.trace})
                 return self._refused_at_submit(j, error(Code.INTERNAL, "Tokenizing the prompt failed."))
+            j.tokenized_at = self.clock()
             err = self._intake.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
         alive = functools.partial(self._live, j.job_id)  # (a job cancelled meanwhile is not tokenized)
@@ -331,10 +334,12 @@ class RouterCore:
                 error = msgspec.structs.replace(error, ratelimit=error.ratelimit or j.rl)
         if j.group is not None:
             j.group.left(queued)
+        t = phases_ended(j.phases, j.arrival, j.tokenized_at, j.dispatched_at, j.first_token_at, now)
         if deltas is not None:
+            deltas[-1].timing = t
             j.sink.on_deltas(deltas)
         elif error is not None:  # (a cancelled job's client is gone: nobody to tell)
-            j.sink.on_deltas([p.Delta(j.job_id, error=error, completion_tokens=j.completion_tokens)])
+            j.sink.on_deltas([p.Delta(j.job_id, error=error, completion_tokens=j.completion_tokens, timing=t)])
         m = self.metrics
         if not queued:
             m.child(m.rejected, j.who.klass, "-", outcome).inc()
@@ -345,7 +350,7 @@ class RouterCore:
                 assert mx is not None  # set once queued
                 mx.e2e.observe(now - j.arrival)
         if self._log_requests:
-            log_end(j, outcome, error, now)
+            log_end(j, outcome, error, now, t)
         if self.policy.has_queued():  # only queued work can use what this freed
             self._schedule_policy()
 
@@ -405,7 +410,7 @@ class RouterCore:
             self._recovery.requeue(j, now)
             return
         advance(j, RUNNING, action.worker_id)
-        j.last_news = now
+        j.last_news = j.dispatched_at = now
         j.kept_dispatches += 1
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
             now - j.arrival
@@ -560,6 +565,8 @@ class RouterCore:
             if not j.first_token_at:
                 j.first_token_at = now
                 mx.ttft.observe(now - j.arrival)
+                # the phases so far, for the client's first news (HTTP: a stream's server-timing)
+                j.phases = group[0].timing = phases_so_far(j.arrival, j.tokenized_at, j.dispatched_at, now)
             j.completion_tokens += new_tokens
             mx.tokens.inc(new_tokens)
         if j.engine_prompt(prompt_tokens):

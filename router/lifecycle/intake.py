@@ -130,7 +130,8 @@ class Intake:
         except Exception:
             log.exception("tokenizing request %s (job %s) failed", j.trace, job_id, extra={"request_id": j.trace})
             return self._end(j, "internal", error=error(Code.INTERNAL, "Tokenizing the prompt failed."))
-        err = self.admit(j, tokens, self.clock())
+        j.tokenized_at = now = self.clock()
+        err = self.admit(j, tokens, now)
         if err is not None:
             self._end(j, label(err), error=err)
 

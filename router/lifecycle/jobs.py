@@ -119,6 +119,11 @@ class JobRecord:
     hold: Hold | None = None  # its budget reservation (router.tenancy.budgets), returned at its end
     group: Group | None = None  # a fan-out's job: the request units its request took (router.tenancy.budgets)
     rl: p.RateLimit | None = None  # budget figures for its client's first Delta
+    # Its phases (router.observe.phases): tokenized, latest dispatch, and the
+    # phases up to its first token (frozen then: a resume dispatches it again).
+    tokenized_at: float = 0.0
+    dispatched_at: float = 0.0
+    phases: p.Timing | None = None
 
     @property
     def model(self) -> str:
@@ -173,7 +178,7 @@ def advance(j: JobRecord, to: JobState, worker: str | None = None) -> None:
     j.worker = worker
 
 
-def log_end(j: JobRecord, outcome: str, err: p.ErrorInfo | None, now: float) -> None:
+def log_end(j: JobRecord, outcome: str, err: p.ErrorInfo | None, now: float, t: p.Timing | None = None) -> None:
     """[logging] requests: one line per request, whatever its end."""
     rid = j.trace
     status = 200 if err is None else err.status
@@ -181,7 +186,7 @@ def log_end(j: JobRecord, outcome: str, err: p.ErrorInfo | None, now: float) -> 
         status = 499  # the client went away (as the HTTP ingress counts it)
     log.info(
         "request %s %s status=%d model=%s class=%s tenant=%s prompt_tokens=%d completion_tokens=%d "
-        "resumes=%d seconds=%.3f",
+        "resumes=%d seconds=%.3f tokenize_ms=%.3f queue_ms=%.3f prefill_ms=%.3f decode_ms=%.3f",
         rid,
         outcome,
         status,
@@ -192,5 +197,6 @@ def log_end(j: JobRecord, outcome: str, err: p.ErrorInfo | None, now: float) -> 
         j.completion_tokens,
         j.resumes,
         now - j.arrival,
+        *((t.tokenize * 1e3, t.queue * 1e3, t.prefill * 1e3, t.decode * 1e3) if t is not None else (0.0,) * 4),
         extra={"request_id": rid, "outcome": outcome, "status": status},
     )
