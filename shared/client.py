@@ -38,6 +38,7 @@ import msgspec
 import zmq
 
 from shared import protocol as p
+from shared.otlp import parse_traceparent
 from shared.transport import SocketPump
 
 # A Cancel queued just before close() must still reach the router, even if
@@ -110,6 +111,8 @@ def _submit(
     user: str | None = None,
     fallback: bool = False,
     trace_id: str | None = None,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
     **params: Any,
 ) -> p.Submit:
     chat = messages is not None
@@ -129,6 +132,10 @@ def _submit(
         user=user,
         allow_fallback=bool(fallback),
         trace_id=trace_id,  # the request id of the router's and worker's log lines
+        # W3C trace context: the router's spans of this request join the caller's trace
+        trace_context=parse_traceparent(traceparent.encode(), tracestate.encode() if tracestate else None)
+        if traceparent
+        else None,
     )
 
 

@@ -70,6 +70,7 @@ from router.tenancy.buckets import QuotaAnswer
 from router.tenancy.budgets import Group, Quota
 from router.tenancy.identity import Identity
 from shared.errors import Code, error
+from shared.otlp import parse_traceparent
 from shared.protocol import MAX_TRACE_ID, ErrorInfo, Submit
 
 log = logging.getLogger("weir.http")
@@ -86,6 +87,8 @@ _WANTED_HEADERS = frozenset(
         b"expect",
         b"x-request-id",
         b"content-type",  # multipart uploads (/v1/files)
+        b"traceparent",  # W3C trace context: the client's or Envoy's (router.observe.tracing)
+        b"tracestate",
     )
 )
 _KEY_HEADERS = (b"x-api-key", b"authorization")
@@ -555,8 +558,11 @@ class HttpConnection(asyncio.Protocol):
         if req.rid is None:
             req.rid = ctx.id  # router-direct without x-request-id: the response's own id
         ctx.request_id = req.rid
+        tp = req.headers.get(b"traceparent")
+        ctx_in = parse_traceparent(tp, req.headers.get(b"tracestate")) if tp is not None else None
         for sub in subs:
             sub.trace_id = req.rid
+            sub.trace_context = ctx_in
         req.body = b""  # a stream may live for minutes; its body is not needed
         core = self.ingress.core
         if ctx.logprobs is not None:

@@ -61,6 +61,7 @@ from router.lifecycle.tokenizer_queue import CALL, PROMPT, Tokenizer
 from router.observe.metrics import RouterMetrics
 from router.observe.phases import ended as phases_ended
 from router.observe.phases import timing as phases_so_far
+from router.observe.tracing import RouterTracer
 from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
 from router.tenancy.buckets import NO_HOLD, QuotaAnswer
 from router.tenancy.budgets import Group, Quota
@@ -117,6 +118,10 @@ class RouterCore:
         self._recovery = Recovery(jobs, registry, policy, workers, self.metrics, cfg.router, clock, end, schedule)
         self.batch_tenants: Callable[[], dict[str, Any]] | None = None  # set by router.services.batch.service
         self.on_keys_reloaded: list[Callable[[], None]] = []  # told after reload_keys (router.services.batch.service)
+        # [tracing]: the spans of sampled requests (router.observe.tracing); None: off
+        self.tracer = RouterTracer(cfg.tracing) if cfg.tracing.enabled else None
+        if self.tracer is not None:
+            self.metrics.add_text_source(self.tracer)
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
@@ -183,6 +188,8 @@ class RouterCore:
         if group is not None:
             group.joined()
         self.jobs[j.job_id] = j  # its one entry into the table: TOKENIZING, cancellable like any job
+        if self.tracer is not None:
+            j.otel = self.tracer.start(sub.trace_context)
         # (hashed even without affinity: the simulated engine names its cached blocks by them)
         hasher = self.policy.prefix.hasher(sub.model)
         if model.prompts.inline(sub):
@@ -289,6 +296,8 @@ class RouterCore:
         if self._stall_timer is not None:
             self._stall_timer.cancel()
         self.tokenizer.shutdown()
+        if self.tracer is not None:
+            self.tracer.close()
 
     # ------------------------------------------------------------ refusals at submit
 
@@ -351,6 +360,8 @@ class RouterCore:
                 mx.e2e.observe(now - j.arrival)
         if self._log_requests:
             log_end(j, outcome, error, now, t)
+        if j.otel is not None and self.tracer is not None:
+            self.tracer.ended(j.otel, j, outcome, error, now, deltas[-1].cached_tokens if deltas else 0)
         if self.policy.has_queued():  # only queued work can use what this freed
             self._schedule_policy()
 
@@ -396,6 +407,10 @@ class RouterCore:
         assert req is not None  # set once queued
         req.priority = action.priority
         req.kv_tokens = self.policy.cost_of(j.job_id)  # what the worker's own ledger admits it on
+        if j.otel is not None:  # its worker's spans hang under this attempt's dispatch span
+            req.trace_context = RouterTracer.dispatched(
+                j.otel, now, action.worker_id, self._placement(action.worker_id), j.last_news
+            )
         if not self.workers.dispatch(action.worker_id, req):
             # The policy placed it on a worker the link no longer has: a bug
             # somewhere, but not the client's -- release and queue it again.
@@ -415,6 +430,23 @@ class RouterCore:
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
             now - j.arrival
         )
+
+    def _placement(self, worker_id: str) -> dict[str, Any]:
+        """A traced dispatch's placement span: the worker chosen and its load when chosen."""
+        w = self.policy.workers.get(worker_id)
+        if w is None:
+            return {"weir.worker": worker_id}
+        sched = self._config.scheduler
+        return {
+            "weir.worker": worker_id,
+            "weir.pool": self.policy.pool_of(worker_id),
+            "weir.placement.policy": sched.placement if sched.policy == "weir" else sched.policy,
+            "weir.placement.prefix_affinity": sched.prefix_affinity,
+            "weir.placement.kv_reserved_tokens": w.reserved,
+            "weir.placement.kv_budget_tokens": w.budget,
+            "weir.placement.running": len(w.running),
+            "weir.placement.slots": w.slots,
+        }
 
     def undeliverable(self, job_id: str, err: p.ErrorInfo) -> None:
         """The link could not send a job to its worker: end it, not leave it waiting."""

@@ -204,6 +204,9 @@ class Intake:
         j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
         j.queued_since, j.attempt_prompt_tokens, j.block_hashes = since, tokens.count, tokens.hashes
         j.mx = self._metrics_for(model, j.who.klass)
+        if j.otel is not None:  # a traced job: when it was queued, and the wait admission predicted
+            entry = self.policy.entries.get(j.job_id)
+            j.otel.queued_at, j.otel.predicted = self.clock(), entry.predicted if entry is not None else -1.0
         advance(j, QUEUED)
         self._schedule()
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
+from router.observe.tracing import JobTrace
 from router.tenancy.buckets import Hold
 from router.tenancy.budgets import Group
 from router.tenancy.identity import Identity
@@ -124,6 +125,7 @@ class JobRecord:
     tokenized_at: float = 0.0
     dispatched_at: float = 0.0
     phases: p.Timing | None = None
+    otel: JobTrace | None = None  # a sampled trace's (router.observe.tracing); None: not traced
 
     @property
     def model(self) -> str:

@@ -1,0 +1,256 @@
+"""Spans out of a weir process over OTLP, never in a request's way.
+
+The router and the workers record a traced request's spans as plain tuples
+(``Span``) once it ends, from timestamps they keep anyway; ``SpanExporter``
+holds them in a bounded queue and a daemon thread turns them into OTLP
+protobuf (``opentelemetry-proto``) and sends them to ``[tracing] endpoint``
+over gRPC or HTTP.  A collector that is down or slow costs the queue
+(``max_queued_spans``) and what it drops, counted (``dropped``): the loop
+never waits for it and no request fails for it.
+
+Also W3C trace context: ``traceparent`` parsing and rendering, and new ids.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections import deque
+from typing import Any, NamedTuple
+
+from shared.config import TracingConfig, split_hostport
+from shared.protocol import TraceContext
+
+log = logging.getLogger("weir.tracing")
+
+# Span kinds (OTLP's numbers)
+INTERNAL, SERVER, CLIENT = 1, 2, 3
+
+BATCH = 512  # spans per export request
+INTERVAL_S = 0.5  # a partial batch waits at most this long
+WARN_EVERY_S = 30.0  # failed exports are logged at most this often
+
+_TRACEPARENT = re.compile(rb"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
+
+
+def parse_traceparent(value: bytes | None, state: bytes | None = None) -> TraceContext | None:
+    """A W3C ``traceparent`` (version 00) as a TraceContext; None if absent or malformed (a new trace then)."""
+    if value is None:
+        return None
+    m = _TRACEPARENT.fullmatch(value.strip())
+    if m is None:
+        return None
+    trace_id, span_id = bytes.fromhex(m.group(1).decode()), bytes.fromhex(m.group(2).decode())
+    if trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
+        return None
+    ctx = TraceContext(trace_id, span_id, bool(int(m.group(3), 16) & 1))
+    if state and len(state) <= 512:
+        ctx.state = state.decode("latin-1")
+    return ctx
+
+
+def traceparent(ctx: TraceContext) -> str:
+    return f"00-{ctx.trace_id.hex()}-{ctx.span_id.hex()}-{'01' if ctx.sampled else '00'}"
+
+
+_rand = random.Random(int.from_bytes(os.urandom(8), "little"))
+
+
+def new_trace_id() -> bytes:
+    return (_rand.getrandbits(128) or 1).to_bytes(16, "little")  # (all zeros is invalid)
+
+
+def new_span_id() -> bytes:
+    return (_rand.getrandbits(64) or 1).to_bytes(8, "little")
+
+
+def sampled(ratio: float) -> bool:
+    return ratio >= 1.0 or (ratio > 0.0 and _rand.random() < ratio)
+
+
+class Span(NamedTuple):
+    """One finished span, as recorded on the hot path (encoded later, off it)."""
+
+    trace_id: bytes
+    span_id: bytes
+    parent_id: bytes  # b"": a root span
+    name: str
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    links: tuple[bytes, ...] = ()  # span ids in the same trace (a resumed attempt's earlier one)
+    error: str = ""  # non-empty: the span's status is an error, with this message
+    state: str = ""  # the trace's tracestate
+
+
+class WallClock:
+    """Monotonic seconds (what the lifecycle stamps) -> Unix nanoseconds (what OTLP wants)."""
+
+    def __init__(self) -> None:
+        self.offset = time.time() - time.monotonic()
+
+    def ns(self, mono: float) -> int:
+        return int((mono + self.offset) * 1e9)
+
+
+class SpanExporter:
+    """A bounded queue of spans and the thread that exports them."""
+
+    def __init__(self, cfg: TracingConfig, service: str, resource: dict[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self.max = cfg.max_queued_spans
+        self.resource = {"service.name": service, **(resource or {})}
+        self._q: deque[Span] = deque()
+        self.dropped_full = 0  # the queue was full (written by the caller's thread only)
+        self.dropped_failed = 0  # an export failed (written by the export thread only)
+        self.exported = 0
+        self._wake = threading.Event()
+        self._closed = False
+        self._last_warning = 0.0
+        self._send = self._grpc_sender() if cfg.protocol == "grpc" else self._http_sender()
+        self._thread = threading.Thread(target=self._run, name="weir-otlp", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_full + self.dropped_failed
+
+    def add(self, spans: list[Span]) -> None:
+        """Queue a request's spans; what does not fit is dropped and counted."""
+        q = self._q
+        room = self.max - len(q)
+        if room < len(spans):
+            self.dropped_full += len(spans) - max(room, 0)
+            spans = spans[: max(room, 0)]
+        q.extend(spans)
+        if len(q) >= BATCH:
+            self._wake.set()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Export what is queued (within ``timeout_s``) and stop."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    # -- the export thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(INTERVAL_S)
+            self._wake.clear()
+            q = self._q
+            while q:
+                batch = [q.popleft() for _ in range(min(BATCH, len(q)))]
+                try:
+                    self._send(self._encode(batch))
+                    self.exported += len(batch)
+                except Exception as e:  # the collector is down, slow or refuses: drop, count, go on
+                    self.dropped_failed += len(batch)
+                    now = time.monotonic()
+                    if now - self._last_warning >= WARN_EVERY_S:
+                        self._last_warning = now
+                        log.warning(
+                            "exporting spans to %s failed (%s): %d dropped so far",
+                            self.cfg.endpoint,
+                            str(e).splitlines()[0][:200] if str(e) else type(e).__name__,
+                            self.dropped,
+                        )
+            if self._closed:
+                return
+
+    def _encode(self, spans: list[Span]) -> bytes:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+        from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+        from opentelemetry.proto.trace.v1 import trace_pb2
+
+        out = []
+        for s in spans:
+            span = trace_pb2.Span(
+                trace_id=s.trace_id,
+                span_id=s.span_id,
+                parent_span_id=s.parent_id,
+                name=s.name,
+                kind=s.kind,  # type: ignore[arg-type]
+                start_time_unix_nano=s.start_ns,
+                end_time_unix_nano=max(s.end_ns, s.start_ns),
+                attributes=_attributes(s.attributes),
+                trace_state=s.state,
+            )
+            for link in s.links:
+                span.links.append(trace_pb2.Span.Link(trace_id=s.trace_id, span_id=link))
+            if s.error:
+                span.status.code = trace_pb2.Status.STATUS_CODE_ERROR
+                span.status.message = s.error
+            out.append(span)
+        req = ExportTraceServiceRequest(
+            resource_spans=[
+                trace_pb2.ResourceSpans(
+                    resource=Resource(attributes=_attributes(self.resource)),
+                    scope_spans=[trace_pb2.ScopeSpans(scope=InstrumentationScope(name="weir"), spans=out)],
+                )
+            ]
+        )
+        return req.SerializeToString()  # type: ignore[no-any-return]
+
+    def _grpc_sender(self) -> Any:
+        import grpc  # type: ignore[import-untyped]
+
+        channel = grpc.insecure_channel(self.cfg.endpoint)
+        export = channel.unary_unary(
+            "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+            request_serializer=None,  # bytes as they are
+            response_deserializer=None,
+        )
+        timeout = self.cfg.export_timeout_s
+
+        def send(body: bytes) -> None:
+            export(body, timeout=timeout)
+
+        return send
+
+    def _http_sender(self) -> Any:
+        host, port = split_hostport(self.cfg.endpoint)
+        timeout = self.cfg.export_timeout_s
+        conn: list[http.client.HTTPConnection] = []
+
+        def send(body: bytes) -> None:
+            if not conn:
+                conn.append(http.client.HTTPConnection(host, port, timeout=timeout))
+            c = conn[0]
+            try:
+                c.request("POST", "/v1/traces", body, {"content-type": "application/x-protobuf"})
+                resp = c.getresponse()
+                resp.read()
+            except Exception:
+                conn.clear()
+                c.close()
+                raise
+            if resp.status >= 300:
+                raise RuntimeError(f"collector answered HTTP {resp.status}")
+
+        return send
+
+
+def _attributes(attrs: dict[str, Any]) -> list[Any]:
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    out = []
+    for k, v in attrs.items():
+        if isinstance(v, bool):
+            val = AnyValue(bool_value=v)
+        elif isinstance(v, int):
+            val = AnyValue(int_value=v)
+        elif isinstance(v, float):
+            val = AnyValue(double_value=v)
+        else:
+            val = AnyValue(string_value=str(v))
+        out.append(KeyValue(key=k, value=val))
+    return out
