@@ -34,6 +34,8 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
+from shared.config import TracingConfig
+from shared.otlp import traceparent
 from shared.protocol import ErrorInfo, GenerateRequest, SamplingParams, WorkerStats, pack_logprobs
 
 from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
@@ -113,6 +115,7 @@ class VllmEngine(EngineBase):
         dtype: str,
         kv_cache_bytes: int | None,
         gpu_memory_utilization: float,
+        tracing: TracingConfig | None = None,
     ) -> None:
         super().__init__()
         # Prefix caching on, and its KV events on per-worker ipc sockets that
@@ -144,6 +147,15 @@ class VllmEngine(EngineBase):
                 else {"gpu_memory_utilization": gpu_memory_utilization}
             ),
         )
+        # [tracing]: vLLM's own request span (``llm_request``) under the worker's
+        # (engine_worker.tracing), from each traced request's trace_headers.
+        self._traced = tracing is not None
+        if tracing is not None:
+            self.args.otlp_traces_endpoint = (
+                tracing.endpoint if tracing.protocol == "grpc" else f"http://{tracing.endpoint}/v1/traces"
+            )
+            os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "grpc" if tracing.protocol == "grpc" else "http/protobuf"
+            os.environ["OTEL_SERVICE_NAME"] = tracing.engine_service
         self.engine: DirectAsyncLLM | None = None
         self._loop: asyncio.AbstractEventLoop  # the worker's, from start() on
         self._background: set[asyncio.Task[None]] = set()  # keeps abort tasks referenced until done
@@ -332,8 +344,13 @@ class VllmEngine(EngineBase):
             engine, engine_input = await self._render(req)
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
+            ctx = req.trace_context if self._traced else None
             outputs = await engine.add_request(
-                live.engine_id, engine_input, vllm_params(req.params), priority=req.priority
+                live.engine_id,
+                engine_input,
+                vllm_params(req.params),
+                priority=req.priority,
+                trace_headers=None if ctx is None else {"traceparent": traceparent(ctx)},
             )
         except asyncio.CancelledError:
             raise

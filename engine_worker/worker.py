@@ -89,6 +89,7 @@ from .discovery import RouterDiscovery, parse
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
 from .prefix_feed import PrefixFeed
+from .tracing import WorkerTracer
 from .warmup import WarmupFailed, warm_up
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
         dtype=wcfg.dtype,
         kv_cache_bytes=wcfg.kv_cache_bytes,
         gpu_memory_utilization=wcfg.gpu_memory_utilization,
+        tracing=cfg.tracing if cfg.tracing.enabled else None,
     )
 
 
@@ -202,6 +204,10 @@ class Worker:
         # What the engine's prefix cache holds, for every router (engine_worker.prefix_feed).
         self.prefix_feed = PrefixFeed(self.loop, self._broadcast)
         self.kv_events: VllmKvEvents | None = None  # vLLM's event stream (engine_worker.vllm_events)
+        # [tracing]: spans of sampled requests (engine_worker.tracing); None: off
+        self.tracer: WorkerTracer | None = None
+        if cfg.tracing.enabled:
+            self.tracer = WorkerTracer(cfg.tracing, wcfg.id, wcfg.model, cfg.model(wcfg.model).engine)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -394,6 +400,8 @@ class Worker:
         except Exception:
             log.exception("engine shutdown failed")
         self.ctx.term()
+        if self.tracer is not None:
+            self.tracer.close()
 
     # -- the links -----------------------------------------------------------
 
@@ -480,6 +488,9 @@ class Worker:
     def _emit_for(self, link: _Link, d: Delta) -> None:
         """An engine's Delta of one of ``link``'s requests: the router's own id
         back, the ledger released with the request's last Delta."""
+        tracer = self.tracer
+        if tracer is not None and tracer.live:
+            tracer.delta(d.request_id, d)
         rid = d.request_id[len(link.prefix) :]
         d.request_id = rid
         if d.finish_reason is not None or d.error is not None:
@@ -661,6 +672,8 @@ class Worker:
                 refused.append(rid)
                 continue
             req.request_id = prefix + rid
+            if self.tracer is not None:
+                self.tracer.dispatched(req.request_id, req)
             if traces is not None:  # (a refused one never ends here: no trace kept for it)
                 traces[req.request_id] = (req.trace_id or rid, now)
             self.engine.submit(req, emit)
