@@ -201,18 +201,24 @@ class SpanExporter:
         return req.SerializeToString()  # type: ignore[no-any-return]
 
     def _grpc_sender(self) -> Any:
-        import grpc  # type: ignore[import-untyped]
-
-        channel = grpc.insecure_channel(self.cfg.endpoint)
-        export = channel.unary_unary(
-            "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
-            request_serializer=None,  # bytes as they are
-            response_deserializer=None,
-        )
         timeout = self.cfg.export_timeout_s
+        export: list[Any] = []
 
         def send(body: bytes) -> None:
-            export(body, timeout=timeout)
+            # The channel (and gRPC's threads) from the first export on, not
+            # before: a worker's engine forks its processes at start, before any.
+            if not export:
+                import grpc  # type: ignore[import-untyped]
+
+                channel = grpc.insecure_channel(self.cfg.endpoint)
+                export.append(
+                    channel.unary_unary(
+                        "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+                        request_serializer=None,  # bytes as they are
+                        response_deserializer=None,
+                    )
+                )
+            export[0](body, timeout=timeout)
 
         return send
 

@@ -1,18 +1,28 @@
 """A real OTLP trace receiver for tests, built on the installed OTLP protobufs:
-gRPC (TraceService/Export) and HTTP (POST /v1/traces, protobuf), keeping
-every span it is sent with the service that sent it."""
+gRPC (TraceService/Export) and HTTP (POST /v1/traces, protobuf; chunked, as
+Envoy sends it), keeping every span it is sent with the service that sent it.
+
+It runs as a process of its own (``python tests/otlp_receiver.py``), as a
+collector would, and writes each span as a JSON line the test reads: a gRPC
+server's threads in the test process are in every process the test forks
+(an Envoy started beside one aborted in gRPC's fork handler)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from concurrent import futures
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stackutil import free_port
 
 
@@ -30,95 +40,50 @@ class RSpan:
     links: list[str] = field(default_factory=list)
 
 
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else None
-
-
 class Receiver:
+    """The receiver process, and what it has received so far."""
+
     def __init__(self, protocol: str = "grpc") -> None:
         self.protocol = protocol
         self.port = free_port()
-        self.spans: list[RSpan] = []
-        self.requests = 0
-        self._lock = threading.Lock()
-        self._grpc: grpc.Server | None = None
-        self._http: ThreadingHTTPServer | None = None
+        self._out = Path(tempfile.mkdtemp(prefix="otlp-")) / "spans.jsonl"
+        self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def take(self, body: bytes) -> None:
-        req = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
-        got = []
-        for rs in req.resource_spans:
-            service = next((_value(a.value) for a in rs.resource.attributes if a.key == "service.name"), "")
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    got.append(
-                        RSpan(
-                            service,
-                            s.name,
-                            s.trace_id.hex(),
-                            s.span_id.hex(),
-                            s.parent_span_id.hex(),
-                            s.kind,
-                            s.start_time_unix_nano,
-                            s.end_time_unix_nano,
-                            {a.key: _value(a.value) for a in s.attributes},
-                            [link.span_id.hex() for link in s.links],
-                        )
-                    )
-        with self._lock:
-            self.requests += 1
-            self.spans.extend(got)
-
     def start(self) -> Receiver:
-        if self.protocol == "grpc":
-            receiver = self
-
-            class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-                def Export(self, request: Any, context: Any) -> Any:
-                    receiver.take(request.SerializeToString())
-                    return trace_service_pb2.ExportTraceServiceResponse()
-
-            self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-            trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self._grpc)
-            self._grpc.add_insecure_port(self.endpoint)
-            self._grpc.start()
-        else:
-            take = self.take
-
-            class Handler(BaseHTTPRequestHandler):
-                def do_POST(self) -> None:
-                    body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                    if self.path != "/v1/traces":
-                        self.send_response(404)
-                    else:
-                        take(body)
-                        self.send_response(200)
-                    self.send_header("content-type", "application/x-protobuf")
-                    self.send_header("content-length", "0")
-                    self.end_headers()
-
-                def log_message(self, *args: Any) -> None:
-                    pass
-
-            self._http = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-            threading.Thread(target=self._http.serve_forever, daemon=True).start()
-        return self
+        self._out.touch()
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, "--protocol", self.protocol, "--port", str(self.port), "--out", str(self._out)],
+            env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the OTLP receiver did not start") from None
+                time.sleep(0.05)
 
     def stop(self) -> None:
-        if self._grpc is not None:
-            self._grpc.stop(0)
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
+
+    @property
+    def spans(self) -> list[RSpan]:
+        out = []
+        for line in self._out.read_text().splitlines():
+            if line.endswith("}"):  # (a line being written is skipped until whole)
+                out.append(RSpan(**json.loads(line)))
+        return out
 
     def trace(self, trace_id: str) -> list[RSpan]:
-        with self._lock:
-            return [s for s in self.spans if s.trace_id == trace_id]
+        return [s for s in self.spans if s.trace_id == trace_id]
 
     def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 20.0) -> list[RSpan]:
         """The trace's spans once every name in ``names`` is among them (else what came, after the timeout)."""
@@ -128,3 +93,99 @@ class Receiver:
             if names <= {s.name for s in spans} or time.monotonic() > deadline:
                 return spans
             time.sleep(0.1)
+
+
+# -- the receiver process ------------------------------------------------------------
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+def _serve(protocol: str, port: int, out_path: str) -> None:
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    lock = threading.Lock()
+    out = open(out_path, "a")
+
+    def take(body: bytes) -> None:
+        req = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+        lines = []
+        for rs in req.resource_spans:
+            service = next((_value(a.value) for a in rs.resource.attributes if a.key == "service.name"), "")
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    span = RSpan(
+                        service,
+                        s.name,
+                        s.trace_id.hex(),
+                        s.span_id.hex(),
+                        s.parent_span_id.hex(),
+                        s.kind,
+                        s.start_time_unix_nano,
+                        s.end_time_unix_nano,
+                        {a.key: _value(a.value) for a in s.attributes},
+                        [link.span_id.hex() for link in s.links],
+                    )
+                    lines.append(json.dumps(asdict(span)) + "\n")
+        with lock:
+            out.write("".join(lines))
+            out.flush()
+
+    if protocol == "grpc":
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                take(request.SerializeToString())
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        server.wait_for_termination()
+        return
+
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self._body()
+            if self.path != "/v1/traces":
+                self.send_response(404)
+            else:
+                take(body)
+                self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def _body(self) -> bytes:
+            if self.headers.get("transfer-encoding", "").lower() != "chunked":
+                return self.rfile.read(int(self.headers.get("content-length", "0")))
+            body = b""
+            while True:  # Envoy's exporter sends its body chunked
+                size = int(self.rfile.readline().split(b";")[0], 16)
+                chunk = self.rfile.read(size + 2)
+                if size == 0:
+                    return body
+                body += chunk[:-2]
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--protocol", choices=["grpc", "http"], required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    _serve(a.protocol, a.port, a.out)

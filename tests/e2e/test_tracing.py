@@ -1,0 +1,165 @@
+"""One trace from the client to the engine, through real processes: Envoy's
+OpenTelemetry tracer, the router and the worker export to a real OTLP
+receiver (tests/otlp_receiver.py, over gRPC and over HTTP), and one request's
+spans share one trace id with the right parents; each response carries its
+phases in ``server-timing``; a collector that is down fails no request.
+
+Own stacks on the simulated engine (~2 s each): tracing is per process."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import pytest
+import requests
+import stackutil
+from otlp_receiver import Receiver, RSpan
+
+from shared.client import Client
+
+ROUTER_SPANS = {"weir.request", "weir.tokenize", "weir.admission", "weir.queue", "weir.placement", "weir.dispatch"}
+WORKER_SPANS = {"weir.worker.request", "weir.worker.prefill", "weir.worker.decode"}
+TIMING = re.compile(r"(\w+);dur=([0-9.]+)")
+
+
+def _traced_stack(d, endpoint: str, protocol: str):
+    cfg = stackutil.write_config(
+        d,
+        workers=[stackutil.sim_worker("sim-0")],
+        tracing={"endpoint": endpoint, "protocol": protocol, "sampling_ratio": 1.0, "export_timeout_s": 1.0},
+    )
+    return stackutil.start_stack(cfg, d / "run")
+
+
+@pytest.fixture(scope="module", params=["grpc", "http"])
+def traced(request, tmp_path_factory):
+    rx = Receiver(request.param).start()
+    try:
+        with _traced_stack(tmp_path_factory.mktemp(f"tracing-{request.param}"), rx.endpoint, request.param) as s:
+            yield s, rx
+    finally:
+        rx.stop()
+
+
+def _timing(header: str) -> dict[str, float]:
+    return {k: float(v) for k, v in TIMING.findall(header)}
+
+
+def _wait(rx: Receiver, trace: str, names: set[str], envoy: bool) -> list[RSpan]:
+    """The trace's spans once the router's, the worker's and (``envoy``) Envoy's have come."""
+    deadline = time.monotonic() + 20
+    while True:
+        spans = rx.wait_for(trace, names, timeout_s=20)
+        if not envoy or any(s.service == "weir-envoy" for s in spans) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.1)
+
+
+def _check_router_and_worker(spans: list[RSpan], parent_of_root: str) -> None:
+    """The router's spans under its weir.request (whose parent is given), the worker's under its dispatch."""
+    by: dict[str, list[RSpan]] = {}
+    for s in spans:
+        by.setdefault(s.name, []).append(s)
+    assert ROUTER_SPANS | WORKER_SPANS <= set(by), sorted(by)
+    (root,) = by["weir.request"]
+    assert root.service == "weir-router" and root.parent_id == parent_of_root
+    assert root.attributes["gen_ai.request.model"] == stackutil.SIM_MODEL
+    assert root.attributes["gen_ai.usage.output_tokens"] == 4
+    for name in ROUTER_SPANS - {"weir.request"}:
+        assert all(s.parent_id == root.span_id for s in by[name]), name
+    (dispatch,) = by["weir.dispatch"]
+    (worker,) = by["weir.worker.request"]
+    assert worker.service == "weir-worker" and worker.parent_id == dispatch.span_id
+    assert worker.attributes["gen_ai.usage.output_tokens"] == 4
+    assert {s.parent_id for s in by["weir.worker.prefill"] + by["weir.worker.decode"]} == {worker.span_id}
+    assert root.start_ns <= dispatch.start_ns and worker.end_ns <= root.end_ns + 50_000_000  # (clocks of two processes)
+
+
+def test_a_clients_trace_runs_through_envoy_router_and_worker(traced):
+    stack, rx = traced
+    trace, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    r = requests.post(
+        stack.envoy_url + "/v1/completions",
+        json={"model": stackutil.SIM_MODEL, "prompt": "hello there", "max_tokens": 4},
+        headers={"traceparent": f"00-{trace}-{client_span}-01"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    phases = _timing(r.headers["server-timing"])
+    assert set(phases) == {"tokenize", "queue", "prefill", "decode", "total"}
+    assert phases["total"] >= phases["prefill"] + phases["decode"]
+    spans = _wait(rx, trace, ROUTER_SPANS | WORKER_SPANS, envoy=True)
+    (envoy,) = [s for s in spans if s.service == "weir-envoy"]
+    assert envoy.parent_id == client_span  # Envoy's span is the client's child ...
+    _check_router_and_worker(
+        [s for s in spans if s.service != "weir-envoy"], envoy.span_id
+    )  # ... and the router's parent
+
+
+def test_without_a_parent_envoy_starts_the_trace_and_a_stream_gets_its_phases_so_far(traced):
+    stack, rx = traced
+    r = requests.post(
+        stack.envoy_url + "/v1/completions",
+        json={"model": stackutil.SIM_MODEL, "prompt": "hello there", "max_tokens": 4, "stream": True},
+        timeout=30,
+    )
+    assert r.status_code == 200 and "[DONE]" in r.text
+    assert set(_timing(r.headers["server-timing"])) == {
+        "tokenize",
+        "queue",
+        "prefill",
+    }  # the head left with the first tokens
+    root = _wait_root(rx, r.headers["x-request-id"])
+    spans = _wait(rx, root.trace_id, ROUTER_SPANS | WORKER_SPANS, envoy=True)
+    (envoy,) = [s for s in spans if s.service == "weir-envoy"]
+    assert envoy.parent_id == ""
+    _check_router_and_worker([s for s in spans if s.service != "weir-envoy"], envoy.span_id)
+
+
+def _wait_root(rx: Receiver, rid: str) -> RSpan:
+    deadline = time.monotonic() + 20
+    while True:
+        found = [s for s in list(rx.spans) if s.name == "weir.request" and s.attributes.get("weir.request_id") == rid]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no router span for request {rid}"
+        time.sleep(0.1)
+
+
+def test_a_direct_zeromq_client_passes_its_context_in_submit(traced):
+    stack, rx = traced
+    trace, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    with Client(stack.zmq_frontend, timeout_s=30) as c:
+        deltas = list(
+            c.stream(stackutil.SIM_MODEL, "hello there", max_tokens=4, traceparent=f"00-{trace}-{client_span}-01")
+        )
+    last = deltas[-1]
+    assert last.finish_reason == "length" and last.timing is not None and last.timing.total > 0
+    spans = _wait(rx, trace, ROUTER_SPANS | WORKER_SPANS, envoy=False)
+    assert {s.service for s in spans} == {"weir-router", "weir-worker"}
+    _check_router_and_worker(spans, client_span)
+
+
+def test_a_collector_that_is_down_fails_no_request(tmp_path):
+    dead = f"127.0.0.1:{stackutil.free_port()}"  # nothing listens there
+    with _traced_stack(tmp_path, dead, "grpc") as stack:
+        for i in range(20):
+            r = requests.post(
+                stack.envoy_url + "/v1/completions",
+                json={"model": stackutil.SIM_MODEL, "prompt": "hello", "max_tokens": 4, "stream": i % 2 == 0},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            assert "server-timing" in r.headers
+        want = 20 * len(ROUTER_SPANS)  # every router span of them, counted as dropped
+        deadline = time.monotonic() + 15
+        while True:
+            text = requests.get(stack.router_url + "/metrics", timeout=5).text
+            m = re.search(r"^weir_tracing_spans_dropped_total ([0-9.e+]+)$", text, re.M)
+            dropped = float(m.group(1)) if m else 0.0
+            if dropped >= want or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert dropped >= want
