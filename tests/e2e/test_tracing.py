@@ -163,3 +163,36 @@ def test_a_collector_that_is_down_fails_no_request(tmp_path):
                 break
             time.sleep(0.2)
         assert dropped >= want
+
+
+@pytest.mark.vllm
+def test_vllms_own_request_span_hangs_under_the_workers(tmp_path):
+    """The real engine: the worker hands its span's context to vLLM (trace_headers),
+    whose ``llm_request`` span (exported by vLLM itself) is that span's child."""
+    rx = Receiver("grpc").start()
+    try:
+        cfg = stackutil.write_config(
+            tmp_path,
+            workers=[stackutil.vllm_worker("vllm-0")],
+            tracing={"endpoint": rx.endpoint, "sampling_ratio": 1.0, "export_timeout_s": 1.0},
+        )
+        with stackutil.start_stack(cfg, tmp_path / "run") as stack:
+            trace, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+            r = requests.post(
+                stack.envoy_url + "/v1/completions",
+                json={"model": stackutil.VLLM_MODEL, "prompt": "hello there", "max_tokens": 4, "ignore_eos": True},
+                headers={"traceparent": f"00-{trace}-{client_span}-01"},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            assert set(_timing(r.headers["server-timing"])) == {"tokenize", "queue", "prefill", "decode", "total"}
+            spans = rx.wait_for(trace, ROUTER_SPANS | WORKER_SPANS | {"llm_request"}, timeout_s=30)
+            by = {s.name: s for s in spans}
+            assert ROUTER_SPANS | WORKER_SPANS | {"llm_request"} <= set(by), sorted(by)
+            engine, worker = by["llm_request"], by["weir.worker.request"]
+            assert engine.service == "vllm" and engine.parent_id == worker.span_id
+            assert engine.attributes["gen_ai.usage.completion_tokens"] == 4
+            assert worker.parent_id == by["weir.dispatch"].span_id
+            assert by["weir.request"].parent_id not in ("", client_span)  # Envoy's span between
+    finally:
+        rx.stop()
