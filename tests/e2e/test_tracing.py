@@ -9,6 +9,7 @@ Own stacks on the simulated engine (~2 s each): tracing is per process."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 import uuid
 
@@ -194,5 +195,44 @@ def test_vllms_own_request_span_hangs_under_the_workers(tmp_path):
             assert engine.attributes["gen_ai.usage.completion_tokens"] == 4
             assert worker.parent_id == by["weir.dispatch"].span_id
             assert by["weir.request"].parent_id not in ("", client_span)  # Envoy's span between
+    finally:
+        rx.stop()
+
+
+def test_a_stream_resumed_after_its_worker_died_is_one_trace_with_the_resume_linked(tmp_path):
+    rx = Receiver("grpc").start()
+    try:
+        cfg = stackutil.write_config(
+            tmp_path,
+            workers=[stackutil.sim_worker("sim-0"), stackutil.sim_worker("sim-1")],
+            tracing={"endpoint": rx.endpoint, "sampling_ratio": 1.0, "export_timeout_s": 1.0},
+        )
+        with stackutil.start_stack(cfg, tmp_path / "run") as stack:
+            trace, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+            body = {"model": stackutil.SIM_MODEL, "prompt": "hello there", "max_tokens": 1500, "stream": True}
+            headers = {"traceparent": f"00-{trace}-{client_span}-01"}
+            with requests.post(
+                stack.envoy_url + "/v1/completions", json=body, headers=headers, stream=True, timeout=60
+            ) as r:
+                lines = r.iter_lines()
+                for _ in range(5):
+                    next(lines)
+                running = [
+                    w
+                    for w in ("sim-0", "sim-1")
+                    if requests.get(f"{stack.router_url}/admin/workers/{w}", timeout=5).json()["running"]
+                ]
+                assert len(running) == 1, running
+                stack.components[f"worker:{running[0]}"].signal_group(signal.SIGKILL)
+                rest = b"\n".join(lines)
+            assert b"[DONE]" in rest and b'"error"' not in rest
+            spans = rx.wait_for(trace, ROUTER_SPANS | WORKER_SPANS, timeout_s=30)
+            (root,) = [s for s in spans if s.name == "weir.request"]
+            assert root.attributes["weir.resumes"] == 1 and root.attributes["gen_ai.usage.output_tokens"] == 1500
+            first, second = sorted((s for s in spans if s.name == "weir.dispatch"), key=lambda s: s.start_ns)
+            assert first.attributes["weir.worker"] == running[0] != second.attributes["weir.worker"]
+            assert first.links == [] and second.links == [first.span_id]  # the resume, linked to what it continues
+            (worker,) = [s for s in spans if s.name == "weir.worker.request"]  # the killed one sent none
+            assert worker.parent_id == second.span_id
     finally:
         rx.stop()
