@@ -14,6 +14,7 @@ and hands the spans to the exporter (shared.otlp) when its last Delta goes.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Protocol
 
@@ -42,7 +43,13 @@ class _Traced:
 
 class WorkerTracer:
     def __init__(
-        self, cfg: TracingConfig, worker_id: str, model: str, engine: str, exporter: Exporter | None = None
+        self,
+        cfg: TracingConfig,
+        worker_id: str,
+        model: str,
+        engine: str,
+        exporter: Exporter | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         resource = {"weir.worker": worker_id, "weir.engine": engine}
         self.exporter: Exporter = exporter or SpanExporter(cfg, cfg.worker_service, resource)
@@ -50,6 +57,8 @@ class WorkerTracer:
         self.model = model
         self.wall = WallClock()
         self.live: dict[str, _Traced] = {}  # engine request id -> its record
+        # spans are built after the loop turn's Outputs leave (call_soon runs in order); None: at once
+        self.loop = loop
 
     def dispatched(self, engine_id: str, req: GenerateRequest) -> None:
         """A request handed to the engine; a sampled one is traced, and its
@@ -72,7 +81,10 @@ class WorkerTracer:
             t.first_token = time.monotonic()
         if d.finish_reason is not None or d.error is not None:
             del self.live[engine_id]
-            self._ended(t, d, time.monotonic())
+            if self.loop is not None:
+                self.loop.call_soon(self._ended, t, d, time.monotonic())
+            else:
+                self._ended(t, d, time.monotonic())
 
     def forget(self, engine_ids: list[str]) -> None:
         """Requests that ended here with no Delta (lost with the engine, or their router gone)."""

@@ -207,7 +207,7 @@ class Worker:
         # [tracing]: spans of sampled requests (engine_worker.tracing); None: off
         self.tracer: WorkerTracer | None = None
         if cfg.tracing.enabled:
-            self.tracer = WorkerTracer(cfg.tracing, wcfg.id, wcfg.model, cfg.model(wcfg.model).engine)
+            self.tracer = WorkerTracer(cfg.tracing, wcfg.id, wcfg.model, cfg.model(wcfg.model).engine, loop=self.loop)
 
     # -- lifecycle -----------------------------------------------------------
 

@@ -360,8 +360,9 @@ class RouterCore:
                 mx.e2e.observe(now - j.arrival)
         if self._log_requests:
             log_end(j, outcome, error, now, t)
-        if j.otel is not None and self.tracer is not None:
-            self.tracer.ended(j.otel, j, outcome, error, now, deltas[-1].cached_tokens if deltas else 0)
+        if j.otel is not None and self.tracer is not None:  # after this turn's replies leave (call_soon: FIFO)
+            cached = deltas[-1].cached_tokens if deltas else 0
+            self.loop.call_soon(self.tracer.ended, j.otel, j, outcome, error, now, cached)
         if self.policy.has_queued():  # only queued work can use what this freed
             self._schedule_policy()
 

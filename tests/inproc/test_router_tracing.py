@@ -82,6 +82,7 @@ def test_a_clients_trace_is_continued_and_every_router_span_hangs_under_the_requ
     core.on_outputs(
         "w0", [p.Delta(req.request_id, "x", 1, "stop", prompt_tokens=2, completion_tokens=1, token_ids=[7])]
     )
+    _settle(loop)  # (spans are built after the turn's replies leave)
     assert {s.trace_id for s in spans.spans} == {ctx.trace_id}
     (root,) = spans.named("weir.request")
     assert root.parent_id == ctx.span_id and root.kind == SERVER
@@ -117,6 +118,7 @@ def test_a_resume_is_a_second_dispatch_linked_to_the_first(traced):
     assert second.trace_context is not None and second.trace_context.span_id != first_span
     assert second.trace_context.trace_id == first.trace_context.trace_id
     core.on_outputs("w1", [p.Delta(second.request_id, "c", 1, "stop", completion_tokens=1, token_ids=[7])])
+    _settle(loop)
     d1, d2 = spans.named("weir.dispatch")
     assert (d1.span_id, d2.span_id) == (first_span, second.trace_context.span_id)
     assert d1.links == () and d2.links == (first_span,)
@@ -136,6 +138,7 @@ def test_an_unsampled_parent_or_a_zero_ratio_traces_nothing():
         for req in workers.dispatched["w0"]:
             assert req.trace_context is None
             core.on_outputs("w0", [p.Delta(req.request_id, "x", 1, "stop", completion_tokens=1, token_ids=[7])])
+            _settle(loop)
         assert spans.spans == [] and not core.jobs
     finally:
         core.close()
