@@ -358,6 +358,10 @@ class RouterCore:
                 mx = j.mx
                 assert mx is not None  # set once queued
                 mx.e2e.observe(now - j.arrival)
+                op = j.sub.kind
+                mx.genai.duration[op].observe(now - j.arrival)
+                if j.completion_tokens > 1:
+                    mx.genai.tpot[op].observe((now - j.first_token_at) / (j.completion_tokens - 1))
         if self._log_requests:
             log_end(j, outcome, error, now, t)
         if j.otel is not None and self.tracer is not None:  # after this turn's replies leave (call_soon: FIFO)
@@ -598,6 +602,7 @@ class RouterCore:
             if not j.first_token_at:
                 j.first_token_at = now
                 mx.ttft.observe(now - j.arrival)
+                mx.genai.ttft[j.sub.kind].observe(now - j.arrival)
                 # the phases so far, for the client's first news (HTTP: a stream's server-timing)
                 j.phases = group[0].timing = phases_so_far(j.arrival, j.tokenized_at, j.dispatched_at, now)
             j.completion_tokens += new_tokens

@@ -288,6 +288,11 @@ class RouterMetrics(TextCollector):
         # What /metrics writes as text (router.observe.exposition), after the registry's other collectors.
         self.sources: list[TextSource] = [self.text]
         self.registry.register(self)
+        # The same latencies under OpenTelemetry's GenAI names (router.observe.genai_metrics)
+        from router.observe.genai_metrics import GenAiMetrics
+
+        self.genai = GenAiMetrics()
+        self.add_text_source(self.genai)
 
     def add_text_source(self, source: TextCollector) -> None:
         """A text source on /metrics, and in the registry for its other readers."""

@@ -130,3 +130,24 @@ def test_a_refusal_while_queued_says_how_long_it_queued(h):
     final = sink.finals[0]
     assert final.error is not None and final.timing is not None
     _approx(final.timing, tokenize=0.0, queue=6.0, prefill=0.0, decode=0.0, total=6.0)
+
+
+def test_genai_named_metrics_observe_the_same_request(h):
+    h.join("w0")
+    sink = FakeSink()
+    h.clock.t = 1000.0
+    handle = h.core.submit(
+        p.Submit("c", "sim-m", kind=p.RequestKind.CHAT, messages=[p.ChatMessage("user", "hi")], max_tokens=4), sink
+    )
+    assert isinstance(handle, int)
+    h.settle()
+    h.clock.t = 1000.25
+    h.news(handle, 1)
+    h.clock.t = 1001.25
+    h.news(handle, 2, "stop", done=3)
+    reg = h.core.metrics.registry
+    labels = {"gen_ai_operation_name": "chat", "gen_ai_request_model": "sim-m"}
+    assert reg.get_sample_value("gen_ai_server_time_to_first_token_seconds_sum", labels) == pytest.approx(0.25)
+    assert reg.get_sample_value("gen_ai_server_time_per_output_token_seconds_sum", labels) == pytest.approx(0.5)
+    assert reg.get_sample_value("gen_ai_server_request_duration_seconds_count", labels) == 1
+    assert reg.get_sample_value("gen_ai_server_request_duration_seconds_sum", labels) == pytest.approx(1.25)
