@@ -59,6 +59,7 @@ from router.lifecycle.prompts import ModelPrompts
 from router.lifecycle.recovery import Recovery
 from router.lifecycle.tokenizer_queue import CALL, PROMPT, Tokenizer
 from router.observe.metrics import RouterMetrics
+from router.observe.phase_metrics import observe as observe_phases
 from router.observe.phases import ended as phases_ended
 from router.observe.phases import timing as phases_so_far
 from router.observe.tracing import RouterTracer
@@ -358,6 +359,7 @@ class RouterCore:
                 mx = j.mx
                 assert mx is not None  # set once queued
                 mx.e2e.observe(now - j.arrival)
+                observe_phases(mx.phases, t)
                 op = j.sub.kind
                 mx.genai.duration[op].observe(now - j.arrival)
                 if j.completion_tokens > 1:

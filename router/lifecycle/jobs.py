@@ -74,15 +74,15 @@ class JobMetrics:
     """The metric children every request of one (model, class) touches,
     looked up once per pair instead of four times per request."""
 
-    __slots__ = ("ttft", "tokens", "e2e", "genai")
+    __slots__ = ("ttft", "tokens", "e2e", "genai", "phases")
 
     def __init__(self, m: RouterMetrics, model: str, klass: str) -> None:
         self.ttft = m.child(m.ttft, model, klass)
         self.tokens = m.child(m.tokens, model)
         self.e2e = m.child(m.e2e, model, klass)
-        self.genai = m.genai.for_model(
-            model
-        )  # the same under GenAI's names, by operation (router.observe.genai_metrics)
+        # the same under GenAI's names by operation (router.observe.genai_metrics); the phases by model
+        self.genai = m.genai.for_model(model)
+        self.phases = m.phases.for_model(model)  # (router.observe.phase_metrics)
 
 
 @dataclass(slots=True, eq=False)

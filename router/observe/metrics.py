@@ -289,10 +289,13 @@ class RouterMetrics(TextCollector):
         self.sources: list[TextSource] = [self.text]
         self.registry.register(self)
         # The same latencies under OpenTelemetry's GenAI names (router.observe.genai_metrics)
-        from router.observe.genai_metrics import GenAiMetrics
+        from router.observe.genai_metrics import GenAiMetrics  # (they import this module)
+        from router.observe.phase_metrics import PhaseMetrics
 
         self.genai = GenAiMetrics()
         self.add_text_source(self.genai)
+        self.phases = PhaseMetrics()  # where finished requests' time went, by model (weir stats)
+        self.add_text_source(self.phases)
 
     def add_text_source(self, source: TextCollector) -> None:
         """A text source on /metrics, and in the registry for its other readers."""

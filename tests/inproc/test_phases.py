@@ -151,3 +151,32 @@ def test_genai_named_metrics_observe_the_same_request(h):
     assert reg.get_sample_value("gen_ai_server_time_per_output_token_seconds_sum", labels) == pytest.approx(0.5)
     assert reg.get_sample_value("gen_ai_server_request_duration_seconds_count", labels) == 1
     assert reg.get_sample_value("gen_ai_server_request_duration_seconds_sum", labels) == pytest.approx(1.25)
+
+
+def test_weir_stats_splits_each_models_time_by_phase(h):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from weir.stats import _phases
+
+    h.join("w0")
+    sink = FakeSink()
+    h.clock.t = 1000.0
+    handle = h.core.submit(p.Submit("c", "sim-m", prompt="hello", max_tokens=4), sink)
+    assert isinstance(handle, int)
+    h.clock.t = 1000.03  # queued 30 ms
+    h.settle()
+    h.clock.t = 1000.33  # prefill 300 ms
+    h.news(handle, 1)
+    h.clock.t = 1002.33  # decode 2 s
+    h.news(handle, 1, "stop", done=2)
+    metrics: dict[str, list] = {}
+    text = "".join(chunk for source in h.core.metrics.sources for chunk in source())
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            metrics.setdefault(s.name, []).append((s.labels, s.value))
+    split = _phases(metrics, None)["sim-m"]
+    # one request: each p50 lies in the bucket that holds its phase
+    assert split["tokenize_p50_s"] is not None and split["tokenize_p50_s"] <= 0.0005
+    assert 0.025 < split["queue_p50_s"] <= 0.05
+    assert 0.25 < split["prefill_p50_s"] <= 0.5
+    assert 1.0 < split["decode_p50_s"] <= 2.5
