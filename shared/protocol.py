@@ -284,6 +284,41 @@ unpack_floats = unpack_logprobs
 # ---------------------------------------------------------------- client link
 
 
+# Agent and gateway routing hints (router/api/agent_headers.py reads them from
+# HTTP headers; a direct client sets them itself).
+MAX_SESSION_ID = 256
+SessionId = Annotated[str, Meta(max_length=MAX_SESSION_ID, pattern=r"^[\x20-\x7e]*$")]
+TargetMs = Annotated[float, Meta(ge=0.0, le=86_400_000.0)]
+
+
+class PriorityHint(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A gateway's priority in weir's terms: ``offset`` classes below the
+    ``anchor`` class (0: the first class, 1: the default class, 2: the last);
+    resolved against the configured classes by router.tenancy.priority_hints."""
+
+    anchor: Annotated[int, Meta(ge=0, le=2)]
+    offset: Annotated[int, Meta(ge=-64, le=64)]
+
+
+class Routing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What agents and gateways say about a request beyond OpenAI's fields.
+    ``session``/``parent_session``: opaque ids (a sub-agent names its
+    parent's), per tenant; ``session_final``: the session's last turn.
+    ``hints``/``objective``: priorities that may only lower the key's class.
+    Targets in milliseconds (0: none); ``sheddable``: refused at once when no
+    worker is predicted to meet its TTFT target."""
+
+    session: SessionId = ""
+    parent_session: SessionId = ""
+    session_final: bool = False
+    hints: Annotated[list[PriorityHint], Meta(max_length=8)] = []
+    objective: SessionId = ""
+    fairness_id: SessionId = ""
+    ttft_target_ms: TargetMs = 0.0
+    tpot_target_ms: TargetMs = 0.0
+    sheddable: bool = False
+
+
 class Submit(_Msg, tag=1):
     """Client asks for a generation.  ``request_id`` is the client's own id,
     unique among that client's live requests; replies carry it back."""
@@ -313,6 +348,7 @@ class Submit(_Msg, tag=1):
     # The prompt's token ids on the first Delta (``Delta.prompt_token_ids``):
     # vLLM's ``return_token_ids`` (the generated ids are in every Delta's ``token_ids``).
     return_token_ids: bool = False
+    routing: Routing | None = None  # sessions, gateway priorities, latency targets
 
 
 class Cancel(_Msg, tag=2):

@@ -142,6 +142,7 @@ def parse_embeddings(body: bytes, meta: RequestMeta, request_id: str) -> tuple[l
             kind=RequestKind.EMBEDDING,
             priority=req.priority or meta.priority,
             task_type=task_type,
+            routing=meta.routing,
             api_key=meta.api_key,
             user=req.user,
             dimensions=req.dimensions,

@@ -12,7 +12,7 @@ import msgspec
 from router.api.checks import check_shape
 from router.api.errors import RequestError, invalid
 from shared.keys import key_from_headers
-from shared.protocol import Submit
+from shared.protocol import Routing, Submit
 
 T = TypeVar("T")
 
@@ -24,6 +24,7 @@ class RequestMeta(msgspec.Struct, gc=False):
     priority: str | None = None
     task_type: str | None = None
     allow_fallback: bool = False
+    routing: Routing | None = None  # agents' and gateways' headers (router.api.agent_headers)
 
 
 def meta_from_headers(

@@ -36,6 +36,7 @@ from typing import Any, Protocol, cast
 import httptools
 
 from router import api
+from router.api import agent_headers
 from router.api.prompt_forms import DEFAULT_MAX_PROMPTS
 from router.ingress import tokenize as http_tokenize
 from router.ingress.embeddings import EmbeddingBatch, start_embeddings
@@ -85,6 +86,7 @@ _WANTED_HEADERS = frozenset(
         b"expect",
         b"x-request-id",
         b"content-type",  # multipart uploads (/v1/files)
+        *agent_headers.HEADERS,  # sessions, gateways' priorities, latency targets
     )
 )
 _KEY_HEADERS = (b"x-api-key", b"authorization")
@@ -516,13 +518,16 @@ class HttpConnection(asyncio.Protocol):
 
     @staticmethod
     def meta(req: _Request) -> api.RequestMeta:
-        return api.meta_from_headers(
+        """The headers a generation reads; a bad agent header raises api.RequestError."""
+        meta = api.meta_from_headers(
             req.header(b"authorization"),
             req.header(b"x-api-key"),
             req.header(b"x-weir-priority"),
             req.header(b"x-weir-task-type"),
             req.header(b"x-weir-allow-fallback"),
         )
+        meta.routing = agent_headers.routing_from_headers(req.headers)
+        return meta
 
     def refuse(self, req: _Request, info: ErrorInfo, label: str) -> None:
         """A request refused before it is submitted (its own id for the log)."""

@@ -76,7 +76,7 @@ BAD_COMPLETIONS = [
     (_completion(stop=["a", 1]), "stop[1]", None),
     (_completion(seed="x"), "seed", None),
     (_completion(user=5), "user", None),
-    (_completion(priority=1), "priority", None),
+    (_completion(priority=True), "priority", None),  # a class name or vLLM's integer
     (_completion(task_type="medium"), "task_type", None),
     (_completion(echo=True, logprobs=1), "echo", "unsupported_value"),  # would need prompt logprobs
     (_completion(suffix="tail"), "suffix", "unsupported_value"),
