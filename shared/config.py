@@ -359,6 +359,15 @@ class SchedulerConfig(_Cfg):
     # dispatched to, instead of the least loaded: a baseline for benchmarks
     # (bench/scenarios/prefix.py), not for serving.
     placement: Literal["least_loaded", "round_robin"] = "least_loaded"
+    # Session affinity (router/policy/sessions.py): a session's turns go to its
+    # worker while it holds under session_load_bound of its sequence slots and
+    # KV budget, else where placement sends them (the session moves there).
+    # Forgotten session_ttl_s after its last turn, or after a final one;
+    # at most session_max sessions (least recently used beyond).
+    sessions: bool = True
+    session_ttl_s: float = 600.0
+    session_max: int = 100_000
+    session_load_bound: float = 0.8
 
     def kv_budget(self, capacity_tokens: int) -> int:
         """A worker's KV budget: what the router's policy reserves against and

@@ -24,6 +24,7 @@ from router.lifecycle.jobs import AWAITING_BUDGET, ENDED, QUEUED, JobMetrics, Jo
 from router.lifecycle.models import ModelRegistry, PromptTokens, tokenize_hashed
 from router.observe.metrics import RouterMetrics
 from router.policy import Job, Policy
+from router.policy.job_routing import with_routing
 from router.tenancy.budgets import Answer, Hold, Quota
 from shared import protocol as p
 from shared.config import ModelConfig
@@ -77,7 +78,7 @@ def policy_job(
 ) -> Job:
     """A fresh value of what the policy is told of an attempt (it keeps its own copy)."""
     sub, who = j.sub, j.who
-    return Job(
+    job = Job(
         j.job_id,
         model,
         who.tenant,
@@ -90,6 +91,7 @@ def policy_job(
         sub.params.n if sub.params is not None else 1,
         hashes,
     )
+    return job if sub.routing is None else with_routing(job, sub.routing)
 
 
 class Intake:

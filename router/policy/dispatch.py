@@ -151,6 +151,8 @@ class Dispatcher:
             self.prefix.speculate(worker_id, job.block_hashes, now)
         if self.placement.remembers:
             self.placement.placed(m, worker_id)
+        if job.session and self.placement.sessions is not None:
+            self.placement.sessions.placed(job, worker_id, now)
         if self.cfg.generation_deadline_s > 0:
             h = self.deadlines
             if len(h) > 1024 and len(h) > 4 * len(self.entries):

@@ -16,6 +16,7 @@ from router.policy.placement import placement
 from router.policy.queues import queue_order
 from router.policy.records import QUEUED, RUNNING
 from router.policy.reservations import Ledger
+from router.policy.sessions import SessionTable
 from router.policy.types import LONG, POOL_NAMES, SHORT, SIZE_NAMES, Action, Job, WorkerSpec
 from router.policy.wait_model import WaitModel
 from shared.config import SchedulerConfig
@@ -53,6 +54,9 @@ class Policy:
         # The strategies, chosen once: the order queued work is served in, and where it runs.
         self.order = queue_order(cfg, self.n_classes)
         self.placement = placement(cfg, self.order, self.n_classes, self.prefix)
+        self.sessions = SessionTable(cfg.session_max, cfg.session_ttl_s, cfg.session_load_bound, self.counters)
+        if cfg.sessions:
+            self.placement.sessions = self.sessions
         self.jobs = JobTable()
         self.ledger = Ledger(cfg, self.n_classes, self.jobs.entries, self.counters)
         self.waits = WaitModel(self.classes, self.order, self.counters)

@@ -16,6 +16,7 @@ from router.policy.estimate import kv_cost
 from router.policy.model import ModelState
 from router.policy.queues import QueueOrder
 from router.policy.records import Entry, WorkerState
+from router.policy.sessions import SessionTable
 from router.policy.types import LONG, PLACE_SAMPLE, PLACE_SCAN_ALL, POOL_ANY, POOL_LONG, POOL_SHORT, SHORT
 from shared.config import SchedulerConfig
 from shared.protocol import Pool
@@ -29,6 +30,7 @@ Scorer = Callable[[WorkerState, Entry, int, int], float]
 
 class ScoredPlacement:
     remembers = False  # does ``placed`` keep state (else it is not called)?
+    sessions: SessionTable | None = None  # session affinity (set by the Policy; None: off)
 
     def __init__(self, cfg: SchedulerConfig, order: QueueOrder, n_classes: int, prefix: PrefixIndex) -> None:
         self.cfg = cfg
@@ -153,6 +155,12 @@ class ScoredPlacement:
         best_pref = -1
         best_score = 0.0
         score_of = self.scorer(m)
+        sessions = self.sessions
+        home = sessions.home(job, now) if sessions is not None and job.session else None
+        if sessions is not None and home is not None:  # its session's worker first, while below the load bound
+            score_of = sessions.sticky(score_of, home)
+            if not complete and home in m.workers:
+                candidates = [*candidates, m.workers[home]]
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
         cands: list[Candidate] | None = [] if hits else None  # affinity chooses among them
         if hits and not complete:  # a sample: the workers holding the prefix are scored too

@@ -1,0 +1,106 @@
+"""Session affinity: an agent's turns go back to the worker that holds its
+context, sticky until that worker is saturated.
+
+``SessionTable`` maps (tenant, session id) -> worker, bounded (LRU beyond
+``session_max``) and forgotten ``session_ttl_s`` after a session's last turn
+or at once after a turn marked final.  A session the table does not know
+whose parent it does (a sub-agent, fanned out from its parent's context)
+starts on the parent's worker.  Placement (router.policy.placement) asks
+``home`` for the worker a job prefers and scores it ahead of every other
+while it is below ``session_load_bound`` of its sequence slots and KV budget
+(``sticky``); above it, the job goes where placement would send it anyway,
+and the session moves there (``placed``).  Pure: no I/O, one owner (the policy).
+
+Each router keeps its own table: with several routers a session's turns
+that reach another router, or a restarted one, start without it and are
+placed by the prefix index (the workers' KV events reach every router), and
+that router's table learns the session from then on.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from router.policy.types import Job
+
+if TYPE_CHECKING:
+    from router.policy.records import Entry, WorkerState
+
+# Score added to the home worker (placement scores are a few units at most,
+# RoundRobin's down to minus the fleet's size): the home wins while it may.
+STICKY_BONUS = 1e9
+
+Scorer = Callable[["WorkerState", "Entry", int, int], float]
+
+
+class SessionTable:
+    __slots__ = ("max_sessions", "ttl_s", "bound", "table", "counters")
+
+    def __init__(self, max_sessions: int, ttl_s: float, load_bound: float, counters: dict[str, int]) -> None:
+        self.max_sessions = max(1, max_sessions)
+        self.ttl_s = ttl_s
+        self.bound = load_bound
+        # (tenant, session) -> (worker id, last turn's dispatch time); oldest first
+        self.table: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self.counters = counters
+        for k in ("session_new", "session_sticky", "session_moved", "session_from_parent", "session_ended"):
+            counters.setdefault(k, 0)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def _get(self, key: tuple[str, str], now: float) -> str | None:
+        got = self.table.get(key)
+        if got is None:
+            return None
+        worker, seen = got
+        if now - seen > self.ttl_s:
+            del self.table[key]
+            return None
+        return worker
+
+    def home(self, job: Job, now: float) -> str | None:
+        """The worker ``job``'s session (else its parent's) is on, if any."""
+        if not job.session:
+            return None
+        worker = self._get((job.tenant, job.session), now)
+        if worker is None and job.parent_session:
+            worker = self._get((job.tenant, job.parent_session), now)
+        return worker
+
+    def placed(self, job: Job, worker_id: str, now: float) -> None:
+        """``job`` was dispatched to ``worker_id``: its session is there now
+        (ended, if this was its final turn)."""
+        key = (job.tenant, job.session)
+        before = self._get(key, now)
+        c = self.counters
+        if before is None:
+            parent = self._get((job.tenant, job.parent_session), now) if job.parent_session else None
+            c["session_from_parent" if parent == worker_id else "session_new"] += 1
+        else:
+            c["session_sticky" if before == worker_id else "session_moved"] += 1
+        if job.session_final:
+            if before is not None:
+                del self.table[key]
+            c["session_ended"] += 1
+            return
+        table = self.table
+        table[key] = (worker_id, now)
+        table.move_to_end(key)
+        while len(table) > self.max_sessions:
+            table.popitem(last=False)
+
+    def sticky(self, score: Scorer, home: str) -> Scorer:
+        """``score`` with the home worker ahead of every other while it is
+        below the load bound (its sequences and its KV once placed)."""
+        bound = self.bound
+
+        def with_home(w: WorkerState, e: Entry, after: int, n: int) -> float:
+            s = score(w, e, after, n)
+            if w.spec.worker_id == home and n + 1 <= w.slots * bound and after <= w.budget * bound:
+                s += STICKY_BONUS
+            return s
+
+        return with_home
