@@ -307,6 +307,12 @@ class ClassConfig(_Cfg):
     # Memory protection only (~1 KB a queued request in the router), far
     # above what the wait bound admits on a fleet of any size.
     max_queue: int = 200_000
+    # Latency targets (router/policy/targets.py): the class's TTFT target for
+    # requests that state none (0: none), and whether a request of the class
+    # predicted to miss its target is refused at once (429
+    # latency_target_unattainable) rather than served late.
+    ttft_target_ms: float = 0.0
+    sheddable: bool = False
 
 
 class SchedulerConfig(_Cfg):

@@ -8,6 +8,7 @@ import http
 import time
 from email.utils import formatdate
 
+from router.api.dropped import dropped_header
 from shared.errors import retry_after_header
 from shared.protocol import ErrorInfo, RateLimit
 
@@ -65,6 +66,7 @@ def error_headers(info: ErrorInfo) -> bytes:
     head = b"" if seconds is None else b"retry-after: %d\r\n" % seconds
     if info.code == DRAINING:
         head += DRAINING_HEADERS
+    head += dropped_header(info.code)  # llm-d's vocabulary for a refusal of load
     return head if info.ratelimit is None else head + ratelimit_headers(info.ratelimit)
 
 

@@ -559,6 +559,7 @@ class RouterCore:
             if not j.first_token_at:
                 j.first_token_at = now
                 mx.ttft.observe(now - j.arrival)
+                self.policy.first_token(job_id, j.model, now - j.arrival)
             j.completion_tokens += new_tokens
             mx.tokens.inc(new_tokens)
         if j.engine_prompt(prompt_tokens):

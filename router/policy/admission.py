@@ -19,6 +19,7 @@ from router.policy.placement import ScoredPlacement
 from router.policy.queues import QueueOrder, TenantQueue
 from router.policy.records import Entry
 from router.policy.reservations import Ledger
+from router.policy.targets import Targets
 from router.policy.types import LONG, NO_WORKER_RETRY_S, SHORT, SIZE_NAMES, Job
 from router.policy.wait_model import WaitModel
 from shared.config import ClassConfig, SchedulerConfig
@@ -30,6 +31,8 @@ _SHORT_TASK, _LONG_TASK = int(TaskType.SHORT), int(TaskType.LONG)
 
 
 class Admission:
+    targets: Targets | None = None  # latency targets (set by the Policy)
+
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -106,6 +109,14 @@ class Admission:
         jobs = self.jobs
         jobs.seq += 1
         e = Entry(job, rank, size, jobs.seq)
+        targets = self.targets
+        if targets is not None and not requeue:
+            c = self.classes[rank]
+            target = job.ttft_target_s or c.ttft_target_ms / 1000.0
+            if target > 0.0:
+                refusal = targets.admit(m, e, now, target, job.sheddable or c.sheddable, c.name)
+                if refusal is not None:
+                    return refusal
         bound = self.waits.bound[rank]
         if bound < math.inf and not requeue:
             if m.totals.queued == 0:

@@ -17,6 +17,7 @@ from router.policy.queues import queue_order
 from router.policy.records import QUEUED, RUNNING
 from router.policy.reservations import Ledger
 from router.policy.sessions import SessionTable
+from router.policy.targets import Targets
 from router.policy.types import LONG, POOL_NAMES, SHORT, SIZE_NAMES, Action, Job, WorkerSpec
 from router.policy.wait_model import WaitModel
 from shared.config import SchedulerConfig
@@ -63,6 +64,8 @@ class Policy:
         self.admission = Admission(
             cfg, self.classes, self.jobs, self.ledger, self.order, self.placement, self.waits, self.counters
         )
+        self.targets = Targets(self.waits, self.prefix, self.counters)
+        self.admission.targets = self.targets
         self.dispatcher = Dispatcher(
             cfg,
             self.classes,
@@ -167,12 +170,20 @@ class Policy:
         e = self.entries.get(job_id)
         if e is None:
             return False
+        if self.targets.pending:
+            self.targets.forget(job_id)
         if e.state == QUEUED:
             self.jobs.drop_queued(self.models.get(e.job.model), e, now)
             return True
         self.ledger.release(e, now, count_rate=True)
         self.counters["finished"] += 1
         return True
+
+    def first_token(self, job_id: str, model: str, ttft: float) -> None:
+        """A job's first token, ``ttft`` seconds after its arrival: checks its
+        latency target's prediction (router.policy.targets)."""
+        if self.targets.pending:
+            self.targets.first_token(job_id, model, ttft)
 
     def refused(self, job_id: str, now: float) -> bool:
         """Its worker refused the dispatch (its own ledger: other routers hold
@@ -291,7 +302,14 @@ class Policy:
                         "by_model": by_model,
                     }
                 )
-        return {"workers": workers, "queues": queues, "counters": dict(self.counters), "policy": self.cfg.policy}
+        return {
+            "workers": workers,
+            "queues": queues,
+            "counters": dict(self.counters),
+            "policy": self.cfg.policy,
+            "ttft_prediction_mape": self.targets.mape(),
+            "sessions": len(self.sessions),
+        }
 
 
 def _pct(sorted_vals: list[float], q: float) -> float | None:

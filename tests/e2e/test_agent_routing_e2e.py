@@ -130,3 +130,25 @@ def test_a_session_moves_when_its_worker_is_saturated(agent_stack):
         t.join(30)
     # it stays where it moved: the turn after finds turn 2 there
     assert _cached(_turn(s, _context("busy", 3), hdr)) > 0
+
+
+def test_a_sheddable_request_that_cannot_meet_its_target_is_refused_with_llm_ds_reason(agent_stack):
+    s = agent_stack
+    body = {"model": MODEL, "prompt": "x" * 400, "max_tokens": 2}
+    # no worker starts a request within 10 microseconds: refused at once, through Envoy
+    r = requests.post(s.envoy_url + "/v1/completions", json=body, timeout=10,
+                      headers={"x-llm-d-slo-ttft-ms": "0.01", "x-weir-sheddable": "true"})
+    assert r.status_code == 429, r.text
+    assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
+    assert int(r.headers["retry-after"]) >= 1
+    err = r.json()["error"]
+    assert err["code"] == "latency_target_unattainable" and err["type"] == "rate_limit_error"
+    # the same target, not sheddable: served anyway (and counted as missed)
+    missed = metric(s, "weir_policy_decisions_total", decision="ttft_target_missed")
+    r = requests.post(s.envoy_url + "/v1/completions", json=body, timeout=10, headers={"x-slo-ttft-ms": "0.01"})
+    assert r.status_code == 200, r.text
+    assert metric(s, "weir_policy_decisions_total", decision="ttft_target_missed") == missed + 1
+    # a target it meets easily: served, counted as met
+    r = requests.post(s.envoy_url + "/v1/completions", json=body, timeout=10,
+                      headers={"x-llm-d-slo-ttft-ms": "5000", "x-weir-sheddable": "1"})
+    assert r.status_code == 200 and metric(s, "weir_policy_decisions_total", decision="ttft_target_met") >= 1
