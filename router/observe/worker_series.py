@@ -151,3 +151,8 @@ def _queues(snap: dict[str, Any]) -> Iterator[str]:
     yield header(family, "Scheduling policy decisions, by kind (router.policy: Policy.counters)", "counter")
     for name, n in sorted(snap.get("counters", {}).items()):
         yield f"{family}{label_text(['decision'], [name])} {number(n)}\n"
+    mape = snap.get("ttft_prediction_mape")
+    if mape is not None:  # (router.policy.targets: only once a request with a target had its first token)
+        family = "weir_ttft_prediction_error_ratio"
+        yield header(family, "Mean |observed - predicted| / observed TTFT of the last 1,000 predictions", "gauge")
+        yield f"{family} {number(mape)}\n"

@@ -152,3 +152,4 @@ def test_a_sheddable_request_that_cannot_meet_its_target_is_refused_with_llm_ds_
     r = requests.post(s.envoy_url + "/v1/completions", json=body, timeout=10,
                       headers={"x-llm-d-slo-ttft-ms": "5000", "x-weir-sheddable": "1"})
     assert r.status_code == 200 and metric(s, "weir_policy_decisions_total", decision="ttft_target_met") >= 1
+    assert metric(s, "weir_ttft_prediction_error_ratio") > 0.0  # its prediction checked against what came
