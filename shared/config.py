@@ -245,6 +245,23 @@ class ModelConfig(_Cfg):
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) parses calls
 
 
+class AliasTarget(_Cfg):
+    model: str
+    weight: float = 1.0  # its share of the alias's requests, against the other targets' weights
+
+
+class AliasConfig(_Cfg):
+    """One public model name over served models (router/api/aliases.py): a
+    request for ``name`` goes to one of ``targets``, drawn by weight (a
+    session's requests to the same one), and, when that one has no worker
+    or no room (the refusals a model's ``fallbacks`` answer), to each of
+    ``fallbacks`` in order.  The response names the model that served it."""
+
+    name: str
+    targets: list[AliasTarget]
+    fallbacks: list[str] = []
+
+
 class SimEngineConfig(_Cfg):
     """Parameters of the simulated continuous-batching engine (see
     engine_worker/sim_model.py).  Calibrated against vLLM on the tiny model:
@@ -485,6 +502,7 @@ class Config(_Cfg):
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     models: list[ModelConfig] = []
+    aliases: list[AliasConfig] = []
     workers: list[WorkerConfig] = []
     kubernetes: KubernetesConfig = msgspec.field(default_factory=KubernetesConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
@@ -556,6 +574,20 @@ def _validate(cfg: Config) -> None:
     for w in cfg.workers:
         if w.model not in names:
             raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")
+    aliases = [a.name for a in cfg.aliases]
+    if len(set(aliases)) != len(aliases) or set(aliases) & set(names):
+        raise ConfigError("[[aliases]]: an alias name is used twice, or is a model's name")
+    for a in cfg.aliases:
+        if not a.targets or any(t.weight <= 0 for t in a.targets):
+            raise ConfigError(f"alias {a.name!r}: needs targets, each with a weight above 0")
+        for target in [*(t.model for t in a.targets), *a.fallbacks]:
+            if target not in names:
+                raise ConfigError(f"alias {a.name!r}: {target!r} is not a configured model")
+    sc = cfg.scheduler
+    if not (0.0 < sc.session_load_bound <= 1.0) or sc.session_ttl_s <= 0 or sc.session_max < 1:
+        raise ConfigError("scheduler: session_load_bound must be in (0, 1], session_ttl_s > 0, session_max >= 1")
+    if any(c.ttft_target_ms < 0 for c in sc.classes):
+        raise ConfigError("scheduler.classes: ttft_target_ms must be >= 0 (0: none)")
     for k in cfg.api_keys:
         where = f"api key of tenant {k.tenant!r}"
         if k.tier not in classes:

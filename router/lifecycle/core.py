@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from router.api.aliases import AliasTable
 from router.api.checks import check_shape
 from router.fleet.prefix_metrics import PrefixMetrics
 from router.fleet.prefix_relay import PrefixRelay
@@ -98,6 +99,7 @@ class RouterCore:
         self.keys = Keys(cfg)
         self.quota = Quota(cfg, self.metrics, clock)
         self.registry = ModelRegistry(cfg, prompts)
+        self.aliases = AliasTable(cfg.aliases)  # [[aliases]]: reloaded with the keys (reload_keys)
         # Long prompts and /tokenize calls, off the loop with the GIL released:
         # fair between tenants, calls bounded and never ahead of a prompt (router.lifecycle.tokenizer_queue).
         self.tokenizer = Tokenizer(loop, cfg.router.tokenize_queue_per_tenant, cfg.router.tokenize_queue_max)
@@ -152,6 +154,15 @@ class RouterCore:
         if not isinstance(who, Identity):
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)
+        chain = None
+        if sub.model in self.aliases:  # a public name over served models: the one drawn, then its fallbacks
+            routing = sub.routing
+            key = (routing.session if routing is not None else "") or sub.trace_id or sub.request_id
+            chain = self.aliases.resolve(sub.model, key, self.registry.serves)
+            if not chain:
+                why = f"No model behind the alias `{sub.model}` is served now; try again shortly."
+                return self._rejected(error(Code.NO_WORKER, why, param="model", retry_after=1.0), who.klass)
+            sub = msgspec.structs.replace(sub, model=chain[0], allow_fallback=True)
         model = self.registry.get(sub.model)
         if err is None and model is not None:
             err = task_mismatch(sub, model.config)
@@ -177,6 +188,8 @@ class RouterCore:
         handle = self._next_handle
         self._next_handle += 1
         j = JobRecord(job_id_of(handle), sub, sink, who, now, group=group)
+        if chain is not None:  # the client learns the model that serves it (as a fallback's)
+            j.served_by, j.fallbacks = chain[0], chain[1:]
         if group is not None:
             group.joined()
         self.jobs[j.job_id] = j  # its one entry into the table: TOKENIZING, cancellable like any job
@@ -273,6 +286,7 @@ class RouterCore:
         """New API keys and budgets (SIGHUP / POST /admin/reload): later
         requests use them; admitted ones settle as they were reserved."""
         self.keys = Keys(cfg)
+        self.aliases = AliasTable(cfg.aliases)
         self.quota.reload(cfg)
         self._keys_config = cfg
         self._cfg_view = None

@@ -219,7 +219,7 @@ class Intake:
         asked = registry.get(j.sub.model)
         if asked is None:  # removed at run time while a fallback served the job
             return False
-        for name in asked.config.fallbacks:  # (never the model itself: config)
+        for name in asked.config.fallbacks if j.fallbacks is None else j.fallbacks:  # (never the model itself: config)
             model = registry.get(name)
             if name == j.served_by or model is None or model.unloading:
                 continue  # the one that just refused it; one being (or already) removed at run time

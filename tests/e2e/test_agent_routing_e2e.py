@@ -10,7 +10,12 @@ because its session sent it back to the same worker:
 * a session's turns (growing context) stay on one worker where requests
   without a session alternate;
 * a session moves when its worker is over the load bound, and stays where
-  it moved.
+  it moved;
+* a sheddable request that cannot meet its TTFT target is refused with
+  llm-d's dropped reason;
+* aliases: listed in /v1/models, split by weight (a session's requests to
+  one target), an absent target's requests answered by its fallback, and
+  every response names the model that served it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,17 @@ def agent_stack(tmp_path_factory):
     cfg = stackutil.write_config(
         d,
         workers=[
-            stackutil.sim_worker(f"sim-{i}", max_num_seqs=2, sim={"prefix_caching": True}) for i in range(2)
+            *(stackutil.sim_worker(f"sim-{i}", max_num_seqs=2, sim={"prefix_caching": True}) for i in range(2)),
+            stackutil.sim_worker("simb-0", model="sim-b"),
+        ],
+        models=[
+            *stackutil.localconfig.models(),
+            {"name": "sim-b", "engine": "sim", "max_model_len": 2048},
+            {"name": "sim-none", "engine": "sim", "max_model_len": 4096},  # no worker
+        ],
+        aliases=[
+            {"name": "agent", "targets": [{"model": MODEL, "weight": 1}, {"model": "sim-b", "weight": 1}]},
+            {"name": "backup", "targets": [{"model": "sim-none"}], "fallbacks": [MODEL]},
         ],
         scheduler={"placement": "round_robin", "prefix_affinity": False, "session_load_bound": 0.5},
     )
@@ -153,3 +168,22 @@ def test_a_sheddable_request_that_cannot_meet_its_target_is_refused_with_llm_ds_
                       headers={"x-llm-d-slo-ttft-ms": "5000", "x-weir-sheddable": "1"})
     assert r.status_code == 200 and metric(s, "weir_policy_decisions_total", decision="ttft_target_met") >= 1
     assert metric(s, "weir_ttft_prediction_error_ratio") > 0.0  # its prediction checked against what came
+
+
+def test_aliases_split_fall_back_and_name_the_model_that_served(agent_stack):
+    s = agent_stack
+    listed = {m["id"]: m for m in requests.get(s.envoy_url + "/v1/models", timeout=10).json()["data"]}
+    assert {"agent", "backup"} <= set(listed)
+    assert listed["agent"]["max_model_len"] == 2048 and listed["agent"]["ready_workers"] == 3
+
+    def ask(model: str, headers: dict[str, str] | None = None) -> str:
+        r = requests.post(s.envoy_url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
+                          headers=headers or {}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-weir-model"] == r.json()["model"]
+        return r.json()["model"]
+
+    # 1:1, drawn by the request id (x-request-id here, so the draw is the same every run)
+    assert {ask("agent", {"x-request-id": f"alias-req-{k}"}) for k in range(16)} == {MODEL, "sim-b"}
+    assert len({ask("agent", {"x-session-id": "alias-session"}) for _ in range(6)}) == 1
+    assert ask("backup") == MODEL  # sim-none has no worker: its fallback answered
