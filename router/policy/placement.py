@@ -161,6 +161,8 @@ class ScoredPlacement:
             score_of = sessions.sticky(score_of, home)
             if not complete and home in m.workers:
                 candidates = [*candidates, m.workers[home]]
+        elif sessions is not None and job.session:  # a new session: where the fewest sessions are
+            score_of = sessions.spread(score_of, len(m.workers))
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes and self.affinity else None
         cands: list[Candidate] | None = [] if hits else None  # affinity chooses among them
         if hits and not complete:  # a sample: the workers holding the prefix are scored too

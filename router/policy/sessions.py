@@ -9,7 +9,10 @@ starts on the parent's worker.  Placement (router.policy.placement) asks
 ``home`` for the worker a job prefers and scores it ahead of every other
 while it is below ``session_load_bound`` of its sequence slots and KV budget
 (``sticky``); above it, the job goes where placement would send it anyway,
-and the session moves there (``placed``).  Pure: no I/O, one owner (the policy).
+and the session moves there (``placed``).  A new session's first turn is
+scored down on workers by their share of the sessions (``spread``), so
+sessions, and the contexts their workers' caches must keep, spread evenly.
+Pure: no I/O, one owner (the policy).
 
 Each router keeps its own table: with several routers a session's turns
 that reach another router, or a restarted one, start without it and are
@@ -36,7 +39,7 @@ Scorer = Callable[["WorkerState", "Entry", int, int], float]
 
 
 class SessionTable:
-    __slots__ = ("max_sessions", "ttl_s", "bound", "table", "counters")
+    __slots__ = ("max_sessions", "ttl_s", "bound", "table", "counters", "per_worker")
 
     def __init__(self, max_sessions: int, ttl_s: float, load_bound: float, counters: dict[str, int]) -> None:
         self.max_sessions = max(1, max_sessions)
@@ -44,6 +47,7 @@ class SessionTable:
         self.bound = load_bound
         # (tenant, session) -> (worker id, last turn's dispatch time); oldest first
         self.table: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self.per_worker: dict[str, int] = {}  # sessions on each worker (those in the table)
         self.counters = counters
         for k in ("session_new", "session_sticky", "session_moved", "session_from_parent", "session_ended"):
             counters.setdefault(k, 0)
@@ -57,9 +61,17 @@ class SessionTable:
             return None
         worker, seen = got
         if now - seen > self.ttl_s:
-            del self.table[key]
+            self._drop(key, worker)
             return None
         return worker
+
+    def _drop(self, key: tuple[str, str], worker: str) -> None:
+        del self.table[key]
+        left = self.per_worker[worker] - 1
+        if left:
+            self.per_worker[worker] = left
+        else:
+            del self.per_worker[worker]
 
     def home(self, job: Job, now: float) -> str | None:
         """The worker ``job``'s session (else its parent's) is on, if any."""
@@ -81,16 +93,20 @@ class SessionTable:
             c["session_from_parent" if parent == worker_id else "session_new"] += 1
         else:
             c["session_sticky" if before == worker_id else "session_moved"] += 1
+        if before is not None:
+            self._drop(key, before)
         if job.session_final:
-            if before is not None:
-                del self.table[key]
             c["session_ended"] += 1
             return
         table = self.table
-        table[key] = (worker_id, now)
-        table.move_to_end(key)
-        while len(table) > self.max_sessions:
-            table.popitem(last=False)
+        table[key] = (worker_id, now)  # (the newest: at the end)
+        self.per_worker[worker_id] = self.per_worker.get(worker_id, 0) + 1
+        # the least recently placed first: past the TTL or beyond the bound, forgotten
+        while table:
+            oldest, (w, seen) = next(iter(table.items()))
+            if len(table) <= self.max_sessions and now - seen <= self.ttl_s:
+                break
+            self._drop(oldest, w)
 
     def sticky(self, score: Scorer, home: str) -> Scorer:
         """``score`` with the home worker ahead of every other while it is
@@ -104,3 +120,17 @@ class SessionTable:
             return s
 
         return with_home
+
+    def spread(self, score: Scorer, n_workers: int) -> Scorer:
+        """``score`` less each worker's share of the sessions (a new
+        session's first turn): sessions spread over the fleet, so no worker's
+        cache has to hold more of their contexts than the others'."""
+        per = self.per_worker
+        if not per:
+            return score
+        scale = 1.0 / (len(self.table) / max(1, n_workers) + 1.0)
+
+        def fewer_sessions(w: WorkerState, e: Entry, after: int, n: int) -> float:
+            return score(w, e, after, n) - per.get(w.spec.worker_id, 0) * scale
+
+        return fewer_sessions

@@ -141,3 +141,19 @@ def test_table_bounded_lru_and_ttl(ops, cap):
     assert sum(counters[k] for k in ("session_new", "session_sticky", "session_moved", "session_from_parent")) == len(
         ops
     )
+
+
+def test_new_sessions_spread_over_the_fleet():
+    """Least loaded alone puts every first turn of an idle fleet on the lowest
+    id (ties); new sessions go where the fewest sessions are instead, so no
+    worker's cache holds more of their contexts than the others'."""
+    p = policy(4)
+    where = []
+    for k in range(8):
+        where.append(run(p, job(f"s{k}", f"S{k}", now=float(k)), float(k)))
+        p.finish(f"s{k}", float(k))
+    assert sorted(where.count(f"w{i}") for i in range(4)) == [2, 2, 2, 2]
+    plain = policy(4)
+    for k in range(4):
+        assert run(plain, job(f"x{k}", now=float(k)), float(k)) == "w0"
+        plain.finish(f"x{k}", float(k))
