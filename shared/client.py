@@ -110,6 +110,7 @@ def _submit(
     user: str | None = None,
     fallback: bool = False,
     trace_id: str | None = None,
+    routing: p.Routing | None = None,  # sessions, gateway priorities, latency targets (docs/api.md)
     **params: Any,
 ) -> p.Submit:
     chat = messages is not None
@@ -129,6 +130,7 @@ def _submit(
         user=user,
         allow_fallback=bool(fallback),
         trace_id=trace_id,  # the request id of the router's and worker's log lines
+        routing=routing,
     )
 
 

@@ -168,3 +168,11 @@ def test_direct_client_routing_is_bounded_by_the_wire():
     with pytest.raises(msgspec.ValidationError):
         bad = p.Submit("r", "m", prompt="x", routing=p.Routing(session="s" * 300))
         msgspec.msgpack.decode(msgspec.msgpack.encode(bad), type=p.Submit)
+
+
+def test_a_direct_client_sends_routing():
+    from shared.client import _submit
+
+    r = p.Routing(session="s", parent_session="root", ttft_target_ms=200.0)
+    sub = _submit("id", "m", "hi", None, 4, None, None, None, routing=r)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sub), type=p.Submit).routing == r
