@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from router.policy.queues import ModelQueues
 from router.policy.records import FreeSlots, WorkerState
-from router.policy.wait_model import AdmissionTotals, CapacityGroup
+from router.policy.totals import AdmissionTotals, CapacityGroup
 
 
 class ModelState:

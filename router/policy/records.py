@@ -3,18 +3,24 @@ per-pool sets of workers with a free slot, ordered by occupancy."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from router.policy.types import POOL_ANY, POOL_LONG, POOL_SHORT, Job, WorkerSpec
 from shared.config import SchedulerConfig
-
-if TYPE_CHECKING:
-    from router.policy.queues import TenantQueue
 
 # An entry's state.  Plain ints: compared in the hot loops.  QUEUED -> RUNNING
 # (Ledger.reserve) -> DONE (Ledger.release, Ledger.remove_worker); QUEUED -> DONE
 # (JobTable.drop_queued).
 QUEUED, RUNNING, DONE = 0, 1, 2
+
+
+class EntryQueue(Protocol):
+    """The queue a queued entry waits in, as the entry's owners use it
+    (``queues.TenantQueue``; declared here so that the records import no queue)."""
+
+    tokens: int  # its entries' prompt+max_tokens
+
+    def forget(self, e: Entry) -> None: ...
 
 
 class Entry:
@@ -34,7 +40,7 @@ class Entry:
         self.worker: str | None = None
         self.cost = 0  # KV tokens reserved on self.worker
         self.seq = seq
-        self.queue: TenantQueue | None = None
+        self.queue: EntryQueue | None = None
         self.predicted = -1.0  # queue wait predicted at admission (s); -1: none (no bound)
 
 
