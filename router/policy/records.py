@@ -8,10 +8,12 @@ from typing import Protocol
 from router.policy.types import POOL_ANY, POOL_LONG, POOL_SHORT, Job, WorkerSpec
 from shared.config import SchedulerConfig
 
-# An entry's state.  Plain ints: compared in the hot loops.  QUEUED -> RUNNING
-# (Ledger.reserve) -> DONE (Ledger.release, Ledger.remove_worker); QUEUED -> DONE
-# (JobTable.drop_queued).
-QUEUED, RUNNING, DONE = 0, 1, 2
+# An entry's state in the policy (not the job's lifecycle state, which is
+# router.lifecycle.jobs.JobState): WAITING in a queue -> PLACED on a worker,
+# holding its reservation (Reservations.reserve) -> GONE (Reservations.release,
+# .remove_worker); WAITING -> GONE (EntryTable.drop_queued).  Plain ints:
+# compared in the hot loops, where an enum member costs a lookup more.
+WAITING, PLACED, GONE = 0, 1, 2
 
 
 class EntryQueue(Protocol):
@@ -24,7 +26,7 @@ class EntryQueue(Protocol):
 
 
 class Entry:
-    """A job inside the policy (queued or running).  ``job`` is the policy's
+    """A job inside the policy (waiting or placed).  ``job`` is the policy's
     copy: it may be the caller's object until a re-pricing, which replaces it
     with a copy instead of writing to the caller's."""
 
@@ -36,7 +38,7 @@ class Entry:
         self.size = size
         p, mt = job.prompt_tokens, job.max_tokens
         self.tokens = (p if p > 1 else 1) + (mt if mt > 0 else 0) * job.n  # max(1, p) + n * max(0, mt)
-        self.state = QUEUED
+        self.state = WAITING
         self.worker: str | None = None
         self.cost = 0  # KV tokens reserved on self.worker
         self.seq = seq
@@ -45,7 +47,7 @@ class Entry:
 
 
 class WorkerState:
-    """A worker's ledger: its budget, what it holds and whether it may take work."""
+    """A worker's record: its KV budget, what it holds and whether it may take work."""
 
     __slots__ = (
         "spec",
