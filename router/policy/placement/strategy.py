@@ -72,7 +72,7 @@ class ScoredPlacement:
             for rank in range(n_classes)
         ]
 
-    # ------------------------------------------------------------ checks
+    # ------------------------------------------------------------ per worker, beside the pipeline
 
     def limit(self, m: ModelState, rank: int, now: float) -> float:
         """Fraction of a worker's KV budget and seq slots class ``rank`` may fill.
@@ -88,6 +88,8 @@ class ScoredPlacement:
         return 1.0  # no class above it is active
 
     def gpu_ok(self, w: WorkerState) -> bool:
+        """Does its GPU take new work (the snapshot's health; placement's
+        ``takes_work`` and ``gpu_floor`` filters, one worker)?"""
         if w.gpu_block is not None:
             return False
         floor = self.cfg.gpu_free_floor_bytes
@@ -97,7 +99,8 @@ class ScoredPlacement:
 
     def pool_ok(self, w: WorkerState, size: int, m: ModelState | None) -> bool:
         """May a job of this size run on this worker?  ``m`` None: ever (at
-        submit), else now (the borrow condition is checked)."""
+        submit), else now (the borrow condition is checked).  (The ``pools``
+        filter, one worker: admission and ``reserve_target`` ask it.)"""
         pool = w.spec.pool
         if pool == Pool.ANY:
             return True
@@ -202,7 +205,6 @@ class RoundRobin(ScoredPlacement):
     def __init__(self, cfg: SchedulerConfig, order: QueueOrder, n_classes: int, prefix: PrefixIndex) -> None:
         super().__init__(cfg, order, n_classes, prefix)
         self.next_index = 0  # the index (in worker id order) after the worker used last
-
         self.load = (self.after_last,)
 
     def after_last(self, ask: Ask, cands: list[Candidate]) -> list[float]:
