@@ -1,6 +1,6 @@
 """What one placement asks of a worker, and a worker that can give it.
 
-``Ask`` is made once per placement: the job's demand and the bounds it is
+``Ask`` is set once per placement: the job's demand and the bounds it is
 placed under, read by every filter and scorer.  A ``Candidate`` is a worker
 that passed the worker filters, with what the job would cost and leave there."""
 
@@ -30,6 +30,11 @@ class Ask:
     )
 
     def __init__(self, m: ModelState, e: Entry, exclude: set[str], limit: float, hits: dict[str, int] | None) -> None:
+        self.reset(m, e, exclude, limit, hits)
+
+    def reset(self, m: ModelState, e: Entry, exclude: set[str], limit: float, hits: dict[str, int] | None) -> None:
+        """For the next placement: a strategy keeps one ``Ask`` (an allocation
+        less at every dispatch)."""
         prompt = e.job.prompt_tokens
         self.m = m
         self.e = e

@@ -18,18 +18,21 @@ from router.policy.records import WorkerState
 from router.policy.types import LONG, POOL_ANY, POOL_LONG, POOL_SHORT
 from shared.config import SchedulerConfig
 
-WorkerFilter = Callable[[Ask, list[WorkerState]], list[WorkerState]]
+WorkerFilter = Callable[[Ask, Collection[WorkerState]], Collection[WorkerState]]
 CandidateFilter = Callable[[Ask, list[Candidate]], list[Candidate]]
 
 
-def takes_work(ask: Ask, ws: Collection[WorkerState]) -> list[WorkerState]:
+def takes_work(ask: Ask, ws: Collection[WorkerState]) -> Collection[WorkerState]:
     """Healthy with a free sequence slot (its own and other routers' held:
     exactly the workers in a free set, ``free_at >= 0``, records.FreeSlots),
     its GPU not gated (router.policy.gpu_gate), not held for a due head."""
     exclude = ask.exclude
     if exclude:
         return [w for w in ws if w.free_at >= 0 and w.gpu_block is None and w.spec.worker_id not in exclude]
-    return [w for w in ws if w.free_at >= 0 and w.gpu_block is None]
+    for w in ws:
+        if w.free_at < 0 or w.gpu_block is not None:
+            return [w for w in ws if w.free_at >= 0 and w.gpu_block is None]
+    return ws  # (all of them, the usual case: no list made)
 
 
 def gpu_floor(cfg: SchedulerConfig) -> WorkerFilter:
@@ -37,7 +40,7 @@ def gpu_floor(cfg: SchedulerConfig) -> WorkerFilter:
     reports its GPU)."""
     floor = cfg.gpu_free_floor_bytes
 
-    def gpu_free_enough(ask: Ask, ws: list[WorkerState]) -> list[WorkerState]:
+    def gpu_free_enough(ask: Ask, ws: Collection[WorkerState]) -> Collection[WorkerState]:
         return [
             w
             for w in ws
@@ -53,7 +56,7 @@ def pools(cfg: SchedulerConfig, borrow_freely: bool) -> WorkerFilter:
     while no long work of the model waits."""
     may_borrow = cfg.borrow_idle_long
 
-    def pool_allows(ask: Ask, ws: list[WorkerState]) -> list[WorkerState]:
+    def pool_allows(ask: Ask, ws: Collection[WorkerState]) -> Collection[WorkerState]:
         present = ask.m.pools
         if ask.size == LONG:
             return [w for w in ws if w.pool != POOL_SHORT] if POOL_SHORT in present else ws
@@ -68,7 +71,7 @@ def pools(cfg: SchedulerConfig, borrow_freely: bool) -> WorkerFilter:
     return pool_allows
 
 
-def fits(ask: Ask, ws: list[WorkerState]) -> list[Candidate]:
+def fits(ask: Ask, ws: Collection[WorkerState]) -> list[Candidate]:
     """The workers the job fits now: prompt + max_tokens within their context
     length, and its KV cost there (per block size, computed once) within
     what their budget has left; with what they would hold."""

@@ -60,6 +60,7 @@ class ScoredPlacement:
         self.load: tuple[Scorer, ...] = LOAD
         self.affinity_scorers: tuple[AffinityScorer, ...] = (prefix_cached(cfg),) if cfg.prefix_affinity else ()
         self.margin = cfg.prefix_load_margin
+        self.ask: Ask | None = None  # one, reset at each placement
         # the pools a job of each size may use, in order of preference
         self.long_pools = (POOL_LONG, POOL_ANY)
         borrows = self.short_borrows_freely or cfg.borrow_idle_long
@@ -143,7 +144,11 @@ class ScoredPlacement:
         if hits and not complete:  # a sample: the workers holding the prefix are scored too
             workers = m.workers
             ws = [*ws, *(workers[wid] for wid in hits if wid in workers)]
-        ask = Ask(m, e, exclude, limit, hits)
+        ask = self.ask
+        if ask is None:
+            ask = self.ask = Ask(m, e, exclude, limit, hits)
+        else:
+            ask.reset(m, e, exclude, limit, hits)
         found = takes_work(ask, ws)
         for keep in self.worker_filters:
             if not found:
