@@ -336,7 +336,7 @@ class SchedulerConfig(_Cfg):
     # Class headroom: class rank r of K may fill a worker's KV budget and seq
     # slots only up to 1 - priority_headroom * (r - top)/(K-1), top = highest
     # class active within aging_bound_s, so higher classes start at once under
-    # overload (router/policy/placement.py).  0.2: measured in simulation/des.py.
+    # overload (router/policy/placement/filters.py).  0.2: measured in simulation/des.py.
     priority_headroom: float = 0.2
     # Jobs a worker may hold beyond its engine's max_num_seqs.  0: every
     # waiting job waits here, under this policy.  k > 0: up to k wait inside

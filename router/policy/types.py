@@ -110,7 +110,7 @@ class RejectJob(NamedTuple):
 class AbortJob(NamedTuple):
     job_id: str
     worker_id: str
-    error: Refusal  # ran past the generation deadline; ledger already released
+    error: Refusal  # ran past the generation deadline; reservation already released
 
 
 Action = DispatchJob | RejectJob | AbortJob
