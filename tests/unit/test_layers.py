@@ -48,8 +48,9 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> str | None:
+    """The layer a module is in: its package's, the package's own __init__ included."""
     parts = module.split(".")
-    return parts[1] if parts[0] == "router" and len(parts) > 2 and parts[1] in LAYERS else None
+    return parts[1] if parts[0] == "router" and len(parts) >= 2 and parts[1] in LAYERS else None
 
 
 def test_the_top_of_the_router_holds_only_its_layers_and_the_process_entry():
