@@ -36,7 +36,7 @@ from typing import Protocol, cast
 
 import zmq
 
-from router.fleet.router_socket import RouterPlane
+from router.fleet.router_socket import RouterSocket
 from router.observe.metrics import RouterMetrics
 from router.observe.worker_report import WorkerReport
 from shared import protocol as p
@@ -93,7 +93,7 @@ class LinkedWorker:
     drain_deadline: float | None = None  # draining until then (None: accepting work)
 
 
-class WorkerLink(RouterPlane):
+class WorkerLink(RouterSocket):
     side = "backend"
 
     def __init__(
