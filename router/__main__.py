@@ -29,7 +29,7 @@ from router.ingress.zmq_clients import ClientFrontend, client_message_bytes
 from router.lifecycle.core import RouterCore
 from router.lifecycle.drain import RouterDrain
 from router.lifecycle.ports import WorkerPort
-from router.lifecycle.reads import CoreView
+from router.lifecycle.reads import RouterCoreReads
 from router.observe.metrics import RouterMetrics
 from router.observe.operator_actions import RouterOperator
 from router.observe.views import RouterViews
@@ -107,7 +107,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         else:
             drain.finish_now(sig.name)
 
-    views = RouterViews(CoreView(core), link, metrics)
+    views = RouterViews(RouterCoreReads(core), link, metrics)
     operator = RouterOperator(core, link, reload, drain_router)
     link.serve(core)
     frontend.serve(core)

@@ -26,7 +26,7 @@ ModelRow = tuple[str, int, int, str]
 
 
 class CoreReads(Protocol):
-    """What the views read of the lifecycle (router.lifecycle.reads.CoreView over router.lifecycle.core.RouterCore)."""
+    """What the views read of the lifecycle (router.lifecycle.reads.RouterCoreReads over its RouterCore)."""
 
     @property
     def draining(self) -> bool: ...  # router.lifecycle.drain: readiness fails

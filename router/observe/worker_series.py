@@ -51,7 +51,7 @@ _GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuInfo], float | None]], ...] = (
 
 
 class FleetReads(Protocol):
-    """What the series read: the policy's snapshot (router.lifecycle.reads.CoreView)."""
+    """What the series read: the policy's snapshot (router.lifecycle.reads.RouterCoreReads)."""
 
     def scheduler_snapshot(self) -> dict[str, Any]: ...
 
