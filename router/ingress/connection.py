@@ -77,7 +77,7 @@ class Generation(Protocol):
 
 class InFlight(Protocol):
     """A response in progress on its connection (router.ingress.exchange.Exchange,
-    router.ingress.embeddings.EmbeddingBatch): what the connection reads of it
+    router.ingress.embeddings.EmbeddingsExchange): what the connection reads of it
     when it is abandoned."""
 
     done: bool  # the core is done with it (or was told to be)

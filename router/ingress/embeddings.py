@@ -4,7 +4,7 @@ The parser (router.api.embeddings) turns the body into one
 ``Submit`` per input; each goes to the core as its own job with its own
 sink (``_Part``), so each is admitted, reserved, budgeted and placed on its
 own (their request units, though, are one reservation: router.tenancy.budgets.Group).
-``EmbeddingBatch`` gathers their vectors and writes the response when
+``EmbeddingsExchange`` gathers their vectors and writes the response when
 the last one arrives.  The first refusal or error ends the whole request:
 the other inputs are cancelled (their reservations released, their budgets
 settled on what ran: nothing for what never started) and the client gets
@@ -41,7 +41,7 @@ class _Part:
 
     __slots__ = ("batch", "index")
 
-    def __init__(self, batch: EmbeddingBatch, index: int) -> None:
+    def __init__(self, batch: EmbeddingsExchange, index: int) -> None:
         self.batch = batch
         self.index = index
 
@@ -49,7 +49,7 @@ class _Part:
         self.batch.on_part(self.index, deltas)
 
 
-class EmbeddingBatch:
+class EmbeddingsExchange:
     """One /v1/embeddings request in flight (the connection's current exchange)."""
 
     __slots__ = ("conn", "req", "ctx", "label", "core", "handles", "vectors", "left", "prompt_tokens", "done", "rl")
@@ -148,7 +148,7 @@ def start_embeddings(conn: Connection, req: Request, label: str, core: _Core) ->
     for sub in subs:
         sub.trace_id = req.rid
     req.body = b""
-    batch = EmbeddingBatch(conn, req, ctx, label, core)
+    batch = EmbeddingsExchange(conn, req, ctx, label, core)
     conn.current = batch
     conn.busy = True
     try:

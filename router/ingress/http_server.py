@@ -40,7 +40,7 @@ from router import api
 from router.api.prompt_forms import DEFAULT_MAX_PROMPTS
 from router.ingress import tokenize as http_tokenize
 from router.ingress.connection import Flushable, Generation, InFlight, Request
-from router.ingress.embeddings import EmbeddingBatch, start_embeddings
+from router.ingress.embeddings import EmbeddingsExchange, start_embeddings
 from router.ingress.exchange import STATUS_CLIENT_GONE, Exchange, ExchangeFactory
 from router.ingress.headers import error_headers, response_head
 from router.ingress.routes import (
@@ -284,7 +284,7 @@ class HttpConnection(asyncio.Protocol):
         self._drop_streamed()
         self._wake_writer()
         ex = self.current
-        if isinstance(ex, EmbeddingBatch):
+        if isinstance(ex, EmbeddingsExchange):
             self.current = None
             return ex.client_gone()
         # A stream whose end is rendered but not yet written (flush pending) is
