@@ -17,8 +17,8 @@ from router import api
 from router.lifecycle.models import ServedModel
 from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
-from router.tenancy.buckets import QuotaAnswer
-from router.tenancy.budgets import Group, Quota
+from router.tenancy.buckets import BudgetAnswer
+from router.tenancy.budgets import BudgetLedger, Group
 from router.tenancy.identity import Identity
 from shared.protocol import ErrorInfo, Submit
 
@@ -65,10 +65,10 @@ class Generation(Protocol):
 
     def identify(self, api_key: str | None) -> Identity | ErrorInfo: ...
 
-    def charge_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None: ...
+    def charge_call(self, who: Identity, on_answer: Callable[[BudgetAnswer], None]) -> BudgetAnswer | None: ...
 
     @property
-    def quota(self) -> Quota: ...
+    def quota(self) -> BudgetLedger: ...
 
     def off_loop(
         self, tenant: str, fn: Callable[..., Any], *args: Any, alive: Callable[[], bool] | None = None

@@ -58,8 +58,8 @@ from router.lifecycle.recovery import Recovery
 from router.lifecycle.tokenizer_queue import CALL, TokenizerQueue
 from router.observe.metrics import RouterMetrics
 from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
-from router.tenancy.buckets import NO_HOLD, QuotaAnswer
-from router.tenancy.budgets import Group, Quota
+from router.tenancy.buckets import NO_HOLD, BudgetAnswer
+from router.tenancy.budgets import BudgetLedger, Group
 from router.tenancy.identity import Identity, Keys
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
@@ -91,7 +91,7 @@ class RouterCore:
         self.policy = Policy(cfg.scheduler)
         self.prefix_metrics = PrefixMetrics(self.metrics, self.policy.prefix)
         self._prefix = PrefixRelay(self.policy.prefix, self.prefix_metrics)
-        self.quota = Quota(cfg, self.metrics, clock)
+        self.quota = BudgetLedger(cfg, self.metrics, clock)
         self.registry = ModelRegistry(cfg, prompts)
         # Long prompts and /tokenize calls, off the loop with the GIL released:
         # fair between tenants, calls bounded and never ahead of a prompt (router.lifecycle.tokenizer_queue).
@@ -189,7 +189,7 @@ class RouterCore:
         """The key check of ``submit`` alone (/tokenize): who it is, or why not."""
         return self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
 
-    def charge_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None:
+    def charge_call(self, who: Identity, on_answer: Callable[[BudgetAnswer], None]) -> BudgetAnswer | None:
         """One request unit of ``who``'s budgets for a call that is not a
         generation (/tokenize): a Hold or a refusal now, or None and ``on_answer`` later."""
         if not self.quota.active:

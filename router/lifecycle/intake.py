@@ -31,7 +31,7 @@ from router.lifecycle.parts import CoreParts
 from router.lifecycle.ports import RequestSink
 from router.lifecycle.tokenizer_queue import PROMPT, TokenizerQueue
 from router.policy import Job
-from router.tenancy.buckets import Hold, QuotaAnswer
+from router.tenancy.buckets import BudgetAnswer, Hold
 from router.tenancy.budgets import Group
 from router.tenancy.identity import Identity, Keys
 from shared import protocol as p
@@ -205,7 +205,7 @@ class Intake:
             # usage sums the completion tokens of all n choices: reserve for all of them
             n = sub.params.n if sub.params is not None else 1
 
-            def answered(got: QuotaAnswer) -> None:
+            def answered(got: BudgetAnswer) -> None:
                 self._reserved(j, got, tokens, max_tokens)
 
             if j.group is not None and j.group.refusal is not None:
@@ -220,7 +220,7 @@ class Intake:
             j.hold, j.rl = got, got.ratelimit
         return self._enqueue(j, tokens, max_tokens, now)
 
-    def _reserved(self, j: JobRecord, got: QuotaAnswer, tokens: HashedPrompt, max_tokens: int) -> None:
+    def _reserved(self, j: JobRecord, got: BudgetAnswer, tokens: HashedPrompt, max_tokens: int) -> None:
         """The budget store's answer for a job that waited for it."""
         if j.state is ENDED:  # cancelled meanwhile: give it back at once
             if isinstance(got, Hold):

@@ -47,7 +47,7 @@ class Bucket(NamedTuple):
 
 @dataclass(slots=True, eq=False)
 class Hold:
-    """One job's reservation; ``Quota.release`` returns it exactly once."""
+    """One job's reservation; ``BudgetLedger.release`` returns it exactly once."""
 
     buckets: tuple[Bucket, ...]
     tokens: int  # reserved tokens
@@ -59,7 +59,7 @@ class Hold:
 
 
 # What the ledger answers a reserve: the hold, or the refusal to send.
-QuotaAnswer: TypeAlias = Hold | p.ErrorInfo
+BudgetAnswer: TypeAlias = Hold | p.ErrorInfo
 # A store's answer to a reserve: (True, None, levels after) or
 # (False, (index of the binding bucket, wait s), levels).
 Reserved: TypeAlias = tuple[bool, tuple[int, float] | None, list[float]]

@@ -1,5 +1,5 @@
 """Budgets (router/tenancy/budgets.py, the ledger) through the lifecycle, in-process: fake ports,
-fake clock, the real Quota with its MemoryBudgetStore (or a store that answers
+fake clock, the real BudgetLedger with its MemoryBudgetStore (or a store that answers
 later, as Redis does).  The promise checked everywhere: a job's reservation
 returns exactly once, whatever path it ends on, and what stays taken is
 exactly what the engines used (prompt once it ran + completion)."""
