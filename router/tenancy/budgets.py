@@ -79,7 +79,7 @@ from shared.keys import config_digest, key_id, redact_url
 if TYPE_CHECKING:
     from router.tenancy.identity import Identity
 
-log = logging.getLogger("weir.router.quota")
+log = logging.getLogger("weir.router.budgets")
 
 STORE_RETRY_S = 1.0  # after a store error, answer without asking it for this long
 MAX_PENDING_CREDITS = 100_000  # settles kept for retry while the store is down

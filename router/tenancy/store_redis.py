@@ -21,7 +21,7 @@ from router.tenancy.buckets import Bucket, StoreAnswer, StoreCallback
 if TYPE_CHECKING:
     import redis.asyncio
 
-log = logging.getLogger("weir.router.quota")
+log = logging.getLogger("weir.router.budgets")
 
 _Call: TypeAlias = tuple[str, tuple[Bucket, ...], Sequence[int], str, StoreCallback | None]  # queued: op, ..., callback
 
