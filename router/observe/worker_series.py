@@ -50,7 +50,7 @@ _GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuInfo], float | None]], ...] = (
 )
 
 
-class FleetReads(Protocol):
+class SchedulerReads(Protocol):
     """What the series read: the policy's snapshot (router.lifecycle.reads.RouterCoreReads)."""
 
     def scheduler_snapshot(self) -> dict[str, Any]: ...
@@ -65,7 +65,7 @@ class LinkReports(Protocol):
 class WorkerSeries(TextCollector):
     """The queues', the policy's and every per-worker family; ``text`` is a router.observe.exposition.TextSource."""
 
-    def __init__(self, core: FleetReads, link: LinkReports) -> None:
+    def __init__(self, core: SchedulerReads, link: LinkReports) -> None:
         self.core = core
         self.link = link
         # label text by worker id, with the (model, pool) it was built for; kept across scrapes
