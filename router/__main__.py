@@ -23,7 +23,7 @@ import uvloop
 
 from router.fleet.worker_link import WorkerEvents, WorkerLink
 from router.ingress.http_server import HttpConnection, start_http_server, written_out
-from router.ingress.responses import ResponsesService
+from router.ingress.responses import ResponsesApi
 from router.ingress.routes import Routes
 from router.ingress.zmq_clients import ClientFrontend, client_message_bytes
 from router.lifecycle.core import RouterCore
@@ -123,7 +123,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         "max_prompts": cfg.router.max_prompts_per_request,
         "extra_routes": batch_routes,
         "max_upload_bytes": cfg.batch.max_file_bytes if batches is not None else 0,
-        "responses": ResponsesService(core, response_store, lambda: core.keys.by_key),
+        "responses": ResponsesApi(core, response_store, lambda: core.keys.by_key),
         "admin_token": admin_token(cfg),
     }
     servers = [await start_http_server(core, views, metrics, host, port, **http_options)]

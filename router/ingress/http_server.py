@@ -32,7 +32,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import httptools
 
@@ -43,6 +43,7 @@ from router.ingress.connection import Flushable, Generation, InFlight, Request
 from router.ingress.embeddings import EmbeddingsExchange, start_embeddings
 from router.ingress.exchange import STATUS_CLIENT_GONE, Exchange, ExchangeFactory
 from router.ingress.headers import error_headers, response_head
+from router.ingress.responses import ResponsesApi
 from router.ingress.routes import (
     ADMIN_PREFIX,
     Answer,
@@ -87,14 +88,6 @@ _KEY_HEADERS = (b"x-api-key", b"authorization")
 ADMIN_PLANE_PATHS = (ADMIN_PREFIX, b"/metrics", b"/health")
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
-
-
-class ResponsesApi(Protocol):
-    """/v1/responses (router.ingress.responses.ResponsesService)."""
-
-    def create(self, conn: HttpConnection, req: Request, label: str) -> None: ...
-
-    def by_id(self, req: Request) -> Answer | Awaitable[Answer]: ...
 
 
 def _is_loopback(peer: Any) -> bool:
