@@ -27,7 +27,7 @@ class ParsedCall(NamedTuple):
     arguments: str  # JSON text
 
 
-PARSERS = ("hermes", "llama3_json")
+TOOL_PARSERS = ("hermes", "llama3_json")
 
 _HERMES_START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
