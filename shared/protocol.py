@@ -65,6 +65,9 @@ class Pool(enum.IntEnum):
     LONG = 2
 
 
+POOL_NAMES = {Pool.ANY: "any", Pool.SHORT: "short", Pool.LONG: "long"}  # as views and metric labels show a pool
+
+
 class ToolCallRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tool call an earlier assistant message made (chat history), as the
     chat template sees it; ``arguments`` is the client's JSON text."""

@@ -46,7 +46,6 @@ from shared.transport import Outbox, SocketPump
 
 log = logging.getLogger("weir.router.workers")
 
-POOL_NAMES = {p.Pool.ANY: "any", p.Pool.SHORT: "short", p.Pool.LONG: "long"}
 # A tick's heartbeats go out this many a loop turn: a send is 3-9 us here, so
 # 1,024 workers' heartbeats in one callback held the loop 3-9 ms (each tick);
 # in slices of 128 no turn holds it over ~1 ms, and the last leaves within
@@ -262,7 +261,7 @@ class WorkerLink(RouterSocket):
             "worker %s registered: model=%s pool=%s engine=%s kv=%d tokens (block %d) max_num_seqs=%d gpu=%s",
             worker_id,
             reg.model,
-            POOL_NAMES[reg.pool],
+            p.POOL_NAMES[reg.pool],
             reg.engine,
             reg.kv_capacity_tokens,
             reg.block_size,

@@ -16,11 +16,11 @@ from router.policy.placement import placement
 from router.policy.queues import queue_order
 from router.policy.records import PLACED, WAITING
 from router.policy.reservations import Reservations
-from router.policy.types import LONG, POOL_NAMES, SHORT, SIZE_NAMES, Action, Job, WorkerSpec
+from router.policy.types import LONG, SHORT, SIZE_NAMES, Action, Job, WorkerSpec
 from router.policy.wait_model import WaitModel
 from shared.config import SchedulerConfig
 from shared.errors import Refusal
-from shared.protocol import GpuInfo
+from shared.protocol import POOL_NAMES, GpuInfo
 
 
 class Policy:

@@ -11,7 +11,6 @@ from shared.config import SimEngineConfig
 from shared.errors import Refusal
 from shared.protocol import Pool, TaskType
 
-POOL_NAMES = {Pool.ANY: "any", Pool.SHORT: "short", Pool.LONG: "long"}
 SHORT, LONG = 0, 1
 SIZE_NAMES = ("short", "long")
 
