@@ -11,7 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 from router.api.errors import invalid
-from router.api.request import RequestMeta
+from router.api.request import TASK_TYPES, RequestMeta
 from shared.errors import Code
 from shared.protocol import (
     LogitBias,
@@ -96,9 +96,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: str | None = None  # a scheduler class; may only lower the key's
     task_type: Literal["short", "long"] | None = None
     fallback: bool | None = None  # another configured model may answer (or header x-weir-allow-fallback)
-
-
-_TASK_TYPES = {"short": TaskType.SHORT, "long": TaskType.LONG}
 
 
 def _given(raw: msgspec.Raw) -> bool:
@@ -217,9 +214,9 @@ def common_fields(
     params = SamplingParams(**kw) if kw else None  # max_tokens: the router sets it
     task_type: TaskType | None
     if req.task_type is not None:
-        task_type = _TASK_TYPES[req.task_type]
+        task_type = TASK_TYPES[req.task_type]
     elif meta.task_type is not None:
-        task_type = _TASK_TYPES.get(meta.task_type.strip().lower())
+        task_type = TASK_TYPES.get(meta.task_type.strip().lower())
         if task_type is None:
             raise invalid("x-weir-task-type must be 'short' or 'long'", param="x-weir-task-type")
     else:
