@@ -14,7 +14,7 @@ The reservation belongs to the *job* (the lifecycle's job id), not to a
 dispatch: a job put back in the queue after a worker loss, or resumed on
 another worker (the fault-tolerance issue), keeps its one reservation and is
 settled once, on its cumulative usage.  ``release`` pops the hold, so it
-returns exactly once whatever path ends the job (tests/inproc/test_quota.py checks
+returns exactly once whatever path ends the job (tests/inproc/test_budgets.py checks
 this over random interleavings).
 
 A refusal is 429 (``requests_budget`` / ``tokens_budget``: OpenAI's code

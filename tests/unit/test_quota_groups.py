@@ -1,7 +1,7 @@
 """The budgets' fan-out arithmetic (router.tenancy.buckets, .budgets), without the lifecycle: a request of k
 jobs takes its k request units in one reservation (router.tenancy.budgets.Group) or
 none; it is never charged more than k, and any refusal among its jobs gives
-every unit back.  The lifecycle around it: tests/inproc/test_quota.py."""
+every unit back.  The lifecycle around it: tests/inproc/test_budgets.py."""
 
 from __future__ import annotations
 
