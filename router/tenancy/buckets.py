@@ -7,7 +7,7 @@ its tenant (``[[tenants]]``, shared by all the tenant's keys).  A request must
 fit every bucket that applies to it, and takes from all of them at once.
 
 A module of its own because this part is pure -- no clock, no I/O, no
-state, property-tested alone (tests/unit/test_quota_groups.py) -- and is the
+state, property-tested alone (tests/unit/test_budget_groups.py) -- and is the
 vocabulary shared by the stores (router.tenancy.store_memory,
 router.tenancy.store_redis) and the ledger (router.tenancy.budgets): a store
 keeps bucket levels, the ledger decides what to take and give back.
