@@ -165,7 +165,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
 
 
 def _batch_tier(core: RouterCore, cfg: Config) -> tuple[BatchService | None, Routes | None]:
-    """The Batch API and the runner of batches ([batch]; router/services/batch/), unless disabled."""
+    """The Batch API and the service that runs its batches ([batch]; router/services/batch/), unless disabled."""
     if not cfg.batch.enabled:
         return None, None
     from router.ingress.files_batches import batch_routes, owner_of_key
