@@ -6,8 +6,7 @@ ZeroMQ clients, the frontend ROUTER socket) and ``router.ingress.http_server``
 (OpenAI HTTP) -- own their sockets and call in; it calls out only through
 its ports (router.lifecycle.ports): a ``WorkerPort`` to reach workers and a
 ``RequestSink`` per request.  So it runs in-process under test with fakes
-(fakes, tests/inproc/test_lifecycle.py), and ``router/__main__.py`` wires
-the real ones.
+(tests/fakes.py), and ``router/__main__.py`` wires the real ones.
 
 State, each piece with one owner:
   * ``jobs`` here: every live request, from submit to its end, each with its
