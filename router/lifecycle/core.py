@@ -12,7 +12,7 @@ State, each piece with one owner:
   * ``jobs`` here: every live request, from submit to its end, each with its
     explicit state (router.lifecycle.jobs: the transitions and the one place they happen);
   * the model registry (router.lifecycle.models): the models served now;
-  * the ``Policy``: queues and the KV ledger (what each worker holds);
+  * the ``Policy``: queues and the KV reservations (router.policy.reservations: what each worker holds);
     ``JobRecord.worker`` is the lifecycle's copy of where a job runs, set and
     cleared only by ``router.lifecycle.jobs.advance`` on the policy's DispatchJob and
     the job's requeue or end (tests/inproc/test_lifecycle.py checks they agree);
@@ -510,7 +510,7 @@ class RouterCore:
             mx.tokens.inc(new_tokens)
         if j.engine_prompt(prompt_tokens):
             # The router counted the prompt itself; an engine that disagrees
-            # (e.g. one that adds tokens) is believed, and the ledger re-priced.
+            # (e.g. one that adds tokens) is believed, and its KV reservation re-priced.
             self.policy.correct_prompt_tokens(job_id, prompt_tokens)
         j.as_one_stream(group)
         if not d.finished:

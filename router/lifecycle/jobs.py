@@ -132,7 +132,7 @@ class JobRecord:
 
     def engine_prompt(self, prompt_tokens: int) -> bool:
         """The engine's count of the attempt's prompt.  True: it differs from
-        what the policy priced (the engine is believed; re-price the ledger)."""
+        what the policy priced (the engine is believed; re-price its KV reservation)."""
         if not prompt_tokens or prompt_tokens == self.attempt_prompt_tokens:
             return False
         self.attempt_prompt_tokens = prompt_tokens
