@@ -14,11 +14,11 @@ import asyncio
 import time
 
 import msgspec
-from fakes import FakeWorkers
 
 from router.lifecycle.core import RouterCore
 from shared import protocol as p
 from shared.config import Config
+from tests.fakes import FakeWorkers  # (the lifecycle's port fakes live beside the tests that use them)
 
 PROMPT = "hello there"
 

@@ -38,6 +38,7 @@ import msgspec
 import zmq
 
 from shared import protocol as p
+from shared.errors import Code
 from shared.transport import SocketPump
 
 # A Cancel queued just before close() must still reach the router, even if
@@ -173,12 +174,10 @@ def _collect(deltas: Iterable[p.Delta], n: int = 1, k: int | None = None, echo: 
     )
 
 
-DRAINING = "router_draining"  # a router shutting down refused it before starting anything: go to another
-
-
 def _moves(err: p.ErrorInfo, produced: bool) -> bool:
-    """A refusal this client answers by sending the request to its next router."""
-    return err.code == DRAINING and not produced
+    """A refusal this client answers by sending the request to its next router: a router
+    shutting down refused it before starting anything, so another may take it."""
+    return err.code == Code.ROUTER_DRAINING.wire and not produced
 
 
 class _Base:

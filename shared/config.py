@@ -159,7 +159,7 @@ class Budgets(_Cfg):
     # Tokens of batch lines (router/services/batch/) per day, on top of the budgets
     # above; [[tenants]] only.  Exhausted: the tenant's batches wait.
     batch_tokens_per_day: int | None = None
-    # Storage of the Batch API, per tenant (router/services/batch/usage.py): files
+    # Storage of the Batch API, per tenant (router/services/batch/storage.py): files
     # kept, their bytes, batches not yet ended.  None: the [batch] default;
     # set on a key and on its tenant, the smaller applies.
     max_stored_files: int | None = None
@@ -359,7 +359,7 @@ class SchedulerConfig(_Cfg):
     # Class headroom: class rank r of K may fill a worker's KV budget and seq
     # slots only up to 1 - priority_headroom * (r - top)/(K-1), top = highest
     # class active within aging_bound_s, so higher classes start at once under
-    # overload (router/policy/placement.py).  0.2: measured in simulation/des.py.
+    # overload (router/policy/placement/filters.py).  0.2: measured in simulation/des.py.
     priority_headroom: float = 0.2
     # Jobs a worker may hold beyond its engine's max_num_seqs.  0: every
     # waiting job waits here, under this policy.  k > 0: up to k wait inside

@@ -48,7 +48,7 @@ class Code(enum.Enum):
     REQUESTS_BUDGET = (429, "requests", "rate_limit_exceeded")
     TOKENS_BUDGET = (429, "tokens", "rate_limit_exceeded")
     BUDGET_TOO_SMALL = (400, _INVALID, "request_exceeds_budget")  # could never fit: no Retry-After
-    # Per-tenant storage of the Batch API (router/services/batch/usage.py): ``param`` names the limit
+    # Per-tenant storage of the Batch API (router/services/batch/storage.py): ``param`` names the limit
     FILES_LIMIT = (429, _RATE, "file_count_limit_exceeded")
     FILE_BYTES_LIMIT = (413, _INVALID, "file_storage_limit_exceeded")
     ACTIVE_BATCHES_LIMIT = (429, _RATE, "active_batch_limit_exceeded")

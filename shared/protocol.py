@@ -65,6 +65,9 @@ class Pool(enum.IntEnum):
     LONG = 2
 
 
+POOL_NAMES = {Pool.ANY: "any", Pool.SHORT: "short", Pool.LONG: "long"}  # as views and metric labels show a pool
+
+
 class ToolCallRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tool call an earlier assistant message made (chat history), as the
     chat template sees it; ``arguments`` is the client's JSON text."""
@@ -113,6 +116,7 @@ StopList = Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)]
 MAX_N = 128  # OpenAI's bound on n
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (and vLLM's default max_logprobs)
 MAX_STOP_TOKEN_IDS = 64
+SIM_EMBEDDING_SIZE = 64  # the simulated engine's embedding width (its vectors; the router checks dimensions on it)
 MAX_LOGIT_BIAS = 300  # entries; each id is checked against the model's vocabulary by the router
 N = Annotated[int, Meta(ge=1, le=MAX_N)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
@@ -141,6 +145,10 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     regex: str | None = None
     choice: list[str] = []
     grammar: str | None = None
+    # vLLM's name: json / json_object with no free whitespace (the worker
+    # compiles the schema to a grammar that has none; vLLM 0.32 honours it
+    # only server-wide)
+    disable_any_whitespace: bool = False
 
     def kinds(self) -> list[str]:
         return [
@@ -181,6 +189,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stop_token_ids: StopTokenIds = []
     logit_bias: LogitBias = {}
     structured: StructuredOutput | None = None
+    # vLLM's prompt_logprobs: k -> each prompt token's logprob and the top k
+    # (Delta.prompt_logprobs); completions' echo with logprobs asks for them
+    prompt_logprobs: TopLogprobs | None = None
 
 
 class RateLimit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -250,6 +261,12 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # router -> client, on a request's first Delta when its Submit asked for
     # ``return_token_ids``: the prompt's token ids as the router tokenized them.
     prompt_token_ids: list[int] = []
+    # SamplingParams.prompt_logprobs = k, on the first Delta of the attempt:
+    # per prompt token from the second on, [its logprob, top-1 .. top-k] as in
+    # ``logprobs``; ``prompt_top_ids`` is the prompt's token ids, then the
+    # top-k ids of each of those positions (the first token has no logprob).
+    prompt_logprobs: bytes = b""
+    prompt_top_ids: list[int] = []
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +142,7 @@ class _HashingCore:
         self._core = core
         self._turns = turns
 
-    def add(self, rid: str, prompt: int, max_tokens: int, priority: int = 0, block_hashes=()) -> None:
+    def add(self, rid: str, prompt: int, max_tokens: int, priority: int = 0, block_hashes: Sequence[int] = ()) -> None:
         self._core.add(rid, prompt, max_tokens, priority, block_hashes=self._turns[rid].blocks)
 
     def __getattr__(self, name: str) -> Any:
@@ -223,7 +224,7 @@ def _patch_submit(driver: AgentDriver) -> None:
     for p in driver.routers:
         submit = p.submit
 
-        def with_turn(job: Job, now: float, *, requeue: bool = False, _submit=submit) -> Any:
+        def with_turn(job: Job, now: float, *, requeue: bool = False, _submit: Callable[..., Any] = submit) -> Any:
             turn = driver.turns.get(job.job_id)
             if turn is not None and not requeue:
                 job = driver._submit_job(turn, job.arrival)

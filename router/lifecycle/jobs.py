@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
-from router.tenancy.budgets import Group, Hold
+from router.tenancy.buckets import Hold
+from router.tenancy.budgets import Group
 from router.tenancy.identity import Identity
 from shared import protocol as p
 
@@ -132,7 +133,7 @@ class JobRecord:
 
     def engine_prompt(self, prompt_tokens: int) -> bool:
         """The engine's count of the attempt's prompt.  True: it differs from
-        what the policy priced (the engine is believed; re-price the ledger)."""
+        what the policy priced (the engine is believed; re-price its KV reservation)."""
         if not prompt_tokens or prompt_tokens == self.attempt_prompt_tokens:
             return False
         self.attempt_prompt_tokens = prompt_tokens

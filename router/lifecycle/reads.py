@@ -12,7 +12,7 @@ from router.lifecycle.core import RouterCore
 from shared.config import AliasConfig, ModelConfig, WorkerConfig
 
 
-class CoreView:
+class RouterCoreReads:
     """What router.observe.views (and router.observe.ops_metrics through it) read of a ``RouterCore``."""
 
     def __init__(self, core: RouterCore) -> None:

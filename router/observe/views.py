@@ -1,7 +1,7 @@
 """Read-only views of the router for operators: health, models, workers, queues, metrics.
 
 Built from the state's owners -- the lifecycle's job table, the policy's
-ledger and queues, the worker link's engine stats -- at the moment they
+KV reservations and queues, the worker link's engine stats -- at the moment they
 are asked for, so nothing is mirrored on the hot path.  What they read is
 declared here (``CoreReads``, ``LinkReads``) and nothing else; the actions
 that change state (drain, models at run time, reload) are router.observe.operator_actions'.
@@ -26,7 +26,7 @@ ModelRow = tuple[str, int, int, str]
 
 
 class CoreReads(Protocol):
-    """What the views read of the lifecycle (router.lifecycle.reads.CoreView over router.lifecycle.core.RouterCore)."""
+    """What the views read of the lifecycle (router.lifecycle.reads.RouterCoreReads over its RouterCore)."""
 
     @property
     def draining(self) -> bool: ...  # router.lifecycle.drain: readiness fails

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from router.observe.exposition import TextCollector, header, label_text, number
-from router.observe.worker_report import WorkerReport
+from router.observe.worker_report import LinkReports, WorkerReport
 from shared.protocol import GpuInfo, WorkerStats
 
 # The policy's (router.policy.Policy.snapshot), for every worker it places on.
@@ -50,22 +50,16 @@ _GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuInfo], float | None]], ...] = (
 )
 
 
-class FleetReads(Protocol):
-    """What the series read: the policy's snapshot (router.lifecycle.reads.CoreView)."""
+class SchedulerReads(Protocol):
+    """What the series read: the policy's snapshot (router.lifecycle.reads.RouterCoreReads)."""
 
     def scheduler_snapshot(self) -> dict[str, Any]: ...
-
-
-class LinkReports(Protocol):
-    """And the worker link's reports (router.fleet.worker_link.WorkerLink)."""
-
-    def reports(self) -> list[WorkerReport]: ...
 
 
 class WorkerSeries(TextCollector):
     """The queues', the policy's and every per-worker family; ``text`` is a router.observe.exposition.TextSource."""
 
-    def __init__(self, core: FleetReads, link: LinkReports) -> None:
+    def __init__(self, core: SchedulerReads, link: LinkReports) -> None:
         self.core = core
         self.link = link
         # label text by worker id, with the (model, pool) it was built for; kept across scrapes

@@ -5,7 +5,7 @@ context, sticky until that worker is saturated.
 ``session_max``) and forgotten ``session_ttl_s`` after a session's last turn
 or at once after a turn marked final.  A session the table does not know
 whose parent it does (a sub-agent, fanned out from its parent's context)
-starts on the parent's worker.  Placement (router.policy.placement) asks
+starts on the parent's worker.  Placement (router.policy.placement.strategy) asks
 ``home`` for the worker a job prefers and scores it ahead of every other
 while it is below ``session_load_bound`` of its sequence slots and KV budget
 (``sticky``); above it, the job goes where placement would send it anyway,
@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING
 from router.policy.types import Job
 
 if TYPE_CHECKING:
-    from router.policy.records import Entry, WorkerState
+    from router.policy.placement.ask import Ask, Candidate
 
 # Score added to the home worker (placement scores are a few units at most,
 # RoundRobin's down to minus the fleet's size): the home wins while it may.
 STICKY_BONUS = 1e9
 
-Scorer = Callable[["WorkerState", "Entry", int, int], float]
+# A load scorer of the placement pipeline (router.policy.placement.scorers.Scorer)
+Scorer = Callable[["Ask", "list[Candidate]"], list[float]]
 
 
 class SessionTable:
@@ -108,29 +109,31 @@ class SessionTable:
                 break
             self._drop(oldest, w)
 
-    def sticky(self, score: Scorer, home: str) -> Scorer:
-        """``score`` with the home worker ahead of every other while it is
-        below the load bound (its sequences and its KV once placed)."""
+    def sticky(self, home: str) -> Scorer:
+        """A load scorer that puts the home worker ahead of every other while
+        it is below the load bound (its sequences and its KV once placed)."""
         bound = self.bound
 
-        def with_home(w: WorkerState, e: Entry, after: int, n: int) -> float:
-            s = score(w, e, after, n)
-            if w.spec.worker_id == home and n + 1 <= w.slots * bound and after <= w.budget * bound:
-                s += STICKY_BONUS
-            return s
+        def session_home(ask: Ask, cands: list[Candidate]) -> list[float]:
+            return [
+                STICKY_BONUS
+                if w.spec.worker_id == home and n + 1 <= w.slots * bound and after <= w.budget * bound
+                else 0.0
+                for w, _, after, n in cands
+            ]
 
-        return with_home
+        return session_home
 
-    def spread(self, score: Scorer, n_workers: int) -> Scorer:
-        """``score`` less each worker's share of the sessions (a new
+    def spread(self, n_workers: int) -> Scorer | None:
+        """A load scorer less each worker's share of the sessions (a new
         session's first turn): sessions spread over the fleet, so no worker's
         cache has to hold more of their contexts than the others'."""
         per = self.per_worker
         if not per:
-            return score
+            return None
         scale = 1.0 / (len(self.table) / max(1, n_workers) + 1.0)
 
-        def fewer_sessions(w: WorkerState, e: Entry, after: int, n: int) -> float:
-            return score(w, e, after, n) - per.get(w.spec.worker_id, 0) * scale
+        def fewer_sessions(ask: Ask, cands: list[Candidate]) -> list[float]:
+            return [-per.get(w.spec.worker_id, 0) * scale for w, _, _, _ in cands]
 
         return fewer_sessions

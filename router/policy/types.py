@@ -11,7 +11,6 @@ from shared.config import SimEngineConfig
 from shared.errors import Refusal
 from shared.protocol import Pool, TaskType
 
-POOL_NAMES = {Pool.ANY: "any", Pool.SHORT: "short", Pool.LONG: "long"}
 SHORT, LONG = 0, 1
 SIZE_NAMES = ("short", "long")
 
@@ -117,7 +116,7 @@ class RejectJob(NamedTuple):
 class AbortJob(NamedTuple):
     job_id: str
     worker_id: str
-    error: Refusal  # ran past the generation deadline; ledger already released
+    error: Refusal  # ran past the generation deadline; reservation already released
 
 
 Action = DispatchJob | RejectJob | AbortJob

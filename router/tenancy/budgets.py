@@ -1,10 +1,7 @@
-"""Token and request budgets per API key and per tenant: reserve, then settle.
+"""The budget ledger: per API key and per tenant, reserve at admission, settle at the end.
 
-Each budget is a token bucket that refills continuously: ``requests_per_minute``
-(capacity N, N/60 per second), ``tokens_per_minute`` (likewise) and
-``tokens_per_day`` (N/86,400 per second), on a key (``[[api_keys]]``) and on
-its tenant (``[[tenants]]``, shared by all the tenant's keys).  A request must
-fit every bucket that applies to it, and takes from all of them at once:
+A request must fit every budget that applies to it (router.tenancy.buckets:
+token buckets on its key and on its tenant) and takes from all of them at once:
 
   * admission reserves 1 request and prompt + ``max_tokens`` tokens;
   * its end (``release``: finish, error, cancel, deadline, worker loss -- the
@@ -17,7 +14,7 @@ The reservation belongs to the *job* (the lifecycle's job id), not to a
 dispatch: a job put back in the queue after a worker loss, or resumed on
 another worker (the fault-tolerance issue), keeps its one reservation and is
 settled once, on its cumulative usage.  ``release`` pops the hold, so it
-returns exactly once whatever path ends the job (tests/inproc/test_quota.py checks
+returns exactly once whatever path ends the job (tests/inproc/test_budgets.py checks
 this over random interleavings).
 
 A refusal is 429 (``requests_budget`` / ``tokens_budget``: OpenAI's code
@@ -31,13 +28,14 @@ jobs' tokens (one script in Redis), refused whole (400 when k is over a
 ``requests_per_minute`` capacity) and returned whole when any of its jobs is
 refused before it is queued.
 
-Stores: ``MemoryStore`` (the default; pure, no I/O: one router) and
-``RedisStore`` (``[quota] store = "redis"``: atomic Lua scripts, batched into
-one pipeline per round trip, so several routers share one budget; the router's
-loop never blocks on it -- admission resumes in a callback).  When Redis is
-unreachable the router fails open (admits, counts ``weir_quota_store_errors``,
-logs a warning) or closed (503 ``quota_unavailable``), per ``on_store_error``;
-after an error it does not ask Redis again for ``STORE_RETRY_S``.
+The ledger keeps the decisions and the counts; the bucket levels are a
+store's, behind ``BudgetStore``: router.tenancy.store_memory (the default;
+pure, no I/O: one router) or router.tenancy.store_redis (``[quota] store =
+"redis"``: several routers share one budget; answers come later, through a
+callback).  When Redis is unreachable the router fails open (admits, counts
+``weir_quota_store_errors``, logs a warning) or closed (503
+``quota_unavailable``), per ``on_store_error``; after an error it does not
+ask Redis again for ``STORE_RETRY_S``.
 """
 
 from __future__ import annotations
@@ -50,107 +48,88 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, cast
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from router.observe.metrics import RouterMetrics
+from router.tenancy.buckets import (
+    NO_HOLD,
+    Bucket,
+    BudgetAnswer,
+    Hold,
+    Reserved,
+    StoreAnswer,
+    StoreCallback,
+    config_buckets,
+    costs,
+    empty_refusal,
+    ratelimit,
+    settle_amounts,
+    too_large,
+    too_large_refusal,
+)
+from router.tenancy.store_memory import MemoryBudgetStore
+from router.tenancy.store_redis import RedisBudgetStore
 from shared import protocol as p
-from shared.config import Budgets, Config
+from shared.config import Config, QuotaConfig
 from shared.errors import Code, error
 from shared.keys import config_digest, key_id, redact_url
 
 if TYPE_CHECKING:
-    import redis.asyncio
-
     from router.tenancy.identity import Identity
 
-log = logging.getLogger("weir.router.quota")
+log = logging.getLogger("weir.router.budgets")
 
-# (config field, period in seconds, counts tokens?)
-KINDS = (("requests_per_minute", 60.0, False), ("tokens_per_minute", 60.0, True), ("tokens_per_day", 86400.0, True))
-_SHORT = {"requests_per_minute": "rpm", "tokens_per_minute": "tpm", "tokens_per_day": "tpd"}
 STORE_RETRY_S = 1.0  # after a store error, answer without asking it for this long
 MAX_PENDING_CREDITS = 100_000  # settles kept for retry while the store is down
 
 
-class Bucket(NamedTuple):
-    key: str  # store key, e.g. "k:1a2b3c4d5e6f:tpm" or "t:team-a:rpm"
-    cap: int
-    period: float
-    tokens: bool  # a token budget (else requests)
-    field: str  # the config field it comes from
+class SyncBudgetStore(Protocol):
+    """A store that answers at once (router.tenancy.store_memory): the ledger
+    passes its clock in, and reads levels for the admin view."""
 
     @property
-    def rate(self) -> float:
-        return self.cap / self.period
+    def sync(self) -> Literal[True]: ...
+
+    def level(self, b: Bucket, now: float) -> float: ...
+
+    def reserve(self, buckets: tuple[Bucket, ...], amounts: Sequence[int], now: float) -> Reserved: ...
+
+    def credit(self, buckets: tuple[Bucket, ...], amounts: Sequence[int], now: float) -> None: ...
 
 
-@dataclass(slots=True, eq=False)
-class Hold:
-    """One job's reservation; ``Quota.release`` returns it exactly once."""
+class AsyncBudgetStore(Protocol):
+    """A store with I/O (router.tenancy.store_redis): calls go in with a hold id
+    (a credit applies once, whatever is sent again) and are answered through
+    ``callback``, never before ``submit`` returns."""
 
-    buckets: tuple[Bucket, ...]
-    tokens: int  # reserved tokens
-    tenant: str
-    enforced: bool = True  # False: admitted while the store was down (nothing was taken)
-    ratelimit: p.RateLimit | None = None  # the figures after the reservation
-    hold_id: str = ""  # a store with I/O: its credit applies once, whatever is sent again
-    requests: int = 1  # request units taken (a fan-out's: k on its Group's hold, 0 on each job's)
+    @property
+    def sync(self) -> Literal[False]: ...
 
+    def submit(
+        self, op: str, buckets: tuple[Bucket, ...], amounts: Sequence[int], hold_id: str, callback: StoreCallback | None
+    ) -> None: ...
 
-Answer: TypeAlias = Hold | p.ErrorInfo
-# A store's answer to a reserve: (True, None, levels after) or
-# (False, (index of the binding bucket, wait s), levels).
-Reserved: TypeAlias = tuple[bool, tuple[int, float] | None, list[float]]
-# What a store call's callback gets: a reserve's Reserved, a credit's script
-# result (1: applied, 0: its hold was already settled), or the call's failure.
-StoreAnswer: TypeAlias = Reserved | int | BaseException
-StoreCallback: TypeAlias = Callable[[StoreAnswer], None]
-_Call: TypeAlias = tuple[str, tuple[Bucket, ...], Sequence[int], str, StoreCallback | None]  # queued: op, ..., callback
-NO_HOLD = Hold((), 0, "", enforced=False)  # a key without budgets: nothing taken, nothing to return
+    async def close(self) -> None: ...
 
 
-def ratelimit(buckets: tuple[Bucket, ...], levels: Sequence[float]) -> p.RateLimit:
-    """OpenAI's x-ratelimit-* figures: for requests and for tokens, the budget
-    with the least room (remaining, and seconds until it is whole again)."""
-    rl = p.RateLimit()
-    best_r: tuple[Bucket, float] | None = None
-    best_t: tuple[Bucket, float] | None = None
-    for b, level in zip(buckets, levels):
-        if b.tokens:
-            if best_t is None or level < best_t[1]:
-                best_t = (b, level)
-        elif best_r is None or level < best_r[1]:
-            best_r = (b, level)
-    if best_r is not None:
-        b, level = best_r
-        rl.limit_requests, rl.remaining_requests = b.cap, max(0, math.floor(level))
-        rl.reset_requests_s = round(max(0.0, b.cap - level) / b.rate, 3)
-    if best_t is not None:
-        b, level = best_t
-        rl.limit_tokens, rl.remaining_tokens = b.cap, max(0, math.floor(level))
-        rl.reset_tokens_s = round(max(0.0, b.cap - level) / b.rate, 3)
-    return rl
+# What the ledger needs of a store; ``sync`` tells the two apart.
+BudgetStore: TypeAlias = SyncBudgetStore | AsyncBudgetStore
 
 
-def costs(buckets: tuple[Bucket, ...], tokens: int, requests: int = 1) -> list[int]:
-    return [tokens if b.tokens else requests for b in buckets]
-
-
-def settle_amounts(hold: Hold, used: int, refund_request: bool) -> list[int]:
-    """What a hold's release credits back, per bucket: the tokens not used
-    (negative: more used than reserved) and, if refunded, every request unit it took."""
-    back = hold.tokens - used
-    return [back if b.tokens else (hold.requests if refund_request else 0) for b in hold.buckets]
-
-
-def too_large(buckets: tuple[Bucket, ...], tokens: int, requests: int) -> Bucket | None:
-    """The first budget this request is larger than (it could never fit), or None."""
-    for b in buckets:
-        if (tokens if b.tokens else requests) > b.cap:
-            return b
-    return None
+def configured_store(qcfg: QuotaConfig) -> BudgetStore:
+    """The store ``[quota]`` names; Redis starts connecting now if a loop runs."""
+    if qcfg.store != "redis":
+        return MemoryBudgetStore()
+    store = RedisBudgetStore(qcfg.redis_url, qcfg.redis_prefix, qcfg.redis_timeout_s)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # built outside a loop (tests): connects on first use
+    else:
+        store.warm()
+    return store
 
 
 @dataclass(slots=True, eq=False)
@@ -162,10 +141,10 @@ class Group:
     takes 0 request units).  Settled once, when the fan-out has ``close``d it
     and its last job has ended: every unit back if any job was refused before
     it was queued (or the fan-out failed), else all kept -- as one job's unit
-    is.  The core opens it (``Quota.open_group``) on the first job's submit."""
+    is.  The core opens it (``BudgetLedger.open_group``) on the first job's submit."""
 
     size: int
-    quota: Quota | None = None  # set once asked: who settles it
+    quota: BudgetLedger | None = None  # set once asked: who settles it
     hold: Hold | None = None  # its request units (None: not answered yet, refused or no budget)
     refusal: p.ErrorInfo | None = None  # refused whole: every job gets this
     pending: bool = False  # a store with I/O has not answered yet
@@ -198,7 +177,7 @@ class Group:
             if hold is not None and self.quota is not None:
                 self.quota.release(hold, 0, refund_request=self.refund)
 
-    def answered(self, got: Answer) -> None:
+    def answered(self, got: BudgetAnswer) -> None:
         """The store's later answer to the group's reservation."""
         self.pending = False
         if isinstance(got, Hold):
@@ -208,237 +187,7 @@ class Group:
         self._maybe_settle()
 
 
-# ------------------------------------------------------------------ stores
-
-
-class MemoryStore:
-    """Buckets in this process: pure (a clock goes in), no I/O."""
-
-    sync: Literal[True] = True
-
-    def __init__(self) -> None:
-        self.state: dict[str, tuple[float, float]] = {}  # key -> (level, at)
-
-    def level(self, b: Bucket, now: float) -> float:
-        s = self.state.get(b.key)
-        if s is None:
-            return float(b.cap)
-        level, at = s
-        return min(float(b.cap), level + (now - at) * b.rate) if now > at else min(float(b.cap), level)
-
-    def reserve(self, buckets: tuple[Bucket, ...], amounts: Sequence[int], now: float) -> Reserved:
-        """(True, None, levels after) or (False, (index of the binding bucket, wait s), levels)."""
-        levels = [self.level(b, now) for b in buckets]
-        worst, worst_i = -1.0, -1
-        for i, (b, level, cost) in enumerate(zip(buckets, levels, amounts)):
-            if level < cost:
-                wait = (cost - level) / b.rate
-                if wait > worst:
-                    worst, worst_i = wait, i
-        if worst_i >= 0:
-            return False, (worst_i, worst), levels
-        after: list[float] = []
-        for b, level, cost in zip(buckets, levels, amounts):
-            self.state[b.key] = (level - cost, now)
-            after.append(level - cost)
-        return True, None, after
-
-    def credit(self, buckets: tuple[Bucket, ...], amounts: Sequence[int], now: float) -> None:
-        for b, amount in zip(buckets, amounts):
-            if amount:
-                self.state[b.key] = (min(float(b.cap), self.level(b, now) + amount), now)
-
-
-# Both scripts take the buckets' keys and then the hold's key (last): a
-# reserve that takes sets it, a credit applies only if it deletes it -- so a
-# credit sent again after a timeout, or one undoing a reserve that timed out,
-# counts exactly once whether or not the first call ran.
-_RESERVE_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local n = #KEYS - 1
-local levels = {}
-local worst, worst_i = -1, 0
-for i = 1, n do
-  local cap, period, cost = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i])
-  local b = redis.call('HMGET', KEYS[i], 'l', 't')
-  local l = tonumber(b[1])
-  if l == nil then l = cap else l = math.min(cap, l + math.max(0, now - tonumber(b[2])) * cap / period) end
-  levels[i] = l
-  if l < cost then
-    local wait = (cost - l) * period / cap
-    if wait > worst then worst = wait; worst_i = i end
-  end
-end
-local out = {1, 0, '0'}
-if worst_i > 0 then
-  out = {0, worst_i, tostring(worst)}
-else
-  redis.call('SET', KEYS[#KEYS], '1', 'EX', tonumber(ARGV[3*n+1]))
-end
-for i = 1, n do
-  local l = levels[i]
-  if worst_i == 0 then
-    local period = tonumber(ARGV[3*i-1])
-    l = l - tonumber(ARGV[3*i])
-    redis.call('HSET', KEYS[i], 'l', tostring(l), 't', tostring(now))
-    redis.call('EXPIRE', KEYS[i], math.ceil(period * 2))
-  end
-  out[#out+1] = tostring(l)
-end
-return out
-"""
-
-_CREDIT_LUA = """
-if redis.call('DEL', KEYS[#KEYS]) == 0 then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-for i = 1, #KEYS - 1 do
-  local cap, period, amount = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i])
-  local b = redis.call('HMGET', KEYS[i], 'l', 't')
-  local l = tonumber(b[1])
-  if l == nil then l = cap else l = math.min(cap, l + math.max(0, now - tonumber(b[2])) * cap / period) end
-  l = math.min(cap, l + amount)
-  redis.call('HSET', KEYS[i], 'l', tostring(l), 't', tostring(now))
-  redis.call('EXPIRE', KEYS[i], math.ceil(period * 2))
-end
-return 1
-"""
-
-
-class RedisStore:
-    """Buckets in Redis, shared by every router that names it.  Calls are
-    queued and sent as one pipeline per round trip (while one is in flight,
-    the next batch gathers), answered through callbacks on the loop."""
-
-    sync: Literal[False] = False
-
-    def __init__(self, url: str, prefix: str, timeout_s: float) -> None:
-        self.url, self.prefix, self.timeout_s = url, prefix, timeout_s
-        self._client: redis.asyncio.Redis | None = None
-        self._reserve: str | None = None  # the scripts' SHA1s
-        self._credit: str | None = None
-        self._queue: list[_Call] = []
-        self._busy = False
-
-    def _connect(self) -> redis.asyncio.Redis:
-        import redis.asyncio as aioredis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        # No retries inside the client: a failure is the Quota's to handle, at once.
-        client = self._client = aioredis.from_url(
-            self.url,
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-        )
-        self._reserve = self._credit = None  # SHA1s, loaded on first use (and after a Redis restart)
-        return client
-
-    def submit(
-        self, op: str, buckets: tuple[Bucket, ...], amounts: Sequence[int], hold_id: str, callback: StoreCallback | None
-    ) -> None:
-        """``callback(result | exception)``: result is the reserve's (ok, why, levels).
-        Never called before this returns (the lifecycle relies on it).  A
-        credit applies only if the reserve of ``hold_id`` took, and once."""
-        self._queue.append((op, buckets, amounts, hold_id, callback))
-        if not self._busy:
-            self._busy = True
-            asyncio.get_running_loop().create_task(self._run())
-
-    def warm(self) -> None:
-        """Connect and load the scripts at router start, not on the first
-        request's clock: importing redis.asyncio, connecting and two
-        SCRIPT LOADs took over the 0.5 s bound on a busy 2-core machine, so a
-        fresh router's first requests failed open (unmetered).  Calls that
-        come meanwhile wait for it."""
-        if not self._busy:
-            self._busy = True
-            asyncio.get_running_loop().create_task(self._warm())
-
-    async def _warm(self) -> None:
-        try:
-            await asyncio.wait_for(self._ready(), max(2.0, self.timeout_s * 8))
-        except Exception as e:  # the first request's call tries again, and reports
-            log.warning("quota store %s not reachable at start (%s); requests will try it again", self.url, e)
-        finally:
-            self._busy = False
-            if self._queue:
-                self._busy = True
-                asyncio.get_running_loop().create_task(self._run())
-
-    async def _ready(self) -> tuple[redis.asyncio.Redis, str, str]:
-        """The client and the scripts' SHA1s, connecting and loading what is missing."""
-        client = self._client
-        if client is None:
-            client = self._connect()
-        if self._reserve is None or self._credit is None:
-            # both or neither: a load cut short (timeout, cancel) must not leave one unset
-            reserve = await client.script_load(_RESERVE_LUA)
-            credit = await client.script_load(_CREDIT_LUA)
-            self._reserve, self._credit = reserve, credit
-        return client, self._reserve, self._credit
-
-    async def _run(self) -> None:
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                results: list[StoreAnswer]
-                try:
-                    results = await asyncio.wait_for(self._send(batch), self.timeout_s * 2)
-                except Exception as e:  # every failure is the callbacks' news
-                    results = [e] * len(batch)
-                for (_op, _b, _a, _h, cb), res in zip(batch, results):
-                    if cb is not None:
-                        try:
-                            cb(res)
-                        except Exception:
-                            log.exception("quota callback failed")
-        finally:
-            self._busy = False
-
-    async def _send(self, batch: list[_Call]) -> list[StoreAnswer]:
-        from redis.exceptions import NoScriptError
-
-        for attempt in (0, 1):
-            client, reserve_sha, credit_sha = await self._ready()
-            pipe = client.pipeline(transaction=False)
-            for op, buckets, amounts, hold_id, _cb in batch:
-                keys = [self.prefix + b.key for b in buckets] + [self.prefix + "hold:" + hold_id]
-                args: list[float] = []
-                for b, a in zip(buckets, amounts):
-                    args += [b.cap, b.period, a]
-                if op == "reserve":  # the hold outlives any job: twice the longest period
-                    args.append(math.ceil(2 * max(b.period for b in buckets)))
-                pipe.evalsha(reserve_sha if op == "reserve" else credit_sha, len(keys), *keys, *args)
-            raw = await pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in raw):
-                self._reserve = None  # Redis restarted and forgot them: load again, once
-                continue
-            break
-        if len(raw) != len(batch):
-            raise RuntimeError(f"redis answered {len(raw)} of {len(batch)} calls")
-        out: list[StoreAnswer] = []
-        for (op, _b, _a, _h, _cb), r in zip(batch, raw):
-            if isinstance(r, Exception) or op != "reserve":
-                out.append(r)
-                continue
-            ok, i, wait = int(r[0]), int(r[1]), float(r[2])
-            levels = [float(x) for x in r[3:]]
-            out.append((True, None, levels) if ok else (False, (i - 1, wait), levels))
-        return out
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-
-
-# ------------------------------------------------------------------ the facade
-
-
-class Quota:
+class BudgetLedger:
     """What the lifecycle (router.lifecycle.core) asks: ``reserve`` at admission,
     ``ended`` at the one exit.  Also per-tenant usage counters."""
 
@@ -447,24 +196,11 @@ class Quota:
         cfg: Config,
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
-        store: MemoryStore | RedisStore | None = None,
+        store: BudgetStore | None = None,
     ) -> None:
         self.clock = clock
         self.qcfg = cfg.quota
-        if store is None:
-            store = (
-                RedisStore(cfg.quota.redis_url, cfg.quota.redis_prefix, cfg.quota.redis_timeout_s)
-                if cfg.quota.store == "redis"
-                else MemoryStore()
-            )
-            if isinstance(store, RedisStore):
-                try:
-                    asyncio.get_running_loop()
-                except RuntimeError:
-                    pass  # built outside a loop (tests): connects on first use
-                else:
-                    store.warm()
-        self.store = store
+        self.store: BudgetStore = configured_store(cfg.quota) if store is None else store
         self._down_until = 0.0
         self._unsent: list[tuple[tuple[Bucket, ...], Sequence[int], str]] = []  # credits to (re)send
         # hold ids, unique across routers sharing one store: this process's prefix + a count
@@ -486,20 +222,11 @@ class Quota:
         self.by_key: dict[str, tuple[Bucket, ...]] = {}
         self.by_tenant: dict[str, tuple[Bucket, ...]] = {}
         for t in cfg.tenants:
-            self.by_tenant[t.name] = self._buckets(f"t:{t.name}", t)
+            self.by_tenant[t.name] = config_buckets(f"t:{t.name}", t)
         for k in cfg.api_keys:
-            self.by_key[key_id(config_digest(k))] = self._buckets(f"k:{key_id(config_digest(k))}", k)
+            self.by_key[key_id(config_digest(k))] = config_buckets(f"k:{key_id(config_digest(k))}", k)
         self._cache: dict[tuple[str, str], tuple[Bucket, ...]] = {}
         self.active = bool(cfg.api_keys)  # usage counters per tenant need keys; budgets too
-
-    @staticmethod
-    def _buckets(prefix: str, b: Budgets) -> tuple[Bucket, ...]:
-        out = []
-        for field, period, tokens in KINDS:
-            cap = getattr(b, field)
-            if cap is not None:
-                out.append(Bucket(f"{prefix}:{_SHORT[field]}", cap, period, tokens, field))
-        return tuple(out)
 
     def buckets(self, who: Identity) -> tuple[Bucket, ...]:
         key = (who.key_id, who.tenant)
@@ -511,8 +238,8 @@ class Quota:
     # -------------------------------------------------------------- reserve
 
     def reserve(
-        self, who: Identity, tokens: int, on_answer: Callable[[Answer], None], requests: int = 1
-    ) -> Answer | None:
+        self, who: Identity, tokens: int, on_answer: Callable[[BudgetAnswer], None], requests: int = 1
+    ) -> BudgetAnswer | None:
         """A Hold or a refusal now; or None, and ``on_answer`` gets it later
         (a store with I/O).  No budget for this key: a Hold that takes nothing.
         ``requests``: the request units to take (a fan-out's jobs: 0, their Group took them)."""
@@ -523,29 +250,15 @@ class Quota:
         who: Identity,
         buckets: tuple[Bucket, ...],
         tokens: int,
-        on_answer: Callable[[Answer], None],
+        on_answer: Callable[[BudgetAnswer], None],
         requests: int,
-    ) -> Answer | None:
+    ) -> BudgetAnswer | None:
         if not buckets:
             return NO_HOLD
         big = too_large(buckets, tokens, requests)
         if big is not None:
             self._refused(who.tenant, "too_large")
-            if big.tokens:
-                return error(
-                    Code.BUDGET_TOO_SMALL,
-                    f"This request needs {tokens} tokens (prompt + max_tokens), more than this "
-                    f"key's {big.field} budget of {big.cap}: it can never be served under it. Reduce "
-                    f"max_tokens or the prompt.",
-                    param="max_tokens",
-                )
-            scope = "tenant" if big.key.startswith("t:") else "key"
-            return error(
-                Code.BUDGET_TOO_SMALL,
-                f"This request needs {requests} requests (one per prompt or input), more than this "
-                f"{scope}'s {big.field} budget of {big.cap}: it can never be served under it. Send at "
-                f"most {big.cap} prompts or inputs per request.",
-            )
+            return too_large_refusal(big, tokens, requests)
         amounts = costs(buckets, tokens, requests)
         store = self.store
         if store.sync:
@@ -566,7 +279,7 @@ class Quota:
         )
         return None
 
-    def reserve_call(self, who: Identity, on_answer: Callable[[Answer], None]) -> Answer | None:
+    def reserve_call(self, who: Identity, on_answer: Callable[[BudgetAnswer], None]) -> BudgetAnswer | None:
         """One request unit and no tokens (a /tokenize call): as ``reserve``."""
         return self._reserve(who, self.request_buckets(who), 0, on_answer, 1)
 
@@ -598,7 +311,7 @@ class Quota:
         amounts: Sequence[int] = (),
         hold_id: str = "",
         requests: int = 1,
-    ) -> Answer:
+    ) -> BudgetAnswer:
         if isinstance(res, BaseException):
             if hold_id:  # it may have run before the error (a timeout): undone if it did, else nothing
                 self._unsent.append((buckets, amounts, hold_id))
@@ -611,23 +324,12 @@ class Quota:
         assert why is not None  # a refusal names its binding bucket
         i, wait = why
         b = buckets[i]
-        scope = "tenant" if b.key.startswith("t:") else "key"
-        budget = "tokens" if b.tokens else "requests"
-        self._refused(who.tenant, budget)
-        per = "minute" if b.period == 60.0 else "day"
-        need = f"{tokens} tokens" if b.tokens else ("1 request" if requests == 1 else f"{requests} requests")
-        return error(
-            Code.TOKENS_BUDGET if b.tokens else Code.REQUESTS_BUDGET,
-            f"Rate limit reached on {budget} per {per} for this {scope} (`{b.field}`): limit "
-            f"{b.cap}, remaining {max(0, math.floor(levels[i]))}, this request needs {need}. "
-            f"Retry after {math.ceil(wait)} s.",
-            retry_after=max(wait, 0.001),
-            ratelimit=rl,
-        )
+        self._refused(who.tenant, "tokens" if b.tokens else "requests")
+        return empty_refusal(b, levels[i], wait, tokens, requests, rl)
 
     def _store_down(
         self, who: Identity, buckets: tuple[Bucket, ...], tokens: int, exc: BaseException | None, requests: int = 1
-    ) -> Answer:
+    ) -> BudgetAnswer:
         now = self.clock()
         if exc is not None:
             self._down_until = now + STORE_RETRY_S
@@ -752,41 +454,41 @@ class Quota:
         }
 
     def _install_metrics(self, metrics: RouterMetrics) -> None:
-        quota = self
+        metrics.registry.register(_UsageCollector(self))
 
-        class _Collector:
-            def describe(self) -> list[Metric]:
-                return []
 
-            def collect(self) -> Iterator[Metric]:
-                from prometheus_client.core import CounterMetricFamily
+class _UsageCollector:
+    """The ledger's counters in /metrics, read at each scrape."""
 
-                tok = CounterMetricFamily(
-                    "weir_tenant_tokens",
-                    "Tokens processed per tenant (prompt: reached an engine; completion: generated)",
-                    labels=["tenant", "kind"],
-                )
-                req = CounterMetricFamily("weir_tenant_requests", "Requests admitted per tenant", labels=["tenant"])
-                for t, (r, pr, co) in sorted(quota.usage.items()):
-                    tok.add_metric([t, "prompt"], pr)
-                    tok.add_metric([t, "completion"], co)
-                    req.add_metric([t], r)
-                ref = CounterMetricFamily(
-                    "weir_quota_refusals",
-                    "Requests refused by a budget, per tenant "
-                    "and budget (requests, tokens, too_large, store_unavailable)",
-                    labels=["tenant", "budget"],
-                )
-                for (t, b), n in sorted(quota.refusals.items()):
-                    ref.add_metric([t, b], n)
-                err = CounterMetricFamily(
-                    "weir_quota_store_errors", "Budget store calls that failed, by op", labels=["op"]
-                )
-                for op, n in sorted(quota.store_errors.items()):
-                    err.add_metric([op], n)
-                yield tok
-                yield req
-                yield ref
-                yield err
+    def __init__(self, quota: BudgetLedger) -> None:
+        self.quota = quota
 
-        metrics.registry.register(_Collector())
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        quota = self.quota
+        tok = CounterMetricFamily(
+            "weir_tenant_tokens",
+            "Tokens processed per tenant (prompt: reached an engine; completion: generated)",
+            labels=["tenant", "kind"],
+        )
+        req = CounterMetricFamily("weir_tenant_requests", "Requests admitted per tenant", labels=["tenant"])
+        for t, (r, pr, co) in sorted(quota.usage.items()):
+            tok.add_metric([t, "prompt"], pr)
+            tok.add_metric([t, "completion"], co)
+            req.add_metric([t], r)
+        ref = CounterMetricFamily(
+            "weir_quota_refusals",
+            "Requests refused by a budget, per tenant and budget (requests, tokens, too_large, store_unavailable)",
+            labels=["tenant", "budget"],
+        )
+        for (t, b), n in sorted(quota.refusals.items()):
+            ref.add_metric([t, b], n)
+        err = CounterMetricFamily("weir_quota_store_errors", "Budget store calls that failed, by op", labels=["op"])
+        for op, n in sorted(quota.store_errors.items()):
+            err.add_metric([op], n)
+        yield tok
+        yield req
+        yield ref
+        yield err

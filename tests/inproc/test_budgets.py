@@ -1,5 +1,5 @@
-"""Budgets (router/tenancy/budgets.py) through the lifecycle, in-process: fake ports,
-fake clock, the real Quota with its MemoryStore (or a store that answers
+"""Budgets (router/tenancy/budgets.py, the ledger) through the lifecycle, in-process: fake ports,
+fake clock, the real BudgetLedger with its MemoryBudgetStore (or a store that answers
 later, as Redis does).  The promise checked everywhere: a job's reservation
 returns exactly once, whatever path it ends on, and what stays taken is
 exactly what the engines used (prompt once it ran + completion)."""
@@ -18,7 +18,8 @@ from test_lifecycle import Harness, Sink
 from router.ingress.headers import ratelimit_headers
 from router.ingress.headers import reset_duration as _duration
 from router.lifecycle.jobs import JobState
-from router.tenancy.budgets import Group, MemoryStore
+from router.tenancy.budgets import Group
+from router.tenancy.store_memory import MemoryBudgetStore
 from shared import protocol as p
 from shared.config import Config
 from shared.keys import digest
@@ -238,7 +239,7 @@ def test_reload_swaps_keys_and_budgets(qh):
     assert qh.submit_key(OTHER, max_tokens=45).code == "request_exceeds_budget"
 
 
-class _FailingStore(MemoryStore):
+class _FailingStore(MemoryBudgetStore):
     sync = False
 
     def submit(self, op, buckets, amounts, hold_id, callback):  # (a store never answers before returning)
@@ -326,12 +327,12 @@ class _Conn:
 def embed_inputs(h: QHarness, k: int):
     """A k-input /v1/embeddings request through its real handler (router.ingress.embeddings)."""
     from router import api
-    from router.ingress.embeddings import EmbeddingBatch
+    from router.ingress.embeddings import EmbeddingsExchange
 
     body = msgspec.json.encode({"model": "sim-e", "input": [PROMPT] * k})
     subs, ctx = api.parse_embeddings(body, api.meta_from_headers(f"Bearer {KEY}", None), "r1")
     conn = _Conn()
-    batch = EmbeddingBatch(conn, None, ctx, "embeddings", h.core)
+    batch = EmbeddingsExchange(conn, None, ctx, "embeddings", h.core)
     batch.start(subs)
     h.settle()
     return conn, batch
@@ -438,7 +439,7 @@ def test_a_fan_out_with_a_store_that_answers_later_is_refused_whole():
 # ------------------------------------------------------------------ the property
 
 
-class _Frozen(MemoryStore):
+class _Frozen(MemoryBudgetStore):
     """Buckets that never refill (the lifecycle's clock still runs its deadlines),
     so what is taken can be compared exactly."""
 
@@ -612,7 +613,7 @@ class QuotaMachine(RuleBasedStateMachine):
         self.h.settle()
         q = self.h.core.quota
         assert not self.h.core.jobs and q.outstanding == 0
-        for _kid, hold, prompt, completion in self.ended:
+        for _kid, _hold, prompt, _completion in self.ended:
             assert prompt in (0, PROMPT_TOKENS)
 
 
