@@ -21,8 +21,9 @@ test: setup lint
 test-fast: $(STAMP) $(MODEL) $(EMBED_MODEL)
 	$(VENV)/bin/pytest -m "not slow" tests/unit tests/inproc $(PYTEST_ARGS)
 
-# Static checks (configured in pyproject.toml): lint, formatting, and types (strict on shared/ and router/).
-LINT_PATHS := shared router engine_worker deploy weir
+# Static checks (configured in pyproject.toml): ruff's lint and formatting over every Python file in the
+# repository (tests, bench and simulation included), and types (mypy --strict over the packages it lists).
+LINT_PATHS := .
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)

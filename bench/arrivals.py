@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
 
 @dataclass(frozen=True)
 class Arrivals:
-    rate: Optional[float] = None  # req/s, open loop; math.inf = all at t=0
+    rate: float | None = None  # req/s, open loop; math.inf = all at t=0
     burstiness: float = 1.0
-    concurrency: Optional[int] = None  # closed loop
+    concurrency: int | None = None  # closed loop
 
     def __post_init__(self):
         if (self.rate is None) == (self.concurrency is None):

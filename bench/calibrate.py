@@ -54,8 +54,12 @@ async def _round(engine, n: int, prompt: PromptTokens, max_tokens: int, tag: str
 
     t0 = time.perf_counter()
     for i in range(n):
-        engine.submit(GenerateRequest(f"{tag}-{i}", prompt.ids, prompt.count,
-                                      SamplingParams(max_tokens=max_tokens, ignore_eos=True)), emit)
+        engine.submit(
+            GenerateRequest(
+                f"{tag}-{i}", prompt.ids, prompt.count, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            ),
+            emit,
+        )
     await done
     ttft = statistics.median(first[k] - t0 for k in first)
     tpot = statistics.median((last[k] - first[k]) / (max_tokens - 1) for k in first)
@@ -88,8 +92,11 @@ def suggest(m: dict[str, float]) -> dict[str, float]:
     fixed_ms = max(0.1, m["tpot_1_ms"] - decode_us / 1e3)
     extra = m["prompt_tokens_long"] - m["prompt_tokens_short"]
     prefill_us = max(0.0, (m["ttft_long_ms"] - m["ttft_1_ms"]) / extra * 1e3) if extra > 0 else 0.0
-    return {"step_fixed_ms": round(fixed_ms, 2), "decode_token_us": round(decode_us, 1),
-            "prefill_token_us": round(prefill_us, 1)}
+    return {
+        "step_fixed_ms": round(fixed_ms, 2),
+        "decode_token_us": round(decode_us, 1),
+        "prefill_token_us": round(prefill_us, 1),
+    }
 
 
 async def _main(args) -> None:
@@ -101,8 +108,15 @@ async def _main(args) -> None:
     else:
         from engine_worker.vllm_engine import VllmEngine
 
-        engine = VllmEngine(args.model, "calibration", max_model_len=args.max_model_len, max_num_seqs=16,
-                            dtype="bfloat16", kv_cache_bytes=64 << 20, gpu_memory_utilization=0.9)
+        engine = VllmEngine(
+            args.model,
+            "calibration",
+            max_model_len=args.max_model_len,
+            max_num_seqs=16,
+            dtype="bfloat16",
+            kv_cache_bytes=64 << 20,
+            gpu_memory_utilization=0.9,
+        )
         prompts = ModelPrompts(args.model)
     m = await measure(engine, prompts, args.repeats)
     for k, v in m.items():

@@ -21,7 +21,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlsplit
 
 from .arrivals import Arrivals
@@ -33,13 +32,22 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weir bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", "-w", default="smoke", help="TOML file, or a name in bench/workloads/ (default: smoke)")
+    p = argparse.ArgumentParser(
+        prog="weir bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--workload", "-w", default="smoke", help="TOML file, or a name in bench/workloads/ (default: smoke)"
+    )
     p.add_argument("--target", "-t", choices=KINDS, default="router")
-    p.add_argument("--url", "--address", dest="url", help="base URL (http://host:port[/v1]) or ZeroMQ address; "
-                   "default for envoy/router/zmq: from --config")
-    p.add_argument("--config", help="weir config to take default addresses from (default: $WEIR_CONFIG or deploy/weir.toml)")
+    p.add_argument(
+        "--url",
+        "--address",
+        dest="url",
+        help="base URL (http://host:port[/v1]) or ZeroMQ address; default for envoy/router/zmq: from --config",
+    )
+    p.add_argument(
+        "--config", help="weir config to take default addresses from (default: $WEIR_CONFIG or deploy/weir.toml)"
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--rate", "-r", type=float, help="open loop: mean arrivals per second ('inf': all at once)")
     g.add_argument("--concurrency", "-c", type=int, help="closed loop: requests kept in flight")
@@ -64,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_url(kind: str, config: Optional[str]) -> str:
+def _default_url(kind: str, config: str | None) -> str:
     from shared.config import load as load_config
 
     cfg = load_config(config)
@@ -112,8 +120,7 @@ def _save(res: RunResult, out: Path, plots: bool, with_requests: bool) -> dict:
     report.write_json(out / "result.json", data)
     (out / "summary.md").write_text(
         f"# {res.meta['label']}\n\n{res.meta['target']}, {res.meta['arrivals']}, "
-        f"{res.meta['started_at']}, {res.meta['machine']['cpus']} CPUs\n\n"
-        + report.markdown_table(res.summary) + "\n"
+        f"{res.meta['started_at']}, {res.meta['machine']['cpus']} CPUs\n\n" + report.markdown_table(res.summary) + "\n"
     )
     if plots:
         from .plots import latency_cdf
@@ -124,7 +131,7 @@ def _save(res: RunResult, out: Path, plots: bool, with_requests: bool) -> dict:
     return data
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         workload = load(args.workload)

@@ -28,9 +28,11 @@ import zmq
 from shared import protocol as p
 from shared.transport import SocketPump
 
-_BODY = (b'{"id":"cmpl-echo","object":"text_completion","created":0,"model":"echo",'
-         b'"choices":[{"index":0,"text":" tok","finish_reason":"length"}],'
-         b'"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}')
+_BODY = (
+    b'{"id":"cmpl-echo","object":"text_completion","created":0,"model":"echo",'
+    b'"choices":[{"index":0,"text":" tok","finish_reason":"length"}],'
+    b'"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}'
+)
 _REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
 
 
@@ -51,8 +53,7 @@ def _answer(payload: bytes) -> bytes | None:
     msg = p.client_decoder.decode(payload)
     if not isinstance(msg, p.Submit):
         return None
-    d = p.Delta(msg.request_id, text=" tok", num_tokens=1, finish_reason="length",
-                prompt_tokens=8, completion_tokens=1)
+    d = p.Delta(msg.request_id, text=" tok", num_tokens=1, finish_reason="length", prompt_tokens=8, completion_tokens=1)
     return p.encoder.encode(p.Outputs([d]))
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -34,7 +34,7 @@ class Response:
 
     __slots__ = ("status", "headers", "body", "sse", "on_event", "done", "_buf", "t_headers")
 
-    def __init__(self, on_event: Optional[Callable[[bytes, float], None]]):
+    def __init__(self, on_event: Callable[[bytes, float], None] | None):
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
         self.body = bytearray()
@@ -61,11 +61,11 @@ class Response:
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, pool: "Pool"):
+    def __init__(self, pool: Pool):
         self.pool = pool
-        self.transport: Optional[asyncio.Transport] = None
+        self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.resp: Optional[Response] = None
+        self.resp: Response | None = None
         self.t = 0.0
         self.closed = False
         self._hname = b""
@@ -153,8 +153,7 @@ class Pool:
     async def warm(self, n: int) -> None:
         """Open up to ``n`` connections now so that the measured requests
         do not pay for connection set-up."""
-        conns = await asyncio.gather(*(self._open() for _ in range(n - len(self._all))),
-                                     return_exceptions=True)
+        conns = await asyncio.gather(*(self._open() for _ in range(n - len(self._all))), return_exceptions=True)
         for c in conns:
             # A target that is down fails each request instead (and is
             # counted as such), not the whole run.
@@ -190,14 +189,16 @@ class Pool:
         path: str,
         body: bytes,
         headers: bytes = b"",
-        on_event: Optional[Callable[[bytes, float], None]] = None,
+        on_event: Callable[[bytes, float], None] | None = None,
     ) -> Response:
         """POST ``body`` (JSON) to ``path``; returns once the whole response
         is in.  ``headers``: extra pre-encoded ``Name: value\\r\\n`` lines."""
-        req = (
-            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n%s\r\n%s"
-            % (path.encode(), self.hostport, len(body), headers, body)
+        req = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
+            path.encode(),
+            self.hostport,
+            len(body),
+            headers,
+            body,
         )
         for attempt in (0, 1):
             reused = bool(self._idle)

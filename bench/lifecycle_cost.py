@@ -20,13 +20,13 @@ import asyncio
 import time
 
 import msgspec
-from fakes import FakeWorkers
 
 from router.lifecycle.core import RouterCore
 from router.observe.tracing import RouterTracer
 from shared import protocol as p
 from shared.config import Config, TracingConfig
 from shared.otlp import Span, encode_spans, export_request
+from tests.fakes import FakeWorkers  # (the lifecycle's port fakes live beside the tests that use them)
 
 PROMPT = "hello there"
 

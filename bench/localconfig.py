@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import tomli_w
 
@@ -54,23 +55,42 @@ def sim_worker(worker_id: str = "sim-0", model: str = SIM_MODEL, max_num_seqs: i
 def routers(n: int, host: str = "127.0.0.1") -> list[dict]:
     """``[[routers]]`` entries for ``n`` routers on free ports (README: Scaling out)."""
     ports = free_ports(3 * n)
-    return [{"http": f"{host}:{ports[3 * i]}", "frontend": f"tcp://{host}:{ports[3 * i + 1]}",
-             "backend": f"tcp://{host}:{ports[3 * i + 2]}"} for i in range(n)]
+    return [
+        {
+            "http": f"{host}:{ports[3 * i]}",
+            "frontend": f"tcp://{host}:{ports[3 * i + 1]}",
+            "backend": f"tcp://{host}:{ports[3 * i + 2]}",
+        }
+        for i in range(n)
+    ]
 
 
-def vllm_worker(worker_id: str = "vllm-0", max_num_seqs: int = 16, kv_cache_bytes: int = 64 << 20,
-                **fields: Any) -> dict:
+def vllm_worker(
+    worker_id: str = "vllm-0", max_num_seqs: int = 16, kv_cache_bytes: int = 64 << 20, **fields: Any
+) -> dict:
     """A real vLLM worker on the tiny model, with CPU_ENGINE_ENV; keywords set
     WorkerConfig fields."""
-    return {"id": worker_id, "model": VLLM_MODEL, "max_num_seqs": max_num_seqs,
-            "kv_cache_bytes": kv_cache_bytes, "env": dict(CPU_ENGINE_ENV), **fields}
+    return {
+        "id": worker_id,
+        "model": VLLM_MODEL,
+        "max_num_seqs": max_num_seqs,
+        "kv_cache_bytes": kv_cache_bytes,
+        "env": dict(CPU_ENGINE_ENV),
+        **fields,
+    }
 
 
 def models(vllm_max_model_len: int = 512) -> list[dict]:
     """The tiny real model (vLLM) and a simulated one."""
     return [
-        {"name": VLLM_MODEL, "engine": "vllm", "path": str(TINY_MODEL_DIR),
-         "max_model_len": vllm_max_model_len, "tool_call_parser": "hermes", "enable_auto_tool_choice": True},
+        {
+            "name": VLLM_MODEL,
+            "engine": "vllm",
+            "path": str(TINY_MODEL_DIR),
+            "max_model_len": vllm_max_model_len,
+            "tool_call_parser": "hermes",
+            "enable_auto_tool_choice": True,
+        },
         {"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
     ]
 
@@ -121,8 +141,9 @@ def base_config(**overrides: Any) -> dict:
     return merge(cfg, overrides)
 
 
-def write_config(directory: os.PathLike, name: str = "weir.toml", *,
-                 defaults: Optional[Mapping[str, Any]] = None, **overrides: Any) -> Path:
+def write_config(
+    directory: os.PathLike, name: str = "weir.toml", *, defaults: Mapping[str, Any] | None = None, **overrides: Any
+) -> Path:
     """Write ``base_config()`` with the caller's ``defaults`` and then its
     ``overrides`` merged in (see merge) to ``directory/name`` (created if
     needed) and return the path, validated by loading it."""

@@ -55,7 +55,10 @@ def measure(k, text, rounds=200, kind=p.RequestKind.COMPLETION):
 
 def main() -> None:
     text = ModelPrompts(str(TINY)).token_text() if (TINY / "tokenizer.json").exists() else api.token_id_text
-    print(f"{'logprobs':>9} {'kind':>11} {'wire B/token':>13} {'router us/token':>16} {'SSE B/token':>12} {'tokens/s/core':>14}")
+    print(
+        f"{'logprobs':>9} {'kind':>11} {'wire B/token':>13} {'router us/token':>16} "
+        f"{'SSE B/token':>12} {'tokens/s/core':>14}"
+    )
     for kind in (p.RequestKind.COMPLETION, p.RequestKind.CHAT):
         for k in (None, 0, 5, 20):
             wire, us, sse = measure(k, text, kind=kind)

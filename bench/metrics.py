@@ -20,8 +20,6 @@ So ``sent == ok + sum(http_errors) + errors + incomplete`` always.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import msgspec
 import numpy as np
 
@@ -39,14 +37,14 @@ class Record(msgspec.Struct, kw_only=True):
     start: float = 0.0
     end: float = 0.0
     status: int = INCOMPLETE
-    ttft: Optional[float] = None  # seconds
+    ttft: float | None = None  # seconds
     itl: list[float] = []  # seconds
     events: int = 0  # output-carrying events received
     output_tokens: int = 0
     prompt_tokens: int = 0
-    finish_reason: Optional[str] = None
-    error: Optional[str] = None
-    retry_after: Optional[float] = None
+    finish_reason: str | None = None
+    error: str | None = None
+    retry_after: float | None = None
     last_output: float = 0.0  # clock time of the latest output-carrying event
 
     def output_event(self, t: float) -> None:
@@ -64,13 +62,13 @@ class Record(msgspec.Struct, kw_only=True):
         return self.end - self.start
 
     @property
-    def tpot(self) -> Optional[float]:
+    def tpot(self) -> float | None:
         if self.ttft is None or self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def _pct(xs: list[float]) -> Optional[dict]:
+def _pct(xs: list[float]) -> dict | None:
     if not xs:
         return None
     a = np.asarray(xs, dtype=np.float64) * 1000.0
@@ -95,7 +93,7 @@ def meets(r: Record, slo: Slo) -> bool:
     return True
 
 
-def summarise(records: list[Record], slo: Optional[Slo], elapsed_s: float, issue_s: float) -> dict:
+def summarise(records: list[Record], slo: Slo | None, elapsed_s: float, issue_s: float) -> dict:
     """Summary of one group of records (one class, or all of them).
 
     ``elapsed_s``: first send to last completion of the whole run (the
@@ -144,8 +142,7 @@ def summarise(records: list[Record], slo: Optional[Slo], elapsed_s: float, issue
     return s
 
 
-def summarise_run(records: list[Record], workload: Workload, issue_s: float,
-                  elapsed_s: Optional[float] = None) -> dict:
+def summarise_run(records: list[Record], workload: Workload, issue_s: float, elapsed_s: float | None = None) -> dict:
     """Overall and per-class summaries; throughput is over the run's span.
 
     Records merged from several runs (times relative to each run's start)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Optional
 
 _WORDS = (
     "the of and to in is was for on that with as by at from his an were are which "
@@ -24,7 +23,7 @@ _WORDS = (
 
 
 class PromptMaker:
-    def __init__(self, tokenizer: Optional[str] = None):
+    def __init__(self, tokenizer: str | None = None):
         self._tok = None
         if tokenizer:
             from tokenizers import Tokenizer

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
-def _f(x: Optional[float], nd: int = 2) -> str:
+def _f(x: float | None, nd: int = 2) -> str:
     if x is None:
         return "-"
     if abs(x) >= 1000:
@@ -80,7 +80,8 @@ def write_json(path: Path, data: dict) -> Path:
 def sweep_table(points: Iterable[dict], metric: str = "e2e_ms") -> str:
     """Offered vs achieved load and latency, one row per sweep point."""
     lines = [
-        f"| offered req/s | achieved req/s | tok/s | ok | errors | TTFT p50 | TTFT p99 | {metric.removesuffix('_ms').upper()} p50 | p99 | client CPU |",
+        "| offered req/s | achieved req/s | tok/s | ok | errors | TTFT p50 | TTFT p99 | "
+        f"{metric.removesuffix('_ms').upper()} p50 | p99 | client CPU |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pt in points:

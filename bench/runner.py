@@ -13,9 +13,9 @@ import resource
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Callable, Optional
+from datetime import UTC, datetime
 
 import msgspec
 
@@ -50,7 +50,7 @@ class RunResult:
         return d
 
 
-def plan(workload: Workload, n: int, prompts: PromptMaker, model: Optional[str] = None) -> list[Planned]:
+def plan(workload: Workload, n: int, prompts: PromptMaker, model: str | None = None) -> list[Planned]:
     """The run's requests, deterministic for a given workload seed."""
     rng = random.Random(workload.seed)
     weights = [c.weight for c in workload.classes]
@@ -101,12 +101,12 @@ async def run_bench(
     arrivals: Arrivals,
     limits: Limits,
     *,
-    model: Optional[str] = None,
-    tokenizer: Optional[str] = None,
+    model: str | None = None,
+    tokenizer: str | None = None,
     progress: bool = True,
-    connections: Optional[int] = None,
+    connections: int | None = None,
     label: str = "",
-    on_phase: Optional[Callable[[str], None]] = None,
+    on_phase: Callable[[str], None] | None = None,
 ) -> RunResult:
     """``on_phase("start"/"end")`` brackets the measured part (after planning
     and warm-up), e.g. to sample the servers' CPU over exactly that span."""
@@ -121,7 +121,7 @@ async def run_bench(
     for p in warm:
         await target.send(p, Record(cls=p.cls.name))
 
-    records: list[Optional[Record]] = [None] * n
+    records: list[Record | None] = [None] * n
     prog = _Progress(n, progress, label or workload.name)
     ticker = asyncio.ensure_future(prog.ticker())
 
@@ -221,9 +221,14 @@ async def run_bench(
         "rate": None if arrivals.rate is None or math.isinf(arrivals.rate) else arrivals.rate,
         "burstiness": arrivals.burstiness,
         "concurrency": arrivals.concurrency,
-        "limits": {"num_requests": limits.num_requests, "duration_s": limits.duration_s, "drain_s": limits.drain_s, "warmup": limits.warmup},
+        "limits": {
+            "num_requests": limits.num_requests,
+            "duration_s": limits.duration_s,
+            "drain_s": limits.drain_s,
+            "warmup": limits.warmup,
+        },
         "model": model or workload.model,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
     }
     return RunResult(meta, summary, recs)

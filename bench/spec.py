@@ -26,7 +26,7 @@ import os
 import random
 import tomllib
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import msgspec
 
@@ -74,11 +74,11 @@ class Slo(_Spec):
     """Per-request service levels; a request meets its SLO when it succeeded
     and every threshold that is set holds.  Unset = not judged."""
 
-    ttft_ms: Optional[float] = None
-    tpot_ms: Optional[float] = None
-    e2e_ms: Optional[float] = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
 
-    def merged(self, over: Optional["Slo"]) -> "Slo":
+    def merged(self, over: Slo | None) -> Slo:
         if over is None:
             return self
         return Slo(
@@ -93,15 +93,15 @@ class RequestClass(_Spec):
     weight: float = 1.0  # share of arrivals
     prompt_tokens: Dist = msgspec.field(default_factory=lambda: Dist(value=32))
     output_tokens: Dist = msgspec.field(default_factory=lambda: Dist(value=16))
-    api_key: Optional[str] = None  # -> tenant and tier at the gateway
+    api_key: str | None = None  # -> tenant and tier at the gateway
     api_keys: list[str] = []  # several tenants in one class: one drawn per request
-    priority: Optional[str] = None  # request's own priority field (may only lower)
-    task_type: Optional[Literal["short", "long"]] = None  # hint for the router
+    priority: str | None = None  # request's own priority field (may only lower)
+    task_type: Literal["short", "long"] | None = None  # hint for the router
     chat: bool = False  # /v1/chat/completions instead of /v1/completions
     stream: bool = True
     ignore_eos: bool = True  # so that output lengths are what the spec says
     temperature: float = 1.0
-    slo: Optional[Slo] = None
+    slo: Slo | None = None
 
 
 class Workload(_Spec):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
 from urllib.parse import urlsplit
 
 import msgspec
@@ -32,11 +31,12 @@ class Planned:
     prompt: str
     max_tokens: int
     model: str
-    api_key: Optional[str] = None  # the class's, or one of its tenants'
+    api_key: str | None = None  # the class's, or one of its tenants'
     wire: object = None  # the target's prepared form
 
 
 # -------------------------------------------------------------- OpenAI SSE
+
 
 class _Usage(msgspec.Struct):
     prompt_tokens: int = 0
@@ -44,26 +44,26 @@ class _Usage(msgspec.Struct):
 
 
 class _Delta(msgspec.Struct):
-    content: Optional[str] = None
-    role: Optional[str] = None
+    content: str | None = None
+    role: str | None = None
 
 
 class _Choice(msgspec.Struct):
-    text: Optional[str] = None
-    delta: Optional[_Delta] = None
-    message: Optional[_Delta] = None
-    finish_reason: Optional[str] = None
+    text: str | None = None
+    delta: _Delta | None = None
+    message: _Delta | None = None
+    finish_reason: str | None = None
 
 
 class _Err(msgspec.Struct):
     message: str = ""
-    code: Optional[object] = None
+    code: object | None = None
 
 
 class _Chunk(msgspec.Struct):
     choices: list[_Choice] = []
-    usage: Optional[_Usage] = None
-    error: Optional[_Err] = None
+    usage: _Usage | None = None
+    error: _Err | None = None
 
 
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
@@ -90,7 +90,7 @@ class HttpTarget:
     ``url`` is a base URL: ``http://host:port`` (``/v1`` is added) or an
     OpenAI-style ``http://host:port/v1``."""
 
-    def __init__(self, kind: str, url: str, api_key: Optional[str] = None, max_connections: int = 4096):
+    def __init__(self, kind: str, url: str, api_key: str | None = None, max_connections: int = 4096):
         self.kind = kind
         self.url = url
         u = urlsplit(url)
@@ -197,20 +197,21 @@ class HttpTarget:
 
 # -------------------------------------------------------------- ZeroMQ
 
+
 class ZmqTarget:
     """weir's direct ZeroMQ client: one DEALER socket per API key."""
 
-    def __init__(self, address: str, api_key: Optional[str] = None, curve: Optional[tuple[str, str]] = None):
+    def __init__(self, address: str, api_key: str | None = None, curve: tuple[str, str] | None = None):
         self.kind = "zmq"
         self.address = address
         self.curve = curve  # (client .key_secret, router .key): shared.curve
         self.default_key = api_key
-        self._clients: dict[Optional[str], object] = {}
+        self._clients: dict[str | None, object] = {}
 
     def describe(self) -> str:
         return f"zmq {self.address}"
 
-    async def _client(self, key: Optional[str]):
+    async def _client(self, key: str | None):
         c = self._clients.get(key)
         if c is None:
             from shared.client import AsyncClient
@@ -273,8 +274,13 @@ class ZmqTarget:
         rec.status = OK
 
 
-def make_target(kind: str, url: Optional[str] = None, api_key: Optional[str] = None, max_connections: int = 4096,
-                curve: Optional[tuple[str, str]] = None):
+def make_target(
+    kind: str,
+    url: str | None = None,
+    api_key: str | None = None,
+    max_connections: int = 4096,
+    curve: tuple[str, str] | None = None,
+):
     if kind not in KINDS:
         raise ValueError(f"unknown target {kind!r}; one of {', '.join(KINDS)}")
     if not url:

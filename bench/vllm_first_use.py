@@ -34,14 +34,25 @@ async def _main() -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=str(MODEL), max_model_len=2048, max_num_seqs=16, dtype="bfloat16", enforce_eager=True,
-        disable_log_stats=True, kv_cache_memory_bytes=64 << 20))
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(MODEL),
+            max_model_len=2048,
+            max_num_seqs=16,
+            dtype="bfloat16",
+            enforce_eager=True,
+            disable_log_stats=True,
+            kv_cache_memory_bytes=64 << 20,
+        )
+    )
     try:
-        rows = [("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=1.0)),
-                ("top-k/top-p", dict(temperature=1.0, top_k=5, top_p=0.9)),
-                ("logprobs, first", dict(temperature=1.0, logprobs=1)),
-                ("logprobs, again", dict(temperature=1.0, logprobs=2))]
+        rows = [
+            ("greedy", dict(temperature=0.0)),
+            ("sampled", dict(temperature=1.0)),
+            ("top-k/top-p", dict(temperature=1.0, top_k=5, top_p=0.9)),
+            ("logprobs, first", dict(temperature=1.0, logprobs=1)),
+            ("logprobs, again", dict(temperature=1.0, logprobs=2)),
+        ]
         for i, (name, kw) in enumerate(rows):
             print(f"{name:18s} {await _run(engine, f'r{i}', **kw):8.3f} s", flush=True)
     finally:

@@ -168,16 +168,16 @@ def _seconds(s: float) -> str:
     return f"{round(float(s), 3):g}s"
 
 
-def _address(host: str, port: int) -> dict:
+def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _bucket(rps: int, burst: int) -> dict:
+def _bucket(rps: int, burst: int) -> dict[str, Any]:
     # Refill is continuous in Envoy: rps tokens per second, up to burst.
     return {"max_tokens": burst, "tokens_per_fill": rps, "fill_interval": "1s"}
 
 
-def _error_body(message: str, code: Code, wire_code: str | None = None) -> dict:
+def _error_body(message: str, code: Code, wire_code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape for a catalogue code (shared.errors), as an Envoy
     JSON format (values may hold %COMMANDS%; ``wire_code`` overrides the code)."""
     return {
@@ -194,7 +194,7 @@ def _error_body(message: str, code: Code, wire_code: str | None = None) -> dict:
     }
 
 
-def _status_filter(op: str, status: int) -> dict:
+def _status_filter(op: str, status: int) -> dict[str, Any]:
     return {
         "status_code_filter": {
             "comparison": {
@@ -205,11 +205,11 @@ def _status_filter(op: str, status: int) -> dict:
     }
 
 
-def _retry_after(action: str = "OVERWRITE_IF_EXISTS_OR_ADD") -> list[dict]:
+def _retry_after(action: str = "OVERWRITE_IF_EXISTS_OR_ADD") -> list[dict[str, Any]]:
     return [{"header": {"key": "retry-after", "value": str(RETRY_AFTER_S)}, "append_action": action}]
 
 
-def _local_reply_config(cfg: Config) -> dict:
+def _local_reply_config(cfg: Config) -> dict[str, Any]:
     """Envoy's own replies (not the router's) rewritten as OpenAI JSON errors.
 
     First matching mapper wins; the last two catch whatever else Envoy may
@@ -278,7 +278,7 @@ def _local_reply_config(cfg: Config) -> dict:
     }
 
 
-def _rate_limit(cfg: Config) -> dict:
+def _rate_limit(cfg: Config) -> dict[str, Any]:
     """Per-route local rate limit: the route-wide bucket is always consumed,
     and each distinct API key gets its own bucket, whether it came as
     ``x-api-key`` or ``authorization: Bearer ...`` (the Lua filter puts it
@@ -311,7 +311,7 @@ def _rate_limit(cfg: Config) -> dict:
     }
 
 
-def _route(match: dict, idle: str, cfg: Config) -> dict:
+def _route(match: dict[str, Any], idle: str, cfg: Config) -> dict[str, Any]:
     # timeout 0s: a stream may last as long as it keeps sending (the idle
     # timeout bounds it); Envoy's default 15 s would cut long generations.
     route: dict[str, Any] = {"cluster": ROUTER_CLUSTER, "timeout": "0s", "idle_timeout": idle}
@@ -340,7 +340,7 @@ def _route(match: dict, idle: str, cfg: Config) -> dict:
     return {"match": match, "route": route}
 
 
-def _upload_routes(idle: str, cfg: Config) -> list[dict]:
+def _upload_routes(idle: str, cfg: Config) -> list[dict[str, Any]]:
     """Batch input uploads (POST /v1/files) are not buffered: they stream through,
     under Envoy's flow control, to the router, which writes them to disk as they
     arrive and refuses one the moment it passes ``batch.max_file_bytes`` (413).
@@ -359,7 +359,7 @@ def _upload_routes(idle: str, cfg: Config) -> list[dict]:
     return [route]
 
 
-def _http_connection_manager(cfg: Config) -> dict:
+def _http_connection_manager(cfg: Config) -> dict[str, Any]:
     idle = _seconds(cfg.envoy.stream_idle_timeout_s)
     hcm: dict[str, Any] = {
         "@type": f"{_TYPES}.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -470,7 +470,7 @@ _ACCESS_LOG_JSON = {
 }
 
 
-def _router_cluster(cfg: Config) -> dict:
+def _router_cluster(cfg: Config) -> dict[str, Any]:
     hosts = [split_hostport(ep.http) for ep in cfg.router_endpoints()]
     interval = _seconds(cfg.envoy.health_check_interval_s)
     cluster: dict[str, Any] = {
@@ -544,7 +544,7 @@ def _router_cluster(cfg: Config) -> dict:
     return cluster
 
 
-def _tls(cfg: Config) -> dict:
+def _tls(cfg: Config) -> dict[str, Any]:
     """Listener TLS (``envoy.tls_cert_file`` / ``tls_key_file``, PEM)."""
     cert, key = cfg.envoy.tls_cert_file, cfg.envoy.tls_key_file
     assert cert is not None and key is not None, "called where TLS is configured (both files: validated)"
@@ -565,7 +565,7 @@ def _tls(cfg: Config) -> dict:
     }
 
 
-def render_dict(cfg: Config) -> dict:
+def render_dict(cfg: Config) -> dict[str, Any]:
     check(cfg)
     chain: dict[str, Any] = {
         "filters": [
@@ -611,7 +611,7 @@ def render_dict(cfg: Config) -> dict:
     }
 
 
-def _watchdogs(cfg: Config) -> dict:
+def _watchdogs(cfg: Config) -> dict[str, Any]:
     """Each thread's watchdog (main and workers alike): a miss after ``watchdog_miss_s``,
     a megamiss after Envoy's 1 s or that if longer; no kill (Envoy's default)."""
     miss = cfg.envoy.watchdog_miss_s

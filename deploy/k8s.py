@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from deploy.k8s_groups import dns_name, worker_groups
 from deploy.k8s_objects import (
     APP,
     BATCH_DIR,
@@ -50,13 +51,11 @@ from deploy.k8s_objects import (
     _has_vllm,
     check,
     configmap,
-    dns_name,
     envoy_objects,
     network_policies,
     pod_config_sha,
     router_objects,
     routers_host,
-    worker_groups,
     worker_objects,
     worker_router_backend,
     worker_statefulset,
@@ -89,7 +88,7 @@ HEADER = "# Rendered by deploy/k8s.py from the weir TOML config -- do not edit: 
 # ------------------------------------------------------------------ layout and overlays
 
 
-def base(cfg: Config) -> dict[str, list[dict]]:
+def base(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     """File name -> objects of the kustomize base."""
     check(cfg)
     ns = {
@@ -109,7 +108,7 @@ def base(cfg: Config) -> dict[str, list[dict]]:
     }
 
 
-def _target(obj: dict) -> dict:
+def _target(obj: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": obj["apiVersion"],
         "kind": obj["kind"],
@@ -117,7 +116,7 @@ def _target(obj: dict) -> dict:
     }
 
 
-def _make_model_init(cfg: Config, image: str) -> dict:
+def _make_model_init(cfg: Config, image: str) -> dict[str, Any]:
     paths = " && ".join(
         f"python -m deploy.make_model {'--embed ' if m.task == 'embed' else ''}{MODELS_DIR}/{dns_name(m.name)}"
         for m in cfg.models
@@ -131,13 +130,13 @@ def _make_model_init(cfg: Config, image: str) -> dict:
     }
 
 
-def cpu_demo_patches(cfg: Config) -> dict[str, dict]:
+def cpu_demo_patches(cfg: Config) -> dict[str, dict[str, Any]]:
     """The tiny random Llama built in each pod that needs it (as `make run` does), small requests."""
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     models_tmp = {"name": "models", "persistentVolumeClaim": None, "emptyDir": {"sizeLimit": "1Gi"}}
     # (a demo cluster may have no ReadWriteMany storage: batches live with their router pod)
     batches_tmp: dict[str, Any] = {"name": "batches", "persistentVolumeClaim": None, "emptyDir": {}}
-    router_spec: dict = {}
+    router_spec: dict[str, Any] = {}
     if _has_vllm(cfg):
         router_spec = {"initContainers": [_make_model_init(cfg, cfg.kubernetes.image)], "volumes": [models_tmp]}
     if cfg.batch.enabled:
@@ -148,7 +147,7 @@ def cpu_demo_patches(cfg: Config) -> dict[str, dict]:
         out["router.yaml"] = p
     for g in worker_groups(cfg):
         p = _target(worker_statefulset(cfg, g))
-        spec: dict = {
+        spec: dict[str, Any] = {
             "containers": [
                 {
                     "name": "worker",
@@ -164,13 +163,13 @@ def cpu_demo_patches(cfg: Config) -> dict[str, dict]:
     return out
 
 
-def gpu_patches(cfg: Config) -> dict[str, dict]:
+def gpu_patches(cfg: Config) -> dict[str, dict[str, Any]]:
     """One GPU per vLLM worker pod (its image, toleration, config view), and GPU utilisation as a second trigger."""
     k = cfg.kubernetes
     cm = configmap(cfg, gpu=True)
     p = _target(cm)
     p["data"] = {"worker.toml": cm["data"]["worker.toml"]}
-    out: dict[str, dict] = {"config.yaml": p}
+    out: dict[str, dict[str, Any]] = {"config.yaml": p}
     for g in worker_groups(cfg):
         if g.engine != "vllm":
             continue
@@ -207,7 +206,7 @@ _MERGE_KEYS = {
 _BUILTIN_GROUPS = ("v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1", "rbac.authorization.k8s.io/v1")
 
 
-def merge_patch(obj: dict, patch: dict, builtin: bool) -> dict:
+def merge_patch(obj: dict[str, Any], patch: dict[str, Any], builtin: bool) -> dict[str, Any]:
     """``patch`` applied to ``obj`` as kustomize does: strategic merge for
     built-in kinds (lists above by key, null deletes), JSON merge for CRDs.
     The test checks this equals `kubectl kustomize` where kubectl exists."""
@@ -232,7 +231,7 @@ def merge_patch(obj: dict, patch: dict, builtin: bool) -> dict:
     return out
 
 
-def built(cfg: Config, overlay: str | None = None) -> list[dict]:
+def built(cfg: Config, overlay: str | None = None) -> list[dict[str, Any]]:
     """Every object of the base, or of an overlay with its patches applied."""
     objs = [o for group in base(cfg).values() for o in group]
     if overlay is None:
@@ -248,21 +247,21 @@ def built(cfg: Config, overlay: str | None = None) -> list[dict]:
     return objs
 
 
-class _Dumper(yaml.SafeDumper):
+class _ManifestDumper(yaml.SafeDumper):
     def ignore_aliases(self, data: Any) -> bool:
         return True
 
 
-def _str_presenter(dumper: yaml.SafeDumper, text: str):
+def _str_presenter(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
     style = "|" if "\n" in text else None  # the ConfigMap's files stay readable
     return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
 
 
-_Dumper.add_representer(str, _str_presenter)
+_ManifestDumper.add_representer(str, _str_presenter)
 
 
-def dump(objs: list[dict]) -> str:
-    return HEADER + "---\n".join(yaml.dump(o, Dumper=_Dumper, sort_keys=False, width=120) for o in objs)
+def dump(objs: list[dict[str, Any]]) -> str:
+    return HEADER + "---\n".join(yaml.dump(o, Dumper=_ManifestDumper, sort_keys=False, width=120) for o in objs)
 
 
 def files(cfg: Config) -> dict[str, str]:
@@ -273,7 +272,7 @@ def files(cfg: Config) -> dict[str, str]:
         out[f"base/{name}"] = dump(objs)
     out["base/kustomization.yaml"] = HEADER + yaml.dump(
         {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": list(b)},
-        Dumper=_Dumper,
+        Dumper=_ManifestDumper,
         sort_keys=False,
     )
     for overlay, patches in OVERLAYS.items():
@@ -287,7 +286,7 @@ def files(cfg: Config) -> dict[str, str]:
                 "resources": ["../../base"],
                 "patches": [{"path": name} for name in ps],
             },
-            Dumper=_Dumper,
+            Dumper=_ManifestDumper,
             sort_keys=False,
         )
     return out

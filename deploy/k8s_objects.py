@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from typing import Any
 
 import msgspec
 import tomli_w
 
 from deploy import envoy_config, k8s_security
-from shared.config import Config, ConfigError, WorkerConfig, split_hostport
+from deploy.k8s_groups import WorkerGroup, dns_name, worker_groups
+from shared.config import Config, ConfigError, split_hostport
 
 CONFIG_DIR = "/etc/weir"
 MODELS_DIR = "/models"
@@ -35,12 +35,6 @@ HASH_ANNOTATION = "weir.io/config-sha256"
 
 
 # ------------------------------------------------------------------ names
-
-
-def dns_name(text: str) -> str:
-    """A DNS-1123 label from a model or pool name."""
-    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
-    return name[:50] or "x"
 
 
 def routers_host(cfg: Config) -> str:
@@ -65,27 +59,6 @@ def _port(addr: str) -> int:
 def router_admin_port(cfg: Config) -> int:
     """The routers' admin listener: /admin/*, /metrics, /health, apart from the API's port."""
     return _port(cfg.router.admin_http) if cfg.router.admin_http else ROUTER_ADMIN_PORT
-
-
-class WorkerGroup(msgspec.Struct, frozen=True):
-    """One StatefulSet: the [[workers]] of one model and pool."""
-
-    name: str
-    model: str
-    pool: str
-    engine: str
-    template: WorkerConfig  # the first entry's settings, run by every pod
-
-
-def worker_groups(cfg: Config) -> list[WorkerGroup]:
-    groups: dict[tuple[str, str], list[WorkerConfig]] = {}
-    for w in cfg.workers:
-        groups.setdefault((w.model, w.pool), []).append(w)
-    out = []
-    for (model, pool), ws in groups.items():
-        suffix = "" if pool == "any" else f"-{pool}"
-        out.append(WorkerGroup(f"weir-worker-{dns_name(model)}{suffix}", model, pool, cfg.model(model).engine, ws[0]))
-    return out
 
 
 STATEFULSET_NAME_MAX = 52
@@ -152,7 +125,7 @@ def check(cfg: Config) -> None:
 # ------------------------------------------------------------------ each role's config
 
 
-def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict:
+def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict[str, Any]:
     raw = msgspec.to_builtins(cfg)
     # (the routers are one Deployment here, reached through its Services:
     # [[routers]] and a worker's own `routers` list are for processes on hosts)
@@ -191,7 +164,8 @@ def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict:
             if cfg.model(w["model"]).engine == "vllm":
                 w["gpu_index"] = 0  # the one GPU the pod is given (CUDA_VISIBLE_DEVICES)
                 w["kv_cache_bytes"] = 0  # 0: vLLM sizes KV by gpu_memory_utilization
-    return _drop_none(raw)
+    view: dict[str, Any] = _drop_none(raw)
+    return view
 
 
 def _drop_none(v: Any) -> Any:
@@ -228,7 +202,7 @@ def pod_config_sha(cfg: Config, role_text: str) -> str:
 # ------------------------------------------------------------------ objects
 
 
-def _meta(cfg: Config, name: str, part: str | None = None, **labels: str) -> dict:
+def _meta(cfg: Config, name: str, part: str | None = None, **labels: str) -> dict[str, Any]:
     lab = {APP: "weir"}
     if part:
         lab[PART] = part
@@ -236,19 +210,19 @@ def _meta(cfg: Config, name: str, part: str | None = None, **labels: str) -> dic
     return {"name": name, "namespace": cfg.kubernetes.namespace, "labels": lab}
 
 
-def _selector(part: str, **labels: str) -> dict:
+def _selector(part: str, **labels: str) -> dict[str, Any]:
     return {APP: "weir", PART: part, **labels}
 
 
-def _config_volume() -> dict:
+def _config_volume() -> dict[str, Any]:
     return {"name": "config", "configMap": {"name": CONFIGMAP}}
 
 
-def _models_volume(cfg: Config) -> dict:
+def _models_volume(cfg: Config) -> dict[str, Any]:
     return {"name": "models", "persistentVolumeClaim": {"claimName": cfg.kubernetes.models_claim, "readOnly": True}}
 
 
-def _batch_volume(cfg: Config) -> dict:
+def _batch_volume(cfg: Config) -> dict[str, Any]:
     claim = cfg.kubernetes.batch_claim
     if not claim:
         return {"name": "batches", "emptyDir": {}}
@@ -259,7 +233,7 @@ def _has_vllm(cfg: Config) -> bool:
     return any(m.engine == "vllm" for m in cfg.models)
 
 
-def _http_probe(path: str, port: int, period: int, failures: int) -> dict:
+def _http_probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
@@ -268,7 +242,7 @@ def _http_probe(path: str, port: int, period: int, failures: int) -> dict:
     }
 
 
-def configmap(cfg: Config, gpu: bool = False) -> dict:
+def configmap(cfg: Config, gpu: bool = False) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -281,7 +255,7 @@ def configmap(cfg: Config, gpu: bool = False) -> dict:
     }
 
 
-def envoy_objects(cfg: Config) -> list[dict]:
+def envoy_objects(cfg: Config) -> list[dict[str, Any]]:
     k = cfg.kubernetes
     listen, admin = _port(cfg.envoy.listen), _port(cfg.envoy.admin)
     sel = _selector("envoy")
@@ -368,7 +342,7 @@ def envoy_objects(cfg: Config) -> list[dict]:
     ]
 
 
-def router_objects(cfg: Config) -> list[dict]:
+def router_objects(cfg: Config) -> list[dict[str, Any]]:
     k = cfg.kubernetes
     http, front, back = _port(cfg.router.http), _port(cfg.router.frontend), _port(cfg.router.backend)
     admin = router_admin_port(cfg)
@@ -482,7 +456,7 @@ def _probe_exec(*args: str) -> list[str]:
     return ["python", "-m", "deploy.k8s_probe", *args]
 
 
-def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
+def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict[str, Any]:
     k = cfg.kubernetes
     sel = _selector("worker", **{MODEL_LABEL: dns_name(g.model), POOL_LABEL: g.pool})
     vllm = g.engine == "vllm"
@@ -561,8 +535,8 @@ def worker_statefulset(cfg: Config, g: WorkerGroup) -> dict:
     }
 
 
-def worker_objects(cfg: Config) -> list[dict]:
-    out: list[dict] = [
+def worker_objects(cfg: Config) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [
         {
             "apiVersion": "v1",
             "kind": "Service",
@@ -589,13 +563,13 @@ def worker_objects(cfg: Config) -> list[dict]:
 # ------------------------------------------------------------------ network
 
 
-def network_policies(cfg: Config) -> list[dict]:
+def network_policies(cfg: Config) -> list[dict[str, Any]]:
     k = cfg.kubernetes
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": k.monitoring_namespace}}}
     http, front, back = _port(cfg.router.http), _port(cfg.router.frontend), _port(cfg.router.backend)
     admin = router_admin_port(cfg)
 
-    def pol(name: str, part: str, ingress: list[dict]) -> dict:
+    def pol(name: str, part: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
@@ -607,7 +581,7 @@ def network_policies(cfg: Config) -> list[dict]:
             },
         }
 
-    def tcp(*ports: int) -> list[dict]:
+    def tcp(*ports: int) -> list[dict[str, Any]]:
         return [{"protocol": "TCP", "port": p} for p in ports]
 
     return [

@@ -30,15 +30,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
-from shared.config import load, split_hostport
+from shared.config import Config, load, split_hostport
 from shared.keys import admin_headers
 
 TIMEOUT_S = 3.0
 POLL_S = 0.5
 
 
-def _router_urls(cfg) -> list[str]:
+def _router_urls(cfg: Config) -> list[str]:
     host, _ = split_hostport(cfg.router.backend.partition("://")[2])
     _, port = split_hostport(cfg.router.admin_http or cfg.router.http)
     try:
@@ -53,17 +54,18 @@ def _router_urls(cfg) -> list[str]:
 _ADMIN: dict[str, str] = {}
 
 
-def _call(url: str, method: str = "GET"):
+def _call(url: str, method: str = "GET") -> Any:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None, headers=_ADMIN)
     with opener.open(req, timeout=TIMEOUT_S) as resp:
         return json.loads(resp.read() or b"null")
 
 
-def _worker(base: str, worker_id: str):
+def _worker(base: str, worker_id: str) -> dict[str, Any] | None:
     """This worker as the router sees it (one worker: O(1) for the router), None if unknown."""
     try:
-        return _call(f"{base}/admin/workers/{worker_id}")
+        w: dict[str, Any] = _call(f"{base}/admin/workers/{worker_id}")  # GET /admin/workers/ID: one object
+        return w
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return None

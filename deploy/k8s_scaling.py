@@ -4,7 +4,10 @@ the weekday peak and lower it after."""
 
 from __future__ import annotations
 
-from deploy.k8s_objects import WorkerGroup, _meta, _selector, worker_groups
+from typing import Any
+
+from deploy.k8s_groups import WorkerGroup, worker_groups
+from deploy.k8s_objects import _meta, _selector
 from shared.config import Config
 
 PRESCALER = "weir-prescaler"
@@ -37,7 +40,7 @@ def gpu_query(g: WorkerGroup) -> str:
     )
 
 
-def _trigger(cfg: Config, name: str, query: str, threshold: float) -> dict:
+def _trigger(cfg: Config, name: str, query: str, threshold: float) -> dict[str, Any]:
     return {
         "type": "prometheus",
         "name": name,
@@ -51,7 +54,7 @@ def _trigger(cfg: Config, name: str, query: str, threshold: float) -> dict:
     }
 
 
-def scaled_object(cfg: Config, g: WorkerGroup, gpu: bool = False) -> dict:
+def scaled_object(cfg: Config, g: WorkerGroup, gpu: bool = False) -> dict[str, Any]:
     k = cfg.kubernetes
     triggers = [
         _trigger(
@@ -94,15 +97,15 @@ def scaled_object(cfg: Config, g: WorkerGroup, gpu: bool = False) -> dict:
     }
 
 
-def autoscaling_objects(cfg: Config) -> list[dict]:
+def autoscaling_objects(cfg: Config) -> list[dict[str, Any]]:
     return [scaled_object(cfg, g) for g in worker_groups(cfg)]
 
 
-def prescale_objects(cfg: Config) -> list[dict]:
+def prescale_objects(cfg: Config) -> list[dict[str, Any]]:
     """CronJobs that raise the ScaledObjects' floor before the weekday peak and lower it after."""
     k = cfg.kubernetes
     names = [g.name for g in worker_groups(cfg)]
-    objs: list[dict] = [
+    objs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(cfg, PRESCALER, "prescaler")},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

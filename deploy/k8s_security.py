@@ -35,13 +35,11 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+from deploy.k8s_groups import WorkerGroup
 from shared.config import Config, ConfigError
 from shared.curve import ROUTER, worker_key_files
-
-if TYPE_CHECKING:
-    from deploy.k8s_objects import WorkerGroup
 
 CURVE_DIR = "/etc/weir-curve"
 TLS_DIR = "/etc/weir-tls"
@@ -159,7 +157,7 @@ def public_keys_sha(cfg: Config, groups: Sequence[WorkerGroup]) -> str:
     return h.hexdigest()[:16]
 
 
-def _projected(name: str, secret: str, items: list[tuple[str, str]]) -> dict:
+def _projected(name: str, secret: str, items: list[tuple[str, str]]) -> dict[str, Any]:
     return {
         "name": name,
         "projected": {
@@ -171,7 +169,7 @@ def _projected(name: str, secret: str, items: list[tuple[str, str]]) -> dict:
     }
 
 
-def router_curve_volume(cfg: Config, groups: Sequence[WorkerGroup]) -> dict:
+def router_curve_volume(cfg: Config, groups: Sequence[WorkerGroup]) -> dict[str, Any]:
     """The router's key directory as shared/curve.py reads it.  The key
     subdirectories must exist (the ZAP handler loads each; a projected volume
     is read-only), hence a hidden placeholder in each, which ``*.key`` skips."""
@@ -181,25 +179,25 @@ def router_curve_volume(cfg: Config, groups: Sequence[WorkerGroup]) -> dict:
     return _projected("curve", ROUTER_CURVE_SECRET, items)
 
 
-def worker_curve_volume(g: WorkerGroup) -> dict:
+def worker_curve_volume(g: WorkerGroup) -> dict[str, Any]:
     return _projected("curve", worker_secret(g), [(WORKER_KEY, WORKER_KEY), (f"{ROUTER}.key", f"{ROUTER}.key")])
 
 
-def envoy_tls_volume() -> dict:
+def envoy_tls_volume() -> dict[str, Any]:
     return {"name": "tls", "secret": {"secretName": ENVOY_TLS_SECRET, "defaultMode": 0o444}}
 
 
-def admin_volume() -> dict:
+def admin_volume() -> dict[str, Any]:
     return _projected("admin", ADMIN_SECRET, [(ADMIN_TOKEN, ADMIN_TOKEN)])
 
 
-def admin_mount() -> dict:
+def admin_mount() -> dict[str, Any]:
     return {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True}
 
 
-def curve_mount() -> dict:
+def curve_mount() -> dict[str, Any]:
     return {"name": "curve", "mountPath": CURVE_DIR, "readOnly": True}
 
 
-def tls_mount() -> dict:
+def tls_mount() -> dict[str, Any]:
     return {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}

@@ -55,7 +55,7 @@ class Component:
         self.log_path = log_path
         self.env = env
         self.cwd = cwd
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
 
     def start(self) -> None:

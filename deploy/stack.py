@@ -65,7 +65,7 @@ def _answers_ok(url: str) -> Callable[[], bool]:
 
 def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
     """GET without proxies (loopback; a proxy env var must not interfere)."""
-    handlers: list = [urllib.request.ProxyHandler({})]
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
     if url.startswith("https:"):  # our own listener on loopback: readiness, not identity
         handlers.append(urllib.request.HTTPSHandler(context=ssl._create_unverified_context()))
     opener = urllib.request.build_opener(*handlers)
@@ -90,8 +90,8 @@ class Stack:
 
     def __init__(
         self,
-        cfg_path: str | os.PathLike | None = None,
-        run_dir: str | os.PathLike | None = None,
+        cfg_path: str | os.PathLike[str] | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
         *,
         workers: list[str] | None = None,
         progress: Callable[[str], None] | None = None,
@@ -394,5 +394,5 @@ class Stack:
     def __enter__(self) -> Stack:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

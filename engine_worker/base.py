@@ -185,6 +185,7 @@ class EngineBase:
         top_ids: list[int] | None = None,
         cached_tokens: int = 0,
         stop_reason: str | int | None = None,
+        prompt_logprobs: tuple[bytes, list[int]] | None = None,
     ) -> None:
         """New tokens of a live request's choice ``index``; ``finish_reason``
         ends that choice (and the request with its last open choice), with
@@ -205,6 +206,8 @@ class EngineBase:
             d.logprobs = logprobs
             if top_ids:
                 d.top_ids = top_ids
+        if prompt_logprobs is not None:
+            d.prompt_logprobs, d.prompt_top_ids = prompt_logprobs
         if finish_reason is not None:
             reason = finish_reason if finish_reason in _FINISH_REASONS else "stop"
             if stop_reason is not None:

@@ -17,6 +17,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -77,7 +78,7 @@ def read_gpu(index: int | None) -> GpuInfo:
     )
 
 
-def probe(index: int | None = None) -> dict:
+def probe(index: int | None = None) -> dict[str, Any]:
     """Every GPU's reading (or the one at ``index``), and the cost of a read."""
     if not _init():
         return {"nvml": False, "error": _nvml_error, "gpus": [msgspec.structs.asdict(GpuInfo(present=False))]}
@@ -93,7 +94,7 @@ def probe(index: int | None = None) -> dict:
     return {"nvml": True, "driver": _str(pynvml.nvmlSystemGetDriverVersion()), "gpus": gpus}
 
 
-def _str(v) -> str:
+def _str(v: object) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 

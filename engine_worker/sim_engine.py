@@ -30,16 +30,15 @@ import math
 import struct
 
 from shared.config import SimEngineConfig
-from shared.protocol import GenerateRequest, SamplingParams, WorkerStats
+from shared.protocol import SIM_EMBEDDING_SIZE, ErrorInfo, GenerateRequest, SamplingParams, WorkerStats
 
 from .base import EngineBase, EngineInfo, Live, bad_request
-from .sim_model import SimCore
+from .sim_model import SimCore, StepResult
 
 log = logging.getLogger(__name__)
 
 SIM_TOKEN_TEXT = " tok"
 SIM_TOKEN_ID = 0
-SIM_EMBEDDING_SIZE = 64  # (router.lifecycle.embedding_model.SIM_EMBEDDING_SIZE: the width the router checks against)
 
 
 def sim_vector(prompt_tokens: int, block_hashes: list[int], dimensions: int = 0) -> bytes:
@@ -54,12 +53,12 @@ def sim_vector(prompt_tokens: int, block_hashes: list[int], dimensions: int = 0)
 _MAX_LAG_S = 0.02
 
 
-def refusal(p: SamplingParams):
+def refusal(p: SamplingParams) -> ErrorInfo | None:
     """The 400 for a parameter the simulated engine cannot honour, or None."""
     what = None
     if p.structured is not None:
         what, param = "structured output (response_format / structured_outputs)", "response_format"
-    elif p.logprobs is not None:
+    elif p.logprobs is not None or p.prompt_logprobs is not None:
         what, param = "logprobs", "logprobs"
     elif p.logit_bias:
         what, param = "logit_bias", "logit_bias"
@@ -195,7 +194,7 @@ class SimEngine(EngineBase):
         else:
             self._handle = loop.call_soon(self._end_step, result)
 
-    def _end_step(self, result) -> None:
+    def _end_step(self, result: StepResult) -> None:
         live_map = self._live
         try:
             feed = self.kv_feed

@@ -66,6 +66,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.config import SimEngineConfig
@@ -104,7 +105,9 @@ class _Seq:
         "cached",
     )
 
-    def __init__(self, request_id: str, prompt: int, max_tokens: int, priority: int, arrival: int, hashes: tuple = ()):
+    def __init__(
+        self, request_id: str, prompt: int, max_tokens: int, priority: int, arrival: int, hashes: tuple[int, ...] = ()
+    ):
         self.id = request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
@@ -176,7 +179,9 @@ class SimCore:
 
     # -- requests ------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_tokens: int, max_tokens: int, priority: int = 0, block_hashes=()) -> None:
+    def add(
+        self, request_id: str, prompt_tokens: int, max_tokens: int, priority: int = 0, block_hashes: Sequence[int] = ()
+    ) -> None:
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already exists")
         if prompt_tokens < 1:

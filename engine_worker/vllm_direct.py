@@ -142,7 +142,7 @@ class Hooks:
         registered request is over."""
 
 
-class DirectAsyncLLM(AsyncLLM):
+class DirectAsyncLLM(AsyncLLM):  # type: ignore[misc]  # vLLM is read as Any (pyproject: follow_imports)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Set before AsyncLLM's __init__: it starts the handler when a loop runs.
         self.sinks: dict[RequestOutputCollector, Sink] = {}

@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
@@ -71,7 +71,7 @@ class _SchedulerStats(Hooks):
         self.preemptions_total += preempted
 
 
-class _StatsOn(PrometheusStatLogger):
+class _StatsOn(PrometheusStatLogger):  # type: ignore[misc]  # vLLM is read as Any (pyproject: follow_imports)
     """A stat logger that records nothing, handed to AsyncLLM so that vLLM's
     EngineCore sends its per-step scheduler stats (the heartbeat's running,
     waiting and KV use) and AsyncLLM adds no Prometheus logger of its own.
@@ -364,17 +364,19 @@ class VllmEngine(EngineBase):
             self._abort_later(live.engine_id)
             return
         live.outputs = outputs
-        engine.sinks[outputs] = partial(self._deliver, rid, live, req.params.logprobs, req.params.n)
+        p = req.params
+        engine.sinks[outputs] = partial(self._deliver, rid, live, p.logprobs, p.n, p.prompt_logprobs)
         early = outputs.get_nowait()  # a step that ran before the sink was in place
         if early is not None:
-            self._deliver(rid, live, req.params.logprobs, req.params.n, early)
+            self._deliver(rid, live, p.logprobs, p.n, p.prompt_logprobs, early)
 
-    def _deliver(self, rid: str, live: Live, k: int | None, n: int, out: Any) -> None:
+    def _deliver(self, rid: str, live: Live, k: int | None, n: int, pk: int | None, out: Any) -> None:
         """One engine step's output of a request (all of its choices that moved)."""
         if not self._is_live(rid, live):
             return  # aborted: its sink is on its way out
         prompt_tokens = len(out.prompt_token_ids or ())
         cached = out.num_cached_tokens or 0
+        prompt_lps = _prompt_logprobs(out, pk)  # with the attempt's first output only (vLLM's DELTA mode)
         for c in out.outputs:
             if c.finish_reason in ("error", "abort"):
                 # Not our abort (that one left the live table): vLLM gave up
@@ -406,7 +408,9 @@ class VllmEngine(EngineBase):
                 top,
                 cached_tokens=cached,
                 stop_reason=stop_reason,
+                prompt_logprobs=prompt_lps,
             )
+            prompt_lps = None
         if out.finished:
             self._drop_sink(live)
             if self._is_live(rid, live):  # a choice vLLM never ended (should not happen)
@@ -443,16 +447,33 @@ def _engine_stopped(e: BaseException) -> ErrorInfo:
     return engine_error(f"Internal error in the engine: {type(e).__name__}")
 
 
+@lru_cache(maxsize=256)
+def compact_json_grammar(schema: str) -> str:
+    """A JSON schema as an xgrammar EBNF grammar with no free whitespace:
+    vLLM 0.32 takes ``disable_any_whitespace`` only server-wide
+    (``--structured-outputs-config``), so a request that asks for it gets
+    the equivalent grammar (~0.2 ms, cached).  (xgrammar 0.2.8 still writes
+    ", " inside free-form values such as ``additionalProperties``: a fixed
+    space, never a choice.)"""
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":")))
+
+
 def vllm_params(p: SamplingParams) -> VllmSamplingParams:
     so = p.structured
     structured = None
     if so is not None:
+        json_schema, grammar = so.json, so.grammar
+        if so.disable_any_whitespace and (json_schema is not None or so.json_object):
+            grammar = compact_json_grammar(json_schema if json_schema is not None else '{"type": "object"}')
+            json_schema = None
         structured = StructuredOutputsParams(
-            json=so.json,
+            json=json_schema,
             regex=so.regex,
             choice=list(so.choice) or None,
-            grammar=so.grammar,
-            json_object=True if so.json_object else None,
+            grammar=grammar,
+            json_object=True if so.json_object and grammar is None else None,
         )
     return VllmSamplingParams(
         n=p.n,
@@ -472,11 +493,23 @@ def vllm_params(p: SamplingParams) -> VllmSamplingParams:
         stop_token_ids=list(p.stop_token_ids) or None,
         logit_bias=dict(p.logit_bias) or None,
         logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
         structured_outputs=structured,
     )
 
 
-def _pack(logprobs, ids: list[int], k: int) -> tuple[bytes, list[int]]:
+def _prompt_logprobs(out: Any, k: int | None) -> tuple[bytes, list[int]] | None:
+    """vLLM's prompt logprobs (None for the first token, then {id: Logprob}
+    per position) -> Delta.prompt_logprobs and prompt_top_ids."""
+    rows = out.prompt_logprobs
+    ids = list(out.prompt_token_ids or ())
+    if k is None or not rows or len(rows) != len(ids):
+        return None
+    values, top = _pack(rows[1:], ids[1:], k)
+    return values, ids + top
+
+
+def _pack(logprobs: Any, ids: list[int], k: int) -> tuple[bytes, list[int]]:
     """vLLM's per-token {id: Logprob} (the sampled token plus the top k, by
     rank) -> Delta.logprobs ([sampled, top-1..top-k] per token) and top_ids."""
     values: list[float] = []

@@ -33,6 +33,8 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+from shared.transport import SocketPump
+
 from .prefix_feed import PrefixFeed
 
 log = logging.getLogger(__name__)
@@ -46,8 +48,8 @@ _END_SEQ = -1
 class VllmKvEvents:
     def __init__(
         self,
-        ctx: zmq.Context,
-        pump,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        pump: SocketPump,
         loop: asyncio.AbstractEventLoop,
         endpoint: str,
         replay_endpoint: str | None,

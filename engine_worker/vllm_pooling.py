@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any
 
 from vllm import PoolingParams
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class VllmPoolingEngine(VllmEngine):
-    def __init__(self, model_path: str, model_name: str, **kwargs) -> None:
+    def __init__(self, model_path: str, model_name: str, **kwargs: Any) -> None:
         super().__init__(model_path, model_name, **kwargs)
         self.args.runner = "pooling"
 

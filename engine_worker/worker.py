@@ -97,8 +97,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engine_worker")
 
-BACKOFF_INITIAL_S = 0.25
-BACKOFF_MAX_S = 5.0
+RECONNECT_BACKOFF_INITIAL_S = 0.25
+RECONNECT_BACKOFF_MAX_S = 5.0
 GOODBYE_LINGER_MS = 1000  # time the last Goodbye gets to leave before the socket closes
 # EngineCore deaths this process restarts its engine after; one more and it
 # exits non-zero (its supervisor's back-off then paces an engine that keeps dying).
@@ -158,7 +158,7 @@ class _Link:
         self.sock: zmq.Socket[bytes] | None = None
         self.last_heard = 0.0
         self.missed = 0  # heartbeat ticks in a row with nothing heard from it
-        self.backoff = BACKOFF_INITIAL_S
+        self.backoff = RECONNECT_BACKOFF_INITIAL_S
         self.reconnecting = False
         self.emit: Emit | None = None  # its requests' Deltas: Worker._emit_for bound to this link
         self.removed = False  # unlinked (its address left DNS): never reconnected
@@ -193,7 +193,7 @@ class Worker:
         self.exit_code = 0
         self._stop = asyncio.Event()
         self._stop_reason = "shutdown"
-        self._draining: asyncio.Task | None = None
+        self._draining: asyncio.Task[None] | None = None
         self._malformed = 0
         self._stale_dispatches = 0  # requests in Dispatches of a replaced registration (dropped)
         self._restarting: asyncio.Task[None] | None = None  # the engine died and starts again
@@ -565,7 +565,7 @@ class Worker:
                 self._send(link, Heartbeat(stats, self.prefix_feed.seq))
 
     async def _reconnect(self, link: _Link) -> None:
-        delay, link.backoff = link.backoff, min(link.backoff * 2, BACKOFF_MAX_S)
+        delay, link.backoff = link.backoff, min(link.backoff * 2, RECONNECT_BACKOFF_MAX_S)
         log.warning(
             "worker %s: router %s silent for %.1f s; reconnecting in %.2f s",
             self.wcfg.id,
@@ -622,7 +622,7 @@ class Worker:
                 log.warning("worker %s: dropped malformed message #%d: %s", self.wcfg.id, self._malformed, e)
             return
         link.last_heard = self.loop.time()
-        link.backoff = BACKOFF_INITIAL_S
+        link.backoff = RECONNECT_BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
             if msg.epoch and msg.epoch != link.epoch:
                 # Sent under a registration this worker has since replaced (it timed

@@ -184,7 +184,7 @@ class Budgets(_Cfg):
     # Tokens of batch lines (router/services/batch/) per day, on top of the budgets
     # above; [[tenants]] only.  Exhausted: the tenant's batches wait.
     batch_tokens_per_day: int | None = None
-    # Storage of the Batch API, per tenant (router/services/batch/usage.py): files
+    # Storage of the Batch API, per tenant (router/services/batch/storage.py): files
     # kept, their bytes, batches not yet ended.  None: the [batch] default;
     # set on a key and on its tenant, the smaller applies.
     max_stored_files: int | None = None
@@ -270,6 +270,23 @@ class ModelConfig(_Cfg):
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) parses calls
 
 
+class AliasTarget(_Cfg):
+    model: str
+    weight: float = 1.0  # its share of the alias's requests, against the other targets' weights
+
+
+class AliasConfig(_Cfg):
+    """One public model name over served models (router/api/aliases.py): a
+    request for ``name`` goes to one of ``targets``, drawn by weight (a
+    session's requests to the same one), and, when that one has no worker
+    or no room (the refusals a model's ``fallbacks`` answer), to each of
+    ``fallbacks`` in order.  The response names the model that served it."""
+
+    name: str
+    targets: list[AliasTarget]
+    fallbacks: list[str] = []
+
+
 class SimEngineConfig(_Cfg):
     """Parameters of the simulated continuous-batching engine (see
     engine_worker/sim_model.py).  Calibrated against vLLM on the tiny model:
@@ -332,6 +349,12 @@ class ClassConfig(_Cfg):
     # Memory protection only (~1 KB a queued request in the router), far
     # above what the wait bound admits on a fleet of any size.
     max_queue: int = 200_000
+    # Latency targets (router/policy/targets.py): the class's TTFT target for
+    # requests that state none (0: none), and whether a request of the class
+    # predicted to miss its target is refused at once (429
+    # latency_target_unattainable) rather than served late.
+    ttft_target_ms: float = 0.0
+    sheddable: bool = False
 
 
 class SchedulerConfig(_Cfg):
@@ -361,7 +384,7 @@ class SchedulerConfig(_Cfg):
     # Class headroom: class rank r of K may fill a worker's KV budget and seq
     # slots only up to 1 - priority_headroom * (r - top)/(K-1), top = highest
     # class active within aging_bound_s, so higher classes start at once under
-    # overload (router/policy/placement.py).  0.2: measured in simulation/des.py.
+    # overload (router/policy/placement/filters.py).  0.2: measured in simulation/des.py.
     priority_headroom: float = 0.2
     # Jobs a worker may hold beyond its engine's max_num_seqs.  0: every
     # waiting job waits here, under this policy.  k > 0: up to k wait inside
@@ -384,6 +407,15 @@ class SchedulerConfig(_Cfg):
     # dispatched to, instead of the least loaded: a baseline for benchmarks
     # (bench/scenarios/prefix.py), not for serving.
     placement: Literal["least_loaded", "round_robin"] = "least_loaded"
+    # Session affinity (router/policy/sessions.py): a session's turns go to its
+    # worker while it holds under session_load_bound of its sequence slots and
+    # KV budget, else where placement sends them (the session moves there).
+    # Forgotten session_ttl_s after its last turn, or after a final one;
+    # at most session_max sessions (least recently used beyond).
+    sessions: bool = True
+    session_ttl_s: float = 600.0
+    session_max: int = 100_000
+    session_load_bound: float = 0.8
 
     def kv_budget(self, capacity_tokens: int) -> int:
         """A worker's KV budget: what the router's policy reserves against and
@@ -496,6 +528,7 @@ class Config(_Cfg):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     models: list[ModelConfig] = []
+    aliases: list[AliasConfig] = []
     workers: list[WorkerConfig] = []
     kubernetes: KubernetesConfig = msgspec.field(default_factory=KubernetesConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
@@ -567,6 +600,20 @@ def _validate(cfg: Config) -> None:
     for w in cfg.workers:
         if w.model not in names:
             raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")
+    aliases = [a.name for a in cfg.aliases]
+    if len(set(aliases)) != len(aliases) or set(aliases) & set(names):
+        raise ConfigError("[[aliases]]: an alias name is used twice, or is a model's name")
+    for a in cfg.aliases:
+        if not a.targets or any(t.weight <= 0 for t in a.targets):
+            raise ConfigError(f"alias {a.name!r}: needs targets, each with a weight above 0")
+        for target in [*(t.model for t in a.targets), *a.fallbacks]:
+            if target not in names:
+                raise ConfigError(f"alias {a.name!r}: {target!r} is not a configured model")
+    sc = cfg.scheduler
+    if not (0.0 < sc.session_load_bound <= 1.0) or sc.session_ttl_s <= 0 or sc.session_max < 1:
+        raise ConfigError("scheduler: session_load_bound must be in (0, 1], session_ttl_s > 0, session_max >= 1")
+    if any(c.ttft_target_ms < 0 for c in sc.classes):
+        raise ConfigError("scheduler.classes: ttft_target_ms must be >= 0 (0: none)")
     for k in cfg.api_keys:
         where = f"api key of tenant {k.tenant!r}"
         if k.tier not in classes:

@@ -65,6 +65,9 @@ class Pool(enum.IntEnum):
     LONG = 2
 
 
+POOL_NAMES = {Pool.ANY: "any", Pool.SHORT: "short", Pool.LONG: "long"}  # as views and metric labels show a pool
+
+
 class ToolCallRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tool call an earlier assistant message made (chat history), as the
     chat template sees it; ``arguments`` is the client's JSON text."""
@@ -113,6 +116,7 @@ StopList = Annotated[list[str], Meta(max_length=MAX_STOP_SEQUENCES)]
 MAX_N = 128  # OpenAI's bound on n
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (and vLLM's default max_logprobs)
 MAX_STOP_TOKEN_IDS = 64
+SIM_EMBEDDING_SIZE = 64  # the simulated engine's embedding width (its vectors; the router checks dimensions on it)
 MAX_LOGIT_BIAS = 300  # entries; each id is checked against the model's vocabulary by the router
 N = Annotated[int, Meta(ge=1, le=MAX_N)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
@@ -141,6 +145,10 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     regex: str | None = None
     choice: list[str] = []
     grammar: str | None = None
+    # vLLM's name: json / json_object with no free whitespace (the worker
+    # compiles the schema to a grammar that has none; vLLM 0.32 honours it
+    # only server-wide)
+    disable_any_whitespace: bool = False
 
     def kinds(self) -> list[str]:
         return [
@@ -181,6 +189,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stop_token_ids: StopTokenIds = []
     logit_bias: LogitBias = {}
     structured: StructuredOutput | None = None
+    # vLLM's prompt_logprobs: k -> each prompt token's logprob and the top k
+    # (Delta.prompt_logprobs); completions' echo with logprobs asks for them
+    prompt_logprobs: TopLogprobs | None = None
 
 
 class RateLimit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -283,6 +294,12 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # router -> client, on a request's first Delta when its Submit asked for
     # ``return_token_ids``: the prompt's token ids as the router tokenized them.
     prompt_token_ids: list[int] = []
+    # SamplingParams.prompt_logprobs = k, on the first Delta of the attempt:
+    # per prompt token from the second on, [its logprob, top-1 .. top-k] as in
+    # ``logprobs``; ``prompt_top_ids`` is the prompt's token ids, then the
+    # top-k ids of each of those positions (the first token has no logprob).
+    prompt_logprobs: bytes = b""
+    prompt_top_ids: list[int] = []
     # router -> client: where the request's time went (partial on its first
     # news with tokens, whole on its last Delta).
     timing: Timing | None = None
@@ -320,6 +337,41 @@ unpack_floats = unpack_logprobs
 # ---------------------------------------------------------------- client link
 
 
+# Agent and gateway routing hints (router/api/agent_headers.py reads them from
+# HTTP headers; a direct client sets them itself).
+MAX_SESSION_ID = 256
+SessionId = Annotated[str, Meta(max_length=MAX_SESSION_ID, pattern=r"^[\x20-\x7e]*$")]
+TargetMs = Annotated[float, Meta(ge=0.0, le=86_400_000.0)]
+
+
+class PriorityHint(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A gateway's priority in weir's terms: ``offset`` classes below the
+    ``anchor`` class (0: the first class, 1: the default class, 2: the last);
+    resolved against the configured classes by router.tenancy.priority_hints."""
+
+    anchor: Annotated[int, Meta(ge=0, le=2)]
+    offset: Annotated[int, Meta(ge=-64, le=64)]
+
+
+class Routing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What agents and gateways say about a request beyond OpenAI's fields.
+    ``session``/``parent_session``: opaque ids (a sub-agent names its
+    parent's), per tenant; ``session_final``: the session's last turn.
+    ``hints``/``objective``: priorities that may only lower the key's class.
+    Targets in milliseconds (0: none); ``sheddable``: refused at once when no
+    worker is predicted to meet its TTFT target."""
+
+    session: SessionId = ""
+    parent_session: SessionId = ""
+    session_final: bool = False
+    hints: Annotated[list[PriorityHint], Meta(max_length=8)] = []
+    objective: SessionId = ""
+    fairness_id: SessionId = ""
+    ttft_target_ms: TargetMs = 0.0
+    tpot_target_ms: TargetMs = 0.0
+    sheddable: bool = False
+
+
 class Submit(_Msg, tag=1):
     """Client asks for a generation.  ``request_id`` is the client's own id,
     unique among that client's live requests; replies carry it back."""
@@ -349,6 +401,7 @@ class Submit(_Msg, tag=1):
     # The prompt's token ids on the first Delta (``Delta.prompt_token_ids``):
     # vLLM's ``return_token_ids`` (the generated ids are in every Delta's ``token_ids``).
     return_token_ids: bool = False
+    routing: Routing | None = None  # sessions, gateway priorities, latency targets
     # The client's trace (W3C trace context): the router's spans of this
     # request are its children.  None: a new trace, sampled at [tracing]'s ratio.
     trace_context: TraceContext | None = None

@@ -20,7 +20,7 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from engine_worker.ledger import Ledger
 from engine_worker.sim_model import SimCore, StepResult
@@ -66,12 +66,12 @@ class Record:
     prompt: int
     max_tokens: int
     arrival: float
-    dispatched: Optional[float] = None
-    first_token: Optional[float] = None
-    finished: Optional[float] = None
+    dispatched: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
     outcome: str = ""  # "ok" | refusal code | "generation_deadline"
-    predicted: Optional[float] = None  # queue wait the policy predicted when it admitted it
-    submitted: Optional[float] = None  # its last (admitted or refused) submission
+    predicted: float | None = None  # queue wait the policy predicted when it admitted it
+    submitted: float | None = None  # its last (admitted or refused) submission
     attempts: int = 0
     first_refusal: str = ""  # code of the first attempt's refusal, if it was refused
 
@@ -81,12 +81,17 @@ class Engine:
 
     def __init__(self, w: SimWorker) -> None:
         self.core = SimCore(w.engine, w.max_num_seqs, w.max_model_len)
-        self.spec = WorkerSpec(worker_id=w.worker_id, model=MODEL, pool=w.pool,
-                               capacity_tokens=self.core.kv_capacity_tokens,
-                               block_size=self.core.block_size, max_num_seqs=w.max_num_seqs,
-                               max_model_len=w.max_model_len)
+        self.spec = WorkerSpec(
+            worker_id=w.worker_id,
+            model=MODEL,
+            pool=w.pool,
+            capacity_tokens=self.core.kv_capacity_tokens,
+            block_size=self.core.block_size,
+            max_num_seqs=w.max_num_seqs,
+            max_model_len=w.max_model_len,
+        )
         self.busy = False
-        self.pending: Optional[StepResult] = None
+        self.pending: StepResult | None = None
 
 
 _ARRIVE, _STEP, _BEAT, _WAKE = 0, 1, 2, 3
@@ -109,18 +114,30 @@ class Driver:
     (placement samples candidates in a large fleet).
     """
 
-    def __init__(self, cfg: SchedulerConfig, workers: list[SimWorker], n_routers: int = 1, *,
-                 arbitrate: bool = False, heartbeat_s: float = 1.0, pick: Optional[random.Random] = None,
-                 retries: int = 0, record_predicted: bool = False, pass_each_instant: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        workers: list[SimWorker],
+        n_routers: int = 1,
+        *,
+        arbitrate: bool = False,
+        heartbeat_s: float = 1.0,
+        pick: random.Random | None = None,
+        retries: int = 0,
+        record_predicted: bool = False,
+        pass_each_instant: bool = False,
+    ) -> None:
         self.routers = [Policy(cfg) for _ in range(n_routers)]
         self.engines = {w.worker_id: Engine(w) for w in workers}
         for p in self.routers:
             for e in self.engines.values():
                 p.add_worker(e.spec, 0.0)
-        self.ledgers: Optional[dict[str, Ledger]] = None
+        self.ledgers: dict[str, Ledger] | None = None
         if arbitrate:
-            self.ledgers = {wid: Ledger(cfg.kv_budget(e.spec.capacity_tokens), cfg.seq_slots(e.spec.max_num_seqs))
-                            for wid, e in self.engines.items()}
+            self.ledgers = {
+                wid: Ledger(cfg.kv_budget(e.spec.capacity_tokens), cfg.seq_slots(e.spec.max_num_seqs))
+                for wid, e in self.engines.items()
+            }
         self.heartbeat_s = heartbeat_s
         self.pick = pick
         self.retries = retries
@@ -172,8 +189,7 @@ class Driver:
             self._policy_passes(now)
             self._start_steps(now)
             self._schedule_wakeup(now)
-            if self._live == 0 and self._arrivals_left == 0 and not any(e.core.has_work
-                                                                       for e in self.engines.values()):
+            if self._live == 0 and self._arrivals_left == 0 and not any(e.core.has_work for e in self.engines.values()):
                 break
         for rec in self.records.values():
             if not rec.outcome:
@@ -302,8 +318,7 @@ class Driver:
                 self._push(now + max(res.duration_s, 1e-6), _STEP, wid)
 
     def _schedule_wakeup(self, now: float) -> None:
-        wake = min((t for p in self.routers if (t := p.next_wakeup(now)) is not None and t > now),
-                   default=math.inf)
+        wake = min((t for p in self.routers if (t := p.next_wakeup(now)) is not None and t > now), default=math.inf)
         if wake < self._wake_at:
             self._wake_at = wake
             self._push(wake, _WAKE, None)

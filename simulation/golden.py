@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from simulation import des, routers_des
 from simulation.des import Result
@@ -25,18 +26,41 @@ from simulation.des import Result
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "des.json"
 
 
-def _r(x: Optional[float]) -> Optional[float]:
+def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 9)
 
 
 def fingerprint(res: Result) -> dict[str, Any]:
     h = hashlib.sha256()
     for r in sorted(res.records, key=lambda r: r.job_id):
-        h.update(repr((r.job_id, r.kind, r.klass, r.tenant, r.prompt, r.max_tokens, _r(r.arrival),
-                       _r(r.dispatched), _r(r.first_token), _r(r.finished), r.outcome, _r(r.predicted),
-                       _r(r.submitted), r.attempts, r.first_refusal)).encode())
-    return {"records": len(res.records), "done": len(res.done()), "preemptions": res.preemptions,
-            "sim_time_s": _r(res.sim_time_s), "sha256": h.hexdigest()}
+        h.update(
+            repr(
+                (
+                    r.job_id,
+                    r.kind,
+                    r.klass,
+                    r.tenant,
+                    r.prompt,
+                    r.max_tokens,
+                    _r(r.arrival),
+                    _r(r.dispatched),
+                    _r(r.first_token),
+                    _r(r.finished),
+                    r.outcome,
+                    _r(r.predicted),
+                    _r(r.submitted),
+                    r.attempts,
+                    r.first_refusal,
+                )
+            ).encode()
+        )
+    return {
+        "records": len(res.records),
+        "done": len(res.done()),
+        "preemptions": res.preemptions,
+        "sim_time_s": _r(res.sim_time_s),
+        "sha256": h.hexdigest(),
+    }
 
 
 def _mixed() -> dict[str, Result]:
@@ -70,12 +94,16 @@ def _routers() -> dict[str, Result]:
 
 
 SCENARIOS: dict[str, Callable[[], dict[str, Result]]] = {
-    "mixed": _mixed, "overload": _overload, "burst": _burst, "ledger": _ledger,
-    "sampled_placement": _sampled, "routers": _routers,
+    "mixed": _mixed,
+    "overload": _overload,
+    "burst": _burst,
+    "ledger": _ledger,
+    "sampled_placement": _sampled,
+    "routers": _routers,
 }
 
 
-def compute(names: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
+def compute(names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in names or list(SCENARIOS):
         for run, res in SCENARIOS[name]().items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from router.services.batch import model as m
+from router.services.batch import rules as m
 from router.services.batch.store import BatchRecord, BatchStore
 
 

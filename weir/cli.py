@@ -23,19 +23,24 @@ import signal
 import sys
 import threading
 import time
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
 from shared.config import ConfigError, load
+
+if TYPE_CHECKING:
+    from deploy.stack import Stack
 
 
 class _Shutdown(Exception):
     pass
 
 
-def _raise_shutdown(signum, _frame):
+def _raise_shutdown(signum: int, _frame: FrameType | None) -> NoReturn:
     raise _Shutdown(signal.Signals(signum).name)
 
 
-def _banner(stack) -> str:
+def _banner(stack: Stack) -> str:
     cfg = stack.cfg
     served: dict[str, list[str]] = {}
     for w in cfg.workers:
@@ -71,7 +76,7 @@ Ctrl-C (or SIGTERM) stops everything.
 """.rstrip("\n")
 
 
-def cmd_up(args) -> int:
+def cmd_up(args: argparse.Namespace) -> int:
     from deploy import restart
     from deploy.envoy_config import EnvoyValidationError
     from deploy.stack import Stack, StackError
@@ -130,7 +135,7 @@ def cmd_up(args) -> int:
     return rc
 
 
-def cmd_restart(args) -> int:
+def cmd_restart(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from deploy import restart
@@ -141,7 +146,7 @@ def cmd_restart(args) -> int:
     return restart.ask(cfg_path, args.what, run_dir, args.timeout, lambda line: print(f"[weir] {line}", flush=True))
 
 
-def cmd_render_envoy(args) -> int:
+def cmd_render_envoy(args: argparse.Namespace) -> int:
     from deploy import envoy_config
 
     text = envoy_config.render(load(args.config))
@@ -155,7 +160,7 @@ def cmd_render_envoy(args) -> int:
     return 0
 
 
-def cmd_render_k8s(args) -> int:
+def cmd_render_k8s(args: argparse.Namespace) -> int:
     from deploy import k8s
 
     cfg = load(args.config)
@@ -178,7 +183,7 @@ def cmd_render_k8s(args) -> int:
     return 0
 
 
-def cmd_stats(args) -> int:
+def cmd_stats(args: argparse.Namespace) -> int:
     from weir.stats import run
 
     return run(
@@ -191,7 +196,7 @@ def cmd_stats(args) -> int:
     )
 
 
-def cmd_make_model(args) -> int:
+def cmd_make_model(args: argparse.Namespace) -> int:
     from deploy.make_model import build
 
     embed = args.embed
@@ -258,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ap.parse_args(argv)
     try:
-        return args.func(args)
+        rc: int = args.func(args)  # the subcommand's cmd_* function
+        return rc
     except ConfigError as e:
         print(f"weir: config error: {e}", file=sys.stderr)
         return 2

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: Any) -> None:  # argparse's subparsers action
     keys = sub.add_parser("keys", help="API keys and CURVE keys")
     ks = keys.add_subparsers(dest="keys_cmd", required=True)
     new = ks.add_parser("new", help="a fresh API key, printed once, and the [[api_keys]] entry to paste")
@@ -35,7 +36,7 @@ def entry(args: argparse.Namespace, sha256: str) -> str:
     return "\n".join(lines)
 
 
-def cmd_new(args) -> int:
+def cmd_new(args: argparse.Namespace) -> int:
     from shared.keys import digest, new_key
 
     key = new_key()
@@ -44,7 +45,7 @@ def cmd_new(args) -> int:
     return 0
 
 
-def cmd_curve(args) -> int:
+def cmd_curve(args: argparse.Namespace) -> int:
     from shared import curve
 
     if args.workers is not None:

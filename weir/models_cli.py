@@ -9,14 +9,17 @@ workers (deploy/runtime_models.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from shared.config import load
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: Any) -> None:  # argparse's subparsers action
     models = sub.add_parser("models", help="list, add or remove models of a running stack")
     ms = models.add_subparsers(dest="models_cmd", required=True)
     ls = ms.add_parser("list", help="every model and its state (loading / ready / unloading)")
@@ -48,7 +51,7 @@ def add_parser(sub) -> None:
 _ADMIN: dict[str, str] = {}
 
 
-def _router(args) -> str:
+def _router(args: argparse.Namespace) -> str:
     from deploy.stack import _http_url
     from shared.keys import admin_headers
 
@@ -57,7 +60,7 @@ def _router(args) -> str:
     return _http_url(cfg.router.http)
 
 
-def _call(url: str, body=None):
+def _call(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     from deploy.runtime_models import _call as call
 
     try:
@@ -71,12 +74,12 @@ def _call(url: str, body=None):
         raise SystemExit(1) from None
 
 
-def _states(router: str) -> dict[str, dict]:
+def _states(router: str) -> dict[str, dict[str, Any]]:
     _, models = _call(router + "/admin/models")
     return {m["name"]: m for m in models}
 
 
-def cmd_list(args) -> int:
+def cmd_list(args: argparse.Namespace) -> int:
     for m in _states(_router(args)).values():
         print(
             f"{m['name']:<24} {m['state']:<10} ready workers: {m['ready_workers']}"
@@ -85,7 +88,7 @@ def cmd_list(args) -> int:
     return 0
 
 
-def cmd_add(args) -> int:
+def cmd_add(args: argparse.Namespace) -> int:
     router = _router(args)
     env = dict(kv.split("=", 1) for kv in args.worker_env)
     model = {"name": args.name, "engine": args.engine, "max_model_len": args.max_model_len}
@@ -106,7 +109,7 @@ def cmd_add(args) -> int:
     return 0
 
 
-def cmd_remove(args) -> int:
+def cmd_remove(args: argparse.Namespace) -> int:
     router = _router(args)
     t0 = time.monotonic()
     code, out = _call(router + f"/admin/models/{args.name}/remove", {})
@@ -119,7 +122,9 @@ def cmd_remove(args) -> int:
     return 0
 
 
-def _wait(router: str, name: str, done, what: str, t0: float, timeout: float) -> int:
+def _wait(
+    router: str, name: str, done: Callable[[dict[str, Any] | None], bool], what: str, t0: float, timeout: float
+) -> int:
     while time.monotonic() - t0 < timeout:
         if done(_states(router).get(name)):
             print(json.dumps({"model": name, "state": what, "seconds": round(time.monotonic() - t0, 3)}))

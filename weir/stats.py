@@ -45,7 +45,8 @@ class Unreachable(Exception):
 def _fetch(url: str, headers: dict[str, str] | None = None) -> bytes:
     try:
         with _opener.open(urllib.request.Request(url, headers=headers or {}), timeout=FETCH_TIMEOUT_S) as r:
-            return r.read()
+            body: bytes = r.read()
+            return body
     except urllib.error.HTTPError as e:  # 503 from /health/ready still has a body
         return e.read()
     except (OSError, ValueError) as e:
@@ -63,15 +64,15 @@ def _json(url: str, headers: dict[str, str] | None = None) -> Any:
 # ---------------------------------------------------------------- one reading
 
 
-def read_envoy(admin_url: str) -> dict:
+def read_envoy(admin_url: str) -> dict[str, Any]:
     """Envoy's counters and gauges by name."""
     data = _json(admin_url + "/stats?format=json")
     return {s["name"]: s["value"] for s in data.get("stats", []) if "value" in s}
 
 
-def read_router(url: str, admin: dict[str, str] | None = None) -> dict:
+def read_router(url: str, admin: dict[str, str] | None = None) -> dict[str, Any]:
     """``admin``: the headers /admin/* needs (shared.keys.admin_headers)."""
-    metrics: dict[str, list] = {}
+    metrics: dict[str, list[tuple[dict[str, str], float]]] = {}
     for fam in text_string_to_metric_families(_fetch(url + "/metrics").decode()):
         for s in fam.samples:
             metrics.setdefault(s.name, []).append((s.labels, s.value))
@@ -86,7 +87,7 @@ def read_router(url: str, admin: dict[str, str] | None = None) -> dict:
     }
 
 
-def read(envoy_admin: str, routers: list[str], admin: dict[str, str] | None = None) -> dict:
+def read(envoy_admin: str, routers: list[str], admin: dict[str, str] | None = None) -> dict[str, Any]:
     """One raw reading of everything; what did not answer says why."""
     out: dict[str, Any] = {"t": time.monotonic(), "envoy": None, "envoy_error": None, "routers": {}}
     try:
@@ -110,11 +111,12 @@ def _rate(now: float, before: float | None, dt: float) -> float | None:
     return max(0.0, now - before) / dt
 
 
-def _sum(metrics: dict, name: str, **match) -> float:
-    return sum(v for labels, v in metrics.get(name, []) if all(labels.get(k) == x for k, x in match.items()))
+def _sum(metrics: dict[str, Any], name: str, **match: str) -> float:
+    total: float = sum(v for labels, v in metrics.get(name, []) if all(labels.get(k) == x for k, x in match.items()))
+    return total
 
 
-def _by(metrics: dict, name: str, label: str) -> dict[str, float]:
+def _by(metrics: dict[str, Any], name: str, label: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for labels, v in metrics.get(name, []):
         out[labels.get(label, "")] = out.get(labels.get(label, ""), 0.0) + v
@@ -140,7 +142,7 @@ def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
     return prev_le
 
 
-def _wait_buckets(metrics: dict, klass: str) -> list[tuple[float, float]]:
+def _wait_buckets(metrics: dict[str, Any], klass: str) -> list[tuple[float, float]]:
     """A class's queue-wait histogram, summed over its ``pool`` label (the
     pool of the worker it went to, not the queue's short/long)."""
     out: dict[float, float] = {}
@@ -154,7 +156,7 @@ def _wait_buckets(metrics: dict, klass: str) -> list[tuple[float, float]]:
 PHASES = ("tokenize", "queue", "prefill", "decode")  # router.observe.phase_metrics
 
 
-def _phases(m: dict, pm: dict | None) -> dict[str, dict[str, float | None]]:
+def _phases(m: dict[str, Any], pm: dict[str, Any] | None) -> dict[str, dict[str, float | None]]:
     """Each model's phase split: the p50 of each phase of its finished requests
     (``weir_request_phase_seconds``), over the last interval when any finished in it."""
     buckets: dict[tuple[str, str], dict[float, float]] = {}
@@ -176,12 +178,14 @@ def _window(now: list[tuple[float, float]], before: list[tuple[float, float]]) -
     return [(le, n - prev.get(le, 0.0)) for le, n in now]
 
 
-def _envoy_view(cur: dict | None, prev: dict | None, dt: float, error: str | None) -> dict:
+def _envoy_view(
+    cur: dict[str, Any] | None, prev: dict[str, Any] | None, dt: float, error: str | None
+) -> dict[str, Any]:
     if cur is None:
         return {"reachable": False, "error": error}
     p = prev or {}
 
-    def counter(name: str) -> dict:
+    def counter(name: str) -> dict[str, Any]:
         v = cur.get(name, 0)
         return {"total": v, "per_s": _rate(v, p.get(name), dt) if prev else None}
 
@@ -210,7 +214,7 @@ def _envoy_view(cur: dict | None, prev: dict | None, dt: float, error: str | Non
     }
 
 
-def _router_view(url: str, cur: dict, prev: dict | None, dt: float) -> dict:
+def _router_view(url: str, cur: dict[str, Any], prev: dict[str, Any] | None, dt: float) -> dict[str, Any]:
     if "error" in cur:
         return {"url": url, "reachable": False, "error": cur["error"]}
     m = cur["metrics"]
@@ -266,7 +270,9 @@ def _router_view(url: str, cur: dict, prev: dict | None, dt: float) -> dict:
     }
 
 
-def _workers_view(url: str, cur: dict, prev: dict | None, dt: float, expected: set[str]) -> list[dict]:
+def _workers_view(
+    url: str, cur: dict[str, Any], prev: dict[str, Any] | None, dt: float, expected: set[str]
+) -> list[dict[str, Any]]:
     if "error" in cur:
         return []
     before = {w["id"]: w for w in prev.get("workers", [])} if prev and "workers" in prev else {}
@@ -316,7 +322,7 @@ def _workers_view(url: str, cur: dict, prev: dict | None, dt: float, expected: s
     return out
 
 
-def _tenants_view(cur: dict) -> list[dict]:
+def _tenants_view(cur: dict[str, Any]) -> list[dict[str, Any]]:
     if "error" in cur:
         return []
     out = []
@@ -346,13 +352,13 @@ def _tenants_view(cur: dict) -> list[dict]:
     return out
 
 
-def _batches_view(url: str, cur: dict, prev: dict | None, dt: float) -> list[dict]:
+def _batches_view(url: str, cur: dict[str, Any], prev: dict[str, Any] | None, dt: float) -> list[dict[str, Any]]:
     """One row per batch this router runs (router/services/batch: weir_batch_* gauges)."""
     if "error" in cur:
         return []
     metrics = cur["metrics"]
     before = prev.get("metrics", {}) if prev and "error" not in prev else {}
-    rows: dict[str, dict] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for labels, v in metrics.get("weir_batch_lines", []):
         rows.setdefault(labels["batch"], {"router": url, "batch": labels["batch"]})[labels["state"]] = int(v)
     for bid, row in rows.items():
@@ -365,7 +371,7 @@ def _batches_view(url: str, cur: dict, prev: dict | None, dt: float) -> list[dic
     return [rows[b] for b in sorted(rows)]
 
 
-def view(cur: dict, prev: dict | None, expected_workers: dict[str, set[str]]) -> dict:
+def view(cur: dict[str, Any], prev: dict[str, Any] | None, expected_workers: dict[str, set[str]]) -> dict[str, Any]:
     """The snapshot ``--json`` prints and the live view draws.  ``expected_workers``:
     per router, the ids it should have (shown as lost where it does not)."""
     dt = cur["t"] - prev["t"] if prev else 0.0
@@ -388,7 +394,7 @@ def view(cur: dict, prev: dict | None, expected_workers: dict[str, set[str]]) ->
     }
 
 
-def stack_down(snap: dict) -> str | None:
+def stack_down(snap: dict[str, Any]) -> str | None:
     """Why the stack is not running (nothing answers), or None."""
     if snap["envoy"]["reachable"] or any(r["reachable"] for r in snap["routers"]):
         return None
@@ -399,19 +405,19 @@ def stack_down(snap: dict) -> str | None:
 # ---------------------------------------------------------------- the terminal
 
 
-def _n(v, fmt: str = "{:.1f}", none: str = "-") -> str:
+def _n(v: object, fmt: str = "{:.1f}", none: str = "-") -> str:
     return none if v is None else fmt.format(v)
 
 
-def _ms(s) -> str:
+def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def _gib(b) -> str:
+def _gib(b: float | None) -> str:
     return "-" if b is None else f"{b / (1 << 30):.1f}"
 
 
-def render(snap: dict, title: str) -> Group:
+def render(snap: dict[str, Any], title: str) -> Group:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -585,7 +591,7 @@ def targets(cfg: Config, routers: list[str] | None, envoy_admin: str | None) -> 
     ]
 
 
-def _registered(expected: dict[str, set[str]], reading: dict) -> None:
+def _registered(expected: dict[str, set[str]], reading: dict[str, Any]) -> None:
     """Once a router has had a worker, its leaving shows as lost -- at that
     router only (with several, each may have only some of the workers)."""
     for url, r in reading["routers"].items():

@@ -71,8 +71,11 @@ def _submit(base: str, path: Path, window: str = "24h") -> str:
     with open(path, "rb") as f:
         up = requests.post(base + "/v1/files", files={"file": (path.name, f)}, data={"purpose": "batch"}, timeout=600)
     up.raise_for_status()
-    b = requests.post(base + "/v1/batches", json={"input_file_id": up.json()["id"], "endpoint": "/v1/completions",
-                                                  "completion_window": window}, timeout=30)
+    b = requests.post(
+        base + "/v1/batches",
+        json={"input_file_id": up.json()["id"], "endpoint": "/v1/completions", "completion_window": window},
+        timeout=30,
+    )
     b.raise_for_status()
     return b.json()["id"]
 
@@ -99,8 +102,9 @@ def _running(metrics_url: str) -> float:
 async def _interactive(envoy: str, rate: float, seconds: float) -> list[float]:
     pool = Pool(envoy)
     ttfts: list[float] = []
-    body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": TOKENS, "stream": True,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": "hello there", "max_tokens": TOKENS, "stream": True, "ignore_eos": True}
+    ).encode()
     rng = random.Random(7)
 
     async def one() -> None:
@@ -141,8 +145,12 @@ def _phase(s: Any, rate: float, seconds: float) -> dict:
 
     ttfts = sorted(asyncio.run(go()))
     q = statistics.quantiles(ttfts, n=100)
-    return {"requests": len(ttfts), "ttft_p50_ms": q[49] * 1e3, "ttft_p99_ms": q[98] * 1e3,
-            "slot_utilisation": statistics.mean(samples) / SLOTS}
+    return {
+        "requests": len(ttfts),
+        "ttft_p50_ms": q[49] * 1e3,
+        "ttft_p99_ms": q[98] * 1e3,
+        "slot_utilisation": statistics.mean(samples) / SLOTS,
+    }
 
 
 def _counter(metrics_url: str, name: str) -> float:
@@ -165,11 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=14.0, help="interactive requests/s (~60 %% of capacity)")
     ap.add_argument("--lines", type=int, default=10_000)
     ap.add_argument("--rss-lines", type=int, default=1_000_000)
-    ap.add_argument("--engine", choices=("sim", "vllm"), default="sim",
-                    help="vllm: the real tiny model; runs the two load phases only")
+    ap.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="vllm: the real tiny model; runs the two load phases only",
+    )
     ap.add_argument("--probe", default="", help="comma-separated rates: interactive alone at each, then stop")
-    ap.add_argument("--priority-headroom", type=float, default=None,
-                    help="scheduler.priority_headroom: the share of a worker kept from the batch class")
+    ap.add_argument(
+        "--priority-headroom",
+        type=float,
+        default=None,
+        help="scheduler.priority_headroom: the share of a worker kept from the batch class",
+    )
     args = ap.parse_args(argv)
     global MODEL
     vllm = args.engine == "vllm"
@@ -179,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="weir-batch-bench-"))
     report: dict[str, Any] = {"args": vars(args)}
     worker = vllm_worker(max_num_seqs=SLOTS) if vllm else sim_worker("sim-0", max_num_seqs=SLOTS, **SIM)
-    cfg = write_config(tmp, workers=[worker],
-                       batch={"max_file_bytes": 1 << 30, "directory": str(tmp / "batches")},
-                       envoy={"max_request_bytes": 1 << 20},
-                       scheduler=None if args.priority_headroom is None else {"priority_headroom": args.priority_headroom})
+    cfg = write_config(
+        tmp,
+        workers=[worker],
+        batch={"max_file_bytes": 1 << 30, "directory": str(tmp / "batches")},
+        envoy={"max_request_bytes": 1 << 20},
+        scheduler=None if args.priority_headroom is None else {"priority_headroom": args.priority_headroom},
+    )
     with stack(cfg, tmp / "run") as s:
         if vllm:  # warm-up: the first requests compile and allocate
             _phase(s, 2.0, 5.0)
@@ -201,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         with_batch = _phase(s, args.rate, args.seconds)
         after = _batch(s.envoy_url, bid)["request_counts"]
-        lines_s = (after["completed"] + after["failed"] - before["completed"] - before["failed"]) / (time.monotonic() - t0)
+        lines_s = (after["completed"] + after["failed"] - before["completed"] - before["failed"]) / (
+            time.monotonic() - t0
+        )
         with_batch["batch_lines_per_s"] = lines_s
         left = 1.0 - alone["slot_utilisation"]
         with_batch["batch_share_of_idle"] = (with_batch["slot_utilisation"] - alone["slot_utilisation"]) / left
@@ -227,9 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(10.0)
         rss1 = _rss_kib(router_pid)
         counts = _batch(s.envoy_url, bid)["request_counts"]
-        report["rss"] = {"lines": args.rss_lines, "file_mib": big.stat().st_size / 2**20, "upload_and_create_s": upload_s,
-                         "router_rss_before_mib": rss0 / 1024, "router_rss_running_mib": rss1 / 1024,
-                         "done_when_measured": counts["completed"] + counts["failed"]}
+        report["rss"] = {
+            "lines": args.rss_lines,
+            "file_mib": big.stat().st_size / 2**20,
+            "upload_and_create_s": upload_s,
+            "router_rss_before_mib": rss0 / 1024,
+            "router_rss_running_mib": rss1 / 1024,
+            "done_when_measured": counts["completed"] + counts["failed"],
+        }
         print("rss:", report["rss"], file=sys.stderr)
         requests.post(f"{s.envoy_url}/v1/batches/{bid}/cancel", timeout=30)
         while _batch(s.envoy_url, bid)["status"] != "cancelled":
@@ -245,9 +271,12 @@ def main(argv: list[str] | None = None) -> int:
 def _sigkill(tmp: Path, n: int = 2000) -> dict:
     from deploy.stack import Stack
 
-    cfg = write_config(tmp, workers=[sim_worker("sim-0", max_num_seqs=SLOTS, step_fixed_ms=3.0)],
-                       batch={"directory": str(tmp / "batches"), "scan_interval_s": 0.2},
-                       router={"heartbeat_interval_s": 0.25})
+    cfg = write_config(
+        tmp,
+        workers=[sim_worker("sim-0", max_num_seqs=SLOTS, step_fixed_ms=3.0)],
+        batch={"directory": str(tmp / "batches"), "scan_interval_s": 0.2},
+        router={"heartbeat_interval_s": 0.25},
+    )
     with Stack(cfg, tmp / "run", supervise=True) as s:
         bid = _submit(s.envoy_url, _write_batch(tmp / "in.jsonl", n))
         while _batch(s.envoy_url, bid)["request_counts"]["completed"] < n // 4:
@@ -267,8 +296,12 @@ def _sigkill(tmp: Path, n: int = 2000) -> dict:
             time.sleep(0.2)
         out = requests.get(f"{s.envoy_url}/v1/files/{got['output_file_id']}/content", timeout=60).content
         ids = [json.loads(x)["custom_id"] for x in out.splitlines()]
-    return {"lines": n, "lost": n - len(set(ids)), "duplicated": len(ids) - len(set(ids)),
-            "kill_to_progress_s": resumed_s}
+    return {
+        "lines": n,
+        "lost": n - len(set(ids)),
+        "duplicated": len(ids) - len(set(ids)),
+        "kill_to_progress_s": resumed_s,
+    }
 
 
 def _markdown(out: Path, r: dict, argv: list[str] | None) -> None:
@@ -288,11 +321,16 @@ def _markdown(out: Path, r: dict, argv: list[str] | None) -> None:
         print(text)
         return
     m = r["rss"]
-    text += (f"Router RSS: {m['router_rss_before_mib']:.0f} MiB before, {m['router_rss_running_mib']:.0f} MiB with a "
-             f"{m['lines']:,}-line ({m['file_mib']:.0f} MiB) batch running; upload + create {m['upload_and_create_s']:.1f} s.\n\n")
+    text += (
+        f"Router RSS: {m['router_rss_before_mib']:.0f} MiB before, {m['router_rss_running_mib']:.0f} MiB with a "
+        f"{m['lines']:,}-line ({m['file_mib']:.0f} MiB) batch running; "
+        f"upload + create {m['upload_and_create_s']:.1f} s.\n\n"
+    )
     k = r["sigkill"]
-    text += (f"Router SIGKILL mid-batch ({k['lines']} lines): {k['lost']} lost, {k['duplicated']} duplicated; "
-             f"progress again {k['kill_to_progress_s']:.1f} s after the kill.\n")
+    text += (
+        f"Router SIGKILL mid-batch ({k['lines']} lines): {k['lost']} lost, {k['duplicated']} duplicated; "
+        f"progress again {k['kill_to_progress_s']:.1f} s after the kill.\n"
+    )
     (out / "README.md").write_text(text)
     print(text)
 

@@ -59,7 +59,8 @@ def micro(n_big: int = 100_000, tenants: int = 1) -> dict:
     from shared.protocol import Pool, TaskType
 
     cfg = msgspec.structs.replace(
-        SchedulerConfig(), classes=[ClassConfig(name=c, queue_deadline_s=1e9) for c in common.CLASSES])
+        SchedulerConfig(), classes=[ClassConfig(name=c, queue_deadline_s=1e9) for c in common.CLASSES]
+    )
     out = {}
     for n in (1000, n_big):
         p = Policy(cfg)
@@ -95,7 +96,7 @@ def micro(n_big: int = 100_000, tenants: int = 1) -> dict:
             dt.append(time.perf_counter_ns() - t0)
         # pass cost: a running job ends, the pass dispatches the next one
         passes = []
-        for i in range(1000):
+        for _ in range(1000):
             t += 0.001
             p.finish(running.pop(0), t)
             t0 = time.perf_counter_ns()
@@ -103,12 +104,15 @@ def micro(n_big: int = 100_000, tenants: int = 1) -> dict:
             passes.append(time.perf_counter_ns() - t0)
             running += [a.job_id for a in acts]
             assert len(acts) == 1
-        out[n] = {"queued": n, "policy_bytes_per_queued": round(policy_bytes / n),
-                  "job_bytes_per_queued": round(jobs_bytes / n),
-                  "submit_us_p50": statistics.median(dt) / 1e3,
-                  "submit_us_p99": sorted(dt)[int(0.99 * len(dt))] / 1e3,
-                  "pass_us_p50": statistics.median(passes) / 1e3,
-                  "pass_us_p99": sorted(passes)[int(0.99 * len(passes))] / 1e3}
+        out[n] = {
+            "queued": n,
+            "policy_bytes_per_queued": round(policy_bytes / n),
+            "job_bytes_per_queued": round(jobs_bytes / n),
+            "submit_us_p50": statistics.median(dt) / 1e3,
+            "submit_us_p99": sorted(dt)[int(0.99 * len(dt))] / 1e3,
+            "pass_us_p50": statistics.median(passes) / 1e3,
+            "pass_us_p99": sorted(passes)[int(0.99 * len(passes))] / 1e3,
+        }
     return out
 
 
@@ -138,8 +142,9 @@ class _RssSampler(threading.Thread):
             time.sleep(0.05)
 
 
-async def _fire(url: str, model: str, n: int, max_tokens: int, stream: bool, retry: bool,
-                deadline_s: float) -> list[dict]:
+async def _fire(
+    url: str, model: str, n: int, max_tokens: int, stream: bool, retry: bool, deadline_s: float
+) -> list[dict]:
     """``n`` requests at once (one connection each); a refused one is sent
     again after its Retry-After when ``retry``.  One dict per request."""
     import aiohttp
@@ -147,10 +152,10 @@ async def _fire(url: str, model: str, n: int, max_tokens: int, stream: bool, ret
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=deadline_s)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout, trust_env=False) as s:
+
         async def one(i: int) -> dict:
             rec = {"attempts": []}
-            body = {"model": model, "prompt": f"{i} " + "x" * 124, "max_tokens": max_tokens,
-                    "stream": stream}
+            body = {"model": model, "prompt": f"{i} " + "x" * 124, "max_tokens": max_tokens, "stream": stream}
             while True:
                 t0 = time.monotonic()
                 try:
@@ -167,8 +172,9 @@ async def _fire(url: str, model: str, n: int, max_tokens: int, stream: bool, ret
                                 code = None
                 except Exception as e:  # transport error: count it, do not retry
                     status, ra, code = f"error:{type(e).__name__}", None, None
-                rec["attempts"].append({"status": status, "code": code, "retry_after": ra,
-                                        "latency_s": time.monotonic() - t0})
+                rec["attempts"].append(
+                    {"status": status, "code": code, "retry_after": ra, "latency_s": time.monotonic() - t0}
+                )
                 if status in (429, 503) and retry and ra is not None and len(rec["attempts"]) == 1:
                     await asyncio.sleep(int(ra))
                     continue
@@ -198,23 +204,38 @@ def _summarise(recs: list[dict]) -> dict:
     ra = sorted(int(r["attempts"][0]["retry_after"]) for r in refused if r["attempts"][0]["retry_after"])
     codes = Counter(r["attempts"][0]["code"] for r in refused)
     return {
-        "sent": len(recs), "first_status": dict(first), "final_status": dict(final),
+        "sent": len(recs),
+        "first_status": dict(first),
+        "final_status": dict(final),
         "refusal_codes": dict(codes),
         "refusal_latency_ms_p50": round(1e3 * lat[len(lat) // 2], 1) if lat else None,
         "refusal_latency_ms_max": round(1e3 * lat[-1], 1) if lat else None,
         "retry_after_s": {"min": ra[0], "p50": ra[len(ra) // 2], "max": ra[-1]} if ra else None,
-        "retried": len(retried), "served_on_first_retry": len(ok_retry),
+        "retried": len(retried),
+        "served_on_first_retry": len(ok_retry),
         "first_retry_fraction": round(len(ok_retry) / len(retried), 3) if retried else None,
     }
 
 
-def stack_burst(out: Path, *, n: int, max_tokens: int, seqs: int, deadline: float, stream: bool,
-                retry: bool, label: str, rounds: int = 2) -> list[dict]:
+def stack_burst(
+    out: Path,
+    *,
+    n: int,
+    max_tokens: int,
+    seqs: int,
+    deadline: float,
+    stream: bool,
+    retry: bool,
+    label: str,
+    rounds: int = 2,
+) -> list[dict]:
     """``rounds`` bursts on one stack (the first on a cold router: nothing
     measured yet), each summarised; router RSS before, at peak and after."""
     cfg = common.write_config(
-        out / label, workers=[common.sim_worker("sim-0", max_num_seqs=seqs, kv_capacity_tokens=1 << 22)],
-        scheduler={"classes": [{"name": c, "queue_deadline_s": deadline} for c in common.CLASSES]})
+        out / label,
+        workers=[common.sim_worker("sim-0", max_num_seqs=seqs, kv_capacity_tokens=1 << 22)],
+        scheduler={"classes": [{"name": c, "queue_deadline_s": deadline} for c in common.CLASSES]},
+    )
     with common.stack(cfg, out / label / "run") as st:
         pid = _router_pid(st)
         # warm the path (first requests import and allocate)
@@ -227,8 +248,9 @@ def stack_burst(out: Path, *, n: int, max_tokens: int, seqs: int, deadline: floa
             sampler = _RssSampler(pid)
             sampler.start()
             t0 = time.monotonic()
-            recs = asyncio.run(_fire(st.envoy_url, common.SIM_MODEL, n, max_tokens, stream, retry,
-                                     deadline_s=4 * deadline + 3600))
+            recs = asyncio.run(
+                _fire(st.envoy_url, common.SIM_MODEL, n, max_tokens, stream, retry, deadline_s=4 * deadline + 3600)
+            )
             elapsed = time.monotonic() - t0
             workers = _drained(st.router_url)
             queues = _get(st.router_url + "/admin/queues")
@@ -238,17 +260,30 @@ def stack_burst(out: Path, *, n: int, max_tokens: int, seqs: int, deadline: floa
             res = _summarise(recs)
             served = sorted(a["latency_s"] for r in recs for a in r["attempts"][:1] if a["status"] == 200)
             normal = next(q for q in queues if q["class"] == "normal" and q["pool"] == "short")
-            res.update(label=label, round=rnd + 1, n=n, max_tokens=max_tokens, max_num_seqs=seqs,
-                       deadline_s=deadline, elapsed_s=round(elapsed, 1),
-                       served_first_latency_s_p50=round(served[len(served) // 2], 2) if served else None,
-                       router_rss_mb={"stack_start": round(rss_start / 1024, 1),
-                                      "before": round(rss0 / 1024, 1), "peak": round(sampler.peak / 1024, 1),
-                                      "after": round(rss1 / 1024, 1)},
-                       reserved_after=[w["reserved_tokens"] for w in workers],
-                       running_after=[w["running"] for w in workers],
-                       preemptions=[w.get("preemptions") for w in workers],
-                       wait_error_s={"p50": normal["wait_error_p50_s"], "p90": normal["wait_error_p90_s"],
-                                     "samples": normal["wait_samples"]})
+            res.update(
+                label=label,
+                round=rnd + 1,
+                n=n,
+                max_tokens=max_tokens,
+                max_num_seqs=seqs,
+                deadline_s=deadline,
+                elapsed_s=round(elapsed, 1),
+                served_first_latency_s_p50=round(served[len(served) // 2], 2) if served else None,
+                router_rss_mb={
+                    "stack_start": round(rss_start / 1024, 1),
+                    "before": round(rss0 / 1024, 1),
+                    "peak": round(sampler.peak / 1024, 1),
+                    "after": round(rss1 / 1024, 1),
+                },
+                reserved_after=[w["reserved_tokens"] for w in workers],
+                running_after=[w["running"] for w in workers],
+                preemptions=[w.get("preemptions") for w in workers],
+                wait_error_s={
+                    "p50": normal["wait_error_p50_s"],
+                    "p90": normal["wait_error_p90_s"],
+                    "samples": normal["wait_samples"],
+                },
+            )
             results.append(res)
             print(json.dumps(res, indent=1))
     return results
@@ -258,11 +293,16 @@ def stack_burst(out: Path, *, n: int, max_tokens: int, seqs: int, deadline: floa
 
 
 def _vllm_bench(base_url: str, out: Path, label: str, num: int) -> dict:
-    data = common.vllm_bench_serve(base_url, out, f"vllm-bench-{label}", [
-        "--random-input-len", "32", "--random-output-len", "16", "--num-prompts", str(num), "--request-rate", "inf"])
-    return {k: data.get(k) for k in ("completed", "num_prompts", "duration", "median_ttft_ms",
-                                     "p99_ttft_ms", "request_throughput")} | {
-        "failed": (data.get("num_prompts") or num) - (data.get("completed") or 0)}
+    data = common.vllm_bench_serve(
+        base_url,
+        out,
+        f"vllm-bench-{label}",
+        ["--random-input-len", "32", "--random-output-len", "16", "--num-prompts", str(num), "--request-rate", "inf"],
+    )
+    return {
+        k: data.get(k)
+        for k in ("completed", "num_prompts", "duration", "median_ttft_ms", "p99_ttft_ms", "request_throughput")
+    } | {"failed": (data.get("num_prompts") or num) - (data.get("completed") or 0)}
 
 
 def vllm_compare(out: Path, num: int = 1000) -> dict:
@@ -270,8 +310,9 @@ def vllm_compare(out: Path, num: int = 1000) -> dict:
 
     args = argparse.Namespace(max_num_seqs=16, kv_cache_bytes=64 << 20, engine_env=dict(common.CPU_ENGINE_ENV))
     res = {}
-    cfg = common.write_config(out / "vllm-stack", workers=[
-        common.vllm_worker(max_num_seqs=16, kv_cache_bytes=64 << 20, env=args.engine_env)])
+    cfg = common.write_config(
+        out / "vllm-stack", workers=[common.vllm_worker(max_num_seqs=16, kv_cache_bytes=64 << 20, env=args.engine_env)]
+    )
     with common.stack(cfg, out / "vllm-stack" / "run") as st:
         res["weir"] = _vllm_bench(st.envoy_url, out, "weir", num)
         res["weir"]["reserved_after"] = [w["reserved_tokens"] for w in _drained(st.router_url)]
@@ -307,18 +348,37 @@ def main(argv=None) -> int:
         res["micro"] = micro(args.big)
         print(json.dumps(res["micro"], indent=1))
     if "absorb" in parts:
-        res["absorb"] = stack_burst(out, n=args.absorb_n, max_tokens=64, seqs=256, deadline=60.0,
-                                    stream=True, retry=False, label="absorb", rounds=args.rounds)
+        res["absorb"] = stack_burst(
+            out,
+            n=args.absorb_n,
+            max_tokens=64,
+            seqs=256,
+            deadline=60.0,
+            stream=True,
+            retry=False,
+            label="absorb",
+            rounds=args.rounds,
+        )
     if "burst" in parts:
         # what one worker of --burst-seqs slots serves within the deadline, from the sim's
         # step model: 64-token jobs, one step ~ 2.3 ms + 60 us x slots
         step = 2.3e-3 + 60e-6 * args.burst_seqs
         within = int(args.burst_seqs * args.deadline / (65 * step))
-        res["burst"] = stack_burst(out, n=int(args.multiple * within), max_tokens=64, seqs=args.burst_seqs,
-                                   deadline=args.deadline, stream=False, retry=True, label="burst",
-                                   rounds=args.rounds)
-        print(f"a burst of {int(args.multiple * within)} = {args.multiple:g} x {within} (what the "
-              f"sim's step model serves within {args.deadline:g} s)")
+        res["burst"] = stack_burst(
+            out,
+            n=int(args.multiple * within),
+            max_tokens=64,
+            seqs=args.burst_seqs,
+            deadline=args.deadline,
+            stream=False,
+            retry=True,
+            label="burst",
+            rounds=args.rounds,
+        )
+        print(
+            f"a burst of {int(args.multiple * within)} = {args.multiple:g} x {within} (what the "
+            f"sim's step model serves within {args.deadline:g} s)"
+        )
     if "vllm" in parts:
         res["vllm"] = vllm_compare(out)
         print(json.dumps(res["vllm"], indent=1))

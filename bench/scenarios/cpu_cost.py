@@ -108,33 +108,72 @@ def idle_cpu(servers: dict[str, tuple[str, dict[str, int]]], seconds: float) -> 
     return idle
 
 
-def vllm_bench(base_url: str, out: Path, label: str, args: argparse.Namespace, rate: float,
-               output_len: int | None = None) -> dict[str, Any]:
+def vllm_bench(
+    base_url: str, out: Path, label: str, args: argparse.Namespace, rate: float, output_len: int | None = None
+) -> dict[str, Any]:
     """One ``vllm bench serve`` run of this scenario's load at ``rate``
     (``output_len`` tokens out; the first of ``--output-len`` if not given)."""
     olen = args.output_lens[0] if output_len is None else output_len
-    return common.vllm_bench_serve(base_url, out, f"bench-{label}", [
-        "--random-input-len", str(args.input_len), "--random-output-len", str(olen), "--ignore-eos",
-        "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}", "--seed", "7",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"], timeout_s=1200, check=True)
+    return common.vllm_bench_serve(
+        base_url,
+        out,
+        f"bench-{label}",
+        [
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(olen),
+            "--ignore-eos",
+            "--num-prompts",
+            str(args.num_prompts),
+            "--request-rate",
+            f"{rate:g}",
+            "--seed",
+            "7",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,99",
+        ],
+        timeout_s=1200,
+        check=True,
+    )
 
 
-def measure(server: str, url: str, groups: dict[str, int], out: Path, label: str, args: argparse.Namespace,
-            rate: float, output_len: int) -> dict[str, Any]:
+def measure(
+    server: str,
+    url: str,
+    groups: dict[str, int],
+    out: Path,
+    label: str,
+    args: argparse.Namespace,
+    rate: float,
+    output_len: int,
+) -> dict[str, Any]:
     before = group_cpu(groups)
     res = vllm_bench(url, out, label, args, rate, output_len)
     after = group_cpu(groups)
     served, tokens = res["completed"], res["total_output_tokens"]
     cpu = {role: after[role] - before[role] for role in after}
     frontend = sum(cpu[r] for r in FRONTEND[server])
-    row = {"server": server, "rate": rate, "output_len": output_len, "completed": served,
-           "failed": res["num_prompts"] - served,
-           "output_tokens": tokens, "cpu_s": cpu, "frontend_cpu_s": frontend,
-           "frontend_ms_per_request": 1e3 * frontend / max(1, served),
-           "frontend_ms_per_1k_tokens": 1e6 * frontend / max(1, tokens)}
+    row = {
+        "server": server,
+        "rate": rate,
+        "output_len": output_len,
+        "completed": served,
+        "failed": res["num_prompts"] - served,
+        "output_tokens": tokens,
+        "cpu_s": cpu,
+        "frontend_cpu_s": frontend,
+        "frontend_ms_per_request": 1e3 * frontend / max(1, served),
+        "frontend_ms_per_1k_tokens": 1e6 * frontend / max(1, tokens),
+    }
     row |= {k: res.get(k) for k in TIMING}
-    print(f"[cpu_cost] {label}: frontend {row['frontend_ms_per_request']:.2f} ms/request, "
-          f"TTFT p50 {row['median_ttft_ms']:.1f} ms, p99 {row['p99_ttft_ms']:.1f} ms; {cpu}", file=sys.stderr)
+    print(
+        f"[cpu_cost] {label}: frontend {row['frontend_ms_per_request']:.2f} ms/request, "
+        f"TTFT p50 {row['median_ttft_ms']:.1f} ms, p99 {row['p99_ttft_ms']:.1f} ms; {cpu}",
+        file=sys.stderr,
+    )
     return row
 
 
@@ -144,14 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--num-prompts", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", default="32",
-                    help="tokens out per request; a comma-separated list runs each and fits fixed + per-token CPU")
+    ap.add_argument(
+        "--output-len",
+        default="32",
+        help="tokens out per request; a comma-separated list runs each and fits fixed + per-token CPU",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
-    ap.add_argument("--idle-s", type=float, default=20.0,
-                    help="seconds of idle CPU measured once after the warm-up (0: skip)")
-    ap.add_argument("--pin-engine", action="store_true",
-                    help="both engines on the last CPU, everything else on the others (a GPU host's topology)")
+    ap.add_argument(
+        "--idle-s", type=float, default=20.0, help="seconds of idle CPU measured once after the warm-up (0: skip)"
+    )
+    ap.add_argument(
+        "--pin-engine",
+        action="store_true",
+        help="both engines on the last CPU, everything else on the others (a GPU host's topology)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
@@ -164,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.output_lens or min(args.output_lens) < 1:
         ap.error("--output-len: one or more positive token counts")
     out = args.out or common.results_dir("cpu-cost")
-    cfg = common.write_config(out / "stack", workers=[
-        common.vllm_worker(max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes)])
+    cfg = common.write_config(
+        out / "stack", workers=[common.vllm_worker(max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes)]
+    )
     port = common.free_port()
     vllm_log = out / "vllm-server.log"
     rows: list[dict[str, Any]] = []
@@ -177,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             worker = next(name for name in comp if name.startswith("worker"))
             servers = {
                 "vllm": (f"http://127.0.0.1:{port}", {"api_server": proc.pid}),
-                "weir": (st.envoy_url, {"router": comp["router"].pid, "envoy": comp["envoy"].pid,
-                                        "worker": comp[worker].pid}),
+                "weir": (
+                    st.envoy_url,
+                    {"router": comp["router"].pid, "envoy": comp["envoy"].pid, "worker": comp[worker].pid},
+                ),
             }
             for s, (url, _) in servers.items():  # warm-up: the first requests compile and allocate
                 vllm_bench(url, out, f"warm-up-{s}", argparse.Namespace(**{**vars(args), "num_prompts": 40}), 10.0)
@@ -199,8 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_group(proc)
     lines = fits(rows)
-    common.save(out, "cpu_cost.json", {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
-                                       "idle_ms_per_s": idle, "fits": lines})
+    common.save(
+        out,
+        "cpu_cost.json",
+        {
+            "args": {k: v for k, v in vars(args).items() if k != "out"},
+            "rows": rows,
+            "idle_ms_per_s": idle,
+            "fits": lines,
+        },
+    )
     _report(out, rows, lines, rates, args, argv if argv is not None else sys.argv[1:], idle)
     return 0
 
@@ -242,8 +299,9 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     by_len.setdefault(r["output_len"], []).append(r)
             if len(by_len) < 2:
                 continue
-            tokens = [statistics.median(r["output_tokens"] / max(1, r["completed"]) for r in rs)
-                      for rs in by_len.values()]
+            tokens = [
+                statistics.median(r["output_tokens"] / max(1, r["completed"]) for r in rs) for rs in by_len.values()
+            ]
             fit = {"rate": rate, "server": s}
             for role in (*FRONTEND[s], "frontend"):
                 parts = FRONTEND[s] if role == "frontend" else (role,)
@@ -254,19 +312,34 @@ def fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _report(out: Path, rows: list[dict[str, Any]], lines: list[dict[str, Any]], rates: list[float],
-            args: argparse.Namespace, argv: list[str], idle: dict[str, dict[str, float]]) -> None:
+def _report(
+    out: Path,
+    rows: list[dict[str, Any]],
+    lines: list[dict[str, Any]],
+    rates: list[float],
+    args: argparse.Namespace,
+    argv: list[str],
+    idle: dict[str, dict[str, float]],
+) -> None:
     lens = args.output_lens
-    md = [common.header("CPU per request: weir's frontend against vllm serve's", ["bench.scenarios.cpu_cost", *argv]),
-          "", f"`vllm bench serve`, random dataset, {args.input_len} tokens in, {', '.join(map(str, lens))} out "
-          f"(EOS ignored), streamed, {args.num_prompts} requests per run, Poisson; tiny-llama, max_num_seqs "
-          f"{args.max_num_seqs}, {args.kv_cache_bytes >> 20} MiB KV, both engines alike.  Medians of {args.rounds} "
-          "alternating rounds.  Frontend: vllm's API server; weir's router + Envoy + worker process.  CPU is user + "
-          "system from /proc." + (f"  Pinned: both engines on CPU {args.engine_cpu}, everything else on the "
-                                  "other CPUs." if args.pin_engine else "") + "\n",
-          "| rate | out | server | served | frontend ms / request | ms / 1k tokens | router | Envoy | worker "
-          "| API server | engine (EngineCore + model worker) | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
-          "|---" * 15 + "|"]
+    md = [
+        common.header("CPU per request: weir's frontend against vllm serve's", ["bench.scenarios.cpu_cost", *argv]),
+        "",
+        f"`vllm bench serve`, random dataset, {args.input_len} tokens in, {', '.join(map(str, lens))} out "
+        f"(EOS ignored), streamed, {args.num_prompts} requests per run, Poisson; tiny-llama, max_num_seqs "
+        f"{args.max_num_seqs}, {args.kv_cache_bytes >> 20} MiB KV, both engines alike.  Medians of {args.rounds} "
+        "alternating rounds.  Frontend: vllm's API server; weir's router + Envoy + worker process.  CPU is user + "
+        "system from /proc."
+        + (
+            f"  Pinned: both engines on CPU {args.engine_cpu}, everything else on the other CPUs."
+            if args.pin_engine
+            else ""
+        )
+        + "\n",
+        "| rate | out | server | served | frontend ms / request | ms / 1k tokens | router | Envoy | worker "
+        "| API server | engine (EngineCore + model worker) | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
+        "|---" * 15 + "|",
+    ]
     per_run: dict[tuple[float, int], dict[str, dict[str, float]]] = {}
     for rate in rates:
         for olen in lens:
@@ -276,38 +349,58 @@ def _report(out: Path, rows: list[dict[str, Any]], lines: list[dict[str, Any]], 
                 m = {k: _median(rs, k) for k in ("frontend_ms_per_request", "frontend_ms_per_1k_tokens", *TIMING)}
                 per_run.setdefault((rate, olen), {})[s] = m | n
                 shown = (*FRONTEND[s], "engine")
-                md.append(f"| {rate:g} | {olen} | {s} | {sum(r['completed'] for r in rs)} / "
-                          f"{sum(r['completed'] + r['failed'] for r in rs)} "
-                          f"| {m['frontend_ms_per_request']:.2f} | {m['frontend_ms_per_1k_tokens']:.1f} | "
-                          + " | ".join(f"{n[role]:.2f}" if role in shown else "-" for role in ROLES)
-                          + f" | {m['median_ttft_ms']:.1f} | {m['p99_ttft_ms']:.1f} | {m['median_tpot_ms']:.2f} "
-                          f"| {m['p99_tpot_ms']:.2f} |")
-    md += ["", "| rate | out | frontend CPU weir / vllm | TTFT p50 ratio | TTFT p99 ratio | TPOT p50 ratio |",
-           "|---|---|---|---|---|---|"]
+                md.append(
+                    f"| {rate:g} | {olen} | {s} | {sum(r['completed'] for r in rs)} / "
+                    f"{sum(r['completed'] + r['failed'] for r in rs)} "
+                    f"| {m['frontend_ms_per_request']:.2f} | {m['frontend_ms_per_1k_tokens']:.1f} | "
+                    + " | ".join(f"{n[role]:.2f}" if role in shown else "-" for role in ROLES)
+                    + f" | {m['median_ttft_ms']:.1f} | {m['p99_ttft_ms']:.1f} | {m['median_tpot_ms']:.2f} "
+                    f"| {m['p99_tpot_ms']:.2f} |"
+                )
+    md += [
+        "",
+        "| rate | out | frontend CPU weir / vllm | TTFT p50 ratio | TTFT p99 ratio | TPOT p50 ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for (rate, olen), d in per_run.items():
         w, v = d["weir"], d["vllm"]
-        md.append(f"| {rate:g} | {olen} | {w['frontend_ms_per_request'] / v['frontend_ms_per_request']:.2f} | "
-                  f"{w['median_ttft_ms'] / v['median_ttft_ms']:.2f} | {w['p99_ttft_ms'] / v['p99_ttft_ms']:.2f} | "
-                  f"{w['median_tpot_ms'] / v['median_tpot_ms']:.2f} |")
+        md.append(
+            f"| {rate:g} | {olen} | {w['frontend_ms_per_request'] / v['frontend_ms_per_request']:.2f} | "
+            f"{w['median_ttft_ms'] / v['median_ttft_ms']:.2f} | {w['p99_ttft_ms'] / v['p99_ttft_ms']:.2f} | "
+            f"{w['median_tpot_ms'] / v['median_tpot_ms']:.2f} |"
+        )
     if lines:
-        md += ["", "CPU per request as a line through the output lengths: fixed ms per request (idle share "
-               "included) + µs per streamed token.", "",
-               "| rate | server | frontend fixed ms | frontend µs / token | by process (fixed ms + µs / token) |",
-               "|---|---|---|---|---|"]
+        md += [
+            "",
+            "CPU per request as a line through the output lengths: fixed ms per request (idle share "
+            "included) + µs per streamed token.",
+            "",
+            "| rate | server | frontend fixed ms | frontend µs / token | by process (fixed ms + µs / token) |",
+            "|---|---|---|---|---|",
+        ]
         for f in lines:
-            parts = ", ".join(f"{role} {f[role]['fixed_ms']:.2f} + {f[role]['us_per_token']:.0f}"
-                              for role in FRONTEND[f["server"]])
-            md.append(f"| {f['rate']:g} | {f['server']} | {f['frontend']['fixed_ms']:.2f} | "
-                      f"{f['frontend']['us_per_token']:.0f} | {parts} |")
+            parts = ", ".join(
+                f"{role} {f[role]['fixed_ms']:.2f} + {f[role]['us_per_token']:.0f}" for role in FRONTEND[f["server"]]
+            )
+            md.append(
+                f"| {f['rate']:g} | {f['server']} | {f['frontend']['fixed_ms']:.2f} | "
+                f"{f['frontend']['us_per_token']:.0f} | {parts} |"
+            )
     if idle:
-        md += ["", f"Idle, no request in flight ({args.idle_s:g} s once after the warm-up), CPU ms per second:", "",
-               "| server | frontend | " + " | ".join(FRONTEND["weir"] + FRONTEND["vllm"]) + " | engine |",
-               "|---" * (3 + len(FRONTEND["weir"]) + len(FRONTEND["vllm"])) + "|"]
+        md += [
+            "",
+            f"Idle, no request in flight ({args.idle_s:g} s once after the warm-up), CPU ms per second:",
+            "",
+            "| server | frontend | " + " | ".join(FRONTEND["weir"] + FRONTEND["vllm"]) + " | engine |",
+            "|---" * (3 + len(FRONTEND["weir"]) + len(FRONTEND["vllm"])) + "|",
+        ]
         for s in SERVERS:
             d = idle[s]
-            md.append(f"| {s} | {sum(d[r] for r in FRONTEND[s]):.1f} | "
-                      + " | ".join(f"{d[r]:.1f}" if r in d else "-" for r in FRONTEND["weir"] + FRONTEND["vllm"])
-                      + f" | {d['engine']:.1f} |")
+            md.append(
+                f"| {s} | {sum(d[r] for r in FRONTEND[s]):.1f} | "
+                + " | ".join(f"{d[r]:.1f}" if r in d else "-" for r in FRONTEND["weir"] + FRONTEND["vllm"])
+                + f" | {d['engine']:.1f} |"
+            )
     _plot(out, per_run, len(lens) > 1)
     md += ["", "![CPU per request by process](cpu_cost.png)"]
     text = "\n".join(md) + "\n"

@@ -36,15 +36,35 @@ SERVERS = ("vllm", "weir")
 
 
 def start_vllm_server(port: int, args, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(EMBED_DIR), "--served-model-name", MODEL, "--runner", "pooling",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "512", "--max-num-seqs", str(args.max_num_seqs),
-            "--kv-cache-memory-bytes", str(args.kv_cache_bytes), "--dtype", "bfloat16", "--enforce-eager"]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(EMBED_DIR),
+        "--served-model-name",
+        MODEL,
+        "--runner",
+        "pooling",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(args.kv_cache_bytes),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **common.CPU_ENGINE_ENV}
     with open(log, "wb") as f:
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.REPO,
-                                process_group=0)  # as weir's components: bench/results/2026-12-02-autogroup.md
+        return subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.REPO, process_group=0
+        )  # as weir's components: bench/results/2026-12-02-autogroup.md
 
 
 def _inputs(batch: int, seq: int) -> list[str]:
@@ -63,8 +83,9 @@ async def _closed_loop(url: str, batch: int, concurrency: int, seconds: float) -
             while time.perf_counter() < stop:
                 seq += 1
                 t0 = time.perf_counter()
-                r = await c.post("/embeddings", json={"model": MODEL, "input": _inputs(batch, seq),
-                                                      "encoding_format": "base64"})
+                r = await c.post(
+                    "/embeddings", json={"model": MODEL, "input": _inputs(batch, seq), "encoding_format": "base64"}
+                )
                 if r.status_code == 200:
                     latencies.append(time.perf_counter() - t0)
                 else:
@@ -75,16 +96,18 @@ async def _closed_loop(url: str, batch: int, concurrency: int, seconds: float) -
         elapsed = time.perf_counter() - t0
     lat = sorted(latencies)
     return {
-        "requests": len(lat), "errors": errors, "elapsed_s": round(elapsed, 2),
-        "requests_per_s": round(len(lat) / elapsed, 1), "inputs_per_s": round(len(lat) * batch / elapsed, 1),
+        "requests": len(lat),
+        "errors": errors,
+        "elapsed_s": round(elapsed, 2),
+        "requests_per_s": round(len(lat) / elapsed, 1),
+        "inputs_per_s": round(len(lat) * batch / elapsed, 1),
         "p50_ms": round(statistics.median(lat) * 1e3, 2) if lat else None,
         "p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1e3, 2) if lat else None,
     }
 
 
 def _vectors(url: str, texts: list[str]) -> np.ndarray:
-    r = httpx.post(url + "/embeddings", json={"model": MODEL, "input": texts, "encoding_format": "float"},
-                   timeout=60)
+    r = httpx.post(url + "/embeddings", json={"model": MODEL, "input": texts, "encoding_format": "float"}, timeout=60)
     r.raise_for_status()
     return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
 
@@ -96,17 +119,30 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="per server and batch size")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--kv-cache-bytes", type=int, default=16 << 20)
-    ap.add_argument("--dispatch-lookahead", type=int, default=0,
-                    help="weir's scheduler.dispatch_lookahead (jobs a worker may hold beyond max_num_seqs)")
+    ap.add_argument(
+        "--dispatch-lookahead",
+        type=int,
+        default=0,
+        help="weir's scheduler.dispatch_lookahead (jobs a worker may hold beyond max_num_seqs)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     out = args.out or common.results_dir("embeddings")
-    cfg = common.write_config(out / "stack", models=[
-        {"name": MODEL, "engine": "vllm", "task": "embed", "path": str(EMBED_DIR), "max_model_len": 512}],
-        workers=[{"id": "embed-0", "model": MODEL, "max_num_seqs": args.max_num_seqs,
-                  "kv_cache_bytes": args.kv_cache_bytes, "env": dict(common.CPU_ENGINE_ENV)}],
-        scheduler={"dispatch_lookahead": args.dispatch_lookahead})
+    cfg = common.write_config(
+        out / "stack",
+        models=[{"name": MODEL, "engine": "vllm", "task": "embed", "path": str(EMBED_DIR), "max_model_len": 512}],
+        workers=[
+            {
+                "id": "embed-0",
+                "model": MODEL,
+                "max_num_seqs": args.max_num_seqs,
+                "kv_cache_bytes": args.kv_cache_bytes,
+                "env": dict(common.CPU_ENGINE_ENV),
+            }
+        ],
+        scheduler={"dispatch_lookahead": args.dispatch_lookahead},
+    )
     port = common.free_port()
     vllm_url = f"http://127.0.0.1:{port}/v1"
     log = out / "vllm-server.log"
@@ -127,16 +163,26 @@ def main(argv=None) -> int:
                     print(f"{s:5} batch={batch:3}: {r}", file=sys.stderr)
     finally:
         stop_group(proc)
-    report = {"argv": argv if argv is not None else sys.argv[1:], "machine": os.uname().nodename,
-              "max_abs_vector_difference": diff, "runs": results}
+    report = {
+        "argv": argv if argv is not None else sys.argv[1:],
+        "machine": os.uname().nodename,
+        "max_abs_vector_difference": diff,
+        "runs": results,
+    }
     (out / "summary.json").write_text(json.dumps(report, indent=2))
-    lines = [f"# Embeddings: weir vs vllm serve ({MODEL})", "",
-             f"concurrency {args.concurrency}, {args.seconds:g} s per run, max_num_seqs {args.max_num_seqs}, "
-             f"weir's dispatch_lookahead {args.dispatch_lookahead}; same vectors: max |diff| = {diff:.3g}", "",
-             "| run | inputs/s | requests/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Embeddings: weir vs vllm serve ({MODEL})",
+        "",
+        f"concurrency {args.concurrency}, {args.seconds:g} s per run, max_num_seqs {args.max_num_seqs}, "
+        f"weir's dispatch_lookahead {args.dispatch_lookahead}; same vectors: max |diff| = {diff:.3g}",
+        "",
+        "| run | inputs/s | requests/s | p50 ms | p99 ms | errors |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['inputs_per_s']} | {r['requests_per_s']} | {r['p50_ms']} | {r['p99_ms']} "
-                     f"| {r['errors']} |")
+        lines.append(
+            f"| {name} | {r['inputs_per_s']} | {r['requests_per_s']} | {r['p50_ms']} | {r['p99_ms']} | {r['errors']} |"
+        )
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -52,9 +52,23 @@ class FleetSim:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(backend)
             self.pump.add(sock, lambda frames, s=sock: self._on_message(s, frames))
-            self.pump.send(sock, [p.encoder.encode(p.Register(
-                worker_id=wid, model=SIM_MODEL, pool=p.Pool.ANY, max_model_len=4096,
-                kv_capacity_tokens=1 << 20, block_size=16, max_num_seqs=max_num_seqs, engine="sim"))])
+            self.pump.send(
+                sock,
+                [
+                    p.encoder.encode(
+                        p.Register(
+                            worker_id=wid,
+                            model=SIM_MODEL,
+                            pool=p.Pool.ANY,
+                            max_model_len=4096,
+                            kv_capacity_tokens=1 << 20,
+                            block_size=16,
+                            max_num_seqs=max_num_seqs,
+                            engine="sim",
+                        )
+                    )
+                ],
+            )
             self.socks.append(sock)
         self.served = 0
         self._beat = self.loop.create_task(self._heartbeats())
@@ -62,8 +76,10 @@ class FleetSim:
     def _on_message(self, sock, frames: list[bytes]) -> None:
         msg = p.to_worker_decoder.decode(frames[-1])
         if msg.__class__ is p.Dispatch:
-            out = [p.Delta(r.request_id, " tok", r.params.max_tokens, "length", r.prompt_tokens,
-                           r.params.max_tokens) for r in msg.requests]
+            out = [
+                p.Delta(r.request_id, " tok", r.params.max_tokens, "length", r.prompt_tokens, r.params.max_tokens)
+                for r in msg.requests
+            ]
             self.served += len(out)
             self.pump.send(sock, [p.encoder.encode(p.Outputs(out))])
         elif msg.__class__ is p.Goodbye:  # (a router restart): register again
@@ -88,13 +104,13 @@ def _registered(url: str) -> int:
     try:
         with urllib.request.urlopen(url + "/admin/workers", timeout=5) as r:
             import json
+
             return len(json.loads(r.read()))
     except OSError:
         return -1
 
 
-async def measure(cfg_path: Path, router_pid: int, n_workers: int, n: int, concurrency: int,
-                  idle_s: float) -> dict:
+async def measure(cfg_path: Path, router_pid: int, n_workers: int, n: int, concurrency: int, idle_s: float) -> dict:
     cfg = load(cfg_path)
     url = f"http://{cfg.router.http}"
     fleet = FleetSim(cfg.router.backend, n_workers, cfg.router.heartbeat_interval_s)
@@ -127,8 +143,14 @@ async def measure(cfg_path: Path, router_pid: int, n_workers: int, n: int, concu
         wall = time.perf_counter() - t1
         cpu = pid_cpu_seconds(router_pid) - c0
     fleet.close()
-    return {"workers": n_workers, "registered_s": registered_s, "idle_core": idle_core,
-            "req_s": n / wall, "router_cpu_us": cpu / n * 1e6, "errors": errors}
+    return {
+        "workers": n_workers,
+        "registered_s": registered_s,
+        "idle_core": idle_core,
+        "req_s": n / wall,
+        "router_cpu_us": cpu / n * 1e6,
+        "errors": errors,
+    }
 
 
 def main(argv=None) -> int:
@@ -142,20 +164,25 @@ def main(argv=None) -> int:
     rows = []
     for w in args.workers:  # a fresh router per fleet size: no leftovers of the last
         d = Path(tempfile.mkdtemp(prefix="weir-fleet-"))
-        cfg = localconfig.write_config(d, router={"log_level": "warning", "heartbeat_interval_s": args.heartbeat_s},
-                                       workers=[])
+        cfg = localconfig.write_config(
+            d, router={"log_level": "warning", "heartbeat_interval_s": args.heartbeat_s}, workers=[]
+        )
         log = open(d / "router.log", "wb")
-        router = subprocess.Popen([sys.executable, "-m", "router", "--config", str(cfg)], cwd=str(REPO),
-                                  stdout=log, stderr=subprocess.STDOUT)
+        router = subprocess.Popen(
+            [sys.executable, "-m", "router", "--config", str(cfg)], cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             url = f"http://{load(cfg).router.http}"
             while _registered(url) < 0:
                 time.sleep(0.1)
             rows.append(asyncio.run(measure(cfg, router.pid, w, args.n, args.concurrency, args.idle_s)))
             r = rows[-1]
-            print(f"W={w:>5}: registered in {r['registered_s']:.1f} s; idle router {100 * r['idle_core']:.1f} % "
-                  f"of a core; {r['req_s']:.0f} req/s, router CPU {r['router_cpu_us']:.0f} us/request, "
-                  f"{r['errors']} errors", flush=True)
+            print(
+                f"W={w:>5}: registered in {r['registered_s']:.1f} s; idle router {100 * r['idle_core']:.1f} % "
+                f"of a core; {r['req_s']:.0f} req/s, router CPU {r['router_cpu_us']:.0f} us/request, "
+                f"{r['errors']} errors",
+                flush=True,
+            )
         finally:
             router.terminate()
             router.wait(timeout=10)

@@ -28,8 +28,14 @@ from bench.scenarios import common
 
 def _settled(stack) -> str:
     with requests.Session() as s:
-        ok = s.post(stack.router_url + "/v1/completions", timeout=30,
-                    json={"model": common.SIM_MODEL, "prompt": "still there?", "max_tokens": 2}).status_code == 200
+        ok = (
+            s.post(
+                stack.router_url + "/v1/completions",
+                timeout=30,
+                json={"model": common.SIM_MODEL, "prompt": "still there?", "max_tokens": 2},
+            ).status_code
+            == 200
+        )
         deadline = time.monotonic() + 10
         while True:
             workers = s.get(stack.router_url + "/admin/workers", timeout=5).json()
@@ -64,14 +70,17 @@ def main(argv=None) -> int:
                     bad = fuzz.check_http(r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content)
                     if bad:
                         problems.append((f"http:{name}", body[:300], bad))
-            rows.append((f"OpenAI bodies via {name}", args.n, dict(sorted(seen.items())), time.monotonic() - t0,
-                         _settled(st)))
+            rows.append(
+                (f"OpenAI bodies via {name}", args.n, dict(sorted(seen.items())), time.monotonic() - t0, _settled(st))
+            )
         for name, base in hosts.items():
             host, port = base.removeprefix("http://").split(":")
             seen = collections.Counter()
             t0 = time.monotonic()
-            cases = [fuzz.raw_http(rng, rng.choice(["/v1/completions", "/v1/chat/completions", "/health"]))
-                     for _ in range(args.n)]
+            cases = [
+                fuzz.raw_http(rng, rng.choice(["/v1/completions", "/v1/chat/completions", "/health"]))
+                for _ in range(args.n)
+            ]
 
             def one(data: bytes, host=host, port=int(port), half=name == "router") -> tuple[bytes, bytes]:
                 return data, fuzz.send_raw(host, port, data, timeout=1.0, half_close=half)
@@ -83,8 +92,9 @@ def main(argv=None) -> int:
                     bad = fuzz.check_raw(answer)
                     if bad:
                         problems.append((f"raw:{name}", data[:300], bad))
-            rows.append((f"malformed HTTP to {name}", args.n, dict(sorted(seen.items())), time.monotonic() - t0,
-                         _settled(st)))
+            rows.append(
+                (f"malformed HTTP to {name}", args.n, dict(sorted(seen.items())), time.monotonic() - t0, _settled(st))
+            )
         ctx = zmq.Context.instance()
         for side, addr in (("frontend", st.zmq_frontend), ("backend", st.cfg.router.backend)):
             socks = []
@@ -110,14 +120,20 @@ def main(argv=None) -> int:
                     z.recv()
                     replies += 1
                 z.close()
-            rows.append((f"random frames at the {side}", args.n, {"replies": replies}, time.monotonic() - t0,
-                         _settled(st)))
+            rows.append(
+                (f"random frames at the {side}", args.n, {"replies": replies}, time.monotonic() - t0, _settled(st))
+            )
         workers = requests.get(st.router_url + "/admin/workers", timeout=5).json()
-    lines = [common.header("Fuzz", ["bench.scenarios.fuzz", "-n", str(args.n)]),
-             "| target | cases | answers | s | after |", "|---|---|---|---|---|"]
+    lines = [
+        common.header("Fuzz", ["bench.scenarios.fuzz", "-n", str(args.n)]),
+        "| target | cases | answers | s | after |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {t} | {n} | {a} | {s:.1f} | {after} |" for t, n, a, s, after in rows]
-    lines.append(f"\nWorkers registered at the end: {sorted(w['id'] for w in workers)} (no ghost).  "
-                 f"Problems found: {len(problems)}.")
+    lines.append(
+        f"\nWorkers registered at the end: {sorted(w['id'] for w in workers)} (no ghost).  "
+        f"Problems found: {len(problems)}."
+    )
     for where, case, bad in problems[:20]:
         lines.append(f"- {where}: {bad} -- case {case!r}")
     text = "\n".join(lines) + "\n"

@@ -51,21 +51,36 @@ def main(argv=None) -> int:
     cfg = common.write_config(
         out / "stack",
         models=[{"name": MODEL, "engine": "sim", "path": str(common.TINY_MODEL_DIR), "max_model_len": 200_000}],
-        workers=[common.localconfig.sim_worker("sim-long-0", model=MODEL, max_num_seqs=8, sim={
-            "kv_capacity_tokens": 1_000_000, "prefill_token_us": 0.2, "max_prefill_tokens": 8192})])
+        workers=[
+            common.localconfig.sim_worker(
+                "sim-long-0",
+                model=MODEL,
+                max_num_seqs=8,
+                sim={"kv_capacity_tokens": 1_000_000, "prefill_token_us": 0.2, "max_prefill_tokens": 8192},
+            )
+        ],
+    )
 
     async def scenario(frontend: str) -> tuple[list[float], list[tuple[float, float]]]:
         arrivals: list[float] = []
         windows: list[tuple[float, float]] = []
         async with AsyncClient(frontend) as c:
+            warm = asyncio.Event()  # 100 tokens in: the stream runs steadily
+
             async def running():
                 async for d in c.stream(MODEL, prompt="hello", max_tokens=100_000, ignore_eos=True):
                     if d.num_tokens:
                         arrivals.append(time.perf_counter())
+                        if len(arrivals) == 100:
+                            warm.set()
 
             run = asyncio.ensure_future(running())
-            while len(arrivals) < 100:
-                await asyncio.sleep(0.01)
+            warmed = asyncio.ensure_future(warm.wait())
+            await asyncio.wait([run, warmed], return_when=asyncio.FIRST_COMPLETED)
+            if not warm.is_set():  # the stream ended (or failed) first: waiting on would hang
+                warmed.cancel()
+                run.result()
+                raise RuntimeError(f"the stream ended after {len(arrivals)} tokens")
             await c.complete(MODEL, prompt=text, max_tokens=1)  # warm-up (chat engine imports etc.)
             for _ in range(args.rounds):
                 await asyncio.sleep(0.5)
@@ -98,8 +113,11 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    common.save(out, "long_prompt.json", {"tokens": n_tokens, "tokenize_ms": tokenize_ms,
-                                          "during_ms": during, "between_ms": between})
+    common.save(
+        out,
+        "long_prompt.json",
+        {"tokens": n_tokens, "tokenize_ms": tokenize_ms, "during_ms": during, "between_ms": between},
+    )
     return 0
 
 

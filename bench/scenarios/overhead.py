@@ -33,8 +33,14 @@ from bench.runner import Limits
 from bench.scenarios import common
 
 PATHS = ("floor-zmq", "floor-relay", "zmq", "floor-http", "router", "envoy")
-KIND = {"floor-zmq": "zmq", "floor-relay": "zmq", "zmq": "zmq", "floor-http": "openai", "router": "router",
-        "envoy": "envoy"}
+KIND = {
+    "floor-zmq": "zmq",
+    "floor-relay": "zmq",
+    "zmq": "zmq",
+    "floor-http": "openai",
+    "router": "router",
+    "envoy": "envoy",
+}
 # What each path is compared with to say what it adds.
 BASE = {"floor-relay": "floor-zmq", "zmq": "floor-zmq", "router": "floor-http", "envoy": "router"}
 DESCRIBE = {
@@ -52,8 +58,10 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--num-requests", type=int, default=2000, help="per path (default 2000)")
     ap.add_argument("--rounds", type=int, default=4, help="the paths alternate this many times")
     ap.add_argument("--warmup", type=int, default=200, help="per path, before the first round")
-    ap.add_argument("--backend", help="router<->worker endpoint (default: a free tcp://127.0.0.1 port), "
-                                       "e.g. ipc:///tmp/weir-backend.sock")
+    ap.add_argument(
+        "--backend",
+        help="router<->worker endpoint (default: a free tcp://127.0.0.1 port), e.g. ipc:///tmp/weir-backend.sock",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--curve", action="store_true", help="CURVE on both ZeroMQ planes (keys made in OUT/stack/curve)")
     ap.add_argument("--tracing", metavar="HOST:PORT", help="[tracing] on, exporting to this OTLP collector (gRPC)")
@@ -73,29 +81,58 @@ def main(argv=None) -> int:
         extra["security"] = {"curve": True, "curve_dir": str(d)}
     if args.tracing:  # what tracing costs every path (docs/operating.md#tracing)
         extra["tracing"] = {"endpoint": args.tracing, "sampling_ratio": args.sampling_ratio}
-    cfg = common.write_config(out / "stack", workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)],
-                              router={"backend": args.backend} if args.backend else None, **extra)
+    cfg = common.write_config(
+        out / "stack",
+        workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)],
+        router={"backend": args.backend} if args.backend else None,
+        **extra,
+    )
     ports = common.free_ports(4)
     echo_http, echo_zmq = f"127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"
     relay_front, relay_back = f"tcp://127.0.0.1:{ports[2]}", f"tcp://127.0.0.1:{ports[3]}"
     # three processes, as weir's path has: the client's, the relay's, the worker's
-    echoes = [subprocess.Popen([sys.executable, "-m", "bench.echo", *a], cwd=common.REPO) for a in (
-        ["--http", echo_http, "--zmq", echo_zmq], ["--relay", f"{relay_front},{relay_back}"],
-        ["--worker", relay_back])]
+    echoes = [
+        subprocess.Popen([sys.executable, "-m", "bench.echo", *a], cwd=common.REPO)
+        for a in (
+            ["--http", echo_http, "--zmq", echo_zmq],
+            ["--relay", f"{relay_front},{relay_back}"],
+            ["--worker", relay_back],
+        )
+    ]
     records = {p: [] for p in PATHS}
     try:
         with common.stack(cfg, out / "stack" / "run") as st:
-            urls = {"floor-zmq": echo_zmq, "floor-relay": relay_front, "zmq": st.zmq_frontend,
-                    "floor-http": f"http://{echo_http}", "router": st.router_url, "envoy": st.envoy_url}
+            urls = {
+                "floor-zmq": echo_zmq,
+                "floor-relay": relay_front,
+                "zmq": st.zmq_frontend,
+                "floor-http": f"http://{echo_http}",
+                "router": st.router_url,
+                "envoy": st.envoy_url,
+            }
             _wait_listening(echo_http)
             for p in PATHS:
-                common.bench(workload, KIND[p], urls[p], Arrivals(concurrency=1), Limits(args.warmup, 120, 10),
-                             label=f"warm-up {p}", progress=False, curve=curve_keys if p == "zmq" else None)
+                common.bench(
+                    workload,
+                    KIND[p],
+                    urls[p],
+                    Arrivals(concurrency=1),
+                    Limits(args.warmup, 120, 10),
+                    label=f"warm-up {p}",
+                    progress=False,
+                    curve=curve_keys if p == "zmq" else None,
+                )
             for r in range(args.rounds):
                 for p in PATHS:
-                    res = common.bench(workload, KIND[p], urls[p], Arrivals(concurrency=1),
-                                       Limits(per_round, 600, 30), label=f"{p} round {r + 1}/{args.rounds}",
-                                       curve=curve_keys if p == "zmq" else None)
+                    res = common.bench(
+                        workload,
+                        KIND[p],
+                        urls[p],
+                        Arrivals(concurrency=1),
+                        Limits(per_round, 600, 30),
+                        label=f"{p} round {r + 1}/{args.rounds}",
+                        curve=curve_keys if p == "zmq" else None,
+                    )
                     records[p] += res.records
     finally:
         for e in echoes:
@@ -127,9 +164,11 @@ def _us(x) -> str:
 
 def _report(out: Path, summaries: dict, records: dict, args, argv) -> None:
     e = {p: summaries[p]["e2e_ms"] for p in PATHS}
-    rows = ["| path | what | ok / sent | E2E p50 (µs) | p90 | p99 | adds over | p50 added (µs) | p50 ratio | "
-            "p99 added (µs) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| path | what | ok / sent | E2E p50 (µs) | p90 | p99 | adds over | p50 added (µs) | p50 ratio | "
+        "p99 added (µs) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in PATHS:
         s, b = summaries[p], BASE.get(p)
         ep = e[p] or {}
@@ -138,20 +177,30 @@ def _report(out: Path, summaries: dict, records: dict, args, argv) -> None:
             add50 = f"{1000 * (e[p]['p50'] - e[b]['p50']):+.0f}"
             add99 = f"{1000 * (e[p]['p99'] - e[b]['p99']):+.0f}"
             ratio = f"{e[p]['p50'] / e[b]['p50']:.2f}×"
-        rows.append(f"| {p} | {DESCRIBE[p]} | {s['ok']} / {s['sent']} | {_us(ep.get('p50'))} | {_us(ep.get('p90'))} | "
-                    f"{_us(ep.get('p99'))} | {b or '-'} | {add50} | {ratio} | {add99} |")
+        rows.append(
+            f"| {p} | {DESCRIBE[p]} | {s['ok']} / {s['sent']} | {_us(ep.get('p50'))} | {_us(ep.get('p90'))} | "
+            f"{_us(ep.get('p99'))} | {b or '-'} | {add50} | {ratio} | {add99} |"
+        )
     table = "\n".join(rows)
     if e["zmq"] and e["floor-relay"]:  # what weir's router and worker add beyond their hops
-        table += (f"\n\nZeroMQ direct over the relay floor (the same four hops, no work): "
-                  f"{1000 * (e['zmq']['p50'] - e['floor-relay']['p50']):+.0f} µs p50, "
-                  f"{e['zmq']['p50'] / e['floor-relay']['p50']:.2f}×.")
-    latency_cdf({p: records[p] for p in PATHS}, out / "overhead_cdf.png",
-                "1-token requests, sequential, zero-cost sim engine", metrics=("e2e_ms",))
-    md = (common.header("Overhead: 1-token requests on a zero-cost sim engine",
-                        ["bench.scenarios.overhead", *argv])
-          + f"\n{args.num_requests} requests per path in {args.rounds} alternating rounds, one in flight, "
-          "after a warm-up; E2E as the client sees it (so it includes the client's own work: see the floors).\n\n"
-          + table + "\n\n![CDF](overhead_cdf.png)\n")
+        table += (
+            f"\n\nZeroMQ direct over the relay floor (the same four hops, no work): "
+            f"{1000 * (e['zmq']['p50'] - e['floor-relay']['p50']):+.0f} µs p50, "
+            f"{e['zmq']['p50'] / e['floor-relay']['p50']:.2f}×."
+        )
+    latency_cdf(
+        {p: records[p] for p in PATHS},
+        out / "overhead_cdf.png",
+        "1-token requests, sequential, zero-cost sim engine",
+        metrics=("e2e_ms",),
+    )
+    md = (
+        common.header("Overhead: 1-token requests on a zero-cost sim engine", ["bench.scenarios.overhead", *argv])
+        + f"\n{args.num_requests} requests per path in {args.rounds} alternating rounds, one in flight, "
+        "after a warm-up; E2E as the client sees it (so it includes the client's own work: see the floors).\n\n"
+        + table
+        + "\n\n![CDF](overhead_cdf.png)\n"
+    )
     (out / "summary.md").write_text(md)
     common.save(out, "overhead.json", {"summaries": summaries})
     print(md)

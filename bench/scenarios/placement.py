@@ -41,6 +41,7 @@ SLOTS, KV = 64, 65536
 def load_policy(path: str | None):
     if path is None:
         from router import policy
+
         return policy
     spec = importlib.util.spec_from_file_location("policy_under_test", path)
     mod = importlib.util.module_from_spec(spec)
@@ -51,8 +52,19 @@ def load_policy(path: str | None):
 
 def _jobs(mod, n: int, seed: int, t0: float = 0.0):
     rng = random.Random(seed)
-    return [mod.Job(f"j{seed}-{i}", "m", f"t{rng.randrange(50)}", rng.choice(CLASSES), rng.randint(32, 512),
-                    rng.randint(16, 256), TaskType.AUTO, t0 + i * 1e-4) for i in range(n)]
+    return [
+        mod.Job(
+            f"j{seed}-{i}",
+            "m",
+            f"t{rng.randrange(50)}",
+            rng.choice(CLASSES),
+            rng.randint(32, 512),
+            rng.randint(16, 256),
+            TaskType.AUTO,
+            t0 + i * 1e-4,
+        )
+        for i in range(n)
+    ]
 
 
 def _policy(mod, workers: int):
@@ -105,7 +117,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, nargs="*", default=[1, 16, 64, 256, 1024])
     ap.add_argument("--queued", type=int, nargs="*", default=[1_000, 10_000, 100_000])
     ap.add_argument("--queue-workers", type=int, default=1024)
-    ap.add_argument("--policy", default=None, help="another policy module to measure (a single-file copy, e.g. an old router/policy.py)")
+    ap.add_argument(
+        "--policy",
+        default=None,
+        help="another policy module to measure (a single-file copy, e.g. an old router/policy.py)",
+    )
     args = ap.parse_args(argv)
     mod = load_policy(args.policy)
     print(f"policy {args.policy or 'router.policy'}; {args.jobs} jobs; best of {args.repeat}")

@@ -45,11 +45,12 @@ PLACEMENTS = {
 
 def _text(rng: random.Random, tokens: int) -> str:
     # The sim counts UTF-8 bytes / 4 as tokens; the tiny model's tokenizer ~3 tokens a word like these.
-    return " ".join(f"w{rng.randrange(10 ** 6)}" for _ in range(max(1, tokens // 2)))
+    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(max(1, tokens // 2)))
 
 
-def make_requests(n: int, sharing: bool, tenants: int, system_tokens: int, turn_tokens: int,
-                  max_turns: int, seed: int, sim: bool) -> list[str]:
+def make_requests(
+    n: int, sharing: bool, tenants: int, system_tokens: int, turn_tokens: int, max_turns: int, seed: int, sim: bool
+) -> list[str]:
     rng = random.Random(seed)
     scale = 1 if sim else 3  # sim: ~2 tokens per word of 8 bytes; vLLM's tokenizer: ~6
     systems = [_text(rng, system_tokens // scale) for _ in range(tenants)]
@@ -58,7 +59,7 @@ def make_requests(n: int, sharing: bool, tenants: int, system_tokens: int, turn_
     for _ in range(n):
         if not convs or rng.random() < 1.0 / max_turns or len(convs[-1]) >= max_turns:
             convs.append([])
-        conv = rng.choice(convs[-tenants * 2:])
+        conv = rng.choice(convs[-tenants * 2 :])
         t = convs.index(conv) % tenants
         turn = _text(rng, turn_tokens // scale)
         history = " ".join(conv)
@@ -76,6 +77,7 @@ async def drive(frontend: str, model: str, prompts: list[str], rate: float, max_
     rng = random.Random(seed + 1)
     out = []
     async with AsyncClient(frontend) as c:
+
         async def one(prompt: str, at: float):
             t0 = time.perf_counter()
             first = None
@@ -91,8 +93,15 @@ async def drive(frontend: str, model: str, prompts: list[str], rate: float, max_
             if first is None or last is None:  # ended without a token (an engine error Delta)
                 out.append({"error": getattr(getattr(last, "error", None), "message", "no output")})
                 return
-            out.append({"ttft": first - t0, "end": time.perf_counter(), "prompt": last.prompt_tokens,
-                        "cached": last.cached_tokens, "tokens": last.completion_tokens})
+            out.append(
+                {
+                    "ttft": first - t0,
+                    "end": time.perf_counter(),
+                    "prompt": last.prompt_tokens,
+                    "cached": last.cached_tokens,
+                    "tokens": last.completion_tokens,
+                }
+            )
 
         tasks = []
         start = time.perf_counter()
@@ -110,7 +119,7 @@ async def drive(frontend: str, model: str, prompts: list[str], rate: float, max_
 def per_worker(metrics_url: str, name: str) -> dict[str, float]:
     got: dict[str, float] = {}
     for line in requests.get(metrics_url, timeout=5).text.splitlines():
-        m = re.match(r'^' + name + r'\{model="[^"]*",worker="([^"]+)"\} ([0-9.e+]+)$', line)
+        m = re.match(r"^" + name + r'\{model="[^"]*",worker="([^"]+)"\} ([0-9.e+]+)$', line)
         if m:
             got[m.group(1)] = float(m.group(2))
     return got
@@ -133,13 +142,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
-    ap.add_argument("--prefill-us", type=float, default=160.0,
-                    help="sim prefill cost per token (us): 160 = what a cache hit saved per cached token on the "
-                         "real tiny vLLM CPU worker with the deployment's one OpenMP thread (bench/README.md)")
+    ap.add_argument(
+        "--prefill-us",
+        type=float,
+        default=160.0,
+        help="sim prefill cost per token (us): 160 = what a cache hit saved per cached token on the "
+        "real tiny vLLM CPU worker with the deployment's one OpenMP thread (bench/README.md)",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workloads", default="shared,control")
-    ap.add_argument("--kv-mib", type=int, default=16,
-                    help="vLLM workers' KV cache (MiB; the tiny model: 2,048 tokens a MiB)")
+    ap.add_argument(
+        "--kv-mib", type=int, default=16, help="vLLM workers' KV cache (MiB; the tiny model: 2,048 tokens a MiB)"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     sim = args.engine == "sim"
@@ -147,54 +161,67 @@ def main(argv=None) -> int:
     n = int(args.rate * args.duration)
     if sim:
         model = common.SIM_MODEL
-        workers = [common.sim_worker(f"sim-{i}", max_num_seqs=64, prefix_caching=True,
-                                     prefill_token_us=args.prefill_us) for i in range(args.workers)]
+        workers = [
+            common.sim_worker(f"sim-{i}", max_num_seqs=64, prefix_caching=True, prefill_token_us=args.prefill_us)
+            for i in range(args.workers)
+        ]
         models = None
     else:
         model = common.VLLM_MODEL
-        workers = [common.vllm_worker(f"vllm-{i}", max_num_seqs=16, kv_cache_bytes=args.kv_mib << 20)
-                   for i in range(min(args.workers, 2))]
+        workers = [
+            common.vllm_worker(f"vllm-{i}", max_num_seqs=16, kv_cache_bytes=args.kv_mib << 20)
+            for i in range(min(args.workers, 2))
+        ]
         models = common.localconfig.models(vllm_max_model_len=4096)
     rows = []
     ttfts: dict[str, list[float]] = {}
     for sharing in [w == "shared" for w in args.workloads.split(",")]:
-        prompts = make_requests(n, sharing, args.tenants, args.system_tokens, args.turn_tokens, args.max_turns,
-                                args.seed, sim)
+        prompts = make_requests(
+            n, sharing, args.tenants, args.system_tokens, args.turn_tokens, args.max_turns, args.seed, sim
+        )
         for name in args.placements.split(","):
             d = out / f"{'shared' if sharing else 'control'}-{name}"
             cfg = common.write_config(d, workers=workers, models=models, scheduler=PLACEMENTS[name])
             with common.stack(cfg, d / "run") as st:
-                res, start = asyncio.run(drive(st.zmq_frontend, model, prompts, args.rate, args.max_tokens,
-                                               args.seed))
+                res, start = asyncio.run(drive(st.zmq_frontend, model, prompts, args.rate, args.max_tokens, args.seed))
                 served = per_worker(st.metrics_url, "weir_prefix_prompt_tokens_total")
             ok = [r for r in res if "ttft" in r]
             span = max(r["end"] for r in ok) - start if ok else float("nan")
             prompt_total = sum(r["prompt"] for r in ok)
             loads = list(served.values()) or [0.0]
-            row = {"workload": "shared-prefix" if sharing else "no-sharing", "placement": name,
-                   "requests": len(res), "errors": len(res) - len(ok),
-                   "ttft_p50_ms": q([r["ttft"] for r in ok], 0.5) * 1e3,
-                   "ttft_p90_ms": q([r["ttft"] for r in ok], 0.9) * 1e3,
-                   "ttft_p99_ms": q([r["ttft"] for r in ok], 0.99) * 1e3,
-                   "tokens_per_s": sum(r["tokens"] for r in ok) / span,
-                   "hit_rate": sum(r["cached"] for r in ok) / prompt_total if prompt_total else 0.0,
-                   "imbalance": max(loads) / statistics.mean(loads) if statistics.mean(loads) else float("nan"),
-                   "prompt_tokens_mean": prompt_total / max(1, len(ok))}
+            row = {
+                "workload": "shared-prefix" if sharing else "no-sharing",
+                "placement": name,
+                "requests": len(res),
+                "errors": len(res) - len(ok),
+                "ttft_p50_ms": q([r["ttft"] for r in ok], 0.5) * 1e3,
+                "ttft_p90_ms": q([r["ttft"] for r in ok], 0.9) * 1e3,
+                "ttft_p99_ms": q([r["ttft"] for r in ok], 0.99) * 1e3,
+                "tokens_per_s": sum(r["tokens"] for r in ok) / span,
+                "hit_rate": sum(r["cached"] for r in ok) / prompt_total if prompt_total else 0.0,
+                "imbalance": max(loads) / statistics.mean(loads) if statistics.mean(loads) else float("nan"),
+                "prompt_tokens_mean": prompt_total / max(1, len(ok)),
+            }
             rows.append(row)
             ttfts[f"{row['workload']} {name}"] = [r["ttft"] * 1e3 for r in ok]
             print(row, flush=True)
-    lines = [common.header(f"Prefix-aware routing ({args.engine}, {len(workers)} workers)", ["bench.scenarios.prefix",
-                                                                                          *(argv or [])]),
-             f"{n} requests per run at {args.rate:g} req/s (Poisson), "
-             f"{'sim prefill %g us/token, ' % args.prefill_us if sim else ''}{args.tenants} tenants x "
-             f"{args.system_tokens}-token system prompts, turns of {args.turn_tokens} tokens (up to "
-             f"{args.max_turns} per conversation), {args.max_tokens} output tokens; shared 2-core machine.\n",
-             "| workload | placement | TTFT p50 ms | p90 ms | p99 ms | output tok/s | hit rate | imbalance | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        common.header(
+            f"Prefix-aware routing ({args.engine}, {len(workers)} workers)", ["bench.scenarios.prefix", *(argv or [])]
+        ),
+        f"{n} requests per run at {args.rate:g} req/s (Poisson), "
+        f"{'sim prefill %g us/token, ' % args.prefill_us if sim else ''}{args.tenants} tenants x "
+        f"{args.system_tokens}-token system prompts, turns of {args.turn_tokens} tokens (up to "
+        f"{args.max_turns} per conversation), {args.max_tokens} output tokens; shared 2-core machine.\n",
+        "| workload | placement | TTFT p50 ms | p90 ms | p99 ms | output tok/s | hit rate | imbalance | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['placement']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
-                     f"{r['ttft_p99_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['hit_rate']:.2f} | "
-                     f"{r['imbalance']:.2f} | {r['errors']} |")
+        lines.append(
+            f"| {r['workload']} | {r['placement']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
+            f"{r['ttft_p99_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['hit_rate']:.2f} | "
+            f"{r['imbalance']:.2f} | {r['errors']} |"
+        )
     print("\n".join(lines))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     common.save(out, "prefix.json", {"rows": rows, "ttft_ms": ttfts})
@@ -212,8 +239,13 @@ def plot(series: dict[str, list[float]], path: Path, title: str) -> None:
     for name, xs in series.items():
         xs = sorted(xs)
         if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name,
-                    linestyle="-" if name.startswith("shared") else ":")
+            ax.step(
+                xs,
+                [(i + 1) / len(xs) for i in range(len(xs))],
+                where="post",
+                label=name,
+                linestyle="-" if name.startswith("shared") else ":",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms, log)")
     ax.set_ylabel("fraction of requests")

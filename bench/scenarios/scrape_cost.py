@@ -25,12 +25,16 @@ import statistics
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
 from bench.scenarios import common
 from shared.protocol import GpuInfo, Heartbeat, Pool, Register, WorkerStats, encoder
+
+T = TypeVar("T")
 
 HEARTBEAT_S = 0.5  # well within the router's liveness (6 x 0.5 s in the bench stacks)
 # Each worker heartbeats every HEARTBEAT_S at its own phase, as a real fleet's
@@ -54,9 +58,21 @@ class Fleet:
             s.setsockopt(zmq.IDENTITY, f"stand-in-{i}".encode())
             s.setsockopt(zmq.LINGER, 0)
             s.connect(backend)
-            s.send(encoder.encode(Register(
-                worker_id=f"stand-in-{i}", model=model, pool=Pool.ANY, max_model_len=4096,
-                kv_capacity_tokens=65536, block_size=16, max_num_seqs=64, engine="sim", gpu=GpuInfo())))
+            s.send(
+                encoder.encode(
+                    Register(
+                        worker_id=f"stand-in-{i}",
+                        model=model,
+                        pool=Pool.ANY,
+                        max_model_len=4096,
+                        kv_capacity_tokens=65536,
+                        block_size=16,
+                        max_num_seqs=64,
+                        engine="sim",
+                        gpu=GpuInfo(),
+                    )
+                )
+            )
             self.socks.append(s)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -108,9 +124,10 @@ def _time(url: str, n: int, warmup: int = 3) -> tuple[list[float], int]:
     return times, size
 
 
-def _pings_during(url: str, work) -> list[float]:
+def _pings_during(url: str, work: Callable[[], T]) -> tuple[list[float], T]:
     """Latencies of back-to-back GET ``url`` (another client of the same
-    router) while ``work()`` runs: how long the router's loop is held."""
+    router) while ``work()`` runs: how long the router's loop is held; and
+    what ``work()`` returned."""
     out: list[float] = []
     done = threading.Event()
 
@@ -123,11 +140,11 @@ def _pings_during(url: str, work) -> list[float]:
     th = threading.Thread(target=ping)
     th.start()
     try:
-        work()
+        result = work()
     finally:
         done.set()
         th.join()
-    return out
+    return out, result
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -171,37 +188,78 @@ def main(argv=None) -> int:
                 while _registered(st.router_url) < n + 1:
                     assert time.monotonic() < deadline, "stand-in workers did not all register"
                     time.sleep(0.2)
-                idle = _pings_during(st.router_url + "/health/live", lambda: time.sleep(IDLE_S))
-                got = {}
+                idle, _ = _pings_during(st.router_url + "/health/live", lambda: time.sleep(IDLE_S))
                 scrapes_from = time.time()
-                pings = _pings_during(st.router_url + "/health/live",
-                                      lambda: got.update(zip(("t", "size"), _time(st.metrics_url, args.scrapes))))
+                pings, (metrics, size) = _pings_during(
+                    st.router_url + "/health/live", lambda: _time(st.metrics_url, args.scrapes)
+                )
                 during_gc = _full_collections(gc_log, scrapes_from, time.time())
-                metrics, size = got["t"], got["size"]
-                one, _ = _time(st.router_url + f"/admin/workers/stand-in-{max(0, n - 1)}", args.scrapes) if n else ([0.0], 0)
+                one, _ = (
+                    _time(st.router_url + f"/admin/workers/stand-in-{max(0, n - 1)}", args.scrapes) if n else ([0.0], 0)
+                )
                 every, _ = _time(st.router_url + "/admin/workers", args.scrapes)
-                rows.append((n, _pct(metrics, 50), _pct(metrics, 90), size, _pct(one, 50), _pct(every, 50),
-                             _pct(pings, 99), max(pings), _pct(idle, 99), max(idle),
-                             len(during_gc), max(during_gc, default=0.0)))
+                rows.append(
+                    (
+                        n,
+                        _pct(metrics, 50),
+                        _pct(metrics, 90),
+                        size,
+                        _pct(one, 50),
+                        _pct(every, 50),
+                        _pct(pings, 99),
+                        max(pings),
+                        _pct(idle, 99),
+                        max(idle),
+                        len(during_gc),
+                        max(during_gc, default=0.0),
+                    )
+                )
             finally:
                 fleet.close()
             time.sleep(4.5)  # the router forgets them (missed heartbeats: 6 x 0.5 s) before the next round
     print(common.header("Scrape cost of /metrics by registered workers", ["bench.scenarios.scrape_cost", *argv]))
-    print(f"{'workers':>8} {'/metrics p50 ms':>16} {'p90 ms':>8} {'bytes':>9} {'/admin/workers/{id} p50 ms':>27} "
-          f"{'/admin/workers p50 ms':>22} {'/health/live during scrapes p99 ms':>35} {'max ms':>7} "
-          f"{'without scrapes p99 ms':>23} {'max ms':>7} {'full GCs during scrapes':>24} {'longest ms':>11}")
+    print(
+        f"{'workers':>8} {'/metrics p50 ms':>16} {'p90 ms':>8} {'bytes':>9} {'/admin/workers/{id} p50 ms':>27} "
+        f"{'/admin/workers p50 ms':>22} {'/health/live during scrapes p99 ms':>35} {'max ms':>7} "
+        f"{'without scrapes p99 ms':>23} {'max ms':>7} {'full GCs during scrapes':>24} {'longest ms':>11}"
+    )
     for n, p50, p90, size, one, every, ping99, ping_max, idle99, idle_max, gcs, gc_max in rows:
-        print(f"{n:>8} {p50 * 1e3:>16.2f} {p90 * 1e3:>8.2f} {size:>9} {one * 1e3:>27.2f} {every * 1e3:>22.2f} "
-              f"{ping99 * 1e3:>35.2f} {ping_max * 1e3:>7.2f} {idle99 * 1e3:>23.2f} {idle_max * 1e3:>7.2f} "
-              f"{gcs:>24} {gc_max * 1e3:>11.2f}")
+        print(
+            f"{n:>8} {p50 * 1e3:>16.2f} {p90 * 1e3:>8.2f} {size:>9} {one * 1e3:>27.2f} {every * 1e3:>22.2f} "
+            f"{ping99 * 1e3:>35.2f} {ping_max * 1e3:>7.2f} {idle99 * 1e3:>23.2f} {idle_max * 1e3:>7.2f} "
+            f"{gcs:>24} {gc_max * 1e3:>11.2f}"
+        )
     whole = _full_collections(gc_log)
-    print(f"the router's full collections over the whole run (start-up's freeze included): {len(whole)}, "
-          f"{', '.join(f'{t * 1e3:.1f}' for t in whole)} ms (bench/gc_probe; log {gc_log})")
-    common.save(out, "scrape_cost", [dict(zip(("workers", "metrics_p50_s", "metrics_p90_s", "metrics_bytes",
-                                                "one_worker_p50_s", "all_workers_p50_s", "ping_during_p99_s",
-                                                "ping_during_max_s", "ping_idle_p99_s", "ping_idle_max_s",
-                                                "full_gcs_during", "full_gc_during_max_s"), r))
-                                     for r in rows])
+    print(
+        f"the router's full collections over the whole run (start-up's freeze included): {len(whole)}, "
+        f"{', '.join(f'{t * 1e3:.1f}' for t in whole)} ms (bench/gc_probe; log {gc_log})"
+    )
+    common.save(
+        out,
+        "scrape_cost",
+        [
+            dict(
+                zip(
+                    (
+                        "workers",
+                        "metrics_p50_s",
+                        "metrics_p90_s",
+                        "metrics_bytes",
+                        "one_worker_p50_s",
+                        "all_workers_p50_s",
+                        "ping_during_p99_s",
+                        "ping_during_max_s",
+                        "ping_idle_p99_s",
+                        "ping_idle_max_s",
+                        "full_gcs_during",
+                        "full_gc_during_max_s",
+                    ),
+                    r,
+                )
+            )
+            for r in rows
+        ],
+    )
     return 0
 
 

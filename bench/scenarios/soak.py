@@ -51,7 +51,7 @@ def _resumed(url: str) -> float:
         text = requests.get(url, timeout=2).text
     except requests.RequestException:
         return -1.0
-    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("weir_resumed_total{"))
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("weir_resumed_total{"))
 
 
 def main(argv=None) -> int:
@@ -68,14 +68,22 @@ def main(argv=None) -> int:
     workload = spec.load("mixed")
     from deploy.stack import Stack
 
-    st = Stack(cfg, out / "stack" / "run", supervise=True,
-               progress=lambda m: print(f"[stack] {m}", flush=True))
+    st = Stack(cfg, out / "stack" / "run", supervise=True, progress=lambda m: print(f"[stack] {m}", flush=True))
     with st:
         result: dict = {}
-        runner = threading.Thread(target=lambda: result.update(r=common.bench(
-            workload, "envoy", st.envoy_url, Arrivals(rate=args.rate),
-            Limits(num_requests=int(args.rate * duration * 1.5), duration_s=duration, drain_s=60),
-            label="soak", progress=False)))
+        runner = threading.Thread(
+            target=lambda: result.update(
+                r=common.bench(
+                    workload,
+                    "envoy",
+                    st.envoy_url,
+                    Arrivals(rate=args.rate),
+                    Limits(num_requests=int(args.rate * duration * 1.5), duration_s=duration, drain_s=60),
+                    label="soak",
+                    progress=False,
+                )
+            )
+        )
         t0 = time.monotonic()
         runner.start()
         rss: dict[str, list[tuple[float, float]]] = {}
@@ -120,26 +128,48 @@ def main(argv=None) -> int:
     for r in ok:
         if r.ttft is not None:
             buckets.setdefault(int((r.start - t_first) // BUCKET_S), []).append(r.ttft * 1e3)
-    series = sorted((b * BUCKET_S, sorted(v)[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)]) for b, v in buckets.items())
-    lines = [common.header("Soak", ["bench.scenarios.soak", "--minutes", f"{args.minutes:g}", "--rate", f"{args.rate:g}",
-                                    "--kill-every", f"{args.kill_every:g}"]),
-             f"{len(records)} requests ({args.rate:g} req/s, `mixed`, streamed through Envoy) over {duration:.0f} s; "
-             f"events: {', '.join(f'{e} at {t:.0f} s' for t, e in events)}; restarts by the supervisor: {restarts}.\n",
-             "| ok | refused (429/503 + Retry-After) | lost (admitted, then an error) | resumed streams |",
-             "|---|---|---|---|",
-             f"| {len(ok)} | {len(refused)} | {len(lost)} | {int(sum(resumed_lives))} |", "",
-             (f"Streams running across a worker kill: {len(gaps)}; their longest inter-token gap (fault to "
-              f"next token) p50 {gaps[len(gaps) // 2]:.0f} ms, p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.0f} ms, "
-              f"max {gaps[-1]:.0f} ms.\n") if gaps else "", 
-             "| process | RSS first seen (MB) | RSS last seen (MB) | slope (MB/min, fit) | seen for (s) |",
-             "|---|---|---|---|---|"]
+    series = sorted(
+        (b * BUCKET_S, sorted(v)[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)]) for b, v in buckets.items()
+    )
+    lines = [
+        common.header(
+            "Soak",
+            [
+                "bench.scenarios.soak",
+                "--minutes",
+                f"{args.minutes:g}",
+                "--rate",
+                f"{args.rate:g}",
+                "--kill-every",
+                f"{args.kill_every:g}",
+            ],
+        ),
+        f"{len(records)} requests ({args.rate:g} req/s, `mixed`, streamed through Envoy) over {duration:.0f} s; "
+        f"events: {', '.join(f'{e} at {t:.0f} s' for t, e in events)}; restarts by the supervisor: {restarts}.\n",
+        "| ok | refused (429/503 + Retry-After) | lost (admitted, then an error) | resumed streams |",
+        "|---|---|---|---|",
+        f"| {len(ok)} | {len(refused)} | {len(lost)} | {int(sum(resumed_lives))} |",
+        "",
+        (
+            f"Streams running across a worker kill: {len(gaps)}; their longest inter-token gap (fault to "
+            f"next token) p50 {gaps[len(gaps) // 2]:.0f} ms, "
+            f"p99 {gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.0f} ms, "
+            f"max {gaps[-1]:.0f} ms.\n"
+        )
+        if gaps
+        else "",
+        "| process | RSS first seen (MB) | RSS last seen (MB) | slope (MB/min, fit) | seen for (s) |",
+        "|---|---|---|---|---|",
+    ]
     for name, pts in sorted(rss.items()):
         if len(pts) >= 3:
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             slope = statistics.linear_regression(xs, ys).slope * 60
             lines.append(f"| {name} | {ys[0]:.1f} | {ys[-1]:.1f} | {slope:+.2f} | {xs[-1] - xs[0]:.0f} |")
-    lines.append(f"\nReserved tokens at the end: {sum(w['reserved_tokens'] for w in workers_end)}; "
-                 f"running: {sum(w['running'] for w in workers_end)}.")
+    lines.append(
+        f"\nReserved tokens at the end: {sum(w['reserved_tokens'] for w in workers_end)}; "
+        f"running: {sum(w['running'] for w in workers_end)}."
+    )
     if lost:
         why: dict[str, int] = {}
         for r in lost:

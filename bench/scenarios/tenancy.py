@@ -45,8 +45,11 @@ def _cpu_s(pid: int) -> float:
 def _redis(d: Path) -> tuple[subprocess.Popen, str]:
     exe = shutil.which("redis-server") or "/usr/bin/redis-server"
     port = common.free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -81,16 +84,24 @@ def cpu_per_request(out: Path, n: int, redis_url: str, redis_pid: int) -> list[t
     variants = [
         ("no API keys (default config)", {}),
         ("hashed key, no budget", {"api_keys": [{"key_sha256": digest(KEY_A), "tenant": "a"}]}),
-        ("budgets, in-process store", {"api_keys": [{"key_sha256": digest(KEY_A), "tenant": "a", **big}],
-                                       "tenants": [{"name": "a", **big}]}),
-        ("budgets, Redis store", {"api_keys": [{"key_sha256": digest(KEY_A), "tenant": "a", **big}],
-                                  "tenants": [{"name": "a", **big}],
-                                  "quota": {"store": "redis", "redis_url": redis_url}}),
+        (
+            "budgets, in-process store",
+            {"api_keys": [{"key_sha256": digest(KEY_A), "tenant": "a", **big}], "tenants": [{"name": "a", **big}]},
+        ),
+        (
+            "budgets, Redis store",
+            {
+                "api_keys": [{"key_sha256": digest(KEY_A), "tenant": "a", **big}],
+                "tenants": [{"name": "a", **big}],
+                "quota": {"store": "redis", "redis_url": redis_url},
+            },
+        ),
     ]
     rows = []
     for i, (name, extra) in enumerate(variants):
-        cfg = common.write_config(out / f"cpu{i}", workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)],
-                                  **extra)
+        cfg = common.write_config(
+            out / f"cpu{i}", workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)], **extra
+        )
         key = KEY_A if "api_keys" in extra else None
         with common.stack(cfg, out / f"cpu{i}" / "run") as st:
             asyncio.run(_drive(st.zmq_frontend, key, 500, 16))  # warm-up
@@ -103,14 +114,17 @@ def cpu_per_request(out: Path, n: int, redis_url: str, redis_pid: int) -> list[t
                 passes.append(((r1 - r0) / n * 1e6, (t1 - t0) / n * 1e6, ok))
         us, rus, ok = min(passes)
         rows.append((name, us, rus if "quota" in extra else None, ok))
-        print(f"{name}: router {rows[-1][1]:.1f} us/request" + (f", redis {rows[-1][2]:.1f}" if rows[-1][2] else ""),
-              flush=True)
+        print(
+            f"{name}: router {rows[-1][1]:.1f} us/request" + (f", redis {rows[-1][2]:.1f}" if rows[-1][2] else ""),
+            flush=True,
+        )
     return rows
 
 
 async def _quiet(address: str, rate: float, seconds: float) -> list[float]:
     ttft = []
     async with AsyncClient(address, api_key=KEY_B) as c:
+
         async def one():
             t0 = time.perf_counter()
             async for d in c.stream(common.SIM_MODEL, prompt="hello there", max_tokens=16):
@@ -129,6 +143,7 @@ async def _quiet(address: str, rate: float, seconds: float) -> list[float]:
 async def _flood(address: str, rate: float, seconds: float) -> tuple[int, int]:
     served = refused = 0
     async with AsyncClient(address, api_key=KEY_A) as c:
+
         async def one():
             nonlocal served, refused
             try:
@@ -147,21 +162,37 @@ async def _flood(address: str, rate: float, seconds: float) -> tuple[int, int]:
 
 def flood(out: Path, seconds: float) -> dict:
     rpm = FLOOD_RPM
-    cfg = common.write_config(out / "flood", workers=[common.sim_worker(max_num_seqs=32)],
-                              api_keys=[{"key_sha256": digest(KEY_A), "tenant": "flooder", "requests_per_minute": rpm},
-                                        {"key_sha256": digest(KEY_B), "tenant": "quiet"}])
+    cfg = common.write_config(
+        out / "flood",
+        workers=[common.sim_worker(max_num_seqs=32)],
+        api_keys=[
+            {"key_sha256": digest(KEY_A), "tenant": "flooder", "requests_per_minute": rpm},
+            {"key_sha256": digest(KEY_B), "tenant": "quiet"},
+        ],
+    )
     with common.stack(cfg, out / "flood" / "run") as st:
         alone = asyncio.run(_quiet(st.zmq_frontend, 5, seconds))
 
         async def both():
-            return await asyncio.gather(_quiet(st.zmq_frontend, 5, seconds), _flood(st.zmq_frontend, FLOOD_RATE, seconds))
+            return await asyncio.gather(
+                _quiet(st.zmq_frontend, 5, seconds), _flood(st.zmq_frontend, FLOOD_RATE, seconds)
+            )
 
         with_flood, (served, refused) = asyncio.run(both())
     q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))] * 1000  # noqa: E731
-    return {"alone_p50_ms": q(alone, 0.5), "alone_p90_ms": q(alone, 0.9), "n_alone": len(alone),
-            "flood_p50_ms": q(with_flood, 0.5), "flood_p90_ms": q(with_flood, 0.9), "n_flood": len(with_flood),
-            "flood_served": served, "flood_refused": refused, "flood_budget_rpm": rpm,
-            "alone_mean_ms": statistics.mean(alone) * 1000, "flood_mean_ms": statistics.mean(with_flood) * 1000}
+    return {
+        "alone_p50_ms": q(alone, 0.5),
+        "alone_p90_ms": q(alone, 0.9),
+        "n_alone": len(alone),
+        "flood_p50_ms": q(with_flood, 0.5),
+        "flood_p90_ms": q(with_flood, 0.9),
+        "n_flood": len(with_flood),
+        "flood_served": served,
+        "flood_refused": refused,
+        "flood_budget_rpm": rpm,
+        "alone_mean_ms": statistics.mean(alone) * 1000,
+        "flood_mean_ms": statistics.mean(with_flood) * 1000,
+    }
 
 
 def main(argv=None) -> int:
@@ -182,13 +213,19 @@ def main(argv=None) -> int:
     table = ["| variant | router CPU / request (µs) | redis-server CPU / request (µs) | served |", "|---|---|---|---|"]
     for name, us, rus, ok in rows:
         table.append(f"| {name} | {us:.1f} | {'-' if rus is None else f'{rus:.1f}'} | {ok} / {args.num_requests} |")
-    md = (common.header("Tenancy: budgets' cost and a flooding tenant", ["bench.scenarios.tenancy", *(argv or sys.argv[1:])])
-          + "\n" + "\n".join(table) + "\n\n"
-          + f"Flooder at {FLOOD_RATE:g} req/s against a {f['flood_budget_rpm']} requests/min budget "
-            f"({f['flood_served']} served, {f['flood_refused']} refused) next to a quiet tenant at 5 req/s "
-            f"(16-token streams, sim engine with step costs): quiet TTFT p50 / p90 alone "
-            f"{f['alone_p50_ms']:.1f} / {f['alone_p90_ms']:.1f} ms (n={f['n_alone']}), with the flood "
-            f"{f['flood_p50_ms']:.1f} / {f['flood_p90_ms']:.1f} ms (n={f['n_flood']}).\n")
+    md = (
+        common.header(
+            "Tenancy: budgets' cost and a flooding tenant", ["bench.scenarios.tenancy", *(argv or sys.argv[1:])]
+        )
+        + "\n"
+        + "\n".join(table)
+        + "\n\n"
+        + f"Flooder at {FLOOD_RATE:g} req/s against a {f['flood_budget_rpm']} requests/min budget "
+        f"({f['flood_served']} served, {f['flood_refused']} refused) next to a quiet tenant at 5 req/s "
+        f"(16-token streams, sim engine with step costs): quiet TTFT p50 / p90 alone "
+        f"{f['alone_p50_ms']:.1f} / {f['alone_p90_ms']:.1f} ms (n={f['n_alone']}), with the flood "
+        f"{f['flood_p50_ms']:.1f} / {f['flood_p90_ms']:.1f} ms (n={f['n_flood']}).\n"
+    )
     (out / "summary.md").write_text(md)
     common.save(out, "tenancy.json", {"cpu": rows, "flood": f})
     print(md)

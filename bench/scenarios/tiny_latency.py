@@ -32,8 +32,9 @@ def main(argv=None) -> int:
 
     out = args.out or common.results_dir("tiny-latency")
     cfg = common.write_config(out / "stack", workers=[common.vllm_worker(kv_cache_bytes=16 << 20)])
-    body = json.dumps({"model": common.VLLM_MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-                       "ignore_eos": True, "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": common.VLLM_MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+    ).encode()
     with common.stack(cfg, out / "stack" / "run") as st:
         host, port = st.envoy_url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port))
@@ -46,8 +47,9 @@ def main(argv=None) -> int:
             assert r.status == 200, data
 
         def via_zmq() -> None:
-            r = zmq_client.complete(common.VLLM_MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                    ignore_eos=True, temperature=0)
+            r = zmq_client.complete(
+                common.VLLM_MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0
+            )
             assert r.completion_tokens == MAX_TOKENS
 
         paths = {"envoy": via_envoy, "zmq": via_zmq}
@@ -64,8 +66,10 @@ def main(argv=None) -> int:
     lines = []
     for name, xs in lat.items():
         xs.sort()
-        lines.append(f"{name}: median {statistics.median(xs):.2f} ms, p90 {xs[int(len(xs) * 0.9) - 1]:.2f} ms "
-                     f"(n={len(xs)}, {MAX_TOKENS} output tokens)")
+        lines.append(
+            f"{name}: median {statistics.median(xs):.2f} ms, p90 {xs[int(len(xs) * 0.9) - 1]:.2f} ms "
+            f"(n={len(xs)}, {MAX_TOKENS} output tokens)"
+        )
     print("\n".join(lines))
     common.save(out, "tiny_latency.json", lat)
     return 0

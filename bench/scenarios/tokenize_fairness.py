@@ -51,11 +51,13 @@ async def _ttfts(url: str, text: str, n: int, every: float, tag: str) -> list[fl
 
     out: list[float] = []
     async with httpx.AsyncClient(timeout=300) as c:
+
         async def one(i: int) -> None:
             body = {"model": MODEL, "prompt": f"{tag} {i} " + text, "max_tokens": 4, "stream": True}
             t0 = time.perf_counter()
-            async with c.stream("POST", url + "/v1/completions", json=body,
-                                headers={"authorization": f"Bearer {KEY_QUIET}"}) as r:
+            async with c.stream(
+                "POST", url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY_QUIET}"}
+            ) as r:
                 assert r.status_code == 200, await r.aread()
                 lines = r.aiter_lines()
                 async for line in lines:
@@ -79,6 +81,7 @@ async def _flood(url: str, text: str, calls: int, stop: asyncio.Event, stats: di
     body = {"model": MODEL, "prompt": text}
     limits = httpx.Limits(max_connections=calls + 4, max_keepalive_connections=calls + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as c:
+
         async def loop() -> None:
             while not stop.is_set():
                 t0 = time.perf_counter()
@@ -103,8 +106,9 @@ async def _flood(url: str, text: str, calls: int, stop: asyncio.Event, stats: di
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.scenarios.tokenize_fairness",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.scenarios.tokenize_fairness", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--requests", type=int, default=20, help="quiet tenant's requests per phase")
     ap.add_argument("--every", type=float, default=0.5, help="seconds between the quiet tenant's requests")
     ap.add_argument("--tokens", type=int, default=8000, help="approximate prompt tokens")
@@ -123,10 +127,18 @@ def main(argv=None) -> int:
     cfg = common.write_config(
         out / "stack",
         models=[{"name": MODEL, "engine": "sim", "path": str(common.TINY_MODEL_DIR), "max_model_len": 200_000}],
-        workers=[common.localconfig.sim_worker("sim-long-0", model=MODEL, max_num_seqs=16, sim={
-            "kv_capacity_tokens": 1_000_000, "max_prefill_tokens": 8192})],
-        api_keys=[{"key_sha256": digest(KEY_QUIET), "tenant": "quiet"},
-                  {"key_sha256": digest(KEY_NOISY), "tenant": "noisy"}],
+        workers=[
+            common.localconfig.sim_worker(
+                "sim-long-0",
+                model=MODEL,
+                max_num_seqs=16,
+                sim={"kv_capacity_tokens": 1_000_000, "max_prefill_tokens": 8192},
+            )
+        ],
+        api_keys=[
+            {"key_sha256": digest(KEY_QUIET), "tenant": "quiet"},
+            {"key_sha256": digest(KEY_NOISY), "tenant": "noisy"},
+        ],
     )
 
     async def scenario(url: str) -> tuple[list[float], list[float], dict]:
@@ -164,9 +176,19 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    common.save(out, "tokenize_fairness.json", {"alone_ms": alone, "loaded_ms": loaded, "ratio_p50": ratio,
-                                                "noisy_ok": stats["ok"], "noisy_ms": stats["ms"],
-                                                "noisy_refused": refused, "noisy_errors": stats["errors"]})
+    common.save(
+        out,
+        "tokenize_fairness.json",
+        {
+            "alone_ms": alone,
+            "loaded_ms": loaded,
+            "ratio_p50": ratio,
+            "noisy_ok": stats["ok"],
+            "noisy_ms": stats["ms"],
+            "noisy_refused": refused,
+            "noisy_errors": stats["errors"],
+        },
+    )
     return 0
 
 

@@ -55,8 +55,14 @@ def _rss_mib(pid: int) -> float:
 
 
 def _write_file(path: Path, mib: int) -> Path:
-    line = json.dumps({"custom_id": "doc-0000000", "method": "POST", "url": "/v1/chat/completions",
-                       "body": {"model": SIM_MODEL, "messages": [{"role": "user", "content": "x" * 200}]}}).encode()
+    line = json.dumps(
+        {
+            "custom_id": "doc-0000000",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": SIM_MODEL, "messages": [{"role": "user", "content": "x" * 200}]},
+        }
+    ).encode()
     n = mib * MIB
     with open(path, "wb") as f:
         block = (line + b"\n") * 1000
@@ -72,8 +78,15 @@ class Load:
     def __init__(self, url: str, rate: float, tokens: int) -> None:
         self.pool = Pool(url)
         self.rate = rate
-        self.body = json.dumps({"model": SIM_MODEL, "messages": [{"role": "user", "content": "hello there"}],
-                                "max_tokens": tokens, "stream": True, "ignore_eos": True}).encode()
+        self.body = json.dumps(
+            {
+                "model": SIM_MODEL,
+                "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": tokens,
+                "stream": True,
+                "ignore_eos": True,
+            }
+        ).encode()
         self.streams: list[list[float]] = []  # each stream's content-event times
         self.failed = 0
         self.stop = False
@@ -115,8 +128,13 @@ def _gap_stats(gaps: list[float]) -> dict[str, Any]:
         nan = float("nan")
         return {"gaps": len(gaps), "p50_ms": nan, "p99_ms": nan, "p999_ms": nan, "worst_ms": nan}
     q = statistics.quantiles(gaps, n=1000)
-    return {"gaps": len(gaps), "p50_ms": statistics.median(gaps) * 1e3, "p99_ms": q[989] * 1e3,
-            "p999_ms": q[998] * 1e3, "worst_ms": max(gaps) * 1e3}
+    return {
+        "gaps": len(gaps),
+        "p50_ms": statistics.median(gaps) * 1e3,
+        "p99_ms": q[989] * 1e3,
+        "p999_ms": q[998] * 1e3,
+        "worst_ms": max(gaps) * 1e3,
+    }
 
 
 async def _phase(s: Any, args: argparse.Namespace, upload_file: Path | None) -> dict[str, Any]:
@@ -170,8 +188,15 @@ async def _phase(s: Any, args: argparse.Namespace, upload_file: Path | None) -> 
                 obj = json.loads(o.read_text())
             except (OSError, ValueError):
                 obj = {}
-            uploads.append({"status": int(code), "seconds": float(secs), "id": obj.get("id"),
-                            "bytes": obj.get("bytes"), "error": obj.get("error")})
+            uploads.append(
+                {
+                    "status": int(code),
+                    "seconds": float(secs),
+                    "id": obj.get("id"),
+                    "bytes": obj.get("bytes"),
+                    "error": obj.get("error"),
+                }
+            )
     t_up1 = time.perf_counter()
     remaining = max(0.0, args.seconds - (t_up1 - t_up0))
     await asyncio.sleep(remaining)
@@ -231,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="weir-uploads-bench-"))
     upload_file = _write_file(tmp / "upload.jsonl", args.mib)
     size = upload_file.stat().st_size
-    cfg = write_config(tmp, workers=[sim_worker("sim-0", max_num_seqs=SLOTS, **SIM)],
-                       batch={"max_file_bytes": max(64 * MIB, size + MIB), "directory": str(tmp / "batches")})
+    cfg = write_config(
+        tmp,
+        workers=[sim_worker("sim-0", max_num_seqs=SLOTS, **SIM)],
+        batch={"max_file_bytes": max(64 * MIB, size + MIB), "directory": str(tmp / "batches")},
+    )
     report: dict[str, Any] = {"args": vars(args), "file_bytes": size}
     try:
         _run(cfg, tmp, args, upload_file, size, report)
@@ -251,8 +279,11 @@ def _run(cfg: Path, tmp: Path, args: argparse.Namespace, upload_file: Path, size
         report["alone"] = asyncio.run(_phase(s, args, None))
         print("alone:", json.dumps(report["alone"]), file=sys.stderr)
         report["with_uploads"] = asyncio.run(_phase(s, args, upload_file))
-        print("with uploads:", json.dumps({k: v for k, v in report["with_uploads"].items() if k != "uploads"}),
-              file=sys.stderr)
+        print(
+            "with uploads:",
+            json.dumps({k: v for k, v in report["with_uploads"].items() if k != "uploads"}),
+            file=sys.stderr,
+        )
         report["files_intact"] = _check_files(s, report["with_uploads"]["uploads"], size)
 
 

@@ -39,19 +39,34 @@ SERVERS = ("vllm", "weir")
 
 
 def start_vllm_server(port: int, args, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(common.TINY_MODEL_DIR), "--served-model-name", common.VLLM_MODEL,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "512", "--max-num-seqs", str(args.max_num_seqs),
-            "--kv-cache-memory-bytes", str(args.kv_cache_bytes), "--dtype", "bfloat16",
-            "--enforce-eager"]  # stats stay on, vLLM's default: weir's worker computes them too (heartbeats)
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(common.TINY_MODEL_DIR),
+        "--served-model-name",
+        common.VLLM_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(args.kv_cache_bytes),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+    ]  # stats stay on, vLLM's default: weir's worker computes them too (heartbeats)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **args.engine_env}
     with open(log, "wb") as f:
         # Own process group: vLLM spawns an EngineCore (and more); stop them all.
         # The launcher's session, as weir's components (deploy/processes.py), so
         # both servers share one Linux autogroup with the client.
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.REPO,
-                                process_group=0)
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.REPO, process_group=0)
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
@@ -91,25 +106,38 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     ap.add_argument("--weir-path", choices=("envoy", "router"), default="envoy")
-    ap.add_argument("--engine-env", action="append", default=None, metavar="KEY=VALUE",
-                    help="environment for both engines (repeat; replaces the default "
-                         f"{' '.join(f'{k}={v}' for k, v in common.CPU_ENGINE_ENV.items())})")
-    ap.add_argument("--dispatch-lookahead", type=int, default=0,
-                    help="weir's scheduler.dispatch_lookahead (jobs a worker may hold beyond max_num_seqs)")
+    ap.add_argument(
+        "--engine-env",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="environment for both engines (repeat; replaces the default "
+        f"{' '.join(f'{k}={v}' for k, v in common.CPU_ENGINE_ENV.items())})",
+    )
+    ap.add_argument(
+        "--dispatch-lookahead",
+        type=int,
+        default=0,
+        help="weir's scheduler.dispatch_lookahead (jobs a worker may hold beyond max_num_seqs)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    args.engine_env = (dict(kv.split("=", 1) for kv in args.engine_env) if args.engine_env is not None
-                       else dict(common.CPU_ENGINE_ENV))
+    args.engine_env = (
+        dict(kv.split("=", 1) for kv in args.engine_env) if args.engine_env is not None else dict(common.CPU_ENGINE_ENV)
+    )
 
     out = args.out or common.results_dir("versus-vllm")
     workload = spec.load("tiny-llama")
     probe = spec.load("one-token")
     tok = str(common.TINY_MODEL_DIR)
-    cfg = common.write_config(out / "stack", workers=[
-        common.vllm_worker(max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes,
-                           env=args.engine_env)],
-        scheduler={"dispatch_lookahead": args.dispatch_lookahead})
+    cfg = common.write_config(
+        out / "stack",
+        workers=[
+            common.vllm_worker(max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_bytes, env=args.engine_env)
+        ],
+        scheduler={"dispatch_lookahead": args.dispatch_lookahead},
+    )
     port = common.free_port()
     vllm_url = f"http://127.0.0.1:{port}/v1"
     vllm_log = out / "vllm-server.log"
@@ -119,26 +147,49 @@ def main(argv=None) -> int:
     try:
         with common.stack(cfg, out / "stack" / "run") as st:
             wait_ready(proc, vllm_url, vllm_log)
-            urls = {"vllm": ("openai", vllm_url),
-                    "weir": (args.weir_path, st.envoy_url if args.weir_path == "envoy" else st.router_url)}
+            urls = {
+                "vllm": ("openai", vllm_url),
+                "weir": (args.weir_path, st.envoy_url if args.weir_path == "envoy" else st.router_url),
+            }
             for s in SERVERS:  # warm-up: first requests compile/allocate
                 kind, url = urls[s]
-                common.bench(workload, kind, url, Arrivals(concurrency=4), Limits(30, 60, 60),
-                             label=f"warm-up {s}", progress=False, tokenizer=tok)
+                common.bench(
+                    workload,
+                    kind,
+                    url,
+                    Arrivals(concurrency=4),
+                    Limits(30, 60, 60),
+                    label=f"warm-up {s}",
+                    progress=False,
+                    tokenizer=tok,
+                )
             for rnd in range(args.rounds):
                 order = SERVERS if rnd % 2 == 0 else SERVERS[::-1]
                 for s in order:
                     kind, url = urls[s]
-                    res = common.bench(probe, kind, url, Arrivals(concurrency=1), Limits(args.probe, 120, 30),
-                                       label=f"{s} 1-token probe, round {rnd + 1}", tokenizer=tok,
-                                       model=common.VLLM_MODEL)
+                    res = common.bench(
+                        probe,
+                        kind,
+                        url,
+                        Arrivals(concurrency=1),
+                        Limits(args.probe, 120, 30),
+                        label=f"{s} 1-token probe, round {rnd + 1}",
+                        tokenizer=tok,
+                        model=common.VLLM_MODEL,
+                    )
                     runs.setdefault((s, "probe"), []).extend(res.records)
                 for rate in rates:
                     for s in order:
                         kind, url = urls[s]
-                        res = common.bench(workload, kind, url, Arrivals(rate=rate),
-                                           Limits(args.num_requests, 600, 120),
-                                           label=f"{s} @ {rate:g} req/s, round {rnd + 1}", tokenizer=tok)
+                        res = common.bench(
+                            workload,
+                            kind,
+                            url,
+                            Arrivals(rate=rate),
+                            Limits(args.num_requests, 600, 120),
+                            label=f"{s} @ {rate:g} req/s, round {rnd + 1}",
+                            tokenizer=tok,
+                        )
                         runs.setdefault((s, f"{rate:g}"), []).extend(res.records)
                         span = spans.setdefault((s, f"{rate:g}"), [0.0, 0.0])
                         span[0] += res.summary["elapsed_s"]
@@ -160,12 +211,15 @@ def _ms(s, key, pct) -> str:
 
 
 def _report(out: Path, args, argv, runs, spans, rates, workload) -> None:
-    md = [common.header("weir vs vLLM's own server (tiny-llama on CPU)", ["bench.scenarios.versus_vllm", *argv]), "",
-          f"max_num_seqs {args.max_num_seqs}, KV {args.kv_cache_bytes >> 20} MiB, bfloat16, eager, both engines; "
-          f"engine env {args.engine_env or '(vLLM defaults)'}; "
-          f"weir path: {args.weir_path} → router → vLLM worker, dispatch_lookahead {args.dispatch_lookahead}.  "
-          f"{args.rounds} alternating rounds.  "
-          "Ratios are weir / vllm (< 1 means weir is faster).\n"]
+    md = [
+        common.header("weir vs vLLM's own server (tiny-llama on CPU)", ["bench.scenarios.versus_vllm", *argv]),
+        "",
+        f"max_num_seqs {args.max_num_seqs}, KV {args.kv_cache_bytes >> 20} MiB, bfloat16, eager, both engines; "
+        f"engine env {args.engine_env or '(vLLM defaults)'}; "
+        f"weir path: {args.weir_path} → router → vLLM worker, dispatch_lookahead {args.dispatch_lookahead}.  "
+        f"{args.rounds} alternating rounds.  "
+        "Ratios are weir / vllm (< 1 means weir is faster).\n",
+    ]
     summaries = {}
     # 1-token probe
     pv, pw = (summarise(runs[(s, "probe")], None, 1, 0) for s in SERVERS)
@@ -177,8 +231,10 @@ def _report(out: Path, args, argv, runs, spans, rates, workload) -> None:
     md.append(f"| ratio | | {_ratio(pw, pv, 'e2e_ms', 'p50')} | {_ratio(pw, pv, 'e2e_ms', 'p99')} |\n")
 
     md.append("## tiny-llama workload, streamed (80 % short / 20 % long), Poisson arrivals\n")
-    md.append("| rate | class | server | ok / sent | out tok mean | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | "
-              "TTFT p50 ratio | TTFT p99 ratio | E2E p50 ratio | E2E p99 ratio |")
+    md.append(
+        "| rate | class | server | ok / sent | out tok mean | TTFT p50 | TTFT p99 | E2E p50 | E2E p99 | "
+        "TTFT p50 ratio | TTFT p99 ratio | E2E p50 ratio | E2E p99 ratio |"
+    )
     md.append("|---" * 13 + "|")
     for rate in rates:
         key = f"{rate:g}"
@@ -194,14 +250,26 @@ def _report(out: Path, args, argv, runs, spans, rates, workload) -> None:
             for s, x in (("vllm", sv), ("weir", sw)):
                 if x is None:
                     continue
-                ratios = ["", "", "", ""] if s == "vllm" else [
-                    _ratio(sw, sv, "ttft_ms", "p50"), _ratio(sw, sv, "ttft_ms", "p99"),
-                    _ratio(sw, sv, "e2e_ms", "p50"), _ratio(sw, sv, "e2e_ms", "p99")]
-                md.append(f"| {key} | {g} | {s} | {x['ok']} / {x['sent']} | "
-                          f"{x['output_tokens_mean'] or 0:.1f} | {_ms(x, 'ttft_ms', 'p50')} | {_ms(x, 'ttft_ms', 'p99')} | "
-                          f"{_ms(x, 'e2e_ms', 'p50')} | {_ms(x, 'e2e_ms', 'p99')} | " + " | ".join(ratios) + " |")
-        latency_cdf({s: runs[(s, key)] for s in SERVERS}, out / f"versus_cdf_{key}rps.png",
-                    f"tiny-llama workload at {key} req/s: vLLM server vs weir")
+                ratios = (
+                    ["", "", "", ""]
+                    if s == "vllm"
+                    else [
+                        _ratio(sw, sv, "ttft_ms", "p50"),
+                        _ratio(sw, sv, "ttft_ms", "p99"),
+                        _ratio(sw, sv, "e2e_ms", "p50"),
+                        _ratio(sw, sv, "e2e_ms", "p99"),
+                    ]
+                )
+                md.append(
+                    f"| {key} | {g} | {s} | {x['ok']} / {x['sent']} | "
+                    f"{x['output_tokens_mean'] or 0:.1f} | {_ms(x, 'ttft_ms', 'p50')} | {_ms(x, 'ttft_ms', 'p99')} | "
+                    f"{_ms(x, 'e2e_ms', 'p50')} | {_ms(x, 'e2e_ms', 'p99')} | " + " | ".join(ratios) + " |"
+                )
+        latency_cdf(
+            {s: runs[(s, key)] for s in SERVERS},
+            out / f"versus_cdf_{key}rps.png",
+            f"tiny-llama workload at {key} req/s: vLLM server vs weir",
+        )
         md.append("")
     md += [f"![{r:g} req/s](versus_cdf_{r:g}rps.png)" for r in rates]
     text = "\n".join(md) + "\n"

@@ -28,8 +28,16 @@ MAX_TOKENS = 8
 def _stream_once(url: str) -> tuple[float, float]:
     """(TTFT, E2E) in ms of one streamed completion on a fresh connection."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": common.VLLM_MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True,
-                       "ignore_eos": True, "temperature": 0}).encode()
+    body = json.dumps(
+        {
+            "model": common.VLLM_MODEL,
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    ).encode()
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
@@ -60,25 +68,37 @@ def main(argv=None) -> int:
     for rnd in range(args.rounds):
         for mode in ("warm", "cold"):
             d = out / f"{mode}-{rnd}"
-            cfg = common.write_config(d, workers=[common.vllm_worker(kv_cache_bytes=16 << 20,
-                                                                    warmup=mode == "warm")])
+            cfg = common.write_config(d, workers=[common.vllm_worker(kv_cache_bytes=16 << 20, warmup=mode == "warm")])
             t0 = time.perf_counter()
             with common.stack(cfg, d / "run") as st:
                 ready_s = time.perf_counter() - t0
                 first = _stream_once(st.envoy_url)
                 after = [_stream_once(st.envoy_url) for _ in range(args.after)]
-            runs[mode].append({"ready_s": ready_s, "first_ttft_ms": first[0], "first_e2e_ms": first[1],
-                               "after_ttft_ms": statistics.median(a[0] for a in after),
-                               "after_e2e_ms": statistics.median(a[1] for a in after)})
+            runs[mode].append(
+                {
+                    "ready_s": ready_s,
+                    "first_ttft_ms": first[0],
+                    "first_e2e_ms": first[1],
+                    "after_ttft_ms": statistics.median(a[0] for a in after),
+                    "after_e2e_ms": statistics.median(a[1] for a in after),
+                }
+            )
             print(f"round {rnd} {mode}: {runs[mode][-1]}", flush=True)
-    lines = [common.header("Warm-up: first request on a fresh vLLM worker (tiny-llama)", ["bench.scenarios.warmup", *(argv or [])]), "",
-             "| | stack ready (s) | first TTFT (ms) | first E2E (ms) | steady TTFT p50 (ms) | steady E2E p50 (ms) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        common.header(
+            "Warm-up: first request on a fresh vLLM worker (tiny-llama)", ["bench.scenarios.warmup", *(argv or [])]
+        ),
+        "",
+        "| | stack ready (s) | first TTFT (ms) | first E2E (ms) | steady TTFT p50 (ms) | steady E2E p50 (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
     for mode, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        lines.append(f"| warm-up {'on' if mode == 'warm' else 'off'} (median of {len(rs)}) | {med['ready_s']:.1f} | "
-                     f"{med['first_ttft_ms']:.1f} | {med['first_e2e_ms']:.1f} | {med['after_ttft_ms']:.1f} | "
-                     f"{med['after_e2e_ms']:.1f} |")
+        lines.append(
+            f"| warm-up {'on' if mode == 'warm' else 'off'} (median of {len(rs)}) | {med['ready_s']:.1f} | "
+            f"{med['first_ttft_ms']:.1f} | {med['first_e2e_ms']:.1f} | {med['after_ttft_ms']:.1f} | "
+            f"{med['after_e2e_ms']:.1f} |"
+        )
     for mode, rs in runs.items():
         lines.append(f"\n{mode} first E2E per round (ms): " + ", ".join(f"{r['first_e2e_ms']:.1f}" for r in rs))
     summary = "\n".join(lines)

@@ -1,26 +1,40 @@
 """OpenAI-compatible request decoding and response rendering (pure, no I/O).
 
-The HTTP server (``router.ingress.http_server``) feeds request bodies and a few
-headers in and gets a ``Submit`` plus a ``ResponseContext`` back; it feeds
-``Delta`` batches to a ``StreamRenderer`` (SSE) or accumulates them and calls
+The HTTP ingress (``router.ingress``) feeds request bodies and a few headers
+in and gets a ``Submit`` plus a ``ResponseContext`` back; it feeds ``Delta``
+batches to a ``StreamRenderer`` (SSE) or accumulates them and calls
 ``render_completion`` once.  Every refusal is a ``RequestError`` carrying an
 ``ErrorInfo`` whose ``status`` is the HTTP status.
 
 One module per concern, one per endpoint:
 
 - ``request``: headers (``RequestMeta``), body decoding with OpenAI-style 400s,
-  the shape check of a finished ``Submit``;
+  the shape check of a finished ``Submit`` (its rules: ``checks``, which the
+  lifecycle applies to direct ZeroMQ clients' requests too);
 - ``sampling``: the body fields every generation endpoint shares, mapped to
   ``SamplingParams``, task type and priority (structured outputs included);
-- ``completions``, ``chat``: each endpoint's request body, its parser and its
-  response shapes -- a new endpoint is a new module beside them;
+- ``completions`` (with ``prompt_forms``), ``chat``, ``embeddings``,
+  ``responses`` (with ``responses_stream``), ``tokenize``: each endpoint's
+  request body, its parser and its response shapes -- a new endpoint is a
+  new module beside them;
+- ``tools`` (with ``tool_parsers``): tool calling; ``metadata``: its limits;
 - ``context``: request ids and the ``ResponseContext`` rendering needs;
 - ``render``: non-streamed bodies; ``streaming``: SSE events (the per-token
   hot path); ``logprobs``, ``usage``: their shared parts;
 - ``errors``: ``RequestError`` and the error body; ``encoding``: the encoder.
 
-This package re-exports the names callers use (``from router import
-openai_api as api``; ``api.parse_chat``, ``api.StreamRenderer``, ...).
+Belongs here: what the wire says and how an answer is spelled -- functions
+of their arguments (and of the clock and random ids), so they are unit
+tested without a server.  Not here: sockets, files, asyncio, threads, a
+tokenizer or any state of the router (what needs one stays in the caller:
+router.ingress.tokenize runs the tokenizer; router.lifecycle.prompts checks
+a prompt against the model).
+
+May import: itself and ``shared`` only -- nothing else of the router -- so
+every layer may use it.
+
+This package re-exports the names callers use (``from router import api``;
+``api.parse_chat``, ``api.StreamRenderer``, ...).
 """
 
 from __future__ import annotations
@@ -39,11 +53,11 @@ from router.api.chat import (
 )
 from router.api.completions import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    Completion,
     CompletionChoice,
     CompletionJobs,
     CompletionLogprobs,
     CompletionRequest,
+    TextCompletion,
     parse_completion,
     parse_completions,
 )
@@ -82,7 +96,7 @@ __all__ = [
     "ChatLogprobs",
     "ChatRequest",
     "ChatTokenLogprob",
-    "Completion",
+    "TextCompletion",
     "CompletionChoice",
     "CompletionJobs",
     "CompletionLogprobs",

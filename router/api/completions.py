@@ -14,7 +14,7 @@ from router.api.request import RequestMeta, check_submit_shape, decode_body
 from router.api.sampling import SamplingFields, common_fields
 from router.api.usage import Usage
 from shared.errors import Code
-from shared.protocol import RequestKind, Submit, TopLogprobs
+from shared.protocol import RequestKind, SamplingParams, Submit, TopLogprobs
 
 # OpenAI's documented default for the legacy completions endpoint (vLLM uses
 # it too); chat leaves max_tokens unset = the rest of the model's context.
@@ -29,6 +29,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     best_of: int | None = None  # accepted and ignored, as vLLM 0.32 does (docs/api.md)
     suffix: str | None = None
     return_token_ids: bool | None = None  # vLLM's: prompt_token_ids and token_ids on each choice
+    prompt_logprobs: int | None = None  # vLLM's raw per-choice field: refused (echo + logprobs carries them)
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -51,14 +52,18 @@ def parse_completions(
 ) -> CompletionJobs:
     req = decode_body(_completion_decoder, body)
     prompts = split_prompt(req.prompt, max_prompts)
-    if req.echo and req.logprobs is not None:
-        # OpenAI then also returns the prompt's logprobs; weir does not compute those
+    if req.prompt_logprobs is not None:
         raise invalid(
-            "echo together with logprobs is not supported (prompt logprobs)", param="echo", code=Code.UNSUPPORTED_VALUE
+            "prompt_logprobs is not supported by this server; use echo with logprobs",
+            param="prompt_logprobs",
+            code=Code.UNSUPPORTED_VALUE,
         )
     if req.suffix:
         raise invalid("suffix is not supported", param="suffix", code=Code.UNSUPPORTED_VALUE)
     params, task_type, priority = common_fields(req, meta, req.logprobs)
+    echo_logprobs = bool(req.echo) and req.logprobs is not None
+    if echo_logprobs:  # the prompt's tokens' logprobs too, as vLLM (the engine computes them)
+        params = msgspec.structs.replace(params or SamplingParams(), prompt_logprobs=req.logprobs)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     return_token_ids = bool(req.return_token_ids)
     # (as vLLM: with return_token_ids, echo leaves the prompt's text out -- its ids are there)
@@ -74,6 +79,7 @@ def parse_completions(
             max_tokens=max_tokens,
             priority=priority,
             task_type=task_type,
+            routing=meta.routing,
             api_key=meta.api_key,
             user=req.user,
             allow_fallback=bool(req.fallback) or meta.allow_fallback,
@@ -89,6 +95,8 @@ def parse_completions(
     ctx.return_token_ids = return_token_ids
     n = ctx.n
     ctx.n = n * len(prompts)
+    if echo_logprobs:
+        ctx.echo_logprobs = n
     return CompletionJobs(subs, ctx, n, echoes)
 
 
@@ -105,8 +113,8 @@ def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[S
 
 class CompletionLogprobs(msgspec.Struct, gc=False):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -120,7 +128,7 @@ class CompletionChoice(msgspec.Struct, gc=False):
     token_ids: list[int] | None = None
 
 
-class Completion(msgspec.Struct, gc=False):
+class TextCompletion(msgspec.Struct, gc=False):
     id: str
     object: str
     created: int

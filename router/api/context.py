@@ -31,6 +31,9 @@ class ResponseContext(msgspec.Struct, gc=False):
     tools: Any = None
     # vLLM's return_token_ids: the prompt's ids (from the first Delta) and each choice's generated ids
     return_token_ids: bool = False
+    # completions' echo with logprobs: each choice's logprobs start with its prompt's
+    # (Delta.prompt_logprobs); the number of choices per prompt, 0 without
+    echo_logprobs: int = 0
 
     @property
     def rich(self) -> bool:

@@ -31,7 +31,7 @@ def _utf8(s: str) -> list[int]:
 class ChoiceState:
     """One choice's output so far (the general renderers)."""
 
-    __slots__ = ("texts", "finish", "tokens", "values", "tops", "offset", "started", "stop_reason", "ids")
+    __slots__ = ("texts", "finish", "tokens", "values", "tops", "offset", "started", "stop_reason", "ids", "prompt")
 
     def __init__(self) -> None:
         self.texts: list[str] = []
@@ -43,6 +43,7 @@ class ChoiceState:
         self.started = False  # chat stream: the role event went
         self.stop_reason: str | int | None = None  # the stop string / token id that ended it
         self.ids: list[int] = []  # return_token_ids: every generated token's id
+        self.prompt: Delta | None = None  # echo with logprobs: the Delta with its prompt's logprobs
 
 
 def add_logprobs(c: ChoiceState, d: Delta) -> None:
@@ -52,16 +53,54 @@ def add_logprobs(c: ChoiceState, d: Delta) -> None:
         c.tops.extend(d.top_ids)
 
 
-def completion_logprobs(ctx: ResponseContext, c: ChoiceState, start: int = 0) -> CompletionLogprobs:
+def add_prompt_logprobs(ctx: ResponseContext, choices: list[ChoiceState], d: Delta) -> None:
+    """Echo with logprobs: a Delta's prompt logprobs belong to every choice of
+    its prompt (choices i * n .. i * n + n - 1); the first attempt's are kept
+    (a resumed one's prompt holds the tokens already generated)."""
+    n = ctx.echo_logprobs
+    if not n or not d.prompt_top_ids:
+        return
+    first = d.index - d.index % n
+    for c in choices[first : first + n]:
+        if c.prompt is None:
+            c.prompt = d
+
+
+def completion_logprobs(
+    ctx: ResponseContext, c: ChoiceState, start: int = 0, with_prompt: bool = False
+) -> CompletionLogprobs:
     """OpenAI's completions logprobs for c's tokens from ``start`` on (as
-    vLLM: top_logprobs holds the sampled token and the top k)."""
+    vLLM: top_logprobs holds the sampled token and the top k); ``with_prompt``
+    (echo): its prompt's tokens first, the first of them without a logprob."""
     text = ctx.token_text
     k = ctx.logprobs or 0
     row = k + 1
     tokens: list[str] = []
-    token_lps: list[float] = []
-    tops: list[dict[str, float]] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
+    if with_prompt and c.prompt is not None:
+        ids = c.prompt.prompt_top_ids
+        pvalues = unpack_logprobs(c.prompt.prompt_logprobs)
+        count = len(pvalues) // row + 1  # the prompt's tokens (the first has no row)
+        ptops = ids[count:]
+        for i in range(count):
+            s = text(ids[i])
+            tokens.append(s)
+            offsets.append(c.offset)
+            c.offset += len(s)
+            if i == 0:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            v = pvalues[(i - 1) * row]
+            token_lps.append(_lp(v))
+            top = {s: _lp(v)}
+            for j in range(k):
+                t = text(ptops[(i - 1) * k + j])
+                if t not in top:
+                    top[t] = _lp(pvalues[(i - 1) * row + 1 + j])
+            tops.append(top)
     values, top_ids = c.values, c.tops
     for i in range(start, len(c.tokens)):
         s = text(c.tokens[i])

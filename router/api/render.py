@@ -5,10 +5,10 @@ model list."""
 from __future__ import annotations
 
 from router.api.chat import AssistantMessage, ChatChoice, ChatCompletion
-from router.api.completions import Completion, CompletionChoice
+from router.api.completions import CompletionChoice, TextCompletion
 from router.api.context import ResponseContext
 from router.api.encoding import encode
-from router.api.logprobs import ChoiceState, add_logprobs, chat_logprobs, completion_logprobs
+from router.api.logprobs import ChoiceState, add_logprobs, add_prompt_logprobs, chat_logprobs, completion_logprobs
 from router.api.tools import extract_calls, tool_finish_reason
 from router.api.usage import TokenCounts, usage_of
 from shared.protocol import Delta, RequestKind
@@ -26,7 +26,7 @@ def render_completion(
     usage = usage_of(prompt_tokens, completion_tokens, cached_tokens)
     if ctx.kind == RequestKind.COMPLETION:
         return encode(
-            Completion(
+            TextCompletion(
                 ctx.id,
                 "text_completion",
                 ctx.created,
@@ -75,6 +75,7 @@ class Accumulator:
                 c.texts.append(d.text)
             if lp:
                 add_logprobs(c, d)
+                add_prompt_logprobs(self.ctx, choices, d)
             if ids and d.token_ids:
                 c.ids.extend(d.token_ids)
             if d.choice_finish is not None:
@@ -93,7 +94,7 @@ class Accumulator:
         ids = ctx.return_token_ids
         if ctx.kind == RequestKind.COMPLETION:
             return encode(
-                Completion(
+                TextCompletion(
                     ctx.id,
                     "text_completion",
                     ctx.created,
@@ -102,7 +103,7 @@ class Accumulator:
                         CompletionChoice(
                             i,
                             ctx.echo + "".join(ch.texts),
-                            completion_logprobs(ctx, ch) if lp else None,
+                            completion_logprobs(ctx, ch, 0, ctx.echo_logprobs > 0) if lp else None,
                             ch.finish,
                             ch.stop_reason,
                             self.prompt_ids,
@@ -148,6 +149,8 @@ def render_models(models: list[tuple[str, int, int, str]], created: int) -> byte
                     "object": "model",
                     "created": created,
                     "owned_by": "weir",
+                    "root": name,
+                    "parent": None,
                     "max_model_len": max_len,
                     "ready_workers": ready,
                     "state": state,

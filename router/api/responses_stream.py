@@ -9,10 +9,16 @@ Streamed, a text answer is the event sequence OpenAI sends::
     response.output_item.done, response.completed
 
 each as ``event: <type>`` + ``data: <json>`` with a ``sequence_number``
-counting from 0 (no ``[DONE]``: OpenAI sends none for Responses).  A request
-with tools streams its output items when the turn ends (the text must be
-whole to tell a tool call from an answer).  A failure after the head is an
-``error`` event then ``response.failed``.
+counting from 0 (no ``[DONE]``: OpenAI sends none for Responses).  With
+tools, the turn is read as it is generated (router.api.tools.ChoiceToolStream)
+and each function call is its own item as it forms::
+
+    response.output_item.added (the call: id, call_id, name, arguments ""),
+    response.function_call_arguments.delta (one per batch),
+    response.function_call_arguments.done, response.output_item.done
+
+after any text's message item.  A failure after the head is an ``error``
+event then ``response.failed``.
 
 The last event is held back (``final``) until the response is stored, so a
 client that continues the moment it reads ``response.completed`` finds it.
@@ -33,7 +39,7 @@ from router.api.responses import (
     usage_object,
 )
 from router.api.streaming import StreamRenderer
-from router.api.tools import extract_calls
+from router.api.tools import ChoiceToolStream, ToolCall, ToolPiece, extract_calls
 from shared.protocol import Delta, ErrorInfo
 
 
@@ -46,18 +52,18 @@ def output_items(ctx: ResponseContext, turn: Turn, text: str) -> list[dict[str, 
         return [message_item(turn, text, "completed")]
     content, calls = extract_calls(spec, text)
     items = [message_item(turn, content, "completed")] if content else []
-    for call in calls:
-        items.append(
-            {
-                "id": "fc_" + call.id.rpartition("-")[2],
-                "type": "function_call",
-                "call_id": call.id,
-                "name": call.function.name,
-                "arguments": call.function.arguments,
-                "status": "completed",
-            }
-        )
-    return items
+    return items + [call_item(call, "completed") for call in calls]
+
+
+def call_item(call: ToolCall, status: str) -> dict[str, Any]:
+    return {
+        "id": "fc_" + call.id.rpartition("-")[2],
+        "type": "function_call",
+        "call_id": call.id,
+        "name": call.function.name,
+        "arguments": call.function.arguments if status != "in_progress" else "",
+        "status": status,
+    }
 
 
 def _error_object(err: ErrorInfo) -> dict[str, Any]:
@@ -89,14 +95,17 @@ class ResponsesAccumulator(Accumulator):
 class ResponsesStream(StreamRenderer):
     """A turn's Delta batches as Responses events (``render`` per batch)."""
 
-    __slots__ = ("turn", "seq", "texts", "buffered", "final", "response", "output")
+    __slots__ = ("turn", "seq", "texts", "reader", "items", "message_text", "final", "response", "output")
 
     def __init__(self, ctx: ResponseContext, turn: Turn) -> None:
         super().__init__(ctx)
         self.turn = turn
         self.seq = 0
         self.texts: list[str] = []
-        self.buffered = ctx.tools is not None  # tool calls: the items when the text is whole
+        spec = ctx.tools
+        self.reader = ChoiceToolStream(spec) if spec is not None and spec.parses else None
+        self.items: list[dict[str, Any]] = []  # with tools: the items opened so far, the last one open
+        self.message_text = ""  # with tools: the message item's text so far
         self.final: bytes | None = None  # the last event, until stored (see the module's note)
         self.response: dict[str, Any] | None = None  # the finished object
         self.output: list[dict[str, Any]] = []
@@ -110,31 +119,31 @@ class ResponsesStream(StreamRenderer):
         started = response_object(self.turn, "in_progress", [], None)
         out = [self.event("response.created", {"response": started})]
         out.append(self.event("response.in_progress", {"response": started}))
-        if not self.buffered:
+        if self.reader is None:
             out += self._open_message()
         return out
 
-    def _open_message(self) -> list[bytes]:
+    def _open_message(self, index: int = 0) -> list[bytes]:
         item = message_item(self.turn, "", "in_progress")
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        ids = {"item_id": self.turn.message_id, "output_index": 0, "content_index": 0}
+        ids = {"item_id": self.turn.message_id, "output_index": index, "content_index": 0}
         return [
-            self.event("response.output_item.added", {"output_index": 0, "item": item}),
+            self.event("response.output_item.added", {"output_index": index, "item": item}),
             self.event("response.content_part.added", {**ids, "part": part}),
         ]
 
-    def _delta(self, text: str) -> bytes:
-        ids = {"item_id": self.turn.message_id, "output_index": 0, "content_index": 0}
+    def _delta(self, text: str, index: int = 0) -> bytes:
+        ids = {"item_id": self.turn.message_id, "output_index": index, "content_index": 0}
         return self.event("response.output_text.delta", {**ids, "delta": text, "logprobs": []})
 
     def _close(self, finish: str | None) -> list[bytes]:
         text = "".join(self.texts)
-        self.output = output_items(self.ctx, self.turn, text)
-        if self.buffered:
-            out = []
-            for i, item in enumerate(self.output):
-                out += self._whole_item(i, item)
+        if self.reader is not None:
+            out = self._pieces(self.reader.finish())
+            out += self._close_item()
+            self.output = self.items
         else:
+            self.output = output_items(self.ctx, self.turn, text)
             out = self._close_message(text)
         status, incomplete = status_of(finish)
         self.response = response_object(self.turn, status, self.output, usage_object(self.counts), incomplete)
@@ -143,42 +152,59 @@ class ResponsesStream(StreamRenderer):
         self.final = self.event("response.completed", {"response": self.response})
         return out
 
-    def _close_message(self, text: str) -> list[bytes]:
-        ids = {"item_id": self.turn.message_id, "output_index": 0, "content_index": 0}
+    def _close_message(self, text: str, index: int = 0) -> list[bytes]:
+        ids = {"item_id": self.turn.message_id, "output_index": index, "content_index": 0}
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        item = message_item(self.turn, text, "completed")
+        if self.reader is None:
+            item = self.output[0]
+        else:
+            self.items[index] = item
         return [
             self.event("response.output_text.done", {**ids, "text": text, "logprobs": []}),
             self.event("response.content_part.done", {**ids, "part": part}),
-            self.event("response.output_item.done", {"output_index": 0, "item": self.output[0]}),
+            self.event("response.output_item.done", {"output_index": index, "item": item}),
         ]
 
-    def _whole_item(self, index: int, item: dict[str, Any]) -> list[bytes]:
-        """An item streamed at once, when the turn ends (requests with tools)."""
+    # ------------------------------------------------- with tools: items as they form
+
+    def _pieces(self, pieces: list[ToolPiece]) -> list[bytes]:
+        """Content and calls read from the turn so far, as item events (events
+        are encoded when made, so an item dict may grow after its event)."""
+        out: list[bytes] = []
+        for p in pieces:
+            if p.index < 0:  # content: it comes before any call, so in the first item
+                if not self.items:
+                    self.items.append(message_item(self.turn, "", "in_progress"))
+                    out += self._open_message()
+                self.message_text += p.text
+                out.append(self._delta(p.text))
+                continue
+            if p.head is not None:
+                out += self._close_item()
+                self.items.append(call_item(p.head, "in_progress"))
+                index = len(self.items) - 1
+                out.append(self.event("response.output_item.added", {"output_index": index, "item": self.items[index]}))
+            if p.text:
+                item = self.items[-1]
+                item["arguments"] += p.text
+                ids = {"item_id": item["id"], "output_index": len(self.items) - 1}
+                out.append(self.event("response.function_call_arguments.delta", {**ids, "delta": p.text}))
+        return out
+
+    def _close_item(self) -> list[bytes]:
+        """The open item's closing events (none open: nothing)."""
+        if not self.items or self.items[-1]["status"] != "in_progress":
+            return []
+        index = len(self.items) - 1
+        item = self.items[index]
         if item["type"] == "message":
-            text = item["content"][0]["text"]
-            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            return [
-                self.event(
-                    "response.output_item.added",
-                    {"output_index": index, "item": {**item, "content": [], "status": "in_progress"}},
-                ),
-                self.event("response.content_part.added", {**ids, "part": part}),
-                self.event("response.output_text.delta", {**ids, "delta": text, "logprobs": []}),
-                self.event("response.output_text.done", {**ids, "text": text, "logprobs": []}),
-                self.event("response.content_part.done", {**ids, "part": {**part, "text": text}}),
-                self.event("response.output_item.done", {"output_index": index, "item": item}),
-            ]
+            return self._close_message(self.message_text, index)
+        item["status"] = "completed"
         ids = {"item_id": item["id"], "output_index": index}
+        done = {**ids, "arguments": item["arguments"], "name": item["name"]}
         return [
-            self.event(
-                "response.output_item.added",
-                {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}},
-            ),
-            self.event("response.function_call_arguments.delta", {**ids, "delta": item["arguments"]}),
-            self.event(
-                "response.function_call_arguments.done", {**ids, "arguments": item["arguments"], "name": item["name"]}
-            ),
+            self.event("response.function_call_arguments.done", done),
             self.event("response.output_item.done", {"output_index": index, "item": item}),
         ]
 
@@ -199,8 +225,10 @@ class ResponsesStream(StreamRenderer):
         text = "".join(batch)
         if text:
             self.texts.append(text)
-            if not self.buffered:
+            if self.reader is None:
                 out.append(self._delta(text))
+            else:
+                out += self._pieces(self.reader.feed(text))
         last = deltas[-1]
         if last.error is not None:
             out += self._fail(last.error)

@@ -18,8 +18,8 @@ from typing import Any
 from router.api.context import ResponseContext
 from router.api.encoding import encode
 from router.api.errors import error_body
-from router.api.logprobs import ChoiceState, add_logprobs, chat_logprobs, completion_logprobs
-from router.api.tools import ChoiceToolStream, tool_finish_reason
+from router.api.logprobs import ChoiceState, add_logprobs, add_prompt_logprobs, chat_logprobs, completion_logprobs
+from router.api.tools import ChoiceToolStream, chat_deltas, tool_finish_reason
 from router.api.usage import TokenCounts
 from shared.protocol import Delta, ErrorInfo, RequestKind
 
@@ -170,6 +170,7 @@ class StreamRenderer:
             item[1] += d.num_tokens
             if lp:
                 add_logprobs(c, d)
+                add_prompt_logprobs(ctx, choices, d)
             if want_ids and d.token_ids:
                 c.ids.extend(d.token_ids)
             if d.choice_finish is not None:
@@ -200,8 +201,9 @@ class StreamRenderer:
             c = choices[i]
             text = "".join(texts)
             logprobs = None
-            if lp and len(c.tokens) > start:
-                logprobs = encode(chat_logprobs(ctx, c, start) if chat else completion_logprobs(ctx, c, start))
+            echo_lp = not chat and not c.started and c.prompt is not None  # (echo: the prompt's logprobs first)
+            if lp and (len(c.tokens) > start or echo_lp):
+                logprobs = encode(chat_logprobs(ctx, c, start) if chat else completion_logprobs(ctx, c, start, echo_lp))
             ids = b',"token_ids":' + encode(c.ids[first_id:]) if want_ids else b""
             stop = b',"stop_reason":' + encode(c.stop_reason)
             if chat and self._tools is not None:
@@ -235,9 +237,10 @@ class StreamRenderer:
     ) -> list[bytes]:
         """A choice whose output may be tool calls: content and tool-call deltas
         (the batch's logprobs and token ids on the first)."""
-        bodies = stream.feed(text) if text else []
+        pieces = stream.feed(text) if text else []
         if fin is not None:
-            bodies += stream.finish()
+            pieces += stream.finish()
+        bodies = chat_deltas(pieces)
         out = [
             self._event(i, b'"delta":' + encode(body), logprobs if k == 0 else None, None, ids if k == 0 else b"")
             for k, body in enumerate(bodies)

@@ -3,8 +3,8 @@
 its own tokenizer -- the one every prompt is tokenized with, so the ids are
 exactly those a completion or chat request would send to the engine.
 
-Parsing and answering are pure; the ingress (router.ingress.http_server) picks the
-model and runs ``answer_tokenize`` on the tokenizing thread for long texts.
+Parsing and rendering are here, pure; the ingress (router.ingress.tokenize)
+picks the model and runs its tokenizer, on a tokenizer thread for long texts.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from router.api.encoding import encode
 from router.api.errors import invalid
 from router.api.request import decode_body
 from router.api.tools import ChatTool, ToolSpec
-from router.lifecycle.prompts import BadInput, ModelPrompts
 from shared.protocol import NonNegativeInt, RequestKind, Submit
 
 
@@ -121,23 +120,10 @@ def parse_detokenize(body: bytes) -> DetokenizeRequest:
     return req
 
 
-def answer_tokenize(prompts: ModelPrompts, job: TokenizeJob, max_model_len: int) -> bytes:
-    """The response body (RequestError for a chat the template refuses)."""
-    if job.chat is not None:
-        try:
-            text = prompts.render_chat(job.chat)
-        except BadInput as e:
-            raise invalid(str(e), param=e.param or "messages") from None
-        except Exception as e:  # the template's raise_exception, or no template
-            raise invalid(f"The chat template failed: {e}", param="messages") from None
-    else:
-        assert job.text is not None
-        text = job.text
-    ids = prompts.encode(text, job.add_special_tokens)
-    strs = prompts.token_strs(ids) if job.return_token_strs else None
+def tokenize_body(ids: list[int], max_model_len: int, strs: list[str] | None) -> bytes:
+    """/tokenize's response: the ids (and their strings, when asked for)."""
     return encode(TokenizeResponse(len(ids), max_model_len, ids, strs))
 
 
-def answer_detokenize(prompts: ModelPrompts, req: DetokenizeRequest) -> bytes:
-    # (ids outside the vocabulary decode to nothing: the tokenizer skips them, as under vLLM)
-    return encode(DetokenizeResponse(prompts.decode(req.tokens)))
+def detokenize_body(text: str) -> bytes:
+    return encode(DetokenizeResponse(text))

@@ -8,10 +8,11 @@ tests/unit/test_tools.py runs both on one corpus and compares.  weir does not
 import vLLM's classes: they import torch and vLLM's server (9 s of CPU and
 ~550 MB measured on this VM), which the router must not carry.
 
-``AutoStream`` is the streaming side: content before a call streams at once;
-from the first sign of a call (or a partial tag that may become one) the
-text is held, and at the end the whole text is parsed as above -- so a
-stream's calls always equal the whole response's.
+``AutoStream`` is the streaming side of ``llama3_json``: content before a
+call streams at once; from the first sign of a call the text is held, and at
+the end the whole text is parsed as above.  (hermes calls are read as they
+are generated, by router.api.tools.ChoiceToolStream; ``extract`` keeps
+vLLM's whole-text reading of them, the reference that test compares.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class ParsedCall(NamedTuple):
     arguments: str  # JSON text
 
 
-PARSERS = ("hermes", "llama3_json")
+TOOL_PARSERS = ("hermes", "llama3_json")
 
 _HERMES_START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -78,7 +79,7 @@ def extract(parser: str, text: str) -> tuple[list[ParsedCall], str | None]:
     return _EXTRACT[parser](text)
 
 
-def _tag_overlap(text: str, tag: str) -> int:
+def tag_overlap(text: str, tag: str) -> int:
     """Length of the longest prefix of ``tag`` that ends ``text``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -109,7 +110,7 @@ class AutoStream:
                 self.held = True
                 sendable = at
             else:
-                sendable = len(text) - _tag_overlap(text, _HERMES_START)
+                sendable = len(text) - tag_overlap(text, _HERMES_START)
         else:  # llama3_json: a call is the whole output, from its first character
             stripped = text.lstrip()
             if not stripped:

@@ -12,10 +12,13 @@ flat tool shape with ``function_tools``):
 - ``tool_constraint``: for ``required`` and a named tool, the JSON schema the
   output is constrained by (structured output), so the arguments always
   validate against the tool's schema -- vLLM's ``get_json_schema_from_tools``;
-- ``extract_calls``: the generated text of one choice -> content and
-  ``ToolCall``s (required: a JSON array of ``{name, parameters}``; named: the
-  arguments themselves; auto: the model's own format, router.api.tool_parsers);
-- ``ChoiceToolStream``: the same while streaming, as OpenAI's tool-call deltas;
+- ``ChoiceToolStream``: one choice's generated text read as content and
+  tool calls while it is generated (required: a JSON array of
+  ``{name, parameters}``; named: the arguments themselves; auto: the model's
+  own format), as ``ToolPiece``s; ``chat_deltas`` makes them OpenAI's
+  ``delta.tool_calls``;
+- ``extract_calls``: the same reading of a whole text, so streamed and whole
+  responses agree;
 - ``tool_finish_reason``: OpenAI's ``tool_calls`` finish reason where it applies.
 
 What the model itself decides -- whether its config names a tool-call parser
@@ -32,7 +35,8 @@ from typing import Any, Literal
 import msgspec
 
 from router.api.errors import invalid
-from router.api.tool_parsers import AutoStream, ParsedCall, extract
+from router.api.tool_parsers import AutoStream, tag_overlap
+from router.api.tool_scan import CallScan
 from shared.protocol import StructuredOutput
 
 ToolChoiceKind = Literal["none", "auto", "required", "named"]
@@ -185,7 +189,11 @@ def tool_schema(spec: ToolSpec) -> dict[str, Any] | None:
 
 def tool_constraint(spec: ToolSpec) -> StructuredOutput | None:
     schema = tool_schema(spec)
-    return None if schema is None else StructuredOutput(json=json.dumps(schema, ensure_ascii=False))
+    if schema is None:
+        return None
+    # compact: free whitespace between JSON tokens would spend the call's
+    # tokens on nothing (a random model may never close it)
+    return StructuredOutput(json=json.dumps(schema, ensure_ascii=False), disable_any_whitespace=True)
 
 
 # ------------------------------------------------------------ output
@@ -206,141 +214,207 @@ def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"  # vLLM's make_tool_call_id
 
 
-def _to_tool_calls(calls: list[ParsedCall], parallel: bool) -> list[ToolCall]:
-    if not parallel:
-        calls = calls[:1]
-    return [ToolCall(new_tool_call_id(), "function", FunctionCall(c.name, c.arguments)) for c in calls]
+class ToolPiece(msgspec.Struct, gc=False):
+    """A piece of one choice's output as it is read: content (``index`` -1)
+    or a call's argument text; a call's first piece carries ``head`` (its
+    id and name)."""
+
+    index: int
+    text: str
+    head: ToolCall | None = None
 
 
-def _required_calls(text: str) -> list[ParsedCall]:
-    """``required`` output: a JSON array of ``{"name", "parameters"}`` (vLLM
-    validates it as ``list[FunctionDefinition]``; anything else: no calls)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    if not isinstance(items, list):
-        return []
-    calls = []
-    for it in items:
-        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
-            return []
-        params = it.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            return []
-        calls.append(ParsedCall(it["name"], json.dumps(params, ensure_ascii=False)))
-    return calls
-
-
-def extract_calls(spec: ToolSpec, text: str) -> tuple[str | None, list[ToolCall]]:
-    """One choice's whole text -> (content, tool calls), as vLLM's chat endpoint."""
-    if spec.choice == "named":
-        if not text.strip():
-            return None, []
-        assert spec.named is not None
-        return None, _to_tool_calls([ParsedCall(spec.named, text)], True)
-    if spec.choice == "required":
-        return None, _to_tool_calls(_required_calls(text), spec.parallel)
-    if spec.parses:
-        assert spec.parser is not None
-        calls, content = extract(spec.parser, text)
-        if content is not None and not content.strip() and calls:
-            content = None
-        return content, _to_tool_calls(calls, spec.parallel)
-    return text, []
-
-
-def tool_finish_reason(spec: ToolSpec, called: bool, finish: str | None) -> str | None:
-    """OpenAI's finish reason: ``tool_calls`` when auto called a tool or
-    required finished; a named call keeps the engine's."""
-    if finish is None or finish == "abort":
-        return finish
-    if spec.choice == "required" and finish == "stop":
-        return "tool_calls"
-    if spec.choice == "auto" and called:
-        return "tool_calls"
-    return finish
+_TAG = "<tool_call>"
 
 
 class ChoiceToolStream:
-    """One streamed choice's tool calls, as OpenAI's ``delta.tool_calls``.
+    """One choice's output read as tool calls while it is generated.
 
-    Named: the call's header at once, then the arguments as they are made.
-    Auto: content streams until a call may start (router.api.tool_parsers);
-    required and auto calls are sent whole, each as one delta, at the end.
+    ``feed`` takes new text and returns the pieces it completes; ``finish``
+    the rest.  A call is announced (id, name) the moment its name is complete
+    and its arguments follow verbatim as they are generated:
+
+    - named: the whole output is the call's arguments (announced with the
+      first text that is not only whitespace);
+    - required: the JSON array ``[{"name", "parameters"}, ...]``, read by
+      ``CallScan``;
+    - auto, hermes: content until ``<tool_call>`` (a partial tag held back),
+      then each tag's ``{"name", "arguments"}`` object, as vLLM's hermes
+      parser streams it;
+    - auto, llama3_json: content until a call may begin, then the rest parsed
+      whole at the end (router.api.tool_parsers).
+
+    Nothing is dropped: a call cut short (``max_tokens``) is the call as far
+    as it was generated, and text in which no call could be read is content.
+    ``calls`` and ``content`` are what was sent, so a whole response read
+    through the same class (``extract_calls``) equals the streamed one.
     """
 
-    __slots__ = ("spec", "text", "auto", "named_id", "called")
+    __slots__ = ("spec", "text", "calls", "content", "sent", "scans", "seek", "tagged", "auto", "called")
 
     def __init__(self, spec: ToolSpec) -> None:
         self.spec = spec
         self.text = ""
-        self.auto = AutoStream(spec.parser) if spec.choice == "auto" and spec.parses and spec.parser else None
-        self.named_id: str | None = None
+        self.calls: list[ToolCall] = []  # announced, with the arguments sent so far
+        self.content: list[str] = []  # content sent
+        self.sent = 0  # chars of text sent as content (auto)
+        self.scans: list[CallScan] = []
+        if spec.choice == "required":
+            self.scans.append(CallScan(0, True, ("parameters",)))
+        self.seek = 0  # hermes: where the next <tool_call> is looked for
+        self.tagged = False  # hermes: a tag was seen (no more content)
+        auto = spec.choice == "auto" and spec.parses and spec.parser is not None
+        self.auto = AutoStream(spec.parser) if auto and spec.parser != "hermes" else None  # type: ignore[arg-type]
         self.called = False
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        """Delta bodies (``{"content": ...}`` / ``{"tool_calls": [...]}``) for new text."""
+    @property
+    def _hermes(self) -> bool:
+        return self.spec.choice == "auto" and self.spec.parser == "hermes"
+
+    def feed(self, delta: str) -> list[ToolPiece]:
+        """The pieces ``delta`` (new text) completes."""
+        self.text += delta
         spec = self.spec
+        out: list[ToolPiece] = []
         if spec.choice == "named":
-            out: list[dict[str, Any]] = []
-            if self.named_id is None and (self.text + text).strip():
-                self.named_id = new_tool_call_id()
-                self.called = True
-                out.append(
-                    {
-                        "tool_calls": [
-                            {
-                                "index": 0,
-                                "id": self.named_id,
-                                "type": "function",
-                                "function": {"name": spec.named, "arguments": ""},
-                            }
-                        ]
-                    }
-                )
-                text = self.text + text  # leading whitespace held until now
-                self.text = ""
-            elif self.named_id is None:
-                self.text += text
-                return out
-            if text:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            if not self.calls:
+                if not self.text.strip():
+                    return out  # leading whitespace: held until the call starts
+                assert spec.named is not None
+                self._announce(out, spec.named, self.text)
+            else:
+                self._args(out, 0, delta)
             return out
         if self.auto is not None:
-            content = self.auto.feed(text)
-            return [{"content": content}] if content else []
-        self.text += text  # required: parsed whole at the end
-        return []
+            self._content(out, self.auto.feed(delta))
+            return out
+        if self._hermes:
+            self._hermes_regions(out)
+        else:
+            self.scans[0].scan(self.text)  # required
+        self._read_spans(out)
+        return out
 
-    def finish(self) -> list[dict[str, Any]]:
-        """The deltas still to send when the choice ends."""
-        spec = self.spec
-        if spec.choice == "named":
-            return []
-        out: list[dict[str, Any]] = []
+    def finish(self) -> list[ToolPiece]:
+        """The pieces still to send when the choice ends."""
+        out: list[ToolPiece] = []
         if self.auto is not None:
             parsed, rest = self.auto.finish()
             if rest and (not parsed or rest.strip()):
-                out.append({"content": rest})
-            calls = _to_tool_calls(parsed, spec.parallel)
-        else:
-            calls = _to_tool_calls(_required_calls(self.text), spec.parallel)
-        for i, c in enumerate(calls):
-            out.append(
-                {
-                    "tool_calls": [
-                        {
-                            "index": i,
-                            "id": c.id,
-                            "type": "function",
-                            "function": {"name": c.function.name, "arguments": c.function.arguments},
-                        }
-                    ]
-                }
-            )
-        self.called = bool(calls)
+                self._content(out, rest)
+            for c in parsed if self.spec.parallel else parsed[:1]:
+                self._announce(out, c.name, c.arguments)
+        elif self.spec.choice != "named":
+            self._read_spans(out)
+            if not self.calls:  # no call could be read: the text is content (nothing dropped)
+                self._content(out, self.text[self.sent :])
+        self.called = bool(self.calls)
         return out
+
+    # ---------------------------------------------------------------- parts
+
+    def _content(self, out: list[ToolPiece], text: str) -> None:
+        if text:
+            self.content.append(text)
+            out.append(ToolPiece(-1, text))
+        self.sent += len(text)
+
+    def _announce(self, out: list[ToolPiece], name: str, arguments: str) -> None:
+        call = ToolCall(new_tool_call_id(), "function", FunctionCall(name, arguments))
+        out.append(ToolPiece(len(self.calls), arguments, call))
+        self.calls.append(call)
+
+    def _args(self, out: list[ToolPiece], index: int, text: str) -> None:
+        if text:
+            f = self.calls[index].function
+            f.arguments += text
+            out.append(ToolPiece(index, text))
+
+    def _hermes_regions(self, out: list[ToolPiece]) -> None:
+        """Content before the first tag; a ``CallScan`` per tag."""
+        text = self.text
+        while True:
+            scan = self.scans[-1] if self.scans and self.scans[-1].end is None else None
+            if scan is None:
+                at = text.find(_TAG, self.seek)
+                if at < 0:
+                    hold = tag_overlap(text, _TAG)
+                    if not self.tagged:
+                        self._content(out, text[self.sent : len(text) - hold])
+                    self.seek = max(self.seek, len(text) - hold)
+                    return
+                if not self.tagged:
+                    self._content(out, text[self.sent : at])
+                    self.tagged = True
+                scan = CallScan(at + len(_TAG), False, ("arguments",))
+                self.scans.append(scan)
+            scan.scan(text)
+            if scan.end is None:
+                return
+            self.seek = scan.end
+
+    def _read_spans(self, out: list[ToolPiece]) -> None:
+        """Announce calls whose names are complete; send their new arguments."""
+        text = self.text
+        limit = None if self.spec.parallel else 1
+        for k, span in enumerate(s for scan in self.scans for s in scan.spans):
+            if limit is not None and k >= limit:
+                break
+            if k == len(self.calls):
+                if span.name is None:
+                    break  # calls come in order: none after this one is ready either
+                self._announce(out, span.name, span.arguments(text))
+            else:
+                args = span.arguments(text)
+                self._args(out, k, args[len(self.calls[k].function.arguments) :])
+
+
+def extract_calls(spec: ToolSpec, text: str) -> tuple[str | None, list[ToolCall]]:
+    """One choice's whole text -> (content, tool calls): the stream's reading
+    of it (``ChoiceToolStream``), so streamed and whole responses agree."""
+    if not spec.parses:
+        return text, []
+    s = ChoiceToolStream(spec)
+    s.feed(text)
+    s.finish()
+    content = "".join(s.content)
+    if s.calls and not content.strip():
+        content = ""  # vLLM: no content beside calls when it is blank
+    return content or None, s.calls
+
+
+def tool_finish_reason(spec: ToolSpec, called: bool, finish: str | None) -> str | None:
+    """OpenAI's finish reason: ``tool_calls`` when auto called a tool or
+    required finished; a named call keeps the engine's; a call cut short
+    keeps ``length``."""
+    if finish != "stop":
+        return finish
+    if spec.choice in ("required", "auto") and called:
+        return "tool_calls"
+    return finish
+
+
+def chat_deltas(pieces: list[ToolPiece]) -> list[dict[str, Any]]:
+    """Pieces as chat ``delta`` bodies: the content, then one delta with every
+    call entry (a call's first entry: index, id, type, name and arguments)."""
+    out: list[dict[str, Any]] = []
+    content = "".join(p.text for p in pieces if p.index < 0)
+    if content:
+        out.append({"content": content})
+    entries: list[dict[str, Any]] = []
+    for p in pieces:
+        if p.index < 0:
+            continue
+        if p.head is not None:
+            fn = {"name": p.head.function.name, "arguments": p.text}
+            entries.append({"index": p.index, "id": p.head.id, "type": "function", "function": fn})
+        elif entries and entries[-1]["index"] == p.index:
+            entries[-1]["function"]["arguments"] += p.text
+        else:
+            entries.append({"index": p.index, "function": {"arguments": p.text}})
+    if entries:
+        out.append({"tool_calls": entries})
+    return out
 
 
 def unsupported_tool_choice(choice: str, parser: str | None, auto_enabled: bool) -> str | None:

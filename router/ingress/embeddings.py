@@ -4,7 +4,7 @@ The parser (router.api.embeddings) turns the body into one
 ``Submit`` per input; each goes to the core as its own job with its own
 sink (``_Part``), so each is admitted, reserved, budgeted and placed on its
 own (their request units, though, are one reservation: router.tenancy.budgets.Group).
-``EmbeddingBatch`` gathers their vectors and writes the response when
+``EmbeddingsExchange`` gathers their vectors and writes the response when
 the last one arrives.  The first refusal or error ends the whole request:
 the other inputs are cancelled (their reservations released, their budgets
 settled on what ran: nothing for what never started) and the client gets
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from router import api
+from router.ingress.connection import Connection, Request
+from router.ingress.exchange import STATUS_CLIENT_GONE
 from router.ingress.headers import ratelimit_headers
 from router.ingress.routes import JSON
 from router.lifecycle.ports import RequestSink
@@ -25,12 +27,7 @@ from router.tenancy.budgets import Group
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, Submit
 
-if TYPE_CHECKING:
-    from router.ingress.http_server import HttpConnection, _Request
-
 log = logging.getLogger("weir.http")
-
-STATUS_CLIENT_GONE = 499  # as router.ingress.http_server
 
 
 class _Core(Protocol):
@@ -44,7 +41,7 @@ class _Part:
 
     __slots__ = ("batch", "index")
 
-    def __init__(self, batch: EmbeddingBatch, index: int) -> None:
+    def __init__(self, batch: EmbeddingsExchange, index: int) -> None:
         self.batch = batch
         self.index = index
 
@@ -52,17 +49,16 @@ class _Part:
         self.batch.on_part(self.index, deltas)
 
 
-class EmbeddingBatch:
+class EmbeddingsExchange:
     """One /v1/embeddings request in flight (the connection's current exchange)."""
 
     __slots__ = ("conn", "req", "ctx", "label", "core", "handles", "vectors", "left", "prompt_tokens", "done", "rl")
 
-    # What router.ingress.http_server's connection reads of its current exchange.
+    # What its connection reads of the response in progress (router.ingress.connection.InFlight).
     renderer = None
     queued = False
-    handle = None
 
-    def __init__(self, conn: HttpConnection, req: _Request, ctx: api.EmbeddingContext, label: str, core: _Core) -> None:
+    def __init__(self, conn: Connection, req: Request, ctx: api.EmbeddingContext, label: str, core: _Core) -> None:
         self.conn = conn
         self.req = req
         self.ctx = ctx
@@ -119,10 +115,11 @@ class EmbeddingBatch:
 
     def _fail(self, err: ErrorInfo) -> None:
         self.done = True
-        self._cancel_all()
+        self.cancel_jobs()
         self.conn.respond_error(self.req, err, self.label, self.rl if err.ratelimit is None else b"")
 
-    def _cancel_all(self) -> None:
+    def cancel_jobs(self) -> None:
+        """End every input's job in the core."""
         for h in self.handles:  # (one that ended already: a no-op)
             self.core.cancel(h)
 
@@ -130,11 +127,11 @@ class EmbeddingBatch:
         """The connection closed before the answer: cancel every input."""
         if not self.done:
             self.done = True
-            self._cancel_all()
+            self.cancel_jobs()
             self.conn.ingress.metrics.observe_http(self.label, STATUS_CLIENT_GONE, time.perf_counter() - self.req.t0)
 
 
-def start_embeddings(conn: HttpConnection, req: _Request, label: str, core: _Core) -> None:
+def start_embeddings(conn: Connection, req: Request, label: str, core: _Core) -> None:
     meta = api.meta_from_headers(
         req.header(b"authorization"),
         req.header(b"x-api-key"),
@@ -151,14 +148,14 @@ def start_embeddings(conn: HttpConnection, req: _Request, label: str, core: _Cor
     for sub in subs:
         sub.trace_id = req.rid
     req.body = b""
-    batch = EmbeddingBatch(conn, req, ctx, label, core)
+    batch = EmbeddingsExchange(conn, req, ctx, label, core)
     conn.current = batch
     conn.busy = True
     try:
         batch.start(subs)
     except Exception:
         batch.done = True
-        batch._cancel_all()
+        batch.cancel_jobs()
         conn.current = None
         conn.busy = False
         raise

@@ -7,17 +7,15 @@ router.ingress.http_server's docstring)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from router import api
+from router.ingress.connection import Connection, Request
 from router.ingress.headers import ratelimit_headers, response_head
 from router.ingress.routes import JSON as _JSON
 from router.lifecycle.fanout import PromptFanOut
 from router.observe.phases import server_timing
 from shared.protocol import Delta
-
-if TYPE_CHECKING:
-    from router.ingress.http_server import HttpConnection, _Request
 
 log = logging.getLogger("weir.http")
 
@@ -55,7 +53,7 @@ class Exchange:
         "timing",
     )
 
-    def __init__(self, conn: HttpConnection, req: _Request, ctx: api.ResponseContext, label: str):
+    def __init__(self, conn: Connection, req: Request, ctx: api.ResponseContext, label: str):
         self.conn = conn
         self.req = req
         self.ctx = ctx
@@ -67,7 +65,7 @@ class Exchange:
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
         self.timing = b""  # the server-timing header, from the job's first and last news (router.observe.phases)
         rid = req.rid
-        assert rid is not None  # _generate gave it one
+        assert rid is not None  # the connection gave it one (HttpConnection.run_jobs)
         self.extra = b"x-request-id: %b\r\n" % rid.encode()  # + headers learnt from the core (x-weir-model)
         self.renderer: api.StreamRenderer | None  # None: a whole (non-streamed) response
         if ctx.stream:
@@ -232,3 +230,7 @@ class Exchange:
         except Exception:  # a bug here must not escape into the loop
             log.exception("writing a stream failed; dropping connection")
             conn.abort(self, STATUS_CLIENT_GONE)
+
+
+# What makes a request's Exchange (router.ingress.responses: a Responses one).
+ExchangeFactory = Callable[[Connection, Request, api.ResponseContext, str], Exchange]

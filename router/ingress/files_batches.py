@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import IO, Any, Protocol
+from typing import IO, Any
 from urllib.parse import parse_qs
 
 import msgspec
@@ -23,15 +23,16 @@ import msgspec
 from router.api.encoding import encode
 from router.api.metadata import metadata_problem
 from router.api.request import meta_from_headers
+from router.ingress.connection import Request
 from router.ingress.file_upload import MultipartToFile, Received, Upload, boundary_of
-from router.ingress.routes import Answer, BodyRoute, BodySink, PatternRoute, Refusal, Reply, Route, Routes, Stream
-from router.services.batch import model as bm
-from router.services.batch import usage
-from router.services.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore
+from router.ingress.routes import Answer, BodyRoute, BodySink, ErrorReply, PatternRoute, Reply, Route, Routes, Stream
+from router.services.batch import rules as bm
+from router.services.batch import storage
+from router.services.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileStore, StorageReservation
 from router.services.batch.retention import expires_after_seconds
 from router.services.batch.service import BatchService
 from router.services.batch.store import BatchRecord
-from router.services.batch.validate import PARSERS
+from router.services.batch.validate import LINE_PARSERS
 from router.tenancy.ownership import may_see
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
@@ -44,22 +45,6 @@ Owner = Callable[[str | None], "tuple[str, str] | ErrorInfo"]
 CHUNK = 256 << 10  # a download is read and sent this much at a time
 FILE_THREADS = 4  # uploads' parse + write + fsync and downloads' reads (never the event loop)
 STORAGE_FULL_RETRY_S = 30.0
-
-
-class Request(Protocol):
-    @property
-    def method(self) -> bytes: ...
-
-    @property
-    def path(self) -> bytes: ...
-
-    @property
-    def body(self) -> bytes: ...
-
-    @property
-    def query(self) -> bytes: ...
-
-    def header(self, name: bytes) -> str | None: ...
 
 
 class CreateBatch(msgspec.Struct, forbid_unknown_fields=True):
@@ -77,12 +62,12 @@ def _json(status: int, obj: object) -> Reply:
     return Reply(status, encode(obj))
 
 
-def _bad(message: str, param: str | None = None, code: Code = Code.BAD_REQUEST) -> Refusal:
-    return Refusal(error(code, message, param=param))
+def _bad(message: str, param: str | None = None, code: Code = Code.BAD_REQUEST) -> ErrorReply:
+    return ErrorReply(error(code, message, param=param))
 
 
-def _not_found(what: str, name: str) -> Refusal:
-    return Refusal(error(Code.NOT_FOUND, f"No such {what}: {name!r}", param=f"{what}_id"))
+def _not_found(what: str, name: str) -> ErrorReply:
+    return ErrorReply(error(Code.NOT_FOUND, f"No such {what}: {name!r}", param=f"{what}_id"))
 
 
 # GET /v1/files and /v1/batches: OpenAI's bounds and defaults of ``limit``
@@ -96,7 +81,7 @@ class PageQuery(msgspec.Struct):
     purpose: str | None
 
 
-def page_query(query: bytes, bounds: tuple[int, int]) -> PageQuery | Refusal:
+def page_query(query: bytes, bounds: tuple[int, int]) -> PageQuery | ErrorReply:
     """``after``, ``limit`` (1..bounds[0], default bounds[1]) and ``purpose`` of a list's query string."""
     try:
         qs = parse_qs(query.decode("utf-8"), strict_parsing=False)
@@ -127,9 +112,9 @@ def _page(rows: list[dict[str, Any]], limit: int) -> Reply:
     )
 
 
-def _storage_full(e: OSError, what: str = "file") -> Refusal:
+def _storage_full(e: OSError, what: str = "file") -> ErrorReply:
     log.error("a %s could not be written: %s", what, e)
-    return Refusal(
+    return ErrorReply(
         error(
             Code.STORAGE_FULL,
             f"The {what} could not be stored: the server's storage is full. Nothing was kept; try again later.",
@@ -159,10 +144,10 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
     files_store: FileStore = svc.files
     pool = concurrent.futures.ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="file-io")
 
-    def who(req: Request) -> tuple[str, str] | Refusal:
+    def who(req: Request) -> tuple[str, str] | ErrorReply:
         meta = meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"))
         got = owner_of(meta.api_key)
-        return Refusal(got) if isinstance(got, ErrorInfo) else got
+        return ErrorReply(got) if isinstance(got, ErrorInfo) else got
 
     def listed(page: Callable[[], Answer]) -> Awaitable[Answer]:
         """A list page, made and encoded on a thread (a page may hold 10,000 objects)."""
@@ -178,42 +163,42 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     def files(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         if req.method == b"GET":
             return listed(lambda: list_files(req, owner))
-        return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
+        return ErrorReply(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
 
     def list_files(req: Any, owner: tuple[str, str]) -> Answer:
         q = page_query(req.query, FILES_LIMIT)
-        if isinstance(q, Refusal):
+        if isinstance(q, ErrorReply):
             return q
         rows = svc.index.files_page(owner[0], q.after, q.limit, q.purpose)
         if rows is None:
-            return Refusal(error(Code.NOT_FOUND, f"No such file: {q.after!r}", param="after"))
+            return ErrorReply(error(Code.NOT_FOUND, f"No such file: {q.after!r}", param="after"))
         return _page([f.public() for f in rows], q.limit)
 
-    def upload(req: Any) -> BodySink | Refusal:
+    def upload(req: Any) -> BodySink | ErrorReply:
         """POST /v1/files, from its head: the body streams into the returned
         Upload (router.ingress.file_upload) as it arrives; ``uploaded`` answers."""
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         boundary = boundary_of(req.header(b"content-type"))
         if boundary is None:
             return _bad("Malformed upload: the body must be multipart/form-data with a boundary", "file")
         length = (req.header(b"content-length") or "").strip()
-        declared = max(1, int(length) - usage.FRAMING_BYTES) if length.isdigit() else 0
+        declared = max(1, int(length) - storage.FRAMING_BYTES) if length.isdigit() else 0
         body = MultipartToFile(files_store, boundary, max_file_bytes)
         # Room taken now, before anything is written, so uploads of one tenant at
         # once each count the others' (before the index is built: checked at the end).
-        held = svc.index.hold(owner[0], svc.limits(*owner) if svc.indexed.is_set() else None, declared)
+        held = svc.index.reserve(owner[0], svc.limits(*owner) if svc.indexed.is_set() else None, declared)
         if isinstance(held, ErrorInfo):
             body.discard()
-            return Refusal(held)  # (the body is read and dropped, then this answered)
+            return ErrorReply(held)  # (the body is read and dropped, then this answered)
         return Upload(pool, body, lambda got: uploaded(owner, held, got), lambda: svc.index.release(held))
 
-    async def uploaded(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
+    async def uploaded(owner: tuple[str, str], held: StorageReservation, got: Received | ErrorInfo | OSError) -> Answer:
         """The whole body was read and written (or refused): keep the file in
         place of its hold, or leave nothing and release the hold."""
         try:
@@ -221,12 +206,12 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         finally:
             svc.index.release(held)  # (nothing if the file took its place)
 
-    async def keep(owner: tuple[str, str], held: usage.Hold, got: Received | ErrorInfo | OSError) -> Answer:
+    async def keep(owner: tuple[str, str], held: StorageReservation, got: Received | ErrorInfo | OSError) -> Answer:
         if isinstance(got, OSError):
             return _storage_full(got)
         if isinstance(got, ErrorInfo):
-            return Refusal(got)
-        refusal: Refusal | None = None
+            return ErrorReply(got)
+        refusal: ErrorReply | None = None
         purpose = got.fields.get("purpose", "").strip()
         expires_s = None
         if purpose not in UPLOAD_PURPOSES:
@@ -246,7 +231,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
         if refusal is None and got.file is not None:  # the size known, before the file is kept
             await svc.indexed.wait()
             refused = svc.index.settle(held, svc.limits(*owner), got.file.size)
-            refusal = None if refused is None else Refusal(refused)
+            refusal = None if refused is None else ErrorReply(refused)
         loop = asyncio.get_running_loop()
         if refusal is not None or got.file is None:
             if got.file is not None:
@@ -263,7 +248,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
     def file_item(req: Any) -> Answer | Awaitable[Answer]:
         """GET / DELETE /v1/files/{id}: the meta read (and the delete) on the API thread."""
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         fid = req.path[len(b"/v1/files/") :].decode("utf-8", "replace")
         if req.method == b"GET":
@@ -281,11 +266,11 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
                 return _json(200, {"id": fid, "object": "file", "deleted": True})
 
             return svc.off_loop(delete)
-        return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or DELETE"), b"allow: GET, DELETE\r\n")
+        return ErrorReply(error(Code.METHOD_NOT_ALLOWED, "use GET or DELETE"), b"allow: GET, DELETE\r\n")
 
     def file_content(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         fid = req.path[len(b"/v1/files/") : -len(b"/content")].decode("utf-8", "replace")
 
@@ -315,21 +300,21 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     def batches(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         if req.method == b"GET":
             return listed(lambda: list_batches(req, owner))
         if req.method != b"POST":
-            return Refusal(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
+            return ErrorReply(error(Code.METHOD_NOT_ALLOWED, "use GET or POST"), b"allow: GET, POST\r\n")
         return create_batch(req, owner)
 
     def list_batches(req: Any, owner: tuple[str, str]) -> Answer:
         q = page_query(req.query, BATCHES_LIMIT)
-        if isinstance(q, Refusal):
+        if isinstance(q, ErrorReply):
             return q
         rows = svc.list(owner[0], q.after, q.limit)
         if rows is None:
-            return Refusal(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
+            return ErrorReply(error(Code.NOT_FOUND, f"No such batch: {q.after!r}", param="after"))
         return _page([r.public() for r in rows], q.limit)
 
     def create_batch(req: Any, owner: tuple[str, str]) -> Answer | Awaitable[Answer]:
@@ -344,7 +329,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _bad("The body is not valid JSON.")
         if body.endpoint not in bm.ENDPOINTS:
             return _bad(f"endpoint must be one of {', '.join(bm.ENDPOINTS)}", "endpoint")
-        if body.endpoint not in PARSERS:
+        if body.endpoint not in LINE_PARSERS:
             return _bad(
                 f"The endpoint {body.endpoint} is not served by this router.", "endpoint", Code.UNSUPPORTED_VALUE
             )
@@ -368,9 +353,9 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
                 return _not_found("input_file", body.input_file_id)
             if meta.purpose != "batch":
                 return _bad("The input file's purpose must be batch.", "input_file_id")
-            refused = usage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
+            refused = storage.batch_refusal(svc.index.usage(owner[0]), svc.limits(*owner))
             if refused is not None:
-                return Refusal(refused)
+                return ErrorReply(refused)
             try:
                 rec = svc.create(
                     owner[0], owner[1], meta.id, body.endpoint, body.completion_window, body.metadata, out_expires_s
@@ -397,7 +382,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     def batch_item(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         bid = req.path[len(b"/v1/batches/") :].decode("utf-8", "replace")
 
@@ -415,7 +400,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 
     def batch_cancel(req: Any) -> Answer | Awaitable[Answer]:
         owner = who(req)
-        if isinstance(owner, Refusal):
+        if isinstance(owner, ErrorReply):
             return owner
         bid = req.path[len(b"/v1/batches/") : -len(b"/cancel")].decode("utf-8", "replace")
 
@@ -447,10 +432,10 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
 def owner_of_key(core: Any) -> Owner:
     """The caller's tenant and key digest, from the router's keys as reloaded
     (``core.keys``: router.tenancy.identity.Keys), by router.tenancy.ownership's rule."""
-    from router.tenancy.ownership import identify
+    from router.tenancy.ownership import caller_of
 
     def owner(api_key: str | None) -> tuple[str, str] | ErrorInfo:
-        got = identify(core.keys.by_key, api_key)
+        got = caller_of(core.keys.by_key, api_key)
         return got if isinstance(got, ErrorInfo) else (got.tenant, got.key)
 
     return owner

@@ -15,7 +15,8 @@ Hot-path rules (measured: one socket write costs ~5.9 us, encoding ~0.2 us):
     queued (a final Delta carrying ``error``) still gets a real HTTP status.
 
 Entry point: ``start_http_server(core, views, metrics, host, port, operator=...)``:
-``core`` is what generation needs (``Generation``, declared here: the
+``core`` is what generation needs (``Generation``, declared with what handlers
+see of their request and connection in router.ingress.connection: the
 lifecycle in router.lifecycle.core); ``views`` what the read-only routes show and
 ``operator`` what the admin actions change (``Views`` and ``Operator``,
 declared with those routes in router.ingress.routes).  Every route is an entry
@@ -31,28 +32,29 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import httptools
 
 from router import api
+from router.api import agent_headers
 from router.api.prompt_forms import DEFAULT_MAX_PROMPTS
 from router.ingress import tokenize as http_tokenize
-from router.ingress.embeddings import EmbeddingBatch, start_embeddings
-from router.ingress.exchange import STATUS_CLIENT_GONE
-from router.ingress.exchange import Exchange as Exchange  # (re-exported: router.ingress.responses subclasses it)
+from router.ingress.connection import Flushable, Generation, InFlight, Request
+from router.ingress.embeddings import EmbeddingsExchange, start_embeddings
+from router.ingress.exchange import STATUS_CLIENT_GONE, Exchange, ExchangeFactory
 from router.ingress.headers import error_headers, response_head
+from router.ingress.responses import ResponsesApi
 from router.ingress.routes import (
     ADMIN_PREFIX,
     Answer,
     BodyRoute,
     BodySink,
+    ErrorReply,
     Handler,
     Operator,
     PatternRoute,
-    Refusal,
     Reply,
-    Request,
     Routes,
     Stream,
     Views,
@@ -62,13 +64,8 @@ from router.ingress.routes import (
 )
 from router.ingress.routes import JSON as _JSON
 from router.lifecycle.fanout import PromptFanOut, echo_texts
-from router.lifecycle.models import ServedModel
-from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
 from router.observe.phases import total_only
-from router.tenancy.buckets import QuotaAnswer
-from router.tenancy.budgets import Group, Quota
-from router.tenancy.identity import Identity
 from shared.errors import Code, error
 from shared.otlp import parse_traceparent
 from shared.protocol import MAX_TRACE_ID, ErrorInfo, Submit
@@ -89,6 +86,7 @@ _WANTED_HEADERS = frozenset(
         b"content-type",  # multipart uploads (/v1/files)
         b"traceparent",  # W3C trace context: the client's or Envoy's (router.observe.tracing)
         b"tracestate",
+        *agent_headers.HEADERS,  # sessions, gateways' priorities, latency targets
     )
 )
 _KEY_HEADERS = (b"x-api-key", b"authorization")
@@ -96,38 +94,6 @@ _KEY_HEADERS = (b"x-api-key", b"authorization")
 ADMIN_PLANE_PATHS = (ADMIN_PREFIX, b"/metrics", b"/health")
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
-
-
-class Generation(Protocol):
-    """What generation requests need of the router (router.lifecycle.core.RouterCore)."""
-
-    def submit(self, sub: Submit, sink: RequestSink, *, group: Group | None = None) -> int | ErrorInfo: ...
-
-    def cancel(self, handle: int) -> None: ...
-
-    def token_text(self, model: str) -> Any: ...
-    def tool_parser(self, model: str) -> tuple[str | None, bool]: ...
-
-    def served_model(self, model: str) -> ServedModel | None: ...
-
-    def identify(self, api_key: str | None) -> Identity | ErrorInfo: ...
-
-    def charge_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None: ...
-
-    @property
-    def quota(self) -> Quota: ...
-
-    def off_loop(
-        self, tenant: str, fn: Callable[..., Any], *args: Any, alive: Callable[[], bool] | None = None
-    ) -> asyncio.Future[Any] | None: ...
-
-
-class ResponsesApi(Protocol):
-    """/v1/responses (router.ingress.responses.ResponsesService)."""
-
-    def create(self, conn: HttpConnection, req: _Request, label: str) -> None: ...
-
-    def by_id(self, req: Request) -> Answer | Awaitable[Answer]: ...
 
 
 def _is_loopback(peer: Any) -> bool:
@@ -154,6 +120,8 @@ def _request_id(value: bytes | None) -> str | None:
 
 
 class _Request:
+    """A parsed request (handlers see it as router.ingress.connection.Request)."""
+
     __slots__ = ("method", "path", "headers", "body", "keep_alive", "http11", "t0", "rid", "query", "sink")
 
     def __init__(
@@ -175,7 +143,7 @@ class _Request:
         self.http11 = http11
         self.t0 = time.perf_counter()
         self.rid = _request_id(headers.get(b"x-request-id"))  # generation: its own id if None
-        self.sink: BodySink | Refusal | None = None  # a streamed body's (router.ingress.routes.BodyRoute)
+        self.sink: BodySink | ErrorReply | None = None  # a streamed body's (router.ingress.routes.BodyRoute)
 
     def header(self, name: bytes) -> str | None:
         v = self.headers.get(name)
@@ -213,7 +181,7 @@ class _Ingress:
         self.max_buffered_bytes = max_buffered_bytes
         self.started = int(time.time())
         self.loop = asyncio.get_running_loop()
-        self._unflushed: list[Exchange] = []  # streams with output waiting for the end of this turn
+        self._unflushed: list[Flushable] = []  # streams with output waiting for the end of this turn
         table = routes(views, operator, self.started)
         # path -> (the method it takes, or b"*": any; handler)
         self.routes: dict[bytes, tuple[bytes, Callable[[HttpConnection, _Request, str], None]]] = {
@@ -234,15 +202,15 @@ class _Ingress:
             self.routes[b"/v1/responses"] = (b"POST", HttpConnection.responses)
             self.patterns.append(PatternRoute(b"/v1/responses/", (), b"*", "/v1/responses/{id}", responses.by_id))
 
-    def flush_later(self, ex: Exchange) -> None:
+    def flush_later(self, stream: Flushable) -> None:
         if not self._unflushed:
             self.loop.call_soon(self._flush)
-        self._unflushed.append(ex)
+        self._unflushed.append(stream)
 
     def _flush(self) -> None:
-        exchanges, self._unflushed = self._unflushed, []
-        for ex in exchanges:
-            ex.flush()
+        streams, self._unflushed = self._unflushed, []
+        for stream in streams:
+            stream.flush()
 
 
 class HttpConnection(asyncio.Protocol):
@@ -261,7 +229,7 @@ class HttpConnection(asyncio.Protocol):
         self.reading_paused = False  # too many pipelined requests queued
         self.body_paused = False  # a streamed body's sink is behind (router.ingress.routes.BodySink)
         self._drained: asyncio.Future[None] | None = None  # a streamed answer waiting for the socket
-        self.current: Exchange | EmbeddingBatch | None = None  # generation whose response is in progress
+        self.current: InFlight | None = None  # generation whose response is in progress
         self.busy = False  # a response is in progress (generation or not)
         self.pending: deque[_Request | ErrorInfo] = deque()  # requests, or an input error to answer
         self._url = b""
@@ -315,7 +283,7 @@ class HttpConnection(asyncio.Protocol):
         self._drop_streamed()
         self._wake_writer()
         ex = self.current
-        if isinstance(ex, EmbeddingBatch):
+        if isinstance(ex, EmbeddingsExchange):
             self.current = None
             return ex.client_gone()
         # A stream whose end is rendered but not yet written (flush pending) is
@@ -360,14 +328,14 @@ class HttpConnection(asyncio.Protocol):
     def _clear_pending(self) -> None:
         """Forget the queued requests; an upload among them discards what it wrote."""
         for item in self.pending:
-            if isinstance(item, _Request) and item.sink is not None and not isinstance(item.sink, Refusal):
+            if isinstance(item, _Request) and item.sink is not None and not isinstance(item.sink, ErrorReply):
                 item.sink.abort()
         self.pending.clear()
 
     def _drop_streamed(self) -> None:
         """A streamed body that will never be complete: its sink discards what it wrote."""
         req, self._streamed = self._streamed, None
-        if req is not None and req.sink is not None and not isinstance(req.sink, Refusal):
+        if req is not None and req.sink is not None and not isinstance(req.sink, ErrorReply):
             req.sink.abort()
 
     # ---------------------------------------------------------- httptools
@@ -418,7 +386,7 @@ class HttpConnection(asyncio.Protocol):
             self._body.append(body)
             return
         sink = streamed.sink
-        if isinstance(sink, Refusal):
+        if isinstance(sink, ErrorReply):
             return  # refused at its head: the body is read and dropped, then the refusal answered
         assert sink is not None
         if not sink.feed(body) and not self.body_paused:
@@ -431,7 +399,7 @@ class HttpConnection(asyncio.Protocol):
         path, _, query = self._url.partition(b"?")
         req = _Request(self.parser.get_method(), path, self._headers, b"", self._keep_alive, self._http11, query)
         sink = body_route(req)
-        if not isinstance(sink, Refusal):
+        if not isinstance(sink, ErrorReply):
             sink.resume = self._resume_body
         req.sink = sink
         self._streamed = req
@@ -465,7 +433,7 @@ class HttpConnection(asyncio.Protocol):
         if req.sink is not None:  # a streamed body, complete: its sink answers
             sink, req.sink = req.sink, None
             label = req.path.decode()
-            if isinstance(sink, Refusal):
+            if isinstance(sink, ErrorReply):
                 return self.answer(req, sink, label)
             return self.answer_later(req, sink.finish(), label)
         ingress = self.ingress
@@ -505,7 +473,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _generate(
         self,
-        req: _Request,
+        req: Request,
         label: str,
         parse: Callable[[bytes, api.RequestMeta, str], tuple[Submit, api.ResponseContext] | api.CompletionJobs],
     ) -> None:
@@ -519,16 +487,19 @@ class HttpConnection(asyncio.Protocol):
             self.run(req, label, *got)
 
     @staticmethod
-    def meta(req: _Request) -> api.RequestMeta:
-        return api.meta_from_headers(
+    def meta(req: Request) -> api.RequestMeta:
+        """The headers a generation reads; a bad agent header raises api.RequestError."""
+        meta = api.meta_from_headers(
             req.header(b"authorization"),
             req.header(b"x-api-key"),
             req.header(b"x-weir-priority"),
             req.header(b"x-weir-task-type"),
             req.header(b"x-weir-allow-fallback"),
         )
+        meta.routing = agent_headers.routing_from_headers(req.headers)
+        return meta
 
-    def refuse(self, req: _Request, info: ErrorInfo, label: str) -> None:
+    def refuse(self, req: Request, info: ErrorInfo, label: str) -> None:
         """A request refused before it is submitted (its own id for the log)."""
         if req.rid is None:
             req.rid = api.new_request_id()
@@ -536,11 +507,11 @@ class HttpConnection(asyncio.Protocol):
 
     def run(
         self,
-        req: _Request,
+        req: Request,
         label: str,
         sub: Submit,
         ctx: api.ResponseContext,
-        exchange: Callable[[HttpConnection, _Request, api.ResponseContext, str], Exchange] | None = None,
+        exchange: ExchangeFactory | None = None,
     ) -> None:
         """Submit a parsed request; its Exchange (``exchange`` makes another
         kind: /v1/responses's) writes the answer."""
@@ -548,10 +519,10 @@ class HttpConnection(asyncio.Protocol):
 
     def run_jobs(
         self,
-        req: _Request,
+        req: Request,
         label: str,
         jobs: api.CompletionJobs,
-        exchange: Callable[[HttpConnection, _Request, api.ResponseContext, str], Exchange] | None = None,
+        exchange: ExchangeFactory | None = None,
     ) -> None:
         """Submit a parsed request's jobs (one, or one per prompt of a completion)."""
         subs, ctx = jobs.subs, jobs.ctx
@@ -595,22 +566,22 @@ class HttpConnection(asyncio.Protocol):
             return self.respond_error(req, result, label, total_only(time.perf_counter() - req.t0))
         ex.handle = result
 
-    def completions(self, req: _Request, label: str) -> None:
+    def completions(self, req: Request, label: str) -> None:
         max_prompts = self.ingress.max_prompts
         self._generate(req, label, lambda body, meta, rid: api.parse_completions(body, meta, rid, max_prompts))
 
-    def chat(self, req: _Request, label: str) -> None:
+    def chat(self, req: Request, label: str) -> None:
         self._generate(req, label, api.parse_chat)
 
-    def embeddings(self, req: _Request, label: str) -> None:
+    def embeddings(self, req: Request, label: str) -> None:
         start_embeddings(self, req, label, self.ingress.core)
 
-    def responses(self, req: _Request, label: str) -> None:
+    def responses(self, req: Request, label: str) -> None:
         service = self.ingress.responses
         assert service is not None  # routed only when the server has one
         service.create(self, req, label)
 
-    def answer_later(self, req: _Request, pending: Awaitable[Answer], label: str) -> None:
+    def answer_later(self, req: Request, pending: Awaitable[Answer], label: str) -> None:
         """A route whose answer needs I/O (a store lookup): later requests
         on this connection wait behind it, as behind a generation."""
         self.busy = True
@@ -620,7 +591,7 @@ class HttpConnection(asyncio.Protocol):
                 answer = await pending
             except Exception:
                 log.exception("handler for %s failed", label)
-                answer = Refusal(error(Code.INTERNAL, "Internal error"))
+                answer = ErrorReply(error(Code.INTERNAL, "Internal error"))
             if isinstance(answer, Stream):
                 await self.send_stream(req, answer, label)
             elif not self.closed:
@@ -628,9 +599,9 @@ class HttpConnection(asyncio.Protocol):
 
         asyncio.get_running_loop().create_task(wait())
 
-    def answer(self, req: _Request, answer: Answer, label: str) -> None:
+    def answer(self, req: Request, answer: Answer, label: str) -> None:
         """A route's answer (router.ingress.routes) as a whole response."""
-        if isinstance(answer, Refusal):
+        if isinstance(answer, ErrorReply):
             self.respond_error(req, answer.info, label, answer.extra)
         elif isinstance(answer, Stream):
             self.busy = True
@@ -638,7 +609,7 @@ class HttpConnection(asyncio.Protocol):
         else:
             self.respond(req, answer.status, answer.content_type, answer.body, label, answer.extra)
 
-    async def send_stream(self, req: _Request, answer: Stream, label: str) -> None:
+    async def send_stream(self, req: Request, answer: Stream, label: str) -> None:
         """A body sent chunk by chunk, each written once the socket took the last
         (memory: a chunk and the transport's buffer).  A source that fails
         midway drops the connection: the client sees a short body, never a
@@ -678,7 +649,7 @@ class HttpConnection(asyncio.Protocol):
     # ---------------------------------------------------------- responses
 
     def respond(
-        self, req: _Request, status: int, content_type: bytes, body: bytes, label: str, extra: bytes = b""
+        self, req: Request, status: int, content_type: bytes, body: bytes, label: str, extra: bytes = b""
     ) -> None:
         """A whole response (head + body) in one write."""
         if self.closed:
@@ -687,13 +658,13 @@ class HttpConnection(asyncio.Protocol):
         self.transport.write(response_head(status, content_type, len(body), req.keep_alive, extra=extra) + body)
         self.response_complete(req, status, label, req.keep_alive)
 
-    def respond_error(self, req: _Request, info: ErrorInfo, label: str, extra: bytes = b"") -> None:
+    def respond_error(self, req: Request, info: ErrorInfo, label: str, extra: bytes = b"") -> None:
         rid = req.rid
         if rid is not None:
             extra += b"x-request-id: %b\r\n" % rid.encode()
         self.respond(req, info.status, _JSON, api.error_body(info, rid), label, extra + error_headers(info))
 
-    def response_complete(self, req: _Request, status: int, label: str, keep_alive: bool) -> None:
+    def response_complete(self, req: Request, status: int, label: str, keep_alive: bool) -> None:
         self.ingress.metrics.observe_http(label, status, time.perf_counter() - req.t0)
         self.current = None
         self.busy = False
@@ -742,7 +713,7 @@ class HttpConnection(asyncio.Protocol):
         else:
             transport.close()
 
-    def abort(self, ex: Exchange, status: int) -> None:
+    def abort(self, ex: InFlight, status: int) -> None:
         """Give up on a generation mid-response: cancel it and drop the connection."""
         ex.done = True
         self.current = None
@@ -761,9 +732,9 @@ class HttpConnection(asyncio.Protocol):
 def _answering(handler: Handler) -> Callable[[HttpConnection, _Request, str], None]:
     """A route's handler (request -> answer, or an awaitable answer) as a connection writes it."""
 
-    def run(conn: HttpConnection, req: _Request, label: str) -> None:
+    def run(conn: HttpConnection, req: Request, label: str) -> None:
         answer = handler(req)
-        if isinstance(answer, (Reply, Refusal, Stream)):
+        if isinstance(answer, (Reply, ErrorReply, Stream)):
             conn.answer(req, answer, label)
         else:
             conn.answer_later(req, answer, label)

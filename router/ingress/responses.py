@@ -25,17 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import msgspec
 
 from router import api
 from router.api import responses as rs
 from router.api.responses_stream import ResponsesAccumulator, ResponsesStream
-from router.ingress.http_server import Exchange, Generation, HttpConnection, _Request
-from router.ingress.routes import JSON, Answer, Refusal, Reply, Request
+from router.ingress.connection import Connection, Generation, Request
+from router.ingress.exchange import Exchange, ExchangeFactory
+from router.ingress.routes import JSON, Answer, ErrorReply, Reply
 from router.services.response_store import ResponseStore, StoredResponse, decode_record, encode_record
-from router.tenancy.ownership import Caller, KeyEntry, identify, may_see
+from router.tenancy.ownership import Caller, KeyEntry, caller_of, may_see
 from shared.errors import Code, error
 from shared.protocol import Delta, ErrorInfo, Submit
 
@@ -44,15 +45,28 @@ log = logging.getLogger("weir.responses")
 _PREFIX = b"/v1/responses/"
 
 
-class _Headers(Protocol):
-    def header(self, name: bytes) -> str | None: ...
+class TurnConnection(Connection, Protocol):
+    """What a turn asks of its connection besides a handler's (router.ingress.http_server.HttpConnection)."""
+
+    def meta(self, req: Request) -> api.RequestMeta: ...
+
+    def run(
+        self,
+        req: Request,
+        label: str,
+        sub: Submit,
+        ctx: api.ResponseContext,
+        exchange: ExchangeFactory | None = None,
+    ) -> None: ...
 
 
 def _store_unavailable() -> ErrorInfo:
     return error(Code.SERVICE_UNAVAILABLE, "The response store is unavailable; retry later", retry_after=1.0)
 
 
-class ResponsesService:
+class ResponsesApi:
+    """/v1/responses: what the HTTP server (router.ingress.http_server) routes to it."""
+
     def __init__(
         self, core: Generation, store: ResponseStore, keys: Callable[[], Mapping[str, KeyEntry]] | None = None
     ) -> None:
@@ -62,16 +76,16 @@ class ResponsesService:
         self.keys: Callable[[], Mapping[str, KeyEntry]] = keys or dict
         self.background: dict[str, tuple[int, BackgroundTurn]] = {}  # response id -> (handle, sink)
 
-    def caller(self, req: _Headers) -> Caller | ErrorInfo:
+    def caller(self, req: Request) -> Caller | ErrorInfo:
         meta = api.meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"))
-        return identify(self.keys(), meta.api_key)
+        return caller_of(self.keys(), meta.api_key)
 
     def _visible(self, record: StoredResponse, caller: Caller) -> bool:
         return may_see(record.tenant, caller.tenant, record.key, self.keys())
 
     # ------------------------------------------------------------ create
 
-    def create(self, conn: HttpConnection, req: _Request, label: str) -> None:
+    def create(self, conn: TurnConnection, req: Request, label: str) -> None:
         caller = self.caller(req)
         if isinstance(caller, ErrorInfo):
             return conn.refuse(req, caller, label)
@@ -85,7 +99,7 @@ class ResponsesService:
         asyncio.get_running_loop().create_task(self._continue(conn, req, label, rq, caller))
 
     async def _continue(
-        self, conn: HttpConnection, req: _Request, label: str, rq: rs.ResponsesRequest, caller: Caller
+        self, conn: TurnConnection, req: Request, label: str, rq: rs.ResponsesRequest, caller: Caller
     ) -> None:
         prev = rq.previous_response_id
         assert prev is not None
@@ -107,8 +121,8 @@ class ResponsesService:
 
     def _start(
         self,
-        conn: HttpConnection,
-        req: _Request,
+        conn: TurnConnection,
+        req: Request,
         label: str,
         rq: rs.ResponsesRequest,
         previous: list[dict[str, Any]] | None,
@@ -121,15 +135,15 @@ class ResponsesService:
         if rq.background:
             return self._start_background(conn, req, label, sub, ctx, turn, caller)
 
-        def exchange(c: HttpConnection, r: _Request, x: api.ResponseContext, lb: str) -> Exchange:
+        def exchange(c: Connection, r: Request, x: api.ResponseContext, lb: str) -> Exchange:
             return ResponsesExchange(c, r, x, lb, turn, self, caller)
 
         conn.run(req, label, sub, ctx, exchange)
 
     def _start_background(
         self,
-        conn: HttpConnection,
-        req: _Request,
+        conn: TurnConnection,
+        req: Request,
         label: str,
         sub: Submit,
         ctx: api.ResponseContext,
@@ -175,11 +189,11 @@ class ResponsesService:
         if not known:
             if action in ("", "cancel"):
                 allow = b"POST" if action else b"GET, DELETE"
-                return Refusal(error(Code.METHOD_NOT_ALLOWED, "use " + allow.decode()), b"allow: " + allow + b"\r\n")
-            return Refusal(error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"))
-        caller = self.caller(cast(_Headers, req))  # (the server's request: its headers are there)
+                return ErrorReply(error(Code.METHOD_NOT_ALLOWED, "use " + allow.decode()), b"allow: " + allow + b"\r\n")
+            return ErrorReply(error(Code.NOT_FOUND, f"No route for {req.path.decode('latin-1')!r}"))
+        caller = self.caller(req)
         if isinstance(caller, ErrorInfo):
-            return Refusal(caller)
+            return ErrorReply(caller)
         if action == "cancel":
             return self._cancel(rid, caller)
         return self._retrieve(rid, caller) if req.method == b"GET" else self._delete(rid, caller)
@@ -199,20 +213,20 @@ class ResponsesService:
     async def _retrieve(self, rid: str, caller: Caller) -> Answer:
         record = await self._record(rid, caller)
         if isinstance(record, ErrorInfo):
-            return Refusal(record)
+            return ErrorReply(record)
         return Reply(200, bytes(record.response))
 
     async def _delete(self, rid: str, caller: Caller) -> Answer:
         record = await self._record(rid, caller)
         if isinstance(record, ErrorInfo):
-            return Refusal(record)
+            return ErrorReply(record)
         try:
             deleted = await self.store.delete(rid, record.tenant)
         except Exception as e:
             log.warning("response store delete failed: %s", e)
-            return Refusal(_store_unavailable())
+            return ErrorReply(_store_unavailable())
         if not deleted:
-            return Refusal(rs.not_found(rid, "response_id").info)
+            return ErrorReply(rs.not_found(rid, "response_id").info)
         return Reply(200, api.encode({"id": rid, "object": "response", "deleted": True}))
 
     async def _cancel(self, rid: str, caller: Caller) -> Answer:
@@ -223,8 +237,8 @@ class ResponsesService:
         if running is None:
             record = await self._record(rid, caller)
             if isinstance(record, ErrorInfo):
-                return Refusal(record)
-            return Refusal(
+                return ErrorReply(record)
+            return ErrorReply(
                 error(Code.BAD_REQUEST, "Cannot cancel a response that is not in progress.", param="response_id")
             )
         handle, sink = running
@@ -241,12 +255,12 @@ class ResponsesExchange(Exchange):
 
     def __init__(
         self,
-        conn: HttpConnection,
-        req: _Request,
+        conn: Connection,
+        req: Request,
         ctx: api.ResponseContext,
         label: str,
         turn: rs.Turn,
-        service: ResponsesService,
+        service: ResponsesApi,
         owner: Caller,
     ) -> None:
         super().__init__(conn, req, ctx, label)
@@ -306,7 +320,7 @@ class ResponsesExchange(Exchange):
 class BackgroundTurn:
     """The sink of a background response: no connection; its end is stored."""
 
-    def __init__(self, service: ResponsesService, ctx: api.ResponseContext, turn: rs.Turn, owner: Caller) -> None:
+    def __init__(self, service: ResponsesApi, ctx: api.ResponseContext, turn: rs.Turn, owner: Caller) -> None:
         self.service = service
         self.turn = turn
         self.owner = owner

@@ -2,7 +2,7 @@
 
 Each route is an entry of a table -- a path (or a path pattern) to the
 method it takes and a handler -- and each handler a plain function from the
-request to its answer (``Reply`` or ``Refusal``); router.ingress.http_server looks
+request to its answer (``Reply`` or ``ErrorReply``); router.ingress.http_server looks
 the path up and writes the answer.  What the routes show comes from
 ``Views`` (router.observe.views.RouterViews: read-only); what they change goes
 through ``Operator`` (router.observe.operator_actions.RouterOperator); both are
@@ -17,13 +17,12 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from router import api
+from router.ingress.connection import Request
+from router.observe.views import ModelRow  # one model of /v1/models
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
 
 JSON = b"application/json"
-
-# (name, max_model_len, workers ready, state): one model of /v1/models
-ModelRow = tuple[str, int, int, str]
 
 
 class Views(Protocol):
@@ -62,19 +61,6 @@ class Operator(Protocol):
     def drain_router(self) -> dict[str, Any]: ...
 
 
-class Request(Protocol):
-    """What a handler reads of a request (router.ingress.http_server's parsed request)."""
-
-    @property
-    def method(self) -> bytes: ...
-
-    @property
-    def path(self) -> bytes: ...
-
-    @property
-    def body(self) -> bytes: ...
-
-
 class Reply(NamedTuple):
     status: int
     body: bytes
@@ -82,8 +68,9 @@ class Reply(NamedTuple):
     extra: bytes = b""  # more header lines, each ending in \r\n
 
 
-class Refusal(NamedTuple):
-    """An OpenAI-style error body with the status of ``info``."""
+class ErrorReply(NamedTuple):
+    """An OpenAI-style error body with the status of ``info`` (an ErrorInfo:
+    a policy's ``shared.errors.Refusal`` is rendered into one first)."""
 
     info: ErrorInfo
     extra: bytes = b""
@@ -100,7 +87,7 @@ class Stream(NamedTuple):
     extra: bytes = b""
 
 
-Answer = Reply | Refusal | Stream
+Answer = Reply | ErrorReply | Stream
 Handler = Callable[[Request], Answer | Awaitable[Answer]]  # awaitable: answered when it completes
 
 
@@ -122,7 +109,7 @@ class BodySink(Protocol):
 # A streamed-body route: called once the request's head is read (its body is
 # b""), returns the sink for the body or a refusal (answered once the body,
 # discarded, has been read).
-BodyRoute = Callable[[Request], "BodySink | Refusal"]
+BodyRoute = Callable[[Request], "BodySink | ErrorReply"]
 
 
 class Route(NamedTuple):
@@ -163,8 +150,8 @@ def admin_allowed(token: str | None, authorization: str | None, loopback: bool) 
     return hmac.compare_digest(given.strip(" \t").encode("latin-1"), token.encode("ascii"))
 
 
-def admin_refusal() -> Refusal:
-    return Refusal(
+def admin_refusal() -> ErrorReply:
+    return ErrorReply(
         error(
             Code.INVALID_ADMIN_TOKEN,
             "The router's /admin/* needs the admin token (Authorization: Bearer TOKEN, the file "
@@ -177,23 +164,27 @@ def _json(status: int, obj: object) -> Reply:
     return Reply(status, api.encode(obj))
 
 
-def _not_allowed(use: str, allow: bytes) -> Refusal:
-    return Refusal(error(Code.METHOD_NOT_ALLOWED, "use " + use), b"allow: " + allow + b"\r\n")
+def _not_allowed(use: str, allow: bytes) -> ErrorReply:
+    return ErrorReply(error(Code.METHOD_NOT_ALLOWED, "use " + use), b"allow: " + allow + b"\r\n")
 
 
-def _no_worker(worker_id: str) -> Refusal:
-    return Refusal(error(Code.NOT_FOUND, f"No worker {worker_id!r} is registered"))
+def _no_worker(worker_id: str) -> ErrorReply:
+    return ErrorReply(error(Code.NOT_FOUND, f"No worker {worker_id!r} is registered"))
 
 
 def model_object(row: ModelRow, created: int) -> dict[str, Any]:
-    """One model as OpenAI shows it; weir adds its context, its workers ready
-    now and its state (loading / ready / unloading: models at run time)."""
+    """One model as OpenAI shows it, with vLLM's ``root`` (here the served
+    name: no server path is shown) and ``parent`` (null: no adapters); weir
+    adds its context, its workers ready now and its state (loading / ready /
+    unloading: models at run time)."""
     name, max_len, ready, state = row
     return {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": "weir",
+        "root": name,
+        "parent": None,
         "max_model_len": max_len,
         "ready_workers": ready,
         "state": state,
@@ -221,7 +212,7 @@ def routes(views: Views, operator: Operator | None, created: int) -> Routes:
         for row in views.models():
             if row[0] == name:
                 return _json(200, model_object(row, created))
-        return Refusal(error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"))
+        return ErrorReply(error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"))
 
     def ready(req: Request) -> Answer:
         ok, body = views.readiness()

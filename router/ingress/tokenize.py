@@ -12,27 +12,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
 from router import api
 from router.api import tokenize as tokenize_api
+from router.ingress.connection import Connection, Request
 from router.ingress.headers import ratelimit_headers
 from router.ingress.routes import JSON
 from router.lifecycle.models import ServedModel
-from router.lifecycle.prompts import INLINE_MAX_CHARS
-from router.tenancy.buckets import Hold, QuotaAnswer
+from router.lifecycle.prompts import INLINE_MAX_CHARS, BadInput, ModelPrompts
+from router.tenancy.buckets import BudgetAnswer, Hold
 from router.tenancy.identity import Identity
 from shared.errors import Code, error
-
-if TYPE_CHECKING:
-    from router.ingress.http_server import HttpConnection, _Request
 
 log = logging.getLogger("weir.http")
 
 BUSY_RETRY_S = 1.0  # tokenizer_busy: a 1 MiB call takes about this long
 
 
-def _answer(conn: HttpConnection, req: _Request, label: str, body: Callable[[], bytes], extra: bytes = b"") -> None:
+def _answer(conn: Connection, req: Request, label: str, body: Callable[[], bytes], extra: bytes = b"") -> None:
     """200 with ``body()``, or its RequestError as the error response."""
     try:
         data = body()
@@ -44,7 +41,7 @@ def _answer(conn: HttpConnection, req: _Request, label: str, body: Callable[[], 
     conn.respond(req, 200, JSON, data, label, extra)
 
 
-def _tokenizer(conn: HttpConnection, req: _Request, model: str, label: str) -> tuple[ServedModel, Identity] | None:
+def _tokenizer(conn: Connection, req: Request, model: str, label: str) -> tuple[ServedModel, Identity] | None:
     """The model's tokenizer and the caller, or None after answering why not.
     Where API keys are configured a valid one is needed, as for generation
     (vLLM's --api-key guards only /v1/)."""
@@ -70,7 +67,7 @@ def _tokenizer(conn: HttpConnection, req: _Request, model: str, label: str) -> t
 
 
 def _charged(
-    conn: HttpConnection, req: _Request, label: str, who: Identity, inline: bool, work: Callable[[], bytes]
+    conn: Connection, req: Request, label: str, who: Identity, inline: bool, work: Callable[[], bytes]
 ) -> None:
     """Charge the call one request of its budgets (router.tenancy.budgets), then run
     ``work``: inline when short, else on a tokenizer thread in its tenant's
@@ -78,7 +75,7 @@ def _charged(
     when too many of its calls are waiting there."""
     core = conn.ingress.core
 
-    def go(got: QuotaAnswer) -> None:
+    def go(got: BudgetAnswer) -> None:
         if not isinstance(got, Hold):
             return conn.respond_error(req, got, label)
         rl = ratelimit_headers(got.ratelimit) if got.ratelimit is not None else b""
@@ -101,7 +98,7 @@ def _charged(
         go(got)
 
 
-def tokenize(conn: HttpConnection, req: _Request, label: str) -> None:
+def tokenize(conn: Connection, req: Request, label: str) -> None:
     """A prompt or a chat -> its token ids, exactly as a generation request's."""
     try:
         job = tokenize_api.parse_tokenize(req.body)
@@ -112,11 +109,11 @@ def tokenize(conn: HttpConnection, req: _Request, label: str) -> None:
         return
     served, who = found
     prompts, max_len = served.prompts, served.config.max_model_len
-    work = partial(tokenize_api.answer_tokenize, prompts, job, max_len)
+    work = partial(answer_tokenize, prompts, job, max_len)
     _charged(conn, req, label, who, job.chars <= INLINE_MAX_CHARS, work)
 
 
-def detokenize(conn: HttpConnection, req: _Request, label: str) -> None:
+def detokenize(conn: Connection, req: Request, label: str) -> None:
     """Token ids -> their text (special tokens kept, as vLLM decodes them)."""
     try:
         parsed = tokenize_api.parse_detokenize(req.body)
@@ -128,4 +125,26 @@ def detokenize(conn: HttpConnection, req: _Request, label: str) -> None:
     served, who = found
     # (decoding an id costs about what encoding ~4 characters does)
     inline = len(parsed.tokens) * 4 <= INLINE_MAX_CHARS
-    _charged(conn, req, label, who, inline, partial(tokenize_api.answer_detokenize, served.prompts, parsed))
+    _charged(conn, req, label, who, inline, partial(answer_detokenize, served.prompts, parsed))
+
+
+def answer_tokenize(prompts: ModelPrompts, job: tokenize_api.TokenizeJob, max_model_len: int) -> bytes:
+    """The response body (RequestError for a chat the template refuses)."""
+    if job.chat is not None:
+        try:
+            text = prompts.render_chat(job.chat)
+        except BadInput as e:
+            raise api.invalid(str(e), param=e.param or "messages") from None
+        except Exception as e:  # the template's raise_exception, or no template
+            raise api.invalid(f"The chat template failed: {e}", param="messages") from None
+    else:
+        assert job.text is not None
+        text = job.text
+    ids = prompts.encode(text, job.add_special_tokens)
+    strs = prompts.token_strs(ids) if job.return_token_strs else None
+    return tokenize_api.tokenize_body(ids, max_model_len, strs)
+
+
+def answer_detokenize(prompts: ModelPrompts, req: tokenize_api.DetokenizeRequest) -> bytes:
+    # (ids outside the vocabulary decode to nothing: the tokenizer skips them, as under vLLM)
+    return tokenize_api.detokenize_body(prompts.decode(req.tokens))

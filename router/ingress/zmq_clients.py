@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import zmq
 
-from router.fleet.router_socket import RouterPlane
+from router.fleet.router_socket import RouterSocket
 from router.observe.metrics import RouterMetrics
 from shared import protocol as p
 from shared.config import Config, RouterConfig, SecurityConfig
@@ -44,8 +44,10 @@ _PARAM_FIELDS = msgspec.structs.fields(p.SamplingParams)
 _AT = re.compile(r" - at `\$((?:\[\d+\])+)`$")
 
 
-class Admission(Protocol):
-    """What this frontend needs of the lifecycle (router.lifecycle.core.RouterCore)."""
+class ClientJobs(Protocol):
+    """What this frontend needs of the lifecycle for its clients' requests
+    (router.lifecycle.core.RouterCore): submit, cancel, and whether one has
+    produced nothing yet (probed for a client that left)."""
 
     def submit(self, sub: p.Submit, sink: RequestSink) -> int | p.ErrorInfo: ...
 
@@ -61,7 +63,7 @@ def client_message_bytes(cfg: Config) -> int:
     return max(2 * cfg.envoy.max_request_bytes, 64 << 10)
 
 
-class ClientFrontend(RouterPlane):
+class ClientFrontend(RouterSocket):
     side = "frontend"
     # A client's identity is all that binds it to its replies and Cancels, and
     # libzmq generates them predictably (0x00 + a counter from random()'s
@@ -87,11 +89,11 @@ class ClientFrontend(RouterPlane):
         # client's multi-GB Submit would be in router memory (HTTP bodies stop at
         # envoy.max_request_bytes); a peer sending more is disconnected unread.
         self.max_message_bytes = max_message_bytes
-        self.core: Admission  # set by serve(), before the socket can deliver anything
+        self.core: ClientJobs  # set by serve(), before the socket can deliver anything
         self.clients: dict[bytes, dict[str, int]] = {}  # identity -> client request id -> handle
         self.outbox = Outbox(loop, self._flush_to)
 
-    def serve(self, core: Admission) -> None:
+    def serve(self, core: ClientJobs) -> None:
         self.core = core
         self._bind(self._on_message, self._probe_tick, on_unreachable=self._lose_client, on_full=self._on_full)
 
@@ -217,5 +219,5 @@ def _explain(text: str) -> tuple[str, str | None]:
 
 
 if TYPE_CHECKING:  # each side of the frontend's two ports, checked where the port is read
-    _admission: type[Admission] = RouterCore  # what this frontend asks of the lifecycle
+    _jobs: type[ClientJobs] = RouterCore  # what this frontend asks of the lifecycle
     _sink: type[RequestSink] = _ClientSink  # how the lifecycle answers a direct client

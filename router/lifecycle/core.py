@@ -6,14 +6,13 @@ ZeroMQ clients, the frontend ROUTER socket) and ``router.ingress.http_server``
 (OpenAI HTTP) -- own their sockets and call in; it calls out only through
 its ports (router.lifecycle.ports): a ``WorkerPort`` to reach workers and a
 ``RequestSink`` per request.  So it runs in-process under test with fakes
-(fakes, tests/inproc/test_lifecycle.py), and ``router/__main__.py`` wires
-the real ones.
+(tests/fakes.py), and ``router/__main__.py`` wires the real ones.
 
 State, each piece with one owner:
   * ``jobs`` here: every live request, from submit to its end, each with its
     explicit state (router.lifecycle.jobs: the transitions and the one place they happen);
   * the model registry (router.lifecycle.models): the models served now;
-  * the ``Policy``: queues and the KV ledger (what each worker holds);
+  * the ``Policy``: queues and the KV reservations (router.policy.reservations: what each worker holds);
     ``JobRecord.worker`` is the lifecycle's copy of where a job runs, set and
     cleared only by ``router.lifecycle.jobs.advance`` on the policy's DispatchJob and
     the job's requeue or end (tests/inproc/test_lifecycle.py checks they agree);
@@ -39,7 +38,6 @@ resumption.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -47,34 +45,31 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from router.api.checks import check_shape
+from router.api.aliases import AliasTable
 from router.fleet.prefix_metrics import PrefixMetrics
 from router.fleet.prefix_relay import PrefixRelay
-from router.lifecycle.drain import draining_error
-from router.lifecycle.intake import FALLBACK_ON, Intake, task_mismatch, unloading_error
+from router.lifecycle.intake import FALLBACK_ON, Intake, unloading_error
 from router.lifecycle.jobs import ENDED, QUEUED, RUNNING, JobRecord, advance, job_id_of, log_end
-from router.lifecycle.models import ModelRegistry, PromptTokens, ServedModel, tokenize_hashed
+from router.lifecycle.models import ModelRegistry, ServedModel
+from router.lifecycle.parts import CoreParts
 from router.lifecycle.ports import RequestSink, WorkerPort
 from router.lifecycle.prompts import ModelPrompts
 from router.lifecycle.recovery import Recovery
-from router.lifecycle.tokenizer_queue import CALL, PROMPT, Tokenizer
+from router.lifecycle.tokenizer_queue import CALL, TokenizerQueue
 from router.observe.metrics import RouterMetrics
 from router.observe.phase_metrics import observe as observe_phases
 from router.observe.phases import ended as phases_ended
 from router.observe.phases import timing as phases_so_far
 from router.observe.tracing import RouterTracer
 from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
-from router.tenancy.buckets import NO_HOLD, QuotaAnswer
-from router.tenancy.budgets import Group, Quota
+from router.tenancy.buckets import NO_HOLD, BudgetAnswer
+from router.tenancy.budgets import BudgetLedger, Group
 from router.tenancy.identity import Identity, Keys
 from shared import protocol as p
 from shared.config import Config, ModelConfig, WorkerConfig
-from shared.errors import Code, error, label
+from shared.errors import Code, label
 
 T = TypeVar("T")
-
-# (tokenize_hashed, PromptTokens and the ports are named here too, where callers found them)
-__all__ = ["RouterCore", "RequestSink", "WorkerPort", "PromptTokens", "tokenize_hashed"]
 
 log = logging.getLogger("weir.router")
 
@@ -100,27 +95,36 @@ class RouterCore:
         self.policy = Policy(cfg.scheduler)
         self.prefix_metrics = PrefixMetrics(self.metrics, self.policy.prefix)
         self._prefix = PrefixRelay(self.policy.prefix, self.prefix_metrics)
-        self.keys = Keys(cfg)
-        self.quota = Quota(cfg, self.metrics, clock)
+        self.quota = BudgetLedger(cfg, self.metrics, clock)
         self.registry = ModelRegistry(cfg, prompts)
         # Long prompts and /tokenize calls, off the loop with the GIL released:
         # fair between tenants, calls bounded and never ahead of a prompt (router.lifecycle.tokenizer_queue).
-        self.tokenizer = Tokenizer(loop, cfg.router.tokenize_queue_per_tenant, cfg.router.tokenize_queue_max)
+        self.tokenizer = TokenizerQueue(loop, cfg.router.tokenize_queue_per_tenant, cfg.router.tokenize_queue_max)
         self.jobs: dict[str, JobRecord] = {}
-        self._next_handle = 1
         self._policy_pending = False
         self._wakeup: asyncio.TimerHandle | None = None
         self._wakeup_at: float | None = None  # when self._wakeup fires (policy clock)
         self.started_at = clock()
-        self.draining = False  # router.lifecycle.drain: every new request is refused (503 router_draining)
         self._log_requests = cfg.logging.requests
-        jobs, registry, policy, end, schedule = self.jobs, self.registry, self.policy, self._end, self._schedule_policy
-        self._intake = Intake(jobs, registry, policy, self.quota, self.metrics, clock, end, schedule)
-        self._recovery = Recovery(jobs, registry, policy, workers, self.metrics, cfg.router, clock, end, schedule)
+        parts = CoreParts(
+            self.jobs,
+            self.registry,
+            self.policy,
+            self.quota,
+            workers,
+            self.metrics,
+            cfg.router,
+            clock,
+            self._end,
+            self._schedule_policy,
+        )
+        self._intake = Intake(parts, Keys(cfg), AliasTable(cfg.aliases), self.tokenizer)
+        self._recovery = Recovery(parts)
         self.batch_tenants: Callable[[], dict[str, Any]] | None = None  # set by router.services.batch.service
         self.on_keys_reloaded: list[Callable[[], None]] = []  # told after reload_keys (router.services.batch.service)
         # [tracing]: the spans of sampled requests (router.observe.tracing); None: off
         self.tracer = RouterTracer(cfg.tracing) if cfg.tracing.enabled else None
+        self._intake.tracer = self.tracer
         if self.tracer is not None:
             self.metrics.add_text_source(self.tracer)
         stall = cfg.router.stall_timeout_s
@@ -152,66 +156,26 @@ class RouterCore:
         whose text is never stored: router.services.batch), instead of ``sub.api_key``'s.
         ``group``: one of a fan-out's jobs (router.tenancy.budgets.Group: its request
         units are reserved whole at its first job; the fan-out closes it)."""
-        if self.draining:  # before anything is started: safe for Envoy (or a client) to retry elsewhere
-            return self._rejected(draining_error(), self.keys.default_tier)
+        return self._intake.submit(sub, sink, who, group)
 
-        now = self.clock()
-        if who is None:
-            who = self.keys.identify(sub)
-        if not isinstance(who, Identity):
-            return self._rejected(who, self.keys.default_tier)
-        err = check_shape(sub)
-        model = self.registry.get(sub.model)
-        if err is None and model is not None:
-            err = task_mismatch(sub, model.config)
-        if err is not None or model is None or model.unloading:
-            if err is None:
-                err = (
-                    error(Code.MODEL_NOT_FOUND, f"The model `{sub.model}` does not exist.", param="model")
-                    if model is None
-                    else unloading_error(sub.model, self._config.router.heartbeat_interval_s)
-                )
-            return self._rejected(err, who.klass)
-        if group is not None and self.quota.active:
-            if group.quota is None:  # its first job: the request's units, all or none
-                refused = self.quota.open_group(who, group)
-                if refused is not None:
-                    return self._rejected(refused, who.klass)
-            elif group.refusal is not None:
-                return self._rejected(group.refusal, who.klass)
-        else:
-            group = None
-        if sub.user:
-            self.metrics.saw_user(who.tenant, sub.user)
-        handle = self._next_handle
-        self._next_handle += 1
-        j = JobRecord(job_id_of(handle), sub, sink, who, now, group=group)
-        if group is not None:
-            group.joined()
-        self.jobs[j.job_id] = j  # its one entry into the table: TOKENIZING, cancellable like any job
-        if self.tracer is not None:
-            j.otel = self.tracer.start(sub.trace_context)
-        # (hashed even without affinity: the simulated engine names its cached blocks by them)
-        hasher = self.policy.prefix.hasher(sub.model)
-        if model.prompts.inline(sub):
-            try:
-                tokens = tokenize_hashed(model.prompts, sub, hasher)
-            except ValueError as e:  # router.lifecycle.prompts.BadInput names the field
-                return self._refused_at_submit(j, error(Code.BAD_REQUEST, str(e), param=getattr(e, "param", None)))
-            except Exception:  # a defect: the job must still leave the table (as on the tokenizing thread)
-                log.exception("tokenizing request %s (job %s) failed", j.trace, j.job_id, extra={"request_id": j.trace})
-                return self._refused_at_submit(j, error(Code.INTERNAL, "Tokenizing the prompt failed."))
-            j.tokenized_at = self.clock()
-            err = self._intake.admit(j, tokens, now)
-            return handle if err is None else self._refused_at_submit(j, err)
-        alive = functools.partial(self._live, j.job_id)  # (a job cancelled meanwhile is not tokenized)
-        fut = self.tokenizer.run(PROMPT, who.tenant, tokenize_hashed, model.prompts, sub, hasher, alive=alive)
-        assert fut is not None  # (prompts are never refused there)
-        fut.add_done_callback(functools.partial(self._intake.tokenized, j.job_id))
-        return handle
+    @property
+    def keys(self) -> Keys:
+        """The API keys in use (the last reload's)."""
+        return self._intake.keys
 
-    def _live(self, job_id: str) -> bool:
-        return job_id in self.jobs
+    @property
+    def aliases(self) -> AliasTable:
+        """[[aliases]] in use (the last reload's)."""
+        return self._intake.aliases
+
+    @property
+    def draining(self) -> bool:
+        """router.lifecycle.drain: set, every new request is refused (503 router_draining)."""
+        return self._intake.draining
+
+    @draining.setter
+    def draining(self, on: bool) -> None:
+        self._intake.draining = on
 
     def cancel(self, handle: int) -> None:
         """The client went away: abort on the worker and release everything."""
@@ -239,7 +203,7 @@ class RouterCore:
         """The key check of ``submit`` alone (/tokenize): who it is, or why not."""
         return self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
 
-    def charge_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None:
+    def charge_call(self, who: Identity, on_answer: Callable[[BudgetAnswer], None]) -> BudgetAnswer | None:
         """One request unit of ``who``'s budgets for a call that is not a
         generation (/tokenize): a Hold or a refusal now, or None and ``on_answer`` later."""
         if not self.quota.active:
@@ -284,7 +248,8 @@ class RouterCore:
     def reload_keys(self, cfg: Config) -> None:
         """New API keys and budgets (SIGHUP / POST /admin/reload): later
         requests use them; admitted ones settle as they were reserved."""
-        self.keys = Keys(cfg)
+        self._intake.keys = Keys(cfg)
+        self._intake.aliases = AliasTable(cfg.aliases)
         self.quota.reload(cfg)
         self._keys_config = cfg
         self._cfg_view = None
@@ -299,20 +264,6 @@ class RouterCore:
         self.tokenizer.shutdown()
         if self.tracer is not None:
             self.tracer.close()
-
-    # ------------------------------------------------------------ refusals at submit
-
-    def _rejected(self, err: p.ErrorInfo, klass: str) -> p.ErrorInfo:
-        self.metrics.child(self.metrics.rejected, klass, "-", label(err)).inc()
-        return err
-
-    def _refused_at_submit(self, j: JobRecord, err: p.ErrorInfo) -> p.ErrorInfo:
-        """Refused before ``submit`` returned: the error is its answer, the sink hears nothing."""
-        advance(j, ENDED)
-        del self.jobs[j.job_id]
-        if j.group is not None:
-            j.group.left(queued=False)
-        return self._rejected(err, j.who.klass)
 
     # ------------------------------------------------------------ the one exit
 
@@ -607,11 +558,12 @@ class RouterCore:
                 mx.genai.ttft[j.sub.kind].observe(now - j.arrival)
                 # the phases so far, for the client's first news (HTTP: a stream's server-timing)
                 j.phases = group[0].timing = phases_so_far(j.arrival, j.tokenized_at, j.dispatched_at, now)
+                self.policy.first_token(job_id, j.model, now - j.arrival)
             j.completion_tokens += new_tokens
             mx.tokens.inc(new_tokens)
         if j.engine_prompt(prompt_tokens):
             # The router counted the prompt itself; an engine that disagrees
-            # (e.g. one that adds tokens) is believed, and the ledger re-priced.
+            # (e.g. one that adds tokens) is believed, and its KV reservation re-priced.
             self.policy.correct_prompt_tokens(job_id, prompt_tokens)
         j.as_one_stream(group)
         if not d.finished:

@@ -2,7 +2,7 @@
 
 SIGTERM (or ``POST /admin/drain``) starts it.  From that moment the core
 refuses every new request with 503 ``router_draining`` + Retry-After before
-starting anything (router.lifecycle.core.RouterCore.submit), and readiness fails, so
+starting anything (router.lifecycle.intake.Intake.submit), and readiness fails, so
 Envoy's health check stops sending here and Envoy retries such a 503 on
 another router (deploy/envoy_config.py: the ``x-weir-draining`` header).
 What was admitted -- queued or streaming, HTTP or direct ZeroMQ -- runs on
@@ -14,7 +14,7 @@ the deadline (or a second SIGTERM / a SIGINT) whatever still runs ends with
 a clean error -- an SSE error event and ``[DONE]``, a typed ErrorInfo for a
 ZeroMQ client, a plain 503 where nothing was sent yet -- never a cut body.
 
-The decisions (``worth_starting``, ``token_time``) are pure; ``Drain`` only
+The decisions (``worth_starting``, ``token_time``) are pure; ``RouterDrain`` only
 applies them to the core's job table on a timer.
 """
 
@@ -32,7 +32,7 @@ from shared.errors import Code, error
 log = logging.getLogger("weir.router")
 
 TICK_S = 0.1  # how often a drain re-checks what is left (cheap: one pass over the job table)
-RETRY_AFTER_S = 1.0  # Retry-After of a draining router's 503: another router (or this one, restarted) soon
+DRAINING_RETRY_AFTER_S = 1.0  # Retry-After of a draining router's 503: another router (or this one, restarted) soon
 
 
 def draining_error() -> p.ErrorInfo:
@@ -40,7 +40,7 @@ def draining_error() -> p.ErrorInfo:
     return error(
         Code.ROUTER_DRAINING,
         "This router is shutting down and takes no new requests; retry (another router will serve it).",
-        retry_after=RETRY_AFTER_S,
+        retry_after=DRAINING_RETRY_AFTER_S,
     )
 
 
@@ -49,7 +49,7 @@ def drain_deadline_error() -> p.ErrorInfo:
     return error(
         Code.ROUTER_DRAINING,
         "This router shut down before the request finished (its drain timeout passed); retry it.",
-        retry_after=RETRY_AFTER_S,
+        retry_after=DRAINING_RETRY_AFTER_S,
     )
 
 
@@ -83,7 +83,7 @@ class Drained(Protocol):
     def live_jobs(self) -> int: ...
 
 
-class Drain:
+class RouterDrain:
     """One router's drain: ``start`` (idempotent), ``finish_now``, and
     ``done`` set once nothing is left to wait for."""
 

@@ -15,7 +15,7 @@ import json
 import os
 from typing import NamedTuple
 
-SIM_EMBEDDING_SIZE = 64
+from shared.protocol import SIM_EMBEDDING_SIZE
 
 
 class EmbeddingShape(NamedTuple):

@@ -82,7 +82,7 @@ class PromptFanOut:
         failed = True
         try:
             for i, sub in enumerate(subs):
-                got = self.core.submit(sub, _Part(self, i), group=group)
+                got = self.core.submit(sub, _PromptPart(self, i), group=group)
                 if isinstance(got, ErrorInfo):
                     self.cancel()
                     return got
@@ -101,7 +101,7 @@ class PromptFanOut:
         for h in self.handles:
             self.core.cancel(h)  # (a job already ended: nothing to do)
 
-    def forward(self, part: _Part, deltas: list[Delta]) -> None:
+    def forward(self, part: _PromptPart, deltas: list[Delta]) -> None:
         if self.closed:
             return
         i = part.prompt
@@ -171,7 +171,7 @@ class PromptFanOut:
             self.sink.on_deltas(out)
 
 
-class _Part:
+class _PromptPart:
     """One prompt's job's sink: hands its Deltas to the merge."""
 
     __slots__ = ("fan", "prompt", "echoed", "finished")

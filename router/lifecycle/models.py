@@ -26,29 +26,29 @@ from shared.config import Config, ModelConfig, WorkerConfig
 log = logging.getLogger("weir.router")
 
 
-class PromptTokens(NamedTuple):
-    """router.lifecycle.prompts.PromptTokens plus the prompt's block hashes."""
+class HashedPrompt(NamedTuple):
+    """A prompt as its model's engines see it: router.lifecycle.prompts.PromptTokens plus its block hashes."""
 
     ids: list[int]  # exact token ids; empty when the model has no tokenizer
     count: int  # type: ignore[assignment]  # len(ids), or the estimate (shadows tuple.count, as in router.lifecycle.prompts)
     hashes: Sequence[int] = ()  # its full blocks as its model's engines hash them (router.fleet.block_hash)
 
 
-def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: BlockHasher | None) -> PromptTokens:
+def tokenize_hashed(prompts: ModelPrompts, sub: p.Submit, hasher: BlockHasher | None) -> HashedPrompt:
     """Tokens, and the prompt's block hashes as its model's engines compute
     them (prefix affinity): in the same place, on the tokenizing thread for
     long prompts, so hashing never stalls the loop either."""
     ids, count = prompts.tokenize(sub)
     if hasher is None:
-        return PromptTokens(ids, count)
+        return HashedPrompt(ids, count)
     if hasher.algo == SIM:  # the simulated engine's blocks: the text it was counted by
         text = (
             sub.prompt
             if sub.kind != p.RequestKind.CHAT
             else "".join(m.role + "\n" + m.content + "\n" for m in sub.messages)
         )
-        return PromptTokens(ids, count, hasher.text_hashes(text, count))
-    return PromptTokens(ids, count, hasher.hashes(ids) if ids else ())
+        return HashedPrompt(ids, count, hasher.text_hashes(text, count))
+    return HashedPrompt(ids, count, hasher.hashes(ids) if ids else ())
 
 
 @dataclass(slots=True, eq=False)

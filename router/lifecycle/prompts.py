@@ -488,7 +488,7 @@ def _compile_template(source: str) -> jinja2.Template:
     from jinja2 import ext, nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class Generation(ext.Extension):
+    class GenerationTag(ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (transformers marks assistant
         tokens with it): renders its body; nothing here needs the marks."""
 
@@ -514,7 +514,9 @@ def _compile_template(source: str) -> jinja2.Template:
     ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

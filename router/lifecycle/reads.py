@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from router.lifecycle.core import RouterCore
-from shared.config import ModelConfig, WorkerConfig
+from shared.config import AliasConfig, ModelConfig, WorkerConfig
 
 
-class CoreView:
+class RouterCoreReads:
     """What router.observe.views (and router.observe.ops_metrics through it) read of a ``RouterCore``."""
 
     def __init__(self, core: RouterCore) -> None:
@@ -25,6 +25,10 @@ class CoreView:
     def served_models(self) -> list[ModelConfig]:
         """The models served now (the config file's, then those added at run time)."""
         return self.core.registry.configs()
+
+    def model_aliases(self) -> list[AliasConfig]:
+        """[[aliases]] as last loaded (router.api.aliases)."""
+        return self.core.aliases.configs()
 
     def model_state(self, name: str) -> str:
         return self.core.model_state(name)

@@ -18,48 +18,25 @@ queued again (``requeue``).  Every end goes through the core's one exit (``end``
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import msgspec
 
-from router.lifecycle.intake import EndJob, policy_job, unloading_error
+from router.lifecycle.intake import policy_job, unloading_error
 from router.lifecycle.jobs import QUEUED, RUNNING, JobRecord, advance
-from router.lifecycle.models import ModelRegistry
-from router.lifecycle.ports import WorkerPort
-from router.observe.metrics import RouterMetrics
-from router.policy import Policy
+from router.lifecycle.parts import CoreParts
 from shared import protocol as p
-from shared.config import RouterConfig
 from shared.errors import Code, error
 
 log = logging.getLogger("weir.router")
 
 
 class Recovery:
-    """Moving jobs off workers, for the core: its job table, registry, policy,
-    worker port and metrics, its one exit (``end``) and its policy pass (``schedule``)."""
+    """Moving jobs off workers, for the core: its parts (``CoreParts``)."""
 
-    def __init__(
-        self,
-        jobs: dict[str, JobRecord],
-        registry: ModelRegistry,
-        policy: Policy,
-        workers: WorkerPort,
-        metrics: RouterMetrics,
-        cfg: RouterConfig,
-        clock: Callable[[], float],
-        end: EndJob,
-        schedule: Callable[[], None],
-    ) -> None:
-        self.jobs = jobs
-        self.registry = registry
-        self.policy = policy
-        self.workers = workers
-        self.metrics = metrics
-        self.cfg = cfg
-        self.clock = clock
-        self._end = end
-        self._schedule = schedule
+    def __init__(self, parts: CoreParts) -> None:
+        self.parts = parts
+        self.jobs = parts.jobs
+        self.cfg = parts.cfg
 
     def after_loss(self, job_ids: list[str], why: str, now: float) -> None:
         """Jobs of a lost worker, already released by the policy."""
@@ -72,31 +49,31 @@ class Recovery:
             elif j.resumes < self.cfg.max_resumes:
                 self._resume(j, why, now)
             else:
-                self._end(j, "worker_lost", error=self.lost_error(f"{why}, after {j.resumes} resumes"))
+                self.parts.end(j, "worker_lost", error=self.lost_error(f"{why}, after {j.resumes} resumes"))
 
     def requeue(self, j: JobRecord, now: float) -> None:
         """Queue a job again whose worker went: it waits for a worker of its
         model (even while none is left) up to its queue deadline."""
-        if not self.registry.serves(j.model):  # unloading: no worker of it will come back
-            return self._end(
+        if not self.parts.registry.serves(j.model):  # unloading: no worker of it will come back
+            return self.parts.end(
                 j, Code.MODEL_UNLOADING.label, error=unloading_error(j.model, self.cfg.heartbeat_interval_s)
             )
         req = j.request
         assert req is not None  # it was queued before
         job = policy_job(j, j.model, j.attempt_prompt_tokens, req.params.max_tokens, j.queued_since, j.block_hashes)
-        refusal = self.policy.submit(job, now, requeue=True)
+        refusal = self.parts.policy.submit(job, now, requeue=True)
         if refusal is not None:
-            self._end(j, refusal.label, error=refusal.render())
+            self.parts.end(j, refusal.label, error=refusal.render())
         else:
             advance(j, QUEUED)
-            self._schedule()
+            self.parts.schedule()
 
     def _resume(self, j: JobRecord, why: str, now: float) -> None:
         """Continue a job that streamed output, from where it got, elsewhere."""
         n = j.completion_tokens
         remaining = j.max_tokens - n
         if remaining < 1:  # all of it was generated; only the last word was lost
-            self._end(
+            self.parts.end(
                 j,
                 "length",
                 deltas=[p.Delta(j.job_id, finish_reason="length", prompt_tokens=j.prompt_tokens, completion_tokens=n)],
@@ -108,7 +85,7 @@ class Recovery:
         if sp.n > 1 or sp.structured is not None or (j.prompt_ids and len(j.generated) != n):
             # Not continued: n choices interleave in one stream, a grammar's
             # state is not in the tokens, ids missing would not be exact.
-            self._end(j, "worker_lost", error=self.lost_error(why))
+            self.parts.end(j, "worker_lost", error=self.lost_error(why))
             return
         j.attempt_prompt_tokens = j.prompt_tokens + n
         j.queued_since = now  # its queue deadline counts from now
@@ -119,7 +96,7 @@ class Recovery:
         )
         j.done_before = n
         j.resumes += 1
-        self.metrics.child(self.metrics.resumed, j.model, why).inc()
+        self.parts.metrics.child(self.parts.metrics.resumed, j.model, why).inc()
         log.info(
             "request %s (job %s) resumes after %d tokens (%s), attempt %d",
             j.trace,
@@ -143,7 +120,7 @@ class Recovery:
         for ``stall_timeout_s`` is taken off it and resumed elsewhere.  (A
         worker silent as a whole is lost by its missed heartbeats first.)"""
         bound = self.cfg.stall_timeout_s
-        now = self.clock()
+        now = self.parts.clock()
         stalled = [
             job_id
             for job_id, j in self.jobs.items()
@@ -168,8 +145,8 @@ class Recovery:
         j = self.jobs.get(job_id)
         if j is None or j.worker is None:
             return
-        self.workers.abort(j.worker, job_id)
-        now = self.clock()
-        self.policy.finish(job_id, now)
+        self.parts.workers.abort(j.worker, job_id)
+        now = self.parts.clock()
+        self.parts.policy.finish(job_id, now)
         self.after_loss([job_id], why, now)
-        self.workers.flush()
+        self.parts.workers.flush()

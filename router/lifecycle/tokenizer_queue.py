@@ -18,7 +18,7 @@ would delay every tenant's prompts by as many seconds as were queued.
     here (admission bounds them once tokenized; refusing them would fail
     batch lines), they only take their turn.
 
-``Tokenizer`` is the thin handoff: it keeps the queue on the event loop
+``TokenizerQueue`` is the thin handoff: it keeps the queue on the event loop
 (no locks) and hands the next item to the pool whenever a thread is free.
 """
 
@@ -103,7 +103,7 @@ class _Work:
         self.fn, self.args, self.fut, self.alive = fn, args, fut, alive
 
 
-class Tokenizer:
+class TokenizerQueue:
     """The tokenizer threads behind a ``FairQueue``; used on the event loop only."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, calls_per_tenant: int, calls_total: int) -> None:

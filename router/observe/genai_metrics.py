@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from router.observe.exposition import TextCollector
-from router.observe.metrics import HistogramFamily, _HistogramChild
+from router.observe.families import HistogramChild, HistogramFamily
 
 # By RequestKind's value: COMPLETION, CHAT, EMBEDDING (shared.protocol).
 OPERATIONS = ("text_completion", "chat", "embeddings")
@@ -32,9 +32,9 @@ class GenAiChildren:
     __slots__ = ("ttft", "tpot", "duration")
 
     def __init__(self, g: GenAiMetrics, model: str) -> None:
-        self.ttft: tuple[_HistogramChild, ...] = tuple(g.ttft.labels(op, model) for op in OPERATIONS)
-        self.tpot: tuple[_HistogramChild, ...] = tuple(g.tpot.labels(op, model) for op in OPERATIONS)
-        self.duration: tuple[_HistogramChild, ...] = tuple(g.duration.labels(op, model) for op in OPERATIONS)
+        self.ttft: tuple[HistogramChild, ...] = tuple(g.ttft.labels(op, model) for op in OPERATIONS)
+        self.tpot: tuple[HistogramChild, ...] = tuple(g.tpot.labels(op, model) for op in OPERATIONS)
+        self.duration: tuple[HistogramChild, ...] = tuple(g.duration.labels(op, model) for op in OPERATIONS)
 
 
 class GenAiMetrics(TextCollector):

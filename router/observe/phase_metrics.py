@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from router.observe.exposition import TextCollector
-from router.observe.metrics import _LATENCY_BUCKETS, HistogramFamily, _HistogramChild
+from router.observe.families import LATENCY_BUCKETS, HistogramChild, HistogramFamily
 from shared.protocol import Timing
 
 PHASES = ("tokenize", "queue", "prefill", "decode")
@@ -19,11 +19,11 @@ class PhaseMetrics(TextCollector):
             "weir_request_phase_seconds",
             "Where finished requests' time went in the router, by model and phase (tokenize, queue, prefill, decode)",
             ["model", "phase"],
-            _LATENCY_BUCKETS,
+            LATENCY_BUCKETS,
         )
-        self._models: dict[str, tuple[_HistogramChild, ...]] = {}
+        self._models: dict[str, tuple[HistogramChild, ...]] = {}
 
-    def for_model(self, model: str) -> tuple[_HistogramChild, ...]:
+    def for_model(self, model: str) -> tuple[HistogramChild, ...]:
         got = self._models.get(model)
         if got is None:
             got = self._models[model] = tuple(self.phase.labels(model, ph) for ph in PHASES)
@@ -33,7 +33,7 @@ class PhaseMetrics(TextCollector):
         yield from self.phase.text()
 
 
-def observe(children: tuple[_HistogramChild, ...], t: Timing) -> None:
+def observe(children: tuple[HistogramChild, ...], t: Timing) -> None:
     children[0].observe(t.tokenize)
     children[1].observe(t.queue)
     children[2].observe(t.prefill)

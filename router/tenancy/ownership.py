@@ -38,7 +38,7 @@ class Caller(NamedTuple):
     key: str  # SHA-256 of the presented key; "" when no keys are configured
 
 
-def identify(by_key: Mapping[str, KeyEntry], api_key: str | None) -> Caller | ErrorInfo:
+def caller_of(by_key: Mapping[str, KeyEntry], api_key: str | None) -> Caller | ErrorInfo:
     """The caller of a request presenting ``api_key``, or the 401 to answer."""
     if api_key and not well_formed(api_key):  # the rule Envoy applies (shared.keys)
         return malformed_key()

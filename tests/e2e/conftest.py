@@ -13,12 +13,22 @@ up ``KEY_ALPHA``/``KEY_BETA`` rate limits).
 
 Tests that break their stack on purpose start their own with
 ``stackutil.write_config`` + ``stackutil.start_stack``.
+
+``redis_url`` (module): a real redis-server for the Redis quota, lease and
+response stores.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
+import time
+
 import pytest
 import stackutil
+from stackutil import free_port
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +59,32 @@ def _run(cfg_path, run_dir):
         procs = stackutil.stack_processes(s)  # vLLM's EngineCore & co. included
     left = stackutil.alive(procs)
     assert not left, f"processes left after Stack.stop(): {sorted(left)}"
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A real redis-server on a free loopback port, one per test module that asks for it."""
+    exe = shutil.which("redis-server") or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+    if exe is None:
+        pytest.fail("redis-server not found: `make setup` installs it (Debian's redis-server)")
+    port = free_port()
+    d = tmp_path_factory.mktemp("redis")
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)]
+    with open(d / "redis.log", "wb") as log:  # the child holds its own copy of the descriptor
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, (d / "redis.log").read_text()
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)

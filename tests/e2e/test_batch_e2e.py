@@ -13,7 +13,6 @@ import time
 import openai
 import pytest
 from stackutil import SIM_MODEL, localconfig, sim_worker, start_stack, write_config
-from test_tenancy_e2e import redis_url  # noqa: F401 (a fixture: one redis-server for this module)
 
 # A sim line of 64 tokens takes ~0.2 s on 8 slots: a few hundred lines take seconds.
 SLOW_SIM = {"step_fixed_ms": 3.0, "decode_token_us": 60.0}
@@ -296,7 +295,7 @@ def _holder(stack, batch_id: str) -> str:
     """The router component whose /metrics shows the batch running."""
     import requests
 
-    for name, comp in stack.components.items():
+    for name in stack.components:
         if not name.startswith("router"):
             continue
         idx = 0 if name == "router" else int(name.split(":")[-1].split("-")[-1])

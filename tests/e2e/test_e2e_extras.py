@@ -91,6 +91,26 @@ def test_json_schema_response_parses_and_validates(stack):
     assert r.choices[0].text in ("left", "right")
 
 
+def test_disable_any_whitespace_makes_json_compact(stack):
+    """vLLM's per-request structured_outputs.disable_any_whitespace (vLLM 0.32
+    takes it only server-wide): json and json_object come out with no free
+    whitespace, greedy on the random model (the worker's grammar has none)."""
+    msgs = [{"role": "user", "content": "Give me JSON."}]
+    for so in ({"json": SCHEMA}, {"json_object": True}):
+        r = client(stack).chat.completions.create(
+            model=VLLM_MODEL, messages=msgs, max_tokens=48, temperature=0,
+            extra_body={"structured_outputs": {**so, "disable_any_whitespace": True}})
+        text = r.choices[0].message.content
+        outside_strings = text.split('"')[0::2]  # (no escaped quotes in this output)
+        assert text and not any(ch.isspace() for seg in outside_strings for ch in seg), text
+        print(f"\n{so}: {r.choices[0].finish_reason}, {r.usage.completion_tokens} tokens: {text}")
+        if r.choices[0].finish_reason == "stop":
+            value = json.loads(text)
+            assert text == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+            if "json" in so:
+                jsonschema.validate(value, SCHEMA)
+
+
 def test_each_sampling_extra_reaches_the_engine(stack):
     c = client(stack)
     eos = {"ignore_eos": True}

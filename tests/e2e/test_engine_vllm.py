@@ -421,7 +421,7 @@ def kv(env):
     # see only their own events.  A SUB that joined late misses a batch:
     # another request's blocks make the next one.
     from router.fleet.block_hash import BlockHasher
-    from router.lifecycle.core import tokenize_hashed
+    from router.lifecycle.models import tokenize_hashed
 
     hasher = BlockHasher(info.prefix_hash, info.block_size, info.prefix_hash_seed)
     joined = False
@@ -433,7 +433,7 @@ def kv(env):
         c.submit(engine, GenerateRequest(sub.request_id, tokens.ids, tokens.count,
                                          SamplingParams(max_tokens=1, temperature=0.0)))
         loop.run_until_complete(c.wait())
-        joined = _wait(loop, lambda: feed.trusted and set(tokens.hashes) <= feed.blocks, 10.0)
+        joined = _wait(loop, lambda want=set(tokens.hashes): feed.trusted and want <= feed.blocks, 10.0)
         if joined:
             break
     assert joined and source.last >= 0
@@ -456,11 +456,11 @@ def _wait(loop, cond, timeout=5.0):
 
 
 def test_router_block_hashes_equal_the_engines_kv_events(env, kv):
-    """The router's tokens + block hashes (router.lifecycle.core.tokenize_hashed) are
+    """The router's tokens + block hashes (router.lifecycle.models.tokenize_hashed) are
     exactly the blocks the engine reports storing, for 1-3 blocks, completion
     and chat (template applied)."""
     from router.fleet.block_hash import BlockHasher
-    from router.lifecycle.core import tokenize_hashed
+    from router.lifecycle.models import tokenize_hashed
     from shared.protocol import PrefixEvents
 
     loop, engine, info = env
@@ -481,7 +481,7 @@ def test_router_block_hashes_equal_the_engines_kv_events(env, kv):
         c.submit(engine, GenerateRequest(sub.request_id, tokens.ids, tokens.count,
                                          SamplingParams(max_tokens=1, temperature=0.0)))
         loop.run_until_complete(c.wait())
-        assert _wait(loop, lambda: set(tokens.hashes) <= feed.blocks), (tokens.hashes, sent[before:])
+        assert _wait(loop, lambda want=set(tokens.hashes): want <= feed.blocks), (tokens.hashes, sent[before:])
         stored = [h for m in sent[before:] if isinstance(m, PrefixEvents) for h in m.stored]
         assert sorted(stored) == sorted(tokens.hashes)  # exactly its blocks: nothing else, nothing missed
     assert len(counts) == 3
@@ -562,7 +562,8 @@ def test_extra_keys_match_vllm():
             assert BlockHasher(algo, 128).hashes(ids, extra) == want
 
 
-def test_replay_fills_a_gap_and_loss_beyond_it_goes_blind():
+@pytest.mark.parametrize("buffer_steps, recovers", [(100, True), (2, False)])
+def test_replay_fills_a_gap_and_loss_beyond_it_goes_blind(buffer_steps, recovers):
     """vLLM's real publisher: a subscriber that missed batches gets them from
     the replay socket; one that missed more than the buffer is cache-blind
     until an AllBlocksCleared."""
@@ -587,31 +588,30 @@ def test_replay_fills_a_gap_and_loss_beyond_it_goes_blind():
     d = tempfile.mkdtemp(prefix="weir-kvt-")
     loop = uvloop.new_event_loop()
     try:
-        for buffer_steps, recovers in ((100, True), (2, False)):
-            ep, rep = f"ipc://{d}/pub{buffer_steps}", f"ipc://{d}/rep{buffer_steps}"
-            pub = ZmqEventPublisher(0, ep, rep, buffer_steps=buffer_steps)
-            for i in range(4):  # published before anyone subscribed: missed
-                pub.publish(batch(stored(i + 1)))
-            time.sleep(0.3)
-            sent, lost = [], []
-            feed = PrefixFeed(loop, sent.append)
-            ctx = zmq.Context()
-            src = VllmKvEvents(ctx, SocketPump(loop), loop, ep, rep, feed, lambda: lost.append(1))
-            loop.run_until_complete(asyncio.sleep(1.0))  # the SUB joins (a slow joiner misses what is sent)
-            pub.publish(batch(stored(5)))  # seq 4: the gap shows
-            if recovers:
-                assert _wait(loop, lambda: feed.trusted and feed.blocks == {1, 2, 3, 4, 5}, 10.0)
-                assert src.gaps >= 1 and not lost
-            else:
-                assert _wait(loop, lambda: lost, 10.0)
-                assert not feed.trusted and not feed.blocks
-                assert isinstance(sent[-1], PrefixSnapshot) and not sent[-1].trusted
-                pub.publish(batch(AllBlocksCleared(), stored(9)))
-                assert _wait(loop, lambda: feed.trusted, 10.0)
-                assert feed.blocks == {9}
-                assert isinstance(sent[-1], PrefixEvents) and sent[-1].cleared and sent[-1].stored == [9]
-            src.close()
-            pub.shutdown()
-            ctx.term()
+        ep, rep = f"ipc://{d}/pub{buffer_steps}", f"ipc://{d}/rep{buffer_steps}"
+        pub = ZmqEventPublisher(0, ep, rep, buffer_steps=buffer_steps)
+        for i in range(4):  # published before anyone subscribed: missed
+            pub.publish(batch(stored(i + 1)))
+        time.sleep(0.3)
+        sent, lost = [], []
+        feed = PrefixFeed(loop, sent.append)
+        ctx = zmq.Context()
+        src = VllmKvEvents(ctx, SocketPump(loop), loop, ep, rep, feed, lambda: lost.append(1))
+        loop.run_until_complete(asyncio.sleep(1.0))  # the SUB joins (a slow joiner misses what is sent)
+        pub.publish(batch(stored(5)))  # seq 4: the gap shows
+        if recovers:
+            assert _wait(loop, lambda: feed.trusted and feed.blocks == {1, 2, 3, 4, 5}, 10.0)
+            assert src.gaps >= 1 and not lost
+        else:
+            assert _wait(loop, lambda: lost, 10.0)
+            assert not feed.trusted and not feed.blocks
+            assert isinstance(sent[-1], PrefixSnapshot) and not sent[-1].trusted
+            pub.publish(batch(AllBlocksCleared(), stored(9)))
+            assert _wait(loop, lambda: feed.trusted, 10.0)
+            assert feed.blocks == {9}
+            assert isinstance(sent[-1], PrefixEvents) and sent[-1].cleared and sent[-1].stored == [9]
+        src.close()
+        pub.shutdown()
+        ctx.term()
     finally:
         loop.close()

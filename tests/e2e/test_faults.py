@@ -136,7 +136,7 @@ def test_a_stopped_worker_is_found_by_heartbeat_and_its_streams_resume(tmp_path)
 
 def _resumed(stack) -> float:
     metrics = requests.get(stack.metrics_url, timeout=5).text
-    return sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines() if l.startswith("weir_resumed_total{"))
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines() if ln.startswith("weir_resumed_total{"))
 
 
 @pytest.mark.parametrize("drain_timeout_s,resumes", [(30.0, False), (0.3, True)],
@@ -328,13 +328,13 @@ def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked(t
                            json={"model": "sim-primary", "messages": [{"role": "user", "content": "hi"}],
                                  "max_tokens": 3, "stream": True}) as s:
             assert s.status_code == 200 and s.headers["x-weir-model"] == "sim-backup"
-            chunks = [l for l in s.iter_lines() if l.startswith(b"data: {")]
+            chunks = [ln for ln in s.iter_lines() if ln.startswith(b"data: {")]
             assert chunks and all(b'"model":"sim-backup"' in c for c in chunks)
         with Client(stack.zmq_frontend) as c:
             out = c.complete("sim-primary", prompt="hi", max_tokens=3, fallback=True)
             assert out.model == "sim-backup" and out.completion_tokens == 3
         metrics = requests.get(stack.metrics_url, timeout=5).text
-        (line,) = [l for l in metrics.splitlines() if l.startswith("weir_fallbacks_total{")]
+        (line,) = [ln for ln in metrics.splitlines() if ln.startswith("weir_fallbacks_total{")]
         assert 'model="sim-primary"' in line and 'fallback="sim-backup"' in line, line
         assert float(line.rsplit(" ", 1)[1]) == 3, line
         assert _drained(stack)
@@ -466,17 +466,18 @@ def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_str
             reference = [c.complete(stackutil.VLLM_MODEL, prompt=q, max_tokens=max_tokens, temperature=0.0,
                                     ignore_eos=True).text for q in prompts]
         assert _resumed(stack) == 0
-        for attempt in range(1, 4):
-            killed = {}
+        killed = {}  # this attempt's victim
 
-            def kill():
-                running = {wid: w["running"] for wid, w in _workers(stack).items()}
-                victim = max(sorted(running), key=running.get)
-                pid = stack.components[f"worker:{victim}"].pid
-                core = _engine_core(pid)
-                killed.update(victim=victim, pid=pid, core=core.pid, running=running[victim])
-                core.kill()
+        def kill():
+            running = {wid: w["running"] for wid, w in _workers(stack).items()}
+            victim = max(sorted(running), key=running.get)
+            pid = stack.components[f"worker:{victim}"].pid
+            core = _engine_core(pid)
+            killed.update(victim=victim, pid=pid, core=core.pid, running=running[victim])
+            core.kill()
 
+        for _ in range(3):
+            killed.clear()
             results = asyncio.run(_greedy_streams(stack.zmq_frontend, prompts, max_tokens, kill))
             whole = sum(1 for (text, finish, n, err), ref in zip(results, reference * 2)
                         if (finish, n, err, text) == ("length", max_tokens, None, ref))

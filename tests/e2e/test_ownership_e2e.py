@@ -18,7 +18,6 @@ import pytest
 import requests
 import tomli_w
 from stackutil import KEY_ALPHA, KEY_BETA, SIM_MODEL, sim_worker, start_stack, write_config
-from test_tenancy_e2e import redis_url  # noqa: F401  (the module's real redis-server fixture)
 
 from router.services.response_store import RedisResponseStore, decode_record, encode_record
 from shared.config import load
@@ -107,7 +106,7 @@ def test_metadata_over_openais_limits_is_a_400_naming_metadata(stack):
     c.files.delete(f.id)
 
 
-def test_the_redis_store_keeps_owners_and_evicts_within_each_tenants_bounds(redis_url):  # noqa: F811
+def test_the_redis_store_keeps_owners_and_evicts_within_each_tenants_bounds(redis_url):
     bounds = {"noisy": (3, 1 << 20), "quiet": (2, 1 << 20), "small": (100, 300)}
     prefix = f"weir-own-test-{os.getpid()}:"
 

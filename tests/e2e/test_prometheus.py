@@ -110,7 +110,7 @@ class _Traffic:
         i = 0
         while not self.stop.is_set():
             r = s.post(self.url, json=bodies[i % len(bodies)], timeout=10)
-            r.content
+            _ = r.content  # the whole answer read (the streamed ones too) before the next request
             self.codes[r.status_code] = self.codes.get(r.status_code, 0) + 1
             i += 1
             time.sleep(0.01)
@@ -171,7 +171,7 @@ def test_every_dashboard_query_returns_data_from_a_live_stack(sim_stack, live_pr
         pending = dict(enumerate(live))
         deadline = time.monotonic() + 45
         while pending and time.monotonic() < deadline:
-            for i, (title, expr) in list(pending.items()):
+            for i, (_, expr) in list(pending.items()):
                 if _query(live_prometheus, expr):
                     del pending[i]
             time.sleep(1)

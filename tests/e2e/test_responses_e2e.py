@@ -17,7 +17,6 @@ import pytest
 import requests
 from stackutil import SIM_MODEL, VLLM_MODEL, sim_worker, start_stack, write_config
 from test_e2e_api import metric, sdk, wait_until
-from test_tenancy_e2e import redis_url  # noqa: F401  (the module's real redis-server fixture)
 
 KEY = "sk-any"  # the sim stack has no keys configured
 
@@ -156,7 +155,7 @@ def test_background_runs_on_and_cancel(sim_stack):
     assert metric(sim_stack, "weir_responses_stored", store="memory") >= 2
 
 
-def test_two_routers_share_stored_responses_over_redis(tmp_path, redis_url):  # noqa: F811
+def test_two_routers_share_stored_responses_over_redis(tmp_path, redis_url):
     responses = {"store": "redis", "redis_prefix": f"weir-resp-test-{os.getpid()}:", "max_stored": 3}
     quota = {"redis_url": redis_url}
     a = write_config(tmp_path / "a", workers=[sim_worker("sim-a")], quota=quota, responses=responses)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -168,34 +167,6 @@ def test_budgets_headers_retry_after_reload_and_no_key_in_logs(tmp_path):
 
 
 # ------------------------------------------------------------------ Redis
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    exe = shutil.which("redis-server") or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
-    if exe is None:
-        pytest.fail("redis-server not found: `make setup` installs it (Debian's redis-server)")
-    port = free_port()
-    d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(d)], stdout=open(d / "redis.log", "wb"), stderr=subprocess.STDOUT,
-                            process_group=0)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, (d / "redis.log").read_text()
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_redis_credits_apply_once_and_undo_only_a_reserve_that_took(redis_url):

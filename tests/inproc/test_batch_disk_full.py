@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 from batchutil import in_progress_batch
 
-from router.services.batch import model as m
-from router.services.batch.feeder import BatchRun
+from router.services.batch import rules as m
 from router.services.batch.files import FileStore
-from router.services.batch.service import BatchStats, _Collector
+from router.services.batch.host import BatchStats
+from router.services.batch.run import BatchRun
+from router.services.batch.service import _BatchCollector
 from router.services.batch.store import BatchStore, ResultLog, disk_full
 
 
@@ -93,7 +94,7 @@ def _service(root: Path) -> types.SimpleNamespace:
 
 def _paused_seconds(svc: types.SimpleNamespace) -> dict[str, float]:
     """weir_batch_disk_full_seconds as /metrics shows it."""
-    fams = {f.name: f for f in _Collector(svc).collect()}  # type: ignore[arg-type]
+    fams = {f.name: f for f in _BatchCollector(svc).collect()}  # type: ignore[arg-type]
     return {s.labels["batch"]: s.value for s in fams["weir_batch_disk_full_seconds"].samples}
 
 
@@ -110,31 +111,31 @@ def test_a_running_batch_pauses_while_the_disk_is_full_and_finishes_its_lines_on
     async def main() -> None:
         run = BatchRun(svc, rec)  # type: ignore[arg-type]
         svc.runs[rec.id] = run
-        run.done = bytearray((n + 7) // 8)
+        run.results.done = bytearray((n + 7) // 8)
         filler = _fill(small_disk)
         for i in range(n):  # the lines end while the disk is full
             sink = types.SimpleNamespace(line=i, custom_id=f"c{i}", ctx=types.SimpleNamespace(id=f"r{i}"), handles=[])
-            run.line_ok(sink, BODY)  # type: ignore[arg-type]
+            run.feeder.line_ok(sink, BODY)  # type: ignore[arg-type]
         deadline = time.monotonic() + 5
-        while run.disk_full_since is None:
+        while run.results.disk_full_since is None:
             assert time.monotonic() < deadline, "the write never met the full disk"
             await asyncio.sleep(0.01)
-        run.dirty = True
-        for _ in range(5):  # the runner's steps meanwhile: state saves fail too; nothing is sent
+        run.results.dirty = True
+        for _ in range(5):  # the run's steps meanwhile: state saves fail too; nothing is sent
             await run.step()
             await asyncio.sleep(0.05)
         assert rec.status == m.IN_PROGRESS and not rec.errors and not run.ended
-        assert rec.completed == 0 and run.disk_full_since is not None
+        assert rec.completed == 0 and run.results.disk_full_since is not None
         assert _paused_seconds(svc)[rec.id] > 0
         filler.unlink()  # room again
         while rec.completed < n:
             assert time.monotonic() < deadline + 5, f"not resumed: {rec.completed} of {n} written"
             await asyncio.sleep(0.02)
-        assert run.disk_full_since is None and rec.status == m.IN_PROGRESS and _paused_seconds(svc) == {}
+        assert run.results.disk_full_since is None and rec.status == m.IN_PROGRESS and _paused_seconds(svc) == {}
         assert (rec.usage.input_tokens, rec.usage.output_tokens) == (3 * n, 5 * n)
         await run.step()  # the state saved again
         assert svc.store.load(rec.id).completed == n
-        run.out.close()
+        run.results.out.close()
 
     try:
         asyncio.run(main())
@@ -150,14 +151,14 @@ def test_a_state_save_that_meets_a_full_disk_pauses_feeding_until_a_save_goes_th
 
     async def main() -> None:
         run = BatchRun(svc, rec)  # type: ignore[arg-type]
-        run.done = bytearray(1)
+        run.results.done = bytearray(1)
         filler = _fill(small_disk)
-        run.dirty = True
+        run.results.dirty = True
         await run.step()
-        assert run.disk_full_since is not None and run.dirty and rec.status == m.IN_PROGRESS and not run.ended
+        assert run.results.paused and run.results.dirty and rec.status == m.IN_PROGRESS and not run.ended
         filler.unlink()
         await run.step()
-        assert run.disk_full_since is None and not run.dirty
+        assert run.results.disk_full_since is None and not run.results.dirty
         assert svc.store.load(rec.id).status == m.IN_PROGRESS
 
     try:
@@ -178,45 +179,45 @@ def test_a_state_save_that_fits_does_not_resume_feeding_while_results_wait_for_r
 
     async def main() -> None:
         run = BatchRun(svc, rec)  # type: ignore[arg-type]
-        run.done = bytearray((n + 7) // 8)
+        run.results.done = bytearray((n + 7) // 8)
         spare = small_disk / "spare"
         spare.write_bytes(b"\0" * 4096)
         filler = _fill(small_disk)
         spare.unlink()  # one page free: a state file fits, ~20 KB of results do not
         for i in range(n):
             sink = types.SimpleNamespace(line=i, custom_id=f"c{i}", ctx=types.SimpleNamespace(id=f"r{i}"), handles=[])
-            run.line_ok(sink, body)  # type: ignore[arg-type]
+            run.feeder.line_ok(sink, body)  # type: ignore[arg-type]
         deadline = time.monotonic() + 5
-        while run.disk_full_since is None:
+        while run.results.disk_full_since is None:
             assert time.monotonic() < deadline, "the write never met the full disk"
             await asyncio.sleep(0.01)
-        if run._flushing is not None:
-            await asyncio.wait([run._flushing])
+        if run.results._flushing is not None:
+            await asyncio.wait([run.results._flushing])
         gate = threading.Event()
         svc.io.submit(gate.wait)  # the I/O thread busy: the save, then the retry, queue behind it
 
         async def save_then_look() -> float | None:
-            await run._save()
-            return run.disk_full_since  # as the save left it (before the retry's answer is read)
+            await run.results.save()
+            return run.results.disk_full_since  # as the save left it (before the retry's answer is read)
 
         saving = asyncio.ensure_future(save_then_look())
         await asyncio.sleep(0)  # (the save is queued)
-        if run._flush_timer is not None:
-            run._flush_timer.cancel()
-            run._flush_timer = None
-        run._flush()  # the retry of the results, queued after the save
-        assert run._flushing is not None and not run._out_buf
+        if run.results._flush_timer is not None:
+            run.results._flush_timer.cancel()
+            run.results._flush_timer = None
+        run.results._flush()  # the retry of the results, queued after the save
+        assert run.results._flushing is not None and not run.results._out_buf
         gate.set()
         assert await saving is not None  # the pause holds: the results are not written
-        if run._flushing is not None:
-            await asyncio.wait([run._flushing])
-        assert run.disk_full_since is not None and rec.completed == 0
+        if run.results._flushing is not None:
+            await asyncio.wait([run.results._flushing])
+        assert run.results.disk_full_since is not None and rec.completed == 0
         filler.unlink()
         while rec.completed < n:
             assert time.monotonic() < deadline + 5, f"not resumed: {rec.completed} of {n} written"
             await asyncio.sleep(0.02)
-        assert run.disk_full_since is None
-        run.out.close()
+        assert run.results.disk_full_since is None
+        run.results.out.close()
 
     try:
         asyncio.run(main())
@@ -234,10 +235,10 @@ def test_a_revocation_whose_end_meets_a_full_disk_records_its_error_once(small_d
 
     async def main() -> None:
         run = BatchRun(svc, rec)  # type: ignore[arg-type]
-        run.done = bytearray(b"\x01")  # its one line was answered already: nothing more to write but the end
+        run.results.done = bytearray(b"\x01")  # its one line was answered already: nothing more to write but the end
         run.revoked = True
         filler = _fill(small_disk)
-        for _ in range(3):  # the runner's steps while the disk is full
+        for _ in range(3):  # the run's steps while the disk is full
             with pytest.raises(OSError) as e:
                 await run.step()
             assert disk_full(e.value) and not run.ended

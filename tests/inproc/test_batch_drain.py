@@ -22,8 +22,8 @@ from test_batch_disk_full import _fill
 from test_batch_disk_full import small_disk as small_disk  # (a fixture)
 from test_lifecycle import Harness
 
-from router.lifecycle.drain import Drain
-from router.services.batch import model as m
+from router.lifecycle.drain import RouterDrain
+from router.services.batch import rules as m
 from router.services.batch.files import FileStore
 from router.services.batch.lease import FileLease
 from router.services.batch.service import BatchService
@@ -74,7 +74,9 @@ class Router:
     def running(self) -> list[int]:
         """Handles of the batches' jobs on the (fake) worker."""
         jobs = self.h.core.jobs
-        return [hd for run in self.svc.runs.values() for hd in run.in_flight if jobs["%x" % hd].worker is not None]
+        return [
+            hd for run in self.svc.runs.values() for hd in run.feeder.in_flight if jobs["%x" % hd].worker is not None
+        ]
 
     def call(self, fn, *args) -> None:
         """``fn`` on the loop, as the socket's reader calls the core (the batch tier arms timers)."""
@@ -139,12 +141,12 @@ def test_a_draining_router_hands_its_batch_on_and_no_line_fails(tmp_path):
         a.finish(first)
         _until(a, lambda: a.run().rec.completed == 1, "the first line was never written")
         sent_before = a.svc.stats.sent
-        drain = Drain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
+        drain = RouterDrain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
         a.call(drain.start, "test")
         a.pump(0.2)
         run = a.run()
         # no line sent since, the queued ones withdrawn: only the two running remain
-        assert a.svc.stats.sent == sent_before and len(run.in_flight) == 2 == len(a.running())
+        assert a.svc.stats.sent == sent_before and len(run.feeder.in_flight) == 2 == len(a.running())
         later, _ = _batch(tmp_path)  # created while it drains: left for the others
         a.pump(0.2)
         assert later not in a.svc.runs and store.load(later).status == m.VALIDATING
@@ -204,7 +206,7 @@ def test_a_holder_whose_lease_was_taken_over_writes_nothing_more_and_stops(tmp_p
         out = tmp_path / "files" / f"{rec.output_file_id}.data"
         written = out.read_bytes()
         token = a.svc.lease.token(bid)
-        assert token >= 1 and run.fence.token == token
+        assert token >= 1 and run.results.fence.token == token
         store.fence(bid, token + 1).claim()  # another router's grant, as after a takeover
 
         async def held_elsewhere(_bid: str) -> bool:
@@ -215,7 +217,7 @@ def test_a_holder_whose_lease_was_taken_over_writes_nothing_more_and_stops(tmp_p
         _until(a, lambda: run.stopped, "the stale holder did not stop")
         a.pump(0.2)
         assert out.read_bytes() == written  # its finished line was not appended
-        assert not run.in_flight and not run.ended and bid not in a.svc.runs
+        assert not run.feeder.in_flight and not run.ended and bid not in a.svc.runs
         assert store.load(bid).completed == rec.completed  # nor its state saved
     finally:
         a.close()
@@ -242,7 +244,7 @@ def test_a_write_queued_on_the_io_thread_before_a_takeover_is_refused_when_it_ru
         token = a.svc.lease.token(bid)
         a.svc.io.submit(gate.wait)  # the I/O thread is busy (a slow disk, a long fsync)
         a.finish(second)
-        _until(a, lambda: run._flushing is not None, "the second line's write was never queued")
+        _until(a, lambda: run.results._flushing is not None, "the second line's write was never queued")
         store.fence(bid, token + 1).claim()  # meanwhile another router takes the batch over
 
         async def held_elsewhere(_bid: str) -> bool:
@@ -254,7 +256,7 @@ def test_a_write_queued_on_the_io_thread_before_a_takeover_is_refused_when_it_ru
         a.pump(0.2)
         assert out.read_bytes() == written  # the queued group was not appended
         assert store.load(bid).completed == rec.completed  # nor a state saved
-        assert not run.in_flight and not run.ended and bid not in a.svc.runs
+        assert not run.feeder.in_flight and not run.ended and bid not in a.svc.runs
     finally:
         gate.set()
         a.close()
@@ -275,15 +277,15 @@ def test_a_drain_while_the_disk_is_full_hands_on_only_what_was_written(small_dis
         run = a.run()
         filler = _fill(small_disk)
         a.call(a.h.tokens, second, 3000, "length")  # its result (~6 KB) meets the full disk: held in memory
-        _until(a, lambda: run.disk_full_since is not None, "the write never met the full disk")
-        drain = Drain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
+        _until(a, lambda: run.results.disk_full_since is not None, "the write never met the full disk")
+        drain = RouterDrain(a.h.core, a.h.loop, timeout_s=5.0, clock=a.h.clock)
         a.call(drain.start, "test")
         a.pump(0.2)
         for hd in a.running():  # the lines that took the freed slots meanwhile end too: held as well
             a.finish(hd)
         a.pump(0.5)
         # nothing runs, but results are not written: the batch is not handed on yet
-        assert not run.in_flight and not run.handed_off and bid in a.svc.runs
+        assert not run.feeder.in_flight and not run.handed_off and bid in a.svc.runs
         drain.close()
     finally:
         a.close()  # the router exits with the disk still full: the held result goes with it

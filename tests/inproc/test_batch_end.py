@@ -1,7 +1,7 @@
 """A batch's end, in process: the moment a batch shows a terminal status (and so
 its output/error file ids), those files exist.
 
-The runner registers the files in its I/O thread; an HTTP GET for the batch is
+The batch's run (BatchRun) registers the files in its I/O thread; an HTTP GET for the batch is
 served from the same in-memory record meanwhile.  A client that reads the output
 file the moment it sees ``cancelled`` must not get a 404.  The stand-in service
 carries the real on-disk stores and a real I/O thread; the register is slowed so
@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from batchutil import in_progress_batch
 
-from router.services.batch import model as m
-from router.services.batch.feeder import BatchRun
+from router.services.batch import rules as m
 from router.services.batch.files import FileStore
+from router.services.batch.run import BatchRun
 from router.services.batch.store import BatchStore
 
 OWNER = "tenant-a"
@@ -60,9 +60,9 @@ def _running_batch(svc: types.SimpleNamespace, completed: int, failed: int, stat
     rec.completed, rec.failed = completed, failed
     run = BatchRun(svc, rec)  # type: ignore[arg-type]
     if completed:
-        run.out.append([b'{"id":"r0","custom_id":"a"}\n'] * completed)
+        run.results.out.append([b'{"id":"r0","custom_id":"a"}\n'] * completed)
     if failed:
-        run.err.append([b'{"id":"r1","custom_id":"b"}\n'] * failed)
+        run.results.err.append([b'{"id":"r1","custom_id":"b"}\n'] * failed)
     return run
 
 

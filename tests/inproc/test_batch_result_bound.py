@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from batchutil import in_progress_batch
 
-from router.services.batch import model as m
-from router.services.batch.feeder import BatchRun
+from router.services.batch import rules as m
 from router.services.batch.files import FileStore
+from router.services.batch.run import BatchRun
 from router.services.batch.store import BatchStore
 from shared.errors import Code, error
 
@@ -52,8 +52,8 @@ def _service(root: Path) -> types.SimpleNamespace:
 def _run(svc: types.SimpleNamespace, lines: int) -> BatchRun:
     rec = in_progress_batch(svc.store, OWNER, lines)
     run = BatchRun(svc, rec)  # type: ignore[arg-type]
-    run.done = bytearray((lines + 7) // 8)
-    run.eof = True
+    run.results.done = bytearray((lines + 7) // 8)
+    run.feeder.eof = True
     return run
 
 
@@ -63,7 +63,7 @@ def _finish_line(run: BatchRun, line: int, text_bytes: int) -> None:
     body = json.dumps(
         {"id": ctx.id, "choices": [{"text": "x" * text_bytes}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
     ).encode()
-    run.line_ok(sink, body)  # type: ignore[arg-type]
+    run.feeder.line_ok(sink, body)  # type: ignore[arg-type]
 
 
 def test_a_batch_whose_results_pass_the_bound_fails_alone(tmp_path: Path) -> None:
@@ -74,8 +74,8 @@ def test_a_batch_whose_results_pass_the_bound_fails_alone(tmp_path: Path) -> Non
         for line in range(40):
             _finish_line(big, line, 1000)  # ~45 KB of results: past the 16 KiB bound
             _finish_line(small, line, 10)  # ~10 KB: within it
-            await asyncio.sleep(0.01)  # (results flush in groups, FLUSH_S apart)
-        await small._drain()
+            await asyncio.sleep(0.01)  # (results flush in groups, GROUP_WAIT_S apart)
+        await small.results.drain()
         for _ in range(200):
             if big.ended:
                 break
@@ -111,7 +111,7 @@ def test_a_group_cut_by_the_bound_counts_the_results_it_wrote(tmp_path: Path) ->
         run = _run(svc, 2)
         _finish_line(run, 0, 10)  # ~300 bytes: fits
         sink = types.SimpleNamespace(handles=[], line=1, custom_id="c1", raw=b"")
-        run.line_refused(sink, error(Code.BAD_REQUEST, "x" * 4096))  # type: ignore[arg-type]
+        run.feeder.line_refused(sink, error(Code.BAD_REQUEST, "x" * 4096))  # type: ignore[arg-type]
         for _ in range(200):
             if run.ended:
                 break
@@ -182,19 +182,19 @@ def test_a_revocation_or_a_drain_after_a_failed_write_leaves_the_failure_alone(t
 
     async def main() -> None:
         _finish_line(run, 0, 1000)  # its result alone passes the bound
-        assert run._flush_timer is not None
-        run._flush_timer.cancel()
-        run._flush()  # (now, not at the timer)
-        writing = run._flushing
+        assert run.results._flush_timer is not None
+        run.results._flush_timer.cancel()
+        run.results._flush()  # (now, not at the timer)
+        writing = run.results._flushing
         assert writing is not None
         gate = threading.Event()
         svc.io.submit(gate.wait)  # the failing write runs; what the failure does next waits behind this
         await asyncio.wait([writing])
-        assert run._write_failed
+        assert run.results.write_failed
         if then == "revoked":
             run.revoked = True  # the key is revoked while the failure is being recorded
         else:
-            run.draining = True  # the router drains meanwhile
+            run.feeder.draining = True  # the router drains meanwhile
         stepping = asyncio.ensure_future(run.step())
         await asyncio.sleep(0.05)
         gate.set()

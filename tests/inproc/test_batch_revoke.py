@@ -1,4 +1,4 @@
-"""A batch whose key is revoked, in process: the runner with the real on-disk
+"""A batch whose key is revoked, in process: its run (BatchRun) with the real on-disk
 stores and I/O thread, and the keys a reload leaves (router.tenancy.ownership's rule).
 
 A key removed, or moved to another tenant, cancels the batch: what finished
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from router.services.batch import model as m
-from router.services.batch.feeder import REVOKED_CODE, BatchRun
+from router.services.batch import rules as m
 from router.services.batch.files import FileStore
+from router.services.batch.run import REVOKED_CODE, BatchRun
 from router.services.batch.store import BatchStore, result_id
 from shared.config import ApiKey
 from shared.keys import digest
@@ -98,7 +98,7 @@ def test_a_reload_revoking_the_key_of_a_running_batch_cancels_it(tmp_path: Path,
     svc = _service(tmp_path, dict(LIVE))
     try:
         run = _batch(svc)
-        assert not run.revoked and run.who.tenant == OWNER  # type: ignore[union-attr]
+        assert not run.revoked and run.feeder.who.tenant == OWNER  # type: ignore[union-attr]
 
         async def main() -> None:
             await run._recover()

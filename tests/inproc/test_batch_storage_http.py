@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 
 import router.services.batch.files as files_mod
 from router.ingress.files_batches import batch_routes, owner_of_key
-from router.ingress.routes import Refusal, Reply, Routes
-from router.services.batch import model as m
+from router.ingress.routes import ErrorReply, Reply, Routes
+from router.services.batch import rules as m
 from router.services.batch.service import BatchService
 from router.tenancy.identity import Keys
 from shared.config import loads
@@ -91,14 +91,14 @@ class Api:
 
         async def on_the_loop() -> Any:  # (as the server calls a handler)
             got = handler(req)  # type: ignore[arg-type]
-            return got if isinstance(got, (Reply, Refusal)) else await got
+            return got if isinstance(got, (Reply, ErrorReply)) else await got
 
         return self._answer(asyncio.get_event_loop().run_until_complete(on_the_loop()))
 
     @staticmethod
     async def _stream(body_route: Any, req: Req) -> Any:
         sink = body_route(req)
-        if isinstance(sink, Refusal):
+        if isinstance(sink, ErrorReply):
             return sink
         for i in range(0, len(req.body), 65536):
             sink.feed(req.body[i : i + 65536])
@@ -106,7 +106,7 @@ class Api:
 
     @staticmethod
     def _answer(got: Any) -> tuple[int, dict[str, Any]]:
-        if isinstance(got, Refusal):
+        if isinstance(got, ErrorReply):
             i = got.info
             return i.status, {"error": {"code": i.code, "param": i.param, "message": i.message, "retry": i.retry_after}}
         return got.status, json.loads(got.body)
@@ -240,7 +240,7 @@ def test_output_expires_after_is_validated_and_kept_for_the_result_files(api: Ap
     assert status == 200
     rec = api.svc.store.load(b["id"])
     assert rec.output_expires_after_s == 7200
-    # the result file, registered at the batch's end (router.services.batch.feeder), expires 7200 s after it is made
+    # the result file, registered at the batch's end (router.services.batch.results), expires 7200 s after it is made
     api.svc.files.data_path(rec.output_file_id).write_bytes(b"{}\n")
     meta = api.svc.files.register("a", rec.output_file_id, "out.jsonl", "batch_output", rec.output_expires_after_s)
     assert meta.public()["expires_at"] == meta.created_at + 7200
@@ -319,10 +319,10 @@ def _at_once(api: Api, reqs: list[Req]) -> list[int]:
         route = api.routes.bodies[b"/v1/files"]
         sinks = [route(r) for r in reqs]
         for sink, r in zip(sinks, reqs):
-            if not isinstance(sink, Refusal):
+            if not isinstance(sink, ErrorReply):
                 sink.feed(r.body)
-        got = await asyncio.gather(*(s.finish() for s in sinks if not isinstance(s, Refusal)))
-        return [s.info.status for s in sinks if isinstance(s, Refusal)] + [Api._answer(a)[0] for a in got]
+        got = await asyncio.gather(*(s.finish() for s in sinks if not isinstance(s, ErrorReply)))
+        return [s.info.status for s in sinks if isinstance(s, ErrorReply)] + [Api._answer(a)[0] for a in got]
 
     return asyncio.get_event_loop().run_until_complete(run())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_lifecycle import Harness
 
-from router.lifecycle.drain import Drain
+from router.lifecycle.drain import RouterDrain
 from shared import protocol as p
 
 
@@ -17,7 +17,7 @@ def test_a_draining_core_refuses_new_work_and_ends_the_rest_with_one_error_each(
         running, queued = h.submit(max_tokens=50), h.submit(max_tokens=50)
         h.settle()
         h.tokens(running, 3)
-        drain = Drain(h.core, h.loop, timeout_s=5.0, clock=h.clock)
+        drain = RouterDrain(h.core, h.loop, timeout_s=5.0, clock=h.clock)
         drain.start("test")
         refused = h.core.submit(p.Submit("c", "sim-m", prompt="hi", max_tokens=4), h.sinks[running])
         assert isinstance(refused, p.ErrorInfo) and (refused.status, refused.code) == (503, "router_draining")

@@ -420,7 +420,7 @@ def test_stream_error_after_start_is_sse_error_event(server):
 def test_keep_alive_reuses_one_connection(server):
     s = server.connect()
     reader = ResponseReader(s)
-    for i in range(3):
+    for _ in range(3):
         s.sendall(get("/health"))
         r = reader.read()
         assert r.status == 200 and r.json == {"status": "ok", "workers": 1}

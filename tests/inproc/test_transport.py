@@ -158,7 +158,7 @@ def test_a_peer_that_stops_reading_is_dropped_not_queued_ahead_of_others():
         pump = SocketPump(asyncio.get_running_loop())
         full = []
         pump.add(router, lambda frames: None, on_full=full.append)
-        for i in range(1000):
+        for _ in range(1000):
             pump.send(router, [b"stuck", b"x" * 4096])
         assert full and set(full) == {b"stuck"}
         assert not pump._backlog[router]
@@ -188,7 +188,7 @@ def test_read_now_handles_a_message_whose_readable_edge_was_lost():
         await asyncio.sleep(0.05)
         peer = router.recv_multipart()[0]
         router.send_multipart([peer, b"news"])
-        time.sleep(0.2)  # the loop blocked: the message arrives meanwhile, its FD signalled
+        time.sleep(0.2)  # noqa: ASYNC251  the loop blocked on purpose: the message arrives meanwhile, its FD signalled
         assert dealer.get(zmq.EVENTS) & zmq.POLLIN  # ... and this consumes the signal
         await asyncio.sleep(0.3)
         assert got == []  # the FD never fired: the edge is lost

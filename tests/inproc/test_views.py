@@ -13,9 +13,9 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.ingress.routes import Refusal, Reply, Routes, routes
+from router.ingress.routes import ErrorReply, Reply, Routes, routes
 from router.lifecycle.core import RouterCore
-from router.lifecycle.reads import CoreView
+from router.lifecycle.reads import RouterCoreReads
 from router.observe import exposition
 from router.observe.metrics import RouterMetrics
 from router.observe.operator_actions import RouterOperator
@@ -88,7 +88,7 @@ class Router:
         self.link = FakeLink()
         self.metrics = RouterMetrics()
         self.core = RouterCore(_config(), self.loop, self.link, metrics=self.metrics)
-        self.views = RouterViews(CoreView(self.core), self.link, self.metrics)
+        self.views = RouterViews(RouterCoreReads(self.core), self.link, self.metrics)
         self.reloads = 0
         self.operator = RouterOperator(self.core, self.link, self._reload)
         self.routes: Routes = routes(self.views, self.operator, created=7)
@@ -113,7 +113,7 @@ class Router:
             answer = pattern.handler(req)
         if inspect.isawaitable(answer):  # /metrics: rendered over loop turns (router.observe.exposition)
             answer = self.loop.run_until_complete(answer)
-        if isinstance(answer, Refusal):
+        if isinstance(answer, ErrorReply):
             return answer.info.status, answer.info.code
         assert isinstance(answer, Reply)
         return answer.status, json.loads(answer.body) if answer.content_type == b"application/json" else answer.body
@@ -132,8 +132,8 @@ def test_one_model_renders_as_in_the_list(router):
     _, listed = router.call("GET", "/v1/models")
     status, one = router.call("GET", "/v1/models/sim-m")
     assert status == 200 and listed["data"] == [one]
-    assert one == {"id": "sim-m", "object": "model", "created": 7, "owned_by": "weir", "max_model_len": 4096,
-                   "ready_workers": 1, "state": "ready"}
+    assert one == {"id": "sim-m", "object": "model", "created": 7, "owned_by": "weir", "root": "sim-m",
+                   "parent": None, "max_model_len": 4096, "ready_workers": 1, "state": "ready"}
     assert router.call("GET", "/v1/models/nope") == (404, "model_not_found")
 
 

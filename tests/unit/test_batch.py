@@ -9,7 +9,7 @@ import json
 import pytest
 
 from router import api
-from router.services.batch import model as m
+from router.services.batch import rules as m
 from router.services.batch.lease import FileLease
 from router.services.batch.store import BatchStore, ResultLog, is_done, result_id
 from router.services.batch.validate import BatchLine, check_file, decode_line, to_jobs
@@ -221,7 +221,7 @@ def test_weir_stats_shows_a_line_per_running_batch():
 
 
 class _Run:
-    """What an EmbeddingLine reports to (router.services.batch.feeder.BatchRun): its one end."""
+    """What an EmbeddingLine reports to (router.services.batch.feeder.LineFeeder): its one end."""
 
     def __init__(self):
         self.ends = []

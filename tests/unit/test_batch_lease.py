@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from router.services.batch import model as m
+from router.services.batch import rules as m
 from router.services.batch.lease import FileLease
 from router.services.batch.store import BatchStore, ResultLog, StaleLease, result_id
 from shared.errors import Code

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from fakes import FakeClock
 
-from router.lifecycle.drain import Drain, token_time, worth_starting
+from router.lifecycle.drain import RouterDrain, token_time, worth_starting
 from shared import protocol as p
 
 
@@ -65,7 +65,7 @@ def test_drain_sheds_what_cannot_finish_keeps_the_rest_and_ends_it_at_the_deadli
     clock, core = FakeClock(100.0), FakeCore()
     # a stream at 0.1 s a token (10 s since its first, 101 tokens); a short and a long one queued
     core.jobs = {"run": (500, 90.0, 101), "short": (20, 0.0, 0), "long": (200, 0.0, 0)}
-    drain = Drain(core, loop, timeout_s=10.0, clock=clock)
+    drain = RouterDrain(core, loop, timeout_s=10.0, clock=clock)
     drain.start("test")
     assert core.draining and drain.deadline == 110.0
     # 200 tokens x 0.1 s > 10 s left: refused now with a retryable 503; 20 tokens fit
@@ -84,7 +84,7 @@ def test_drain_sheds_what_cannot_finish_keeps_the_rest_and_ends_it_at_the_deadli
 
 def test_a_drain_with_nothing_running_is_done_at_once_and_start_is_idempotent(loop) -> None:
     clock, core = FakeClock(), FakeCore()
-    drain = Drain(core, loop, timeout_s=30.0, clock=clock)
+    drain = RouterDrain(core, loop, timeout_s=30.0, clock=clock)
     assert not drain.started
     drain.start("test")
     deadline = drain.deadline
@@ -96,7 +96,7 @@ def test_a_drain_with_nothing_running_is_done_at_once_and_start_is_idempotent(lo
 def test_finish_now_ends_everything_with_error_events(loop) -> None:
     clock, core = FakeClock(), FakeCore()
     core.jobs = {"a": (10, 999.0, 3), "b": (10, 0.0, 0)}
-    drain = Drain(core, loop, timeout_s=30.0, clock=clock)
+    drain = RouterDrain(core, loop, timeout_s=30.0, clock=clock)
     drain.start("SIGTERM")
     assert not core.ended  # both fit: nothing measured is slow
     drain.finish_now("SIGINT")

@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 from openai.types import CreateEmbeddingResponse
 
-from engine_worker.sim_engine import SIM_EMBEDDING_SIZE, sim_vector
+from engine_worker.sim_engine import sim_vector
 from router import api
 from router.api.checks import check_shape, resolve_max_tokens
-from router.lifecycle.embedding_model import SIM_EMBEDDING_SIZE as ROUTER_SIM_SIZE
 from router.lifecycle.embedding_model import SIM_SHAPE, EmbeddingShape, dimensions_error, read_shape
-from shared.protocol import ErrorInfo, RequestKind, Submit, TaskType, pack_floats
+from shared.protocol import SIM_EMBEDDING_SIZE, ErrorInfo, RequestKind, Submit, TaskType, pack_floats
 
 META = api.RequestMeta()
 
@@ -148,7 +147,7 @@ def test_dimensions_follow_vllms_matryoshka_rules(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 96, "matryoshka_dimensions": [48, 96]}))
     assert read_shape(str(tmp_path)) == EmbeddingShape(96, True, (48, 96))
     assert read_shape(str(tmp_path / "missing")).width == 0  # unknown: the engine judges
-    assert read_shape(None) == SIM_SHAPE and ROUTER_SIM_SIZE == SIM_EMBEDDING_SIZE
+    assert read_shape(None) == SIM_SHAPE and SIM_SHAPE.width == SIM_EMBEDDING_SIZE
 
 
 def test_an_embedding_is_priced_as_prefill_only_and_refused_over_the_context():

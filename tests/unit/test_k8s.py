@@ -484,3 +484,33 @@ def test_rollouts_keep_capacity_and_drain_before_exit(cfg):
     assert envoy["lifecycle"]["preStop"]["exec"]["command"][3:] == [
         "envoy-drain", "9901", str(pause), str(int(cfg.router.drain_timeout_s))]
     assert envoy["command"][envoy["command"].index("--drain-time-s") + 1] == str(pause)
+
+
+def test_renderer_modules_import_no_circle():
+    """The renderer's modules import each other downward only, type-only imports included:
+    a circle (k8s_objects <-> k8s_security over WorkerGroup) makes neither readable alone."""
+    import ast
+
+    def deploy_imports(path) -> set[str]:
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "deploy":
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("deploy."):
+                out.add(node.module.removeprefix("deploy."))
+            elif isinstance(node, ast.Import):
+                out |= {a.name.removeprefix("deploy.") for a in node.names if a.name.startswith("deploy.")}
+        return out
+
+    graph = {p.stem: deploy_imports(p) for p in (REPO / "deploy").glob("*.py")}
+
+    def circle_from(mod: str, path: list[str]) -> list[str] | None:
+        for nxt in sorted(graph.get(mod, ())):
+            if nxt in path:
+                return [*path[path.index(nxt) :], nxt]
+            if (found := circle_from(nxt, [*path, nxt])) is not None:
+                return found
+        return None
+
+    circles = [c for m in sorted(graph) if (c := circle_from(m, [m])) is not None]
+    assert circles == []

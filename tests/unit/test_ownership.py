@@ -8,7 +8,7 @@ import pytest
 from router.api import responses as rs
 from router.api.errors import RequestError
 from router.api.metadata import metadata_problem
-from router.tenancy.ownership import ANONYMOUS_TENANT, Caller, identify, key_live, may_see
+from router.tenancy.ownership import ANONYMOUS_TENANT, Caller, caller_of, key_live, may_see
 from shared.config import ApiKey
 from shared.keys import digest
 from shared.protocol import ErrorInfo
@@ -19,16 +19,16 @@ KEYS = {digest(k): ApiKey(key=k, tenant=t) for k, t in ((A1, "a"), (A2, "a"), (B
 
 def test_no_key_or_an_unknown_key_is_401_when_keys_are_configured():
     for presented in (None, "", "sk-nope", A1 + " "):
-        got = identify(KEYS, presented)
+        got = caller_of(KEYS, presented)
         assert isinstance(got, ErrorInfo) and got.status == 401 and got.code == "invalid_api_key"
-    assert identify(KEYS, A1) == Caller("a", digest(A1))
-    assert identify({}, None) == identify({}, "anything") == Caller(ANONYMOUS_TENANT, "")
+    assert caller_of(KEYS, A1) == Caller("a", digest(A1))
+    assert caller_of({}, None) == caller_of({}, "anything") == Caller(ANONYMOUS_TENANT, "")
 
 
 def test_only_the_owning_tenant_sees_an_object():
     assert may_see("a", "a") and not may_see("a", "b") and not may_see("a", "")
     # an object made by one key is seen by the tenant's other keys too, while its key lives
-    assert may_see("a", identify(KEYS, A2).tenant, digest(A1), KEYS)  # type: ignore[union-attr]
+    assert may_see("a", caller_of(KEYS, A2).tenant, digest(A1), KEYS)  # type: ignore[union-attr]
     assert not may_see("a", "b", digest(A1), KEYS)
 
 

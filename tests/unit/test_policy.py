@@ -199,7 +199,7 @@ def test_drr_shares_a_class_between_tenants_by_tokens_and_weight():
     p = Policy(cfg(short_threshold_tokens=1024))
     p.add_worker(spec(cap=1 << 20, seqs=1, max_len=8192), 0.0)
     # tenant "flood" has weight 1, "b" weight 2; 100 queued each, all 128 tokens
-    for i in range(100):
+    for _ in range(100):
         p.submit(job(tenant="flood", t=0.0), 0.0)
         p.submit(job(tenant="b", t=0.0, weight=2.0), 0.0)
     served = {"flood": 0, "b": 0}
@@ -353,7 +353,7 @@ def test_queue_bounds_429_with_retry_after_growing_with_the_queue():
     assert err.status == 429 and err.code == "queue_full" and err.retry_after >= 1.0
     # tenant bound, and Retry-After tracks the tokens queued ahead
     retry = []
-    for i in range(6):
+    for _ in range(6):
         e = p.submit(job(klass="high", tenant="big", prompt=1000, max_tokens=1000), 0.0)
         if e is not None:
             assert e.status == 429 and e.code == "tenant_queue_full"

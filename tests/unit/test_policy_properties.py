@@ -91,7 +91,7 @@ def test_ledger_bounds_and_exactly_once_release(policy, overcommit, margin, back
     seqno: dict[str, int] = {}
 
     def check():
-        for wid, w in p.workers.items():
+        for w in p.workers.values():
             assert w.reserved == sum(w.running.values())
             assert 0 <= w.reserved <= w.budget
             assert w.budget <= w.spec.capacity_tokens * (1 + cfg.overcommit)
@@ -209,7 +209,7 @@ def check_totals(p: Policy) -> None:
             assert m.totals.tokens[r] == sum(e.tokens for e in of)
             assert m.totals.decode[r] == sum(max(0, e.job.max_tokens) for e in of)
             assert set(m.totals.tenants[r]) == {e.job.tenant for e in of}
-            for t, (tok, n, w) in m.totals.tenants[r].items():
+            for t, (tok, n, _w) in m.totals.tenants[r].items():
                 assert tok == sum(e.tokens for e in of if e.job.tenant == t)
                 assert n == sum(1 for e in of if e.job.tenant == t)
             assert abs(m.totals.wsum[r] - sum(w for _, _, w in m.totals.tenants[r].values())) < 1e-6

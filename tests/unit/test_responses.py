@@ -195,27 +195,71 @@ def test_stream_failure_is_an_error_event_then_response_failed():
 TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}]
 
 
-def test_with_tools_the_items_come_when_the_turn_ends():
+def test_with_tools_a_call_streams_as_it_is_generated():
     sub, ctx, turn = _turn(input="hi", tools=TOOLS, tool_choice={"type": "function", "name": "f"})
     assert sub.params.structured is not None  # a named call: the arguments constrained to f's schema
     ctx.stream = True
     r = ResponsesStream(ctx, turn)
     first = _events(r.render(_deltas('{"a":', finish=None)))
-    assert [e["type"] for e in first] == ["response.created", "response.in_progress"]
+    assert [e["type"] for e in first] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+    ]
+    added = first[2]["item"]
+    assert added["type"] == "function_call" and added["name"] == "f" and added["status"] == "in_progress"
+    assert added["arguments"] == "" and first[3]["delta"] == '{"a":' and first[3]["item_id"] == added["id"]
     rest = _events(r.render(_deltas("1}")))
     assert [e["type"] for e in rest] == [
-        "response.output_item.added",
         "response.function_call_arguments.delta",
         "response.function_call_arguments.done",
         "response.output_item.done",
     ]
     call = rest[-1]["item"]
     assert call["type"] == "function_call" and call["name"] == "f" and call["arguments"] == '{"a":1}'
-    assert rest[0]["item"]["arguments"] == "" and rest[1]["delta"] == '{"a":1}'
+    assert rest[0]["delta"] == "1}" and rest[1]["arguments"] == '{"a":1}' and call["status"] == "completed"
     [last] = _events(r.release_final())
     assert last["response"]["output"] == [call] and last["response"]["status"] == "completed"
+    assert [e["sequence_number"] for e in first + rest + [last]] == list(range(8))
     # the stored conversation continues with the call, then the tool's output
     assert rs.output_messages([call])[0]["tool_calls"][0]["id"] == call["call_id"]
+
+
+@pytest.mark.parametrize("choice,texts,finish", [
+    ("auto", ["Let me ", "check.<tool", '_call>{"name": "f", "argu', 'ments": {"a": 1}}</tool_call>'], "stop"),
+    ("required", ['[{"name":"f","parameters":{"a":1}},{"na', 'me":"f","parameters":{"a":2}}]'], "stop"),
+    ("required", ['[{"name":"f","parameters":{"a":1}},{"na', 'me":"f","parameters":{"a'], "length"),  # cut
+])
+def test_with_tools_streamed_items_equal_the_whole_responses(choice, texts, finish):
+    """Each item is opened, filled and closed in order (a message's text,
+    then each call); the streamed items equal the non-streamed response's."""
+    _, ctx, turn = _turn(input="hi", tools=TOOLS, tool_choice=choice)
+    ctx.tools.parser, ctx.tools.auto_enabled = "hermes", True
+    whole = ResponsesAccumulator(ctx, turn)
+    whole.add(_deltas(*texts, finish=finish))
+    ctx.stream = True
+    r = ResponsesStream(ctx, turn)
+    events = [e for t in texts[:-1] for e in _events(r.render(_deltas(t, finish=None)))]
+    events += _events(r.render(_deltas(texts[-1], finish=finish)))
+    [last] = _events(r.release_final())
+    output = last["response"]["output"]
+
+    def same(items):  # call ids are made per reading
+        return [{k: v for k, v in o.items() if k not in ("id", "call_id")} for o in items]
+
+    assert same(output) == same(json.loads(whole.render())["output"])
+    assert last["response"]["status"] == ("completed" if finish == "stop" else "incomplete")
+    opened = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    closed = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert opened == closed == list(range(len(output)))
+    for i, item in enumerate(output):
+        if item["type"] == "function_call":
+            deltas = [e["delta"] for e in events
+                      if e["type"] == "response.function_call_arguments.delta" and e["output_index"] == i]
+            assert "".join(deltas) == item["arguments"]
+    if choice == "auto":
+        assert output[0]["content"][0]["text"] == "Let me check." and output[1]["name"] == "f"
 
 
 def test_required_tool_calls_whole():

@@ -14,7 +14,8 @@ from test_tools_vllm import HISTORY, MODEL, TOOLS, TOOLS_TEMPLATE, USER
 
 from router.api import RequestError, parse_chat
 from router.api.request import RequestMeta
-from router.api.tokenize import answer_tokenize, parse_tokenize
+from router.api.tokenize import parse_tokenize
+from router.ingress.tokenize import answer_tokenize
 from router.lifecycle import prompts as prompts_module
 from router.lifecycle.prompts import ModelPrompts
 

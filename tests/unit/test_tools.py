@@ -17,6 +17,7 @@ from router.api.tools import (
     ChoiceToolStream,
     NamedFunction,
     NamedToolChoice,
+    chat_deltas,
     extract_calls,
     tool_finish_reason,
     tool_schema,
@@ -89,19 +90,29 @@ def test_finish_reasons_as_openai():
 
 
 def _stream(spec, pieces):
+    """Feed ``pieces`` one by one: (content, [(name, arguments)], bodies per feed)."""
     s = ChoiceToolStream(spec)
-    bodies = []
-    for p in pieces:
-        bodies += s.feed(p)
-    bodies += s.finish()
+    per_feed = [chat_deltas(s.feed(p)) for p in pieces] + [chat_deltas(s.finish())]
+    bodies = [b for feed in per_feed for b in feed]
     content = "".join(b.get("content", "") for b in bodies) or None
     calls: dict[int, dict] = {}
     for b in bodies:
         for tc in b.get("tool_calls", []):
-            c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
-            c["name"] += tc.get("function", {}).get("name", "")
-            c["arguments"] += tc.get("function", {}).get("arguments", "")
-    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+            if "id" in tc:  # a call's first entry: index, id, type and name together
+                assert tc["index"] not in calls and tc["type"] == "function" and tc["function"]["name"]
+                calls[tc["index"]] = {"name": tc["function"]["name"], "arguments": ""}
+            assert "name" not in tc["function"] or "id" in tc
+            calls[tc["index"]]["arguments"] += tc["function"]["arguments"]
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], per_feed
+
+
+def _cut(text, cuts):
+    pieces, i = [], 0
+    for c in cuts:
+        pieces.append(text[i:i + c])
+        i += c
+    pieces.append(text[i:])
+    return pieces
 
 
 AUTO_TEXTS = [
@@ -111,31 +122,73 @@ AUTO_TEXTS = [
     '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
     "<tool_call>broken",
     "a < b and <tool_ c",
+    '<tool_call>\n{"arguments": {"q": "}]\\"{"}, "name": "now"}\n</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Os',  # cut by max_tokens
+]
+REQUIRED_TEXTS = [
+    '[{"name":"now","parameters":{}},{"name":"get_weather","parameters":{"city":"O\\"slo]}"}}]',
+    '[{"name": "get_weather", "parameters": {"city": [1, {"a": null}]}}]',
+    '[{"name":"get_weather","parameters":{"ci',  # cut by max_tokens: the call as far as made
+    '[{"name":"get_wea',  # nothing readable: content
 ]
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(AUTO_TEXTS), st.lists(st.integers(1, 9), min_size=1, max_size=40))
-def test_streamed_auto_calls_equal_the_whole_responses(text, cuts):
-    pieces, i = [], 0
-    for c in cuts:
-        pieces.append(text[i:i + c])
-        i += c
-    pieces.append(text[i:])
-    spec = _spec("auto")
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([("auto", t) for t in AUTO_TEXTS] + [("required", t) for t in REQUIRED_TEXTS]),
+       st.lists(st.integers(1, 9), min_size=1, max_size=40))
+def test_streamed_calls_equal_the_whole_responses(case, cuts):
+    """However the text is split into engine steps, the streamed calls and
+    content equal the whole response's."""
+    choice, text = case
+    spec = _spec(choice)
     whole_content, whole_calls = extract_calls(spec, text)
-    content, calls = _stream(spec, pieces)
+    content, calls, _ = _stream(spec, _cut(text, cuts))
     assert calls == [(c.function.name, c.function.arguments) for c in whole_calls]
     assert (content or None) == (whole_content or None)
 
 
-def test_streamed_named_call_sends_its_header_then_arguments_as_made():
+def test_whole_calls_are_the_generated_text_and_nothing_is_dropped():
+    content, calls = extract_calls(_spec("required"), REQUIRED_TEXTS[0])
+    assert content is None
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("now", "{}"), ("get_weather", '{"city":"O\\"slo]}"}')]
+    _, calls = extract_calls(_spec("auto"), AUTO_TEXTS[5])
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("now", {"q": '}]"{'})]
+    # cut by max_tokens: the partial call, as OpenAI returns it
+    content, calls = extract_calls(_spec("required"), REQUIRED_TEXTS[2])
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"ci')]
+    content, calls = extract_calls(_spec("auto"), AUTO_TEXTS[6])
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Os')]
+    # no call could be read: the text is content, as vLLM returns it
+    assert extract_calls(_spec("required"), REQUIRED_TEXTS[3]) == (REQUIRED_TEXTS[3], [])
+    assert extract_calls(_spec("auto"), AUTO_TEXTS[3]) == (AUTO_TEXTS[3], [])
+
+
+@pytest.mark.parametrize("choice,text,name_at", [
+    ("required", '[{"name":"get_weather","parameters":{"city":"Oslo"}}]', len('[{"name":"get_weather"')),
+    ("auto", 'Hi<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+     len('Hi<tool_call>{"name": "get_weather"')),
+])
+def test_a_call_streams_as_it_forms(choice, text, name_at):
+    """One character per engine step: the call's id, type and name come in
+    the step that closes the name, then each step's argument text."""
+    _, calls, per_feed = _stream(_spec(choice), list(text))
+    first = next(i for i, bodies in enumerate(per_feed) if any("tool_calls" in b for b in bodies))
+    assert first == name_at - 1
+    args = [tc["function"]["arguments"] for bodies in per_feed[first + 1:] for b in bodies
+            for tc in b.get("tool_calls", [])]
+    assert len(args) >= len('{"city":"Oslo"}') and all(len(a) == 1 for a in args)
+    assert json.loads(calls[0][1]) == {"city": "Oslo"}
+
+
+def test_streamed_named_call_sends_its_header_with_the_first_arguments():
     s = ChoiceToolStream(_spec(NamedToolChoice(function=NamedFunction("get_weather"))))
     assert s.feed("  ") == []  # whitespace only: no call yet
-    first = s.feed('{"city"')
-    assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert first[1]["tool_calls"][0]["function"] == {"arguments": '  {"city"'}
-    assert s.feed(': "Oslo"}') == [{"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}]
+    first = chat_deltas(s.feed('{"city"'))
+    assert first == [{"tool_calls": [{"index": 0, "id": s.calls[0].id, "type": "function",
+                                      "function": {"name": "get_weather", "arguments": '  {"city"'}}]}]
+    assert chat_deltas(s.feed(': "Oslo"}')) == [{"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}]
     assert s.finish() == [] and s.called
 
 

@@ -189,3 +189,32 @@ def test_bad_tool_schema_is_a_400_naming_the_tool():
     with pytest.raises(BadInput) as e:
         ModelPrompts(str(MODEL), "hermes", True).tokenize(sub)
     assert e.value.param == "tools"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_constrained_calls_are_compact_json_that_vllm_takes(choice):
+    """required / named calls are generated with no free whitespace: the
+    worker hands vLLM an EBNF grammar of the schema that has none (vLLM takes
+    disable_any_whitespace only server-wide), which vLLM's own validation
+    accepts; the compact call is allowed, a newline or a space is not."""
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from engine_worker.vllm_engine import vllm_params
+
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+               "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": choice}
+    sub, _ = parse_chat(json.dumps(body).encode(), RequestMeta(), "r1")
+    assert sub.params is not None and sub.params.structured is not None
+    assert sub.params.structured.disable_any_whitespace
+    params = vllm_params(msgspec.structs.replace(sub.params, max_tokens=16))
+    so = params.structured_outputs
+    assert so is not None and so.json is None and so.grammar
+    validate_xgrammar_grammar(params)
+    args = '{"city":"Oslo","days":3}'
+    call = args if choice != "required" else '[{"name":"get_weather","parameters":' + args + "}]"
+    assert _is_grammar_accept_string(so.grammar, call)
+    for loose in (call.replace(":", ": ", 1), call.replace("{", "{\n", 1), call.replace(",", " ,", 1)):
+        assert not _is_grammar_accept_string(so.grammar, loose)

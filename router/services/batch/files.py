@@ -18,15 +18,13 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, Protocol
 
 import msgspec
 
+from router.services.batch.disk import fsync_dir, new_id, write_atomic
 from router.services.batch.retention import expired
 from router.tenancy.ownership import may_see
-
-if TYPE_CHECKING:
-    from router.services.batch.usage import Hold, UsageIndex
 
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSES = ("batch_output",)
@@ -56,34 +54,29 @@ class FileMeta(msgspec.Struct, kw_only=True):
         }
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(12)}"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Either the old content or all of ``data``, never a part, even if killed."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 _meta_decoder = msgspec.json.Decoder(FileMeta)
+
+
+class StorageReservation:
+    """The room an upload in progress takes (one file, ``bytes``) until it is
+    kept (``StorageIndex.put_file``) or ``StorageIndex.release``d: exactly once
+    (router.services.batch.storage takes and settles it)."""
+
+    __slots__ = ("owner", "bytes", "live")
+
+    def __init__(self, owner: str, size: int) -> None:
+        self.owner = owner
+        self.bytes = size
+        self.live = True
+
+
+class FileIndex(Protocol):
+    """What the store tells of each file it makes or deletes (router.services.batch.storage.StorageIndex)."""
+
+    def put_file(self, meta: FileMeta, reservation: StorageReservation | None = None) -> None: ...
+
+    def drop_file(self, file_id: str) -> None: ...
+
 
 # A temporary file (an upload being written, an atomic write) untouched this
 # long belongs to a router that died mid-write: the reaper removes it.  Live
@@ -141,10 +134,10 @@ def _new_meta(
 
 
 class FileStore:
-    def __init__(self, directory: Path, index: UsageIndex | None = None) -> None:
+    def __init__(self, directory: Path, index: FileIndex | None = None) -> None:
         self.dir = directory / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.index = index  # told of every file made or deleted (router.services.batch.usage)
+        self.index = index  # told of every file made or deleted (router.services.batch.storage)
 
     def data_path(self, file_id: str) -> Path:
         return self.dir / f"{file_id}.data"
@@ -172,11 +165,11 @@ class FileStore:
         filename: str,
         purpose: str,
         expires_after_s: int | None = None,
-        hold: Hold | None = None,
+        reservation: StorageReservation | None = None,
     ) -> FileMeta:
         """A sealed upload becomes a file: its data renamed into place, then its
         meta written (the file exists from there), counted in place of the
-        upload's ``hold``.  Any failure (a full disk) leaves neither behind."""
+        upload's ``reservation``.  Any failure (a full disk) leaves neither behind."""
         meta = _new_meta(owner, filename, purpose, writer.size, expires_after_s)
         data = self.data_path(meta.id)
         try:
@@ -188,7 +181,7 @@ class FileStore:
             data.unlink(missing_ok=True)
             writer.discard()
             raise
-        self._indexed(meta, hold)
+        self._indexed(meta, reservation)
         return meta
 
     def open_data(self, file_id: str) -> tuple[IO[bytes], int]:
@@ -206,9 +199,9 @@ class FileStore:
         self._indexed(meta)
         return meta
 
-    def _indexed(self, meta: FileMeta, hold: Hold | None = None) -> None:
+    def _indexed(self, meta: FileMeta, reservation: StorageReservation | None = None) -> None:
         if self.index is not None:
-            self.index.put_file(meta, hold)
+            self.index.put_file(meta, reservation)
 
     def read_meta(self, file_id: str) -> FileMeta | None:
         """A file's metadata whoever owns it (housekeeping only: the API goes through ``get``)."""

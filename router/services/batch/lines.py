@@ -1,11 +1,13 @@
-"""A batch line of several jobs: submitted together, one result.
+"""A batch line in flight: its jobs submitted together, one result.
 
 A line stands for the jobs its live request would run (router.services.batch.validate
 ``LineJobs``): a chat or one-prompt completion line is one job, whose sink is
-the line itself (router.services.batch.feeder.LineSink); a completions line with a
-prompt list is one job per prompt, merged by router.lifecycle.fanout exactly as
-the live ingress merges them; an embeddings line is one job per input, its
-vectors gathered here (``EmbeddingLine``) into the live endpoint's body.
+the line itself (``LineSink``); a completions line with a prompt list is one
+job per prompt, merged by router.lifecycle.fanout exactly as the live ingress
+merges them, into a ``LineSink`` too; an embeddings line is one job per
+input, its vectors gathered here (``EmbeddingLine``) into the live endpoint's
+body.  Each reports its end to its ``LineOwner`` (the run's feeder), declared
+here so that a line needs nothing of the run but those two calls.
 
 Every job of a line is admitted, budgeted and placed on its own, and the
 feeder counts jobs against its window.  The line ends once: a result when its
@@ -15,7 +17,7 @@ fails -- the others are cancelled then.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from router import api
 from router.lifecycle.models import ServedModel
@@ -27,7 +29,16 @@ from shared.errors import Code, error
 
 if TYPE_CHECKING:
     from router.lifecycle.core import RouterCore
-    from router.services.batch.feeder import BatchRun
+
+
+class LineOwner(Protocol):
+    """Where a line reports how it ended (router.services.batch.feeder.LineFeeder): once, muted after."""
+
+    def line_ok(self, sink: InFlightLine, body: bytes) -> None:
+        """The line's response ``body`` (200)."""
+
+    def line_refused(self, sink: InFlightLine, err: p.ErrorInfo) -> None:
+        """A job of the line was refused or failed: the others are cancelled."""
 
 
 class AsOwner:
@@ -49,6 +60,57 @@ class AsOwner:
         return self.core.served_model(model)
 
 
+class LineSink:
+    """One chat or completions line in flight: the RequestSink its job reports to
+    (a non-streamed body); for a prompt list, the sink of the merge of its jobs."""
+
+    __slots__ = ("run", "line", "raw", "custom_id", "ctx", "counts", "texts", "handles", "muted", "preempted")
+
+    def __init__(self, run: LineOwner, line: int, raw: bytes, custom_id: str, ctx: api.ResponseContext) -> None:
+        self.run = run
+        self.line = line
+        self.raw = raw  # the input line, for a retry (in flight only: bounded by the window)
+        self.custom_id = custom_id
+        self.ctx = ctx
+        self.counts: api.Accumulator | api.TokenCounts = api.Accumulator(ctx) if ctx.rich else api.TokenCounts()
+        self.texts: list[str] = []
+        self.handles: list[int] = []
+        self.muted = False  # cancelled by the batch (expiry, cancel, lease lost): news is ignored
+        self.preempted = False  # stepped aside for interactive work once already
+
+    def on_deltas(self, deltas: list[p.Delta]) -> None:
+        if self.muted or not deltas:
+            return
+        if deltas[0].model and deltas[0].model != self.ctx.model:  # a fallback model answers
+            self.ctx.model = deltas[0].model
+        counts = self.counts
+        if isinstance(counts, api.Accumulator):
+            counts.add(deltas)
+        else:
+            for d in deltas:
+                counts.add(d)
+                if d.text:
+                    self.texts.append(d.text)
+        last = deltas[-1]
+        if last.error is not None:
+            self.muted = True
+            self.run.line_refused(self, last.error)
+        elif last.finish_reason is not None:
+            self.muted = True
+            if isinstance(counts, api.Accumulator):
+                body = counts.render()
+            else:
+                body = api.render_completion(
+                    self.ctx,
+                    "".join(self.texts),
+                    last.finish_reason,
+                    counts.prompt,
+                    counts.completion_total,
+                    counts.cached,
+                )
+            self.run.line_ok(self, body)
+
+
 class EmbeddingLine:
     """An embeddings line in flight: one job per input, one response body."""
 
@@ -66,7 +128,7 @@ class EmbeddingLine:
         "prompt_tokens",
     )
 
-    def __init__(self, run: BatchRun, line: int, raw: bytes, custom_id: str, ctx: api.EmbeddingContext) -> None:
+    def __init__(self, run: LineOwner, line: int, raw: bytes, custom_id: str, ctx: api.EmbeddingContext) -> None:
         self.run = run
         self.line = line
         self.raw = raw
@@ -135,3 +197,6 @@ class _Input:
 
     def on_deltas(self, deltas: list[p.Delta]) -> None:
         self.line.on_input(self.index, deltas)
+
+
+InFlightLine = LineSink | EmbeddingLine  # a line whose jobs are in the core

@@ -1,5 +1,5 @@
 """When stored files and batches go: ``expires_after``, ``output_expires_after``
-and the retention of ended batches.  Pure: the reaper (router.services.batch.usage)
+and the retention of ended batches.  Pure: the reaper (router.services.batch.storage)
 acts on what these decide.
 
 OpenAI's shape for both fields is ``{"anchor": "created_at", "seconds": N}``
@@ -10,7 +10,7 @@ at the batch's end).
 
 from __future__ import annotations
 
-from router.services.batch import model as m
+from router.services.batch import rules as m
 
 ANCHORS = ("created_at",)
 MIN_S = 3600

@@ -3,14 +3,14 @@
 ``BatchService`` answers the HTTP API (router.ingress.files_batches) from
 the directory (router.services.batch.files, router.services.batch.store), and every
 ``scan_interval_s`` looks for batches no router runs: it takes each one's
-lease (router.services.batch.lease) and runs it (router.services.batch.feeder.BatchRun),
+lease (router.services.batch.lease) and runs it (router.services.batch.run.BatchRun),
 renewing the leases it holds; a lease lost stops that run at once.  So
 with several routers over one directory each batch runs on exactly one of
 them, and moves to another when its router dies.
 
 A draining router takes no lease from the moment its drain starts, and
 hands on each batch it runs as soon as that batch's running lines end
-(router.services.batch.feeder.BatchRun.drain): the lease is released then, not at
+(router.services.batch.run.BatchRun.drain): the lease is released then, not at
 its TTL, so another router (or this one, restarted) takes over at once.
 """
 
@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from router.lifecycle.jobs import RUNNING, job_id_of
-from router.services.batch import model as m
-from router.services.batch.feeder import BatchRun
+from router.services.batch import rules as m
 from router.services.batch.files import FileStore
+from router.services.batch.host import BatchStats
 from router.services.batch.lease import FileLease, Lease, RedisLease
+from router.services.batch.run import BatchRun
+from router.services.batch.storage import StorageIndex, StorageLimits, limits_for
 from router.services.batch.store import BatchRecord, BatchStore, StaleLease
-from router.services.batch.usage import Limits, UsageIndex, limits_for
 from router.tenancy.ownership import may_see
 from shared.config import Config
 
@@ -45,29 +46,16 @@ HANDOFF_S = 5.0  # at close, how long the runs get to write what finished before
 PREEMPT_S = 0.01  # how often interactive work waiting behind batch lines is looked for
 
 
-class BatchStats:
-    """Counters for /metrics and /admin/tenants (this router's share)."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self.retried = 0
-        self.by_tenant: dict[str, list[int]] = {}  # tenant -> [completed, failed, tokens]
-
-    def line_done(self, tenant: str, completed: int, failed: int, tokens: int = 0) -> None:
-        row = self.by_tenant.setdefault(tenant, [0, 0, 0])
-        row[0] += completed
-        row[1] += failed
-        row[2] += tokens
-
-
 class BatchService:
+    """The batch tier of one router; the ``BatchHost`` of the runs it starts (router.services.batch.host)."""
+
     def __init__(self, core: RouterCore, cfg: Config) -> None:
         self.core = core
         self.bcfg = cfg.batch
         self.max_body_bytes = cfg.envoy.max_request_bytes
         self.max_prompts = cfg.router.max_prompts_per_request  # a completions line's, as a live request's
         root = Path(cfg.resolve(cfg.batch.directory))
-        self.index = UsageIndex()  # per tenant: what the API lists and the quotas count
+        self.index = StorageIndex()  # per tenant: what the API lists and the quotas count
         self.files = FileStore(root, self.index)
         self.store = BatchStore(root, self.index)
         self.indexed = asyncio.Event()  # set once the index has read the directory
@@ -97,7 +85,7 @@ class BatchService:
         # start a second run of it: every line answered twice.
         self._scan_lock = asyncio.Lock()
         self._budgets: dict[str, m.DayBudget] = {}
-        core.metrics.registry.register(_Collector(self))
+        core.metrics.registry.register(_BatchCollector(self))
         core.batch_tenants = self.tenants
         core.on_keys_reloaded.append(self.recheck_owners)
 
@@ -133,8 +121,8 @@ class BatchService:
         pages, and batch creates, one at a time)."""
         return asyncio.get_running_loop().run_in_executor(self.pages, fn)
 
-    def limits(self, tenant: str, key_digest: str) -> Limits:
-        """The tenant's storage limits as the config reads now (router.services.batch.usage.limits_for)."""
+    def limits(self, tenant: str, key_digest: str) -> StorageLimits:
+        """The tenant's storage limits as the config reads now (router.services.batch.storage.limits_for)."""
         key = self.core.keys.by_key.get(key_digest) if key_digest else None
         tcfg = next((t for t in self.core.cfg.tenants if t.name == tenant), None)
         return limits_for(self.bcfg, key, tcfg)
@@ -173,7 +161,7 @@ class BatchService:
             return 0
         jobs, moved = self.core.jobs, 0
         for run in list(self.runs.values()):
-            for handle, sink in reversed(list(run.in_flight.items())):
+            for handle, sink in reversed(list(run.feeder.in_flight.items())):
                 j = jobs.get(job_id_of(handle))
                 if sink.preempted or j is None or j.state is not RUNNING or waiting.get(j.sub.model, 0) <= 0:
                     continue
@@ -211,7 +199,7 @@ class BatchService:
 
     def recheck_owners(self) -> None:
         """After a reload: the batches running here whose key was removed or now
-        names another tenant are cancelled (router.services.batch.feeder ``BatchRun.recheck``);
+        names another tenant are cancelled (router.services.batch.run ``BatchRun.recheck``);
         one not running here is checked when a router takes it up."""
         for run in list(self.runs.values()):
             run.recheck()
@@ -400,7 +388,9 @@ class BatchService:
         return out
 
 
-class _Collector:
+class _BatchCollector:
+    """The batch tier's series on /metrics."""
+
     def __init__(self, svc: BatchService) -> None:
         self.svc = svc
 
@@ -429,7 +419,7 @@ class _Collector:
         per_model: dict[tuple[str, str], int] = {}
         jobs = svc.core.jobs
         for run in svc.runs.values():
-            for handle in run.in_flight:
+            for handle in run.feeder.in_flight:
                 j = jobs.get(job_id_of(handle))
                 if j is not None:
                     key = (j.sub.model, "running" if j.state is RUNNING else "queued")
@@ -446,20 +436,21 @@ class _Collector:
         running_batch = 0
         for bid, run in sorted(svc.runs.items()):
             rec = run.rec
-            queued = run.queued()
-            running = len(run.in_flight) - queued
+            queued = run.feeder.queued()
+            running = len(run.feeder.in_flight) - queued
             running_batch += running
             done = rec.completed + rec.failed
             lines.add_metric([bid, "queued"], queued)
             lines.add_metric([bid, "running"], running)
             lines.add_metric([bid, "done"], done)
-            lines.add_metric([bid, "pending"], max(0, rec.total - done - len(run.in_flight)))
+            lines.add_metric([bid, "pending"], max(0, rec.total - done - len(run.feeder.in_flight)))
             e = run.eta_s()
             if e is not None:
                 eta.add_metric([bid], e)
             left.add_metric([bid], max(0.0, rec.expires_at - now))
-            if run.disk_full_since is not None:
-                paused.add_metric([bid], time.monotonic() - run.disk_full_since)
+            since = run.results.disk_full_since
+            if since is not None:
+                paused.add_metric([bid], time.monotonic() - since)
         share = GaugeMetricFamily(
             "weir_batch_slot_share", "Batch lines among the jobs running on engines (0..1), this router's"
         )

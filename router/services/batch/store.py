@@ -1,11 +1,11 @@
 """Batches on disk: each batch's state, its results, its cancel request.
 
 ``<dir>/batches/<id>/state.json`` is the batch (OpenAI's object plus what
-the runner needs: owner, key digest, line count), rewritten atomically
-(router.services.batch.files.write_atomic).  Results go straight into the output and
+its run needs: owner, key digest, line count), rewritten atomically
+(router.services.batch.disk.write_atomic).  Results go straight into the output and
 error files (``<dir>/files/<file id>.data``), one JSON line per request
 line, appended and fsync'ed in groups; each result's ``id`` carries its
-input line number, so after a crash the runner rebuilds which lines are done
+input line number, so after a crash the next run (router.services.batch.run) rebuilds which lines are done
 from the files alone: a line whose result was written is never sent again,
 and a torn last line (killed mid-write) is cut off.  ``cancel`` beside the
 state is a request to cancel, written by whichever router got the call; the
@@ -31,15 +31,12 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
-from router.services.batch import model as m
-from router.services.batch.files import new_id, write_atomic
-
-if TYPE_CHECKING:
-    from router.services.batch.usage import UsageIndex
+from router.services.batch import rules as m
+from router.services.batch.disk import new_id, write_atomic
 
 
 class BatchError(msgspec.Struct):
@@ -49,7 +46,9 @@ class BatchError(msgspec.Struct):
     param: str | None = None
 
 
-class Usage(msgspec.Struct):
+class BatchUsage(msgspec.Struct):
+    """The tokens a batch's answered lines took (the batch object's ``usage``)."""
+
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -79,7 +78,7 @@ class BatchRecord(msgspec.Struct, kw_only=True):
     input_lines: int = 0  # lines of the input file, blank ones included
     completed: int = 0
     failed: int = 0
-    usage: Usage = msgspec.field(default_factory=Usage)
+    usage: BatchUsage = msgspec.field(default_factory=BatchUsage)
     errors: list[BatchError] = []
     output_file_id: str  # allocated at create, shown once the batch ends with output
     error_file_id: str
@@ -157,11 +156,17 @@ class Fence:
             pass
 
 
+class BatchIndex(Protocol):
+    """What the store tells of each state it saves (router.services.batch.storage.StorageIndex)."""
+
+    def put_batch(self, rec: BatchRecord) -> None: ...
+
+
 class BatchStore:
-    def __init__(self, directory: Path, index: UsageIndex | None = None) -> None:
+    def __init__(self, directory: Path, index: BatchIndex | None = None) -> None:
         self.dir = directory / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.index = index  # told of every state saved (router.services.batch.usage)
+        self.index = index  # told of every state saved (router.services.batch.storage)
 
     def path(self, batch_id: str) -> Path:
         return self.dir / batch_id
@@ -245,7 +250,8 @@ _entry_decoder = msgspec.json.Decoder(_Entry)
 
 
 def line_usage(raw: bytes) -> tuple[int, int, int]:
-    """A result line's (input, output, cached) tokens, as the runner added them when it wrote the line."""
+    """A result line's (input, output, cached) tokens, as the result writer
+    (router.services.batch.results) added them when it wrote the line."""
     try:
         resp = _entry_decoder.decode(raw).response
     except msgspec.DecodeError:
@@ -267,7 +273,7 @@ class ResultLog:
         self.path = path
         self.max_bytes = max_bytes
         self.lines = 0
-        self.usage = Usage()  # of the lines read back by recover
+        self.usage = BatchUsage()  # of the lines read back by recover
         self._fd: int | None = None  # opened (O_APPEND) on first append
 
     def recover(self, done: bytearray) -> None:

@@ -76,9 +76,8 @@ BAD_COMPLETIONS = [
     (_completion(stop=["a", 1]), "stop[1]", None),
     (_completion(seed="x"), "seed", None),
     (_completion(user=5), "user", None),
-    (_completion(priority=1), "priority", None),
+    (_completion(priority=True), "priority", None),  # a class name or vLLM's integer
     (_completion(task_type="medium"), "task_type", None),
-    (_completion(echo=True, logprobs=1), "echo", "unsupported_value"),  # would need prompt logprobs
     (_completion(suffix="tail"), "suffix", "unsupported_value"),
     (_completion(logprobs=21), "logprobs", None),
     (_completion(logprobs=-1), "logprobs", None),
@@ -572,3 +571,57 @@ def test_plain_stream_is_unchanged_by_the_rich_path():
     assert out == (b'data: {"id":"cmpl-x1","object":"text_completion","created":1700000000,"model":"tiny",'
                    b'"system_fingerprint":"' + FP.encode() + b'",'
                    b'"choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n')
+
+
+def _prompt_lp_delta(prompt, k, index=0):
+    """A worker's first Delta with the prompt's logprobs (positions 1.. : own, top k)."""
+    vals, tops = [], []
+    for t in prompt[1:]:
+        vals.append(-0.25 * t)
+        for j in range(k):
+            tops.append(j + 1)
+            vals.append(-0.1 * (j + 1))
+    return Delta("x1", index=index, prompt_logprobs=pack_logprobs(vals), prompt_top_ids=list(prompt) + tops)
+
+
+def test_echo_with_logprobs_asks_the_engine_for_the_prompts():
+    jobs = api.parse_completions(_completion(prompt=["x", "y"], echo=True, logprobs=2, n=2, temperature=1),
+                                 api.RequestMeta(), "r")
+    assert all(s.params.prompt_logprobs == 2 for s in jobs.subs) and jobs.ctx.echo_logprobs == 2
+    plain = api.parse_completions(_completion(prompt="x", logprobs=2), api.RequestMeta(), "r")
+    assert plain.subs[0].params.prompt_logprobs is None and plain.ctx.echo_logprobs == 0
+    with pytest.raises(api.RequestError) as e:  # vLLM's raw field: refused, never dropped
+        api.parse_completions(_completion(prompt="x", prompt_logprobs=1), api.RequestMeta(), "r")
+    assert e.value.info.param == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_starts_each_choice_with_its_prompts(stream):
+    """As vLLM: the prompt's tokens first (the first without a logprob), then
+    the generated ones, offsets counted over both; both choices of prompt 1
+    get prompt 1's (n = 2, two prompts: choices 2 and 3)."""
+    ctx = _rich_ctx(RequestKind.COMPLETION, n=4, logprobs=1, echo="", stream=stream)
+    ctx.echo_logprobs = 2
+    first = [_prompt_lp_delta([2, 1], 1, index=2), _lp_delta([3], 1, index=2, prompt_tokens=2, completion_tokens=1),
+             _lp_delta([4], 1, index=3, completion_tokens=2)]
+    last = [_lp_delta([1], 1, index=3, completion_tokens=3, finish_reason="stop")]
+    if stream:
+        r = api.StreamRenderer(ctx)
+        chunks = [json.loads(e) for e in _sse(r.render(first) + r.render(last))[:-1]]
+        lps: dict[int, dict] = {}
+        for ch in (c for chunk in chunks for c in chunk["choices"]):
+            if ch["logprobs"]:
+                got = lps.setdefault(ch["index"], {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                   "text_offset": []})
+                for key in got:
+                    got[key] += ch["logprobs"][key]
+    else:
+        acc = api.Accumulator(ctx)
+        acc.add(first)
+        acc.add(last)
+        body = json.loads(acc.render())  # (the SDK's pydantic type has no None logprob; OpenAI and vLLM send one)
+        lps = {c["index"]: c["logprobs"] for c in body["choices"] if c["logprobs"]["tokens"]}
+    assert lps[2]["tokens"] == ["b", "a", " c"] and lps[2]["token_logprobs"] == [None, -0.25, -1.5]
+    assert lps[2]["top_logprobs"][0] is None and lps[2]["top_logprobs"][1] == {"a": -0.25}
+    assert lps[2]["text_offset"] == [0, 1, 2]
+    assert lps[3]["tokens"] == ["b", "a", "ü", "a"] and lps[3]["text_offset"] == [0, 1, 2, 3]

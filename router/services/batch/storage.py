@@ -1,6 +1,6 @@
 """What each tenant keeps in the Batch API's directory, and whether it may keep more.
 
-``UsageIndex`` is the one owner of the per-tenant accounting: every file and
+``StorageIndex`` is the one owner of the per-tenant accounting: every file and
 batch by tenant, with its size and status.  The stores (router.services.batch.files,
 router.services.batch.store) tell it each object they write or delete; it is built
 from the directory at start and read again every ``housekeeping_interval_s``
@@ -8,11 +8,12 @@ from the directory at start and read again every ``housekeeping_interval_s``
 sharing the directory did.  Lists (``GET /v1/files``, ``GET /v1/batches``)
 are pages of it: they read no disk and see only the caller's tenant.
 
-An upload holds room while it is written (``hold``: its count, and the bytes
-it declared), so uploads of one tenant running at once cannot each pass the
-limits on what is stored: each counts the others' holds.  The hold is
-settled to the file's size once it is known (``settle``: checked again), and
-ends exactly once: turned into the file by ``put_file``, or ``release``d.
+An upload reserves room while it is written (``reserve``: its count, and the
+bytes it declared: a ``StorageReservation``), so uploads of one tenant running
+at once cannot each pass the limits on what is stored: each counts the others'
+reservations.  A reservation is settled to the file's size once it is known
+(``settle``: checked again), and ends exactly once: turned into the file by
+``put_file``, or ``release``d.
 
 ``upload_refusal`` and ``batch_refusal`` decide from a tenant's usage and
 limits alone (pure); ``reap`` deletes expired files and old ended batches
@@ -31,8 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from router.services.batch import model as m
 from router.services.batch import retention
+from router.services.batch import rules as m
+from router.services.batch.files import StorageReservation
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
 
@@ -54,13 +56,17 @@ MAX_UPLOADS_IN_PROGRESS = 32
 UPLOADS_RETRY_AFTER_S = 1.0
 
 
-class Limits(NamedTuple):
+class StorageLimits(NamedTuple):
+    """What a tenant may keep: files, their bytes, batches not ended."""
+
     files: int
     file_bytes: int
     active_batches: int
 
 
-class Usage(NamedTuple):
+class StorageUse(NamedTuple):
+    """What a tenant keeps (stored, and reserved by uploads in progress), against its ``StorageLimits``."""
+
     files: int
     file_bytes: int
     active_batches: int
@@ -69,16 +75,16 @@ class Usage(NamedTuple):
 _FIELDS = ("max_stored_files", "max_stored_file_bytes", "max_active_batches")
 
 
-def limits_for(bcfg: BatchConfig, key: ApiKey | None, tenant: TenantConfig | None) -> Limits:
+def limits_for(bcfg: BatchConfig, key: ApiKey | None, tenant: TenantConfig | None) -> StorageLimits:
     """The [batch] defaults, or what the key and its tenant set (both: the smaller)."""
     out = []
     for f in _FIELDS:
         own = [v for x in (key, tenant) if x is not None and (v := getattr(x, f)) is not None]
         out.append(min(own) if own else getattr(bcfg, f))
-    return Limits(*out)
+    return StorageLimits(*out)
 
 
-def upload_refusal(usage: Usage, limits: Limits, size: int) -> ErrorInfo | None:
+def upload_refusal(usage: StorageUse, limits: StorageLimits, size: int) -> ErrorInfo | None:
     """May the tenant keep one more file of ``size`` bytes?  (Before the
     upload is read, ``size`` is a lower bound of it.)"""
     if usage.files + 1 > limits.files:
@@ -99,7 +105,7 @@ def upload_refusal(usage: Usage, limits: Limits, size: int) -> ErrorInfo | None:
     return None
 
 
-def batch_refusal(usage: Usage, limits: Limits) -> ErrorInfo | None:
+def batch_refusal(usage: StorageUse, limits: StorageLimits) -> ErrorInfo | None:
     """May the tenant start one more batch?"""
     if usage.active_batches + 1 > limits.active_batches:
         return error(
@@ -110,23 +116,6 @@ def batch_refusal(usage: Usage, limits: Limits) -> ErrorInfo | None:
             retry_after=QUOTA_RETRY_AFTER_S,
         )
     return None
-
-
-class Hold:
-    """Room an upload in progress takes (one file, ``bytes``) until it is
-    kept (``UsageIndex.put_file``) or ``UsageIndex.release``d: exactly once."""
-
-    __slots__ = ("owner", "bytes", "live")
-
-    def __init__(self, owner: str, size: int) -> None:
-        self.owner = owner
-        self.bytes = size
-        self.live = True
-
-
-class Page(NamedTuple):
-    ids: list[str]
-    has_more: bool
 
 
 class _Sorted:
@@ -176,14 +165,14 @@ class _Tenant:
         self.batches = _Sorted()
         self.file_bytes = 0
         self.active: set[str] = set()  # batch ids not ended
-        self.held_files = 0  # uploads in progress (Hold), counted with the stored files
+        self.held_files = 0  # uploads in progress (StorageReservation), counted with the stored files
         self.held_bytes = 0
 
-    def usage(self) -> Usage:
-        return Usage(len(self.files.by_id) + self.held_files, self.file_bytes + self.held_bytes, len(self.active))
+    def usage(self) -> StorageUse:
+        return StorageUse(len(self.files.by_id) + self.held_files, self.file_bytes + self.held_bytes, len(self.active))
 
 
-class UsageIndex:
+class StorageIndex:
     """Every tenant's files and batches, in memory (one lock: the stores write
     from the batch I/O thread, the API reads on the loop)."""
 
@@ -201,11 +190,11 @@ class UsageIndex:
 
     # ------------------------------------------------------------ what the stores tell it
 
-    def put_file(self, meta: FileMeta, hold: Hold | None = None) -> None:
-        """A file written (``hold``: the upload's, which it replaces at once)."""
+    def put_file(self, meta: FileMeta, reservation: StorageReservation | None = None) -> None:
+        """A file written (``reservation``: the upload's, which it replaces at once)."""
         with self._lock:
-            if hold is not None:
-                self._release(hold)
+            if reservation is not None:
+                self._release(reservation)
             t = self._tenant(meta.owner)
             old = t.files.put(meta.id, meta.created_at, meta)
             t.file_bytes += meta.bytes - (old.bytes if old is not None else 0)  # type: ignore[attr-defined]
@@ -240,8 +229,8 @@ class UsageIndex:
 
     # ------------------------------------------------------------ uploads in progress
 
-    def hold(self, owner: str, limits: Limits | None, size: int) -> Hold | ErrorInfo:
-        """Take room for an upload of at least ``size`` bytes, or why not
+    def reserve(self, owner: str, limits: StorageLimits | None, size: int) -> StorageReservation | ErrorInfo:
+        """Reserve room for an upload of at least ``size`` bytes, or why not
         (``limits`` None: taken unchecked, ``settle`` checks it)."""
         with self._lock:
             t = self._tenant(owner)
@@ -259,44 +248,45 @@ class UsageIndex:
                     return refused
             t.held_files += 1
             t.held_bytes += size
-            return Hold(owner, size)
+            return StorageReservation(owner, size)
 
-    def settle(self, hold: Hold, limits: Limits, size: int) -> ErrorInfo | None:
-        """The upload is ``size`` bytes: its hold becomes that if the tenant has
-        room for it beside everything else stored and held; else it is released."""
+    def settle(self, reservation: StorageReservation, limits: StorageLimits, size: int) -> ErrorInfo | None:
+        """The upload is ``size`` bytes: its reservation becomes that if the tenant has
+        room for it beside everything else stored and reserved; else it is released."""
         with self._lock:
-            if not hold.live:
-                raise ValueError("settle of a hold already ended")
-            t = self._tenant(hold.owner)
+            if not reservation.live:
+                raise ValueError("settle of a reservation already ended")
+            t = self._tenant(reservation.owner)
             u = t.usage()
-            refused = upload_refusal(Usage(u.files - 1, u.file_bytes - hold.bytes, u.active_batches), limits, size)
+            without = StorageUse(u.files - 1, u.file_bytes - reservation.bytes, u.active_batches)
+            refused = upload_refusal(without, limits, size)
             if refused is not None:
-                self._release(hold)
+                self._release(reservation)
                 return refused
-            t.held_bytes += size - hold.bytes
-            hold.bytes = size
+            t.held_bytes += size - reservation.bytes
+            reservation.bytes = size
             return None
 
-    def release(self, hold: Hold) -> None:
+    def release(self, reservation: StorageReservation) -> None:
         """The upload ends without a file (refused, client gone, disk full); a second call does nothing."""
         with self._lock:
-            self._release(hold)
+            self._release(reservation)
 
-    def _release(self, hold: Hold) -> None:
-        if not hold.live:
+    def _release(self, reservation: StorageReservation) -> None:
+        if not reservation.live:
             return
-        hold.live = False
-        t = self._tenant(hold.owner)
+        reservation.live = False
+        t = self._tenant(reservation.owner)
         t.held_files -= 1
-        t.held_bytes -= hold.bytes
+        t.held_bytes -= reservation.bytes
 
     # ------------------------------------------------------------ what the API reads
 
-    def usage(self, owner: str) -> Usage:
-        """What counts against the tenant's limits: stored, and held by uploads in progress."""
+    def usage(self, owner: str) -> StorageUse:
+        """What counts against the tenant's limits: stored, and reserved by uploads in progress."""
         with self._lock:
             t = self._by.get(owner)
-            return Usage(0, 0, 0) if t is None else t.usage()
+            return StorageUse(0, 0, 0) if t is None else t.usage()
 
     def tenants(self) -> list[str]:
         with self._lock:
