@@ -411,10 +411,12 @@ class SchedulerConfig(_Cfg):
     # worker while it holds under session_load_bound of its sequence slots and
     # KV budget, else where placement sends them (the session moves there).
     # Forgotten session_ttl_s after its last turn, or after a final one;
-    # at most session_max sessions (least recently used beyond).
+    # at most session_max_per_tenant sessions of a tenant (its least recently
+    # used beyond) and session_max in all (the tenant with the most gives one up).
     sessions: bool = True
     session_ttl_s: float = 600.0
     session_max: int = 100_000
+    session_max_per_tenant: int = 10_000  # beyond: that tenant's own oldest session is forgotten
     session_load_bound: float = 0.8
 
     def kv_budget(self, capacity_tokens: int) -> int:
@@ -610,8 +612,10 @@ def _validate(cfg: Config) -> None:
             if target not in names:
                 raise ConfigError(f"alias {a.name!r}: {target!r} is not a configured model")
     sc = cfg.scheduler
-    if not (0.0 < sc.session_load_bound <= 1.0) or sc.session_ttl_s <= 0 or sc.session_max < 1:
-        raise ConfigError("scheduler: session_load_bound must be in (0, 1], session_ttl_s > 0, session_max >= 1")
+    if not (0.0 < sc.session_load_bound <= 1.0) or sc.session_ttl_s <= 0:
+        raise ConfigError("scheduler: session_load_bound must be in (0, 1] and session_ttl_s > 0")
+    if min(sc.session_max, sc.session_max_per_tenant) < 1:
+        raise ConfigError("scheduler: session_max and session_max_per_tenant must be >= 1")
     if any(c.ttft_target_ms < 0 for c in sc.classes):
         raise ConfigError("scheduler.classes: ttft_target_ms must be >= 0 (0: none)")
     for k in cfg.api_keys:

@@ -109,14 +109,6 @@ class Admission:
         table = self.table
         table.seq += 1
         e = Entry(job, rank, size, table.seq)
-        targets = self.targets
-        if targets is not None and not requeue:
-            c = self.classes[rank]
-            target = job.ttft_target_s or c.ttft_target_ms / 1000.0
-            if target > 0.0:
-                refusal = targets.admit(m, e, now, target, job.sheddable or c.sheddable, c.name)
-                if refusal is not None:
-                    return refusal
         bound = self.waits.bound[rank]
         if bound < math.inf and not requeue:
             if m.totals.queued == 0:
@@ -126,6 +118,15 @@ class Admission:
                 e.predicted = 0.0
             else:
                 refusal = self.waits.admit(m, e, bound, now)
+                if refusal is not None:
+                    return refusal
+        # (last: a prediction is kept only for a job that is queued)
+        targets = self.targets
+        if targets is not None and not requeue:
+            c = self.classes[rank]
+            target = job.ttft_target_s or c.ttft_target_ms / 1000.0
+            if target > 0.0:
+                refusal = targets.admit(m, e, now, target, job.sheddable or c.sheddable, c.name)
                 if refusal is not None:
                     return refusal
         key = self.keys[rank][size]

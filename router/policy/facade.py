@@ -55,7 +55,9 @@ class Policy:
         # The strategies, chosen once: the order queued work is served in, and where it runs.
         self.order = queue_order(cfg, self.n_classes)
         self.placement = placement(cfg, self.order, self.n_classes, self.prefix)
-        self.sessions = SessionTable(cfg.session_max, cfg.session_ttl_s, cfg.session_load_bound, self.counters)
+        self.sessions = SessionTable(
+            cfg.session_max, cfg.session_ttl_s, cfg.session_load_bound, self.counters, cfg.session_max_per_tenant
+        )
         if cfg.sessions:
             self.placement.sessions = self.sessions
         self.table = EntryTable()

@@ -2,7 +2,8 @@
 context, sticky until that worker is saturated.
 
 ``SessionTable`` maps (tenant, session id) -> worker, bounded (LRU beyond
-``session_max``) and forgotten ``session_ttl_s`` after a session's last turn
+``session_max_per_tenant`` within a tenant, and beyond ``session_max`` in
+all, the tenant holding the most giving up its oldest) and forgotten ``session_ttl_s`` after a session's last turn
 or at once after a turn marked final.  A session the table does not know
 whose parent it does (a sub-agent, fanned out from its parent's context)
 starts on the parent's worker.  Placement (router.policy.placement.strategy) asks
@@ -40,74 +41,100 @@ Scorer = Callable[["Ask", "list[Candidate]"], list[float]]
 
 
 class SessionTable:
-    __slots__ = ("max_sessions", "ttl_s", "bound", "table", "counters", "per_worker")
+    __slots__ = ("max_sessions", "max_per_tenant", "ttl_s", "bound", "tenants", "count", "counters", "per_worker")
 
-    def __init__(self, max_sessions: int, ttl_s: float, load_bound: float, counters: dict[str, int]) -> None:
+    def __init__(
+        self,
+        max_sessions: int,
+        ttl_s: float,
+        load_bound: float,
+        counters: dict[str, int],
+        max_per_tenant: int | None = None,
+    ) -> None:
         self.max_sessions = max(1, max_sessions)
+        # A tenant's own sessions beyond this evict its own oldest: a tenant
+        # sending many session ids cannot push another tenant's out.
+        self.max_per_tenant = max(1, max_per_tenant if max_per_tenant is not None else max_sessions)
         self.ttl_s = ttl_s
         self.bound = load_bound
-        # (tenant, session) -> (worker id, last turn's dispatch time); oldest first
-        self.table: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        # tenant -> session -> (worker id, last turn's dispatch time), oldest first
+        self.tenants: dict[str, OrderedDict[str, tuple[str, float]]] = {}
+        self.count = 0
         self.per_worker: dict[str, int] = {}  # sessions on each worker (those in the table)
         self.counters = counters
         for k in ("session_new", "session_sticky", "session_moved", "session_from_parent", "session_ended"):
             counters.setdefault(k, 0)
 
     def __len__(self) -> int:
-        return len(self.table)
+        return self.count
 
-    def _get(self, key: tuple[str, str], now: float) -> str | None:
-        got = self.table.get(key)
+    def _get(self, tenant: str, session: str, now: float) -> str | None:
+        table = self.tenants.get(tenant)
+        got = table.get(session) if table is not None else None
         if got is None:
             return None
         worker, seen = got
         if now - seen > self.ttl_s:
-            self._drop(key, worker)
+            self._drop(tenant, session, worker)
             return None
         return worker
 
-    def _drop(self, key: tuple[str, str], worker: str) -> None:
-        del self.table[key]
+    def _drop(self, tenant: str, session: str, worker: str) -> None:
+        table = self.tenants[tenant]
+        del table[session]
+        if not table:
+            del self.tenants[tenant]
+        self.count -= 1
         left = self.per_worker[worker] - 1
         if left:
             self.per_worker[worker] = left
         else:
             del self.per_worker[worker]
 
+    def _oldest(self, tenant: str) -> tuple[str, str, float]:
+        session, (worker, seen) = next(iter(self.tenants[tenant].items()))
+        return session, worker, seen
+
     def home(self, job: Job, now: float) -> str | None:
         """The worker ``job``'s session (else its parent's) is on, if any."""
         if not job.session:
             return None
-        worker = self._get((job.tenant, job.session), now)
+        worker = self._get(job.tenant, job.session, now)
         if worker is None and job.parent_session:
-            worker = self._get((job.tenant, job.parent_session), now)
+            worker = self._get(job.tenant, job.parent_session, now)
         return worker
 
     def placed(self, job: Job, worker_id: str, now: float) -> None:
         """``job`` was dispatched to ``worker_id``: its session is there now
         (ended, if this was its final turn)."""
-        key = (job.tenant, job.session)
-        before = self._get(key, now)
+        tenant, session = job.tenant, job.session
+        before = self._get(tenant, session, now)
         c = self.counters
         if before is None:
-            parent = self._get((job.tenant, job.parent_session), now) if job.parent_session else None
+            parent = self._get(tenant, job.parent_session, now) if job.parent_session else None
             c["session_from_parent" if parent == worker_id else "session_new"] += 1
         else:
             c["session_sticky" if before == worker_id else "session_moved"] += 1
-        if before is not None:
-            self._drop(key, before)
+            self._drop(tenant, session, before)
         if job.session_final:
             c["session_ended"] += 1
             return
-        table = self.table
-        table[key] = (worker_id, now)  # (the newest: at the end)
+        table = self.tenants.get(tenant)
+        if table is None:
+            table = self.tenants[tenant] = OrderedDict()
+        table[session] = (worker_id, now)  # (the newest: at the end)
+        self.count += 1
         self.per_worker[worker_id] = self.per_worker.get(worker_id, 0) + 1
-        # the least recently placed first: past the TTL or beyond the bound, forgotten
-        while table:
-            oldest, (w, seen) = next(iter(table.items()))
-            if len(table) <= self.max_sessions and now - seen <= self.ttl_s:
+        # its tenant's least recently placed first: past the TTL or beyond the tenant's bound, forgotten
+        while True:
+            oldest, w, seen = self._oldest(tenant)
+            if len(table) <= self.max_per_tenant and now - seen <= self.ttl_s:
                 break
-            self._drop(oldest, w)
+            self._drop(tenant, oldest, w)
+        if self.count > self.max_sessions:  # the whole table: the tenant with the most gives up its oldest
+            most = max(self.tenants, key=lambda t: len(self.tenants[t]))
+            oldest, w, _ = self._oldest(most)
+            self._drop(most, oldest, w)
 
     def sticky(self, home: str) -> Scorer:
         """A load scorer that puts the home worker ahead of every other while
@@ -131,7 +158,7 @@ class SessionTable:
         per = self.per_worker
         if not per:
             return None
-        scale = 1.0 / (len(self.table) / max(1, n_workers) + 1.0)
+        scale = 1.0 / (self.count / max(1, n_workers) + 1.0)
 
         def fewer_sessions(ask: Ask, cands: list[Candidate]) -> list[float]:
             return [-per.get(w.spec.worker_id, 0) * scale for w, _, _, _ in cands]

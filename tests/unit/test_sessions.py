@@ -157,3 +157,23 @@ def test_new_sessions_spread_over_the_fleet():
     for k in range(4):
         assert run(plain, job(f"x{k}", now=float(k)), float(k)) == "w0"
         plain.finish(f"x{k}", float(k))
+
+
+def test_a_tenant_with_many_sessions_evicts_only_its_own():
+    """Hostile tenant: session ids are free to invent, so a tenant's flood of
+    them pushes out its own oldest sessions, never another tenant's (and the
+    whole table stays bounded, the tenant holding the most giving one up)."""
+    counters: dict[str, int] = {}
+    t = SessionTable(50, ttl_s=600.0, load_bound=1.0, counters=counters, max_per_tenant=10)
+    t.placed(job("a", "alice-1", tenant="alice"), "w0", 0.0)
+    for k in range(1000):
+        t.placed(job("m", f"m{k}", tenant="mallory"), "w1", 1.0)
+    assert t.home(job("q", "alice-1", tenant="alice"), 2.0) == "w0"
+    assert len(t) == 11 and t.home(job("q", "m999", tenant="mallory"), 2.0) == "w1"
+    assert t.home(job("q", "m0", tenant="mallory"), 2.0) is None
+    big = SessionTable(5, ttl_s=600.0, load_bound=1.0, counters={}, max_per_tenant=5)
+    big.placed(job("a", "alice-1", tenant="alice"), "w0", 0.0)
+    for k in range(5):
+        big.placed(job("b", f"b{k}", tenant="bob"), "w1", 1.0)
+    assert len(big) == 5 and big.home(job("q", "alice-1", tenant="alice"), 2.0) == "w0"
+    assert big.per_worker == {"w0": 1, "w1": 4}

@@ -79,7 +79,8 @@ def test_no_target_no_prediction():
 
 
 def test_class_default_target_and_sheddability():
-    classes = [ClassConfig(name="interactive"), ClassConfig(name="bulk", ttft_target_ms=100.0, sheddable=True)]
+    classes = [ClassConfig(name="interactive"),
+               ClassConfig(name="bulk", ttft_target_ms=100.0, sheddable=True, max_predicted_wait_s=0.0)]
     p = policy(classes=classes)
     for k in range(24):
         assert p.submit(job(f"bg{k}", max_tokens=2000, klass="interactive"), 0.0) is None
@@ -133,3 +134,13 @@ def _entry(p: Policy):
     from router.policy.records import Entry
 
     return Entry(job("probe", sheddable=True), 2, 0, 0)
+
+
+def test_a_job_refused_by_its_wait_bound_leaves_no_prediction_behind():
+    """Only a queued job's prediction is kept (it leaves at its first token or
+    its end); one refused later in admission would never leave."""
+    p = policy(classes=[ClassConfig(name="normal"), ClassConfig(name="low", max_predicted_wait_s=0.001)])
+    busy(p, queued=20)
+    got = p.submit(job("x", target_ms=60_000, klass="low"), 0.0)
+    assert isinstance(got, Refusal) and got.kind is Code.QUEUE_WAIT_EXCEEDED
+    assert not p.targets.pending
