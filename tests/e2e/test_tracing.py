@@ -19,6 +19,8 @@ import stackutil
 from otlp_receiver import Receiver, RSpan
 
 from shared.client import Client
+from shared.config import TracingConfig
+from shared.otlp import SERVER, Span, SpanExporter, new_span_id, new_trace_id
 
 ROUTER_SPANS = {"weir.request", "weir.tokenize", "weir.admission", "weir.queue", "weir.placement", "weir.dispatch"}
 WORKER_SPANS = {"weir.worker.request", "weir.worker.prefill", "weir.worker.decode"}
@@ -234,5 +236,32 @@ def test_a_stream_resumed_after_its_worker_died_is_one_trace_with_the_resume_lin
             assert first.links == [] and second.links == [first.span_id]  # the resume, linked to what it continues
             (worker,) = [s for s in spans if s.name == "weir.worker.request"]  # the killed one sent none
             assert worker.parent_id == second.span_id
+    finally:
+        rx.stop()
+
+
+def _span(tid: bytes, name: str = "s", parent: bytes = b"") -> Span:
+    now = time.time_ns()
+    return Span(
+        tid, new_span_id(), parent, name, SERVER, now, now + 1000, {"gen_ai.request.model": "m", "n": 3, "x": 0.5}
+    )
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_real_receiver_gets_the_spans_with_their_service_and_attributes(protocol):
+    rx = Receiver(protocol).start()
+    try:
+        exp = SpanExporter(TracingConfig(endpoint=rx.endpoint, protocol=protocol), "weir-test")
+        tid = new_trace_id()
+        root = _span(tid, "root")
+        exp.add([root, _span(tid, "child", root.span_id)])
+        exp.close()
+        got = rx.trace(tid.hex())
+        assert sorted(s.name for s in got) == ["child", "root"]
+        assert {s.service for s in got} == {"weir-test"}
+        child = next(s for s in got if s.name == "child")
+        assert child.parent_id == root.span_id.hex()
+        assert child.attributes == {"gen_ai.request.model": "m", "n": 3, "x": 0.5}
+        assert exp.exported == 2 and exp.dropped == 0
     finally:
         rx.stop()
