@@ -145,6 +145,18 @@ def test_a_direct_zeromq_client_passes_its_context_in_submit(traced):
     _check_router_and_worker(spans, client_span)
 
 
+def test_an_unsampled_clients_trace_is_traced_nowhere(traced):
+    stack, rx = traced
+    body = {"model": stackutil.SIM_MODEL, "prompt": "hello there", "max_tokens": 4}
+    unsampled, sampled = uuid.uuid4().hex, uuid.uuid4().hex
+    for trace, flag in ((unsampled, "00"), (sampled, "01")):
+        headers = {"traceparent": f"00-{trace}-{uuid.uuid4().hex[:16]}-{flag}"}
+        r = requests.post(stack.envoy_url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200 and "server-timing" in r.headers  # the phases whether traced or not
+    _wait(rx, sampled, ROUTER_SPANS | WORKER_SPANS, envoy=True)  # the one sent after it has come whole
+    assert rx.trace(unsampled) == []
+
+
 def test_a_collector_that_is_down_fails_no_request(tmp_path):
     dead = f"127.0.0.1:{stackutil.free_port()}"  # nothing listens there
     with _traced_stack(tmp_path, dead, "grpc") as stack:
