@@ -25,6 +25,7 @@ from router.ingress.routes import JSON
 from router.lifecycle.ports import RequestSink
 from router.tenancy.budgets import Group
 from shared.errors import Code, error
+from shared.otlp import parse_traceparent
 from shared.protocol import Delta, ErrorInfo, Submit
 
 log = logging.getLogger("weir.http")
@@ -145,8 +146,11 @@ def start_embeddings(conn: Connection, req: Request, label: str, core: _Core) ->
         subs, ctx = api.parse_embeddings(req.body, meta, request_id)
     except api.RequestError as e:
         return conn.respond_error(req, e.info, label)
+    tp = req.headers.get(b"traceparent")  # (router.observe.tracing: one request span per input)
+    ctx_in = parse_traceparent(tp, req.headers.get(b"tracestate")) if tp is not None else None
     for sub in subs:
         sub.trace_id = req.rid
+        sub.trace_context = ctx_in
     req.body = b""
     batch = EmbeddingsExchange(conn, req, ctx, label, core)
     conn.current = batch

@@ -19,6 +19,8 @@ import stackutil
 from otlp_receiver import Receiver, RSpan
 
 from shared.client import Client
+from shared.config import TracingConfig
+from shared.otlp import SERVER, Span, SpanExporter, new_span_id, new_trace_id
 
 ROUTER_SPANS = {"weir.request", "weir.tokenize", "weir.admission", "weir.queue", "weir.placement", "weir.dispatch"}
 WORKER_SPANS = {"weir.worker.request", "weir.worker.prefill", "weir.worker.decode"}
@@ -143,6 +145,18 @@ def test_a_direct_zeromq_client_passes_its_context_in_submit(traced):
     _check_router_and_worker(spans, client_span)
 
 
+def test_an_unsampled_clients_trace_is_traced_nowhere(traced):
+    stack, rx = traced
+    body = {"model": stackutil.SIM_MODEL, "prompt": "hello there", "max_tokens": 4}
+    unsampled, sampled = uuid.uuid4().hex, uuid.uuid4().hex
+    for trace, flag in ((unsampled, "00"), (sampled, "01")):
+        headers = {"traceparent": f"00-{trace}-{uuid.uuid4().hex[:16]}-{flag}"}
+        r = requests.post(stack.envoy_url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200 and "server-timing" in r.headers  # the phases whether traced or not
+    _wait(rx, sampled, ROUTER_SPANS | WORKER_SPANS, envoy=True)  # the one sent after it has come whole
+    assert rx.trace(unsampled) == []
+
+
 def test_a_collector_that_is_down_fails_no_request(tmp_path):
     dead = f"127.0.0.1:{stackutil.free_port()}"  # nothing listens there
     with _traced_stack(tmp_path, dead, "grpc") as stack:
@@ -234,5 +248,32 @@ def test_a_stream_resumed_after_its_worker_died_is_one_trace_with_the_resume_lin
             assert first.links == [] and second.links == [first.span_id]  # the resume, linked to what it continues
             (worker,) = [s for s in spans if s.name == "weir.worker.request"]  # the killed one sent none
             assert worker.parent_id == second.span_id
+    finally:
+        rx.stop()
+
+
+def _span(tid: bytes, name: str = "s", parent: bytes = b"") -> Span:
+    now = time.time_ns()
+    return Span(
+        tid, new_span_id(), parent, name, SERVER, now, now + 1000, {"gen_ai.request.model": "m", "n": 3, "x": 0.5}
+    )
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_real_receiver_gets_the_spans_with_their_service_and_attributes(protocol):
+    rx = Receiver(protocol).start()
+    try:
+        exp = SpanExporter(TracingConfig(endpoint=rx.endpoint, protocol=protocol), "weir-test")
+        tid = new_trace_id()
+        root = _span(tid, "root")
+        exp.add([root, _span(tid, "child", root.span_id)])
+        exp.close()
+        got = rx.trace(tid.hex())
+        assert sorted(s.name for s in got) == ["child", "root"]
+        assert {s.service for s in got} == {"weir-test"}
+        child = next(s for s in got if s.name == "child")
+        assert child.parent_id == root.span_id.hex()
+        assert child.attributes == {"gen_ai.request.model": "m", "n": 3, "x": 0.5}
+        assert exp.exported == 2 and exp.dropped == 0
     finally:
         rx.stop()
