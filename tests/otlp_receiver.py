@@ -189,3 +189,49 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     _serve(a.protocol, a.port, a.out)
+
+
+# Spans exported from a child process: gRPC's threads in the test runner itself
+# made a later fork (a stack's Envoy, before its exec) abort now and then
+# ("epoll_wait error: Bad file descriptor"), so the runner never loads grpc.
+_EXPORT_CHILD = r"""
+import json, sys, time
+from shared.config import TracingConfig
+from shared.otlp import SERVER, Span, SpanExporter, new_span_id
+endpoint, protocol, tid, n, timeout_s = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+cfg = TracingConfig(endpoint=endpoint, protocol=protocol, **({"export_timeout_s": timeout_s} if timeout_s > 0 else {}))
+exp = SpanExporter(cfg, "weir-test")
+def span(name, parent=b""):
+    now = time.time_ns()
+    return Span(tid, new_span_id(), parent, name, SERVER, now, now + 1000, {"gen_ai.request.model": "m", "n": 3, "x": 0.5})
+t0 = time.perf_counter()
+if n == 0:  # a root and its child
+    root = span("root")
+    exp.add([root, span("child", root.span_id)])
+else:
+    for _ in range(n):
+        exp.add([span("s")])
+added_s = time.perf_counter() - t0
+exp.close(timeout_s=5.0)
+print(json.dumps({"exported": exp.exported, "dropped": exp.dropped, "added_s": added_s}))
+"""
+
+
+def export_in_child(
+    endpoint: str, protocol: str, trace_id: bytes, n: int = 0, timeout_s: float = 0.0
+) -> dict[str, Any]:
+    """Export spans of ``trace_id`` from a child process (n=0: a root and its
+    child; else n single spans): its exporter's counts and how long adding took."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", _EXPORT_CHILD, endpoint, protocol, trace_id.hex(), str(n), str(timeout_s)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=repo,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result

@@ -16,11 +16,10 @@ import uuid
 import pytest
 import requests
 import stackutil
-from otlp_receiver import Receiver, RSpan
+from otlp_receiver import Receiver, RSpan, export_in_child
 
 from shared.client import Client
-from shared.config import TracingConfig
-from shared.otlp import SERVER, Span, SpanExporter, new_span_id, new_trace_id
+from shared.otlp import SERVER, Span, new_span_id, new_trace_id
 
 ROUTER_SPANS = {"weir.request", "weir.tokenize", "weir.admission", "weir.queue", "weir.placement", "weir.dispatch"}
 WORKER_SPANS = {"weir.worker.request", "weir.worker.prefill", "weir.worker.decode"}
@@ -263,17 +262,15 @@ def _span(tid: bytes, name: str = "s", parent: bytes = b"") -> Span:
 def test_a_real_receiver_gets_the_spans_with_their_service_and_attributes(protocol):
     rx = Receiver(protocol).start()
     try:
-        exp = SpanExporter(TracingConfig(endpoint=rx.endpoint, protocol=protocol), "weir-test")
         tid = new_trace_id()
-        root = _span(tid, "root")
-        exp.add([root, _span(tid, "child", root.span_id)])
-        exp.close()
+        counts = export_in_child(rx.endpoint, protocol, tid)  # (gRPC stays out of this process: otlp_receiver)
         got = rx.trace(tid.hex())
         assert sorted(s.name for s in got) == ["child", "root"]
         assert {s.service for s in got} == {"weir-test"}
+        root = next(s for s in got if s.name == "root")
         child = next(s for s in got if s.name == "child")
-        assert child.parent_id == root.span_id.hex()
+        assert child.parent_id == root.span_id
         assert child.attributes == {"gen_ai.request.model": "m", "n": 3, "x": 0.5}
-        assert exp.exported == 2 and exp.dropped == 0
+        assert counts["exported"] == 2 and counts["dropped"] == 0
     finally:
         rx.stop()
