@@ -4,7 +4,13 @@ submit -> policy pass -> dispatch -> one final Delta, with fake workers
 (fakes) and no sockets: what router.lifecycle.core, router.lifecycle.intake and the
 policy cost per 1-token request, apart from the transport and the loop.
 
-    python -m bench.lifecycle_cost [-n 3000] [--rounds 5]
+    python -m bench.lifecycle_cost [-n 3000] [--rounds 5] [--tracing RATIO]
+
+``--tracing RATIO``: [tracing] on at that sampling ratio, each traced
+request's spans encoded as OTLP on the same thread (what the router's export
+thread does), so the figure is the router's CPU per request with tracing;
+the loop runs its callbacks after each request (spans are built there), so
+compare ``--tracing 0`` with ``--tracing 1``, not with no flag.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import time
 import msgspec
 
 from router.lifecycle.core import RouterCore
+from router.observe.tracing import RouterTracer
 from shared import protocol as p
-from shared.config import Config
+from shared.config import Config, TracingConfig
+from shared.otlp import Span, encode_spans, export_request
 from tests.fakes import FakeWorkers  # (the lifecycle's port fakes live beside the tests that use them)
 
 PROMPT = "hello there"
@@ -38,12 +46,29 @@ class _Sink:
         self.n += 1
 
 
-def once(n: int) -> float:
+class _Encoder:
+    """The export thread's work, inline: spans -> OTLP bytes (not sent)."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def add(self, spans: list[Span]) -> None:
+        self.spans += len(spans)
+        export_request(encode_spans(spans), {"service.name": "weir-router"})
+
+
+def once(n: int, tracing: float | None = None) -> float:
     """µs per request over ``n`` requests, one at a time, on one worker."""
     loop = asyncio.new_event_loop()
     workers = FakeWorkers()
     workers.linked.add("w0")
-    core = RouterCore(_CFG, loop, workers)
+    cfg = _CFG
+    if tracing is not None:
+        cfg = msgspec.structs.replace(_CFG, tracing=TracingConfig(endpoint="127.0.0.1:9", sampling_ratio=tracing))
+    core = RouterCore(cfg, loop, workers)
+    if core.tracer is not None:
+        core.tracer.close()
+        core.tracer = RouterTracer(cfg.tracing, _Encoder())
     core.worker_joined(
         p.Register(
             worker_id="w0",
@@ -76,6 +101,9 @@ def once(n: int) -> float:
                 )
             ],
         )
+        if tracing is not None:  # the spans are built in a callback after the turn
+            loop.stop()
+            loop.run_forever()
     dt = time.perf_counter() - t0
     assert sink.n == n and not core.jobs
     core.close()
@@ -87,9 +115,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=3000, help="requests per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tracing", type=float, metavar="RATIO", help="[tracing] on at this sampling ratio")
     args = ap.parse_args()
-    once(500)  # warm-up
-    runs = [once(args.n) for _ in range(args.rounds)]
+    once(500, args.tracing)  # warm-up
+    runs = [once(args.n, args.tracing) for _ in range(args.rounds)]
     print(
         f"lifecycle: {min(runs):.1f} µs per request (best of {args.rounds} x {args.n}; all: "
         + ", ".join(f"{r:.1f}" for r in runs)

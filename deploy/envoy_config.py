@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from deploy.envoy_tracing import collector_cluster, hcm_tracing
 from shared.config import Config, ConfigError, split_hostport
 from shared.errors import Code
 from shared.keys import config_digest, well_formed
@@ -426,6 +427,8 @@ def _http_connection_manager(cfg: Config) -> dict[str, Any]:
         ],
         "local_reply_config": _local_reply_config(cfg),
     }
+    if cfg.tracing.enabled:  # [tracing]: Envoy's OpenTelemetry tracer (deploy/envoy_tracing.py)
+        hcm["tracing"] = hcm_tracing(cfg)
     if cfg.envoy.access_log:
         hcm["access_log"] = [
             {
@@ -590,7 +593,7 @@ def render_dict(cfg: Config) -> dict[str, Any]:
                     "filter_chains": [chain],
                 }
             ],
-            "clusters": [_router_cluster(cfg)],
+            "clusters": [_router_cluster(cfg), *([collector_cluster(cfg)] if cfg.tracing.enabled else [])],
         },
         # The admin layer lets `POST /runtime_modify` change the runtime keys above live.
         "layered_runtime": {"layers": [{"name": "admin", "admin_layer": {}}]},

@@ -13,7 +13,7 @@ per address:
   path -- once that router holds nothing here, so a router that is draining
   (still in the Service while it finishes its streams) finishes them;
 - a name that resolves to nothing, or fails to resolve, keeps the links it
-  has and is retried with back-off (interval, doubling to ``BACKOFF_MAX_S``),
+  has and is retried with back-off (interval, doubling to ``RESOLVE_BACKOFF_MAX_S``),
   logged once per failure streak, never a crash.  An address with no router
   behind it is the link's own business: its liveness and reconnect back-off.
 
@@ -37,7 +37,7 @@ from shared.config import split_hostport
 
 log = logging.getLogger("engine_worker.discovery")
 
-BACKOFF_MAX_S = 30.0
+RESOLVE_BACKOFF_MAX_S = 30.0
 
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP addresses, may raise OSError
 
@@ -133,7 +133,7 @@ class RouterDiscovery:
                     raise OSError("no addresses")
             except OSError as e:
                 n = self._failing[name] = self._failing.get(name, 0) + 1
-                self._due[name] = self.loop.time() + min(self.interval_s * 2 ** (n - 1), BACKOFF_MAX_S)
+                self._due[name] = self.loop.time() + min(self.interval_s * 2 ** (n - 1), RESOLVE_BACKOFF_MAX_S)
                 if n == 1:  # once per failure streak: a name down for an hour is not 700 lines
                     log.warning("router name %s: %s; keeping its %d links, retrying", host, e, len(self.linked[name]))
                 continue

@@ -43,6 +43,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import AsyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.output_processor import RequestOutputCollector
+from vllm.v1.metrics.stats import IterationStats
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,9 @@ class DirectAsyncLLM(AsyncLLM):  # type: ignore[misc]  # vLLM is read as Any (py
         self.sinks: dict[RequestOutputCollector, Sink] = {}
         self._hooks = [Hooks()]  # a cell: the running handler sees set_hooks()
         super().__init__(*args, **kwargs)
-        # No per-request RequestStateStats either: nothing reads them.
-        self.output_processor.log_stats = False
+        # No per-request RequestStateStats either: nothing reads them -- but
+        # vLLM's request spans ([tracing]: engine_worker.tracing), built from them.
+        self.output_processor.log_stats = self.output_processor.tracing_enabled
 
     def set_hooks(self, hooks: Hooks) -> None:
         self._hooks[0] = hooks
@@ -164,6 +166,7 @@ class DirectAsyncLLM(AsyncLLM):  # type: ignore[misc]  # vLLM is read as Any (py
         hooks = self._hooks
         mm_cache = self.renderer.mm_processor_cache
         chunk_size = envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE
+        tracing = output_processor.tracing_enabled
         preempted_event = EngineCoreEventType.PREEMPTED
         reader = _take_over_reader(engine_core, asyncio.get_running_loop())
         next_outputs: Callable[[], Awaitable[EngineCoreOutputs]] = (
@@ -189,7 +192,10 @@ class DirectAsyncLLM(AsyncLLM):  # type: ignore[misc]  # vLLM is read as Any (py
                             if eco.events:
                                 preempted += sum(1 for ev in eco.events if ev.type == preempted_event)
                         processed = output_processor.process_outputs(
-                            part, outputs.timestamp, None, weight_version=outputs.weight_version
+                            part,
+                            outputs.timestamp,
+                            IterationStats() if tracing else None,  # (vLLM's spans read it)
+                            weight_version=outputs.weight_version,
                         )
                         if mm_cache is not None:
                             for eco in part:

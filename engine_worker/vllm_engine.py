@@ -34,7 +34,8 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-from shared.config import LoraConfig
+from shared.config import LoraConfig, TracingConfig
+from shared.otlp import traceparent
 from shared.protocol import ErrorInfo, GenerateRequest, SamplingParams, WorkerStats, pack_logprobs
 
 from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
@@ -117,6 +118,7 @@ class VllmEngine(EngineBase):
         dtype: str,
         kv_cache_bytes: int | None,
         gpu_memory_utilization: float,
+        tracing: TracingConfig | None = None,
         lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
@@ -152,6 +154,15 @@ class VllmEngine(EngineBase):
                 else {"gpu_memory_utilization": gpu_memory_utilization}
             ),
         )
+        # [tracing]: vLLM's own request span (``llm_request``) under the worker's
+        # (engine_worker.tracing), from each traced request's trace_headers.
+        self._traced = tracing is not None
+        if tracing is not None:
+            self.args.otlp_traces_endpoint = (
+                tracing.endpoint if tracing.protocol == "grpc" else f"http://{tracing.endpoint}/v1/traces"
+            )
+            os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "grpc" if tracing.protocol == "grpc" else "http/protobuf"
+            os.environ["OTEL_SERVICE_NAME"] = tracing.engine_service
         self.engine: DirectAsyncLLM | None = None
         self._loop: asyncio.AbstractEventLoop  # the worker's, from start() on
         self._background: set[asyncio.Task[None]] = set()  # keeps abort tasks referenced until done
@@ -343,6 +354,7 @@ class VllmEngine(EngineBase):
             engine, engine_input = await self._render(req)
             if not self._is_live(rid, live):
                 return  # aborted meanwhile
+            ctx = req.trace_context if self._traced else None
             if req.lora is not None and self.lora_cache is not None:
                 self.lora_cache.touch(req.lora.lora_id)
             outputs = await engine.add_request(
@@ -350,6 +362,7 @@ class VllmEngine(EngineBase):
                 engine_input,
                 vllm_params(req.params),
                 priority=req.priority,
+                trace_headers=None if ctx is None else {"traceparent": traceparent(ctx)},
                 lora_request=lora_request(req.lora, self.lora is not None),
             )
         except asyncio.CancelledError:

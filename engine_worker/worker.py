@@ -89,6 +89,7 @@ from .discovery import RouterDiscovery, parse
 from .gpu import read_gpu
 from .ledger import Ledger, kv_tokens_of
 from .prefix_feed import PrefixFeed
+from .tracing import WorkerTracer
 from .warmup import WarmupFailed, warm_up
 
 if TYPE_CHECKING:
@@ -96,8 +97,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engine_worker")
 
-BACKOFF_INITIAL_S = 0.25
-BACKOFF_MAX_S = 5.0
+RECONNECT_BACKOFF_INITIAL_S = 0.25
+RECONNECT_BACKOFF_MAX_S = 5.0
 GOODBYE_LINGER_MS = 1000  # time the last Goodbye gets to leave before the socket closes
 # EngineCore deaths this process restarts its engine after; one more and it
 # exits non-zero (its supervisor's back-off then paces an engine that keeps dying).
@@ -129,6 +130,7 @@ def make_engine(cfg: Config, wcfg: WorkerConfig) -> EngineBase:
         dtype=wcfg.dtype,
         kv_cache_bytes=wcfg.kv_cache_bytes,
         gpu_memory_utilization=wcfg.gpu_memory_utilization,
+        tracing=cfg.tracing if cfg.tracing.enabled else None,
         **({"lora": cfg.lora(model)} if model.task == "generate" else {}),
     )
 
@@ -157,7 +159,7 @@ class _Link:
         self.sock: zmq.Socket[bytes] | None = None
         self.last_heard = 0.0
         self.missed = 0  # heartbeat ticks in a row with nothing heard from it
-        self.backoff = BACKOFF_INITIAL_S
+        self.backoff = RECONNECT_BACKOFF_INITIAL_S
         self.reconnecting = False
         self.emit: Emit | None = None  # its requests' Deltas: Worker._emit_for bound to this link
         self.removed = False  # unlinked (its address left DNS): never reconnected
@@ -203,6 +205,10 @@ class Worker:
         # What the engine's prefix cache holds, for every router (engine_worker.prefix_feed).
         self.prefix_feed = PrefixFeed(self.loop, self._broadcast)
         self.kv_events: VllmKvEvents | None = None  # vLLM's event stream (engine_worker.vllm_events)
+        # [tracing]: spans of sampled requests (engine_worker.tracing); None: off
+        self.tracer: WorkerTracer | None = None
+        if cfg.tracing.enabled:
+            self.tracer = WorkerTracer(cfg.tracing, wcfg.id, wcfg.model, cfg.model(wcfg.model).engine, loop=self.loop)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -395,6 +401,8 @@ class Worker:
         except Exception:
             log.exception("engine shutdown failed")
         self.ctx.term()
+        if self.tracer is not None:
+            self.tracer.close()
 
     # -- the links -----------------------------------------------------------
 
@@ -481,6 +489,9 @@ class Worker:
     def _emit_for(self, link: _Link, d: Delta) -> None:
         """An engine's Delta of one of ``link``'s requests: the router's own id
         back, the ledger released with the request's last Delta."""
+        tracer = self.tracer
+        if tracer is not None and tracer.live:
+            tracer.delta(d.request_id, d)
         rid = d.request_id[len(link.prefix) :]
         d.request_id = rid
         if d.finish_reason is not None or d.error is not None:
@@ -555,7 +566,7 @@ class Worker:
                 self._send(link, Heartbeat(stats, self.prefix_feed.seq))
 
     async def _reconnect(self, link: _Link) -> None:
-        delay, link.backoff = link.backoff, min(link.backoff * 2, BACKOFF_MAX_S)
+        delay, link.backoff = link.backoff, min(link.backoff * 2, RECONNECT_BACKOFF_MAX_S)
         log.warning(
             "worker %s: router %s silent for %.1f s; reconnecting in %.2f s",
             self.wcfg.id,
@@ -612,7 +623,7 @@ class Worker:
                 log.warning("worker %s: dropped malformed message #%d: %s", self.wcfg.id, self._malformed, e)
             return
         link.last_heard = self.loop.time()
-        link.backoff = BACKOFF_INITIAL_S
+        link.backoff = RECONNECT_BACKOFF_INITIAL_S
         if isinstance(msg, Dispatch):
             if msg.epoch and msg.epoch != link.epoch:
                 # Sent under a registration this worker has since replaced (it timed
@@ -662,6 +673,8 @@ class Worker:
                 refused.append(rid)
                 continue
             req.request_id = prefix + rid
+            if self.tracer is not None:
+                self.tracer.dispatched(req.request_id, req)
             if traces is not None:  # (a refused one never ends here: no trace kept for it)
                 traces[req.request_id] = (req.trace_id or rid, now)
             self.engine.submit(req, emit)

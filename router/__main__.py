@@ -23,13 +23,13 @@ import uvloop
 
 from router.fleet.worker_link import WorkerEvents, WorkerLink
 from router.ingress.http_server import HttpConnection, start_http_server, written_out
-from router.ingress.responses import ResponsesService
+from router.ingress.responses import ResponsesApi
 from router.ingress.routes import Routes
 from router.ingress.zmq_clients import ClientFrontend, client_message_bytes
 from router.lifecycle.core import RouterCore
 from router.lifecycle.drain import RouterDrain
 from router.lifecycle.ports import WorkerPort
-from router.lifecycle.reads import CoreView
+from router.lifecycle.reads import RouterCoreReads
 from router.observe.metrics import RouterMetrics
 from router.observe.operator_actions import RouterOperator
 from router.observe.views import RouterViews
@@ -107,7 +107,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         else:
             drain.finish_now(sig.name)
 
-    views = RouterViews(CoreView(core), link, metrics)
+    views = RouterViews(RouterCoreReads(core), link, metrics)
     operator = RouterOperator(core, link, reload, drain_router)
     link.serve(core)
     frontend.serve(core)
@@ -123,7 +123,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         "max_prompts": cfg.router.max_prompts_per_request,
         "extra_routes": batch_routes,
         "max_upload_bytes": cfg.batch.max_file_bytes if batches is not None else 0,
-        "responses": ResponsesService(core, response_store, lambda: core.keys.by_key),
+        "responses": ResponsesApi(core, response_store, lambda: core.keys.by_key),
         "admin_token": admin_token(cfg),
     }
     servers = [await start_http_server(core, views, metrics, host, port, **http_options)]
@@ -165,7 +165,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
 
 
 def _batch_tier(core: RouterCore, cfg: Config) -> tuple[BatchService | None, Routes | None]:
-    """The Batch API and the runner of batches ([batch]; router/services/batch/), unless disabled."""
+    """The Batch API and the service that runs its batches ([batch]; router/services/batch/), unless disabled."""
     if not cfg.batch.enabled:
         return None, None
     from router.ingress.files_batches import batch_routes, owner_of_key

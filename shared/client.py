@@ -38,6 +38,8 @@ import msgspec
 import zmq
 
 from shared import protocol as p
+from shared.errors import Code
+from shared.otlp import parse_traceparent
 from shared.transport import SocketPump
 
 # A Cancel queued just before close() must still reach the router, even if
@@ -110,6 +112,9 @@ def _submit(
     user: str | None = None,
     fallback: bool = False,
     trace_id: str | None = None,
+    routing: p.Routing | None = None,  # sessions, gateway priorities, latency targets (docs/api.md)
+    traceparent: str | None = None,
+    tracestate: str | None = None,
     **params: Any,
 ) -> p.Submit:
     chat = messages is not None
@@ -129,6 +134,11 @@ def _submit(
         user=user,
         allow_fallback=bool(fallback),
         trace_id=trace_id,  # the request id of the router's and worker's log lines
+        routing=routing,
+        # W3C trace context: the router's spans of this request join the caller's trace
+        trace_context=parse_traceparent(traceparent.encode(), tracestate.encode() if tracestate else None)
+        if traceparent
+        else None,
     )
 
 
@@ -171,12 +181,10 @@ def _collect(deltas: Iterable[p.Delta], n: int = 1, k: int | None = None, echo: 
     )
 
 
-DRAINING = "router_draining"  # a router shutting down refused it before starting anything: go to another
-
-
 def _moves(err: p.ErrorInfo, produced: bool) -> bool:
-    """A refusal this client answers by sending the request to its next router."""
-    return err.code == DRAINING and not produced
+    """A refusal this client answers by sending the request to its next router: a router
+    shutting down refused it before starting anything, so another may take it."""
+    return err.code == Code.ROUTER_DRAINING.wire and not produced
 
 
 class _Base:

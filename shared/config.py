@@ -134,6 +134,31 @@ class LoggingConfig(_Cfg):
     requests: bool = False
 
 
+class TracingConfig(_Cfg):
+    """OpenTelemetry traces from every component (docs/operating.md#tracing):
+    Envoy's tracer, the router, the workers and vLLM export spans over OTLP to
+    one collector.  Off unless ``endpoint`` is set."""
+
+    endpoint: str = ""  # HOST:PORT of an OTLP collector (4317: grpc, 4318: http); "": off
+    protocol: Literal["grpc", "http"] = "grpc"  # http: OTLP/HTTP protobuf, POST /v1/traces
+    # A request without a sampled parent (a client's traceparent) is traced
+    # with this probability, decided once at the edge (Envoy, or the router
+    # for a direct client) and followed by every component after it.
+    sampling_ratio: float = 0.01
+    envoy_service: str = "weir-envoy"
+    router_service: str = "weir-router"
+    worker_service: str = "weir-worker"
+    engine_service: str = "vllm"  # vLLM's own request spans (--otlp-traces-endpoint)
+    # Spans waiting for export per process; beyond it (a collector that is
+    # down or slow) new ones are dropped and counted, never waited for.
+    max_queued_spans: int = 8192
+    export_timeout_s: float = 2.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+
 class RouterEndpoint(_Cfg):
     """One router process of several (``[[routers]]``): its own three listen
     addresses.  The settings in ``[router]`` apply to all of them."""
@@ -271,6 +296,23 @@ class ModelConfig(_Cfg):
     lora: LoraConfig | None = None
 
 
+class AliasTarget(_Cfg):
+    model: str
+    weight: float = 1.0  # its share of the alias's requests, against the other targets' weights
+
+
+class AliasConfig(_Cfg):
+    """One public model name over served models (router/api/aliases.py): a
+    request for ``name`` goes to one of ``targets``, drawn by weight (a
+    session's requests to the same one), and, when that one has no worker
+    or no room (the refusals a model's ``fallbacks`` answer), to each of
+    ``fallbacks`` in order.  The response names the model that served it."""
+
+    name: str
+    targets: list[AliasTarget]
+    fallbacks: list[str] = []
+
+
 class SimEngineConfig(_Cfg):
     """Parameters of the simulated continuous-batching engine (see
     engine_worker/sim_model.py).  Calibrated against vLLM on the tiny model:
@@ -333,6 +375,12 @@ class ClassConfig(_Cfg):
     # Memory protection only (~1 KB a queued request in the router), far
     # above what the wait bound admits on a fleet of any size.
     max_queue: int = 200_000
+    # Latency targets (router/policy/targets.py): the class's TTFT target for
+    # requests that state none (0: none), and whether a request of the class
+    # predicted to miss its target is refused at once (429
+    # latency_target_unattainable) rather than served late.
+    ttft_target_ms: float = 0.0
+    sheddable: bool = False
 
 
 class SchedulerConfig(_Cfg):
@@ -362,7 +410,7 @@ class SchedulerConfig(_Cfg):
     # Class headroom: class rank r of K may fill a worker's KV budget and seq
     # slots only up to 1 - priority_headroom * (r - top)/(K-1), top = highest
     # class active within aging_bound_s, so higher classes start at once under
-    # overload (router/policy/placement.py).  0.2: measured in simulation/des.py.
+    # overload (router/policy/placement/filters.py).  0.2: measured in simulation/des.py.
     priority_headroom: float = 0.2
     # Jobs a worker may hold beyond its engine's max_num_seqs.  0: every
     # waiting job waits here, under this policy.  k > 0: up to k wait inside
@@ -385,6 +433,17 @@ class SchedulerConfig(_Cfg):
     # dispatched to, instead of the least loaded: a baseline for benchmarks
     # (bench/scenarios/prefix.py), not for serving.
     placement: Literal["least_loaded", "round_robin"] = "least_loaded"
+    # Session affinity (router/policy/sessions.py): a session's turns go to its
+    # worker while it holds under session_load_bound of its sequence slots and
+    # KV budget, else where placement sends them (the session moves there).
+    # Forgotten session_ttl_s after its last turn, or after a final one;
+    # at most session_max_per_tenant sessions of a tenant (its least recently
+    # used beyond) and session_max in all (the tenant with the most gives one up).
+    sessions: bool = True
+    session_ttl_s: float = 600.0
+    session_max: int = 100_000
+    session_max_per_tenant: int = 10_000  # beyond: that tenant's own oldest session is forgotten
+    session_load_bound: float = 0.8
     # LoRA adapters (router/policy/adapter_placement.py): a job under an adapter
     # prefers a worker holding it, then one with a free adapter slot; a worker
     # takes a job whose adapter it must load only while fewer than this many
@@ -504,7 +563,9 @@ class Config(_Cfg):
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     models: list[ModelConfig] = []
+    aliases: list[AliasConfig] = []
     adapters: list[AdapterConfig] = []  # LoRA adapters of the models (docs/operating.md#lora-adapters)
     workers: list[WorkerConfig] = []
     kubernetes: KubernetesConfig = msgspec.field(default_factory=KubernetesConfig)
@@ -586,6 +647,22 @@ def _validate(cfg: Config) -> None:
     for w in cfg.workers:
         if w.model not in names:
             raise ConfigError(f"worker {w.id!r} serves unknown model {w.model!r}")
+    aliases = [a.name for a in cfg.aliases]
+    if len(set(aliases)) != len(aliases) or set(aliases) & set(names):
+        raise ConfigError("[[aliases]]: an alias name is used twice, or is a model's name")
+    for a in cfg.aliases:
+        if not a.targets or any(t.weight <= 0 for t in a.targets):
+            raise ConfigError(f"alias {a.name!r}: needs targets, each with a weight above 0")
+        for target in [*(t.model for t in a.targets), *a.fallbacks]:
+            if target not in names:
+                raise ConfigError(f"alias {a.name!r}: {target!r} is not a configured model")
+    sc = cfg.scheduler
+    if not (0.0 < sc.session_load_bound <= 1.0) or sc.session_ttl_s <= 0:
+        raise ConfigError("scheduler: session_load_bound must be in (0, 1] and session_ttl_s > 0")
+    if min(sc.session_max, sc.session_max_per_tenant) < 1:
+        raise ConfigError("scheduler: session_max and session_max_per_tenant must be >= 1")
+    if any(c.ttft_target_ms < 0 for c in sc.classes):
+        raise ConfigError("scheduler.classes: ttft_target_ms must be >= 0 (0: none)")
     for k in cfg.api_keys:
         where = f"api key of tenant {k.tenant!r}"
         if k.tier not in classes:
@@ -647,6 +724,21 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("[responses] max_bytes must be >= 1")
     if (cfg.envoy.tls_cert_file is None) != (cfg.envoy.tls_key_file is None):
         raise ConfigError("envoy.tls_cert_file and envoy.tls_key_file go together")
+    _validate_tracing(cfg.tracing)
+
+
+def _validate_tracing(t: TracingConfig) -> None:
+    if not 0.0 <= t.sampling_ratio <= 1.0:
+        raise ConfigError(f"tracing.sampling_ratio = {t.sampling_ratio!r}: must be within 0..1")
+    if t.max_queued_spans < 1 or t.export_timeout_s <= 0:
+        raise ConfigError("tracing.max_queued_spans must be >= 1 and export_timeout_s > 0")
+    if t.endpoint:
+        try:
+            host, port = split_hostport(t.endpoint)
+        except ValueError:
+            host, port = "", 0
+        if not host or not 0 < port < 65536:
+            raise ConfigError(f"tracing.endpoint = {t.endpoint!r}: expected HOST:PORT of an OTLP collector")
 
 
 def adapter_problem(a: AdapterConfig, base: ModelConfig | None, taken: set[str]) -> str | None:

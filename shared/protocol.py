@@ -65,6 +65,9 @@ class Pool(enum.IntEnum):
     LONG = 2
 
 
+POOL_NAMES = {Pool.ANY: "any", Pool.SHORT: "short", Pool.LONG: "long"}  # as views and metric labels show a pool
+
+
 class ToolCallRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tool call an earlier assistant message made (chat history), as the
     chat template sees it; ``arguments`` is the client's JSON text."""
@@ -216,6 +219,39 @@ class ErrorInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ratelimit: RateLimit | None = None  # the key's budgets, where it has any
 
 
+class Timing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Where one request's time went in the router, in seconds (router ->
+    client: the first news with tokens carries the phases so far, the last
+    Delta all of them; HTTP renders it as the ``server-timing`` header).
+    ``tokenize``: arrival -> tokenized; ``queue``: tokenized -> the dispatch
+    that produced its first token (budget reservation and queue wait);
+    ``prefill``: that dispatch -> the first token (the engine's part of TTFT);
+    ``decode``: first token -> end; ``total``: arrival -> end (0: not ended yet)."""
+
+    tokenize: float = 0.0
+    queue: float = 0.0
+    prefill: float = 0.0
+    decode: float = 0.0
+    total: float = 0.0
+
+
+TraceId16 = Annotated[bytes, Meta(min_length=16, max_length=16)]
+SpanId8 = Annotated[bytes, Meta(min_length=8, max_length=8)]
+TraceState = Annotated[str, Meta(max_length=512)]
+
+
+class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """W3C trace context (``traceparent`` / ``tracestate``) in binary, ~30
+    bytes: the trace, the sender's span the receiver's spans hang under, and
+    whether the trace is sampled.  A direct client's Submit may carry its own;
+    the router sends its dispatch span's on a sampled GenerateRequest."""
+
+    trace_id: TraceId16
+    span_id: SpanId8
+    sampled: bool = False
+    state: TraceState = ""
+
+
 class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """New output of one request since the previous Delta for it.
 
@@ -264,6 +300,9 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # top-k ids of each of those positions (the first token has no logprob).
     prompt_logprobs: bytes = b""
     prompt_top_ids: list[int] = []
+    # router -> client: where the request's time went (partial on its first
+    # news with tokens, whole on its last Delta).
+    timing: Timing | None = None
 
     @property
     def finished(self) -> bool:
@@ -298,6 +337,41 @@ unpack_floats = unpack_logprobs
 # ---------------------------------------------------------------- client link
 
 
+# Agent and gateway routing hints (router/api/agent_headers.py reads them from
+# HTTP headers; a direct client sets them itself).
+MAX_SESSION_ID = 256
+SessionId = Annotated[str, Meta(max_length=MAX_SESSION_ID, pattern=r"^[\x20-\x7e]*$")]
+TargetMs = Annotated[float, Meta(ge=0.0, le=86_400_000.0)]
+
+
+class PriorityHint(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A gateway's priority in weir's terms: ``offset`` classes below the
+    ``anchor`` class (0: the first class, 1: the default class, 2: the last);
+    resolved against the configured classes by router.tenancy.priority_hints."""
+
+    anchor: Annotated[int, Meta(ge=0, le=2)]
+    offset: Annotated[int, Meta(ge=-64, le=64)]
+
+
+class Routing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What agents and gateways say about a request beyond OpenAI's fields.
+    ``session``/``parent_session``: opaque ids (a sub-agent names its
+    parent's), per tenant; ``session_final``: the session's last turn.
+    ``hints``/``objective``: priorities that may only lower the key's class.
+    Targets in milliseconds (0: none); ``sheddable``: refused at once when no
+    worker is predicted to meet its TTFT target."""
+
+    session: SessionId = ""
+    parent_session: SessionId = ""
+    session_final: bool = False
+    hints: Annotated[list[PriorityHint], Meta(max_length=8)] = []
+    objective: SessionId = ""
+    fairness_id: SessionId = ""
+    ttft_target_ms: TargetMs = 0.0
+    tpot_target_ms: TargetMs = 0.0
+    sheddable: bool = False
+
+
 class Submit(_Msg, tag=1):
     """Client asks for a generation.  ``request_id`` is the client's own id,
     unique among that client's live requests; replies carry it back."""
@@ -327,6 +401,10 @@ class Submit(_Msg, tag=1):
     # The prompt's token ids on the first Delta (``Delta.prompt_token_ids``):
     # vLLM's ``return_token_ids`` (the generated ids are in every Delta's ``token_ids``).
     return_token_ids: bool = False
+    routing: Routing | None = None  # sessions, gateway priorities, latency targets
+    # The client's trace (W3C trace context): the router's spans of this
+    # request are its children.  None: a new trace, sampled at [tracing]'s ratio.
+    trace_context: TraceContext | None = None
 
 
 class Cancel(_Msg, tag=2):
@@ -476,6 +554,9 @@ class GenerateRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # ``dimensions`` values (0: the model's full width).
     embed: bool = False
     dimensions: int = 0
+    # A sampled trace: the router's dispatch span, parent of the worker's spans
+    # (and of vLLM's own).  None: not traced.
+    trace_context: TraceContext | None = None
     lora: LoraRef | None = None  # run under this adapter of the model (None: the base model)
 
 

@@ -153,6 +153,26 @@ def _wait_buckets(metrics: dict[str, Any], klass: str) -> list[tuple[float, floa
     return sorted(out.items())
 
 
+PHASES = ("tokenize", "queue", "prefill", "decode")  # router.observe.phase_metrics
+
+
+def _phases(m: dict[str, Any], pm: dict[str, Any] | None) -> dict[str, dict[str, float | None]]:
+    """Each model's phase split: the p50 of each phase of its finished requests
+    (``weir_request_phase_seconds``), over the last interval when any finished in it."""
+    buckets: dict[tuple[str, str], dict[float, float]] = {}
+    before: dict[tuple[str, str], dict[float, float]] = {}
+    for src, out in ((m, buckets), (pm or {}, before)):
+        for labels, v in src.get("weir_request_phase_seconds_bucket", []):
+            out.setdefault((labels.get("model", ""), labels.get("phase", "")), {})[float(labels["le"])] = v
+    split: dict[str, dict[str, float | None]] = {}
+    for (model, phase), b in sorted(buckets.items()):
+        now = sorted(b.items())
+        window = _window(now, sorted(before.get((model, phase), {}).items())) if pm is not None else []
+        use = window if window and window[-1][1] > 0 else now
+        split.setdefault(model, {})[f"{phase}_p50_s"] = quantile(0.5, use)
+    return split
+
+
 def _window(now: list[tuple[float, float]], before: list[tuple[float, float]]) -> list[tuple[float, float]]:
     prev = dict(before)
     return [(le, n - prev.get(le, 0.0)) for le, n in now]
@@ -238,6 +258,7 @@ def _router_view(url: str, cur: dict[str, Any], prev: dict[str, Any] | None, dt:
             "finished": finished,
             "finished_per_s": _rate(finished, _sum(pm, "weir_requests_total"), dt) if pm else None,
         },
+        "phases": _phases(m, pm),
         "outcomes": _by(m, "weir_requests_total", "outcome"),
         "refusals": {
             r: {"total": n, "per_s": _rate(n, prev_refusals.get(r, 0.0), dt) if pm else None}
@@ -439,6 +460,13 @@ def render(snap: dict[str, Any], title: str) -> Group:
         parts.append(
             Text("models: " + ", ".join(f"{x['name']} {x['state']} ({x['ready_workers']} ready)" for x in r["models"]))
         )
+        if r.get("phases"):  # where finished requests' time went, per model (p50s)
+            ph = Table(title="phases (p50 of finished requests)", title_justify="left", expand=True)
+            for col in ("model", *PHASES):
+                ph.add_column(col, justify="left" if col == "model" else "right")
+            for model, x in r["phases"].items():
+                ph.add_row(model, *(_ms(x.get(f"{p}_p50_s")) for p in PHASES))
+            parts.append(ph)
         q = Table(title="queues", title_justify="left", expand=True)
         for col in ("class", "pool", "queued", "by model", "oldest wait", "wait p50", "wait p99"):
             q.add_column(col, justify="right" if col not in ("class", "pool", "by model") else "left")

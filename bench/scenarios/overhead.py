@@ -10,7 +10,7 @@ loopback cost by themselves, and the relay floor, weir's ZeroMQ topology
 in it, which is the least a direct request to weir can cost.  The paths take turns in rounds so that noise
 from anything else on the machine lands on all of them alike.
 
-    python -m bench.scenarios.overhead [-n 2000] [--rounds 4] [--curve]
+    python -m bench.scenarios.overhead [-n 2000] [--rounds 4] [--curve] [--tracing HOST:PORT [--sampling-ratio R]]
 
 ``--curve``: the router's ZeroMQ planes are CURVE servers (shared.curve) and
 the bench client and the worker authenticate: the zmq path then measures
@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--curve", action="store_true", help="CURVE on both ZeroMQ planes (keys made in OUT/stack/curve)")
+    ap.add_argument("--tracing", metavar="HOST:PORT", help="[tracing] on, exporting to this OTLP collector (gRPC)")
+    ap.add_argument("--sampling-ratio", type=float, default=1.0, help="with --tracing (default 1.0)")
     args = ap.parse_args(argv)
 
     out = args.out or common.results_dir("overhead")
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
         curve.generate(d, workers=["sim-0"], clients=["bench"])
         curve_keys = (str(d / "clients" / "bench.key_secret"), str(d / "router.key"))
         extra["security"] = {"curve": True, "curve_dir": str(d)}
+    if args.tracing:  # what tracing costs every path (docs/operating.md#tracing)
+        extra["tracing"] = {"endpoint": args.tracing, "sampling_ratio": args.sampling_ratio}
     cfg = common.write_config(
         out / "stack",
         workers=[common.sim_worker(max_num_seqs=256, zero_cost=True)],

@@ -79,6 +79,7 @@ def parse_completions(
             max_tokens=max_tokens,
             priority=priority,
             task_type=task_type,
+            routing=meta.routing,
             api_key=meta.api_key,
             user=req.user,
             allow_fallback=bool(req.fallback) or meta.allow_fallback,

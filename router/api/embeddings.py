@@ -25,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from router.api.errors import invalid
-from router.api.request import RequestMeta, check_submit_shape, decode_body
+from router.api.request import TASK_TYPES, RequestMeta, check_submit_shape, decode_body
 from shared.errors import Code
 from shared.protocol import INT64_MAX, PositiveInt, RequestKind, Submit, TaskType, User
 
@@ -102,16 +102,13 @@ def _inputs(value: str | list[Any]) -> list[str | list[int]]:
     return items
 
 
-_TASK_TYPES = {"short": TaskType.SHORT, "long": TaskType.LONG}
-
-
 def _task_type(field: str | None, meta: RequestMeta) -> TaskType:
     """As the generation endpoints: the body's ``task_type``, else the header."""
     if field is not None:
-        return _TASK_TYPES[field]
+        return TASK_TYPES[field]
     if meta.task_type is None:
         return TaskType.AUTO
-    task_type = _TASK_TYPES.get(meta.task_type.strip().lower())
+    task_type = TASK_TYPES.get(meta.task_type.strip().lower())
     if task_type is None:
         raise invalid("x-weir-task-type must be 'short' or 'long'", param="x-weir-task-type")
     return task_type
@@ -142,6 +139,7 @@ def parse_embeddings(body: bytes, meta: RequestMeta, request_id: str) -> tuple[l
             kind=RequestKind.EMBEDDING,
             priority=req.priority or meta.priority,
             task_type=task_type,
+            routing=meta.routing,
             api_key=meta.api_key,
             user=req.user,
             dimensions=req.dimensions,

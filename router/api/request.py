@@ -12,7 +12,7 @@ import msgspec
 from router.api.checks import check_shape
 from router.api.errors import RequestError, invalid
 from shared.keys import key_from_headers
-from shared.protocol import Submit
+from shared.protocol import Routing, Submit, TaskType
 
 T = TypeVar("T")
 
@@ -24,6 +24,11 @@ class RequestMeta(msgspec.Struct, gc=False):
     priority: str | None = None
     task_type: str | None = None
     allow_fallback: bool = False
+    routing: Routing | None = None  # agents' and gateways' headers (router.api.agent_headers)
+
+
+# A request's task type by name: the body's ``task_type`` or the x-weir-task-type header.
+TASK_TYPES = {"short": TaskType.SHORT, "long": TaskType.LONG}
 
 
 def meta_from_headers(

@@ -10,8 +10,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from router.api.agent_headers import vllm_priority, with_hint
 from router.api.errors import invalid
-from router.api.request import RequestMeta
+from router.api.request import TASK_TYPES, RequestMeta
 from shared.errors import Code
 from shared.protocol import (
     LogitBias,
@@ -93,12 +94,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # weir extensions
-    priority: str | None = None  # a scheduler class; may only lower the key's
+    # a scheduler class, or vLLM's/LiteLLM's integer (lower first: the class at
+    # that rank, router.api.agent_headers.vllm_priority); may only lower the key's
+    priority: str | int | None = None
     task_type: Literal["short", "long"] | None = None
     fallback: bool | None = None  # another configured model may answer (or header x-weir-allow-fallback)
-
-
-_TASK_TYPES = {"short": TaskType.SHORT, "long": TaskType.LONG}
 
 
 def _given(raw: msgspec.Raw) -> bool:
@@ -217,11 +217,15 @@ def common_fields(
     params = SamplingParams(**kw) if kw else None  # max_tokens: the router sets it
     task_type: TaskType | None
     if req.task_type is not None:
-        task_type = _TASK_TYPES[req.task_type]
+        task_type = TASK_TYPES[req.task_type]
     elif meta.task_type is not None:
-        task_type = _TASK_TYPES.get(meta.task_type.strip().lower())
+        task_type = TASK_TYPES.get(meta.task_type.strip().lower())
         if task_type is None:
             raise invalid("x-weir-task-type must be 'short' or 'long'", param="x-weir-task-type")
     else:
         task_type = TaskType.AUTO
-    return params, task_type, req.priority or meta.priority
+    priority = req.priority
+    if isinstance(priority, int):
+        meta.routing = with_hint(meta.routing, vllm_priority(priority))
+        priority = None
+    return params, task_type, priority or meta.priority

@@ -27,7 +27,7 @@ class ParsedCall(NamedTuple):
     arguments: str  # JSON text
 
 
-PARSERS = ("hermes", "llama3_json")
+TOOL_PARSERS = ("hermes", "llama3_json")
 
 _HERMES_START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -79,7 +79,7 @@ def extract(parser: str, text: str) -> tuple[list[ParsedCall], str | None]:
     return _EXTRACT[parser](text)
 
 
-def _tag_overlap(text: str, tag: str) -> int:
+def tag_overlap(text: str, tag: str) -> int:
     """Length of the longest prefix of ``tag`` that ends ``text``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -110,7 +110,7 @@ class AutoStream:
                 self.held = True
                 sendable = at
             else:
-                sendable = len(text) - _tag_overlap(text, _HERMES_START)
+                sendable = len(text) - tag_overlap(text, _HERMES_START)
         else:  # llama3_json: a call is the whole output, from its first character
             stripped = text.lstrip()
             if not stripped:

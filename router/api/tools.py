@@ -35,7 +35,7 @@ from typing import Any, Literal
 import msgspec
 
 from router.api.errors import invalid
-from router.api.tool_parsers import AutoStream
+from router.api.tool_parsers import AutoStream, tag_overlap
 from router.api.tool_scan import CallScan
 from shared.protocol import StructuredOutput
 
@@ -338,7 +338,7 @@ class ChoiceToolStream:
             if scan is None:
                 at = text.find(_TAG, self.seek)
                 if at < 0:
-                    hold = _tag_overlap(text, _TAG)
+                    hold = tag_overlap(text, _TAG)
                     if not self.tagged:
                         self._content(out, text[self.sent : len(text) - hold])
                     self.seek = max(self.seek, len(text) - hold)
@@ -367,14 +367,6 @@ class ChoiceToolStream:
             else:
                 args = span.arguments(text)
                 self._args(out, k, args[len(self.calls[k].function.arguments) :])
-
-
-def _tag_overlap(text: str, tag: str) -> int:
-    """Length of the longest prefix of ``tag`` that ends ``text``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def extract_calls(spec: ToolSpec, text: str) -> tuple[str | None, list[ToolCall]]:

@@ -12,8 +12,8 @@ worker *blind* at once -- its entries stop counting -- until a snapshot of
 its whole cache arrives.  A worker that registers is blind until its first
 snapshot; one that is lost or clears its cache has its entries dropped.
 Errors left are on the safe side: an evicted or stale-speculative entry
-only loses affinity, it never makes the policy over-commit (the KV ledger
-prices every job in full whatever the index says).
+only loses affinity, it never makes the policy over-commit (its KV reservations
+price every job in full whatever the index says).
 
 Entries hold a bitmask of worker *bits*.  Dropping a worker's entries is
 O(1): its bit is retired (it leaves ``live``, so no entry with it counts)

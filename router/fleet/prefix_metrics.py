@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 from router.fleet.prefix_index import PrefixIndex
 from router.observe.exposition import TextCollector, header, label_text, number
-from router.observe.metrics import CounterFamily, HistogramFamily, RouterMetrics
+from router.observe.families import CounterFamily, HistogramFamily
+from router.observe.metrics import RouterMetrics
 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 

@@ -28,7 +28,7 @@ log = logging.getLogger("weir.router")
 _Msg = TypeVar("_Msg")  # the messages one side's decoder gives
 
 
-class RouterPlane:
+class RouterSocket:
     side = ""  # "frontend" | "backend": its address in RouterConfig and its ZAP domain
     handover = True  # a peer connecting with an identity in use takes it over (shared.transport.bind_router)
     max_message_bytes = -1  # a larger message disconnects its peer before it is read whole (-1: none)

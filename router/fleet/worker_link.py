@@ -36,7 +36,7 @@ from typing import Protocol, cast
 
 import zmq
 
-from router.fleet.router_socket import RouterPlane
+from router.fleet.router_socket import RouterSocket
 from router.observe.metrics import RouterMetrics
 from router.observe.worker_report import WorkerReport
 from shared import protocol as p
@@ -46,7 +46,6 @@ from shared.transport import Outbox, SocketPump
 
 log = logging.getLogger("weir.router.workers")
 
-POOL_NAMES = {p.Pool.ANY: "any", p.Pool.SHORT: "short", p.Pool.LONG: "long"}
 # A tick's heartbeats go out this many a loop turn: a send is 3-9 us here, so
 # 1,024 workers' heartbeats in one callback held the loop 3-9 ms (each tick);
 # in slices of 128 no turn holds it over ~1 ms, and the last leaves within
@@ -93,7 +92,7 @@ class LinkedWorker:
     drain_deadline: float | None = None  # draining until then (None: accepting work)
 
 
-class WorkerLink(RouterPlane):
+class WorkerLink(RouterSocket):
     side = "backend"
 
     def __init__(
@@ -262,7 +261,7 @@ class WorkerLink(RouterPlane):
             "worker %s registered: model=%s pool=%s engine=%s kv=%d tokens (block %d) max_num_seqs=%d gpu=%s",
             worker_id,
             reg.model,
-            POOL_NAMES[reg.pool],
+            p.POOL_NAMES[reg.pool],
             reg.engine,
             reg.kv_capacity_tokens,
             reg.block_size,

@@ -10,15 +10,15 @@ server imports them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from router import api
 from router.lifecycle.models import ServedModel
 from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
-from router.tenancy.buckets import QuotaAnswer
-from router.tenancy.budgets import Group, Quota
+from router.tenancy.buckets import BudgetAnswer
+from router.tenancy.budgets import BudgetLedger, Group
 from router.tenancy.identity import Identity
 from shared.protocol import ErrorInfo, Submit
 
@@ -48,6 +48,9 @@ class Request(Protocol):
     @property
     def t0(self) -> float: ...  # perf_counter at arrival (the latency metric)
 
+    @property
+    def headers(self) -> Mapping[bytes, bytes]: ...  # every header, its name lower-case (agents' routing headers)
+
     def header(self, name: bytes) -> str | None: ...
 
 
@@ -65,10 +68,10 @@ class Generation(Protocol):
 
     def identify(self, api_key: str | None) -> Identity | ErrorInfo: ...
 
-    def charge_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None: ...
+    def charge_call(self, who: Identity, on_answer: Callable[[BudgetAnswer], None]) -> BudgetAnswer | None: ...
 
     @property
-    def quota(self) -> Quota: ...
+    def quota(self) -> BudgetLedger: ...
 
     def off_loop(
         self, tenant: str, fn: Callable[..., Any], *args: Any, alive: Callable[[], bool] | None = None
@@ -77,7 +80,7 @@ class Generation(Protocol):
 
 class InFlight(Protocol):
     """A response in progress on its connection (router.ingress.exchange.Exchange,
-    router.ingress.embeddings.EmbeddingBatch): what the connection reads of it
+    router.ingress.embeddings.EmbeddingsExchange): what the connection reads of it
     when it is abandoned."""
 
     done: bool  # the core is done with it (or was told to be)

@@ -4,7 +4,7 @@ The parser (router.api.embeddings) turns the body into one
 ``Submit`` per input; each goes to the core as its own job with its own
 sink (``_Part``), so each is admitted, reserved, budgeted and placed on its
 own (their request units, though, are one reservation: router.tenancy.budgets.Group).
-``EmbeddingBatch`` gathers their vectors and writes the response when
+``EmbeddingsExchange`` gathers their vectors and writes the response when
 the last one arrives.  The first refusal or error ends the whole request:
 the other inputs are cancelled (their reservations released, their budgets
 settled on what ran: nothing for what never started) and the client gets
@@ -25,6 +25,7 @@ from router.ingress.routes import JSON
 from router.lifecycle.ports import RequestSink
 from router.tenancy.budgets import Group
 from shared.errors import Code, error
+from shared.otlp import parse_traceparent
 from shared.protocol import Delta, ErrorInfo, Submit
 
 log = logging.getLogger("weir.http")
@@ -41,7 +42,7 @@ class _Part:
 
     __slots__ = ("batch", "index")
 
-    def __init__(self, batch: EmbeddingBatch, index: int) -> None:
+    def __init__(self, batch: EmbeddingsExchange, index: int) -> None:
         self.batch = batch
         self.index = index
 
@@ -49,7 +50,7 @@ class _Part:
         self.batch.on_part(self.index, deltas)
 
 
-class EmbeddingBatch:
+class EmbeddingsExchange:
     """One /v1/embeddings request in flight (the connection's current exchange)."""
 
     __slots__ = ("conn", "req", "ctx", "label", "core", "handles", "vectors", "left", "prompt_tokens", "done", "rl")
@@ -145,10 +146,13 @@ def start_embeddings(conn: Connection, req: Request, label: str, core: _Core) ->
         subs, ctx = api.parse_embeddings(req.body, meta, request_id)
     except api.RequestError as e:
         return conn.respond_error(req, e.info, label)
+    tp = req.headers.get(b"traceparent")  # (router.observe.tracing: one request span per input)
+    ctx_in = parse_traceparent(tp, req.headers.get(b"tracestate")) if tp is not None else None
     for sub in subs:
         sub.trace_id = req.rid
+        sub.trace_context = ctx_in
     req.body = b""
-    batch = EmbeddingBatch(conn, req, ctx, label, core)
+    batch = EmbeddingsExchange(conn, req, ctx, label, core)
     conn.current = batch
     conn.busy = True
     try:

@@ -14,6 +14,7 @@ from router.ingress.connection import Connection, Request
 from router.ingress.headers import ratelimit_headers, response_head
 from router.ingress.routes import JSON as _JSON
 from router.lifecycle.fanout import PromptFanOut
+from router.observe.phases import server_timing
 from shared.protocol import Delta
 
 log = logging.getLogger("weir.http")
@@ -49,6 +50,7 @@ class Exchange:
         "extra",
         "rl",
         "fan",
+        "timing",
     )
 
     def __init__(self, conn: Connection, req: Request, ctx: api.ResponseContext, label: str):
@@ -61,6 +63,7 @@ class Exchange:
         self.done = False
         self.rl: bytes = b""  # x-ratelimit-* headers, from the first Delta (router/tenancy/budgets.py)
         self.started = False  # stream: the response is a 200 event stream (head sent or on its way)
+        self.timing = b""  # the server-timing header, from the job's first and last news (router.observe.phases)
         rid = req.rid
         assert rid is not None  # the connection gave it one (HttpConnection.run_jobs)
         self.extra = b"x-request-id: %b\r\n" % rid.encode()  # + headers learnt from the core (x-weir-model)
@@ -92,6 +95,9 @@ class Exchange:
             self._answered_by(deltas[0].model)
         if deltas[0].ratelimit is not None:
             self.rl = ratelimit_headers(deltas[0].ratelimit)
+        t = deltas[-1].timing or deltas[0].timing
+        if t is not None:
+            self.timing = server_timing(t)
         try:
             renderer = self.renderer
             if renderer is not None:
@@ -119,11 +125,11 @@ class Exchange:
             if last.error is not None:
                 self.done = True
                 self.conn.respond_error(
-                    self.req, last.error, self.label, self.rl if last.error.ratelimit is None else b""
+                    self.req, last.error, self.label, (self.rl if last.error.ratelimit is None else b"") + self.timing
                 )
             elif last.finish_reason is not None:
                 self.done = True
-                self.conn.respond(self.req, 200, _JSON, counts.render(), self.label, self.extra + self.rl)
+                self.conn.respond(self.req, 200, _JSON, counts.render(), self.label, self.extra + self.rl + self.timing)
             return
         texts = self.texts
         for d in deltas:
@@ -133,7 +139,9 @@ class Exchange:
         last = deltas[-1]
         if last.error is not None:
             self.done = True
-            self.conn.respond_error(self.req, last.error, self.label, self.rl if last.error.ratelimit is None else b"")
+            self.conn.respond_error(
+                self.req, last.error, self.label, (self.rl if last.error.ratelimit is None else b"") + self.timing
+            )
         elif last.finish_reason is not None:
             self.done = True
             body = api.render_completion(
@@ -145,7 +153,7 @@ class Exchange:
                 counts.cached,
                 last.stop_reason,
             )
-            self.conn.respond(self.req, 200, _JSON, body, self.label, self.extra + self.rl)
+            self.conn.respond(self.req, 200, _JSON, body, self.label, self.extra + self.rl + self.timing)
 
     def _stream(self, deltas: list[Delta], renderer: api.StreamRenderer) -> None:
         if not self.started:
@@ -154,7 +162,7 @@ class Exchange:
                 # Refused before any output (e.g. queue deadline): a real status.
                 self.done = True
                 self.conn.respond_error(
-                    self.req, last.error, self.label, self.rl if last.error.ratelimit is None else b""
+                    self.req, last.error, self.label, (self.rl if last.error.ratelimit is None else b"") + self.timing
                 )
                 return
             self.started = True
@@ -195,7 +203,7 @@ class Exchange:
                     None,
                     req.keep_alive and req.http11,
                     chunked=req.http11,
-                    extra=b"cache-control: no-cache\r\n" + self.extra + self.rl,
+                    extra=b"cache-control: no-cache\r\n" + self.extra + self.rl + self.timing,
                 )
             else:
                 head = b""

@@ -32,7 +32,7 @@ from router.services.batch.files import OUTPUT_PURPOSES, UPLOAD_PURPOSES, FileSt
 from router.services.batch.retention import expires_after_seconds
 from router.services.batch.service import BatchService
 from router.services.batch.store import BatchRecord
-from router.services.batch.validate import PARSERS
+from router.services.batch.validate import LINE_PARSERS
 from router.tenancy.ownership import may_see
 from shared.errors import Code, error
 from shared.protocol import ErrorInfo
@@ -329,7 +329,7 @@ def batch_routes(svc: BatchService, owner_of: Owner, max_file_bytes: int) -> Rou
             return _bad("The body is not valid JSON.")
         if body.endpoint not in bm.ENDPOINTS:
             return _bad(f"endpoint must be one of {', '.join(bm.ENDPOINTS)}", "endpoint")
-        if body.endpoint not in PARSERS:
+        if body.endpoint not in LINE_PARSERS:
             return _bad(
                 f"The endpoint {body.endpoint} is not served by this router.", "endpoint", Code.UNSUPPORTED_VALUE
             )

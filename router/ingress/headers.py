@@ -8,7 +8,8 @@ import http
 import time
 from email.utils import formatdate
 
-from shared.errors import retry_after_header
+from router.api.dropped import dropped_header
+from shared.errors import Code, retry_after_header
 from shared.protocol import ErrorInfo, RateLimit
 
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
@@ -55,7 +56,6 @@ def response_head(
 # retries it on another router (its retry policy matches x-weir-draining), and
 # takes this router out of its load balancing at once rather than at its next
 # health check (Envoy honours x-envoy-immediate-health-check-fail on any reply).
-DRAINING = "router_draining"
 DRAINING_HEADERS = b"x-weir-draining: 1\r\nx-envoy-immediate-health-check-fail: true\r\n"
 
 
@@ -63,8 +63,9 @@ def error_headers(info: ErrorInfo) -> bytes:
     """An error reply's retry-after and, for a budget refusal, x-ratelimit-* lines."""
     seconds = retry_after_header(info)
     head = b"" if seconds is None else b"retry-after: %d\r\n" % seconds
-    if info.code == DRAINING:
+    if info.code == Code.ROUTER_DRAINING.wire:
         head += DRAINING_HEADERS
+    head += dropped_header(info.code)  # llm-d's vocabulary for a refusal of load
     return head if info.ratelimit is None else head + ratelimit_headers(info.ratelimit)
 
 

@@ -32,17 +32,19 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import httptools
 
 from router import api
+from router.api import agent_headers
 from router.api.prompt_forms import DEFAULT_MAX_PROMPTS
 from router.ingress import tokenize as http_tokenize
 from router.ingress.connection import Flushable, Generation, InFlight, Request
-from router.ingress.embeddings import EmbeddingBatch, start_embeddings
+from router.ingress.embeddings import EmbeddingsExchange, start_embeddings
 from router.ingress.exchange import STATUS_CLIENT_GONE, Exchange, ExchangeFactory
 from router.ingress.headers import error_headers, response_head
+from router.ingress.responses import ResponsesApi
 from router.ingress.routes import (
     ADMIN_PREFIX,
     LORA_ADMIN_PATHS,
@@ -64,7 +66,9 @@ from router.ingress.routes import (
 from router.ingress.routes import JSON as _JSON
 from router.lifecycle.fanout import PromptFanOut, echo_texts
 from router.observe.metrics import RouterMetrics
+from router.observe.phases import total_only
 from shared.errors import Code, error
+from shared.otlp import parse_traceparent
 from shared.protocol import MAX_TRACE_ID, ErrorInfo, Submit
 
 log = logging.getLogger("weir.http")
@@ -81,6 +85,9 @@ _WANTED_HEADERS = frozenset(
         b"expect",
         b"x-request-id",
         b"content-type",  # multipart uploads (/v1/files)
+        b"traceparent",  # W3C trace context: the client's or Envoy's (router.observe.tracing)
+        b"tracestate",
+        *agent_headers.HEADERS,  # sessions, gateways' priorities, latency targets
     )
 )
 _KEY_HEADERS = (b"x-api-key", b"authorization")
@@ -88,14 +95,6 @@ _KEY_HEADERS = (b"x-api-key", b"authorization")
 ADMIN_PLANE_PATHS = (ADMIN_PREFIX, b"/metrics", b"/health", *LORA_ADMIN_PATHS)
 LINGER_S = 2.0  # after an error reply, how long to drain a client's remaining input
 MAX_PIPELINED = 16  # queued requests per connection before reading pauses
-
-
-class ResponsesApi(Protocol):
-    """/v1/responses (router.ingress.responses.ResponsesService)."""
-
-    def create(self, conn: HttpConnection, req: Request, label: str) -> None: ...
-
-    def by_id(self, req: Request) -> Answer | Awaitable[Answer]: ...
 
 
 def _is_loopback(peer: Any) -> bool:
@@ -285,7 +284,7 @@ class HttpConnection(asyncio.Protocol):
         self._drop_streamed()
         self._wake_writer()
         ex = self.current
-        if isinstance(ex, EmbeddingBatch):
+        if isinstance(ex, EmbeddingsExchange):
             self.current = None
             return ex.client_gone()
         # A stream whose end is rendered but not yet written (flush pending) is
@@ -498,13 +497,16 @@ class HttpConnection(asyncio.Protocol):
 
     @staticmethod
     def meta(req: Request) -> api.RequestMeta:
-        return api.meta_from_headers(
+        """The headers a generation reads; a bad agent header raises api.RequestError."""
+        meta = api.meta_from_headers(
             req.header(b"authorization"),
             req.header(b"x-api-key"),
             req.header(b"x-weir-priority"),
             req.header(b"x-weir-task-type"),
             req.header(b"x-weir-allow-fallback"),
         )
+        meta.routing = agent_headers.routing_from_headers(req.headers)
+        return meta
 
     def refuse(self, req: Request, info: ErrorInfo, label: str) -> None:
         """A request refused before it is submitted (its own id for the log)."""
@@ -536,8 +538,11 @@ class HttpConnection(asyncio.Protocol):
         if req.rid is None:
             req.rid = ctx.id  # router-direct without x-request-id: the response's own id
         ctx.request_id = req.rid
+        tp = req.headers.get(b"traceparent")
+        ctx_in = parse_traceparent(tp, req.headers.get(b"tracestate")) if tp is not None else None
         for sub in subs:
             sub.trace_id = req.rid
+            sub.trace_context = ctx_in
         req.body = b""  # a stream may live for minutes; its body is not needed
         core = self.ingress.core
         if ctx.logprobs is not None:
@@ -567,7 +572,7 @@ class HttpConnection(asyncio.Protocol):
             ex.done = True
             self.current = None
             self.busy = False
-            return self.respond_error(req, result, label)
+            return self.respond_error(req, result, label, total_only(time.perf_counter() - req.t0))
         ex.handle = result
 
     def completions(self, req: Request, label: str) -> None:

@@ -64,7 +64,9 @@ def _store_unavailable() -> ErrorInfo:
     return error(Code.SERVICE_UNAVAILABLE, "The response store is unavailable; retry later", retry_after=1.0)
 
 
-class ResponsesService:
+class ResponsesApi:
+    """/v1/responses: what the HTTP server (router.ingress.http_server) routes to it."""
+
     def __init__(
         self, core: Generation, store: ResponseStore, keys: Callable[[], Mapping[str, KeyEntry]] | None = None
     ) -> None:
@@ -258,7 +260,7 @@ class ResponsesExchange(Exchange):
         ctx: api.ResponseContext,
         label: str,
         turn: rs.Turn,
-        service: ResponsesService,
+        service: ResponsesApi,
         owner: Caller,
     ) -> None:
         super().__init__(conn, req, ctx, label)
@@ -318,7 +320,7 @@ class ResponsesExchange(Exchange):
 class BackgroundTurn:
     """The sink of a background response: no connection; its end is stored."""
 
-    def __init__(self, service: ResponsesService, ctx: api.ResponseContext, turn: rs.Turn, owner: Caller) -> None:
+    def __init__(self, service: ResponsesApi, ctx: api.ResponseContext, turn: rs.Turn, owner: Caller) -> None:
         self.service = service
         self.turn = turn
         self.owner = owner

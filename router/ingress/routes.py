@@ -18,14 +18,12 @@ from typing import Any, NamedTuple, Protocol
 
 from router import api
 from router.ingress.connection import Request
+from router.observe.views import ModelRow  # one model of /v1/models
 from shared.errors import Code, error
 from shared.keys import key_from_headers
 from shared.protocol import ErrorInfo
 
 JSON = b"application/json"
-
-# (name, max_model_len, workers ready, state): one model of /v1/models
-ModelRow = tuple[str, int, int, str]
 
 
 class Views(Protocol):

@@ -20,7 +20,7 @@ from router.ingress.headers import ratelimit_headers
 from router.ingress.routes import JSON
 from router.lifecycle.models import ServedModel
 from router.lifecycle.prompts import INLINE_MAX_CHARS, BadInput, ModelPrompts
-from router.tenancy.buckets import Hold, QuotaAnswer
+from router.tenancy.buckets import BudgetAnswer, Hold
 from router.tenancy.identity import Identity
 from shared.errors import Code, error
 
@@ -75,7 +75,7 @@ def _charged(
     when too many of its calls are waiting there."""
     core = conn.ingress.core
 
-    def go(got: QuotaAnswer) -> None:
+    def go(got: BudgetAnswer) -> None:
         if not isinstance(got, Hold):
             return conn.respond_error(req, got, label)
         rl = ratelimit_headers(got.ratelimit) if got.ratelimit is not None else b""

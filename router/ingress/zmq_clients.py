@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import zmq
 
-from router.fleet.router_socket import RouterPlane
+from router.fleet.router_socket import RouterSocket
 from router.observe.metrics import RouterMetrics
 from shared import protocol as p
 from shared.config import Config, RouterConfig, SecurityConfig
@@ -63,7 +63,7 @@ def client_message_bytes(cfg: Config) -> int:
     return max(2 * cfg.envoy.max_request_bytes, 64 << 10)
 
 
-class ClientFrontend(RouterPlane):
+class ClientFrontend(RouterSocket):
     side = "frontend"
     # A client's identity is all that binds it to its replies and Cancels, and
     # libzmq generates them predictably (0x00 + a counter from random()'s

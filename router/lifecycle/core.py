@@ -6,14 +6,13 @@ ZeroMQ clients, the frontend ROUTER socket) and ``router.ingress.http_server``
 (OpenAI HTTP) -- own their sockets and call in; it calls out only through
 its ports (router.lifecycle.ports): a ``WorkerPort`` to reach workers and a
 ``RequestSink`` per request.  So it runs in-process under test with fakes
-(fakes, tests/inproc/test_lifecycle.py), and ``router/__main__.py`` wires
-the real ones.
+(tests/fakes.py), and ``router/__main__.py`` wires the real ones.
 
 State, each piece with one owner:
   * ``jobs`` here: every live request, from submit to its end, each with its
     explicit state (router.lifecycle.jobs: the transitions and the one place they happen);
   * the model registry (router.lifecycle.models): the models served now;
-  * the ``Policy``: queues and the KV ledger (what each worker holds);
+  * the ``Policy``: queues and the KV reservations (router.policy.reservations: what each worker holds);
     ``JobRecord.worker`` is the lifecycle's copy of where a job runs, set and
     cleared only by ``router.lifecycle.jobs.advance`` on the policy's DispatchJob and
     the job's requeue or end (tests/inproc/test_lifecycle.py checks they agree);
@@ -46,6 +45,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from router.api.aliases import AliasTable
 from router.fleet.prefix_metrics import PrefixMetrics
 from router.fleet.prefix_relay import PrefixRelay
 from router.lifecycle.intake import FALLBACK_ON, Intake, unloading_error
@@ -57,9 +57,13 @@ from router.lifecycle.prompts import ModelPrompts
 from router.lifecycle.recovery import Recovery
 from router.lifecycle.tokenizer_queue import CALL, TokenizerQueue
 from router.observe.metrics import RouterMetrics
+from router.observe.phase_metrics import observe as observe_phases
+from router.observe.phases import ended as phases_ended
+from router.observe.phases import timing as phases_so_far
+from router.observe.tracing import RouterTracer
 from router.policy import AbortJob, DispatchJob, Policy, RejectJob, WorkerSpec
-from router.tenancy.buckets import NO_HOLD, QuotaAnswer
-from router.tenancy.budgets import Group, Quota
+from router.tenancy.buckets import NO_HOLD, BudgetAnswer
+from router.tenancy.budgets import BudgetLedger, Group
 from router.tenancy.identity import Identity, Keys
 from shared import protocol as p
 from shared.config import AdapterConfig, Config, ModelConfig, WorkerConfig
@@ -91,7 +95,7 @@ class RouterCore:
         self.policy = Policy(cfg.scheduler)
         self.prefix_metrics = PrefixMetrics(self.metrics, self.policy.prefix)
         self._prefix = PrefixRelay(self.policy.prefix, self.prefix_metrics)
-        self.quota = Quota(cfg, self.metrics, clock)
+        self.quota = BudgetLedger(cfg, self.metrics, clock)
         self.registry = ModelRegistry(cfg, prompts)
         # Long prompts and /tokenize calls, off the loop with the GIL released:
         # fair between tenants, calls bounded and never ahead of a prompt (router.lifecycle.tokenizer_queue).
@@ -114,10 +118,15 @@ class RouterCore:
             self._end,
             self._schedule_policy,
         )
-        self._intake = Intake(parts, Keys(cfg), self.tokenizer)
+        self._intake = Intake(parts, Keys(cfg), AliasTable(cfg.aliases), self.tokenizer)
         self._recovery = Recovery(parts)
         self.batch_tenants: Callable[[], dict[str, Any]] | None = None  # set by router.services.batch.service
         self.on_keys_reloaded: list[Callable[[], None]] = []  # told after reload_keys (router.services.batch.service)
+        # [tracing]: the spans of sampled requests (router.observe.tracing); None: off
+        self.tracer = RouterTracer(cfg.tracing) if cfg.tracing.enabled else None
+        self._intake.tracer = self.tracer
+        if self.tracer is not None:
+            self.metrics.add_text_source(self.tracer)
         stall = cfg.router.stall_timeout_s
         self._stall_timer = loop.call_later(stall / 4, self._stall_tick) if stall > 0 else None
 
@@ -155,6 +164,11 @@ class RouterCore:
         return self._intake.keys
 
     @property
+    def aliases(self) -> AliasTable:
+        """[[aliases]] in use (the last reload's)."""
+        return self._intake.aliases
+
+    @property
     def draining(self) -> bool:
         """router.lifecycle.drain: set, every new request is refused (503 router_draining)."""
         return self._intake.draining
@@ -189,7 +203,7 @@ class RouterCore:
         """The key check of ``submit`` alone (/tokenize): who it is, or why not."""
         return self.keys.identify(p.Submit(request_id="", model="", api_key=api_key))
 
-    def charge_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None:
+    def charge_call(self, who: Identity, on_answer: Callable[[BudgetAnswer], None]) -> BudgetAnswer | None:
         """One request unit of ``who``'s budgets for a call that is not a
         generation (/tokenize): a Hold or a refusal now, or None and ``on_answer`` later."""
         if not self.quota.active:
@@ -235,6 +249,7 @@ class RouterCore:
         """New API keys and budgets (SIGHUP / POST /admin/reload): later
         requests use them; admitted ones settle as they were reserved."""
         self._intake.keys = Keys(cfg)
+        self._intake.aliases = AliasTable(cfg.aliases)
         self.quota.reload(cfg)
         self._keys_config = cfg
         self._cfg_view = None
@@ -247,6 +262,8 @@ class RouterCore:
         if self._stall_timer is not None:
             self._stall_timer.cancel()
         self.tokenizer.shutdown()
+        if self.tracer is not None:
+            self.tracer.close()
 
     # ------------------------------------------------------------ the one exit
 
@@ -278,10 +295,12 @@ class RouterCore:
                 error = msgspec.structs.replace(error, ratelimit=error.ratelimit or j.rl)
         if j.group is not None:
             j.group.left(queued)
+        t = phases_ended(j.phases, j.arrival, j.tokenized_at, j.dispatched_at, j.first_token_at, now)
         if deltas is not None:
+            deltas[-1].timing = t
             j.sink.on_deltas(deltas)
         elif error is not None:  # (a cancelled job's client is gone: nobody to tell)
-            j.sink.on_deltas([p.Delta(j.job_id, error=error, completion_tokens=j.completion_tokens)])
+            j.sink.on_deltas([p.Delta(j.job_id, error=error, completion_tokens=j.completion_tokens, timing=t)])
         m = self.metrics
         if not queued:
             m.child(m.rejected, j.who.klass, "-", outcome).inc()
@@ -295,8 +314,16 @@ class RouterCore:
                 mx = j.mx
                 assert mx is not None  # set once queued
                 mx.e2e.observe(now - j.arrival)
+                observe_phases(mx.phases, t)
+                op = j.sub.kind
+                mx.genai.duration[op].observe(now - j.arrival)
+                if j.completion_tokens > 1:
+                    mx.genai.tpot[op].observe((now - j.first_token_at) / (j.completion_tokens - 1))
         if self._log_requests:
-            log_end(j, outcome, error, now)
+            log_end(j, outcome, error, now, t)
+        if j.otel is not None and self.tracer is not None:  # after this turn's replies leave (call_soon: FIFO)
+            cached = deltas[-1].cached_tokens if deltas else 0
+            self.loop.call_soon(self.tracer.ended, j.otel, j, outcome, error, now, cached)
         if self.policy.has_queued():  # only queued work can use what this freed
             self._schedule_policy()
 
@@ -346,6 +373,10 @@ class RouterCore:
         assert req is not None  # set once queued
         req.priority = action.priority
         req.kv_tokens = self.policy.cost_of(j.job_id)  # what the worker's own ledger admits it on
+        if j.otel is not None:  # its worker's spans hang under this attempt's dispatch span
+            req.trace_context = RouterTracer.dispatched(
+                j.otel, now, action.worker_id, self._placement(action.worker_id), j.last_news
+            )
         if not self.workers.dispatch(action.worker_id, req):
             # The policy placed it on a worker the link no longer has: a bug
             # somewhere, but not the client's -- release and queue it again.
@@ -360,11 +391,28 @@ class RouterCore:
             self._recovery.requeue(j, now)
             return
         advance(j, RUNNING, action.worker_id)
-        j.last_news = now
+        j.last_news = j.dispatched_at = now
         j.kept_dispatches += 1
         self.metrics.child(self.metrics.queue_wait, j.who.klass, self.policy.pool_of(action.worker_id)).observe(
             now - j.arrival
         )
+
+    def _placement(self, worker_id: str) -> dict[str, Any]:
+        """A traced dispatch's placement span: the worker chosen and its load when chosen."""
+        w = self.policy.workers.get(worker_id)
+        if w is None:
+            return {"weir.worker": worker_id}
+        sched = self._config.scheduler
+        return {
+            "weir.worker": worker_id,
+            "weir.pool": self.policy.pool_of(worker_id),
+            "weir.placement.policy": sched.placement if sched.policy == "weir" else sched.policy,
+            "weir.placement.prefix_affinity": sched.prefix_affinity,
+            "weir.placement.kv_reserved_tokens": w.reserved,
+            "weir.placement.kv_budget_tokens": w.budget,
+            "weir.placement.running": len(w.running),
+            "weir.placement.slots": w.slots,
+        }
 
     def undeliverable(self, job_id: str, err: p.ErrorInfo) -> None:
         """The link could not send a job to its worker: end it, not leave it waiting."""
@@ -518,11 +566,15 @@ class RouterCore:
             if not j.first_token_at:
                 j.first_token_at = now
                 mx.ttft.observe(now - j.arrival)
+                mx.genai.ttft[j.sub.kind].observe(now - j.arrival)
+                # the phases so far, for the client's first news (HTTP: a stream's server-timing)
+                j.phases = group[0].timing = phases_so_far(j.arrival, j.tokenized_at, j.dispatched_at, now)
+                self.policy.first_token(job_id, j.model, now - j.arrival)
             j.completion_tokens += new_tokens
             mx.tokens.inc(new_tokens)
         if j.engine_prompt(prompt_tokens):
             # The router counted the prompt itself; an engine that disagrees
-            # (e.g. one that adds tokens) is believed, and the ledger re-priced.
+            # (e.g. one that adds tokens) is believed, and its KV reservation re-priced.
             self.policy.correct_prompt_tokens(job_id, prompt_tokens)
         j.as_one_stream(group)
         if not d.finished:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from router.api.aliases import AliasTable
 from router.api.checks import check_shape, resolve_max_tokens
 from router.lifecycle.drain import draining_error
 from router.lifecycle.jobs import AWAITING_BUDGET, ENDED, QUEUED, JobMetrics, JobRecord, advance, job_id_of
@@ -30,8 +31,10 @@ from router.lifecycle.models import HashedPrompt, tokenize_hashed
 from router.lifecycle.parts import CoreParts
 from router.lifecycle.ports import RequestSink
 from router.lifecycle.tokenizer_queue import PROMPT, TokenizerQueue
+from router.observe.tracing import RouterTracer
 from router.policy import Job
-from router.tenancy.buckets import Hold, QuotaAnswer
+from router.policy.job_routing import with_routing
+from router.tenancy.buckets import BudgetAnswer, Hold
 from router.tenancy.budgets import Group
 from router.tenancy.identity import Identity, Keys
 from shared import protocol as p
@@ -72,7 +75,7 @@ def policy_job(
 ) -> Job:
     """A fresh value of what the policy is told of an attempt (it keeps its own copy)."""
     sub, who = j.sub, j.who
-    return Job(
+    job = Job(
         j.job_id,
         model,
         who.tenant,
@@ -84,22 +87,25 @@ def policy_job(
         who.weight,
         sub.params.n if sub.params is not None else 1,
         hashes,
-        j.lora.lora_id if j.lora is not None else 0,
+        lora_id=j.lora.lora_id if j.lora is not None else 0,
     )
+    return job if sub.routing is None else with_routing(job, sub.routing)
 
 
 class Intake:
     """The intake, for the core: its parts (``CoreParts``), the API keys in
     use (replaced on a reload) and the tokenizing thread."""
 
-    def __init__(self, parts: CoreParts, keys: Keys, tokenizer: TokenizerQueue) -> None:
+    def __init__(self, parts: CoreParts, keys: Keys, aliases: AliasTable, tokenizer: TokenizerQueue) -> None:
         self.parts = parts
         self.jobs = parts.jobs  # (read on every request)
         self.keys = keys
+        self.aliases = aliases  # [[aliases]]: reloaded with the keys (RouterCore.reload_keys)
         self.tokenizer = tokenizer
         self.draining = False  # router.lifecycle.drain: every new request is refused (503 router_draining)
         self._next_handle = 1
         self._job_metrics: dict[tuple[str, str], JobMetrics] = {}
+        self.tracer: RouterTracer | None = None  # [tracing] on: set by RouterCore (router.observe.tracing)
 
     def submit(
         self, sub: p.Submit, sink: RequestSink, who: Identity | p.ErrorInfo | None, group: Group | None
@@ -114,6 +120,15 @@ class Intake:
         if not isinstance(who, Identity):
             return self._rejected(who, self.keys.default_tier)
         err = check_shape(sub)
+        chain = None
+        if sub.model in self.aliases:  # a public name over served models: the one drawn, then its fallbacks
+            routing = sub.routing
+            key = (routing.session if routing is not None else "") or sub.trace_id or sub.request_id
+            chain = self.aliases.resolve(sub.model, key, parts.registry.serves)
+            if not chain:
+                why = f"No model behind the alias `{sub.model}` is served now; try again shortly."
+                return self._rejected(error(Code.NO_WORKER, why, param="model", retry_after=1.0), who.klass)
+            sub = msgspec.structs.replace(sub, model=chain[0], allow_fallback=True)
         adapter = parts.registry.adapters.get(sub.model)
         if adapter is not None and who.adapters is not None and adapter.name not in who.adapters:
             # not this key's or tenant's: as if it did not exist (nothing told about others' adapters)
@@ -145,9 +160,13 @@ class Intake:
         j = JobRecord(job_id_of(handle), sub, sink, who, now, group=group)
         if adapter is not None:
             j.lora = adapter.ref
+        if chain is not None:  # the client learns the model that serves it (as a fallback's)
+            j.served_by, j.fallbacks = chain[0], chain[1:]
         if group is not None:
             group.joined()
         self.jobs[j.job_id] = j  # its one entry into the table: TOKENIZING, cancellable like any job
+        if self.tracer is not None:
+            j.otel = self.tracer.start(sub.trace_context)
         # (hashed even without affinity: the simulated engine names its cached blocks by them)
         hasher = parts.policy.prefix.hasher(sub.model)
         if model.prompts.inline(sub):
@@ -156,6 +175,7 @@ class Intake:
             except Exception as e:
                 err = self._tokenizing_failed(j, e)
             else:
+                j.tokenized_at = parts.clock()
                 err = self.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
         alive = functools.partial(self._live, j.job_id)  # (a job cancelled meanwhile is not tokenized)
@@ -178,7 +198,8 @@ class Intake:
         except Exception as e:
             err = self._tokenizing_failed(j, e)
         else:
-            err = self.admit(j, tokens, self.parts.clock())
+            j.tokenized_at = now = self.parts.clock()
+            err = self.admit(j, tokens, now)
         if err is not None:
             self.parts.end(j, label(err), error=err)
 
@@ -216,7 +237,7 @@ class Intake:
             # usage sums the completion tokens of all n choices: reserve for all of them
             n = sub.params.n if sub.params is not None else 1
 
-            def answered(got: QuotaAnswer) -> None:
+            def answered(got: BudgetAnswer) -> None:
                 self._reserved(j, got, tokens, max_tokens)
 
             if j.group is not None and j.group.refusal is not None:
@@ -231,7 +252,7 @@ class Intake:
             j.hold, j.rl = got, got.ratelimit
         return self._enqueue(j, tokens, max_tokens, now)
 
-    def _reserved(self, j: JobRecord, got: QuotaAnswer, tokens: HashedPrompt, max_tokens: int) -> None:
+    def _reserved(self, j: JobRecord, got: BudgetAnswer, tokens: HashedPrompt, max_tokens: int) -> None:
         """The budget store's answer for a job that waited for it."""
         if j.state is ENDED:  # cancelled meanwhile: give it back at once
             if isinstance(got, Hold):
@@ -275,6 +296,9 @@ class Intake:
         j.prompt_ids, j.prompt_tokens, j.max_tokens = tokens.ids, tokens.count, max_tokens
         j.queued_since, j.attempt_prompt_tokens, j.block_hashes = since, tokens.count, tokens.hashes
         j.mx = self._metrics_for(model, j.who.klass)
+        if j.otel is not None:  # a traced job: when it was queued, and the wait admission predicted
+            entry = self.parts.policy.entries.get(j.job_id)
+            j.otel.queued_at, j.otel.predicted = self.parts.clock(), entry.predicted if entry is not None else -1.0
         advance(j, QUEUED)
         self.parts.schedule()
 
@@ -290,7 +314,7 @@ class Intake:
         asked = registry.get(j.sub.model)
         if asked is None:  # removed at run time while a fallback served the job
             return False
-        for name in asked.config.fallbacks:  # (never the model itself: config)
+        for name in asked.config.fallbacks if j.fallbacks is None else j.fallbacks:  # (never the model itself: config)
             model = registry.get(name)
             if name == j.served_by or model is None or model.unloading:
                 continue  # the one that just refused it; one being (or already) removed at run time

@@ -17,7 +17,7 @@ from router.lifecycle.models import ModelRegistry
 from router.lifecycle.ports import WorkerPort
 from router.observe.metrics import RouterMetrics
 from router.policy import Policy
-from router.tenancy.budgets import Quota
+from router.tenancy.budgets import BudgetLedger
 from shared import protocol as p
 from shared.config import RouterConfig
 
@@ -41,7 +41,7 @@ class CoreParts:
     jobs: dict[str, JobRecord]  # every live job (its one owner is the core)
     registry: ModelRegistry
     policy: Policy
-    quota: Quota
+    quota: BudgetLedger
     workers: WorkerPort
     metrics: RouterMetrics
     cfg: RouterConfig

@@ -2,8 +2,8 @@
 
 Declared by their consumer: the lifecycle owns no socket, so whatever
 reaches engine workers (router.fleet.worker_link) or a client (router.ingress.http_server,
-router.ingress.zmq_clients) implements one of these.  Fakes of both live beside
-them in fakes, for in-process tests.
+router.ingress.zmq_clients) implements one of these.  tests/fakes.py fakes
+both, for in-process tests.
 """
 
 from __future__ import annotations

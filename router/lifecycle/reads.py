@@ -10,10 +10,10 @@ from typing import Any
 
 from router.lifecycle.core import RouterCore
 from router.tenancy.identity import Identity
-from shared.config import ModelConfig, WorkerConfig
+from shared.config import AliasConfig, ModelConfig, WorkerConfig
 
 
-class CoreView:
+class RouterCoreReads:
     """What router.observe.views (and router.observe.ops_metrics through it) read of a ``RouterCore``."""
 
     def __init__(self, core: RouterCore) -> None:
@@ -35,6 +35,10 @@ class CoreView:
         """The adapters a caller may use (None: every one; a key that is not one: none)."""
         who = self.core.identify(api_key)
         return who.adapters if isinstance(who, Identity) else frozenset()
+
+    def model_aliases(self) -> list[AliasConfig]:
+        """[[aliases]] as last loaded (router.api.aliases)."""
+        return self.core.aliases.configs()
 
     def model_state(self, name: str) -> str:
         return self.core.model_state(name)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from router.observe.worker_report import WorkerReport
+from router.observe.worker_report import LinkReports
 from shared.config import ModelConfig
 
 
@@ -26,14 +26,8 @@ class QueuedByModel(Protocol):
     def queued_by_model(self) -> dict[tuple[str, str], int]: ...
 
 
-class LinkedWorkers(Protocol):
-    """What the gauges read of the worker link (router.fleet.worker_link.WorkerLink)."""
-
-    def reports(self) -> list[WorkerReport]: ...
-
-
 class OpsCollector:
-    def __init__(self, core: QueuedByModel, link: LinkedWorkers) -> None:
+    def __init__(self, core: QueuedByModel, link: LinkReports) -> None:
         self.core = core
         self.link = link
 

@@ -1,7 +1,7 @@
 """Read-only views of the router for operators: health, models, workers, queues, metrics.
 
 Built from the state's owners -- the lifecycle's job table, the policy's
-ledger and queues, the worker link's engine stats -- at the moment they
+KV reservations and queues, the worker link's engine stats -- at the moment they
 are asked for, so nothing is mirrored on the hot path.  What they read is
 declared here (``CoreReads``, ``LinkReads``) and nothing else; the actions
 that change state (drain, models at run time, reload) are router.observe.operator_actions'.
@@ -18,7 +18,7 @@ from router.observe.metrics import RouterMetrics
 from router.observe.ops_metrics import OpsCollector
 from router.observe.worker_report import WorkerReport
 from router.observe.worker_series import WorkerSeries
-from shared.config import ModelConfig, WorkerConfig
+from shared.config import AliasConfig, ModelConfig, WorkerConfig
 from shared.protocol import GpuInfo
 
 # (name, max_model_len, workers ready, state): one row of /v1/models
@@ -26,12 +26,14 @@ ModelRow = tuple[str, int, int, str]
 
 
 class CoreReads(Protocol):
-    """What the views read of the lifecycle (router.lifecycle.reads.CoreView over router.lifecycle.core.RouterCore)."""
+    """What the views read of the lifecycle (router.lifecycle.reads.RouterCoreReads over its RouterCore)."""
 
     @property
     def draining(self) -> bool: ...  # router.lifecycle.drain: readiness fails
 
     def served_models(self) -> list[ModelConfig]: ...
+
+    def model_aliases(self) -> list[AliasConfig]: ...
 
     def model_state(self, name: str) -> str: ...
 
@@ -77,9 +79,16 @@ class RouterViews:
         """(name, max_model_len, workers ready, state) per model served: state
         loading (no worker ready yet) / ready / unloading (router/lifecycle/core.py)."""
         ready = self.ready_workers()
-        return [
+        rows = [
             (m.name, m.max_model_len, ready[m.name], self.core.model_state(m.name)) for m in self.core.served_models()
         ]
+        by_name = {r[0]: r for r in rows}
+        for a in self.core.model_aliases():  # an alias: the smallest context behind it, every worker behind it
+            behind = [by_name[n] for n in dict.fromkeys([*(t.model for t in a.targets), *a.fallbacks]) if n in by_name]
+            if behind:
+                n_ready = sum(r[2] for r in behind)
+                rows.append((a.name, min(r[1] for r in behind), n_ready, "ready" if n_ready else "loading"))
+        return rows
 
     def adapters(self) -> list[tuple[str, str, int, int, str]]:
         """(name, base model, max_model_len, workers ready, state) per LoRA adapter served:

@@ -3,7 +3,7 @@ per-worker series read of the worker link (router.fleet.worker_link builds it)."
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from shared import protocol as p
 
@@ -21,3 +21,10 @@ class WorkerReport(NamedTuple):
     @property
     def draining(self) -> bool:
         return self.drain_left_s is not None
+
+
+class LinkReports(Protocol):
+    """What the gauges (router.observe.ops_metrics) and the per-worker series
+    (router.observe.worker_series) read of the worker link (router.fleet.worker_link.WorkerLink)."""
+
+    def reports(self) -> list[WorkerReport]: ...

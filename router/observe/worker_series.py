@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from router.observe.exposition import TextCollector, header, label_text, number
-from router.observe.worker_report import WorkerReport
+from router.observe.worker_report import LinkReports, WorkerReport
 from shared.protocol import GpuInfo, WorkerStats
 
 # The policy's (router.policy.Policy.snapshot), for every worker it places on.
@@ -50,22 +50,16 @@ _GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuInfo], float | None]], ...] = (
 )
 
 
-class FleetReads(Protocol):
-    """What the series read: the policy's snapshot (router.lifecycle.reads.CoreView)."""
+class SchedulerReads(Protocol):
+    """What the series read: the policy's snapshot (router.lifecycle.reads.RouterCoreReads)."""
 
     def scheduler_snapshot(self) -> dict[str, Any]: ...
-
-
-class LinkReports(Protocol):
-    """And the worker link's reports (router.fleet.worker_link.WorkerLink)."""
-
-    def reports(self) -> list[WorkerReport]: ...
 
 
 class WorkerSeries(TextCollector):
     """The queues', the policy's and every per-worker family; ``text`` is a router.observe.exposition.TextSource."""
 
-    def __init__(self, core: FleetReads, link: LinkReports) -> None:
+    def __init__(self, core: SchedulerReads, link: LinkReports) -> None:
         self.core = core
         self.link = link
         # label text by worker id, with the (model, pool) it was built for; kept across scrapes
@@ -151,3 +145,8 @@ def _queues(snap: dict[str, Any]) -> Iterator[str]:
     yield header(family, "Scheduling policy decisions, by kind (router.policy: Policy.counters)", "counter")
     for name, n in sorted(snap.get("counters", {}).items()):
         yield f"{family}{label_text(['decision'], [name])} {number(n)}\n"
+    mape = snap.get("ttft_prediction_mape")
+    if mape is not None:  # (router.policy.targets: only once a request with a target had its first token)
+        family = "weir_ttft_prediction_error_ratio"
+        yield header(family, "Mean |observed - predicted| / observed TTFT of the last 1,000 predictions", "gauge")
+        yield f"{family} {number(mape)}\n"

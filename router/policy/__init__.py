@@ -4,9 +4,21 @@ Pure: no I/O, no asyncio, no clock reads.  The router's event loop (or the
 discrete-event simulation in ``simulation.des``) passes ``now`` in, feeds events
 (submit / finish / worker changes) and carries out the returned actions.
 
+What belongs here: decisions over the policy's own records -- admission,
+queue order, the wait model, placement, KV reservations, the dispatch loop --
+and nothing that does I/O, keeps time or knows a socket, an HTTP request or
+a job's lifecycle (router.lifecycle drives the policy and owns the job's
+``JobState``; an entry here has its own state, ``records.WAITING/PLACED/GONE``).
+What it may import: ``shared`` (config, protocol, errors), the prefix index
+of ``router.fleet`` (``router.fleet.prefix_index``) and itself; nothing of
+the layers above (lifecycle, services, ingress, api), and nothing of
+tenancy or observe: the views read the policy, not the other way.  Inside,
+imports run one way (no circles, type-only ones included): ``types`` and
+``records`` at the bottom, ``facade`` at the top.
+
 Model of the world
 ------------------
-* **Ledger.**  Each worker has a KV budget ``capacity x (1 - kv_safety_margin)
+* **Reservations.**  Each worker has a KV budget ``capacity x (1 - kv_safety_margin)
   x overcommit``.  A job reserves ``kv_cost(prompt, max_tokens, block)`` (its
   worst case, rounded to the worker's block size) at dispatch and releases it
   exactly once: on finish/abort/error/cancel (``finish``), generation deadline
@@ -50,9 +62,9 @@ Model of the world
   borrowed idle long worker; a long job prefers long, then "any"), then the
   highest sum of three fractions, each 0..1: KV budget left after placing the
   job, seq slots left, GPU memory free (0 without a GPU) -- i.e. least loaded
-  first, which keeps batches (and so step times) even (``ScoredPlacement.score``:
-  one function, every term of a candidate's score).  Ties go to the lowest
-  worker id, which keeps runs deterministic.
+  first, which keeps batches (and so step times) even (the load scorer,
+  ``placement.scorers.least_loaded``).  Ties go to the lowest worker id,
+  which keeps runs deterministic.
 * **Placement cost.**  Up to ``PLACE_SCAN_ALL`` workers of a model every
   worker is scored, as above.  Beyond, the policy keeps, per model and pool,
   the set of workers with a free sequence slot, sorted by the sequences each
@@ -67,12 +79,12 @@ Model of the world
   (backfill), and once due the closest worker is reserved for it
   (``reserve_target``, a full scan, only then).  The workers whose cache
   holds the job's prefix (below) are scored beside those drawn.
-* **Prefix affinity** (``ScoredPlacement.affine``): where the prefix index
+* **Prefix affinity** (``placement.scorers.prefix_cached``, ``placement.picker``): where the prefix index
   (router/fleet/prefix_index.py) says a worker's cache holds the job's leading
   prompt blocks, the score gains ``prefix_affinity_weight x`` the cached
   fraction of the prompt -- only among the workers of the best pool
   preference whose load score is within ``prefix_load_margin`` of the best.
-  It only chooses among workers that passed every check above (KV ledger,
+  It only chooses among workers that passed every filter above (KV budget,
   slots, headroom, pools, GPU floor): affinity never over-commits, and the
   reservation stays the job's full worst case (cached blocks are shared, not
   pinned: the engine may evict them before the job's prefill).
@@ -95,21 +107,24 @@ Model of the world
   when the job's place in line, behind earlier refusals of its tenant and
   class, is half a bound away; of the others: the drain time of the queue
   ahead.
-* ``policy="fifo"`` (``FifoOrder``): one FIFO per model with the same ledger, limits and pool
+* ``policy="fifo"`` (``FifoOrder``): one FIFO per model with the same reservations, limits and pool
   rules (short work may use any worker), no priorities, no backfill (the head
   blocks), priority 0 to vLLM: the baseline the DES compares against.
 
 Layout
 ------
-``types`` (what goes in and out), ``records`` (the policy's own job and
-worker records), ``queues`` (the queues and the queue-order strategies:
-``ClassOrder``, ``FifoOrder``), ``wait_model`` (drain rate, capacity model,
-predicted wait, Retry-After), ``placement`` (checks, score, affinity,
-sampling; ``ScoredPlacement`` or ``RoundRobin``), ``reservations`` (the KV
-ledger), ``jobs`` (the job table and the queued transitions), ``admission``,
-``dispatch`` (the dispatch loop and expiry), ``model`` (a model's records)
-and ``facade`` (``Policy``, which composes them).  The strategies are chosen
-once, at construction, from ``SchedulerConfig.policy`` and ``.placement``.
+``types`` (what goes in and out), ``records`` (the policy's own entry and
+worker records, and the free sets), ``totals`` (what the wait model
+predicts from), ``queues`` (the queues and the queue-order strategies:
+``ClassOrder``, ``FifoOrder``), ``model`` (a model's records),
+``wait_model`` (drain rate, capacity model, predicted wait, Retry-After),
+``placement/`` (a pipeline: ``candidates`` -> ``filters`` -> ``scorers`` ->
+``picker``, run by ``ScoredPlacement`` or ``RoundRobin``), ``reservations``
+(the KV reservations: ``Reservations``), ``entries`` (the entry table and
+the waiting transitions), ``admission``, ``dispatch`` (the dispatch loop and
+expiry) and ``facade`` (``Policy``, which composes them).  The strategies
+are chosen once, at construction, from ``SchedulerConfig.policy`` and
+``.placement``.
 """
 
 from __future__ import annotations
@@ -126,7 +141,6 @@ from router.policy.types import (
     NO_WORKER_RETRY_S,
     PLACE_SAMPLE,
     PLACE_SCAN_ALL,
-    POOL_NAMES,
     PRIOR_JOBS,
     PRIOR_S,
     RATE_TAU_S,
@@ -148,7 +162,6 @@ __all__ = [
     "AbortJob",
     "Action",
     "Policy",
-    "POOL_NAMES",
     "SHORT",
     "LONG",
     "SIZE_NAMES",

@@ -5,7 +5,7 @@ A worker reports in its heartbeats the adapters its engine holds in its
 slots (vLLM's ``max_loras``: usable in the next step at no cost) and in its
 host-memory cache (``max_cpu_loras``: a copy into a slot away), as
 ``WorkerStats.loras``.  For a job under an adapter, placement adds to a
-worker's load score (router.policy.placement: 0..2, least loaded highest):
+worker's load score (a load scorer of router.policy.placement: 0..2, least loaded highest):
 
 - ``HELD_SLOT`` if the adapter is in one of its slots;
 - ``HELD_CACHE`` if it is in its cache;
@@ -23,6 +23,12 @@ holds or is loading has one load (``load_s``) added to its predicted wait
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.policy.placement.ask import Ask, Candidate
+    from router.policy.placement.scorers import Scorer
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -108,6 +114,22 @@ class AdapterPlacement:
             if w is not None and (lora in w.slot or lora in w.cache or lora in w.loading):
                 return 0.0
         return self.load_s
+
+    def admissible(self, cands: list[Candidate], lora: int) -> list[Candidate]:
+        """The placement candidates that may take a job of adapter ``lora`` now
+        (a worker at its bound of loads in flight may not)."""
+        bonus = self.bonus
+        return [c for c in cands if bonus(c[0].spec.worker_id, lora) is not None]
+
+    def scorer(self, lora: int) -> Scorer:
+        """A load scorer of the placement pipeline: each candidate's ``bonus``
+        (held in a slot, cached, a free slot, or an eviction)."""
+        bonus = self.bonus
+
+        def adapter_held(ask: Ask, cands: list[Candidate]) -> list[float]:
+            return [bonus(w.spec.worker_id, lora) or 0.0 for w, _, _, _ in cands]
+
+        return adapter_held
 
     def dispatched(self, worker_id: str, lora: int, now: float) -> None:
         """A job under ``lora`` went to ``worker_id``: a load if it does not hold it (or load it already)."""

@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from router.policy.entries import JobTable
+from router.policy.entries import EntryTable
 from router.policy.estimate import kv_cost
 from router.policy.placement import ScoredPlacement
 from router.policy.queues import QueueOrder, TenantQueue
 from router.policy.records import Entry
-from router.policy.reservations import Ledger
+from router.policy.reservations import Reservations
+from router.policy.targets import Targets
 from router.policy.types import LONG, NO_WORKER_RETRY_S, SHORT, SIZE_NAMES, Job
 from router.policy.wait_model import WaitModel
 from shared.config import ClassConfig, SchedulerConfig
@@ -30,12 +31,14 @@ _SHORT_TASK, _LONG_TASK = int(TaskType.SHORT), int(TaskType.LONG)
 
 
 class Admission:
+    targets: Targets | None = None  # latency targets (set by the Policy)
+
     def __init__(
         self,
         cfg: SchedulerConfig,
         classes: list[ClassConfig],
-        jobs: JobTable,
-        ledger: Ledger,
+        table: EntryTable,
+        reservations: Reservations,
         order: QueueOrder,
         placement: ScoredPlacement,
         waits: WaitModel,
@@ -45,8 +48,8 @@ class Admission:
         self.classes = classes
         self.rank = {c.name: i for i, c in enumerate(classes)}
         self.n_classes = len(classes)
-        self.jobs = jobs
-        self.ledger = ledger
+        self.table = table
+        self.reservations = reservations
         self.order = order
         self.placement = placement
         self.waits = waits
@@ -67,7 +70,7 @@ class Admission:
             size = LONG
         else:
             size = SHORT if total <= self.cfg.short_threshold_tokens else LONG
-        m = self.ledger.models.get(job.model) or self.ledger.model(job.model)
+        m = self.reservations.models.get(job.model) or self.reservations.model(job.model)
         if not m.workers and not requeue:
             self.counters["rejected_no_worker"] += 1
             return Refusal(Code.NO_WORKER, NO_WORKER_RETRY_S, {"model": job.model})
@@ -100,12 +103,12 @@ class Admission:
             return Refusal(
                 Code.QUEUE_FULL, self.waits.retry_after(m, rank, total, now), {"klass": self.classes[rank].name}
             )
-        if self.jobs.tenant_count.get(job.tenant, 0) >= self.cfg.max_queue_per_tenant:
+        if self.table.tenant_count.get(job.tenant, 0) >= self.cfg.max_queue_per_tenant:
             self.counters["rejected_tenant_queue_full"] += 1
             return Refusal(Code.TENANT_QUEUE_FULL, self.waits.retry_after(m, rank, total, now), {"tenant": job.tenant})
-        jobs = self.jobs
-        jobs.seq += 1
-        e = Entry(job, rank, size, jobs.seq)
+        table = self.table
+        table.seq += 1
+        e = Entry(job, rank, size, table.seq)
         bound = self.waits.bound[rank]
         if bound < math.inf and not requeue:
             if m.totals.queued == 0:
@@ -119,11 +122,20 @@ class Admission:
                     return refusal
             if job.lora_id and e.predicted >= 0.0:  # its adapter's load if no worker of its model holds it
                 e.predicted += self.placement.adapters.load_wait(m.workers, job.lora_id)
+        # (last: a prediction is kept only for a job that is queued)
+        targets = self.targets
+        if targets is not None and not requeue:
+            c = self.classes[rank]
+            target = job.ttft_target_s or c.ttft_target_ms / 1000.0
+            if target > 0.0:
+                refusal = targets.admit(m, e, now, target, job.sheddable or c.sheddable, c.name)
+                if refusal is not None:
+                    return refusal
         key = self.keys[rank][size]
         q = m.queues.by_key.get(key)
         if q is None:
             q = m.queues.by_key[key] = TenantQueue(
                 rank, size, self.cfg.short_threshold_tokens, by_tenant=self.order.by_tenant
             )
-        jobs.enqueue(m, q, e, now)
+        table.enqueue(m, q, e, now)
         return None

@@ -14,12 +14,12 @@ import heapq
 from collections import deque
 
 from router.fleet.prefix_index import PrefixIndex
-from router.policy.entries import JobTable
+from router.policy.entries import EntryTable
 from router.policy.model import ModelState
 from router.policy.placement import ScoredPlacement
 from router.policy.queues import QueueKey, QueueOrder, TenantQueue
-from router.policy.records import RUNNING, Entry, WorkerState
-from router.policy.reservations import Ledger
+from router.policy.records import PLACED, Entry, WorkerState
+from router.policy.reservations import Reservations
 from router.policy.types import LONG, SHORT, AbortJob, Action, DispatchJob, RejectJob
 from router.policy.wait_model import WaitModel
 from shared.config import ClassConfig, SchedulerConfig
@@ -31,8 +31,8 @@ class Dispatcher:
         self,
         cfg: SchedulerConfig,
         classes: list[ClassConfig],
-        jobs: JobTable,
-        ledger: Ledger,
+        table: EntryTable,
+        reservations: Reservations,
         order: QueueOrder,
         placement: ScoredPlacement,
         waits: WaitModel,
@@ -41,10 +41,10 @@ class Dispatcher:
     ) -> None:
         self.cfg = cfg
         self.classes = classes
-        self.jobs = jobs
-        self.entries = jobs.entries
-        self.ledger = ledger
-        self.models = ledger.models
+        self.table = table
+        self.entries = table.entries
+        self.reservations = reservations
+        self.models = reservations.models
         self.order = order
         self.placement = placement
         self.waits = waits
@@ -142,10 +142,10 @@ class Dispatcher:
         q.pop(e)
         q.last_dispatch = now
         job = e.job
-        self.jobs.unqueue(m, e, now)
+        self.table.unqueue(m, e, now)
         if e.predicted >= 0.0:
             self.wait_samples[e.rank].append((e.predicted, now - job.arrival))
-        self.ledger.reserve(m, e, w, cost)
+        self.reservations.reserve(m, e, w, cost)
         worker_id = w.spec.worker_id
         if job.block_hashes and self.affinity:
             self.prefix.speculate(worker_id, job.block_hashes, now)
@@ -153,6 +153,8 @@ class Dispatcher:
             self.placement.placed(m, worker_id)
         if job.lora_id:
             self.placement.adapters.dispatched(worker_id, job.lora_id, now)
+        if job.session and self.placement.sessions is not None:
+            self.placement.sessions.placed(job, worker_id, now)
         if self.cfg.generation_deadline_s > 0:
             h = self.deadlines
             if len(h) > 1024 and len(h) > 4 * len(self.entries):
@@ -179,7 +181,7 @@ class Dispatcher:
 
     def _reject_expired(self, m: ModelState, e: Entry, now: float, actions: list[Action]) -> None:
         job = e.job
-        self.jobs.drop_queued(m, e, now)
+        self.table.drop_queued(m, e, now)
         self.counters["expired_queue_deadline"] += 1
         retry = self.waits.retry_after(m, e.rank, 0, now)
         actions.append(
@@ -202,10 +204,10 @@ class Dispatcher:
         while h and h[0][0] <= now:
             _, seq, job_id = heapq.heappop(h)
             e = self.entries.get(job_id)
-            if e is None or e.state != RUNNING or e.seq != seq:
+            if e is None or e.state != PLACED or e.seq != seq:
                 continue
             wid = e.worker
-            self.ledger.release(e, now, count_rate=False)
+            self.reservations.release(e, now, count_rate=False)
             self.counters["aborted_generation_deadline"] += 1
             actions.append(
                 AbortJob(
@@ -221,7 +223,7 @@ class Dispatcher:
         while h:
             deadline, seq, job_id = h[0]
             e = self.entries.get(job_id)
-            if e is None or e.state != RUNNING or e.seq != seq:
+            if e is None or e.state != PLACED or e.seq != seq:
                 heapq.heappop(h)
                 continue
             t = deadline

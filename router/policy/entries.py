@@ -1,18 +1,18 @@
-"""The policy's job table and the transitions of a queued entry: into a
-queue (``enqueue``), out of the queued state (``unqueue``: dispatched, or
-``drop_queued``: expired or ended before it ran), each keeping every count
-over the queues exact."""
+"""The policy's entry table (its ``Entry`` per job it holds) and the
+transitions of a waiting entry: into a queue (``enqueue``), out of it
+(``unqueue``: dispatched, or ``drop_queued``: expired or ended before it
+ran), each keeping every count over the queues exact."""
 
 from __future__ import annotations
 
 from router.policy.model import ModelState
 from router.policy.queues import TenantQueue, insert_by_arrival
-from router.policy.records import DONE, Entry
+from router.policy.records import GONE, Entry
 
 
-class JobTable:
-    """Every job the policy holds, queued or running, by id, and the queued
-    count per tenant (what ``max_queue_per_tenant`` bounds)."""
+class EntryTable:
+    """Every entry the policy holds, waiting or placed, by job id, and the
+    queued count per tenant (what ``max_queue_per_tenant`` bounds)."""
 
     def __init__(self) -> None:
         self.entries: dict[str, Entry] = {}
@@ -55,7 +55,7 @@ class JobTable:
     def drop_queued(self, m: ModelState | None, e: Entry, now: float) -> None:
         """A queued ``e`` ended without running (expired, cancelled)."""
         self.entries.pop(e.job.job_id, None)
-        e.state = DONE
+        e.state = GONE
         if e.queue is not None:
             e.queue.forget(e)
         self.unqueue(m, e, now)

@@ -1,6 +1,6 @@
 """``Policy``: the one object the router (and the DES) drives.  It composes
 the concerns -- admission, the queue order, the wait model, placement, the
-ledger and the dispatch loop -- and answers the router's lookups."""
+reservations and the dispatch loop -- and answers the router's lookups."""
 
 from __future__ import annotations
 
@@ -10,17 +10,19 @@ from typing import Any
 from router.fleet.prefix_index import PrefixIndex
 from router.policy.admission import Admission
 from router.policy.dispatch import Dispatcher
-from router.policy.entries import JobTable
+from router.policy.entries import EntryTable
 from router.policy.gpu_gate import gpu_block
 from router.policy.placement import placement
 from router.policy.queues import queue_order
-from router.policy.records import QUEUED, RUNNING
-from router.policy.reservations import Ledger
-from router.policy.types import LONG, POOL_NAMES, SHORT, SIZE_NAMES, Action, Job, WorkerSpec
+from router.policy.records import PLACED, WAITING
+from router.policy.reservations import Reservations
+from router.policy.sessions import SessionTable
+from router.policy.targets import Targets
+from router.policy.types import LONG, SHORT, SIZE_NAMES, Action, Job, WorkerSpec
 from router.policy.wait_model import WaitModel
 from shared.config import SchedulerConfig
 from shared.errors import Refusal
-from shared.protocol import GpuInfo
+from shared.protocol import POOL_NAMES, GpuInfo
 
 
 class Policy:
@@ -53,17 +55,24 @@ class Policy:
         # The strategies, chosen once: the order queued work is served in, and where it runs.
         self.order = queue_order(cfg, self.n_classes)
         self.placement = placement(cfg, self.order, self.n_classes, self.prefix)
-        self.jobs = JobTable()
-        self.ledger = Ledger(cfg, self.n_classes, self.jobs.entries, self.counters)
+        self.sessions = SessionTable(
+            cfg.session_max, cfg.session_ttl_s, cfg.session_load_bound, self.counters, cfg.session_max_per_tenant
+        )
+        if cfg.sessions:
+            self.placement.sessions = self.sessions
+        self.table = EntryTable()
+        self.reservations = Reservations(cfg, self.n_classes, self.table.entries, self.counters)
         self.waits = WaitModel(self.classes, self.order, self.counters)
         self.admission = Admission(
-            cfg, self.classes, self.jobs, self.ledger, self.order, self.placement, self.waits, self.counters
+            cfg, self.classes, self.table, self.reservations, self.order, self.placement, self.waits, self.counters
         )
+        self.targets = Targets(self.waits, self.prefix, self.counters)
+        self.admission.targets = self.targets
         self.dispatcher = Dispatcher(
             cfg,
             self.classes,
-            self.jobs,
-            self.ledger,
+            self.table,
+            self.reservations,
             self.order,
             self.placement,
             self.waits,
@@ -71,10 +80,10 @@ class Policy:
             self.counters,
         )
         # The tables, shared with the parts above (read by the router's views and the tests).
-        self.models = self.ledger.models
-        self.workers = self.ledger.workers
-        self.entries = self.jobs.entries
-        self.tenant_count = self.jobs.tenant_count
+        self.models = self.reservations.models
+        self.workers = self.reservations.workers
+        self.entries = self.table.entries
+        self.tenant_count = self.table.tenant_count
         self.wait_samples = self.dispatcher.wait_samples
 
     @property
@@ -93,7 +102,7 @@ class Policy:
         """Register or re-register.  A re-registered worker runs nothing: the
         ids of jobs that ran there are released and returned (router fails them)."""
         lost = self.remove_worker(spec.worker_id, now) if spec.worker_id in self.workers else []
-        self.ledger.add_worker(spec, now)
+        self.reservations.add_worker(spec, now)
         if spec.prefix_hash:
             self.prefix.add_worker(spec.worker_id, spec.model, spec.prefix_hash, spec.block_size, spec.prefix_hash_seed)
         return lost
@@ -129,7 +138,7 @@ class Policy:
         """Forget a worker; the ids of the jobs that ran there, released."""
         self.prefix.remove_worker(worker_id)
         self.placement.adapters.remove_worker(worker_id)
-        return self.ledger.remove_worker(worker_id, now)
+        return self.reservations.remove_worker(worker_id, now)
 
     # ------------------------------------------------------------ jobs
 
@@ -141,7 +150,7 @@ class Policy:
         of its model is left -- it waits, up to its queue deadline, for one
         to come back -- and is not measured against the predicted-wait bound
         again; it keeps its place by ``job.arrival``."""
-        if job.job_id in self.entries:  # a router bug; keep the ledger exact anyway
+        if job.job_id in self.entries:  # a router bug; keep the reservations exact anyway
             self.finish(job.job_id, now)
         return self.admission.submit(job, now, requeue)
 
@@ -164,21 +173,30 @@ class Policy:
         e = self.entries.get(job_id)
         if e is None:
             return False
-        if e.state == QUEUED:
-            self.jobs.drop_queued(self.models.get(e.job.model), e, now)
+        if self.targets.pending:
+            self.targets.forget(job_id)
+        if e.state == WAITING:
+            self.table.drop_queued(self.models.get(e.job.model), e, now)
             return True
-        self.ledger.release(e, now, count_rate=True)
+        self.reservations.release(e, now, count_rate=True)
         self.counters["finished"] += 1
         return True
 
+    def first_token(self, job_id: str, model: str, ttft: float) -> None:
+        """A job's first token, ``ttft`` seconds after its arrival: checks its
+        latency target's prediction (router.policy.targets)."""
+        if self.targets.pending:
+            self.targets.first_token(job_id, model, ttft)
+
     def refused(self, job_id: str, now: float) -> bool:
-        """Its worker refused the dispatch (its own ledger: other routers hold
-        the room): release without counting a completion (no drain-rate
-        sample); the caller queues it again (``submit(requeue=True)``)."""
+        """Its worker refused the dispatch (its own ledger, engine_worker.ledger:
+        other routers hold the room): release without counting a completion
+        (no drain-rate sample); the caller queues it again
+        (``submit(requeue=True)``)."""
         e = self.entries.get(job_id)
-        if e is None or e.state != RUNNING:
+        if e is None or e.state != PLACED:
             return False
-        self.ledger.release(e, now, count_rate=False)
+        self.reservations.release(e, now, count_rate=False)
         self.counters["refused_by_worker"] += 1
         return True
 
@@ -190,7 +208,7 @@ class Policy:
         e = self.entries.get(job_id)
         if e is None or actual < 1 or actual == e.job.prompt_tokens:
             return  # (a repeat of the count it holds changes nothing)
-        queued = e.state == QUEUED and e.queue is not None
+        queued = e.state == WAITING and e.queue is not None
         m = self.models.get(e.job.model)
         if queued:
             assert e.queue is not None
@@ -204,20 +222,20 @@ class Policy:
             e.queue.tokens += e.tokens
             if m is not None:
                 m.totals.account(e, 1, None)
-        if e.state == RUNNING:
-            self.ledger.reprice(e)
+        if e.state == PLACED:
+            self.reservations.reprice(e)
 
     # ------------------------------------------------------------ lookups
 
     def worker_of(self, job_id: str) -> str | None:
         """The worker a job runs on (None: queued, ended or unknown)."""
         e = self.entries.get(job_id)
-        return e.worker if e is not None and e.state == RUNNING else None
+        return e.worker if e is not None and e.state == PLACED else None
 
     def cost_of(self, job_id: str) -> int:
         """KV tokens reserved for a running job on its worker (0: not running)."""
         e = self.entries.get(job_id)
-        return e.cost if e is not None and e.state == RUNNING else 0
+        return e.cost if e is not None and e.state == PLACED else 0
 
     def running_on(self, worker_id: str) -> list[str]:
         w = self.workers.get(worker_id)
@@ -289,7 +307,14 @@ class Policy:
                         "by_model": by_model,
                     }
                 )
-        return {"workers": workers, "queues": queues, "counters": dict(self.counters), "policy": self.cfg.policy}
+        return {
+            "workers": workers,
+            "queues": queues,
+            "counters": dict(self.counters),
+            "policy": self.cfg.policy,
+            "ttft_prediction_mape": self.targets.mape(),
+            "sessions": len(self.sessions),
+        }
 
 
 def _pct(sorted_vals: list[float], q: float) -> float | None:

@@ -17,7 +17,7 @@ from bisect import bisect_right
 from collections import deque
 from operator import attrgetter
 
-from router.policy.records import QUEUED, Entry
+from router.policy.records import WAITING, Entry
 from router.policy.types import LONG, SHORT
 from shared.config import SchedulerConfig
 
@@ -82,7 +82,7 @@ class TenantQueue:
 
     def _head(self, t: str) -> Entry | None:
         dq = self.tenants[t]
-        while dq and dq[0].state != QUEUED:
+        while dq and dq[0].state != WAITING:
             dq.popleft()
         return dq[0] if dq else None
 
@@ -100,7 +100,7 @@ class TenantQueue:
         while active:
             t = active[0]
             dq = self.tenants[t]  # (``_head``, inlined: this runs at every head served)
-            while dq and dq[0].state != QUEUED:
+            while dq and dq[0].state != WAITING:
                 dq.popleft()
             if not dq:
                 self._deactivate_front()
@@ -206,7 +206,7 @@ class ModelQueues:
     def oldest(self, rank: int, size: int) -> Entry | None:
         """The longest-waiting queued entry of (class, size)."""
         index = self.by_arrival[(rank, size)]
-        while index and index[0].state != QUEUED:
+        while index and index[0].state != WAITING:
             index.popleft()  # dispatched or ended since
         return index[0] if index else None
 

@@ -3,22 +3,30 @@ per-pool sets of workers with a free slot, ordered by occupancy."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from router.policy.types import POOL_ANY, POOL_LONG, POOL_SHORT, Job, WorkerSpec
 from shared.config import SchedulerConfig
 
-if TYPE_CHECKING:
-    from router.policy.queues import TenantQueue
+# An entry's state in the policy (not the job's lifecycle state, which is
+# router.lifecycle.jobs.JobState): WAITING in a queue -> PLACED on a worker,
+# holding its reservation (Reservations.reserve) -> GONE (Reservations.release,
+# .remove_worker); WAITING -> GONE (EntryTable.drop_queued).  Plain ints:
+# compared in the hot loops, where an enum member costs a lookup more.
+WAITING, PLACED, GONE = 0, 1, 2
 
-# An entry's state.  Plain ints: compared in the hot loops.  QUEUED -> RUNNING
-# (Ledger.reserve) -> DONE (Ledger.release, Ledger.remove_worker); QUEUED -> DONE
-# (JobTable.drop_queued).
-QUEUED, RUNNING, DONE = 0, 1, 2
+
+class EntryQueue(Protocol):
+    """The queue a queued entry waits in, as the entry's owners use it
+    (``queues.TenantQueue``; declared here so that the records import no queue)."""
+
+    tokens: int  # its entries' prompt+max_tokens
+
+    def forget(self, e: Entry) -> None: ...
 
 
 class Entry:
-    """A job inside the policy (queued or running).  ``job`` is the policy's
+    """A job inside the policy (waiting or placed).  ``job`` is the policy's
     copy: it may be the caller's object until a re-pricing, which replaces it
     with a copy instead of writing to the caller's."""
 
@@ -30,16 +38,16 @@ class Entry:
         self.size = size
         p, mt = job.prompt_tokens, job.max_tokens
         self.tokens = (p if p > 1 else 1) + (mt if mt > 0 else 0) * job.n  # max(1, p) + n * max(0, mt)
-        self.state = QUEUED
+        self.state = WAITING
         self.worker: str | None = None
         self.cost = 0  # KV tokens reserved on self.worker
         self.seq = seq
-        self.queue: TenantQueue | None = None
+        self.queue: EntryQueue | None = None
         self.predicted = -1.0  # queue wait predicted at admission (s); -1: none (no bound)
 
 
 class WorkerState:
-    """A worker's ledger: its budget, what it holds and whether it may take work."""
+    """A worker's record: its KV budget, what it holds and whether it may take work."""
 
     __slots__ = (
         "spec",

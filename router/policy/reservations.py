@@ -1,4 +1,4 @@
-"""The KV ledger: the registered workers, what each holds, and the one place
+"""The KV reservations: the registered workers, what each holds, and the one place
 a reservation is made, re-priced and released.
 
 Each worker has a KV budget ``capacity x (1 - kv_safety_margin) x
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from router.policy.estimate import kv_cost
 from router.policy.model import ModelState
-from router.policy.records import DONE, RUNNING, Entry, WorkerState
+from router.policy.records import GONE, PLACED, Entry, WorkerState
 from router.policy.types import WorkerSpec
 from shared.config import SchedulerConfig
 
 
-class Ledger:
+class Reservations:
     """The workers by id, and each model's records by name (made on first use)."""
 
     def __init__(
@@ -62,7 +62,7 @@ class Ledger:
         for job_id in lost:
             e = self.entries.pop(job_id, None)
             if e is not None:
-                e.state = DONE
+                e.state = GONE
         w.running.clear()
         w.reserved = 0
         self.counters["lost_with_worker"] += len(lost)
@@ -73,7 +73,7 @@ class Ledger:
 
     def reserve(self, m: ModelState, e: Entry, w: WorkerState, cost: int) -> None:
         """``e`` runs on ``w`` now, holding ``cost`` KV tokens there."""
-        e.state = RUNNING
+        e.state = PLACED
         e.worker = w.spec.worker_id
         e.cost = cost
         w.running[e.job.job_id] = cost
@@ -84,7 +84,7 @@ class Ledger:
         """``e`` ended: its reservation goes back (``count_rate``: a completion,
         a sample of the drain rate)."""
         self.entries.pop(e.job.job_id, None)
-        e.state = DONE
+        e.state = GONE
         w = self.workers.get(e.worker) if e.worker else None
         if w is not None and w.running.pop(e.job.job_id, None) is not None:
             w.reserved -= e.cost

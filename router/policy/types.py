@@ -11,7 +11,6 @@ from shared.config import SimEngineConfig
 from shared.errors import Refusal
 from shared.protocol import Pool, TaskType
 
-POOL_NAMES = {Pool.ANY: "any", Pool.SHORT: "short", Pool.LONG: "long"}
 SHORT, LONG = 0, 1
 SIZE_NAMES = ("short", "long")
 
@@ -94,6 +93,13 @@ class Job:
     weight: float = 1.0  # tenant's fair-share weight inside its class
     n: int = 1  # sequences (OpenAI's n): KV and token budgets count all of them
     block_hashes: Sequence[int] = ()  # the prompt's full blocks (router.fleet.block_hash), for prefix affinity
+    # Agents' sessions (router.policy.sessions): its session and its parent's, per tenant; its last turn
+    session: str = ""
+    parent_session: str = ""
+    session_final: bool = False
+    # Latency target (router.policy.targets): its TTFT in seconds (0: none); refused at once if unmet
+    ttft_target_s: float = 0.0
+    sheddable: bool = False
     lora_id: int = 0  # the LoRA adapter it runs under (0: none): router.policy.adapter_placement
 
 
@@ -111,7 +117,7 @@ class RejectJob(NamedTuple):
 class AbortJob(NamedTuple):
     job_id: str
     worker_id: str
-    error: Refusal  # ran past the generation deadline; ledger already released
+    error: Refusal  # ran past the generation deadline; reservation already released
 
 
 Action = DispatchJob | RejectJob | AbortJob

@@ -1,5 +1,6 @@
-"""How long a job would wait: the drain-rate meter, the capacity model, the
-predicted wait that admission bounds, and Retry-After.
+"""How long a job would wait: the capacity model, the predicted wait that
+admission bounds, and Retry-After, from a model's totals (``totals``: the
+queued tokens, the drain-rate meter, the inflow).
 
 Predicted wait = reserved tokens ahead (``WaitModel.ahead``) / drain rate
 (``WaitModel.drain_rate``): tokens released per second of backlog
@@ -10,182 +11,19 @@ fleet, less the inflow of higher classes."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+from router.policy.model import ModelState
 from router.policy.queues import QueueOrder
 from router.policy.records import Entry
+from router.policy.totals import CapacityGroup
 from router.policy.types import (
     DEFAULT_PREFILL_TOKEN_S,
     MAX_RETRY_S,
     MIN_RETRY_S,
     NO_WORKER_RETRY_S,
-    PRIOR_JOBS,
-    PRIOR_S,
-    RATE_TAU_S,
 )
 from shared.config import ClassConfig
 from shared.errors import Code, Refusal
-
-if TYPE_CHECKING:
-    from router.policy.model import ModelState
-
-# What the capacity model groups workers by: (step_s, request_s, max_num_seqs, budget) and a count.
-CapacityGroup = list[float]
-
-
-class RateMeter:
-    """Drain rate: reserved tokens (prompt + max_tokens) released per second
-    *of backlog*, exponentially weighted over ``tau`` seconds of backlog.
-
-    Only time during which work was queued counts, and only releases then:
-    an idle or lightly loaded fleet releases what it is offered, not what it
-    can do, and a burst after a quiet hour must not be judged by the quiet
-    hour.  ``rate`` blends in a prior (the capacity model) worth ``PRIOR_S``
-    seconds of backlog until ``PRIOR_JOBS`` releases were seen, then less and
-    less: how much a measurement says depends on how many releases it saw."""
-
-    __slots__ = ("tau", "tokens", "jobs", "window", "t", "busy")
-
-    def __init__(self, tau: float) -> None:
-        self.tau = tau
-        self.tokens = 0.0  # decayed tokens released while backlogged
-        self.jobs = 0.0  # decayed count of those releases
-        self.window = 0.0  # decayed seconds of backlog
-        self.t: float | None = None
-        self.busy = False
-
-    def _decay(self, now: float) -> tuple[float, float, float]:
-        t = self.t
-        if t is None or now <= t or not self.busy:
-            return self.tokens, self.jobs, self.window
-        d = math.exp(-(now - t) / self.tau)
-        return self.tokens * d, self.jobs * d, self.window * d + self.tau * (1.0 - d)
-
-    def _advance(self, now: float) -> None:
-        self.tokens, self.jobs, self.window = self._decay(now)
-        if self.t is None or now > self.t:
-            self.t = now
-
-    def set_busy(self, now: float, busy: bool) -> None:
-        if busy != self.busy:
-            self._advance(now)
-            self.busy = busy
-
-    def add(self, now: float, tokens: float) -> None:
-        if self.busy:
-            self._advance(now)
-            self.tokens += tokens
-            self.jobs += 1.0
-
-    def rate(self, now: float, prior: float) -> float:
-        tokens, jobs, window = self._decay(now)
-        weight = PRIOR_S * PRIOR_JOBS / (PRIOR_JOBS + jobs)
-        return (tokens + prior * weight) / (window + weight)
-
-
-class Flow:
-    """Exponentially weighted rate (tokens/s) of admitted work, over wall time."""
-
-    __slots__ = ("value", "t", "t0")
-
-    def __init__(self) -> None:
-        self.value = 0.0
-        self.t: float | None = None
-        self.t0: float | None = None
-
-    def add(self, now: float, tokens: float) -> None:
-        if self.t is None:
-            self.t = self.t0 = now
-        elif now > self.t:
-            self.value *= math.exp(-(now - self.t) / RATE_TAU_S)
-            self.t = now
-        self.value += tokens
-
-    def rate(self, now: float) -> float:
-        if self.t is None or self.t0 is None:
-            return 0.0
-        window = max(1.0, RATE_TAU_S * (1.0 - math.exp(-max(0.0, now - self.t0) / RATE_TAU_S)))
-        return self.value * math.exp(-max(0.0, now - self.t) / RATE_TAU_S) / window
-
-
-class AdmissionTotals:
-    """What admission predicts from, kept up to date in O(1) per event (``account``)."""
-
-    __slots__ = (
-        "queued",
-        "size_count",
-        "tokens",
-        "decode",
-        "tenants",
-        "wsum",
-        "fronts",
-        "fronts_cap",
-        "inflow",
-        "meter",
-    )
-
-    def __init__(self, n_classes: int) -> None:
-        self.queued = 0  # queued entries, all classes
-        self.size_count = [[0, 0] for _ in range(n_classes)]  # per class and size: queued entries
-        self.tokens = [0] * n_classes  # per class: queued prompt+max_tokens
-        self.decode = [0] * n_classes  # per class: queued max_tokens (engine steps)
-        # per class: tenant -> [queued tokens, queued entries, weight]; wsum: their weights' sum
-        self.tenants: list[dict[str, list[float]]] = [{} for _ in range(n_classes)]
-        self.wsum = [0.0] * n_classes
-        # (class, tenant) -> when the work of everyone refused so far (and told
-        # when to come back) will have drained: Retry-After spreads retries
-        self.fronts: dict[tuple[int, str], float] = {}
-        self.fronts_cap = 1024
-        self.inflow = [Flow() for _ in range(n_classes)]  # per class: admitted tokens/s
-        self.meter = RateMeter(RATE_TAU_S)
-
-    def account(self, e: Entry, sign: int, now: float | None) -> None:
-        """``e`` entered (+1) or left (-1) the queued state: the totals, and
-        whether the model is backlogged (None: a re-pricing)."""
-        # (one branch per sign, conditionals for max(): this runs twice per request)
-        r = e.rank
-        job = e.job
-        tokens = e.tokens
-        mt = job.max_tokens
-        if mt < 0:
-            mt = 0
-        tab = self.tenants[r]
-        t = job.tenant
-        row = tab.get(t)
-        if sign > 0:
-            queued = self.queued = self.queued + 1
-            self.size_count[r][e.size] += 1
-            self.tokens[r] += tokens
-            self.decode[r] += mt
-            w = job.weight
-            w = w if w > 1e-3 else 1e-3
-            if row is None:
-                row = tab[t] = [0, 0, w]
-                self.wsum[r] += w
-            elif row[2] != w:
-                self.wsum[r] += w - row[2]
-                row[2] = w
-            row[0] += tokens
-            row[1] += 1
-        else:
-            queued = self.queued = self.queued - 1
-            self.size_count[r][e.size] -= 1
-            self.tokens[r] -= tokens
-            self.decode[r] -= mt
-            if row is not None:
-                row[0] -= tokens
-                row[1] -= 1
-                if row[1] <= 0:
-                    del tab[t]
-                    self.wsum[r] = self.wsum[r] - row[2] if tab else 0.0
-        if now is not None and (queued > 0) != self.meter.busy:
-            self.meter.set_busy(now, queued > 0)
-
-    def remeasure(self, now: float) -> None:
-        """The fleet changed: what was measured no longer says what it drains;
-        predict from the capacity model again until the new fleet is measured."""
-        self.meter = RateMeter(RATE_TAU_S)
-        self.meter.set_busy(now, self.queued > 0)
 
 
 def wait_bound(c: ClassConfig) -> float:

@@ -7,7 +7,7 @@ its tenant (``[[tenants]]``, shared by all the tenant's keys).  A request must
 fit every bucket that applies to it, and takes from all of them at once.
 
 A module of its own because this part is pure -- no clock, no I/O, no
-state, property-tested alone (tests/unit/test_quota_groups.py) -- and is the
+state, property-tested alone (tests/unit/test_budget_groups.py) -- and is the
 vocabulary shared by the stores (router.tenancy.store_memory,
 router.tenancy.store_redis) and the ledger (router.tenancy.budgets): a store
 keeps bucket levels, the ledger decides what to take and give back.
@@ -47,7 +47,7 @@ class Bucket(NamedTuple):
 
 @dataclass(slots=True, eq=False)
 class Hold:
-    """One job's reservation; ``Quota.release`` returns it exactly once."""
+    """One job's reservation; ``BudgetLedger.release`` returns it exactly once."""
 
     buckets: tuple[Bucket, ...]
     tokens: int  # reserved tokens
@@ -59,7 +59,7 @@ class Hold:
 
 
 # What the ledger answers a reserve: the hold, or the refusal to send.
-QuotaAnswer: TypeAlias = Hold | p.ErrorInfo
+BudgetAnswer: TypeAlias = Hold | p.ErrorInfo
 # A store's answer to a reserve: (True, None, levels after) or
 # (False, (index of the binding bucket, wait s), levels).
 Reserved: TypeAlias = tuple[bool, tuple[int, float] | None, list[float]]

@@ -14,7 +14,7 @@ The reservation belongs to the *job* (the lifecycle's job id), not to a
 dispatch: a job put back in the queue after a worker loss, or resumed on
 another worker (the fault-tolerance issue), keeps its one reservation and is
 settled once, on its cumulative usage.  ``release`` pops the hold, so it
-returns exactly once whatever path ends the job (tests/inproc/test_quota.py checks
+returns exactly once whatever path ends the job (tests/inproc/test_budgets.py checks
 this over random interleavings).
 
 A refusal is 429 (``requests_budget`` / ``tokens_budget``: OpenAI's code
@@ -56,8 +56,8 @@ from router.observe.metrics import RouterMetrics
 from router.tenancy.buckets import (
     NO_HOLD,
     Bucket,
+    BudgetAnswer,
     Hold,
-    QuotaAnswer,
     Reserved,
     StoreAnswer,
     StoreCallback,
@@ -79,7 +79,7 @@ from shared.keys import config_digest, key_id, redact_url
 if TYPE_CHECKING:
     from router.tenancy.identity import Identity
 
-log = logging.getLogger("weir.router.quota")
+log = logging.getLogger("weir.router.budgets")
 
 STORE_RETRY_S = 1.0  # after a store error, answer without asking it for this long
 MAX_PENDING_CREDITS = 100_000  # settles kept for retry while the store is down
@@ -141,10 +141,10 @@ class Group:
     takes 0 request units).  Settled once, when the fan-out has ``close``d it
     and its last job has ended: every unit back if any job was refused before
     it was queued (or the fan-out failed), else all kept -- as one job's unit
-    is.  The core opens it (``Quota.open_group``) on the first job's submit."""
+    is.  The core opens it (``BudgetLedger.open_group``) on the first job's submit."""
 
     size: int
-    quota: Quota | None = None  # set once asked: who settles it
+    quota: BudgetLedger | None = None  # set once asked: who settles it
     hold: Hold | None = None  # its request units (None: not answered yet, refused or no budget)
     refusal: p.ErrorInfo | None = None  # refused whole: every job gets this
     pending: bool = False  # a store with I/O has not answered yet
@@ -177,7 +177,7 @@ class Group:
             if hold is not None and self.quota is not None:
                 self.quota.release(hold, 0, refund_request=self.refund)
 
-    def answered(self, got: QuotaAnswer) -> None:
+    def answered(self, got: BudgetAnswer) -> None:
         """The store's later answer to the group's reservation."""
         self.pending = False
         if isinstance(got, Hold):
@@ -187,7 +187,7 @@ class Group:
         self._maybe_settle()
 
 
-class Quota:
+class BudgetLedger:
     """What the lifecycle (router.lifecycle.core) asks: ``reserve`` at admission,
     ``ended`` at the one exit.  Also per-tenant usage counters."""
 
@@ -238,8 +238,8 @@ class Quota:
     # -------------------------------------------------------------- reserve
 
     def reserve(
-        self, who: Identity, tokens: int, on_answer: Callable[[QuotaAnswer], None], requests: int = 1
-    ) -> QuotaAnswer | None:
+        self, who: Identity, tokens: int, on_answer: Callable[[BudgetAnswer], None], requests: int = 1
+    ) -> BudgetAnswer | None:
         """A Hold or a refusal now; or None, and ``on_answer`` gets it later
         (a store with I/O).  No budget for this key: a Hold that takes nothing.
         ``requests``: the request units to take (a fan-out's jobs: 0, their Group took them)."""
@@ -250,9 +250,9 @@ class Quota:
         who: Identity,
         buckets: tuple[Bucket, ...],
         tokens: int,
-        on_answer: Callable[[QuotaAnswer], None],
+        on_answer: Callable[[BudgetAnswer], None],
         requests: int,
-    ) -> QuotaAnswer | None:
+    ) -> BudgetAnswer | None:
         if not buckets:
             return NO_HOLD
         big = too_large(buckets, tokens, requests)
@@ -279,7 +279,7 @@ class Quota:
         )
         return None
 
-    def reserve_call(self, who: Identity, on_answer: Callable[[QuotaAnswer], None]) -> QuotaAnswer | None:
+    def reserve_call(self, who: Identity, on_answer: Callable[[BudgetAnswer], None]) -> BudgetAnswer | None:
         """One request unit and no tokens (a /tokenize call): as ``reserve``."""
         return self._reserve(who, self.request_buckets(who), 0, on_answer, 1)
 
@@ -311,7 +311,7 @@ class Quota:
         amounts: Sequence[int] = (),
         hold_id: str = "",
         requests: int = 1,
-    ) -> QuotaAnswer:
+    ) -> BudgetAnswer:
         if isinstance(res, BaseException):
             if hold_id:  # it may have run before the error (a timeout): undone if it did, else nothing
                 self._unsent.append((buckets, amounts, hold_id))
@@ -329,7 +329,7 @@ class Quota:
 
     def _store_down(
         self, who: Identity, buckets: tuple[Bucket, ...], tokens: int, exc: BaseException | None, requests: int = 1
-    ) -> QuotaAnswer:
+    ) -> BudgetAnswer:
         now = self.clock()
         if exc is not None:
             self._down_until = now + STORE_RETRY_S
@@ -460,7 +460,7 @@ class Quota:
 class _UsageCollector:
     """The ledger's counters in /metrics, read at each scrape."""
 
-    def __init__(self, quota: Quota) -> None:
+    def __init__(self, quota: BudgetLedger) -> None:
         self.quota = quota
 
     def describe(self) -> list[Metric]:

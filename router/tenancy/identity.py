@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from router.tenancy.priority_hints import hinted_rank
 from shared import protocol as p
 from shared.config import ApiKey, Config
 from shared.errors import Code, error
@@ -45,6 +46,7 @@ class Keys:
             h: _allowed(k.adapters, tenant_lists.get(k.tenant)) for h, k in self.by_key.items()
         }
         self.rank = {c.name: i for i, c in enumerate(cfg.scheduler.classes)}
+        self.names = [c.name for c in cfg.scheduler.classes]
         self.default_tier = DEFAULT_TIER if DEFAULT_TIER in self.rank else cfg.scheduler.classes[0].name
 
     def identify(self, sub: p.Submit) -> Identity | p.ErrorInfo:
@@ -70,6 +72,10 @@ class Keys:
                 )
             if rank > self.rank[tier]:
                 klass = sub.priority
+        if sub.routing is not None:  # gateways' priorities (router.api.agent_headers): only lower
+            hinted = hinted_rank(sub.routing, self.rank, self.rank[self.default_tier])
+            if hinted > self.rank[klass]:
+                klass = self.names[hinted]
         return Identity(tenant, klass, weight, kid, self.adapters.get(h) if self.by_key else None)
 
 

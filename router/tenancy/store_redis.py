@@ -21,7 +21,7 @@ from router.tenancy.buckets import Bucket, StoreAnswer, StoreCallback
 if TYPE_CHECKING:
     import redis.asyncio
 
-log = logging.getLogger("weir.router.quota")
+log = logging.getLogger("weir.router.budgets")
 
 _Call: TypeAlias = tuple[str, tuple[Bucket, ...], Sequence[int], str, StoreCallback | None]  # queued: op, ..., callback
 
@@ -103,7 +103,7 @@ class RedisBudgetStore:
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
-        # No retries inside the client: a failure is the Quota's to handle, at once.
+        # No retries inside the client: a failure is the BudgetLedger's to handle, at once.
         client = self._client = aioredis.from_url(
             self.url,
             socket_timeout=self.timeout_s,

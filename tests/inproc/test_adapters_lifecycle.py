@@ -158,7 +158,7 @@ def test_per_adapter_metrics(core):
 
 
 def test_models_list_shows_a_key_only_the_adapters_it_may_use(core):
-    from router.lifecycle.reads import CoreView
+    from router.lifecycle.reads import RouterCoreReads
     from router.observe.metrics import RouterMetrics
     from router.observe.views import RouterViews
 
@@ -172,7 +172,7 @@ def test_models_list_shows_a_key_only_the_adapters_it_may_use(core):
         def reports(self):
             return []
 
-    views = RouterViews(CoreView(core), NoLink(), RouterMetrics())
+    views = RouterViews(RouterCoreReads(core), NoLink(), RouterMetrics())
     names = {key: [a[0] for a in views.adapters_for(key)] for key in (KEY_A, KEY_B, KEY_ALL, "sk-unknown", None)}
     assert names == {KEY_A: ["lora-a"], KEY_B: ["lora-b"], KEY_ALL: ["lora-a", "lora-b"], "sk-unknown": [], None: []}
     assert [a[0] for a in views.adapters()] == ["lora-a", "lora-b"]  # the operator's view: all

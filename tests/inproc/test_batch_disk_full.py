@@ -121,7 +121,7 @@ def test_a_running_batch_pauses_while_the_disk_is_full_and_finishes_its_lines_on
             assert time.monotonic() < deadline, "the write never met the full disk"
             await asyncio.sleep(0.01)
         run.results.dirty = True
-        for _ in range(5):  # the runner's steps meanwhile: state saves fail too; nothing is sent
+        for _ in range(5):  # the run's steps meanwhile: state saves fail too; nothing is sent
             await run.step()
             await asyncio.sleep(0.05)
         assert rec.status == m.IN_PROGRESS and not rec.errors and not run.ended
@@ -238,7 +238,7 @@ def test_a_revocation_whose_end_meets_a_full_disk_records_its_error_once(small_d
         run.results.done = bytearray(b"\x01")  # its one line was answered already: nothing more to write but the end
         run.revoked = True
         filler = _fill(small_disk)
-        for _ in range(3):  # the runner's steps while the disk is full
+        for _ in range(3):  # the run's steps while the disk is full
             with pytest.raises(OSError) as e:
                 await run.step()
             assert disk_full(e.value) and not run.ended

@@ -1,7 +1,7 @@
 """A batch's end, in process: the moment a batch shows a terminal status (and so
 its output/error file ids), those files exist.
 
-The runner registers the files in its I/O thread; an HTTP GET for the batch is
+The batch's run (BatchRun) registers the files in its I/O thread; an HTTP GET for the batch is
 served from the same in-memory record meanwhile.  A client that reads the output
 file the moment it sees ``cancelled`` must not get a 404.  The stand-in service
 carries the real on-disk stores and a real I/O thread; the register is slowed so

@@ -1,4 +1,4 @@
-"""A batch whose key is revoked, in process: the runner with the real on-disk
+"""A batch whose key is revoked, in process: its run (BatchRun) with the real on-disk
 stores and I/O thread, and the keys a reload leaves (router.tenancy.ownership's rule).
 
 A key removed, or moved to another tenant, cancels the batch: what finished

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.ingress.routes import ErrorReply, Reply, Routes, routes
 from router.lifecycle.core import RouterCore
-from router.lifecycle.reads import CoreView
+from router.lifecycle.reads import RouterCoreReads
 from router.observe import exposition
 from router.observe.metrics import RouterMetrics
 from router.observe.operator_actions import RouterOperator
@@ -91,7 +91,7 @@ class Router:
         self.link = FakeLink()
         self.metrics = RouterMetrics()
         self.core = RouterCore(_config(), self.loop, self.link, metrics=self.metrics)
-        self.views = RouterViews(CoreView(self.core), self.link, self.metrics)
+        self.views = RouterViews(RouterCoreReads(self.core), self.link, self.metrics)
         self.reloads = 0
         self.operator = RouterOperator(self.core, self.link, self._reload)
         self.routes: Routes = routes(self.views, self.operator, created=7)

@@ -180,7 +180,7 @@ def test_predicted_wait_counts_a_load_when_no_worker_holds_the_adapter():
         p.placement.adapters.dispatched("a", 5, 0.0)  # on its way to a
         j = _job(lora)
         assert p.submit(j, 0.0) is None
-        return p.jobs.entries[j.job_id].predicted
+        return p.table.entries[j.job_id].predicted
 
     assert predicted(8) == 0.5  # nobody holds it: one load
     assert predicted(7) == predicted(6) == predicted(5) == predicted(0) == 0.0

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from router.observe.exposition import label_text, number
-from router.observe.metrics import CounterFamily, HistogramFamily
+from router.observe.families import CounterFamily, HistogramFamily
 
 
 class _One:

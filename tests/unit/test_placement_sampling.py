@@ -1,4 +1,4 @@
-"""Placement in large fleets (router/policy/placement.py, ``PLACE_SCAN_ALL`` / ``PLACE_SAMPLE``).
+"""Placement in large fleets (router/policy/placement/candidates.py, ``PLACE_SCAN_ALL`` / ``PLACE_SAMPLE``).
 
 Beyond PLACE_SCAN_ALL workers the policy scores a few workers drawn from
 per-pool sets of those with a free slot instead of every worker.  Checked:

@@ -1,5 +1,5 @@
 """The prefix index (router/fleet/prefix_index.py) and prefix affinity in placement
-(router/policy/placement.py ``ScoredPlacement.affine``): pure, in-process.
+(router/policy/placement/: the prefix affinity scorer and the picker): pure, in-process.
 
 Properties (hypothesis): affinity never changes *whether* a job is placed,
 never over-commits the ledger, and only picks a worker whose load score is

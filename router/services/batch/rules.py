@@ -1,8 +1,8 @@
 """The batch tier's pure parts: statuses and their moves, windows, the feeder's decision.
 
-No I/O here: the store (router.services.batch.store) persists what these decide, the
-runner (router.services.batch.runner) acts on it.  OpenAI's statuses, in the order a
-batch moves through them:
+No I/O here: the store (router.services.batch.store) persists what these decide, a
+batch's run (router.services.batch.run's BatchRun, over its LineFeeder and
+ResultWriter) acts on it.  OpenAI's statuses, in the order a batch moves through them:
 
   validating -> in_progress -> finalizing -> completed
   validating -> failed                       (not JSONL, custom_id missing or repeated)

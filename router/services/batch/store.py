@@ -1,11 +1,11 @@
 """Batches on disk: each batch's state, its results, its cancel request.
 
 ``<dir>/batches/<id>/state.json`` is the batch (OpenAI's object plus what
-the runner needs: owner, key digest, line count), rewritten atomically
+its run needs: owner, key digest, line count), rewritten atomically
 (router.services.batch.disk.write_atomic).  Results go straight into the output and
 error files (``<dir>/files/<file id>.data``), one JSON line per request
 line, appended and fsync'ed in groups; each result's ``id`` carries its
-input line number, so after a crash the runner rebuilds which lines are done
+input line number, so after a crash the next run (router.services.batch.run) rebuilds which lines are done
 from the files alone: a line whose result was written is never sent again,
 and a torn last line (killed mid-write) is cut off.  ``cancel`` beside the
 state is a request to cancel, written by whichever router got the call; the
@@ -250,7 +250,8 @@ _entry_decoder = msgspec.json.Decoder(_Entry)
 
 
 def line_usage(raw: bytes) -> tuple[int, int, int]:
-    """A result line's (input, output, cached) tokens, as the runner added them when it wrote the line."""
+    """A result line's (input, output, cached) tokens, as the result writer
+    (router.services.batch.results) added them when it wrote the line."""
     try:
         resp = _entry_decoder.decode(raw).response
     except msgspec.DecodeError:

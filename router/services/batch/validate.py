@@ -59,7 +59,7 @@ def _embeddings(body: bytes, meta: api.RequestMeta, rid: str, max_prompts: int) 
 
 
 Parser = Callable[[bytes, api.RequestMeta, str, int], LineJobs]
-PARSERS: dict[str, Parser] = {
+LINE_PARSERS: dict[str, Parser] = {
     "/v1/chat/completions": _chat,
     "/v1/completions": _completions,
     "/v1/embeddings": _embeddings,
@@ -171,7 +171,7 @@ def to_jobs(
         raise api.RequestError(
             error(Code.REQUEST_TOO_LARGE, f"Request body exceeds the limit of {max_body_bytes} bytes", param="body")
         )
-    parser = PARSERS.get(endpoint)
+    parser = LINE_PARSERS.get(endpoint)
     if parser is None:
         raise api.invalid(f"The endpoint {endpoint!r} is not served by this router.", param="url")
     jobs = parser(body, api.RequestMeta(), request_id, max_prompts)

@@ -1,5 +1,5 @@
 """Budgets (router/tenancy/budgets.py, the ledger) through the lifecycle, in-process: fake ports,
-fake clock, the real Quota with its MemoryBudgetStore (or a store that answers
+fake clock, the real BudgetLedger with its MemoryBudgetStore (or a store that answers
 later, as Redis does).  The promise checked everywhere: a job's reservation
 returns exactly once, whatever path it ends on, and what stays taken is
 exactly what the engines used (prompt once it ran + completion)."""
@@ -327,12 +327,12 @@ class _Conn:
 def embed_inputs(h: QHarness, k: int):
     """A k-input /v1/embeddings request through its real handler (router.ingress.embeddings)."""
     from router import api
-    from router.ingress.embeddings import EmbeddingBatch
+    from router.ingress.embeddings import EmbeddingsExchange
 
     body = msgspec.json.encode({"model": "sim-e", "input": [PROMPT] * k})
     subs, ctx = api.parse_embeddings(body, api.meta_from_headers(f"Bearer {KEY}", None), "r1")
     conn = _Conn()
-    batch = EmbeddingBatch(conn, None, ctx, "embeddings", h.core)
+    batch = EmbeddingsExchange(conn, None, ctx, "embeddings", h.core)
     batch.start(subs)
     h.settle()
     return conn, batch

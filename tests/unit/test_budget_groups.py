@@ -1,7 +1,7 @@
 """The budgets' fan-out arithmetic (router.tenancy.buckets, .budgets), without the lifecycle: a request of k
 jobs takes its k request units in one reservation (router.tenancy.budgets.Group) or
 none; it is never charged more than k, and any refusal among its jobs gives
-every unit back.  The lifecycle around it: tests/inproc/test_quota.py."""
+every unit back.  The lifecycle around it: tests/inproc/test_budgets.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from router.observe.metrics import RouterMetrics
 from router.tenancy.buckets import Bucket, Hold, costs, settle_amounts, too_large
-from router.tenancy.budgets import Group, Quota
+from router.tenancy.budgets import BudgetLedger, Group
 from router.tenancy.identity import Identity
 from router.tenancy.store_memory import MemoryBudgetStore
 from shared.config import Config
@@ -52,17 +52,17 @@ class _Frozen(MemoryBudgetStore):
         super().credit(buckets, amounts, 0.0)
 
 
-def _quota(rpm: int) -> tuple[Quota, Identity]:
+def _quota(rpm: int) -> tuple[BudgetLedger, Identity]:
     cfg = msgspec.convert(
         {"models": [{"name": "m", "engine": "sim"}],
          "api_keys": [{"key_sha256": digest(KEY), "tenant": "a", "requests_per_minute": rpm}]},
         Config,
     )
-    q = Quota(cfg, RouterMetrics(), clock=lambda: 0.0, store=_Frozen())
+    q = BudgetLedger(cfg, RouterMetrics(), clock=lambda: 0.0, store=_Frozen())
     return q, Identity("a", "standard", 1.0, key_id(config_digest(cfg.api_keys[0])))
 
 
-def _level(q: Quota) -> float:
+def _level(q: BudgetLedger) -> float:
     (b,) = next(iter(q.by_key.values()))
     return q.store.level(b, 0.0)
 
