@@ -53,8 +53,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue  # not under tests/ (a path given on the command line)
         tier = rel.split("/", 1)[0]
         if tier not in TIERS:
-            raise pytest.UsageError(f"{rel}: every test lives in tests/unit, tests/inproc or tests/e2e "
-                                    "(the folder is its tier: see tests/conftest.py)")
+            raise pytest.UsageError(
+                f"{rel}: every test lives in tests/unit, tests/inproc or tests/e2e "
+                "(the folder is its tier: see tests/conftest.py)"
+            )
         item.add_marker(tier)
         if rel in VLLM_FILES or "stack" in getattr(item, "fixturenames", ()):
             item.add_marker("vllm")

@@ -1,8 +1,8 @@
 """Helpers for end-to-end tests: free ports, test configs, stacks.
 
-    cfg_path = write_config(tmp_path, workers=[sim_worker()])
-    with start_stack(cfg_path) as stack:
-        requests.get(stack.envoy_url + "/v1/models")
+cfg_path = write_config(tmp_path, workers=[sim_worker()])
+with start_stack(cfg_path) as stack:
+    requests.get(stack.envoy_url + "/v1/models")
 """
 
 from __future__ import annotations

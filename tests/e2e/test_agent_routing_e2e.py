@@ -70,8 +70,9 @@ def _cached(usage: dict) -> int:
 
 
 def _context(tag: str, turns: int) -> str:
-    return "".join(f"[{tag} turn {k}] the agent reads the file, edits it and runs the tests again. " * 3
-                   for k in range(turns))
+    return "".join(
+        f"[{tag} turn {k}] the agent reads the file, edits it and runs the tests again. " * 3 for k in range(turns)
+    )
 
 
 def test_gateway_priority_headers_pass_envoy_and_lower_the_class(agent_stack):
@@ -151,8 +152,12 @@ def test_a_sheddable_request_that_cannot_meet_its_target_is_refused_with_llm_ds_
     s = agent_stack
     body = {"model": MODEL, "prompt": "x" * 400, "max_tokens": 2}
     # no worker starts a request within 10 microseconds: refused at once, through Envoy
-    r = requests.post(s.envoy_url + "/v1/completions", json=body, timeout=10,
-                      headers={"x-llm-d-slo-ttft-ms": "0.01", "x-weir-sheddable": "true"})
+    r = requests.post(
+        s.envoy_url + "/v1/completions",
+        json=body,
+        timeout=10,
+        headers={"x-llm-d-slo-ttft-ms": "0.01", "x-weir-sheddable": "true"},
+    )
     assert r.status_code == 429, r.text
     assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
     assert int(r.headers["retry-after"]) >= 1
@@ -164,8 +169,12 @@ def test_a_sheddable_request_that_cannot_meet_its_target_is_refused_with_llm_ds_
     assert r.status_code == 200, r.text
     assert metric(s, "weir_policy_decisions_total", decision="ttft_target_missed") == missed + 1
     # a target it meets easily: served, counted as met
-    r = requests.post(s.envoy_url + "/v1/completions", json=body, timeout=10,
-                      headers={"x-llm-d-slo-ttft-ms": "5000", "x-weir-sheddable": "1"})
+    r = requests.post(
+        s.envoy_url + "/v1/completions",
+        json=body,
+        timeout=10,
+        headers={"x-llm-d-slo-ttft-ms": "5000", "x-weir-sheddable": "1"},
+    )
     assert r.status_code == 200 and metric(s, "weir_policy_decisions_total", decision="ttft_target_met") >= 1
     assert metric(s, "weir_ttft_prediction_error_ratio") > 0.0  # its prediction checked against what came
 
@@ -177,8 +186,12 @@ def test_aliases_split_fall_back_and_name_the_model_that_served(agent_stack):
     assert listed["agent"]["max_model_len"] == 2048 and listed["agent"]["ready_workers"] == 3
 
     def ask(model: str, headers: dict[str, str] | None = None) -> str:
-        r = requests.post(s.envoy_url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
-                          headers=headers or {}, timeout=10)
+        r = requests.post(
+            s.envoy_url + "/v1/completions",
+            json={"model": model, "prompt": "hi", "max_tokens": 2},
+            headers=headers or {},
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
         assert r.headers["x-weir-model"] == r.json()["model"]
         return r.json()["model"]

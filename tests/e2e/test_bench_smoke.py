@@ -81,8 +81,22 @@ def test_smoke_run_every_target(sim_stack, tmp_path, kind, mode):
 
 def test_refusals_are_counted_by_status(sim_stack, tmp_path):
     # Unknown model: every request is refused with one 4xx status, none ok.
-    rc, data = _run(tmp_path, "-w", "smoke", "-t", "router", "--url", sim_stack.router_url,
-                    "-n", "5", "-c", "2", "--model", "sim-no-such-model", "--no-plots")
+    rc, data = _run(
+        tmp_path,
+        "-w",
+        "smoke",
+        "-t",
+        "router",
+        "--url",
+        sim_stack.router_url,
+        "-n",
+        "5",
+        "-c",
+        "2",
+        "--model",
+        "sim-no-such-model",
+        "--no-plots",
+    )
     assert rc == 1  # nothing succeeded
     o = data["summary"]["overall"]
     assert o["ok"] == 0 and o["errors"] == 0 and o["incomplete"] == 0
@@ -94,8 +108,20 @@ def test_refusals_are_counted_by_status(sim_stack, tmp_path):
 
 
 def test_unreachable_target_counts_transport_errors(tmp_path):
-    rc, data = _run(tmp_path, "-w", "smoke", "-t", "openai", "--url", f"http://127.0.0.1:{free_port()}/v1",
-                    "-n", "3", "-c", "1", "--no-plots")
+    rc, data = _run(
+        tmp_path,
+        "-w",
+        "smoke",
+        "-t",
+        "openai",
+        "--url",
+        f"http://127.0.0.1:{free_port()}/v1",
+        "-n",
+        "3",
+        "-c",
+        "1",
+        "--no-plots",
+    )
     assert rc == 1
     o = data["summary"]["overall"]
     assert o["errors"] == o["sent"] == 3 and o["ok"] == 0
@@ -104,8 +130,23 @@ def test_unreachable_target_counts_transport_errors(tmp_path):
 
 def test_time_limit_bounds_the_run(sim_stack, tmp_path):
     # 40 requests at 20/s would take 2 s; the 0.5 s limit stops sending early.
-    rc, data = _run(tmp_path, "-w", "smoke", "-t", "zmq", "--url", sim_stack.zmq_frontend,
-                    "-n", "40", "--rate", "20", "--duration", "0.5", "--no-plots", cli=weir_main)
+    rc, data = _run(
+        tmp_path,
+        "-w",
+        "smoke",
+        "-t",
+        "zmq",
+        "--url",
+        sim_stack.zmq_frontend,
+        "-n",
+        "40",
+        "--rate",
+        "20",
+        "--duration",
+        "0.5",
+        "--no-plots",
+        cli=weir_main,
+    )
     assert rc == 0
     o = data["summary"]["overall"]
     assert 2 <= o["sent"] < 40
@@ -126,18 +167,52 @@ def test_relay_floor_answers_through_its_worker_process(tmp_path):
     worker = subprocess.Popen([sys.executable, "-m", "bench.echo", "--worker", back])
     try:
         deadline = time.monotonic() + 60  # both started and the worker's hello in (a loaded CI machine is slow)
-        while _run(tmp_path / "probe", "-w", "one-token", "-t", "zmq", "--url", front, "-n", "1", "--duration", "1",
-                   "--drain", "1", "--no-plots")[1]["summary"]["overall"]["ok"] != 1:
+        while (
+            _run(
+                tmp_path / "probe",
+                "-w",
+                "one-token",
+                "-t",
+                "zmq",
+                "--url",
+                front,
+                "-n",
+                "1",
+                "--duration",
+                "1",
+                "--drain",
+                "1",
+                "--no-plots",
+            )[1]["summary"]["overall"]["ok"]
+            != 1
+        ):
             assert time.monotonic() < deadline, "the relay floor never answered"
-        rc, data = _run(tmp_path / "up", "-w", "one-token", "-t", "zmq", "--url", front, "-n", "20", "-c", "2",
-                        "--no-plots")
+        rc, data = _run(
+            tmp_path / "up", "-w", "one-token", "-t", "zmq", "--url", front, "-n", "20", "-c", "2", "--no-plots"
+        )
         assert rc == 0
         o = data["summary"]["overall"]
         assert o["ok"] == o["sent"] == 20 and o["output_tokens"] == 20
         worker.terminate()
         worker.wait()
-        rc, data = _run(tmp_path / "down", "-w", "one-token", "-t", "zmq", "--url", front, "-n", "2", "-c", "2",
-                        "--duration", "1", "--drain", "1", "--no-plots")
+        rc, data = _run(
+            tmp_path / "down",
+            "-w",
+            "one-token",
+            "-t",
+            "zmq",
+            "--url",
+            front,
+            "-n",
+            "2",
+            "-c",
+            "2",
+            "--duration",
+            "1",
+            "--drain",
+            "1",
+            "--no-plots",
+        )
         assert data["summary"]["overall"]["ok"] == 0
     finally:
         for p in (relay, worker):
@@ -191,8 +266,24 @@ def test_uploads_scenario_reports_memory_and_gaps(tmp_path):
     from bench.scenarios import uploads
 
     out = tmp_path / "out"
-    rc = uploads.main(["--uploads", "2", "--mib", "2", "--seconds", "2", "--rate", "10", "--tokens", "16",
-                       "--after-s", "1", "--out", str(out)])
+    rc = uploads.main(
+        [
+            "--uploads",
+            "2",
+            "--mib",
+            "2",
+            "--seconds",
+            "2",
+            "--rate",
+            "10",
+            "--tokens",
+            "16",
+            "--after-s",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     r = json.loads((out / "uploads.json").read_text())
     assert rc == 0 and r["files_intact"] == 2
     b = r["with_uploads"]

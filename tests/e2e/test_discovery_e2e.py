@@ -120,8 +120,12 @@ def test_worker_links_every_address_of_a_name_and_follows_changes(tmp_path):
         body: dict[str, str] = {}
 
         def stream() -> None:
-            with requests.post(f"http://{https[0]}/v1/completions", timeout=30, stream=True,
-                               json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 800, "stream": True}) as r:
+            with requests.post(
+                f"http://{https[0]}/v1/completions",
+                timeout=30,
+                stream=True,
+                json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 800, "stream": True},
+            ) as r:
                 body["text"] = r.content.decode()
 
         s = threading.Thread(target=stream)
@@ -135,8 +139,10 @@ def test_worker_links_every_address_of_a_name_and_follows_changes(tmp_path):
         assert body["text"].rstrip().endswith("data: [DONE]") and '"error"' not in body["text"], body["text"][-300:]
         ended = time.monotonic()
         dropped = _wait(lambda: "sim-0" not in _worker_ids(https[0]), 10)
-        print(f"discovery: a removed router, streaming, kept its link {ended - t_gone:.2f} s until the stream "
-              f"ended, then dropped {dropped:.2f} s later")
+        print(
+            f"discovery: a removed router, streaming, kept its link {ended - t_gone:.2f} s until the stream "
+            f"ended, then dropped {dropped:.2f} s later"
+        )
         assert dropped < INTERVAL_S + 1.5
         time.sleep(0.5)
         stop.set()

@@ -65,9 +65,14 @@ def test_frequency_penalty_reaches_vllm(stack):
     # Greedy decoding of the random tiny model repeats one token; a strong
     # frequency penalty (applied by vLLM, not the router) must break that up.
     c = sdk(stack)
-    texts = [c.completions.create(model=VLLM_MODEL, prompt=PROMPT, max_tokens=48, temperature=0,
-                                  frequency_penalty=fp).choices[0].text for fp in (0.0, 2.0)]
+    texts = [
+        c.completions.create(model=VLLM_MODEL, prompt=PROMPT, max_tokens=48, temperature=0, frequency_penalty=fp)
+        .choices[0]
+        .text
+        for fp in (0.0, 2.0)
+    ]
     assert len(set(texts[1])) > len(set(texts[0])), texts
+
 
 def test_openai_sdk_completion_and_streamed_chat_on_vllm(stack):
     client = sdk(stack)
@@ -86,11 +91,15 @@ def test_openai_sdk_completion_and_streamed_chat_on_vllm(stack):
 
     # Greedy decoding: the streamed chat must deliver exactly what the non-streamed one returns.
     messages = [{"role": "user", "content": "Hello! How are you today?"}]
-    whole = client.chat.completions.create(model=VLLM_MODEL, messages=messages, max_tokens=16,
-                                           temperature=0)
-    stream = client.chat.completions.create(model=VLLM_MODEL, messages=messages, max_tokens=16,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    whole = client.chat.completions.create(model=VLLM_MODEL, messages=messages, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(
+        model=VLLM_MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -122,9 +131,9 @@ def test_async_zeromq_client_runs_concurrent_requests(stack):
 
     async def run():
         async with AsyncClient(stack.zmq_frontend, api_key=KEY_BETA) as c:
-            return await asyncio.gather(*[
-                c.complete(VLLM_MODEL, prompt=f"{PROMPT} {i}", max_tokens=8, ignore_eos=True)
-                for i in range(12)])
+            return await asyncio.gather(
+                *[c.complete(VLLM_MODEL, prompt=f"{PROMPT} {i}", max_tokens=8, ignore_eos=True) for i in range(12)]
+            )
 
     results = asyncio.run(run())
     assert [r.finish_reason for r in results] == ["length"] * 12
@@ -160,9 +169,12 @@ def test_bad_input_gets_openai_error_then_service_continues(stack, body, headers
     assert set(err) >= {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param
-    ok = requests.post(stack.envoy_url + "/v1/completions", timeout=30,
-                       headers={"Authorization": f"Bearer {KEY_BETA}"},
-                       json={"model": VLLM_MODEL, "prompt": "hi", "max_tokens": 2})
+    ok = requests.post(
+        stack.envoy_url + "/v1/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY_BETA}"},
+        json={"model": VLLM_MODEL, "prompt": "hi", "max_tokens": 2},
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -214,13 +226,16 @@ def test_malformed_frames_are_dropped_and_router_survives(stack):
 
 def test_client_disconnect_mid_stream_aborts_on_worker(stack):
     before = worker_row(stack, "vllm-0")["aborts"]
-    body = json.dumps({"model": VLLM_MODEL, "prompt": PROMPT, "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": VLLM_MODEL, "prompt": PROMPT, "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True, "stream": True}
+    ).encode()
     host, port = stack.envoy_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"authorization: Bearer " + KEY_BETA.encode() + b"\r\n"
-                  b"content-length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer " + KEY_BETA.encode() + b"\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body
+        )
         got = b""
         while got.count(b"data: ") < 3:  # the stream is flowing
             got += s.recv(65536)
@@ -247,9 +262,12 @@ def test_metrics_move_when_requests_are_served(stack):
     tokens_before = metric(stack, "weir_output_tokens_total", **labels)
     http_before = metric(stack, "weir_http_requests_total", path="/v1/completions", status="200")
     for _ in range(3):
-        r = requests.post(stack.envoy_url + "/v1/completions", timeout=30,
-                          headers={"x-api-key": KEY_BETA},
-                          json={"model": SIM_MODEL, "prompt": "count me", "max_tokens": 5})
+        r = requests.post(
+            stack.envoy_url + "/v1/completions",
+            timeout=30,
+            headers={"x-api-key": KEY_BETA},
+            json={"model": SIM_MODEL, "prompt": "count me", "max_tokens": 5},
+        )
         assert r.status_code == 200
     assert metric(stack, "weir_requests_total", outcome="length", **labels) == done_before + 3
     assert metric(stack, "weir_time_to_first_token_seconds_count", **labels) == ttft_before + 3

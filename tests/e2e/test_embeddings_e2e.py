@@ -43,8 +43,13 @@ def stack(tmp_path_factory):
             {"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
         ],
         workers=[
-            {"id": "embed-0", "model": EMBED, "max_num_seqs": 16, "kv_cache_bytes": 8 << 20,
-             "env": dict(localconfig.CPU_ENGINE_ENV)},
+            {
+                "id": "embed-0",
+                "model": EMBED,
+                "max_num_seqs": 16,
+                "kv_cache_bytes": 8 << 20,
+                "env": dict(localconfig.CPU_ENGINE_ENV),
+            },
             sim_worker("sim-0"),
         ],
         api_keys=[{"key_sha256": digest(KEY), "tenant": "emb", "tokens_per_minute": 100000}],
@@ -89,8 +94,12 @@ def test_single_and_batched_embeddings_in_both_encodings_agree(sdk, stack):
     assert batch.usage.prompt_tokens == sum(_prompt_tokens(t) for t in TEXTS)
     assert np.array_equal(_vec(batch.data[0]), v)  # the same prompt, alone or in a batch, float or base64
     assert not np.allclose(_vec(batch.data[0]), _vec(batch.data[1]))
-    raw = requests.post(stack.envoy_url + "/v1/embeddings", headers={"authorization": f"Bearer {KEY}"},
-                        json={"model": EMBED, "input": TEXTS[1], "encoding_format": "base64"}, timeout=30).json()
+    raw = requests.post(
+        stack.envoy_url + "/v1/embeddings",
+        headers={"authorization": f"Bearer {KEY}"},
+        json={"model": EMBED, "input": TEXTS[1], "encoding_format": "base64"},
+        timeout=30,
+    ).json()
     assert isinstance(raw["data"][0]["embedding"], str) and raw["id"].startswith("embd-")
     # budgets count every input's prompt tokens (settled when each ends)
     used = one.usage.prompt_tokens + batch.usage.prompt_tokens + raw["usage"]["prompt_tokens"]
@@ -99,8 +108,7 @@ def test_single_and_batched_embeddings_in_both_encodings_agree(sdk, stack):
 
 
 def test_token_ids_embed_as_their_text_does(sdk):
-    ids = ModelPrompts(str(EMBED_DIR)).tokenize(p.Submit("r", EMBED, kind=p.RequestKind.EMBEDDING,
-                                                         prompt=TEXTS[2])).ids
+    ids = ModelPrompts(str(EMBED_DIR)).tokenize(p.Submit("r", EMBED, kind=p.RequestKind.EMBEDDING, prompt=TEXTS[2])).ids
     by_text = sdk.embeddings.create(model=EMBED, input=TEXTS[2], encoding_format="float")
     by_ids = sdk.embeddings.create(model=EMBED, input=ids, encoding_format="float")
     lists = sdk.embeddings.create(model=EMBED, input=[ids, ids[:3]], encoding_format="float")
@@ -130,8 +138,12 @@ def test_refusals_name_the_field_and_leave_nothing_reserved(sdk, stack):
         with pytest.raises(openai.BadRequestError) as e:
             call()
         assert e.value.body["param"] == param, e.value.body
-    too_long = requests.post(stack.envoy_url + "/v1/embeddings", headers={"authorization": f"Bearer {KEY}"},
-                             json={"model": EMBED, "input": "word " * 400}, timeout=30).json()
+    too_long = requests.post(
+        stack.envoy_url + "/v1/embeddings",
+        headers={"authorization": f"Bearer {KEY}"},
+        json={"model": EMBED, "input": "word " * 400},
+        timeout=30,
+    ).json()
     assert too_long["error"]["code"] == "context_length_exceeded"
     time.sleep(0.2)
     assert _reserved(stack) == 0

@@ -33,8 +33,15 @@ def env():
 
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
-    engine = VllmEngine(str(MODEL), "tiny-llama", max_model_len=512, max_num_seqs=8, dtype="bfloat16",
-                        kv_cache_bytes=KV_BYTES, gpu_memory_utilization=0.9)
+    engine = VllmEngine(
+        str(MODEL),
+        "tiny-llama",
+        max_model_len=512,
+        max_num_seqs=8,
+        dtype="bfloat16",
+        kv_cache_bytes=KV_BYTES,
+        gpu_memory_utilization=0.9,
+    )
     info = loop.run_until_complete(engine.start())
     try:
         yield loop, engine, info
@@ -114,8 +121,12 @@ def test_completion_streams_exact_counts(env):
 CHATS = [
     [ChatMessage("user", "Hello there")],
     [ChatMessage("system", "Be brief."), ChatMessage("user", "Hello there")],
-    [ChatMessage("system", "You route tokens."), ChatMessage("user", "hi " * 120),
-     ChatMessage("assistant", "Sure: ünïcødé ✓ 日本語"), ChatMessage("user", "again")],
+    [
+        ChatMessage("system", "You route tokens."),
+        ChatMessage("user", "hi " * 120),
+        ChatMessage("assistant", "Sure: ünïcødé ✓ 日本語"),
+        ChatMessage("user", "again"),
+    ],
 ]
 
 
@@ -128,8 +139,11 @@ def test_router_renders_and_tokenizes_chat_exactly_as_vllm(env, messages):
     loop, engine, _ = env
     ours = PROMPTS.tokenize(Submit("c", "tiny-llama", RequestKind.CHAT, messages=messages))
     conv = [{"role": m.role, "content": m.content} for m in messages]
-    _, (theirs,) = loop.run_until_complete(engine.engine.renderer.render_chat_async(
-        [conv], ChatParams(chat_template_kwargs={"add_generation_prompt": True})))
+    _, (theirs,) = loop.run_until_complete(
+        engine.engine.renderer.render_chat_async(
+            [conv], ChatParams(chat_template_kwargs={"add_generation_prompt": True})
+        )
+    )
     assert ours.ids == list(theirs["prompt_token_ids"]) and ours.count == len(ours.ids)
 
 
@@ -146,8 +160,12 @@ def test_chat_generates_from_the_routers_ids(env):
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hello there")]
     tokens = PROMPTS.tokenize(Submit("chat-1", "tiny-llama", RequestKind.CHAT, messages=messages))
     c = Collector()
-    c.submit(engine, GenerateRequest("chat-1", tokens.ids, tokens.count,
-                                     SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)))
+    c.submit(
+        engine,
+        GenerateRequest(
+            "chat-1", tokens.ids, tokens.count, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+        ),
+    )
     ds = loop.run_until_complete(c.wait())["chat-1"]
     check_stream(ds, tokens.count, 6, "length")
     assert sum(len(d.token_ids) for d in ds) == 6  # generated ids travel in the Deltas
@@ -256,8 +274,12 @@ def test_too_long_prompt_is_a_400_and_engine_keeps_working(env):
     assert [d.error.status for d in deltas["no-ids"]] == [400]
     c2 = Collector()
     c2.submit(engine, completion("after", max_tokens=3))
-    check_stream(loop.run_until_complete(c2.wait())["after"],
-                 len(engine.engine.tokenizer.encode("The quick brown fox")), 3, "length")
+    check_stream(
+        loop.run_until_complete(c2.wait())["after"],
+        len(engine.engine.tokenizer.encode("The quick brown fox")),
+        3,
+        "length",
+    )
     assert engine.fatal_error is None
 
 
@@ -307,10 +329,10 @@ def test_logprobs_are_compact_rows_in_rank_order(env):
         vals = unpack_logprobs(d.logprobs)
         assert len(vals) == len(d.token_ids) * (1 + k) and len(d.top_ids) == len(d.token_ids) * k
         for t, tid in enumerate(d.token_ids):
-            row = vals[t * (1 + k):(t + 1) * (1 + k)]
+            row = vals[t * (1 + k) : (t + 1) * (1 + k)]
             tops = list(row[1:])
             assert all(v <= 0 for v in row) and tops == sorted(tops, reverse=True)
-            ids = d.top_ids[t * k:(t + 1) * k]
+            ids = d.top_ids[t * k : (t + 1) * k]
             if tid in ids:
                 assert row[0] == tops[ids.index(tid)]
             else:
@@ -324,8 +346,12 @@ def test_logprobs_zero_sends_the_tokens_own_only(env):
     assert sum(len(unpack_logprobs(d.logprobs)) for d in ds) == 4 and not any(d.top_ids for d in ds)
 
 
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
-          "required": ["ok", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
 
 
 def test_json_schema_output_parses_and_validates(env):
@@ -349,8 +375,9 @@ def test_choice_and_regex_constraints(env):
 def test_sampling_extras_reach_the_engine(env):
     greedy = ids_of(run_one(env, gen("g", max_tokens=8, ignore_eos=True, temperature=0.0)))
     # logit_bias -100 bans the greedy first token
-    banned = ids_of(run_one(env, gen("ban", max_tokens=8, ignore_eos=True, temperature=0.0,
-                                     logit_bias={greedy[0]: -100.0})))
+    banned = ids_of(
+        run_one(env, gen("ban", max_tokens=8, ignore_eos=True, temperature=0.0, logit_bias={greedy[0]: -100.0}))
+    )
     assert banned[0] != greedy[0] and greedy[0] not in banned
     # +100 forces a token; stop_token_ids on it stops at once
     forced = 7
@@ -411,8 +438,9 @@ def kv(env):
     sent = []
     feed = PrefixFeed(loop, sent.append)
     ctx = zmq.Context()
-    source = VllmKvEvents(ctx, SocketPump(loop), loop, info.kv_events_endpoint, info.kv_events_replay, feed,
-                          engine.reset_prefix_cache)
+    source = VllmKvEvents(
+        ctx, SocketPump(loop), loop, info.kv_events_endpoint, info.kv_events_replay, feed, engine.reset_prefix_cache
+    )
     loop.run_until_complete(asyncio.sleep(0.3))
     # It joins a running engine: if earlier tests made it publish, its first
     # batch shows a gap, filled by replay from seq 0 (test_replay_fills_a_gap...
@@ -430,8 +458,10 @@ def kv(env):
         tokens = tokenize_hashed(PROMPTS, sub, hasher)
         assert tokens.hashes  # a full block at least: a batch
         c = Collector()
-        c.submit(engine, GenerateRequest(sub.request_id, tokens.ids, tokens.count,
-                                         SamplingParams(max_tokens=1, temperature=0.0)))
+        c.submit(
+            engine,
+            GenerateRequest(sub.request_id, tokens.ids, tokens.count, SamplingParams(max_tokens=1, temperature=0.0)),
+        )
         loop.run_until_complete(c.wait())
         joined = _wait(loop, lambda want=set(tokens.hashes): feed.trusted and want <= feed.blocks, 10.0)
         if joined:
@@ -467,10 +497,16 @@ def test_router_block_hashes_equal_the_engines_kv_events(env, kv):
     feed, sent = kv
     assert info.prefix_hash == "sha256" and info.block_size == 128 and info.kv_events_endpoint
     hasher = BlockHasher(info.prefix_hash, info.block_size, info.prefix_hash_seed)
-    cases = [Submit("x1", "tiny-llama", prompt=_words(30, 1)),
-             Submit("x3", "tiny-llama", prompt=_words(95, 2)),
-             Submit("xc", "tiny-llama", kind=RequestKind.CHAT,
-                    messages=[ChatMessage("system", _words(50, 3)), ChatMessage("user", _words(10, 4))])]
+    cases = [
+        Submit("x1", "tiny-llama", prompt=_words(30, 1)),
+        Submit("x3", "tiny-llama", prompt=_words(95, 2)),
+        Submit(
+            "xc",
+            "tiny-llama",
+            kind=RequestKind.CHAT,
+            messages=[ChatMessage("system", _words(50, 3)), ChatMessage("user", _words(10, 4))],
+        ),
+    ]
     counts = set()
     for sub in cases:
         tokens = tokenize_hashed(PROMPTS, sub, hasher)
@@ -478,8 +514,10 @@ def test_router_block_hashes_equal_the_engines_kv_events(env, kv):
         counts.add(len(tokens.hashes))
         before = len(sent)
         c = Collector()
-        c.submit(engine, GenerateRequest(sub.request_id, tokens.ids, tokens.count,
-                                         SamplingParams(max_tokens=1, temperature=0.0)))
+        c.submit(
+            engine,
+            GenerateRequest(sub.request_id, tokens.ids, tokens.count, SamplingParams(max_tokens=1, temperature=0.0)),
+        )
         loop.run_until_complete(c.wait())
         assert _wait(loop, lambda want=set(tokens.hashes): want <= feed.blocks), (tokens.hashes, sent[before:])
         stored = [h for m in sent[before:] if isinstance(m, PrefixEvents) for h in m.stored]
@@ -557,7 +595,7 @@ def test_extra_keys_match_vllm():
         for extra in (None, (("cache_salt", "tenant-a"),)):
             parent, want = None, []
             for i in range(3):
-                parent = kcu.hash_block_tokens(hf, parent, ids[i * 128:(i + 1) * 128], extra if i == 0 else None)
+                parent = kcu.hash_block_tokens(hf, parent, ids[i * 128 : (i + 1) * 128], extra if i == 0 else None)
                 want.append(kcu.maybe_convert_block_hash(parent))
             assert BlockHasher(algo, 128).hashes(ids, extra) == want
 
@@ -582,8 +620,15 @@ def test_replay_fills_a_gap_and_loss_beyond_it_goes_blind(buffer_steps, recovers
         return KVEventBatch(ts=time.time(), events=list(events))
 
     def stored(*hs):
-        return BlockStored(block_hashes=list(hs), parent_block_hash=None, token_ids=[], block_size=128,
-                           lora_id=None, medium="GPU", lora_name=None)
+        return BlockStored(
+            block_hashes=list(hs),
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=128,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
 
     d = tempfile.mkdtemp(prefix="weir-kvt-")
     loop = uvloop.new_event_loop()

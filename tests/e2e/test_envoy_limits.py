@@ -63,7 +63,8 @@ def test_per_key_rate_limit_x_api_key(stack):
     prom = requests.get(stack.admin_url + "/stats/prometheus", timeout=5).text
     assert re.search(
         r'^envoy_http_local_rate_limit_rate_limited\{envoy_local_http_ratelimit_prefix="weir_api"\} [1-9]',
-        prom, re.M,
+        prom,
+        re.M,
     )
 
 
@@ -87,7 +88,9 @@ def test_oversize_body_gets_413_json_then_requests_still_work(stack):
     url = stack.envoy_url + "/v1/completions"
     headers = {"x-api-key": KEY_BETA, "content-type": "application/json"}
     body = b'{"model": "%s", "prompt": "%s", "max_tokens": 1}' % (
-        SIM_MODEL.encode(), b"a" * (STACK_MAX_REQUEST_BYTES + 1024))
+        SIM_MODEL.encode(),
+        b"a" * (STACK_MAX_REQUEST_BYTES + 1024),
+    )
     r = requests.post(url, data=body, headers=headers, timeout=10)
     err = _assert_openai_error(r, 413, "invalid_request_error", "request_too_large")
     assert str(STACK_MAX_REQUEST_BYTES) in err["message"]
@@ -150,13 +153,11 @@ def test_key_spellings_with_non_ascii_blanks_are_refused_before_the_bucket(stack
     touches the key's bucket, which still holds its burst afterwards."""
     time.sleep(LIMITED_BURST / LIMITED_RPS + 0.5)  # the bucket refills (after the tests above)
     before = _rate_limited_count(stack)
-    variants = [
-        [("x-api-key", KEY_LIMITED.encode() + b"\xa0" * k)] for k in range(1, 31)
-    ] + [
-        [("authorization", b"Bearer " + KEY_LIMITED.encode() + b"\xc2\xa0" * k)] for k in range(1, 16)
-    ] + [
-        [("x-api-key", KEY_LIMITED.encode()), ("x-api-key", KEY_LIMITED.encode() + b"x" * k)] for k in range(1, 16)
-    ]
+    variants = (
+        [[("x-api-key", KEY_LIMITED.encode() + b"\xa0" * k)] for k in range(1, 31)]
+        + [[("authorization", b"Bearer " + KEY_LIMITED.encode() + b"\xc2\xa0" * k)] for k in range(1, 16)]
+        + [[("x-api-key", KEY_LIMITED.encode()), ("x-api-key", KEY_LIMITED.encode() + b"x" * k)] for k in range(1, 16)]
+    )
     served = 0
     for headers in variants:
         r = _raw_get_with_headers(stack.envoy_url, "/v1/models", headers)
@@ -176,8 +177,11 @@ def test_router_direct_refuses_a_malformed_key(stack):
     """The same rule at the router itself (router-direct HTTP; direct ZeroMQ
     clients meet it at admission: tests/unit/test_key_rule.py)."""
     key = KEY_BETA.encode()
-    for headers in ([("x-api-key", key + b"\xa0")], [("authorization", b"Bearer " + key + b"\xa0")],
-                    [("x-api-key", key), ("x-api-key", key)]):
+    for headers in (
+        [("x-api-key", key + b"\xa0")],
+        [("authorization", b"Bearer " + key + b"\xa0")],
+        [("x-api-key", key), ("x-api-key", key)],
+    ):
         u = urllib.parse.urlsplit(stack.router_url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
         try:

@@ -26,8 +26,11 @@ SIM = {"step_fixed_ms": 5.0, "decode_token_us": 20.0}
 
 
 def _two_worker_stack(tmp_path, **router):
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)],
-                       router={"heartbeat_interval_s": 0.25, **router})
+    cfg = write_config(
+        tmp_path,
+        workers=[sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)],
+        router={"heartbeat_interval_s": 0.25, **router},
+    )
     return start_stack(cfg, tmp_path / "run")
 
 
@@ -46,8 +49,7 @@ def _wait(pred, timeout=20.0, step=0.05):
 
 
 def _drained(stack):
-    return _wait(lambda: all(w["reserved_tokens"] == 0 and w["running"] == 0
-                             for w in _workers(stack).values()))
+    return _wait(lambda: all(w["reserved_tokens"] == 0 and w["running"] == 0 for w in _workers(stack).values()))
 
 
 async def _streams(url: str, n: int, on_started=None) -> list[tuple[str, str | None, int]]:
@@ -61,8 +63,12 @@ async def _streams(url: str, n: int, on_started=None) -> list[tuple[str, str | N
     async def one():
         text, finish, usage, gap, last = [], None, None, 0.0, None
         stream = await client.completions.create(
-            model=SIM_MODEL, prompt="tell me a long story", max_tokens=STREAM_TOKENS, stream=True,
-            stream_options={"include_usage": True})
+            model=SIM_MODEL,
+            prompt="tell me a long story",
+            max_tokens=STREAM_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for chunk in stream:
             if chunk.choices:
                 now = time.monotonic()
@@ -139,8 +145,9 @@ def _resumed(stack) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines() if ln.startswith("weir_resumed_total{"))
 
 
-@pytest.mark.parametrize("drain_timeout_s,resumes", [(30.0, False), (0.3, True)],
-                         ids=["finishes-in-place", "timeout-moves-the-rest"])
+@pytest.mark.parametrize(
+    "drain_timeout_s,resumes", [(30.0, False), (0.3, True)], ids=["finishes-in-place", "timeout-moves-the-rest"]
+)
 def test_sigterm_drains_a_worker_and_loses_no_stream(tmp_path, drain_timeout_s, resumes):
     with _two_worker_stack(tmp_path, drain_timeout_s=drain_timeout_s) as stack:
         victim = stack.components["worker:sim-a"]
@@ -164,8 +171,11 @@ def test_admin_drain_moves_new_work_away_until_undrained(tmp_path):
         assert {m["id"]: m["ready_workers"] for m in models} == {"tiny-llama": 0, SIM_MODEL: 1}
         before = _workers(stack)["sim-a"]["aborts"], _workers(stack)["sim-a"].get("finished", 0)
         for _ in range(10):
-            r = requests.post(stack.envoy_url + "/v1/completions", timeout=30,
-                              json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 2})
+            r = requests.post(
+                stack.envoy_url + "/v1/completions",
+                timeout=30,
+                json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 2},
+            )
             assert r.status_code == 200
         assert _workers(stack)["sim-a"].get("finished", 0) == before[1]  # none went to the drained one
         assert requests.post(url + "undrain", timeout=5).json()["draining"] is False
@@ -199,8 +209,9 @@ def test_readiness_follows_the_workers(tmp_path):
 
 
 def test_supervision_restarts_a_killed_router_and_workers_register_again(tmp_path):
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a"), sim_worker("sim-b")],
-                       router={"heartbeat_interval_s": 0.25})
+    cfg = write_config(
+        tmp_path, workers=[sim_worker("sim-a"), sim_worker("sim-b")], router={"heartbeat_interval_s": 0.25}
+    )
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
         body = {"model": SIM_MODEL, "prompt": "hi", "max_tokens": 2}
         assert requests.post(stack.envoy_url + "/v1/completions", json=body, timeout=30).status_code == 200
@@ -230,8 +241,11 @@ def test_supervision_restarts_a_killed_router_and_workers_register_again(tmp_pat
 
 
 def test_supervision_brings_a_drained_worker_back(tmp_path):
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)],
-                       router={"heartbeat_interval_s": 0.25})
+    cfg = write_config(
+        tmp_path,
+        workers=[sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)],
+        router={"heartbeat_interval_s": 0.25},
+    )
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
         victim = stack.components["worker:sim-a"]
         old_pid = victim.pid
@@ -273,8 +287,7 @@ def _reference_then_a_stream_cut(stack, c, killer, came_back=None):
                 kill()
                 killed = True
         assert killed
-        back = came_back or (
-            lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack))
+        back = came_back or (lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack))
         assert _wait(back, timeout=120), "the killed worker did not come back"
         if _resumed(stack) >= 1:
             return reference, "".join(text), last
@@ -290,12 +303,16 @@ def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupte
     the text of a run that was never interrupted."""
     from shared.client import Client
 
-    cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
-                       workers=[stackutil.vllm_worker("vllm-0")])
+    cfg = write_config(
+        tmp_path,
+        models=stackutil.localconfig.models(vllm_max_model_len=2048),
+        workers=[stackutil.vllm_worker("vllm-0")],
+    )
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
         with Client(stack.zmq_frontend) as c:
             reference, text, last = _reference_then_a_stream_cut(
-                stack, c, lambda victim: lambda: victim.signal_group(signal.SIGKILL))
+                stack, c, lambda victim: lambda: victim.signal_group(signal.SIGKILL)
+            )
         assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
         assert last.prompt_tokens == reference.prompt_tokens
         assert text == reference.text
@@ -303,10 +320,16 @@ def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupte
 
 
 def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked(tmp_path):
-    models = [{"name": "sim-primary", "engine": "sim", "max_model_len": 4096, "fallbacks": ["sim-backup"]},
-              {"name": "sim-backup", "engine": "sim", "max_model_len": 4096}]
-    cfg = write_config(tmp_path, models=models, router={"heartbeat_interval_s": 0.25},
-                       workers=[sim_worker("prim-0", model="sim-primary"), sim_worker("back-0", model="sim-backup")])
+    models = [
+        {"name": "sim-primary", "engine": "sim", "max_model_len": 4096, "fallbacks": ["sim-backup"]},
+        {"name": "sim-backup", "engine": "sim", "max_model_len": 4096},
+    ]
+    cfg = write_config(
+        tmp_path,
+        models=models,
+        router={"heartbeat_interval_s": 0.25},
+        workers=[sim_worker("prim-0", model="sim-primary"), sim_worker("back-0", model="sim-backup")],
+    )
     with start_stack(cfg, tmp_path / "run") as stack:
         from shared.client import Client
 
@@ -323,10 +346,18 @@ def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked(t
         assert r.status_code == 200 and r.json()["model"] == "sim-backup" and r.headers["x-weir-model"] == "sim-backup"
         assert r.json()["usage"]["completion_tokens"] == 3
         # Asked for by header, streamed: every chunk names the model that answered.
-        with requests.post(stack.envoy_url + "/v1/chat/completions", stream=True, timeout=30,
-                           headers={"x-weir-allow-fallback": "true"},
-                           json={"model": "sim-primary", "messages": [{"role": "user", "content": "hi"}],
-                                 "max_tokens": 3, "stream": True}) as s:
+        with requests.post(
+            stack.envoy_url + "/v1/chat/completions",
+            stream=True,
+            timeout=30,
+            headers={"x-weir-allow-fallback": "true"},
+            json={
+                "model": "sim-primary",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "stream": True,
+            },
+        ) as s:
             assert s.status_code == 200 and s.headers["x-weir-model"] == "sim-backup"
             chunks = [ln for ln in s.iter_lines() if ln.startswith(b"data: {")]
             assert chunks and all(b'"model":"sim-backup"' in c for c in chunks)
@@ -343,8 +374,11 @@ def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked(t
 def test_a_rolling_restart_of_every_worker_under_load_loses_no_stream(tmp_path):
     """What SIGHUP to `weir up` does: each worker in turn drains, exits,
     is started again by the supervisor and re-registers."""
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)],
-                       router={"heartbeat_interval_s": 0.25})
+    cfg = write_config(
+        tmp_path,
+        workers=[sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)],
+        router={"heartbeat_interval_s": 0.25},
+    )
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
         import threading
 
@@ -369,8 +403,11 @@ def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninte
     text is that of a run that was never interrupted; the router holds nothing."""
     from shared.client import Client
 
-    cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
-                       workers=[stackutil.vllm_worker("vllm-0")])
+    cfg = write_config(
+        tmp_path,
+        models=stackutil.localconfig.models(vllm_max_model_len=2048),
+        workers=[stackutil.vllm_worker("vllm-0")],
+    )
     with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
         victim = stack.components["worker:vllm-0"]
         killed = []
@@ -381,8 +418,10 @@ def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninte
             return core.kill
 
         def came_back():
-            return (_core_pids(victim.pid) not in ([], killed[-1:])
-                    and _workers(stack).get("vllm-0", {}).get("state") == "ready")
+            return (
+                _core_pids(victim.pid) not in ([], killed[-1:])
+                and _workers(stack).get("vllm-0", {}).get("state") == "ready"
+            )
 
         with Client(stack.zmq_frontend) as c:
             reference, text, last = _reference_then_a_stream_cut(stack, c, engine_core_of, came_back)
@@ -424,8 +463,9 @@ async def _greedy_streams(url: str, prompts: list[str], max_tokens: int, on_star
     async def one(i: int, c: AsyncClient, counts=counts):
         text, last = [], None
         try:
-            async for d in c.stream(stackutil.VLLM_MODEL, prompt=prompts[i], max_tokens=max_tokens,
-                                    temperature=0.0, ignore_eos=True):
+            async for d in c.stream(
+                stackutil.VLLM_MODEL, prompt=prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+            ):
                 text.append(d.text)
                 counts[i] += d.num_tokens
                 last = d
@@ -456,15 +496,24 @@ def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_str
     worker starts its engine again in its own process, registers anew and serves."""
     from shared.client import Client
 
-    cfg = write_config(tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=2048),
-                       workers=[stackutil.vllm_worker("vllm-0"), stackutil.vllm_worker("vllm-1")])
-    prompts = ["The history of the river begins", "Once upon a time in a small village",
-               "The first thing to know about engines", "In the winter of that year"]
+    cfg = write_config(
+        tmp_path,
+        models=stackutil.localconfig.models(vllm_max_model_len=2048),
+        workers=[stackutil.vllm_worker("vllm-0"), stackutil.vllm_worker("vllm-1")],
+    )
+    prompts = [
+        "The history of the river begins",
+        "Once upon a time in a small village",
+        "The first thing to know about engines",
+        "In the winter of that year",
+    ]
     max_tokens = 600
     with start_stack(cfg, tmp_path / "run") as stack:
         with Client(stack.zmq_frontend) as c:
-            reference = [c.complete(stackutil.VLLM_MODEL, prompt=q, max_tokens=max_tokens, temperature=0.0,
-                                    ignore_eos=True).text for q in prompts]
+            reference = [
+                c.complete(stackutil.VLLM_MODEL, prompt=q, max_tokens=max_tokens, temperature=0.0, ignore_eos=True).text
+                for q in prompts
+            ]
         assert _resumed(stack) == 0
         killed = {}  # this attempt's victim
 
@@ -479,20 +528,29 @@ def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_str
         for _ in range(3):
             killed.clear()
             results = asyncio.run(_greedy_streams(stack.zmq_frontend, prompts, max_tokens, kill))
-            whole = sum(1 for (text, finish, n, err), ref in zip(results, reference * 2)
-                        if (finish, n, err, text) == ("length", max_tokens, None, ref))
+            whole = sum(
+                1
+                for (text, finish, n, err), ref in zip(results, reference * 2)
+                if (finish, n, err, text) == ("length", max_tokens, None, ref)
+            )
             errors = [r[3] for r in results if r[3] is not None]
-            print(f"\nEngineCore SIGKILL under {killed['victim']} ({killed['running']} of {len(prompts)} streams "
-                  f"there, {len(prompts)} more started in the 0.4 s after): {whole}/{len(results)} streams whole, "
-                  f"{len(errors)} ended with an error {errors}, {_resumed(stack):.0f} resumed")
+            print(
+                f"\nEngineCore SIGKILL under {killed['victim']} ({killed['running']} of {len(prompts)} streams "
+                f"there, {len(prompts)} more started in the 0.4 s after): {whole}/{len(results)} streams whole, "
+                f"{len(errors)} ended with an error {errors}, {_resumed(stack):.0f} resumed"
+            )
             for (text, finish, n, err), ref in zip(results, reference * 2):
                 assert (finish, n, err) == ("length", max_tokens, None)
                 assert text == ref
             victim = stack.components[f"worker:{killed['victim']}"]
             # The same process starts its engine again and registers anew (no supervisor here).
-            assert _wait(lambda: _core_pids(killed["pid"]) not in ([], [killed["core"]])
-                         and _workers(stack).get(killed["victim"], {}).get("state") == "ready",
-                         timeout=180), "the engine was not started again"
+            assert _wait(
+                lambda: (
+                    _core_pids(killed["pid"]) not in ([], [killed["core"]])
+                    and _workers(stack).get(killed["victim"], {}).get("state") == "ready"
+                ),
+                timeout=180,
+            ), "the engine was not started again"
             assert victim.exited() is None and victim.pid == killed["pid"]
             if _resumed(stack) >= 1:
                 break

@@ -8,14 +8,27 @@ import requests
 
 from shared.protocol import GpuInfo, Heartbeat, Pool, WorkerStats, encoder
 
-GPU_METRICS = ("weir_gpu_utilization_percent", "weir_gpu_memory_used_bytes", "weir_gpu_memory_total_bytes",
-               "weir_gpu_temperature_celsius", "weir_gpu_power_watts")
+GPU_METRICS = (
+    "weir_gpu_utilization_percent",
+    "weir_gpu_memory_used_bytes",
+    "weir_gpu_memory_total_bytes",
+    "weir_gpu_temperature_celsius",
+    "weir_gpu_power_watts",
+)
 GIB = 1 << 30
 
 
 def reading(temp=60.0, used=10 * GIB, total=80 * GIB, present=True) -> GpuInfo:
-    return GpuInfo(present=present, name="H100", index=0, total_bytes=total, used_bytes=used,
-                   utilization_percent=50.0, temperature_c=temp, power_w=300.0)
+    return GpuInfo(
+        present=present,
+        name="H100",
+        index=0,
+        total_bytes=total,
+        used_bytes=used,
+        utilization_percent=50.0,
+        temperature_c=temp,
+        power_w=300.0,
+    )
 
 
 def test_no_gpu_is_an_explicit_state_in_metrics_and_admin(sim_stack):
@@ -47,8 +60,9 @@ def test_a_gpu_workers_readings_reach_metrics_and_admin(sim_stack):
     sock.connect(sim_stack.cfg.router.backend)
     try:
         # a 1-token KV budget: this peer never fits a request, so nothing of other tests lands on it
-        sock.send(encoder.encode(Register("gpu-peer-0", "sim-tiny", Pool.ANY, 512, 1, 16, 1, "sim",
-                                          gpu=reading(temp=71.5))))
+        sock.send(
+            encoder.encode(Register("gpu-peer-0", "sim-tiny", Pool.ANY, 512, 1, 16, 1, "sim", gpu=reading(temp=71.5)))
+        )
         sock.send(encoder.encode(Heartbeat(WorkerStats(gpu=reading(temp=72.5, used=20 * GIB)))))
         deadline = time.monotonic() + 10
         while True:
@@ -59,13 +73,25 @@ def test_a_gpu_workers_readings_reach_metrics_and_admin(sim_stack):
             time.sleep(0.1)
         from prometheus_client.parser import text_string_to_metric_families
 
-        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.labels.get("worker") == "gpu-peer-0" and s.name.startswith("weir_gpu_")}
-        assert got == {"weir_gpu_present": 1.0, "weir_gpu_utilization_percent": 50.0,
-                       "weir_gpu_memory_used_bytes": 20 * GIB, "weir_gpu_memory_total_bytes": 80 * GIB,
-                       "weir_gpu_temperature_celsius": 72.5, "weir_gpu_power_watts": 300.0}
-        w = next(w for w in requests.get(sim_stack.router_url + "/admin/workers", timeout=5).json()
-                 if w["id"] == "gpu-peer-0")
+        got = {
+            s.name: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.labels.get("worker") == "gpu-peer-0" and s.name.startswith("weir_gpu_")
+        }
+        assert got == {
+            "weir_gpu_present": 1.0,
+            "weir_gpu_utilization_percent": 50.0,
+            "weir_gpu_memory_used_bytes": 20 * GIB,
+            "weir_gpu_memory_total_bytes": 80 * GIB,
+            "weir_gpu_temperature_celsius": 72.5,
+            "weir_gpu_power_watts": 300.0,
+        }
+        w = next(
+            w
+            for w in requests.get(sim_stack.router_url + "/admin/workers", timeout=5).json()
+            if w["id"] == "gpu-peer-0"
+        )
         assert w["gpu_present"] is True and w["gpu"] == "H100" and w["gpu_temperature_celsius"] == 72.5
     finally:
         sock.send(encoder.encode(Goodbye("test over")))

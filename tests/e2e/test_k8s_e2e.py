@@ -22,8 +22,13 @@ from deploy import k8s
 from shared.config import DEFAULT_CONFIG, load
 
 # Named by the GPU telemetry work, not served by a router without GPUs.
-GPU_METRICS = {"weir_gpu_utilization_percent", "weir_gpu_memory_used_bytes", "weir_gpu_memory_total_bytes",
-               "weir_gpu_temperature_celsius", "weir_gpu_power_watts"}
+GPU_METRICS = {
+    "weir_gpu_utilization_percent",
+    "weir_gpu_memory_used_bytes",
+    "weir_gpu_memory_total_bytes",
+    "weir_gpu_temperature_celsius",
+    "weir_gpu_power_watts",
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +70,21 @@ def test_autoscaler_metrics_exist_in_a_running_routers_metrics(cfg, sim_stack):
 def test_worker_pod_path_instance_id_probe_and_drain(sim_stack):
     """What a worker pod runs: a [[workers]] entry under another id, the readiness
     probe as the router sees it, preStop's drain, then SIGTERM."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WEIR_CONFIG": str(sim_stack.cfg_path),
-           "POD_NAME": "weir-worker-sim-tiny-1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "WEIR_CONFIG": str(sim_stack.cfg_path),
+        "POD_NAME": "weir-worker-sim-tiny-1",
+    }
     probe = [sys.executable, "-m", "deploy.k8s_probe"]
     assert subprocess.run([*probe, "ready"], env=env, capture_output=True).returncode == 1  # not there yet
-    proc = subprocess.Popen([sys.executable, "-m", "engine_worker", "--worker-id", "sim-0",
-                             "--instance-id", "weir-worker-sim-tiny-1"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_worker", "--worker-id", "sim-0", "--instance-id", "weir-worker-sim-tiny-1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        process_group=0,
+    )
     try:
         deadline = time.monotonic() + 30
         while subprocess.run([*probe, "ready"], env=env, capture_output=True).returncode != 0:
@@ -103,18 +116,21 @@ def test_worker_pod_path_instance_id_probe_and_drain(sim_stack):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     deadline = time.monotonic() + 10
-    while "weir-worker-sim-tiny-1" in {w["id"] for w in requests.get(sim_stack.router_url + "/admin/workers",
-                                                                     timeout=5).json()}:
+    while "weir-worker-sim-tiny-1" in {
+        w["id"] for w in requests.get(sim_stack.router_url + "/admin/workers", timeout=5).json()
+    }:
         assert time.monotonic() < deadline, "the drained worker's Goodbye did not remove it"
         time.sleep(0.1)
 
 
-
 def _envoy_healthy_routers(admin_port: int) -> int:
     from deploy.envoy_config import ROUTER_CLUSTER
+
     body = requests.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=2).text
-    return sum(line.startswith(f"{ROUTER_CLUSTER}::") and line.endswith("::health_flags::healthy")
-               for line in body.splitlines())
+    return sum(
+        line.startswith(f"{ROUTER_CLUSTER}::") and line.endswith("::health_flags::healthy")
+        for line in body.splitlines()
+    )
 
 
 ROUTER_IPS = ["127.0.0.1", "127.0.0.2"]  # two router pods: one address each, the same ports
@@ -142,8 +158,11 @@ def _mount(volume: dict, secrets: dict[str, dict[str, str]], where) -> None:
     import shutil
 
     if "projected" in volume:
-        items = [(src["secret"]["name"], i["key"], i["path"]) for src in volume["projected"]["sources"]
-                 for i in src["secret"]["items"]]
+        items = [
+            (src["secret"]["name"], i["key"], i["path"])
+            for src in volume["projected"]["sources"]
+            for i in src["secret"]["items"]
+        ]
     else:
         name = volume["secret"]["secretName"]
         items = [(name, key, key) for key in secrets[name]]
@@ -173,17 +192,39 @@ def test_pods_run_as_rendered(tmp_path):
     admin_token = "adm-" + "7" * 40
     (tmp_path / "admin.token").write_text(admin_token + "\n")
     curve.generate(keys, ["sim-0"], ["client"])
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    "/CN=localhost", "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt")],
-                   check=True, capture_output=True)
-    cfg_path = write_config(tmp_path, models=[{"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096}],
-                            workers=[sim_worker("sim-0", discovery_interval_s=0.5)],
-                            router={"heartbeat_interval_s": 0.25, "admin_token_file": str(tmp_path / "admin.token"),
-                                    "admin_http": f"127.0.0.1:{free_port()}"},
-                            security={"curve": True, "curve_dir": str(keys)},
-                            envoy={"tls_cert_file": str(tmp_path / "tls.crt"),
-                                   "tls_key_file": str(tmp_path / "tls.key")},
-                            kubernetes={"endpoint_propagation_s": 1, "allow_anonymous": True})
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            str(tmp_path / "tls.key"),
+            "-out",
+            str(tmp_path / "tls.crt"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    cfg_path = write_config(
+        tmp_path,
+        models=[{"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096}],
+        workers=[sim_worker("sim-0", discovery_interval_s=0.5)],
+        router={
+            "heartbeat_interval_s": 0.25,
+            "admin_token_file": str(tmp_path / "admin.token"),
+            "admin_http": f"127.0.0.1:{free_port()}",
+        },
+        security={"curve": True, "curve_dir": str(keys)},
+        envoy={"tls_cert_file": str(tmp_path / "tls.crt"), "tls_key_file": str(tmp_path / "tls.key")},
+        kubernetes={"endpoint_propagation_s": 1, "allow_anonymous": True},
+    )
     cfg = load(cfg_path)
     objs = k8s.built(cfg)
     secrets = _secret_files(cfg)
@@ -195,10 +236,12 @@ def test_pods_run_as_rendered(tmp_path):
         return _by(objs, kind, name)[0]["spec"]["template"]["spec"]
 
     # each pod's filesystem: the ConfigMap at CONFIG_DIR, its Secret volumes at their mount paths
-    pods = {"router-0": ("Deployment", "weir-router", ROUTER_IPS[0]),
-            "router-1": ("Deployment", "weir-router", ROUTER_IPS[1]),
-            "worker": ("StatefulSet", "weir-worker-sim-tiny", "127.0.0.1"),
-            "envoy": ("Deployment", "weir-envoy", "127.0.0.1")}
+    pods = {
+        "router-0": ("Deployment", "weir-router", ROUTER_IPS[0]),
+        "router-1": ("Deployment", "weir-router", ROUTER_IPS[1]),
+        "worker": ("StatefulSet", "weir-worker-sim-tiny", "127.0.0.1"),
+        "envoy": ("Deployment", "weir-envoy", "127.0.0.1"),
+    }
     paths: dict[str, dict[str, str]] = {}
     for key, (kind, name, ip) in pods.items():
         spec = pod_spec(kind, name)
@@ -219,8 +262,13 @@ def test_pods_run_as_rendered(tmp_path):
             for pod_path, local in paths[key].items():
                 text = text.replace(pod_path, local)
             (root / "etc-weir" / fname).write_text(
-                text.replace("0.0.0.0", ip).replace(k8s.routers_host(cfg), hosts.name))
-    assert {CURVE_DIR} <= set(paths["router-0"]) and {CURVE_DIR} <= set(paths["worker"]) and {TLS_DIR} <= set(paths["envoy"])
+                text.replace("0.0.0.0", ip).replace(k8s.routers_host(cfg), hosts.name)
+            )
+    assert (
+        {CURVE_DIR} <= set(paths["router-0"])
+        and {CURVE_DIR} <= set(paths["worker"])
+        and {TLS_DIR} <= set(paths["envoy"])
+    )
 
     def local(key: str, argv: list[str]) -> list[str]:
         out = [a.replace(k8s.CONFIG_DIR, paths[key][k8s.CONFIG_DIR]).replace("$(POD_NAME)", pod_name) for a in argv]
@@ -230,21 +278,33 @@ def test_pods_run_as_rendered(tmp_path):
     router = pod_spec("Deployment", "weir-router")["containers"][0]
     envoy = pod_spec("Deployment", "weir-envoy")["containers"][0]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    wenv = {**env, **{e["name"]: e.get("value", pod_name).replace(k8s.CONFIG_DIR, paths["worker"][k8s.CONFIG_DIR])
-                      for e in worker["env"]}}
+    wenv = {
+        **env,
+        **{
+            e["name"]: e.get("value", pod_name).replace(k8s.CONFIG_DIR, paths["worker"][k8s.CONFIG_DIR])
+            for e in worker["env"]
+        },
+    }
     procs: dict[str, subprocess.Popen] = {}
     hosts.set(ROUTER_IPS)
     try:
         for key, c in (("router-0", router), ("router-1", router), ("worker", worker), ("envoy", envoy)):
-            procs[key] = subprocess.Popen(local(key, c["command"]), env=wenv if key == "worker" else env, cwd=REPO,
-                                          process_group=0, stdout=subprocess.DEVNULL,
-                                          stderr=open(tmp_path / f"{key}.log", "wb"))
+            procs[key] = subprocess.Popen(
+                local(key, c["command"]),
+                env=wenv if key == "worker" else env,
+                cwd=REPO,
+                process_group=0,
+                stdout=subprocess.DEVNULL,
+                stderr=open(tmp_path / f"{key}.log", "wb"),
+            )
 
         def probe_ok(key: str, c: dict, kind: str) -> bool:
             p = c[kind]
             if "exec" in p:
-                return subprocess.run(local(key, p["exec"]["command"]), env=wenv, cwd=REPO,
-                                      capture_output=True).returncode == 0
+                return (
+                    subprocess.run(local(key, p["exec"]["command"]), env=wenv, cwd=REPO, capture_output=True).returncode
+                    == 0
+                )
             try:
                 ip = pods[key][2]
                 return requests.get(f"http://{ip}:{p['httpGet']['port']}{p['httpGet']['path']}", timeout=2).ok
@@ -255,9 +315,14 @@ def test_pods_run_as_rendered(tmp_path):
             return "\n".join(f"{k}: {(tmp_path / f'{k}.log').read_text()[-1500:]}" for k in procs)
 
         deadline = time.monotonic() + 60
-        for key, c, kind in (("worker", worker, "startupProbe"), ("worker", worker, "readinessProbe"),
-                             ("router-0", router, "livenessProbe"), ("router-0", router, "readinessProbe"),
-                             ("router-1", router, "readinessProbe"), ("envoy", envoy, "readinessProbe")):
+        for key, c, kind in (
+            ("worker", worker, "startupProbe"),
+            ("worker", worker, "readinessProbe"),
+            ("router-0", router, "livenessProbe"),
+            ("router-0", router, "readinessProbe"),
+            ("router-1", router, "readinessProbe"),
+            ("envoy", envoy, "readinessProbe"),
+        ):
             while not probe_ok(key, c, kind):
                 dead = {k: p.returncode for k, p in procs.items() if p.poll() is not None}
                 assert not dead, f"exited: {dead}; {logs()}"
@@ -287,16 +352,26 @@ def test_pods_run_as_rendered(tmp_path):
         port = next(p["containerPort"] for p in envoy["ports"] if p["name"] == "http")
         url = f"https://127.0.0.1:{port}/v1/completions"
         for _ in range(4):
-            r = requests.post(url, timeout=10, verify=False,
-                              json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 4})
+            r = requests.post(
+                url, timeout=10, verify=False, json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 4}
+            )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4
         with pytest.raises(requests.ConnectionError):  # TLS only
             requests.post(url.replace("https", "http"), timeout=5, json={"model": SIM_MODEL, "prompt": "x"})
         # a Batch API file uploaded through one router replica is the other's too (the batch claim)
-        up = requests.post(f"http://{ROUTER_IPS[0]}:{http}/v1/files", timeout=10, data={"purpose": "batch"},
-                           files={"file": ("in.jsonl", b'{"custom_id": "a", "method": "POST", "url": '
-                                           b'"/v1/completions", "body": {"model": "m", "prompt": "x"}}\n')})
+        up = requests.post(
+            f"http://{ROUTER_IPS[0]}:{http}/v1/files",
+            timeout=10,
+            data={"purpose": "batch"},
+            files={
+                "file": (
+                    "in.jsonl",
+                    b'{"custom_id": "a", "method": "POST", "url": '
+                    b'"/v1/completions", "body": {"model": "m", "prompt": "x"}}\n',
+                )
+            },
+        )
         assert up.status_code == 200, up.text
         got = requests.get(f"http://{ROUTER_IPS[1]}:{http}/v1/files/{up.json()['id']}/content", timeout=10)
         assert got.status_code == 200 and got.content.startswith(b'{"custom_id": "a"'), got.text
@@ -305,16 +380,27 @@ def test_pods_run_as_rendered(tmp_path):
         stream = {}
 
         def read_stream() -> None:
-            with requests.post(url, timeout=30, verify=False, stream=True,
-                               json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 1500, "stream": True}) as resp:
+            with requests.post(
+                url,
+                timeout=30,
+                verify=False,
+                stream=True,
+                json={"model": SIM_MODEL, "prompt": "hi", "max_tokens": 1500, "stream": True},
+            ) as resp:
                 stream["body"] = resp.content.decode()
 
         t = threading.Thread(target=read_stream)
         t.start()
         time.sleep(0.3)
         t0 = time.monotonic()
-        stop = subprocess.run(local("envoy", envoy["lifecycle"]["preStop"]["exec"]["command"]), env=env, cwd=REPO,
-                              capture_output=True, text=True, timeout=envoy_grace(objs))
+        stop = subprocess.run(
+            local("envoy", envoy["lifecycle"]["preStop"]["exec"]["command"]),
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=envoy_grace(objs),
+        )
         t.join(timeout=1)
         assert not t.is_alive(), "preStop returned before the stream in flight ended"
         assert stop.stdout.strip() == "drained", stop.stderr
@@ -326,8 +412,14 @@ def test_pods_run_as_rendered(tmp_path):
         assert procs["envoy"].wait(timeout=10) == 0
 
         # the worker's preStop drains it at both routers
-        stop = subprocess.run(local("worker", worker["lifecycle"]["preStop"]["exec"]["command"]), env=wenv, cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
+        stop = subprocess.run(
+            local("worker", worker["lifecycle"]["preStop"]["exec"]["command"]),
+            env=wenv,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert stop.stdout.strip() == "drained"
         for ip in ROUTER_IPS:
             w = requests.get(f"http://{ip}:{http}/admin/workers/{pod_name}", timeout=5).json()
@@ -335,7 +427,8 @@ def test_pods_run_as_rendered(tmp_path):
         assert not probe_ok("worker", worker, "readinessProbe")
         procs["worker"].send_signal(signal.SIGTERM)
         grace = _by(objs, "StatefulSet", "weir-worker-sim-tiny")[0]["spec"]["template"]["spec"][
-            "terminationGracePeriodSeconds"]
+            "terminationGracePeriodSeconds"
+        ]
         assert procs["worker"].wait(timeout=grace) == 0
     finally:
         hosts.set([])

@@ -32,9 +32,14 @@ def long_stack(tmp_path_factory):
     cfg = stackutil.write_config(
         d,
         models=[{"name": LONG_MODEL, "engine": "sim", "path": str(TINY_MODEL_DIR), "max_model_len": 200_000}],
-        workers=[stackutil.sim_worker("sim-long-0", model=LONG_MODEL, max_num_seqs=8,
-                                      sim={"kv_capacity_tokens": 400_000, "prefill_token_us": 0.2,
-                                           "max_prefill_tokens": 8192})],
+        workers=[
+            stackutil.sim_worker(
+                "sim-long-0",
+                model=LONG_MODEL,
+                max_num_seqs=8,
+                sim={"kv_capacity_tokens": 400_000, "prefill_token_us": 0.2, "max_prefill_tokens": 8192},
+            )
+        ],
     )
     with stackutil.start_stack(cfg, d / "run") as s:
         yield s
@@ -80,4 +85,5 @@ def test_streams_keep_flowing_while_a_long_prompt_is_tokenized(long_stack):
     # machine's scheduling stretches the others, hence not a tighter bound)
     assert max(gaps) < 0.75 * tokenize_s, (
         f"largest inter-token gap {max(gaps) * 1e3:.1f} ms while a prompt that takes "
-        f"{tokenize_s * 1e3:.1f} ms to tokenize was admitted")
+        f"{tokenize_s * 1e3:.1f} ms to tokenize was admitted"
+    )

@@ -19,8 +19,9 @@ EXTRA = "sim-extra"
 
 
 def _weir(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weir.cli", *args], cwd=stackutil.REPO, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "weir.cli", *args], cwd=stackutil.REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def _models(stack) -> dict[str, dict]:
@@ -38,12 +39,21 @@ def test_add_then_remove_a_model_under_load(tmp_path):
                 while not stop[model].is_set():
                     t0 = time.monotonic()
                     try:
-                        r = http.post(s.envoy_url + "/v1/completions", timeout=30, json={
-                            "model": model, "prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": True})
+                        r = http.post(
+                            s.envoy_url + "/v1/completions",
+                            timeout=30,
+                            json={"model": model, "prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": True},
+                        )
                         body = r.json()
-                        results[model].append((r.status_code, body.get("error", {}).get("code"),
-                                               r.headers.get("retry-after"), time.monotonic() - t0,
-                                               body.get("usage", {}).get("completion_tokens")))
+                        results[model].append(
+                            (
+                                r.status_code,
+                                body.get("error", {}).get("code"),
+                                r.headers.get("retry-after"),
+                                time.monotonic() - t0,
+                                body.get("usage", {}).get("completion_tokens"),
+                            )
+                        )
                     except requests.RequestException as e:  # a hang or a reset: the test fails on it
                         results[model].append(("exception", repr(e), None, time.monotonic() - t0, None))
 
@@ -52,11 +62,27 @@ def test_add_then_remove_a_model_under_load(tmp_path):
             t.start()
 
         t0 = time.monotonic()
-        out = _weir("models", "add", EXTRA, "--engine", "sim", "--max-model-len", "4096", "--workers", "1",
-                    "--wait", "--config", str(cfg))
+        out = _weir(
+            "models",
+            "add",
+            EXTRA,
+            "--engine",
+            "sim",
+            "--max-model-len",
+            "4096",
+            "--workers",
+            "1",
+            "--wait",
+            "--config",
+            str(cfg),
+        )
         assert out.returncode == 0, out.stdout + out.stderr
-        while requests.post(s.envoy_url + "/v1/completions", timeout=10,
-                            json={"model": EXTRA, "prompt": "x", "max_tokens": 2}).status_code != 200:
+        while (
+            requests.post(
+                s.envoy_url + "/v1/completions", timeout=10, json={"model": EXTRA, "prompt": "x", "max_tokens": 2}
+            ).status_code
+            != 200
+        ):
             assert time.monotonic() - t0 < 60
             time.sleep(0.05)
         added_s = time.monotonic() - t0
@@ -81,7 +107,9 @@ def test_add_then_remove_a_model_under_load(tmp_path):
         assert EXTRA not in _models(s) and stackutil.SIM_MODEL in _models(s)
         worker = s.components[f"worker:{EXTRA}-0"]
         # (remove --wait returns on the worker's Goodbye: the process may still be exiting)
-        assert worker.proc.wait(timeout=15) == 0 and s.restarts.get(f"worker:{EXTRA}-0") is None  # drained, not restarted
+        assert (
+            worker.proc.wait(timeout=15) == 0 and s.restarts.get(f"worker:{EXTRA}-0") is None
+        )  # drained, not restarted
         assert f"{EXTRA}-0" not in {w["id"] for w in requests.get(s.router_url + "/admin/workers", timeout=5).json()}
 
         other = results[stackutil.SIM_MODEL]
@@ -93,7 +121,9 @@ def test_add_then_remove_a_model_under_load(tmp_path):
         assert all(r[4] == 200 for r in mine if r[0] == 200)  # in flight at the removal: finished whole
         assert all(r[2] is not None for r in mine if r[0] == 503)  # Retry-After
         assert max(r[3] for r in mine) < 15  # none hung
-        print(f"\nadd to first served request {added_s:.2f} s; remove under load {removed_s:.2f} s; "
-              f"{len(other)} requests for {stackutil.SIM_MODEL} all ok; {EXTRA}: "
-              f"{sum(r[0] == 200 for r in mine)} ok, {sum(r[0] == 503 for r in mine)} unloading, "
-              f"{sum(r[0] == 404 for r in mine)} not found")
+        print(
+            f"\nadd to first served request {added_s:.2f} s; remove under load {removed_s:.2f} s; "
+            f"{len(other)} requests for {stackutil.SIM_MODEL} all ok; {EXTRA}: "
+            f"{sum(r[0] == 200 for r in mine)} ok, {sum(r[0] == 503 for r in mine)} unloading, "
+            f"{sum(r[0] == 404 for r in mine)} not found"
+        )

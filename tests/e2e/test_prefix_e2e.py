@@ -102,8 +102,11 @@ def test_gap_makes_worker_blind_until_snapshot_and_loss_clears(prefix_sim_stack)
     s = prefix_sim_stack
     fake = FakeWorker(s.cfg.router.backend, "zz-fake")  # after sim-0 by id: ties never go to it
     try:
-        fake.send(p.Register("zz-fake", "sim-tiny", p.Pool.ANY, 4096, 1 << 16, 16, 4, "sim",
-                             prefix_caching=True, prefix_hash="sim"))
+        fake.send(
+            p.Register(
+                "zz-fake", "sim-tiny", p.Pool.ANY, 4096, 1 << 16, 16, 4, "sim", prefix_caching=True, prefix_hash="sim"
+            )
+        )
         fake.send(p.PrefixSnapshot(0, [11, 12, 13]))
         labels = {"worker": "zz-fake"}
         assert wait_until(lambda: metric(s, "weir_prefix_worker_blocks", **labels) == 3)
@@ -134,22 +137,35 @@ def test_two_vllm_workers_share_a_prefix(tmp_path):
     """Two tenants' 256+-token system prompts, four requests at a time: the
     followers find their prefix cached on the worker they are sent to."""
     cfg = stackutil.write_config(
-        tmp_path, models=stackutil.localconfig.models(vllm_max_model_len=1024),
+        tmp_path,
+        models=stackutil.localconfig.models(vllm_max_model_len=1024),
         workers=[stackutil.vllm_worker("vllm-0", max_num_seqs=4), stackutil.vllm_worker("vllm-1", max_num_seqs=4)],
         # a loaded machine's KV events may take longer than the default 2 s to confirm a dispatch;
         # with 4 slots one running sequence moves a worker's load score by 0.25 + its KV share,
         # just past the default margin: a tenant's second request arriving while its first runs
         # would spill to the idle worker (by design), and arrival order within a round is the
         # thread pool's.  A margin of two sequences keeps every follower on its prefix.
-        scheduler={"prefix_speculative_ttl_s": 10.0, "prefix_load_margin": 0.6})
-    systems = [("You are assistant %s. " % t) + " ".join(f"rule {t}{i} keep answers short." for i in range(12))
-               for t in "AB"]
+        scheduler={"prefix_speculative_ttl_s": 10.0, "prefix_load_margin": 0.6},
+    )
+    systems = [
+        ("You are assistant %s. " % t) + " ".join(f"rule {t}{i} keep answers short." for i in range(12)) for t in "AB"
+    ]
     with stackutil.start_stack(cfg, tmp_path / "run") as s:
+
         def ask(args):
             k, i = args
-            r = requests.post(s.envoy_url + "/v1/chat/completions", timeout=60, json={
-                "model": "tiny-llama", "max_tokens": 2, "messages": [
-                    {"role": "system", "content": systems[k]}, {"role": "user", "content": f"question {i}"}]})
+            r = requests.post(
+                s.envoy_url + "/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": "tiny-llama",
+                    "max_tokens": 2,
+                    "messages": [
+                        {"role": "system", "content": systems[k]},
+                        {"role": "user", "content": f"question {i}"},
+                    ],
+                },
+            )
             assert r.status_code == 200, r.text
             u = r.json()["usage"]
             return k, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]

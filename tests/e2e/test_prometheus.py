@@ -23,18 +23,29 @@ RULE_TESTS = REPO / "deploy" / "prometheus" / "tests" / "weir-rules.test.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "weir-dashboard.json"
 # Named by the GPU telemetry work (issue 11 part B): not in this branch's /metrics, so
 # their panels and rules are checked by promtool only, not against live data.
-GPU_METRICS = {"weir_gpu_utilization_percent", "weir_gpu_memory_used_bytes", "weir_gpu_memory_total_bytes",
-               "weir_gpu_temperature_celsius", "weir_gpu_power_watts"}
+GPU_METRICS = {
+    "weir_gpu_utilization_percent",
+    "weir_gpu_memory_used_bytes",
+    "weir_gpu_memory_total_bytes",
+    "weir_gpu_temperature_celsius",
+    "weir_gpu_power_watts",
+}
 # Shown only while a batch runs: named in /metrics always (checked below); their
 # values while a batch runs are checked by tests/e2e/test_batch_e2e.py.
-BATCH_METRICS = {"weir_batch_eta_seconds", "weir_batch_window_left_seconds", "weir_batch_model_lines",
-                 "weir_batch_lines_done_total"}
+BATCH_METRICS = {
+    "weir_batch_eta_seconds",
+    "weir_batch_window_left_seconds",
+    "weir_batch_model_lines",
+    "weir_batch_lines_done_total",
+}
 RATE_WINDOW = "15s"  # Grafana's $__rate_interval, at a 1 s scrape
 
 promtool = shutil.which("promtool") or "/usr/bin/promtool"
 prometheus = shutil.which("prometheus") or "/usr/bin/prometheus"
-needs_prometheus = pytest.mark.skipif(not Path(promtool).exists() or not Path(prometheus).exists(),
-                                      reason="Debian's prometheus package missing: `make setup` installs it")
+needs_prometheus = pytest.mark.skipif(
+    not Path(promtool).exists() or not Path(prometheus).exists(),
+    reason="Debian's prometheus package missing: `make setup` installs it",
+)
 
 
 def _names(text: str) -> set[str]:
@@ -53,9 +64,12 @@ def scaler_queries() -> list[tuple[str, str]]:
     from deploy import k8s
     from shared.config import DEFAULT_CONFIG, load
 
-    return [(f"ScaledObject {so['metadata']['name']} {t['name']}", t["metadata"]["query"])
-            for so in k8s.built(load(DEFAULT_CONFIG), "gpu") if so["kind"] == "ScaledObject"
-            for t in so["spec"]["triggers"]]
+    return [
+        (f"ScaledObject {so['metadata']['name']} {t['name']}", t["metadata"]["query"])
+        for so in k8s.built(load(DEFAULT_CONFIG), "gpu")
+        if so["kind"] == "ScaledObject"
+        for t in so["spec"]["triggers"]
+    ]
 
 
 def rule_exprs() -> list[str]:
@@ -73,8 +87,9 @@ def test_promtool_checks_the_rules():
 
 @needs_prometheus
 def test_promtool_rule_unit_tests_pass():
-    out = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], capture_output=True, text=True,
-                         cwd=RULE_TESTS.parent)
+    out = subprocess.run(
+        [promtool, "test", "rules", RULE_TESTS.name], capture_output=True, text=True, cwd=RULE_TESTS.parent
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     # every alert has a must-fire case
     alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r}
@@ -86,8 +101,11 @@ def test_promtool_rule_unit_tests_pass():
 def test_promtool_unit_tests_can_fail(tmp_path):
     """The harness notices a wrong expectation (a must-not-fire case that fires)."""
     text = RULE_TESTS.read_text().replace("../weir-rules.yaml", str(RULES))
-    bad = text.replace("      - eval_time: 5m\n        alertname: WeirQueueGrowing",
-                      "      - eval_time: 30m\n        alertname: WeirQueueGrowing", 1)
+    bad = text.replace(
+        "      - eval_time: 5m\n        alertname: WeirQueueGrowing",
+        "      - eval_time: 30m\n        alertname: WeirQueueGrowing",
+        1,
+    )
     (tmp_path / "bad.test.yaml").write_text(bad)
     out = subprocess.run([promtool, "test", "rules", "bad.test.yaml"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode != 0 and "WeirQueueGrowing" in out.stdout + out.stderr
@@ -106,7 +124,9 @@ class _Traffic:
     def _run(self):
         s = requests.Session()
         bodies = [{"model": SIM_MODEL, "prompt": "hello there", "max_tokens": 8, "stream": True}] * 8 + [
-            {"model": VLLM_MODEL, "prompt": "hi", "max_tokens": 2}, {"model": SIM_MODEL, "max_tokens": -1}]
+            {"model": VLLM_MODEL, "prompt": "hi", "max_tokens": 2},
+            {"model": SIM_MODEL, "max_tokens": -1},
+        ]
         i = 0
         while not self.stop.is_set():
             r = s.post(self.url, json=bodies[i % len(bodies)], timeout=10)
@@ -126,14 +146,26 @@ def live_prometheus(sim_stack, tmp_path):
         "rule_files": [str(RULES)],
         "scrape_configs": [
             {"job_name": "weir-router", "static_configs": [{"targets": [router]}]},
-            {"job_name": "weir-envoy", "metrics_path": "/stats/prometheus", "static_configs": [{"targets": [envoy_admin]}]},
+            {
+                "job_name": "weir-envoy",
+                "metrics_path": "/stats/prometheus",
+                "static_configs": [{"targets": [envoy_admin]}],
+            },
         ],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(conf))
     log = open(tmp_path / "prometheus.log", "wb")
-    proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                             "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -192,8 +224,11 @@ def test_every_dashboard_query_returns_data_from_a_live_stack(sim_stack, live_pr
     assert not pending, f"panels without data: {sorted(pending.values())}"
     assert share is not None and 0.06 < share < 0.15, share
     # and the alerts the healthy stack must not raise are not firing
-    firing = {a["labels"]["alertname"] for a in requests.get(live_prometheus + "/api/v1/alerts", timeout=5)
-              .json()["data"]["alerts"] if a["state"] == "firing"}
+    firing = {
+        a["labels"]["alertname"]
+        for a in requests.get(live_prometheus + "/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+        if a["state"] == "firing"
+    }
     assert not firing & {"WeirWorkerLost", "WeirWorkerDrainingTooLong", "WeirQuotaStoreUnreachable"}
 
 

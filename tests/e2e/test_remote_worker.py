@@ -72,7 +72,7 @@ def _registered(url: str) -> set[str]:
 
 
 def test_worker_in_another_network_namespace_serves_through_the_router(tmp_path):
-    backend_port, = free_ports(1)
+    (backend_port,) = free_ports(1)
     models = [*localconfig.models(), {"name": REMOTE_MODEL, "engine": "sim", "max_model_len": 4096}]
     with _namespace() as netns:
         if netns is not None:
@@ -83,14 +83,23 @@ def test_worker_in_another_network_namespace_serves_through_the_router(tmp_path)
             boundary = "second loopback address 127.0.0.2 (no network namespace here)"
         print(f"\nremote worker across: {boundary}")
         remote = sim_worker("remote-0", model=REMOTE_MODEL, routers=[f"tcp://{host_addr}:{backend_port}"])
-        cfg = write_config(tmp_path, models=models, workers=[sim_worker("sim-0"), remote],
-                           router={"backend": f"tcp://0.0.0.0:{backend_port}", "heartbeat_interval_s": 0.25})
+        cfg = write_config(
+            tmp_path,
+            models=models,
+            workers=[sim_worker("sim-0"), remote],
+            router={"backend": f"tcp://0.0.0.0:{backend_port}", "heartbeat_interval_s": 0.25},
+        )
         with start_stack(cfg, workers=["sim-0"]) as stack:  # the remote one is started below, over there
             log = open(tmp_path / "remote-0.log", "wb")
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen([*prefix, sys.executable, "-m", "engine_worker", "--config", str(cfg),
-                                     "--worker-id", "remote-0"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    cwd=str(REPO), process_group=0)
+            proc = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "engine_worker", "--config", str(cfg), "--worker-id", "remote-0"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(REPO),
+                process_group=0,
+            )
             try:
                 deadline = time.monotonic() + 30
                 while "remote-0" not in _registered(stack.router_url) and time.monotonic() < deadline:
@@ -106,9 +115,16 @@ def test_worker_in_another_network_namespace_serves_through_the_router(tmp_path)
                 time.sleep(1.5)
                 assert "remote-0" in _registered(stack.router_url)
                 if netns is not None:  # and the boundary is real: no way back to the host's loopback
-                    probe = subprocess.run([*prefix, sys.executable, "-c",
-                                            f"import socket; socket.create_connection(('127.0.0.1', {backend_port}), 1)"],
-                                           capture_output=True, timeout=10)
+                    probe = subprocess.run(
+                        [
+                            *prefix,
+                            sys.executable,
+                            "-c",
+                            f"import socket; socket.create_connection(('127.0.0.1', {backend_port}), 1)",
+                        ],
+                        capture_output=True,
+                        timeout=10,
+                    )
                     assert probe.returncode != 0
             finally:
                 os.killpg(proc.pid, signal.SIGINT)

@@ -21,8 +21,12 @@ UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 @pytest.fixture(scope="module")
 def logged_stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("request_ids")
-    cfg = stackutil.write_config(d, workers=[stackutil.sim_worker("sim-0")], envoy={"access_log": True},
-                                 logging={"format": "json", "requests": True})
+    cfg = stackutil.write_config(
+        d,
+        workers=[stackutil.sim_worker("sim-0")],
+        envoy={"access_log": True},
+        logging={"format": "json", "requests": True},
+    )
     with stackutil.start_stack(cfg, d / "run") as s:
         yield s
 

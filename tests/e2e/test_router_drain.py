@@ -199,13 +199,16 @@ def test_sigterm_to_one_of_two_routers_under_load_loses_nothing(tmp_path):
         assert trickle.statuses and all(s == 200 for s, _ in trickle.statuses), trickle.statuses
         assert zmq_done[-1] == stack.zmq_frontends[0] and set(zmq_done[:-1]) == {"length"}, zmq_done
         out = t.get("out", float("nan")) - t["sigterm"]
-        print(f"\n2 routers, SIGTERM 1: 20/20 complete, {len(trickle.statuses)} new requests all 200; "
-              f"Envoy took the router out {out * 1000:.0f} ms after SIGTERM")
+        print(
+            f"\n2 routers, SIGTERM 1: 20/20 complete, {len(trickle.statuses)} new requests all 200; "
+            f"Envoy took the router out {out * 1000:.0f} ms after SIGTERM"
+        )
 
 
 def test_a_drain_timeout_shorter_than_the_streams_ends_them_with_an_error_event(tmp_path):
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", sim=SIM)],
-                       router={"heartbeat_interval_s": 0.25, "drain_timeout_s": 0.5})
+    cfg = write_config(
+        tmp_path, workers=[sim_worker("sim-a", sim=SIM)], router={"heartbeat_interval_s": 0.25, "drain_timeout_s": 0.5}
+    )
     said: list[str] = []
     with _stack(cfg, tmp_path, said) as stack:
         from shared.client import Client, WeirError
@@ -223,6 +226,7 @@ def test_a_drain_timeout_shorter_than_the_streams_ends_them_with_an_error_event(
 
         zt = threading.Thread(target=zmq_stream)
         zt.start()
+
         def drain() -> None:  # the operator's way (SIGTERM's: the tests above)
             r = requests.post(stack.router_url + "/admin/drain", timeout=5)
             assert r.status_code == 200 and r.json()["draining"], r.text
@@ -283,8 +287,12 @@ def test_weir_restart_all_under_steady_load_fails_no_request(tmp_path):
     workers = [sim_worker("sim-a", sim=SIM), sim_worker("sim-b", sim=SIM)]
     cfg_path = write_config(tmp_path, routers=routers(2), workers=workers, router={"heartbeat_interval_s": 0.25})
     weir = Path(sys.executable).parent / "weir"
-    up = subprocess.Popen([str(weir), "up", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run")],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [str(weir), "up", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert _wait_line(up, "Ctrl-C (or SIGTERM) stops everything.", 60)
         envoy_url = "http://" + load(cfg_path).envoy.listen
@@ -294,8 +302,11 @@ def test_weir_restart_all_under_steady_load_fails_no_request(tmp_path):
         def restart_all() -> None:
             time.sleep(3.0)  # a baseline first
             marks["start"] = time.monotonic()
-            done = subprocess.run([str(weir), "restart", "all", "--config", str(cfg_path), "--timeout", "120"],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [str(weir), "restart", "all", "--config", str(cfg_path), "--timeout", "120"],
+                capture_output=True,
+                text=True,
+            )
             marks["end"] = time.monotonic()
             marks["rc"] = done.returncode
             print(done.stdout, done.stderr, file=sys.stderr)
@@ -311,9 +322,11 @@ def test_weir_restart_all_under_steady_load_fails_no_request(tmp_path):
         assert not failed, failed
         before = [ttft for t0, _, ttft in results if t0 < marks["start"]]
         during = [ttft for t0, _, ttft in results if marks["start"] <= t0 < marks["end"]]
-        print(f"\nweir restart all at 20 req/s: {len(results)} requests, {len(failed)} failed; restart took "
-              f"{marks['end'] - marks['start']:.1f} s; p99 TTFT before {_p99(before) * 1000:.0f} ms, "
-              f"during {_p99(during) * 1000:.0f} ms")
+        print(
+            f"\nweir restart all at 20 req/s: {len(results)} requests, {len(failed)} failed; restart took "
+            f"{marks['end'] - marks['start']:.1f} s; p99 TTFT before {_p99(before) * 1000:.0f} ms, "
+            f"during {_p99(during) * 1000:.0f} ms"
+        )
     finally:
         up.send_signal(signal.SIGTERM)
         try:

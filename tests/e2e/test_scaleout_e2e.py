@@ -35,8 +35,11 @@ def _workers(url: str) -> dict:
 
 def _refused_dispatches(url: str) -> float:
     text = requests.get(url + "/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("weir_worker_events_total{") and 'event="refused_dispatch"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("weir_worker_events_total{") and 'event="refused_dispatch"' in line
+    )
 
 
 def _wait(pred, timeout: float) -> bool:
@@ -69,12 +72,21 @@ def _post(url: str, body: dict, timeout: float = 60) -> requests.Response:
 
 
 def test_two_routers_share_two_workers_without_over_commit(tmp_path):
-    classes = [{"name": n, "max_predicted_wait_s": 1.5, "queue_deadline_s": 6.0}
-               for n in ("critical", "high", "normal", "low", "batch")]
-    workers = [sim_worker(w, max_num_seqs=SLOTS, max_model_len=KV_TOKENS, sim={"kv_capacity_tokens": KV_TOKENS})
-               for w in ("sim-a", "sim-b")]
-    cfg = write_config(tmp_path, routers=routers(2), workers=workers, router={"heartbeat_interval_s": 0.25},
-                       scheduler={"classes": classes})
+    classes = [
+        {"name": n, "max_predicted_wait_s": 1.5, "queue_deadline_s": 6.0}
+        for n in ("critical", "high", "normal", "low", "batch")
+    ]
+    workers = [
+        sim_worker(w, max_num_seqs=SLOTS, max_model_len=KV_TOKENS, sim={"kv_capacity_tokens": KV_TOKENS})
+        for w in ("sim-a", "sim-b")
+    ]
+    cfg = write_config(
+        tmp_path,
+        routers=routers(2),
+        workers=workers,
+        router={"heartbeat_interval_s": 0.25},
+        scheduler={"classes": classes},
+    )
     with start_stack(cfg, supervise=True) as stack:
         assert stack.router_names == ["router", "router:1"]
         for url in stack.router_urls:  # each worker linked to both routers
@@ -93,12 +105,18 @@ def test_two_routers_share_two_workers_without_over_commit(tmp_path):
                 assert r.json()["error"]["message"] and r.headers.get("retry-after")
         # Both routers served, and the workers' ledgers had to arbitrate.
         per_router = [_counter(u, "weir_requests_total") for u in stack.router_urls]
-        print("served per router", per_router, "refused before queueing",
-              [_counter(u, "weir_rejected_total") for u in stack.router_urls])
+        print(
+            "served per router",
+            per_router,
+            "refused before queueing",
+            [_counter(u, "weir_rejected_total") for u in stack.router_urls],
+        )
         assert all(n > 0 for n in per_router), per_router
         refused = sum(_refused_dispatches(u) for u in stack.router_urls)
-        print(f"burst: {statuses.count(200)} x 200, {statuses.count(429)} x 429, {statuses.count(503)} x 503; "
-              f"{refused:.0f} dispatches refused by a worker's ledger")
+        print(
+            f"burst: {statuses.count(200)} x 200, {statuses.count(429)} x 429, {statuses.count(503)} x 503; "
+            f"{refused:.0f} dispatches refused by a worker's ledger"
+        )
         assert _wait(lambda: _settled(stack), 10), [_workers(u) for u in stack.router_urls]
         for url in stack.router_urls:
             assert all(w["preemptions"] == 0 for w in _workers(url).values())
@@ -114,9 +132,17 @@ def test_two_routers_share_two_workers_without_over_commit(tmp_path):
             ended = [f.result() for f in inflight] + [f.result() for f in racing]
             # Envoy has seen the dead router (outlier ejection, health check) -- or
             # the supervisor's new one, with both workers registered, passed it again.
-            assert _wait(lambda: stack.envoy_healthy_routers() == 1 or (
-                victim.pid != old_pid and set(stack.registered_at(stack.router_urls[1])) == {"sim-a", "sim-b"}
-                and stack.envoy_healthy_routers() == 2), 10)
+            assert _wait(
+                lambda: (
+                    stack.envoy_healthy_routers() == 1
+                    or (
+                        victim.pid != old_pid
+                        and set(stack.registered_at(stack.router_urls[1])) == {"sim-a", "sim-b"}
+                        and stack.envoy_healthy_routers() == 2
+                    )
+                ),
+                10,
+            )
             after = [pool.submit(_post, stack.envoy_url, {**BODY, "max_tokens": 8}) for _ in range(6)]
             later = [f.result() for f in after]
         # Served by the survivor, or the clear error of the one killed under
@@ -126,15 +152,17 @@ def test_two_routers_share_two_workers_without_over_commit(tmp_path):
             assert r.status_code in (200, 503), r.text
             if r.status_code == 503:
                 assert r.json()["error"]["message"] and r.headers.get("retry-after")
-        assert [r.status_code for r in later] == [200] * 6, [r.json()["error"]["message"] for r in later
-                                                             if r.status_code != 200]
-        print(f"kill: in flight or racing it {[r.status_code for r in ended]}, sent after "
-              f"{[r.status_code for r in later]}")
+        assert [r.status_code for r in later] == [200] * 6, [
+            r.json()["error"]["message"] for r in later if r.status_code != 200
+        ]
+        print(
+            f"kill: in flight or racing it {[r.status_code for r in ended]}, sent after "
+            f"{[r.status_code for r in later]}"
+        )
 
         # The supervisor brings it back; the workers register there again, and
         # what it ran on them was dropped (each worker's ledger forgot it).
-        assert _wait(lambda: victim.pid != old_pid and set(_workers(stack.router_urls[1])) == {"sim-a", "sim-b"},
-                     20)
+        assert _wait(lambda: victim.pid != old_pid and set(_workers(stack.router_urls[1])) == {"sim-a", "sim-b"}, 20)
         assert stack.restarts == {"router:1": 1}
         assert _wait(lambda: _settled(stack), 10), [_workers(u) for u in stack.router_urls]
         assert _post(stack.router_urls[1], {**BODY, "max_tokens": 4}).status_code == 200

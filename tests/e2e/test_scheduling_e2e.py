@@ -23,21 +23,28 @@ BURST = 80
 
 
 def _config(tmp_path, **scheduler):
-    sim = {"kv_capacity_tokens": KV_TOKENS, "block_size": 16, "step_fixed_ms": 1.0,
-           "decode_token_us": 20.0, "prefill_token_us": 2.0}
+    sim = {
+        "kv_capacity_tokens": KV_TOKENS,
+        "block_size": 16,
+        "step_fixed_ms": 1.0,
+        "decode_token_us": 20.0,
+        "prefill_token_us": 2.0,
+    }
     return write_config(
         tmp_path,
         workers=[sim_worker("sim-a", max_num_seqs=64, sim=sim)],
         rate_limit={"route_rps": 100000, "route_burst": 100000},
-        scheduler={"classes": [{"name": "normal", "max_queue": 16, "queue_deadline_s": 60.0}],
-                   **scheduler},
+        scheduler={"classes": [{"name": "normal", "max_queue": 16, "queue_deadline_s": 60.0}], **scheduler},
     )
 
 
 def _burst(url: str) -> list[requests.Response]:
     def one(i: int) -> requests.Response:
-        return requests.post(url + "/v1/completions", timeout=120, json={
-            "model": SIM_MODEL, "prompt": f"{i} {PROMPT}", "max_tokens": MAX_TOKENS})
+        return requests.post(
+            url + "/v1/completions",
+            timeout=120,
+            json={"model": SIM_MODEL, "prompt": f"{i} {PROMPT}", "max_tokens": MAX_TOKENS},
+        )
 
     with cf.ThreadPoolExecutor(BURST) as pool:
         return list(pool.map(one, range(BURST)))
@@ -100,8 +107,13 @@ def test_without_the_ledger_the_same_burst_preempts(tmp_path):
 # A burst is admitted by its predicted queue wait, not by a count: what the
 # fleet drains within the deadline is queued, the excess refused at once.
 
-FAST_SIM = {"kv_capacity_tokens": 1 << 22, "block_size": 16, "step_fixed_ms": 1.0,
-            "decode_token_us": 4.0, "admit_request_us": 20.0}
+FAST_SIM = {
+    "kv_capacity_tokens": 1 << 22,
+    "block_size": 16,
+    "step_fixed_ms": 1.0,
+    "decode_token_us": 4.0,
+    "admit_request_us": 20.0,
+}
 
 
 async def _fire(url: str, n: int, max_tokens: int, *, stream: bool = False, key_of=lambda i: None):
@@ -110,14 +122,18 @@ async def _fire(url: str, n: int, max_tokens: int, *, stream: bool = False, key_
 
     import aiohttp
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False,
-                                     timeout=aiohttp.ClientTimeout(total=120)) as s:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), trust_env=False, timeout=aiohttp.ClientTimeout(total=120)
+    ) as s:
+
         async def one(i):
             key = key_of(i)
             t0 = time.monotonic()
-            async with s.post(url + "/v1/completions", headers={"x-api-key": key} if key else {},
-                              json={"model": SIM_MODEL, "prompt": f"{i} {'x' * 124}",
-                                    "max_tokens": max_tokens, "stream": stream}) as r:
+            async with s.post(
+                url + "/v1/completions",
+                headers={"x-api-key": key} if key else {},
+                json={"model": SIM_MODEL, "prompt": f"{i} {'x' * 124}", "max_tokens": max_tokens, "stream": stream},
+            ) as r:
                 body = await r.read()
                 code = None
                 if r.status == 200 and stream:
@@ -134,8 +150,11 @@ def test_a_2000_stream_burst_on_one_sim_worker_is_all_served(tmp_path):
     streams (a count bound of 256 per tenant served 512 and refused 1,488)."""
     import asyncio
 
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", max_num_seqs=256, sim=FAST_SIM)],
-                       rate_limit={"route_rps": 100000, "route_burst": 100000})
+    cfg = write_config(
+        tmp_path,
+        workers=[sim_worker("sim-a", max_num_seqs=256, sim=FAST_SIM)],
+        rate_limit={"route_rps": 100000, "route_burst": 100000},
+    )
     with start_stack(cfg, tmp_path / "run") as stack:
         res = asyncio.run(_fire(stack.envoy_url, 2000, 64, stream=True))
         assert [r[0] for r in res].count(200) == 2000, sorted({r[:2] for r in res})
@@ -148,16 +167,21 @@ def test_a_burst_beyond_the_deadline_is_refused_at_once(tmp_path):
     deadline, 600 at once: the excess gets 429 + Retry-After without waiting."""
     import asyncio
 
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", max_num_seqs=16)],
-                       rate_limit={"route_rps": 100000, "route_burst": 100000},
-                       scheduler={"classes": [{"name": "normal", "queue_deadline_s": 1.0}]})
+    cfg = write_config(
+        tmp_path,
+        workers=[sim_worker("sim-a", max_num_seqs=16)],
+        rate_limit={"route_rps": 100000, "route_burst": 100000},
+        scheduler={"classes": [{"name": "normal", "queue_deadline_s": 1.0}]},
+    )
     with start_stack(cfg, tmp_path / "run") as stack:
         res = asyncio.run(_fire(stack.envoy_url, 600, 64))
         statuses = [r[0] for r in res]
         assert set(statuses) <= {200, 429, 503}, statuses
         served, refused = statuses.count(200), [r for r in res if r[0] == 429]
-        print(f"served {served}, refused {len(refused)}, 503 {statuses.count(503)}, "
-              f"Retry-After {sorted({r[2] for r in refused}, key=int)}")
+        print(
+            f"served {served}, refused {len(refused)}, 503 {statuses.count(503)}, "
+            f"Retry-After {sorted({r[2] for r in refused}, key=int)}"
+        )
         assert 30 <= served <= 200, served  # ~75 fit the deadline
         assert len(refused) >= 350
         # hardly any admitted job waits out its deadline (measured 0-11 of ~85 on this 2-core VM)
@@ -181,19 +205,27 @@ def test_a_burst_beyond_the_deadline_is_refused_at_once(tmp_path):
 def test_a_quiet_tenant_is_not_refused_while_a_flooder_is(tmp_path):
     import asyncio
 
-    keys = [{"key": "sk-flood", "tenant": "flood", "tier": "normal"},
-            {"key": "sk-quiet", "tenant": "quiet", "tier": "normal"}]
-    cfg = write_config(tmp_path, workers=[sim_worker("sim-a", max_num_seqs=16)], api_keys=keys,
-                       rate_limit={"route_rps": 100000, "route_burst": 100000,
-                                   "per_key_rps": 100000, "per_key_burst": 100000},
-                       scheduler={"classes": [{"name": "normal", "queue_deadline_s": 1.0}]})
+    keys = [
+        {"key": "sk-flood", "tenant": "flood", "tier": "normal"},
+        {"key": "sk-quiet", "tenant": "quiet", "tier": "normal"},
+    ]
+    cfg = write_config(
+        tmp_path,
+        workers=[sim_worker("sim-a", max_num_seqs=16)],
+        api_keys=keys,
+        rate_limit={"route_rps": 100000, "route_burst": 100000, "per_key_rps": 100000, "per_key_burst": 100000},
+        scheduler={"classes": [{"name": "normal", "queue_deadline_s": 1.0}]},
+    )
     with start_stack(cfg, tmp_path / "run") as stack:
         # the quiet tenant's 20 requests go out in the middle of the flooder's 500
-        res = asyncio.run(_fire(stack.envoy_url, 520, 16,
-                                key_of=lambda i: "sk-quiet" if 250 <= i < 270 else "sk-flood"))
+        res = asyncio.run(
+            _fire(stack.envoy_url, 520, 16, key_of=lambda i: "sk-quiet" if 250 <= i < 270 else "sk-flood")
+        )
         quiet, flood = res[250:270], res[:250] + res[270:]
-        print(f"quiet {[r[0] for r in quiet].count(200)}/20 served; flood "
-              f"{sum(r[0] == 429 for r in flood)} refused, {sum(r[0] == 200 for r in flood)} served")
+        print(
+            f"quiet {[r[0] for r in quiet].count(200)}/20 served; flood "
+            f"{sum(r[0] == 429 for r in flood)} refused, {sum(r[0] == 200 for r in flood)} served"
+        )
         assert all(r[0] == 200 for r in quiet), quiet
         assert sum(r[0] == 429 for r in flood) >= 100
         assert _drained(stack)["reserved_tokens"] == 0

@@ -62,8 +62,12 @@ class _Lines:
 def _weir_up(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
     """``weir up`` as a user runs it (the installed console script), output piped."""
     weir = Path(sys.executable).parent / "weir"
-    return subprocess.Popen([str(weir), "up", "--config", str(cfg_path), "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [str(weir), "up", "--config", str(cfg_path), "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
@@ -79,8 +83,9 @@ def test_weir_up_serves_then_stops_every_child(tmp_path, sig):
         assert f"OpenAI API (via Envoy):  {envoy_url}/v1" in text
         assert cfg.router.frontend in text and f"curl -N {envoy_url}/v1/chat/completions" in text
 
-        r = requests.post(envoy_url + "/v1/completions", timeout=30,
-                          json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 3})
+        r = requests.post(
+            envoy_url + "/v1/completions", timeout=30, json={"model": SIM_MODEL, "prompt": "hello", "max_tokens": 3}
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
 

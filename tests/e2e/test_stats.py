@@ -26,19 +26,30 @@ TOKENS_PER_DAY = 1_000_000  # refills ~12 tokens/s: what the test used still sho
 @pytest.fixture(scope="module")
 def stats_stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("stats")
-    cfg = stackutil.write_config(d, workers=[stackutil.sim_worker("sim-0"), stackutil.sim_worker("sim-gone")],
-                                 api_keys=[{"key": KEY, "tenant": "acme", "tier": "normal",
-                                            "requests_per_minute": 10_000},
-                                           {"key": KEY_TINY, "tenant": "tiny", "tier": "normal",
-                                            "rate_limit_rps": 1, "rate_limit_burst": 1, "requests_per_minute": 1}],
-                                 tenants=[{"name": "acme", "tokens_per_day": TOKENS_PER_DAY}])
+    cfg = stackutil.write_config(
+        d,
+        workers=[stackutil.sim_worker("sim-0"), stackutil.sim_worker("sim-gone")],
+        api_keys=[
+            {"key": KEY, "tenant": "acme", "tier": "normal", "requests_per_minute": 10_000},
+            {
+                "key": KEY_TINY,
+                "tenant": "tiny",
+                "tier": "normal",
+                "rate_limit_rps": 1,
+                "rate_limit_burst": 1,
+                "requests_per_minute": 1,
+            },
+        ],
+        tenants=[{"name": "acme", "tokens_per_day": TOKENS_PER_DAY}],
+    )
     with stackutil.start_stack(cfg, d / "run", workers=["sim-0"]) as s:
         yield s
 
 
 def _weir(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weir.cli", *args], cwd=stackutil.REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "weir.cli", *args], cwd=stackutil.REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _send(url: str, n: int, key: str = KEY, **body) -> list[int]:
@@ -105,8 +116,11 @@ def test_json_snapshot_of_a_running_stack(stats_stack):
     assert acme["requests"] >= 3 and acme["completion_tokens"] >= 3 * 16
     budget = acme["budgets"]["tokens_per_day"]
     assert budget["limit"] == TOKENS_PER_DAY and budget["remaining"] < TOKENS_PER_DAY - 200
-    keys = sorted((t["budgets"]["requests_per_minute"]["limit"], t["budgets"]["requests_per_minute"]["remaining"])
-                  for t in snap["tenants"] if t["tenant"].startswith("key "))  # keys' own budgets, by key id
+    keys = sorted(
+        (t["budgets"]["requests_per_minute"]["limit"], t["budgets"]["requests_per_minute"]["remaining"])
+        for t in snap["tenants"]
+        if t["tenant"].startswith("key ")
+    )  # keys' own budgets, by key id
     assert keys[0] == (1, 0) and keys[1][0] == 10_000 and KEY not in json.dumps(snap)
     (tiny,) = [t for t in snap["tenants"] if t["tenant"] == "tiny"]
     assert tiny["requests"] == 1 and tiny["refusals"] == {"requests": 1}
@@ -129,21 +143,31 @@ def test_live_view_in_a_real_terminal(stats_stack):
     tmux = [tmux, "-L", session]  # a tmux server of its own: none of another user's settings or sessions
     # (the size is the pane's: a COLUMNS/LINES inherited from the test run would override it)
     cmd = f"env -u COLUMNS -u LINES {sys.executable} -m weir.cli stats --config {stats_stack.cfg_path}"
-    subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "180", "-y", "50", "-c", str(stackutil.REPO),
-                    cmd], check=True)
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", session, "-x", "180", "-y", "50", "-c", str(stackutil.REPO), cmd], check=True
+    )
     try:
         deadline = time.monotonic() + 20
         screen = ""
         while time.monotonic() < deadline:
             _send(stats_stack.envoy_url, 2)
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True,
-                                    text=True).stdout
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
             if "sim-0" in screen and "tokens/s" in screen and "routers healthy" in screen:
                 break
             time.sleep(0.5)
         assert "weir stats" in screen and "Envoy" in screen, screen
-        for text in ("routers healthy", "queues", "workers", "sim-0", "sim-gone", "lost", "no GPU", "tenants",
-                     "acme", "tokens_per_day"):
+        for text in (
+            "routers healthy",
+            "queues",
+            "workers",
+            "sim-0",
+            "sim-gone",
+            "lost",
+            "no GPU",
+            "tenants",
+            "acme",
+            "tokens_per_day",
+        ):
             assert text in screen, f"{text!r} not on screen:\n{screen}"
         assert "Traceback" not in screen
         subprocess.run([*tmux, "send-keys", "-t", session, "C-c"], check=True)  # Ctrl-C ends it cleanly

@@ -36,8 +36,11 @@ BIG_PROMPT = "abcd" * 1000  # the sim model counts 4 bytes a token: 1,000 tokens
 
 
 def _keys(extra=()):
-    return [{"key_sha256": digest(KEY_Q), "tenant": "q", "tokens_per_minute": 3000, "requests_per_minute": 100},
-            {"key_sha256": digest(KEY_R), "tenant": "r"}, *extra]
+    return [
+        {"key_sha256": digest(KEY_Q), "tenant": "q", "tokens_per_minute": 3000, "requests_per_minute": 100},
+        {"key_sha256": digest(KEY_R), "tenant": "r"},
+        *extra,
+    ]
 
 
 def _metric(url: str, name: str, **labels) -> float:
@@ -68,13 +71,24 @@ def _no_key_text(run_dir: Path, secrets: list[str]) -> None:
                 assert s not in text, f"secret text found in {path}"
 
 
-def _complete(base: str, key: str | None, prompt: str = "hi", max_tokens: int = 1, stream: bool = False,
-              headers: dict | None = None) -> requests.Response:
+def _complete(
+    base: str,
+    key: str | None,
+    prompt: str = "hi",
+    max_tokens: int = 1,
+    stream: bool = False,
+    headers: dict | None = None,
+) -> requests.Response:
     h = dict(headers or {})
     if key is not None:
         h["x-api-key"] = key
-    return requests.post(base + "/v1/completions", headers=h, timeout=30, stream=stream,
-                         json={"model": SIM_MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+    return requests.post(
+        base + "/v1/completions",
+        headers=h,
+        timeout=30,
+        stream=stream,
+        json={"model": SIM_MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream},
+    )
 
 
 # ------------------------------------------------------------------ budgets, in-process store
@@ -105,8 +119,10 @@ def test_budgets_headers_retry_after_reload_and_no_key_in_logs(tmp_path):
         err = r3.json()["error"]
         assert (err["code"], err["type"]) == ("rate_limit_exceeded", "tokens")
         assert "tokens per minute" in err["message"]
-        assert r3.headers["x-ratelimit-remaining-tokens"] == r2.headers["x-ratelimit-remaining-tokens"] or \
-            int(r3.headers["x-ratelimit-remaining-tokens"]) < 1090
+        assert (
+            r3.headers["x-ratelimit-remaining-tokens"] == r2.headers["x-ratelimit-remaining-tokens"]
+            or int(r3.headers["x-ratelimit-remaining-tokens"]) < 1090
+        )
         wait = int(r3.headers["retry-after"])
         assert 1 <= wait <= 2
         time.sleep(wait)  # a client that waits that long is served
@@ -122,15 +138,23 @@ def test_budgets_headers_retry_after_reload_and_no_key_in_logs(tmp_path):
         # a key without budget: no such headers; malformed or unknown keys: 401, never 500
         free = _complete(base, KEY_R)
         assert free.status_code == 200 and "x-ratelimit-limit-tokens" not in free.headers
-        for h in ({"authorization": "Bearer"}, {"authorization": "Basic Zm9vOmJhcg=="},
-                  {"authorization": f"Bearer {KEY_Q} extra"}, {"x-api-key": "a b"}, {"authorization": "bearer x\ty"},
-                  {"x-api-key": KEY_Q[:-1]}, {}):
+        for h in (
+            {"authorization": "Bearer"},
+            {"authorization": "Basic Zm9vOmJhcg=="},
+            {"authorization": f"Bearer {KEY_Q} extra"},
+            {"x-api-key": "a b"},
+            {"authorization": "bearer x\ty"},
+            {"x-api-key": KEY_Q[:-1]},
+            {},
+        ):
             bad = _complete(base, None, headers=h)
             assert bad.status_code == 401, (h, bad.status_code, bad.text)
         raw = socket.create_connection(("127.0.0.1", int(stack.router_url.rsplit(":", 1)[1])), timeout=5)
         body = b'{"model": "sim-tiny", "prompt": "x", "max_tokens": 1}'
-        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-api-key: \xff\xfe\x80\r\n"
-                    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+        raw.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-api-key: \xff\xfe\x80\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+        )
         assert raw.recv(65536).startswith(b"HTTP/1.1 401")
         raw.close()
         # ZeroMQ clients get the same figures
@@ -149,8 +173,7 @@ def test_budgets_headers_retry_after_reload_and_no_key_in_logs(tmp_path):
         assert _metric(stack.router_url, "weir_quota_refusals_total", tenant="q", budget="tokens") == 1
         # reload without a restart: SIGHUP to the router, then the admin call
         assert _complete(stack.router_url, KEY_NEW).status_code == 401
-        _rewrite(cfg_path, api_keys=_keys([{"key_sha256": digest(KEY_NEW), "tenant": "n",
-                                            "requests_per_minute": 1}]))
+        _rewrite(cfg_path, api_keys=_keys([{"key_sha256": digest(KEY_NEW), "tenant": "n", "requests_per_minute": 1}]))
         os.kill(stack.components["router"].pid, signal.SIGHUP)
         deadline = time.monotonic() + 10
         while _complete(stack.router_url, KEY_NEW).status_code == 401 and time.monotonic() < deadline:
@@ -234,11 +257,14 @@ def test_a_fan_out_is_charged_whole_or_refused_whole_in_redis_through_envoy(tmp_
 
     keys = [{"key_sha256": digest(KEY_Q), "tenant": "q", "requests_per_minute": 10}]
     quota = {"store": "redis", "redis_url": redis_url, "redis_prefix": f"weir-fan-{os.getpid()}:"}
-    cfg = write_config(tmp_path, models=[{"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
-                                         sim_embed_model()],
-                       workers=[sim_worker("sim-0"), sim_worker("sim-e", model=SIM_EMBED_MODEL)],
-                       api_keys=keys, quota=quota,
-                       batch={"directory": str(tmp_path / "batches"), "scan_interval_s": 0.2})
+    cfg = write_config(
+        tmp_path,
+        models=[{"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096}, sim_embed_model()],
+        workers=[sim_worker("sim-0"), sim_worker("sim-e", model=SIM_EMBED_MODEL)],
+        api_keys=keys,
+        quota=quota,
+        batch={"directory": str(tmp_path / "batches"), "scan_interval_s": 0.2},
+    )
     with start_stack(cfg, tmp_path / "run") as s:
         h = {"authorization": f"Bearer {KEY_Q}"}
 
@@ -263,10 +289,18 @@ def test_a_fan_out_is_charged_whole_or_refused_whole_in_redis_through_envoy(tmp_
         assert r.status_code == 200 and remaining(r) in (4, 5)  # the 429 took nothing
 
         client = openai.OpenAI(base_url=s.envoy_url + "/v1", api_key=KEY_Q, max_retries=3, timeout=30)
-        rows = [{"custom_id": cid, "method": "POST", "url": "/v1/embeddings",
-                 "body": {"model": SIM_EMBED_MODEL, "input": ["x"] * n}} for cid, n in (("twenty", 20), ("two", 2))]
-        f = client.files.create(file=("emb.jsonl", b"".join(msgspec.json.encode(r) + b"\n" for r in rows)),
-                                purpose="batch")
+        rows = [
+            {
+                "custom_id": cid,
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": SIM_EMBED_MODEL, "input": ["x"] * n},
+            }
+            for cid, n in (("twenty", 20), ("two", 2))
+        ]
+        f = client.files.create(
+            file=("emb.jsonl", b"".join(msgspec.json.encode(r) + b"\n" for r in rows)), purpose="batch"
+        )
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
         deadline = time.monotonic() + 60
         while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed", "expired", "cancelled"):
@@ -281,8 +315,12 @@ def test_a_fan_out_is_charged_whole_or_refused_whole_in_redis_through_envoy(tmp_
 def test_redis_unreachable_fails_open_then_closed(tmp_path):
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     keys = [{"key_sha256": digest(KEY_Q), "tenant": "q", "requests_per_minute": 100}]
-    cfg_path = write_config(tmp_path, workers=[sim_worker("sim-0")], api_keys=keys,
-                            quota={"store": "redis", "redis_url": dead, "on_store_error": "open"})
+    cfg_path = write_config(
+        tmp_path,
+        workers=[sim_worker("sim-0")],
+        api_keys=keys,
+        quota={"store": "redis", "redis_url": dead, "on_store_error": "open"},
+    )
     with start_stack(cfg_path, tmp_path / "run") as stack:
         r = _complete(stack.router_url, KEY_Q)
         assert r.status_code == 200, r.text  # admitted, unmetered
@@ -317,9 +355,13 @@ def test_curve_lets_in_known_workers_and_clients_only(tmp_path):
     curve.generate(keys, workers=["sim-0"], clients=["app"])
     curve.generate(tmp_path / "intruder", workers=["sim-x"], clients=["mallory"])  # not in keys/
     cfg_path = write_config(
-        tmp_path, security={"curve": True, "curve_dir": str(keys)},
-        workers=[sim_worker("sim-0"), sim_worker("sim-x", curve_secret_key=str(tmp_path / "intruder" / "workers" /
-                                                                              "sim-x.key_secret"))])
+        tmp_path,
+        security={"curve": True, "curve_dir": str(keys)},
+        workers=[
+            sim_worker("sim-0"),
+            sim_worker("sim-x", curve_secret_key=str(tmp_path / "intruder" / "workers" / "sim-x.key_secret")),
+        ],
+    )
     with start_stack(cfg_path, tmp_path / "run", workers=["sim-0"]) as stack:  # sim-0 registered: it got in
         ok = (str(keys / "clients" / "app.key_secret"), str(keys / "router.key"))
         with Client(stack.zmq_frontend, timeout_s=10, curve=ok) as c:
@@ -333,9 +375,13 @@ def test_curve_lets_in_known_workers_and_clients_only(tmp_path):
                 c.complete(SIM_MODEL, prompt="hello", max_tokens=3)
         assert _wait(lambda: _metric(stack.router_url, "weir_zmq_auth_denied_total", domain="clients") >= 1, 5)
         # a worker with a key the router does not know never registers
-        intruder = subprocess.Popen([sys.executable, "-m", "engine_worker", "--config", str(cfg_path),
-                                     "--worker-id", "sim-x"], cwd=str(REPO), process_group=0,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        intruder = subprocess.Popen(
+            [sys.executable, "-m", "engine_worker", "--config", str(cfg_path), "--worker-id", "sim-x"],
+            cwd=str(REPO),
+            process_group=0,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             assert _wait(lambda: _metric(stack.router_url, "weir_zmq_auth_denied_total", domain="workers") >= 1, 15)
             ids = [w["id"] for w in requests.get(stack.router_url + "/admin/workers", timeout=5).json()]
@@ -345,8 +391,12 @@ def test_curve_lets_in_known_workers_and_clients_only(tmp_path):
             intruder.wait(10)
     log = (tmp_path / "run" / "router.log").read_text()
     assert "CURVE: refused a clients key" in log and "CURVE: refused a workers key" in log
-    secret_z85 = [line.split('"')[1] for f in keys.rglob("*.key_secret") for line in f.read_text().splitlines()
-                  if "secret-key" in line]
+    secret_z85 = [
+        line.split('"')[1]
+        for f in keys.rglob("*.key_secret")
+        for line in f.read_text().splitlines()
+        if "secret-key" in line
+    ]
     assert secret_z85
     _no_key_text(tmp_path / "run", secret_z85)
 
@@ -365,37 +415,54 @@ def _self_signed(d: Path) -> tuple[Path, Path, Path]:
 
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("weir test CA")).issuer_name(name("weir test CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("weir test CA"))
+        .issuer_name(name("weir test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(name("127.0.0.1")).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("127.0.0.1"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     paths = d / "ca.pem", d / "cert.pem", d / "key.pem"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    paths[2].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     os.chmod(paths[2], 0o600)
     return paths
 
 
 def test_tls_at_envoy_with_the_openai_sdk(tmp_path):
     ca, cert, key = _self_signed(tmp_path)
-    cfg_path = write_config(tmp_path, workers=[sim_worker("sim-0")], api_keys=_keys(),
-                            envoy={"tls_cert_file": str(cert), "tls_key_file": str(key)})
+    cfg_path = write_config(
+        tmp_path,
+        workers=[sim_worker("sim-0")],
+        api_keys=_keys(),
+        envoy={"tls_cert_file": str(cert), "tls_key_file": str(key)},
+    )
     with start_stack(cfg_path, tmp_path / "run") as stack:
         assert stack.envoy_url.startswith("https://")
         with httpx.Client(verify=ssl.create_default_context(cafile=str(ca))) as http:
             client = openai.OpenAI(base_url=stack.envoy_url + "/v1", api_key=KEY_Q, http_client=http, max_retries=0)
             raw = client.chat.completions.with_raw_response.create(
-                model=SIM_MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+                model=SIM_MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+            )
             out = raw.parse()
             assert out.usage.completion_tokens == 4
             assert raw.headers["x-ratelimit-limit-tokens"] == "3000"

@@ -65,9 +65,16 @@ def test_required_and_named_calls_always_validate(client):
     ok, total = 0, 0
     for seed in range(6):
         for choice in ("required", {"type": "function", "function": {"name": "set_alert"}}):
-            r = client.chat.completions.create(model=VLLM_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
-                                               max_tokens=200, temperature=1.0, seed=seed,
-                                               parallel_tool_calls=False)
+            r = client.chat.completions.create(
+                model=VLLM_MODEL,
+                messages=MESSAGES,
+                tools=TOOLS,
+                tool_choice=choice,
+                max_tokens=200,
+                temperature=1.0,
+                seed=seed,
+                parallel_tool_calls=False,
+            )
             ch = r.choices[0]
             assert ch.finish_reason == ("tool_calls" if choice == "required" else "stop"), ch
             calls = ch.message.tool_calls or []
@@ -104,17 +111,31 @@ def _streamed(client, **kw) -> dict:
                 slot[1] += tc.function.arguments
         content += ch.delta.content or ""
         finish = ch.finish_reason or finish
-    return {"calls": [(n, a) for _, (n, a) in sorted(calls.items())], "finish": finish, "content": content or None,
-            "chunks": chunks, "first_at": first_at}
+    return {
+        "calls": [(n, a) for _, (n, a) in sorted(calls.items())],
+        "finish": finish,
+        "content": content or None,
+        "chunks": chunks,
+        "first_at": first_at,
+    }
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
 def test_streamed_calls_form_as_generated_and_equal_the_whole_response(client, choice):
     """The call's id, type and name come in its first delta, before the
     finishing chunk, and its arguments over several engine steps."""
-    kw = {"model": VLLM_MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 200,
-          "temperature": 1.0, "seed": 7, "parallel_tool_calls": False}
+    kw = {
+        "model": VLLM_MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": choice,
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "seed": 7,
+        "parallel_tool_calls": False,
+    }
     whole = client.chat.completions.create(**kw).choices[0]
     s = _streamed(client, **kw)
     assert whole.message.tool_calls and len(whole.message.tool_calls) == 1
@@ -124,12 +145,15 @@ def test_streamed_calls_form_as_generated_and_equal_the_whole_response(client, c
     assert first.id and first.id.startswith("chatcmpl-tool-") and first.type == "function"
     assert first.function.name == whole.message.tool_calls[0].function.name and first_finish is None
     assert len(rest) >= 2 and all(tc.id is None and not tc.function.name for tc, _ in rest)
-    print(f"\n{choice}: first tool_calls delta after {s['first_at'] * 1000:.0f} ms; "
-          f"{1 + len(rest)} deltas for {whole.message.tool_calls[0].function.arguments!r}")
+    print(
+        f"\n{choice}: first tool_calls delta after {s['first_at'] * 1000:.0f} ms; "
+        f"{1 + len(rest)} deltas for {whole.message.tool_calls[0].function.arguments!r}"
+    )
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
 def test_a_call_cut_by_max_tokens_comes_back_as_generated(client, choice):
     """Greedy, so a shorter budget generates a prefix of the longer one's
     text: cut short, the call is the whole call's prefix (finish_reason
@@ -161,36 +185,55 @@ def test_constrained_calls_are_compact_and_fit_small_budgets(client):
     every finished call validates and is compact JSON, and each fits 64
     tokens.  Prints the share valid and the tokens per call per budget."""
     rows = []
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}},
-                   {"type": "function", "function": {"name": "set_alert"}}):
+    for choice in (
+        "required",
+        {"type": "function", "function": {"name": "get_weather"}},
+        {"type": "function", "function": {"name": "set_alert"}},
+    ):
         for budget in (16, 32, 64):
-            r = client.chat.completions.create(model=VLLM_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
-                                               max_tokens=budget, temperature=0, parallel_tool_calls=False)
+            r = client.chat.completions.create(
+                model=VLLM_MODEL,
+                messages=MESSAGES,
+                tools=TOOLS,
+                tool_choice=choice,
+                max_tokens=budget,
+                temperature=0,
+                parallel_tool_calls=False,
+            )
             ch = r.choices[0]
             finished = ch.finish_reason != "length"
             valid = finished and all(_valid(ch.message.tool_calls or [])) and bool(ch.message.tool_calls)
             if finished:
                 args = ch.message.tool_calls[0].function.arguments
                 assert valid and args == json.dumps(json.loads(args), separators=(",", ":"), ensure_ascii=False)
-            rows.append((choice if isinstance(choice, str) else choice["function"]["name"], budget, valid,
-                         r.usage.completion_tokens))
+            rows.append(
+                (
+                    choice if isinstance(choice, str) else choice["function"]["name"],
+                    budget,
+                    valid,
+                    r.usage.completion_tokens,
+                )
+            )
             if budget == 64:
                 assert valid, (choice, ch)
     print("\n" + "\n".join(f"{c:12} max_tokens={b:3}: valid={v!s:5} tokens={t}" for c, b, v, t in rows))
 
 
 def test_auto_parses_the_models_format_and_a_tool_result_turn_is_served(client):
-    r = client.chat.completions.create(model=VLLM_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=12,
-                                       temperature=0)
+    r = client.chat.completions.create(model=VLLM_MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=12, temperature=0)
     ch = r.choices[0]
     assert not ch.message.tool_calls and ch.message.content  # the tiny model writes no <tool_call>
     assert ch.finish_reason in ("stop", "length")
-    call = {"id": "call-1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}
-    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                          {"role": "tool", "tool_call_id": "call-1", "content": "-3 C and snow"}]
-    turn = client.chat.completions.create(model=VLLM_MODEL, messages=history, tools=TOOLS, max_tokens=8,
-                                          temperature=0)
+    call = {
+        "id": "call-1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+    }
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "-3 C and snow"},
+    ]
+    turn = client.chat.completions.create(model=VLLM_MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
     assert turn.choices[0].message.content is not None
     assert turn.usage.prompt_tokens > r.usage.prompt_tokens  # the tool result was rendered into the prompt
 
@@ -198,8 +241,11 @@ def test_auto_parses_the_models_format_and_a_tool_result_turn_is_served(client):
 def test_chat_template_options_change_the_prompt(client):
     msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"}]
     counts = {}
-    for name, extra in [("default", {}), ("no-generation-prompt", {"add_generation_prompt": False}),
-                        ("continue", {"add_generation_prompt": False, "continue_final_message": True})]:
+    for name, extra in [
+        ("default", {}),
+        ("no-generation-prompt", {"add_generation_prompt": False}),
+        ("continue", {"add_generation_prompt": False, "continue_final_message": True}),
+    ]:
         r = client.chat.completions.create(model=VLLM_MODEL, messages=msgs, max_tokens=1, extra_body=extra)
         counts[name] = r.usage.prompt_tokens
     # the generation prompt is "<|assistant|>\n"; continuing drops the final "</s>\n" too
@@ -210,10 +256,35 @@ BAD = [
     ({"model": SIM_MODEL, "tools": TOOLS}, "tool_choice"),  # no tool-call parser configured for it
     ({"model": SIM_MODEL, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "no-such-type"}}}}}], "tool_choice": "required"}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "no-such-type"}}}}}]}, "tools[0].function.parameters"),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+                    },
+                }
+            ]
+        },
+        "tools[0].function.parameters",
+    ),
     ({"tools": []}, "tools"),
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
@@ -223,8 +294,12 @@ BAD = [
 @pytest.mark.parametrize("extra,param", BAD, ids=[p for _, p in BAD])
 def test_bad_tool_requests_are_400s_that_reserve_nothing(stack, extra, param):
     body = {"model": VLLM_MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
-    r = requests.post(stack.envoy_url + "/v1/chat/completions", json=body,
-                      headers={"authorization": f"Bearer {KEY_ALPHA}"}, timeout=60)
+    r = requests.post(
+        stack.envoy_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {KEY_ALPHA}"},
+        timeout=60,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
@@ -238,8 +313,14 @@ def test_responses_stream_a_call_as_it_is_generated(client):
     function_call_arguments.delta events; the item and the stored response
     equal the non-streamed response's call."""
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
-    kw = {"model": VLLM_MODEL, "input": "What is the weather in Oslo?", "tools": tools,
-          "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0, "max_output_tokens": 64}
+    kw = {
+        "model": VLLM_MODEL,
+        "input": "What is the weather in Oslo?",
+        "tools": tools,
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "temperature": 0,
+        "max_output_tokens": 64,
+    }
     whole = client.responses.create(**kw)
     [call] = [o for o in whole.output if o.type == "function_call"]
     events = list(client.responses.create(stream=True, **kw))

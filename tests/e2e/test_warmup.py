@@ -31,14 +31,24 @@ def test_real_vllm_worker_warms_up_before_it_registers(stack):
 
 
 def test_warmup_off_and_a_failed_warmup(tmp_path):
-    cfg = stackutil.write_config(tmp_path, workers=[stackutil.sim_worker("sim-cold", warmup=False),
-                                                    stackutil.sim_worker("sim-bad", warmup_timeout_s=1e-6)])
+    cfg = stackutil.write_config(
+        tmp_path,
+        workers=[
+            stackutil.sim_worker("sim-cold", warmup=False),
+            stackutil.sim_worker("sim-bad", warmup_timeout_s=1e-6),
+        ],
+    )
     with stackutil.start_stack(cfg, tmp_path / "run", workers=["sim-cold"]) as s:
         text = _log(s, "sim-cold")
         assert "registered" in text and "warmed up" not in text
         # A worker whose warm-up cannot finish (1 us for a whole generation) never registers: exit 1.
-        out = subprocess.run([sys.executable, "-m", "engine_worker", "--config", str(cfg), "--worker-id", "sim-bad"],
-                             cwd=stackutil.REPO, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "engine_worker", "--config", str(cfg), "--worker-id", "sim-bad"],
+            cwd=stackutil.REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 1
         assert "warm-up generation failed (no result in 1e-06 s): not registering" in out.stderr
         workers = requests.get(s.router_url + "/admin/workers", timeout=5).json()

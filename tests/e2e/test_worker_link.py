@@ -115,8 +115,12 @@ def link(tmp_path):
     router = RouterEnd()
     cfg = write_config(tmp_path, router.port)
     log = open(tmp_path / "worker.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "engine_worker", "--config", str(cfg), "--worker-id", WORKER_ID],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_worker", "--config", str(cfg), "--worker-id", WORKER_ID],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     proc.log_path = tmp_path / "worker.log"
     try:
         yield router, proc

@@ -113,16 +113,22 @@ ADMIN_CALLS = [
 def test_admin_from_another_address_needs_the_token(router, listener, method, path, action):
     ip, ports, op = router
     url = f"http://{ip}:{ports[listener]}{path}"
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {TOKEN}"},
-                    {"authorization": f"Bearer {TOKEN}x"}, {"x-api-key": TOKEN}):
+    for headers in (
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": f"Basic {TOKEN}"},
+        {"authorization": f"Bearer {TOKEN}x"},
+        {"x-api-key": TOKEN},
+    ):
         before = list(op.done)
         r = requests.request(method, url, headers=headers, data=b"" if method == "POST" else None, timeout=5)
         assert r.status_code == 401, (headers, r.text)
         err = r.json()["error"]
         assert (err["type"], err["code"]) == ("authentication_error", "invalid_admin_token")
         assert op.done == before, "a refused admin call did something"
-    r = requests.request(method, url, headers={"authorization": f"Bearer {TOKEN}"},
-                         data=b"" if method == "POST" else None, timeout=5)
+    r = requests.request(
+        method, url, headers={"authorization": f"Bearer {TOKEN}"}, data=b"" if method == "POST" else None, timeout=5
+    )
     assert r.status_code == 200, r.text
     if action is not None:
         assert op.done[-1] == action
@@ -187,8 +193,10 @@ def test_a_worker_pods_probe_and_drain_send_the_token(router, tmp_path, token_ok
     ip, ports, op = router
     token_file = tmp_path / "token"
     token_file.write_text((TOKEN if token_ok else "not-the-token") + "\n")
-    cfg = write_config(tmp_path, router={"backend": f"tcp://{ip}:5556", "admin_http": f"{ip}:{ports[1]}",
-                                         "admin_token_file": str(token_file)})
+    cfg = write_config(
+        tmp_path,
+        router={"backend": f"tcp://{ip}:5556", "admin_http": f"{ip}:{ports[1]}", "admin_token_file": str(token_file)},
+    )
     env = {**os.environ, "WEIR_CONFIG": str(cfg), "POD_NAME": "w0", "PYTHONPATH": str(REPO)}
     probe = [sys.executable, "-m", "deploy.k8s_probe"]
     ready = subprocess.run([*probe, "ready"], env=env, capture_output=True, text=True, timeout=30)
@@ -197,6 +205,6 @@ def test_a_worker_pods_probe_and_drain_send_the_token(router, tmp_path, token_ok
     drain = subprocess.run([*probe, "drain"], env=env, capture_output=True, text=True, timeout=60)
     assert drain.returncode == 0  # preStop: whatever happened
     if token_ok:
-        assert drain.stdout.strip() == "drained" and op.done[len(before):] == ["drain w0"]
+        assert drain.stdout.strip() == "drained" and op.done[len(before) :] == ["drain w0"]
     else:
         assert op.done == before and "401" in drain.stderr

@@ -14,22 +14,38 @@ from router.api.aliases import pick
 from shared import protocol as p
 from shared.config import Config
 
-ALIAS = {"name": "agent", "targets": [{"model": "sim-a", "weight": 1}, {"model": "sim-b", "weight": 1}],
-         "fallbacks": ["sim-c"]}
+ALIAS = {
+    "name": "agent",
+    "targets": [{"model": "sim-a", "weight": 1}, {"model": "sim-b", "weight": 1}],
+    "fallbacks": ["sim-c"],
+}
 
 
 def _config() -> Config:
-    return msgspec.convert({
-        "router": {"heartbeat_interval_s": 0.25},
-        "models": [{"name": n, "engine": "sim", "max_model_len": 4096} for n in ("sim-a", "sim-b", "sim-c")],
-        "aliases": [ALIAS],
-    }, Config)
+    return msgspec.convert(
+        {
+            "router": {"heartbeat_interval_s": 0.25},
+            "models": [{"name": n, "engine": "sim", "max_model_len": 4096} for n in ("sim-a", "sim-b", "sim-c")],
+            "aliases": [ALIAS],
+        },
+        Config,
+    )
 
 
 def _join(h: Harness, worker_id: str, model: str) -> None:
     h.workers.linked.add(worker_id)
-    h.core.worker_joined(p.Register(worker_id=worker_id, model=model, pool=p.Pool.ANY, max_model_len=4096,
-                                    kv_capacity_tokens=8192, block_size=16, max_num_seqs=4, engine="sim"))
+    h.core.worker_joined(
+        p.Register(
+            worker_id=worker_id,
+            model=model,
+            pool=p.Pool.ANY,
+            max_model_len=4096,
+            kv_capacity_tokens=8192,
+            block_size=16,
+            max_num_seqs=4,
+            engine="sim",
+        )
+    )
 
 
 def _ask(h: Harness, sub: p.Submit) -> tuple[int | p.ErrorInfo, Sink]:

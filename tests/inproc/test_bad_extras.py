@@ -33,8 +33,10 @@ BAD = [
     ({"n": 2, "temperature": 0}, "n"),
     ({"n": 128, "max_tokens": 1500}, "n"),  # each fits the context; 128 of them fit no worker's KV
     ({"logprobs": 21}, "logprobs"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+        "response_format",
+    ),
     ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
     ({"logit_bias": {"100000": 5}}, "logit_bias"),
     ({"stop_token_ids": [100000]}, "stop_token_ids"),
@@ -55,13 +57,23 @@ def prompts() -> Iterator[ModelPrompts]:
 
 @pytest.fixture
 def h(prompts: ModelPrompts):
-    cfg = msgspec.convert({"models": [{"name": MODEL, "engine": "vllm", "path": str(TINY),
-                                       "max_model_len": MAX_MODEL_LEN}]}, Config)
+    cfg = msgspec.convert(
+        {"models": [{"name": MODEL, "engine": "vllm", "path": str(TINY), "max_model_len": MAX_MODEL_LEN}]}, Config
+    )
     harness = Harness(cfg, prompts={MODEL: prompts})
     harness.workers.linked.add("vllm-0")
-    harness.core.worker_joined(p.Register(worker_id="vllm-0", model=MODEL, pool=p.Pool.ANY,
-                                          max_model_len=MAX_MODEL_LEN, kv_capacity_tokens=KV_TOKENS,
-                                          block_size=16, max_num_seqs=8, engine="vllm"))
+    harness.core.worker_joined(
+        p.Register(
+            worker_id="vllm-0",
+            model=MODEL,
+            pool=p.Pool.ANY,
+            max_model_len=MAX_MODEL_LEN,
+            kv_capacity_tokens=KV_TOKENS,
+            block_size=16,
+            max_num_seqs=8,
+            engine="vllm",
+        )
+    )
     yield harness
     harness.close()
 

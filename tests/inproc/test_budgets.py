@@ -30,15 +30,19 @@ PROMPT_TOKENS = 10
 
 
 def config(keys=None, tenants=None, quota=None, **scheduler) -> Config:
-    return msgspec.convert({
-        "router": {"heartbeat_interval_s": 0.5},
-        "scheduler": {"generation_deadline_s": 30.0, **scheduler},
-        "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096}],
-        "api_keys": keys if keys is not None else [
-            {"key_sha256": digest(KEY), "tenant": "a", "tokens_per_minute": 1000, "requests_per_minute": 10}],
-        "tenants": tenants or [],
-        "quota": quota or {},
-    }, Config)
+    return msgspec.convert(
+        {
+            "router": {"heartbeat_interval_s": 0.5},
+            "scheduler": {"generation_deadline_s": 30.0, **scheduler},
+            "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096}],
+            "api_keys": keys
+            if keys is not None
+            else [{"key_sha256": digest(KEY), "tenant": "a", "tokens_per_minute": 1000, "requests_per_minute": 10}],
+            "tenants": tenants or [],
+            "quota": quota or {},
+        },
+        Config,
+    )
 
 
 class QHarness(Harness):
@@ -51,7 +55,7 @@ class QHarness(Harness):
 
     def level(self, field: str = "tokens_per_minute", scope: str = "k") -> float:
         q = self.core.quota
-        for bs in (q.by_key.values() if scope == "k" else q.by_tenant.values()):
+        for bs in q.by_key.values() if scope == "k" else q.by_tenant.values():
             for b in bs:
                 if b.field == field:
                     return q.store.level(b, self.clock())
@@ -76,8 +80,12 @@ def test_reserve_then_settle_on_what_the_engine_used(qh):
     assert qh.level() == 1000 - (PROMPT_TOKENS + 5)  # 45 not generated came back
     assert qh.level("requests_per_minute") == 9  # a served request stays counted
     first = qh.sinks[a].deltas[0].ratelimit
-    assert (first.limit_tokens, first.remaining_tokens, first.limit_requests, first.remaining_requests) == \
-        (1000, 1000 - 60, 10, 9)
+    assert (first.limit_tokens, first.remaining_tokens, first.limit_requests, first.remaining_requests) == (
+        1000,
+        1000 - 60,
+        10,
+        9,
+    )
     assert first.reset_tokens_s == pytest.approx(60 * 60 / 1000)
     assert qh.core.quota.outstanding == 0
     assert qh.core.quota.usage["a"] == [1, PROMPT_TOKENS, 5]
@@ -86,13 +94,15 @@ def test_reserve_then_settle_on_what_the_engine_used(qh):
 def test_n_choices_reserve_max_tokens_for_each(qh):
     """Usage sums the completion tokens of all n choices: so does the reservation."""
     sink = Sink()
-    a = qh.core.submit(p.Submit("c", "sim-m", prompt=PROMPT, max_tokens=50, api_key=KEY,
-                                params=p.SamplingParams(n=4)), sink)
+    a = qh.core.submit(
+        p.Submit("c", "sim-m", prompt=PROMPT, max_tokens=50, api_key=KEY, params=p.SamplingParams(n=4)), sink
+    )
     assert isinstance(a, int)
     assert qh.level() == 1000 - (PROMPT_TOKENS + 4 * 50)
     # n x max_tokens alone beyond the budget: refused at once, as for one choice
-    big = qh.core.submit(p.Submit("c", "sim-m", prompt=PROMPT, max_tokens=300, api_key=KEY,
-                                  params=p.SamplingParams(n=4)), Sink())
+    big = qh.core.submit(
+        p.Submit("c", "sim-m", prompt=PROMPT, max_tokens=300, api_key=KEY, params=p.SamplingParams(n=4)), Sink()
+    )
     assert not isinstance(big, int)
 
 
@@ -150,14 +160,16 @@ def test_engine_error_and_deadline_return_what_was_not_generated(qh):
     a, b = qh.submit_key(max_tokens=30), qh.submit_key(max_tokens=30)
     qh.settle()
     qh.tokens(a, 2)
-    qh.core.on_outputs(qh.workers.where("%x" % a),
-                       [p.Delta("%x" % a, error=p.ErrorInfo(500, "boom", "server_error", "engine_error"))])
+    qh.core.on_outputs(
+        qh.workers.where("%x" % a), [p.Delta("%x" % a, error=p.ErrorInfo(500, "boom", "server_error", "engine_error"))]
+    )
     qh.tokens(b, 1)
     qh.clock.t += 31  # past generation_deadline_s
     qh.core.run_policy()
     assert qh.sinks[b].finals[0].error.code == "generation_deadline"
-    assert qh.level() == pytest.approx(1000 - 2 * PROMPT_TOKENS - 3 + 31 * 1000 / 60 - 0, abs=1e-6) or \
-        qh.level() == 1000  # refilled meanwhile (31 s of 1000/min), capped at the budget
+    assert (
+        qh.level() == pytest.approx(1000 - 2 * PROMPT_TOKENS - 3 + 31 * 1000 / 60 - 0, abs=1e-6) or qh.level() == 1000
+    )  # refilled meanwhile (31 s of 1000/min), capped at the budget
     assert qh.core.quota.outstanding == 0
 
 
@@ -216,10 +228,16 @@ def test_max_tokens_alone_over_the_budget_is_400_at_once(qh):
 
 
 def test_a_tenant_budget_is_shared_by_its_keys():
-    h = QHarness(config(keys=[{"key_sha256": digest(KEY), "tenant": "a"},
-                              {"key_sha256": digest(KEY2), "tenant": "a"},
-                              {"key_sha256": digest(OTHER), "tenant": "b"}],
-                        tenants=[{"name": "a", "requests_per_minute": 3}]))
+    h = QHarness(
+        config(
+            keys=[
+                {"key_sha256": digest(KEY), "tenant": "a"},
+                {"key_sha256": digest(KEY2), "tenant": "a"},
+                {"key_sha256": digest(OTHER), "tenant": "b"},
+            ],
+            tenants=[{"name": "a", "requests_per_minute": 3}],
+        )
+    )
     try:
         h.join("w0")
         got = [h.submit_key(k) for k in (KEY, KEY2, KEY, KEY2)]
@@ -253,6 +271,7 @@ def test_store_unreachable_fails_open_or_closed(mode):
         h.join("w0")
         h.core.quota.store = _FailingStore()
         sink = Sink()
+
         async def submit():
             return h.core.submit(p.Submit("c", "sim-m", prompt=PROMPT, max_tokens=8, api_key=KEY), sink)
 
@@ -284,13 +303,19 @@ def test_headers_render_openai_style():
 
 
 def fan_config(rpm: int = 10, tpm: int = 100_000) -> Config:
-    return msgspec.convert({
-        "router": {"heartbeat_interval_s": 0.5},
-        "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096},
-                   {"name": "sim-e", "engine": "sim", "task": "embed", "max_model_len": 4096}],
-        "api_keys": [{"key_sha256": digest(KEY), "tenant": "a", "requests_per_minute": rpm,
-                      "tokens_per_minute": tpm}],
-    }, Config)
+    return msgspec.convert(
+        {
+            "router": {"heartbeat_interval_s": 0.5},
+            "models": [
+                {"name": "sim-m", "engine": "sim", "max_model_len": 4096},
+                {"name": "sim-e", "engine": "sim", "task": "embed", "max_model_len": 4096},
+            ],
+            "api_keys": [
+                {"key_sha256": digest(KEY), "tenant": "a", "requests_per_minute": rpm, "tokens_per_minute": tpm}
+            ],
+        },
+        Config,
+    )
 
 
 @pytest.fixture
@@ -352,8 +377,18 @@ def test_embeddings_inputs_over_the_requests_budget_are_400_and_take_nothing(fh)
     conn, _ = embed_inputs(fh, 10)  # fits, but no worker serves sim-e: refused, all 10 units back
     assert conn.answers[0][1].code == "no_worker" and fh.level("requests_per_minute") == 10
     fh.workers.linked.add("we")
-    fh.core.worker_joined(p.Register(worker_id="we", model="sim-e", pool=p.Pool.ANY, max_model_len=4096,
-                                     kv_capacity_tokens=10**6, block_size=16, max_num_seqs=64, engine="sim"))
+    fh.core.worker_joined(
+        p.Register(
+            worker_id="we",
+            model="sim-e",
+            pool=p.Pool.ANY,
+            max_model_len=4096,
+            kv_capacity_tokens=10**6,
+            block_size=16,
+            max_num_seqs=64,
+            engine="sim",
+        )
+    )
     conn, batch = embed_inputs(fh, 10)  # the whole budget is still there for a request that fits
     assert not conn.answers and len(batch.handles) == 10
     assert fh.level("requests_per_minute") == 0
@@ -378,7 +413,9 @@ def test_a_fan_out_larger_than_what_is_left_is_429_and_takes_nothing(fh):
     _, _, err = fan_out(fh, 5)
     assert err.status == 429 and err.type == "requests" and "needs 5 requests" in err.message
     assert err.retry_after == pytest.approx((5 - 4) * 60 / 10)
-    assert fh.level("requests_per_minute") == 4 and not [j for j in fh.core.jobs if j not in ("1", "2", "3", "4", "5", "6")]
+    assert fh.level("requests_per_minute") == 4 and not [
+        j for j in fh.core.jobs if j not in ("1", "2", "3", "4", "5", "6")
+    ]
     fh.clock.t += err.retry_after  # as told: then it fits
     _, _, err = fan_out(fh, 5)
     assert err is None and fh.level("requests_per_minute") == pytest.approx(0)
@@ -413,6 +450,7 @@ def test_a_fan_out_with_a_store_that_answers_later_is_refused_whole():
     try:
         h.join("w0", seqs=64, kv=10**6)
         store = h.core.quota.store = _Deferred()
+
         async def go(k):
             return fan_out(h, k)
 
@@ -498,10 +536,16 @@ class QuotaMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = QHarness(config(
-            keys=[{"key_sha256": digest(KEY), "tenant": "a", "tokens_per_minute": 5000, "requests_per_minute": 10**6},
-                  {"key_sha256": digest(KEY2), "tenant": "a", "tokens_per_minute": 3000}],
-            tenants=[{"name": "a", "tokens_per_minute": 6000}], generation_deadline_s=5.0))
+        self.h = QHarness(
+            config(
+                keys=[
+                    {"key_sha256": digest(KEY), "tenant": "a", "tokens_per_minute": 5000, "requests_per_minute": 10**6},
+                    {"key_sha256": digest(KEY2), "tenant": "a", "tokens_per_minute": 3000},
+                ],
+                tenants=[{"name": "a", "tokens_per_minute": 6000}],
+                generation_deadline_s=5.0,
+            )
+        )
         q = self.h.core.quota
         q.store = _Deferred() if self.deferred else _Frozen()
         self.ended: list[tuple] = []  # what each end told the quota
@@ -537,8 +581,7 @@ class QuotaMachine(RuleBasedStateMachine):
         self.h.settle()
 
     @precondition(lambda self: self.handles)
-    @rule(i=st.integers(0, 1000), n=st.integers(0, 3),
-          finish=st.sampled_from([None, None, "stop", "length", "error"]))
+    @rule(i=st.integers(0, 1000), n=st.integers(0, 3), finish=st.sampled_from([None, None, "stop", "length", "error"]))
     def news(self, i, n, finish):
         job_id = "%x" % self.handles[i % len(self.handles)]
         if finish == "error":
@@ -661,8 +704,18 @@ class FanOutMachine(RuleBasedStateMachine):
 
         self.module = router.lifecycle.fanout
         self.module.Group = _Recorded  # (restored at teardown)
-        self.h = QHarness(config(keys=[{"key_sha256": digest(KEY), "tenant": "a", "tokens_per_minute": 3000,
-                                        "requests_per_minute": self.RPM}]))
+        self.h = QHarness(
+            config(
+                keys=[
+                    {
+                        "key_sha256": digest(KEY),
+                        "tenant": "a",
+                        "tokens_per_minute": 3000,
+                        "requests_per_minute": self.RPM,
+                    }
+                ]
+            )
+        )
         self.h.core.quota.store = _Deferred() if self.deferred else _Frozen()
         self.singles: list = []  # the single requests' job records (kept past their end)
         self.fans: list = []  # (PromptFanOut, its _Recorded group or None)
@@ -681,8 +734,10 @@ class FanOutMachine(RuleBasedStateMachine):
             self.singles.append(self.h.core.jobs["%x" % got])
         self.h.settle()
 
-    @rule(prompts=st.lists(st.sampled_from([PROMPT, PROMPT, PROMPT, "", "x" * 20000]), min_size=2, max_size=50),
-          max_tokens=st.sampled_from([4, 40, 2990]))
+    @rule(
+        prompts=st.lists(st.sampled_from([PROMPT, PROMPT, PROMPT, "", "x" * 20000]), min_size=2, max_size=50),
+        max_tokens=st.sampled_from([4, 40, 2990]),
+    )
     def fan_out(self, prompts, max_tokens):
         made = []
         real = _Recorded.__init__
@@ -779,13 +834,21 @@ def test_weir_keys_new_prints_a_key_once_and_an_entry_that_loads(capsys, tmp_pat
     assert main(["keys", "new", "--tenant", "team-a", "--tier", "high", "--tokens-per-minute", "5000"]) == 0
     out = capsys.readouterr().out
     key = next(line for line in out.splitlines() if line.startswith("sk-weir-"))
-    entry = out[out.index("[[api_keys]]"):]
+    entry = out[out.index("[[api_keys]]") :]
     assert key not in entry and digest(key) in entry
     cfg = loads(entry, str(tmp_path))
     (k,) = cfg.api_keys
     assert (k.tenant, k.tier, k.tokens_per_minute, k.key) == ("team-a", "high", 5000, None)
     assert main(["keys", "curve", str(tmp_path / "curve"), "--workers", "w0,w1", "--clients", "app"]) == 0
     names = sorted(p.relative_to(tmp_path / "curve").as_posix() for p in (tmp_path / "curve").rglob("*.key*"))
-    assert names == ["clients/app.key", "clients/app.key_secret", "router.key", "router.key_secret",
-                     "workers/w0.key", "workers/w0.key_secret", "workers/w1.key", "workers/w1.key_secret"]
+    assert names == [
+        "clients/app.key",
+        "clients/app.key_secret",
+        "router.key",
+        "router.key_secret",
+        "workers/w0.key",
+        "workers/w0.key_secret",
+        "workers/w1.key",
+        "workers/w1.key_secret",
+    ]
     assert (tmp_path / "curve" / "router.key_secret").stat().st_mode & 0o077 == 0

@@ -34,8 +34,16 @@ def config() -> Config:
 
 
 def register(worker_id: str, model: str) -> p.Register:
-    return p.Register(worker_id=worker_id, model=model, pool=p.Pool.ANY, max_model_len=4096,
-                      kv_capacity_tokens=8192, block_size=16, max_num_seqs=4, engine="sim")
+    return p.Register(
+        worker_id=worker_id,
+        model=model,
+        pool=p.Pool.ANY,
+        max_model_len=4096,
+        kv_capacity_tokens=8192,
+        block_size=16,
+        max_num_seqs=4,
+        engine="sim",
+    )
 
 
 @pytest.fixture
@@ -72,8 +80,9 @@ def test_an_embedding_is_reserved_as_prefill_dispatched_and_released_once(h):
     assert req.embed and req.dimensions == 16 and req.params.max_tokens == 0 and req.prompt_tokens == PROMPT_TOKENS
     assert h.reserved() == kv_cost(PROMPT_TOKENS, 0, 16) == 16  # one block: nothing to generate
     vector = p.pack_floats([0.6, 0.8])
-    h.core.on_outputs("we", [p.Delta(req.request_id, finish_reason="stop", prompt_tokens=PROMPT_TOKENS,
-                                     embedding=vector)])
+    h.core.on_outputs(
+        "we", [p.Delta(req.request_id, finish_reason="stop", prompt_tokens=PROMPT_TOKENS, embedding=vector)]
+    )
     (final,) = h.sinks[a].finals
     assert final.embedding == vector and final.prompt_tokens == PROMPT_TOKENS
     assert h.reserved() == 0 and not h.core.jobs

@@ -19,17 +19,32 @@ PRIMARY, BACKUP = "sim-primary", "sim-backup"
 
 
 def _config() -> Config:
-    return msgspec.convert({
-        "router": {"heartbeat_interval_s": 0.25},
-        "models": [{"name": PRIMARY, "engine": "sim", "max_model_len": 4096, "fallbacks": [BACKUP]},
-                   {"name": BACKUP, "engine": "sim", "max_model_len": 4096}],
-    }, Config)
+    return msgspec.convert(
+        {
+            "router": {"heartbeat_interval_s": 0.25},
+            "models": [
+                {"name": PRIMARY, "engine": "sim", "max_model_len": 4096, "fallbacks": [BACKUP]},
+                {"name": BACKUP, "engine": "sim", "max_model_len": 4096},
+            ],
+        },
+        Config,
+    )
 
 
 def _join(h: Harness, worker_id: str, model: str) -> None:
     h.workers.linked.add(worker_id)
-    h.core.worker_joined(p.Register(worker_id=worker_id, model=model, pool=p.Pool.ANY, max_model_len=4096,
-                                    kv_capacity_tokens=8192, block_size=16, max_num_seqs=4, engine="sim"))
+    h.core.worker_joined(
+        p.Register(
+            worker_id=worker_id,
+            model=model,
+            pool=p.Pool.ANY,
+            max_model_len=4096,
+            kv_capacity_tokens=8192,
+            block_size=16,
+            max_num_seqs=4,
+            engine="sim",
+        )
+    )
 
 
 def _ask(h: Harness, sub: p.Submit) -> tuple[int | p.ErrorInfo, Sink]:
@@ -42,8 +57,9 @@ def _ask(h: Harness, sub: p.Submit) -> tuple[int | p.ErrorInfo, Sink]:
 
 
 def _fallbacks(h: Harness, model: str, fallback: str) -> float:
-    return h.core.metrics.registry.get_sample_value(
-        "weir_fallbacks_total", {"model": model, "fallback": fallback}) or 0.0
+    return (
+        h.core.metrics.registry.get_sample_value("weir_fallbacks_total", {"model": model, "fallback": fallback}) or 0.0
+    )
 
 
 def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked() -> None:
@@ -61,10 +77,18 @@ def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked()
         r, _ = _ask(h, p.Submit("c", **body))
         assert isinstance(r, p.ErrorInfo) and r.status == 503 and r.code == "no_worker"
         # Asked for (a completion, a chat, a direct client's): the backup answers, and says so.
-        asked = [p.Submit("c", **body, allow_fallback=True),
-                 p.Submit("c", PRIMARY, kind=p.RequestKind.CHAT, messages=[p.ChatMessage("user", "hi")],
-                          max_tokens=3, allow_fallback=True),
-                 p.Submit("c", **body, allow_fallback=True)]
+        asked = [
+            p.Submit("c", **body, allow_fallback=True),
+            p.Submit(
+                "c",
+                PRIMARY,
+                kind=p.RequestKind.CHAT,
+                messages=[p.ChatMessage("user", "hi")],
+                max_tokens=3,
+                allow_fallback=True,
+            ),
+            p.Submit("c", **body, allow_fallback=True),
+        ]
         for sub in asked:
             handle, sink = _ask(h, sub)
             assert isinstance(handle, int) and h.workers.where("%x" % handle) == "back-0"

@@ -77,8 +77,12 @@ class ScriptedCore:
         text = sub.prompt if sub.kind == RequestKind.COMPLETION else sub.messages[-1].content
         if text.startswith("refuse:"):
             status = int(text.split(":")[1])
-            return ErrorInfo(status, "refused by script", type="rate_limit_error" if status == 429 else "server_error",
-                             retry_after=1.5 if status in (429, 503) else None)
+            return ErrorInfo(
+                status,
+                "refused by script",
+                type="rate_limit_error" if status == 429 else "server_error",
+                retry_after=1.5 if status in (429, 503) else None,
+            )
         self._next += 1
         handle = self._next
         self.handles.append(handle)
@@ -97,8 +101,16 @@ class ScriptedCore:
         if text == "queued-error":
             await asyncio.sleep(0)
             await asyncio.sleep(0)
-            sink.on_deltas([Delta(rid, error=ErrorInfo(503, "queue deadline passed", type="server_error",
-                                                       code="queue_timeout", retry_after=2.2))])
+            sink.on_deltas(
+                [
+                    Delta(
+                        rid,
+                        error=ErrorInfo(
+                            503, "queue deadline passed", type="server_error", code="queue_timeout", retry_after=2.2
+                        ),
+                    )
+                ]
+            )
         elif text == "midstream-error":
             sink.on_deltas([Delta(rid, "a", 1, prompt_tokens=prompt_tokens, completion_tokens=1)])
             await asyncio.sleep(0.01)
@@ -204,8 +216,9 @@ def server():
     core.page = MetricsPage(core.registry, metrics.sources)
 
     async def start():
-        return await start_http_server(core, core, metrics, "127.0.0.1", 0,
-                                       max_body_bytes=MAX_BODY, max_buffered_bytes=MAX_BUFFERED)
+        return await start_http_server(
+            core, core, metrics, "127.0.0.1", 0, max_body_bytes=MAX_BODY, max_buffered_bytes=MAX_BUFFERED
+        )
 
     srv = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     yield Server(core, srv.sockets[0].getsockname()[1], loop)
@@ -296,8 +309,10 @@ class ResponseReader:
 
 def post(path: str, obj, extra: str = "", version: str = "1.1") -> bytes:
     body = json.dumps(obj).encode()
-    return (f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 def get(path: str, extra: str = "", version: str = "1.1") -> bytes:
@@ -305,7 +320,7 @@ def get(path: str, extra: str = "", version: str = "1.1") -> bytes:
 
 
 def sse_events(body: bytes) -> list[str]:
-    return [e[len(b"data: "):].decode() for e in body.split(b"\n\n") if e]
+    return [e[len(b"data: ") :].decode() for e in body.split(b"\n\n") if e]
 
 
 def metric(server: Server, name: str, **labels) -> float:
@@ -320,8 +335,14 @@ def metric(server: Server, name: str, **labels) -> float:
 
 
 def test_sdk_completion_non_stream(server):
-    c = server.client().completions.create(model="tiny", prompt="one two three", max_tokens=5, temperature=0.5,
-                                           stop=["zz"], extra_headers={"x-weir-priority": "low"})
+    c = server.client().completions.create(
+        model="tiny",
+        prompt="one two three",
+        max_tokens=5,
+        temperature=0.5,
+        stop=["zz"],
+        extra_headers={"x-weir-priority": "low"},
+    )
     assert c.object == "text_completion" and c.id.startswith("cmpl-") and c.model == "tiny"
     assert c.choices[0].text == " t0 t1 t2 t3 t4" and c.choices[0].finish_reason == "length"
     assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (3, 5, 8)
@@ -332,8 +353,10 @@ def test_sdk_completion_non_stream(server):
 
 def test_sdk_chat_non_stream(server):
     c = server.client().chat.completions.create(
-        model="tiny", messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "hi there"}],
-        max_completion_tokens=3)
+        model="tiny",
+        messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "hi there"}],
+        max_completion_tokens=3,
+    )
     assert c.object == "chat.completion" and c.id.startswith("chatcmpl-")
     assert c.choices[0].message.role == "assistant" and c.choices[0].message.content == " t0 t1 t2"
     assert c.choices[0].finish_reason == "length"
@@ -341,8 +364,11 @@ def test_sdk_chat_non_stream(server):
 
 
 def test_sdk_completion_stream_with_usage(server):
-    chunks = list(server.client().completions.create(model="tiny", prompt="a b", max_tokens=5, stream=True,
-                                                     stream_options={"include_usage": True}))
+    chunks = list(
+        server.client().completions.create(
+            model="tiny", prompt="a b", max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == " t0 t1 t2 t3 t4"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == []
@@ -350,8 +376,11 @@ def test_sdk_completion_stream_with_usage(server):
 
 
 def test_sdk_chat_stream(server):
-    chunks = list(server.client().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True))
+    chunks = list(
+        server.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == " t0 t1 t2 t3"
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -399,8 +428,11 @@ def test_stream_error_before_first_delta_gets_real_status(server):
     """A request refused while queued (final Delta with an error) still gets
     a real HTTP status with Retry-After, not a 200 stream."""
     with pytest.raises(openai.InternalServerError) as e:
-        list(server.client().chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "queued-error"}], stream=True))
+        list(
+            server.client().chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "queued-error"}], stream=True
+            )
+        )
     assert e.value.status_code == 503
     assert e.value.response.headers["retry-after"] == "3"  # ceil(2.2)
     assert e.value.body["code"] == "queue_timeout"
@@ -443,8 +475,12 @@ def test_keep_alive_reuses_one_connection(server):
         r = reader.read()
         assert r.status == 200 and r.json["choices"][0]["text"] == " t0 t1"
         assert int(r.headers["content-length"]) == len(r.body)
-        s.sendall(post("/v1/chat/completions", {"model": "tiny", "stream": True, "max_tokens": 3,
-                                                "messages": [{"role": "user", "content": "p"}]}))
+        s.sendall(
+            post(
+                "/v1/chat/completions",
+                {"model": "tiny", "stream": True, "max_tokens": 3, "messages": [{"role": "user", "content": "p"}]},
+            )
+        )
         r = reader.read()
         assert r.headers["transfer-encoding"] == "chunked" and r.headers["content-type"] == "text/event-stream"
         assert sse_events(r.body)[-1] == "[DONE]"
@@ -462,9 +498,12 @@ def test_requests_session_keep_alive(server):
 
 def test_pipelined_requests_answer_in_order(server):
     s = server.connect()
-    s.sendall(post("/v1/completions", {"model": "tiny", "prompt": "p", "max_tokens": 6, "stream": True})
-              + get("/v1/models") + get("/nope")
-              + post("/v1/completions", {"model": "tiny", "prompt": "p", "max_tokens": 1}))
+    s.sendall(
+        post("/v1/completions", {"model": "tiny", "prompt": "p", "max_tokens": 6, "stream": True})
+        + get("/v1/models")
+        + get("/nope")
+        + post("/v1/completions", {"model": "tiny", "prompt": "p", "max_tokens": 1})
+    )
     reader = ResponseReader(s)
     first, second, third, fourth = (reader.read() for _ in range(4))
     assert first.status == 200 and sse_events(first.body)[-1] == "[DONE]"
@@ -485,8 +524,7 @@ def test_connection_close_is_honoured(server):
 
 def test_http10_stream_is_close_delimited(server):
     s = server.connect()
-    s.sendall(post("/v1/completions", {"model": "tiny", "prompt": "p", "max_tokens": 3, "stream": True},
-                   version="1.0"))
+    s.sendall(post("/v1/completions", {"model": "tiny", "prompt": "p", "max_tokens": 3, "stream": True}, version="1.0"))
     reader = ResponseReader(s)
     r = reader.read()
     assert r.status == 200 and "transfer-encoding" not in r.headers
@@ -497,8 +535,12 @@ def test_http10_stream_is_close_delimited(server):
 def test_chunked_request_body(server):
     body = json.dumps({"model": "tiny", "prompt": "p", "max_tokens": 2}).encode()
     s = server.connect()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-              + b"%x\r\n%s\r\n" % (10, body[:10]) + b"%x\r\n%s\r\n" % (len(body) - 10, body[10:]) + b"0\r\n\r\n")
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (10, body[:10])
+        + b"%x\r\n%s\r\n" % (len(body) - 10, body[10:])
+        + b"0\r\n\r\n"
+    )
     r = ResponseReader(s).read()
     assert r.status == 200 and r.json["choices"][0]["text"] == " t0 t1"
     s.close()
@@ -507,8 +549,9 @@ def test_chunked_request_body(server):
 def test_expect_100_continue(server):
     body = json.dumps({"model": "tiny", "prompt": "p", "max_tokens": 1}).encode()
     s = server.connect()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
     assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
     s.sendall(body)
     assert ResponseReader(s).read().status == 200
@@ -518,8 +561,13 @@ def test_expect_100_continue(server):
 def test_upgrade_request_is_answered_as_plain_http(server):
     s = server.connect()
     reader = ResponseReader(s)
-    s.sendall(get("/health", "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n")
-              + get("/v1/models"))
+    s.sendall(
+        get(
+            "/health",
+            "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n",
+        )
+        + get("/v1/models")
+    )
     assert reader.read().status == 200
     assert reader.read().json["object"] == "list"  # the connection carries on as HTTP/1.1
     s.close()
@@ -572,8 +620,10 @@ def test_body_over_limit_by_content_length_is_413(server):
 def test_chunked_body_over_limit_is_413(server):
     s = server.connect()
     piece = b"x" * 16384
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-              + b"%x\r\n%s\r\n" % (len(piece), piece) * 5)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (len(piece), piece) * 5
+    )
     r = ResponseReader(s).read()
     assert r.status == 413
     s.close()
@@ -582,17 +632,24 @@ def test_chunked_body_over_limit_is_413(server):
 def test_large_body_from_requests_reads_413_not_a_reset(server):
     """The client is still sending when the 413 goes out: the lingering close
     lets it read the reply."""
-    r = requests.post(server.url + "/v1/completions", data=b"x" * (4 * MAX_BODY), timeout=10,
-                      headers={"content-type": "application/json"})
+    r = requests.post(
+        server.url + "/v1/completions",
+        data=b"x" * (4 * MAX_BODY),
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413
 
 
-@pytest.mark.parametrize("garbage", [
-    b"GARBAGE\r\n\r\n",
-    b"GET / HTTP/9.9\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET / HTTP/9.9\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n",
+    ],
+)
 def test_malformed_http_is_400_and_close(server, garbage):
     s = server.connect()
     s.sendall(garbage)
@@ -621,28 +678,35 @@ def _submitted(server, send) -> int:
 def test_disconnect_mid_stream_cancels(server):
     s = server.connect()
     before = metric(server, "weir_http_requests_total", path="/v1/completions", status="499")
-    handle = _submitted(server, lambda: s.sendall(post("/v1/completions",
-                                                       {"model": "tiny", "prompt": "forever", "stream": True})))
+    handle = _submitted(
+        server, lambda: s.sendall(post("/v1/completions", {"model": "tiny", "prompt": "forever", "stream": True}))
+    )
     r = ResponseReader(s).read(until=lambda r: len(r.chunks) >= 3)
     assert r.status == 200 and handle not in server.core.cancels
     s.close()
     assert server.wait_for(lambda: handle in server.core.cancels)
-    assert server.wait_for(lambda: metric(server, "weir_http_requests_total", path="/v1/completions",
-                                          status="499") == before + 1)
+    assert server.wait_for(
+        lambda: metric(server, "weir_http_requests_total", path="/v1/completions", status="499") == before + 1
+    )
 
 
 def test_disconnect_while_queued_cancels(server):
     s = server.connect()
-    handle = _submitted(server, lambda: s.sendall(post("/v1/completions",
-                                                       {"model": "tiny", "prompt": "never", "stream": True})))
+    handle = _submitted(
+        server, lambda: s.sendall(post("/v1/completions", {"model": "tiny", "prompt": "never", "stream": True}))
+    )
     s.close()
     assert server.wait_for(lambda: handle in server.core.cancels)
 
 
 def test_non_stream_half_close_cancels(server):
     s = server.connect()
-    handle = _submitted(server, lambda: s.sendall(post(
-        "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "never"}]})))
+    handle = _submitted(
+        server,
+        lambda: s.sendall(
+            post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "never"}]})
+        ),
+    )
     s.shutdown(socket.SHUT_WR)  # EOF from the client: it went away
     assert server.wait_for(lambda: handle in server.core.cancels)
     s.close()
@@ -663,8 +727,9 @@ def test_slow_reader_is_cut_off(server):
     s = server.connect()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     before = metric(server, "weir_http_requests_total", path="/v1/completions", status="499")
-    handle = _submitted(server, lambda: s.sendall(post("/v1/completions",
-                                                       {"model": "tiny", "prompt": "big", "stream": True})))
+    handle = _submitted(
+        server, lambda: s.sendall(post("/v1/completions", {"model": "tiny", "prompt": "big", "stream": True}))
+    )
     assert server.wait_for(lambda: handle in server.core.cancels, timeout=10)
     assert metric(server, "weir_http_requests_total", path="/v1/completions", status="499") == before + 1
     s.close()
@@ -674,8 +739,17 @@ def test_one_write_per_delta_batch(server):
     """Head + every event of one on_deltas call + the chunked terminator: one write."""
     server.core.writes.clear()
     s = server.connect()
-    s.sendall(post("/v1/chat/completions", {"model": "tiny", "stream": True, "stream_options": {"include_usage": True},
-                                            "messages": [{"role": "user", "content": "count-writes"}]}))
+    s.sendall(
+        post(
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": "count-writes"}],
+            },
+        )
+    )
     r = ResponseReader(s).read()
     events = sse_events(r.body)
     assert len(events) == 5  # role, content, finish, usage, [DONE]

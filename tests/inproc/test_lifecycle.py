@@ -31,16 +31,27 @@ TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 
 
 def config(**scheduler) -> Config:
-    return msgspec.convert({
-        "router": {"heartbeat_interval_s": 0.5},
-        "scheduler": {"generation_deadline_s": 30.0, **scheduler},
-        "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096}],
-    }, Config)
+    return msgspec.convert(
+        {
+            "router": {"heartbeat_interval_s": 0.5},
+            "scheduler": {"generation_deadline_s": 30.0, **scheduler},
+            "models": [{"name": "sim-m", "engine": "sim", "max_model_len": 4096}],
+        },
+        Config,
+    )
 
 
 def register(worker_id: str, seqs: int = 4, kv: int = 8192) -> p.Register:
-    return p.Register(worker_id=worker_id, model="sim-m", pool=p.Pool.ANY, max_model_len=4096,
-                      kv_capacity_tokens=kv, block_size=16, max_num_seqs=seqs, engine="sim")
+    return p.Register(
+        worker_id=worker_id,
+        model="sim-m",
+        pool=p.Pool.ANY,
+        max_model_len=4096,
+        kv_capacity_tokens=kv,
+        block_size=16,
+        max_num_seqs=seqs,
+        engine="sim",
+    )
 
 
 class Harness:
@@ -76,8 +87,7 @@ class Harness:
         self.sinks[handle] = sink
         return handle
 
-    def tokens(self, handle: int, n: int = 1, finish: str | None = None, worker: str | None = None,
-               **fields) -> None:
+    def tokens(self, handle: int, n: int = 1, finish: str | None = None, worker: str | None = None, **fields) -> None:
         """Engine news for a job, from the worker it runs on (or ``worker``);
         ``completion_tokens`` counts as an engine does: within its attempt."""
         job_id = "%x" % handle
@@ -85,8 +95,9 @@ class Harness:
         attempt = (job_id, wid, self.workers.attempts.get(job_id, 0))
         done = self.attempt_tokens.get(attempt, 0) + n
         self.attempt_tokens[attempt] = done
-        self.core.on_outputs(wid, [p.Delta(job_id, " t" * n, n, finish, completion_tokens=done,
-                                           token_ids=[7] * n, **fields)])
+        self.core.on_outputs(
+            wid, [p.Delta(job_id, " t" * n, n, finish, completion_tokens=done, token_ids=[7] * n, **fields)]
+        )
 
     def reserved(self) -> int:
         return sum(w.reserved for w in self.core.policy.workers.values())
@@ -362,13 +373,13 @@ def test_refusals_before_queueing_are_returned_not_sunk(h):
 
 @pytest.mark.skipif(not (TINY / "tokenizer.json").exists(), reason="models/tiny-llama not built")
 def test_a_long_prompt_is_tokenized_off_the_loop_and_can_be_cancelled_meanwhile():
-    cfg = msgspec.convert({"models": [{"name": "tiny", "engine": "vllm", "path": str(TINY),
-                                       "max_model_len": 100000}]}, Config)
+    cfg = msgspec.convert(
+        {"models": [{"name": "tiny", "engine": "vllm", "path": str(TINY), "max_model_len": 100000}]}, Config
+    )
     h = Harness(cfg, prompts={"tiny": ModelPrompts(str(TINY))})
     try:
         h.workers.linked.add("w0")
-        h.core.worker_joined(msgspec.structs.replace(register("w0", kv=1 << 20), model="tiny",
-                                                     max_model_len=100000))
+        h.core.worker_joined(msgspec.structs.replace(register("w0", kv=1 << 20), model="tiny", max_model_len=100000))
         text = "word " * 1000  # > INLINE_MAX_CHARS
         kept = h.submit(text, model="tiny")
         dropped = h.submit(text, model="tiny")
@@ -421,8 +432,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.h.settle()
 
     @precondition(lambda self: self.handles)
-    @rule(i=st.integers(0, 1000), n=st.integers(0, 3),
-          finish=st.sampled_from([None, None, "stop", "length", "abort", "error"]))
+    @rule(
+        i=st.integers(0, 1000),
+        n=st.integers(0, 3),
+        finish=st.sampled_from([None, None, "stop", "length", "abort", "error"]),
+    )
     def news(self, i, n, finish):
         handle = self.handles[i % len(self.handles)]
         wid = self.h.workers.where("%x" % handle) or "w0"
@@ -497,8 +511,9 @@ test_lifecycle_state_machine = LifecycleMachine.TestCase
 
 def submit_params(h: Harness, model: str = "sim-m", prompt: str = "hello", max_tokens: int = 8, **params):
     sink = Sink()
-    handle = h.core.submit(p.Submit("c", model, prompt=prompt, max_tokens=max_tokens,
-                                    params=p.SamplingParams(**params)), sink)
+    handle = h.core.submit(
+        p.Submit("c", model, prompt=prompt, max_tokens=max_tokens, params=p.SamplingParams(**params)), sink
+    )
     if isinstance(handle, int):
         h.sinks[handle] = sink
     return handle
@@ -517,11 +532,22 @@ def test_n_choices_reserve_every_sequence_and_release_once(h):
     assert h.reserved() == kv_cost(req.prompt_tokens, 20, 16, 3, shared_prompt=True) == 48 + 3 * 32
     assert h.reserved() < kv_cost(req.prompt_tokens, 20, 16, 3)
     job_id = "%x" % a
-    h.core.on_outputs("w0", [p.Delta(job_id, " a", 1, token_ids=[1]), p.Delta(job_id, " b", 1, token_ids=[2], index=1),
-                       p.Delta(job_id, " c", 1, token_ids=[3], index=2, choice_finish="stop")])
+    h.core.on_outputs(
+        "w0",
+        [
+            p.Delta(job_id, " a", 1, token_ids=[1]),
+            p.Delta(job_id, " b", 1, token_ids=[2], index=1),
+            p.Delta(job_id, " c", 1, token_ids=[3], index=2, choice_finish="stop"),
+        ],
+    )
     assert h.reserved() > 0 and len(h.sinks[a].deltas) == 3 and not h.sinks[a].finals
-    h.core.on_outputs("w0", [p.Delta(job_id, "", 0, index=0, choice_finish="length"),
-                       p.Delta(job_id, "", 0, "length", index=1, completion_tokens=3)])
+    h.core.on_outputs(
+        "w0",
+        [
+            p.Delta(job_id, "", 0, index=0, choice_finish="length"),
+            p.Delta(job_id, "", 0, "length", index=1, completion_tokens=3),
+        ],
+    )
     assert h.sinks[a].finals[0].finish_reason == "length" and h.reserved() == 0 and not h.core.jobs
     b = submit_params(h, prompt=prompt, max_tokens=20, n=4)  # and a cancelled one
     h.settle()
@@ -564,8 +590,9 @@ def test_a_structured_request_requeues_if_nothing_streamed_and_ends_worker_lost_
 
 @pytest.mark.skipif(not (TINY / "tokenizer.json").exists(), reason="models/tiny-llama not built")
 def test_model_checks_refuse_before_anything_is_reserved():
-    cfg = msgspec.convert({"models": [{"name": "tiny", "engine": "vllm", "path": str(TINY),
-                                       "max_model_len": 512}]}, Config)
+    cfg = msgspec.convert(
+        {"models": [{"name": "tiny", "engine": "vllm", "path": str(TINY), "max_model_len": 512}]}, Config
+    )
     prompts = ModelPrompts(str(TINY))
     h = Harness(cfg, prompts={"tiny": prompts})
     try:

@@ -37,15 +37,20 @@ class Router:
     """A RouterCore and its HTTP ingress on a uvloop in a thread of their own."""
 
     def __init__(self, **router_cfg) -> None:
-        cfg = msgspec.convert({
-            "router": router_cfg,
-            "models": [{"name": MODEL, "engine": "sim", "path": str(TINY), "max_model_len": 200_000}],
-            "api_keys": [{"key_sha256": digest(KEY_A), "tenant": "a"},
-                         {"key_sha256": digest(KEY_B), "tenant": "b"},
-                         {"key_sha256": digest(KEY_C), "tenant": "c"},
-                         {"key_sha256": digest(KEY_TIGHT), "tenant": "t", "requests_per_minute": 2},
-                         {"key_sha256": digest(KEY_FLOOD), "tenant": "f", "requests_per_minute": 100}],
-        }, Config)
+        cfg = msgspec.convert(
+            {
+                "router": router_cfg,
+                "models": [{"name": MODEL, "engine": "sim", "path": str(TINY), "max_model_len": 200_000}],
+                "api_keys": [
+                    {"key_sha256": digest(KEY_A), "tenant": "a"},
+                    {"key_sha256": digest(KEY_B), "tenant": "b"},
+                    {"key_sha256": digest(KEY_C), "tenant": "c"},
+                    {"key_sha256": digest(KEY_TIGHT), "tenant": "t", "requests_per_minute": 2},
+                    {"key_sha256": digest(KEY_FLOOD), "tenant": "f", "requests_per_minute": 100},
+                ],
+            },
+            Config,
+        )
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -55,8 +60,18 @@ class Router:
         async def start():
             core = RouterCore(cfg, self.loop, self.workers, clock=self.clock)
             self.workers.linked.add("w0")
-            core.worker_joined(p.Register(worker_id="w0", model=MODEL, pool=p.Pool.ANY, max_model_len=200_000,
-                                          kv_capacity_tokens=10**7, block_size=16, max_num_seqs=64, engine="sim"))
+            core.worker_joined(
+                p.Register(
+                    worker_id="w0",
+                    model=MODEL,
+                    pool=p.Pool.ANY,
+                    max_model_len=200_000,
+                    kv_capacity_tokens=10**7,
+                    block_size=16,
+                    max_num_seqs=64,
+                    engine="sim",
+                )
+            )
             srv = await start_http_server(core, core, core.metrics, "127.0.0.1", 0, max_body_bytes=4 << 20)
             return core, srv
 
@@ -70,8 +85,12 @@ class Router:
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
 
     def tokenize(self, key: str, prompt: str) -> requests.Response:
-        return requests.post(self.url + "/tokenize", json={"model": MODEL, "prompt": prompt},
-                             headers={"authorization": f"Bearer {key}"}, timeout=120)
+        return requests.post(
+            self.url + "/tokenize",
+            json={"model": MODEL, "prompt": prompt},
+            headers={"authorization": f"Bearer {key}"},
+            timeout=120,
+        )
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.srv.close)
@@ -97,8 +116,12 @@ def test_each_call_is_one_request_of_the_budget(router):
     refused = router.tokenize(KEY_TIGHT, "Hello")
     assert refused.status_code == 429 and refused.json()["error"]["type"] == "requests", refused.text
     assert int(refused.headers["retry-after"]) >= 1
-    detok = requests.post(router.url + "/detokenize", json={"model": MODEL, "tokens": [1, 2]},
-                          headers={"authorization": f"Bearer {KEY_TIGHT}"}, timeout=30)
+    detok = requests.post(
+        router.url + "/detokenize",
+        json={"model": MODEL, "tokens": [1, 2]},
+        headers={"authorization": f"Bearer {KEY_TIGHT}"},
+        timeout=30,
+    )
     assert detok.status_code == 429  # detokenize counts too
     assert router.tokenize(KEY_A, "Hello").status_code == 200  # (another key's budget is its own)
 
@@ -143,8 +166,9 @@ def test_another_tenants_prompt_and_call_go_before_a_backlog_of_long_calls(route
             time.sleep(0.01)
         time.sleep(0.3)
         sink = FakeSink()
-        got = router.on_loop(lambda: router.core.submit(
-            p.Submit("c", MODEL, prompt=LONG, max_tokens=4, api_key=KEY_B), sink))
+        got = router.on_loop(
+            lambda: router.core.submit(p.Submit("c", MODEL, prompt=LONG, max_tokens=4, api_key=KEY_B), sink)
+        )
         assert isinstance(got, int), got
         other = pool.submit(call, KEY_C, "c")
         while not router.workers.dispatched.get("w0"):

@@ -55,8 +55,14 @@ class FakeLink:
         model = self.models.get(worker_id)
         if model is None:
             return None
-        return WorkerReport(worker_id, model, "sim", p.GpuInfo(), self.stats.get(worker_id, p.WorkerStats(running=1)),
-                            self.drain_left.get(worker_id))
+        return WorkerReport(
+            worker_id,
+            model,
+            "sim",
+            p.GpuInfo(),
+            self.stats.get(worker_id, p.WorkerStats(running=1)),
+            self.drain_left.get(worker_id),
+        )
 
     def reports(self) -> list[WorkerReport]:
         return [r for w in self.models if (r := self.report(w)) is not None]
@@ -102,8 +108,18 @@ class Router:
 
     def join(self, worker_id: str, model: str = "sim-m") -> None:
         self.link.models[worker_id] = model
-        self.core.worker_joined(p.Register(worker_id=worker_id, model=model, pool=p.Pool.ANY, max_model_len=4096,
-                                           kv_capacity_tokens=8192, block_size=16, max_num_seqs=4, engine="sim"))
+        self.core.worker_joined(
+            p.Register(
+                worker_id=worker_id,
+                model=model,
+                pool=p.Pool.ANY,
+                max_model_len=4096,
+                kv_capacity_tokens=8192,
+                block_size=16,
+                max_num_seqs=4,
+                engine="sim",
+            )
+        )
 
     def call(self, method: str, path: str, body: object = None) -> tuple[int, object]:
         req = Req(method.encode(), path.encode(), b"" if body is None else json.dumps(body).encode())
@@ -135,8 +151,17 @@ def test_one_model_renders_as_in_the_list(router):
     _, listed = router.call("GET", "/v1/models")
     status, one = router.call("GET", "/v1/models/sim-m")
     assert status == 200 and listed["data"] == [one]
-    assert one == {"id": "sim-m", "object": "model", "created": 7, "owned_by": "weir", "root": "sim-m",
-                   "parent": None, "max_model_len": 4096, "ready_workers": 1, "state": "ready"}
+    assert one == {
+        "id": "sim-m",
+        "object": "model",
+        "created": 7,
+        "owned_by": "weir",
+        "root": "sim-m",
+        "parent": None,
+        "max_model_len": 4096,
+        "ready_workers": 1,
+        "state": "ready",
+    }
     assert router.call("GET", "/v1/models/nope") == (404, "model_not_found")
 
 
@@ -158,8 +183,7 @@ def test_drain_shows_in_every_view_and_readiness(router):
 
 def test_models_added_and_removed_at_run_time(router):
     router.join("w0")
-    extra = {"model": {"name": "sim-extra", "engine": "sim"},
-             "workers": [{"id": "sim-extra-0", "model": "sim-extra"}]}
+    extra = {"model": {"name": "sim-extra", "engine": "sim"}, "workers": [{"id": "sim-extra-0", "model": "sim-extra"}]}
     status, body = router.call("POST", "/admin/models", extra)
     assert (status, body["state"]) == (200, "loading")
     assert router.call("POST", "/admin/models", extra)[0] == 400  # already there
@@ -172,8 +196,10 @@ def test_models_added_and_removed_at_run_time(router):
     assert by_name["sim-m"]["runtime"] is False and by_name["sim-extra"]["runtime"] is True
     assert [w["id"] for w in by_name["sim-extra"]["workers"]] == ["sim-extra-0"]
     router.join("sim-extra-0", "sim-extra")
-    assert router.call("POST", "/admin/models/sim-extra/remove") == (200, {"ok": True, "model": "sim-extra",
-                                                                       "state": "unloading"})
+    assert router.call("POST", "/admin/models/sim-extra/remove") == (
+        200,
+        {"ok": True, "model": "sim-extra", "state": "unloading"},
+    )
     assert router.link.drain_left == {"sim-extra-0": 30.0}  # its workers drain
     falls_back = {"model": {"name": "sim-b", "engine": "sim", "fallbacks": ["sim-extra"]}}
     assert router.call("POST", "/admin/models", falls_back)[0] == 409  # to a model unloading
@@ -183,11 +209,15 @@ def test_models_added_and_removed_at_run_time(router):
 
 def test_health_queues_tenants_metrics_and_reload(router):
     router.join("w0")
-    assert router.call("GET", "/health")[1] == {"status": "ok", "workers": 1, "uptime_s": pytest.approx(0, abs=5),
-                                               "jobs": 0}
+    assert router.call("GET", "/health")[1] == {
+        "status": "ok",
+        "workers": 1,
+        "uptime_s": pytest.approx(0, abs=5),
+        "jobs": 0,
+    }
     assert all(q["queued"] == 0 for q in router.call("GET", "/admin/queues")[1])
     assert isinstance(router.call("GET", "/admin/tenants")[1], dict)
-    assert b"weir_model_ready_workers{model=\"sim-m\"} 1.0" in router.call("GET", "/metrics")[1]
+    assert b'weir_model_ready_workers{model="sim-m"} 1.0' in router.call("GET", "/metrics")[1]
     assert router.call("POST", "/admin/reload") == (200, {"ok": True}) and router.reloads == 1
 
 
@@ -203,8 +233,11 @@ def test_without_an_operator_nothing_changes_state(router):
 
 def _samples(page: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of a /metrics page by (name, sorted labels), as Prometheus would read it."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(page.decode()) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(page.decode())
+        for s in fam.samples
+    }
 
 
 def _scrape(router: Router) -> tuple[bytes, int]:

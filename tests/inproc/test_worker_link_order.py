@@ -38,16 +38,28 @@ def test_link_sends_aborts_and_dispatches_in_the_order_queued():
     from shared.transport import SocketPump
 
     class Events:  # the lifecycle's side, which this test does not exercise
-        def serves(self, model): return True
-        def worker_joined(self, reg): self.joined = reg
-        def worker_stats(self, *a, **k): pass
-        def running_on(self, worker_id): return []
-        def worker_left(self, *a): pass
-        def on_outputs(self, *a): pass
+        def serves(self, model):
+            return True
+
+        def worker_joined(self, reg):
+            self.joined = reg
+
+        def worker_stats(self, *a, **k):
+            pass
+
+        def running_on(self, worker_id):
+            return []
+
+        def worker_left(self, *a):
+            pass
+
+        def on_outputs(self, *a):
+            pass
 
     async def scenario():
         loop = asyncio.get_running_loop()
         import socket
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -59,9 +71,20 @@ def test_link_sends_aborts_and_dispatches_in_the_order_queued():
         worker.setsockopt(zmq.IDENTITY, b"w-1")
         worker.connect(f"tcp://127.0.0.1:{port}")
         try:
-            worker.send(encoder.encode(Register(worker_id="w-1", model="m", pool=Pool.ANY, max_model_len=64,
-                                                kv_capacity_tokens=64, block_size=16, max_num_seqs=2,
-                                                engine="sim")))
+            worker.send(
+                encoder.encode(
+                    Register(
+                        worker_id="w-1",
+                        model="m",
+                        pool=Pool.ANY,
+                        max_model_len=64,
+                        kv_capacity_tokens=64,
+                        block_size=16,
+                        max_num_seqs=2,
+                        engine="sim",
+                    )
+                )
+            )
             while not hasattr(events, "joined"):
                 await asyncio.sleep(0.01)
 

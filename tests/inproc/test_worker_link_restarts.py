@@ -92,8 +92,20 @@ def _stand_in(ctx: zmq.Context, port: int, worker_id: str) -> zmq.Socket:
     d.setsockopt(zmq.IDENTITY, worker_id.encode())
     d.setsockopt(zmq.LINGER, 0)
     d.connect(f"tcp://127.0.0.1:{port}")
-    d.send(p.encoder.encode(p.Register(worker_id=worker_id, model="sim-m", pool=p.Pool.ANY, max_model_len=4096,
-                                       kv_capacity_tokens=1 << 20, block_size=16, max_num_seqs=64, engine="sim")))
+    d.send(
+        p.encoder.encode(
+            p.Register(
+                worker_id=worker_id,
+                model="sim-m",
+                pool=p.Pool.ANY,
+                max_model_len=4096,
+                kv_capacity_tokens=1 << 20,
+                block_size=16,
+                max_num_seqs=64,
+                engine="sim",
+            )
+        )
+    )
     return d
 
 
@@ -127,8 +139,15 @@ async def fleet(sim: dict | None = None) -> AsyncIterator[Fleet]:
     core = RouterCore(cfg, loop, link, metrics=metrics)
     link.serve(core)
     wcfg = msgspec.convert(
-        {"id": "w-a", "model": "sim-m", "max_num_seqs": 4, "warmup": False, "discovery_interval_s": 0,
-         "routers": [f"tcp://127.0.0.1:{port}"], "sim": sim or {}},
+        {
+            "id": "w-a",
+            "model": "sim-m",
+            "max_num_seqs": 4,
+            "warmup": False,
+            "discovery_interval_s": 0,
+            "routers": [f"tcp://127.0.0.1:{port}"],
+            "sim": sim or {},
+        },
         WorkerConfig,
     )
     engine = SimEngine(wcfg.sim, wcfg.max_num_seqs, 4096)
@@ -221,8 +240,9 @@ def test_an_engine_that_dies_under_its_jobs_has_them_resumed_elsewhere_and_regis
             assert workers["w-a"].reserved == 0 and workers["w-b"].reserved == core.policy.cost_of(job_id)
 
             left = 2000 - streamed  # the continuation ends on w-b: one stream of 2,000 tokens
-            end = p.Delta(job_id, " tok" * left, left, "length", prompt_tokens=prompt + streamed,
-                          completion_tokens=left)
+            end = p.Delta(
+                job_id, " tok" * left, left, "length", prompt_tokens=prompt + streamed, completion_tokens=left
+            )
             f.other.send(p.encoder.encode(p.Outputs([end])))
             await _until(lambda: bool(sink.finals))
             (final,) = sink.finals

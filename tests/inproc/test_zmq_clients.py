@@ -42,9 +42,13 @@ def test_queued_request_of_a_vanished_zeromq_client_is_dropped() -> None:
     h.join("sim-a", seqs=1)  # one slot
 
     def submit(sock: zmq.Socket, rid: str) -> None:
-        sock.send(p.encoder.encode(p.Submit(
-            request_id=rid, model="sim-m", kind=p.RequestKind.COMPLETION, prompt="hold the slot",
-            max_tokens=400)))
+        sock.send(
+            p.encoder.encode(
+                p.Submit(
+                    request_id=rid, model="sim-m", kind=p.RequestKind.COMPLETION, prompt="hold the slot", max_tokens=400
+                )
+            )
+        )
 
     def handle(identity: bytes, rid: str) -> int | None:
         return frontend.clients.get(identity, {}).get(rid)
@@ -59,8 +63,12 @@ def test_queued_request_of_a_vanished_zeromq_client_is_dropped() -> None:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(router_cfg.frontend)
         submit(holder, "a")
-        _spin(h, lambda: handle(b"holder", "a") is not None and h.workers.where("%x" % handle(b"holder", "a")),
-              10, "a never ran")
+        _spin(
+            h,
+            lambda: handle(b"holder", "a") is not None and h.workers.where("%x" % handle(b"holder", "a")),
+            10,
+            "a never ran",
+        )
         a = handle(b"holder", "a")
         h.tokens(a, 1)  # its first output: it holds the slot
         _spin(h, lambda: bool(holder.poll(0)), 10, "the holder never heard its first output")

@@ -67,5 +67,14 @@ def test_bad_aliases_are_refused(aliases, why):
 
 
 def test_a_good_alias_loads():
-    _validate(_cfg([{"name": "agent", "targets": [{"model": "sim-a", "weight": 3}, {"model": "sim-b"}],
-                     "fallbacks": ["sim-c"]}]))
+    _validate(
+        _cfg(
+            [
+                {
+                    "name": "agent",
+                    "targets": [{"model": "sim-a", "weight": 3}, {"model": "sim-b"}],
+                    "fallbacks": ["sim-c"],
+                }
+            ]
+        )
+    )

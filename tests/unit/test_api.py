@@ -122,8 +122,11 @@ BAD_CHATS = [
     (_chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", None),
     (_chat(messages=[{"role": "user"}]), "messages[0].content", None),
     (_chat(messages=[{"role": "user", "content": None}]), "messages[0].content", None),
-    (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     "messages[0].content[0]", "unsupported_value"),
+    (
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        "messages[0].content[0]",
+        "unsupported_value",
+    ),
     (_chat(messages=[{"role": "user", "content": [{"text": "no type"}]}]), "messages[0].content[0].type", None),
     (_chat(max_completion_tokens=0), "max_completion_tokens", None),
     (_chat(max_tokens=0), "max_tokens", None),
@@ -138,11 +141,19 @@ BAD_CHATS = [
     (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice", None),
     (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {}}), "tool_choice.function.name", None),
     (_chat(tools=[{"type": "function"}]), "tools[0].function", None),
-    (_chat(tools=TOOL_F, tool_choice={"type": "function", "function": {"name": "f"}}, guided_regex="a+"),
-     "tool_choice", None),
-    (_chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}],
-           tools=TOOL_F),
-     "messages[0].tool_calls", None),
+    (
+        _chat(tools=TOOL_F, tool_choice={"type": "function", "function": {"name": "f"}}, guided_regex="a+"),
+        "tool_choice",
+        None,
+    ),
+    (
+        _chat(
+            messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}],
+            tools=TOOL_F,
+        ),
+        "messages[0].tool_calls",
+        None,
+    ),
     (_chat(add_generation_prompt=True, continue_final_message=True), "continue_final_message", None),
     (_chat(chat_template="{{ messages }}"), "chat_template", None),
     (_chat(chat_template_kwargs={"chat_template": "x"}), "chat_template", None),
@@ -150,8 +161,7 @@ BAD_CHATS = [
     (_chat(echo=True), "echo", "unsupported_value"),
     (_chat(skip_special_tokens=False), "skip_special_tokens", "unsupported_value"),
     (_chat(use_beam_search=True), "use_beam_search", "unsupported_value"),
-    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema",
-     None),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema", None),
     (_chat(stream_options={"include_usage": True}), "stream_options", None),
 ]
 
@@ -183,14 +193,34 @@ def test_completion_to_submit_defaults():
     assert sub.max_tokens == api.DEFAULT_COMPLETION_MAX_TOKENS  # OpenAI's legacy default
     assert sub.params is None  # no sampling field given: the engine's defaults
     assert sub.task_type == TaskType.AUTO and sub.priority is None and sub.api_key is None
-    assert (ctx.id, ctx.kind, ctx.model, ctx.stream, ctx.include_usage) == ("cmpl-abc", RequestKind.COMPLETION,
-                                                                           "m", False, False)
+    assert (ctx.id, ctx.kind, ctx.model, ctx.stream, ctx.include_usage) == (
+        "cmpl-abc",
+        RequestKind.COMPLETION,
+        "m",
+        False,
+        False,
+    )
 
 
 def test_completion_sampling_fields_and_extensions():
-    body = _completion(prompt=["only one"], max_tokens=7, temperature=0, top_p=0.5, seed=42, stop="\n",
-                       stream=True, stream_options={"include_usage": True}, priority="low", task_type="long",
-                       user="u1", logit_bias={}, some_future_field={"x": 1}, n=1, best_of=1, echo=False)
+    body = _completion(
+        prompt=["only one"],
+        max_tokens=7,
+        temperature=0,
+        top_p=0.5,
+        seed=42,
+        stop="\n",
+        stream=True,
+        stream_options={"include_usage": True},
+        priority="low",
+        task_type="long",
+        user="u1",
+        logit_bias={},
+        some_future_field={"x": 1},
+        n=1,
+        best_of=1,
+        echo=False,
+    )
     sub, ctx = api.parse_completion(body, NO_META, "r")
     assert sub.prompt == "only one" and sub.max_tokens == 7
     p = sub.params
@@ -222,16 +252,24 @@ def test_stop_list_and_partial_sampling_defaults():
 
 
 def test_chat_to_submit():
-    body = _chat(messages=[
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
-        {"role": "assistant", "content": "ok"},
-        {"role": "tool", "content": "42", "tool_call_id": "t1"},
-    ], max_tokens=9, max_completion_tokens=5)
+    body = _chat(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "tool", "content": "42", "tool_call_id": "t1"},
+        ],
+        max_tokens=9,
+        max_completion_tokens=5,
+    )
     sub, ctx = api.parse_chat(body, NO_META, "q")
     assert sub.kind == RequestKind.CHAT and sub.prompt == ""
     assert [(m.role, m.content) for m in sub.messages] == [
-        ("system", "be brief"), ("user", "a\nb"), ("assistant", "ok"), ("tool", "42")]
+        ("system", "be brief"),
+        ("user", "a\nb"),
+        ("assistant", "ok"),
+        ("tool", "42"),
+    ]
     assert sub.max_tokens == 5  # max_completion_tokens wins
     assert ctx.id == "chatcmpl-q" and ctx.kind == RequestKind.CHAT
 
@@ -243,15 +281,18 @@ def test_chat_max_tokens_default_is_rest_of_context():
     assert sub.max_tokens == 3
 
 
-@pytest.mark.parametrize("auth,xkey,expected", [
-    ("Bearer sk-1", None, "sk-1"),
-    ("bearer  sk-2 ", None, "sk-2"),
-    ("Basic abc", None, None),
-    ("Bearer ", None, None),
-    (None, "k-3", "k-3"),
-    ("Bearer sk-1", "k-3", "k-3"),  # the header Envoy rate-limits on wins
-    (None, None, None),
-])
+@pytest.mark.parametrize(
+    "auth,xkey,expected",
+    [
+        ("Bearer sk-1", None, "sk-1"),
+        ("bearer  sk-2 ", None, "sk-2"),
+        ("Basic abc", None, None),
+        ("Bearer ", None, None),
+        (None, "k-3", "k-3"),
+        ("Bearer sk-1", "k-3", "k-3"),  # the header Envoy rate-limits on wins
+        (None, None, None),
+    ],
+)
 def test_api_key_from_headers(auth, xkey, expected):
     sub, _ = api.parse_completion(_completion(), api.meta_from_headers(auth, xkey), "r")
     assert sub.api_key == expected
@@ -283,7 +324,7 @@ def _ctx(kind=RequestKind.COMPLETION, stream=True, include_usage=False, model="t
 
 def _sse(data: bytes) -> list[str]:
     """Events as the openai SDK's own decoder yields them, fed in awkward pieces."""
-    pieces = [data[i:i + 7] for i in range(0, len(data), 7)]
+    pieces = [data[i : i + 7] for i in range(0, len(data), 7)]
     return [e.data for e in SSEDecoder().iter_bytes(iter(pieces))]
 
 
@@ -296,11 +337,27 @@ def test_non_stream_completion_shape():
     body = api.render_completion(_ctx(stream=False), "hello world", "length", 3, 2)
     obj = json.loads(body)
     assert obj == {
-        "id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
-        "choices": [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "length",
-                     "stop_reason": None, "prompt_token_ids": None, "token_ids": None}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                  "prompt_tokens_details": {"cached_tokens": 0}},
+        "id": "cmpl-x1",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "text": "hello world",
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "total_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
         "system_fingerprint": FP,
     }
     parsed = Completion.model_validate(obj)
@@ -311,18 +368,31 @@ def test_non_stream_chat_shape():
     body = api.render_completion(_ctx(RequestKind.CHAT, stream=False), "hi", "stop", 10, 1)
     obj = json.loads(body)
     assert obj["object"] == "chat.completion" and obj["id"] == "chatcmpl-x1"
-    assert obj["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                               "logprobs": None, "finish_reason": "stop", "stop_reason": None, "token_ids": None}]
-    assert obj["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11,
-                            "prompt_tokens_details": {"cached_tokens": 0}}
+    assert obj["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi"},
+            "logprobs": None,
+            "finish_reason": "stop",
+            "stop_reason": None,
+            "token_ids": None,
+        }
+    ]
+    assert obj["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 1,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     parsed = ChatCompletion.model_validate(obj)
     assert parsed.choices[0].message.content == "hi"
 
 
 def test_completion_stream_events():
     r = api.StreamRenderer(_ctx())
-    first = r.render([Delta("x1", "Hel", 1, prompt_tokens=4, completion_tokens=1),
-                      Delta("x1", "lo", 1, completion_tokens=2)])
+    first = r.render(
+        [Delta("x1", "Hel", 1, prompt_tokens=4, completion_tokens=1), Delta("x1", "lo", 1, completion_tokens=2)]
+    )
     assert not r.finished
     last = r.render([Delta("x1", "!", 1, finish_reason="stop", prompt_tokens=4, completion_tokens=3)])
     assert r.finished
@@ -330,12 +400,22 @@ def test_completion_stream_events():
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks == [
-        {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
-         "system_fingerprint": FP,
-         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None, "stop_reason": None}]},
-        {"id": "cmpl-x1", "object": "text_completion", "created": 1700000000, "model": "tiny",
-         "system_fingerprint": FP,
-         "choices": [{"index": 0, "text": "!", "logprobs": None, "finish_reason": "stop", "stop_reason": None}]},
+        {
+            "id": "cmpl-x1",
+            "object": "text_completion",
+            "created": 1700000000,
+            "model": "tiny",
+            "system_fingerprint": FP,
+            "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None, "stop_reason": None}],
+        },
+        {
+            "id": "cmpl-x1",
+            "object": "text_completion",
+            "created": 1700000000,
+            "model": "tiny",
+            "system_fingerprint": FP,
+            "choices": [{"index": 0, "text": "!", "logprobs": None, "finish_reason": "stop", "stop_reason": None}],
+        },
     ]
     # The SDK builds stream chunks without validation (its Completion type insists on a
     # finish_reason, which OpenAI's own mid-stream chunks lack); the final one validates.
@@ -359,7 +439,11 @@ def test_chat_stream_events_with_usage():
     u = usage.usage.model_dump()
     assert usage.choices == [] and u["prompt_tokens_details"]["cached_tokens"] == 0
     assert {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens", "completion_tokens_details")} == {
-        "prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "completion_tokens_details": None}
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "completion_tokens_details": None,
+    }
     # include_usage: every other chunk says "usage": null, as OpenAI does
     assert all(json.loads(e)["usage"] is None for e in events[:3])
 
@@ -381,33 +465,42 @@ def test_stream_error_after_start_is_an_sse_error_event(kind):
     assert r.finished
     events = _sse(out)
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2]) == {"error": {"message": "worker lost", "type": "server_error",
-                                                "param": None, "code": "worker_lost"}}
+    assert json.loads(events[-2]) == {
+        "error": {"message": "worker lost", "type": "server_error", "param": None, "code": "worker_lost"}
+    }
     assert "".join(_choice_text(e) for e in events[:-2]) == "partial more"
     # no usage chunk and no finish_reason after an error
-    assert all(json.loads(e).get("choices") and json.loads(e)["choices"][0]["finish_reason"] is None
-               for e in events[:-2])
+    assert all(
+        json.loads(e).get("choices") and json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2]
+    )
 
 
 def test_usage_falls_back_to_counting_num_tokens():
     r = api.StreamRenderer(_ctx(include_usage=True))
     out = r.render([Delta("x1", "a", 2), Delta("x1", "b", 3, finish_reason="stop", prompt_tokens=7)])
     usage = json.loads(_sse(out)[-2])["usage"]
-    assert usage == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
-                     "prompt_tokens_details": {"cached_tokens": 0}}
+    assert usage == {
+        "prompt_tokens": 7,
+        "completion_tokens": 5,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_error_body_shape():
     info = ErrorInfo(429, "queue full", type="rate_limit_error", code="queue_full", retry_after=1.2)
     assert json.loads(api.error_body(info)) == {
-        "error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": "queue_full"}}
+        "error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": "queue_full"}
+    }
 
 
 def test_models_listing():
     obj = json.loads(api.render_models([("tiny", 512, 0, "loading"), ("sim-a", 4096, 2, "ready")], 5))
     assert obj["object"] == "list"
     assert [(m["id"], m["object"], m["max_model_len"]) for m in obj["data"]] == [
-        ("tiny", "model", 512), ("sim-a", "model", 4096)]
+        ("tiny", "model", 512),
+        ("sim-a", "model", 4096),
+    ]
     assert [m["ready_workers"] for m in obj["data"]] == [0, 2]
     assert [m["state"] for m in obj["data"]] == ["loading", "ready"]
 
@@ -436,9 +529,22 @@ from shared.protocol import StructuredOutput, pack_logprobs  # noqa: E402
 
 
 def test_extras_become_wire_params():
-    sub, ctx = api.parse_completion(_completion(
-        n=2, logprobs=3, top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[3, 4],
-        logit_bias={"7": -100, "9": 2.5}, user="alice", seed=1), NO_META, "r")
+    sub, ctx = api.parse_completion(
+        _completion(
+            n=2,
+            logprobs=3,
+            top_k=5,
+            min_p=0.1,
+            repetition_penalty=1.2,
+            min_tokens=2,
+            stop_token_ids=[3, 4],
+            logit_bias={"7": -100, "9": 2.5},
+            user="alice",
+            seed=1,
+        ),
+        NO_META,
+        "r",
+    )
     p = sub.params
     assert (p.n, p.logprobs, p.top_k, p.min_p, p.repetition_penalty, p.min_tokens) == (2, 3, 5, 0.1, 1.2, 2)
     assert p.stop_token_ids == [3, 4] and p.logit_bias == {7: -100.0, 9: 2.5} and sub.user == "alice"
@@ -457,16 +563,21 @@ def test_extras_become_wire_params():
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-@pytest.mark.parametrize("fields,expected", [
-    ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
-     StructuredOutput(json=json.dumps(SCHEMA))),
-    ({"response_format": {"type": "text"}}, None),
-    ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutput(regex="[0-9]+")),
-    ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput(choice=["a", "b"])),
-    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput(json=json.dumps(SCHEMA))),
-    ({"guided_grammar": "root ::= \"x\""}, StructuredOutput(grammar="root ::= \"x\"")),
-])
+@pytest.mark.parametrize(
+    "fields,expected",
+    [
+        ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True)),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+            StructuredOutput(json=json.dumps(SCHEMA)),
+        ),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutput(regex="[0-9]+")),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput(choice=["a", "b"])),
+        ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput(json=json.dumps(SCHEMA))),
+        ({"guided_grammar": 'root ::= "x"'}, StructuredOutput(grammar='root ::= "x"')),
+    ],
+)
 def test_structured_output_fields_map_to_one_constraint(fields, expected):
     sub, _ = api.parse_chat(_chat(**fields), NO_META, "r")
     got = sub.params.structured if sub.params is not None else None
@@ -488,8 +599,16 @@ def _lp_delta(ids, k, index=0, **kw):
         for j in range(k):
             tops.append(j + 1)
             vals.append(-0.1 * (j + 1))
-    return Delta("x1", "".join(_Vocab()(t) for t in ids), len(ids), token_ids=ids, index=index,
-                 logprobs=pack_logprobs(vals), top_ids=tops, **kw)
+    return Delta(
+        "x1",
+        "".join(_Vocab()(t) for t in ids),
+        len(ids),
+        token_ids=ids,
+        index=index,
+        logprobs=pack_logprobs(vals),
+        top_ids=tops,
+        **kw,
+    )
 
 
 def _rich_ctx(kind, n=1, logprobs=None, echo="", stream=True, include_usage=False):
@@ -500,8 +619,12 @@ def _rich_ctx(kind, n=1, logprobs=None, echo="", stream=True, include_usage=Fals
 
 def test_non_stream_n_and_logprobs_completion_parse_with_the_sdk():
     acc = api.Accumulator(_rich_ctx(RequestKind.COMPLETION, n=2, logprobs=2, stream=False))
-    acc.add([_lp_delta([1, 2], 2, prompt_tokens=5, completion_tokens=2),
-             _lp_delta([3], 2, index=1, completion_tokens=3, choice_finish="stop")])
+    acc.add(
+        [
+            _lp_delta([1, 2], 2, prompt_tokens=5, completion_tokens=2),
+            _lp_delta([3], 2, index=1, completion_tokens=3, choice_finish="stop"),
+        ]
+    )
     acc.add([_lp_delta([4], 2, completion_tokens=4, finish_reason="length")])
     obj = json.loads(acc.render())
     parsed = Completion.model_validate(obj)
@@ -526,8 +649,9 @@ def test_non_stream_chat_logprobs_shape():
 
 def test_streamed_n_choices_and_logprobs_chat():
     r = api.StreamRenderer(_rich_ctx(RequestKind.CHAT, n=2, logprobs=0, include_usage=True))
-    out = r.render([_lp_delta([1], 0, prompt_tokens=3, completion_tokens=1),
-                    _lp_delta([2], 0, index=1, completion_tokens=2)])
+    out = r.render(
+        [_lp_delta([1], 0, prompt_tokens=3, completion_tokens=1), _lp_delta([2], 0, index=1, completion_tokens=2)]
+    )
     out += r.render([_lp_delta([3], 0, index=1, completion_tokens=3, choice_finish="length")])
     out += r.render([_lp_delta([4], 0, completion_tokens=4, finish_reason="stop")])
     assert r.finished
@@ -568,9 +692,11 @@ def test_plain_stream_is_unchanged_by_the_rich_path():
     r = api.StreamRenderer(_ctx())
     assert r._choices is None
     out = r.render([Delta("x1", "a", 1, prompt_tokens=1, completion_tokens=1)])
-    assert out == (b'data: {"id":"cmpl-x1","object":"text_completion","created":1700000000,"model":"tiny",'
-                   b'"system_fingerprint":"' + FP.encode() + b'",'
-                   b'"choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n')
+    assert out == (
+        b'data: {"id":"cmpl-x1","object":"text_completion","created":1700000000,"model":"tiny",'
+        b'"system_fingerprint":"' + FP.encode() + b'",'
+        b'"choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+    )
 
 
 def _prompt_lp_delta(prompt, k, index=0):
@@ -585,8 +711,9 @@ def _prompt_lp_delta(prompt, k, index=0):
 
 
 def test_echo_with_logprobs_asks_the_engine_for_the_prompts():
-    jobs = api.parse_completions(_completion(prompt=["x", "y"], echo=True, logprobs=2, n=2, temperature=1),
-                                 api.RequestMeta(), "r")
+    jobs = api.parse_completions(
+        _completion(prompt=["x", "y"], echo=True, logprobs=2, n=2, temperature=1), api.RequestMeta(), "r"
+    )
     assert all(s.params.prompt_logprobs == 2 for s in jobs.subs) and jobs.ctx.echo_logprobs == 2
     plain = api.parse_completions(_completion(prompt="x", logprobs=2), api.RequestMeta(), "r")
     assert plain.subs[0].params.prompt_logprobs is None and plain.ctx.echo_logprobs == 0
@@ -602,8 +729,11 @@ def test_echo_with_logprobs_starts_each_choice_with_its_prompts(stream):
     get prompt 1's (n = 2, two prompts: choices 2 and 3)."""
     ctx = _rich_ctx(RequestKind.COMPLETION, n=4, logprobs=1, echo="", stream=stream)
     ctx.echo_logprobs = 2
-    first = [_prompt_lp_delta([2, 1], 1, index=2), _lp_delta([3], 1, index=2, prompt_tokens=2, completion_tokens=1),
-             _lp_delta([4], 1, index=3, completion_tokens=2)]
+    first = [
+        _prompt_lp_delta([2, 1], 1, index=2),
+        _lp_delta([3], 1, index=2, prompt_tokens=2, completion_tokens=1),
+        _lp_delta([4], 1, index=3, completion_tokens=2),
+    ]
     last = [_lp_delta([1], 1, index=3, completion_tokens=3, finish_reason="stop")]
     if stream:
         r = api.StreamRenderer(ctx)
@@ -611,8 +741,9 @@ def test_echo_with_logprobs_starts_each_choice_with_its_prompts(stream):
         lps: dict[int, dict] = {}
         for ch in (c for chunk in chunks for c in chunk["choices"]):
             if ch["logprobs"]:
-                got = lps.setdefault(ch["index"], {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                                   "text_offset": []})
+                got = lps.setdefault(
+                    ch["index"], {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                )
                 for key in got:
                     got[key] += ch["logprobs"][key]
     else:

@@ -39,8 +39,15 @@ SCHED = SchedulerConfig(generation_deadline_s=0.0)
 
 
 def spec(w: int) -> WorkerSpec:
-    return WorkerSpec(worker_id=f"w{w}", model="m", pool=Pool.ANY, capacity_tokens=CAPACITY, block_size=BLOCK,
-                      max_num_seqs=SEQS, max_model_len=4096)
+    return WorkerSpec(
+        worker_id=f"w{w}",
+        model="m",
+        pool=Pool.ANY,
+        capacity_tokens=CAPACITY,
+        block_size=BLOCK,
+        max_num_seqs=SEQS,
+        max_model_len=4096,
+    )
 
 
 class Fleet:
@@ -182,7 +189,9 @@ class Fleet:
         self.down.add((r, w))
         self._worker_forgets(r, w)
         lost = self.policies[r].remove_worker(f"w{w}", self.now)
-        for job_id in lost:  # Recovery.after_loss (router.lifecycle.recovery): nothing streamed in this model: queued again
+        for (
+            job_id
+        ) in lost:  # Recovery.after_loss (router.lifecycle.recovery): nothing streamed in this model: queued again
             self._requeue_lost(r, job_id)
         self.schedule(r)
 
@@ -302,8 +311,15 @@ op = st.one_of(
 @example(
     k=2,
     n_workers=2,
-    ops=[("partition", 0, 0), ("worker_times_out", 0, 1), ("submit", 0, 16, 200), ("to_worker", 0, 1),
-         ("heal", 0, 0), ("to_router", 0, 1), ("to_worker", 0, 0)],
+    ops=[
+        ("partition", 0, 0),
+        ("worker_times_out", 0, 1),
+        ("submit", 0, 16, 200),
+        ("to_worker", 0, 1),
+        ("heal", 0, 0),
+        ("to_router", 0, 1),
+        ("to_worker", 0, 0),
+    ],
 )
 # A worker times router 0 out and registers again; router 0 restarts before
 # reading that Register: the new process must stamp what it dispatches with

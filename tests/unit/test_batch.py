@@ -31,13 +31,23 @@ def test_statuses_move_only_as_openai_documents():
 
 def test_a_record_stamps_each_move(tmp_path):
     rec = BatchStore(tmp_path).new(
-        owner="t", key_digest="", input_file_id="file-x", endpoint="/v1/completions",
-        completion_window="24h", created_at=1, expires_at=2,
+        owner="t",
+        key_digest="",
+        input_file_id="file-x",
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=1,
+        expires_at=2,
     )
     rec.move(m.IN_PROGRESS, now=10)
     rec.move(m.CANCELLING, now=11)
     obj = rec.public()
-    assert (obj["status"], obj["in_progress_at"], obj["cancelling_at"], obj["completed_at"]) == ("cancelling", 10, 11, None)
+    assert (obj["status"], obj["in_progress_at"], obj["cancelling_at"], obj["completed_at"]) == (
+        "cancelling",
+        10,
+        11,
+        None,
+    )
     assert obj["output_file_id"] is None  # shown once the batch ends with output
 
 
@@ -63,13 +73,29 @@ def test_the_feeder_keeps_a_short_queue_within_the_window(state, want):
 
 
 def test_refusals_for_room_or_budget_are_retried_others_are_results():
-    for code in (Code.QUEUE_WAIT_EXCEEDED, Code.QUEUE_FULL, Code.QUEUE_DEADLINE, Code.TOKENS_BUDGET, Code.NO_WORKER,
-                 Code.WORKER_LOST, Code.REQUESTS_BUDGET):
+    for code in (
+        Code.QUEUE_WAIT_EXCEEDED,
+        Code.QUEUE_FULL,
+        Code.QUEUE_DEADLINE,
+        Code.TOKENS_BUDGET,
+        Code.NO_WORKER,
+        Code.WORKER_LOST,
+        Code.REQUESTS_BUDGET,
+    ):
         assert m.retryable(code.status, code.wire, code.type), code
-    for code in (Code.BAD_REQUEST, Code.MODEL_NOT_FOUND, Code.CONTEXT_LENGTH, Code.BUDGET_TOO_SMALL,
-                 Code.INVALID_API_KEY, Code.ENGINE_ERROR, Code.GENERATION_DEADLINE):
+    for code in (
+        Code.BAD_REQUEST,
+        Code.MODEL_NOT_FOUND,
+        Code.CONTEXT_LENGTH,
+        Code.BUDGET_TOO_SMALL,
+        Code.INVALID_API_KEY,
+        Code.ENGINE_ERROR,
+        Code.GENERATION_DEADLINE,
+    ):
         assert not m.retryable(code.status, code.wire, code.type), code
-    assert not m.retryable(Code.RATE_LIMITED.status, Code.RATE_LIMITED.wire, Code.RATE_LIMITED.type)  # Envoy's, not ours
+    assert not m.retryable(
+        Code.RATE_LIMITED.status, Code.RATE_LIMITED.wire, Code.RATE_LIMITED.type
+    )  # Envoy's, not ours
 
 
 def test_eta():
@@ -86,9 +112,14 @@ def test_the_file_check_names_bad_lines_and_repeated_custom_ids(tmp_path):
     ok = [{"custom_id": f"c{i}", "url": "/v1/completions", "body": {}} for i in range(5)]
     got = check_file(_write(tmp_path / "ok.jsonl", [*ok[:2], b"", *ok[2:]]))
     assert (got.lines, got.total, got.errors) == (6, 5, [])
-    got = check_file(_write(tmp_path / "bad.jsonl", [ok[0], b"{nope", {"custom_id": 3}, {"custom_id": ""}, ok[0], ok[1]]))
+    got = check_file(
+        _write(tmp_path / "bad.jsonl", [ok[0], b"{nope", {"custom_id": 3}, {"custom_id": ""}, ok[0], ok[1]])
+    )
     assert [(e.code, e.line) for e in got.errors] == [
-        ("invalid_json_line", 2), ("invalid_request", 3), ("empty_custom_id", 4), ("duplicate_custom_id", 5)
+        ("invalid_json_line", 2),
+        ("invalid_request", 3),
+        ("empty_custom_id", 4),
+        ("duplicate_custom_id", 5),
     ]
     assert [e.code for e in check_file(_write(tmp_path / "empty.jsonl", [b"", b" "])).errors] == ["empty_file"]
 
@@ -172,8 +203,15 @@ def test_recovery_reads_done_lines_back_and_cuts_a_torn_last_line(tmp_path):
 
 def test_one_host_lease_one_holder_at_a_time(tmp_path):
     store = BatchStore(tmp_path)
-    rec = store.new(owner="t", key_digest="", input_file_id="file-x", endpoint="/v1/completions",
-                    completion_window="24h", created_at=1, expires_at=2)
+    rec = store.new(
+        owner="t",
+        key_digest="",
+        input_file_id="file-x",
+        endpoint="/v1/completions",
+        completion_window="24h",
+        created_at=1,
+        expires_at=2,
+    )
 
     async def run():
         a, b = FileLease(store.dir), FileLease(store.dir)
@@ -200,20 +238,44 @@ def test_weir_stats_shows_a_line_per_running_batch():
     from weir.stats import _batches_view, render
 
     def reading(done):
-        lines = [({"batch": "batch_a", "state": s}, v) for s, v in (("done", done), ("running", 8), ("queued", 16),
-                                                                       ("pending", 900 - done))]
-        return {"metrics": {"weir_batch_lines": lines,
-                            "weir_batch_eta_seconds": [({"batch": "batch_a"}, 120.0)],
-                            "weir_batch_window_left_seconds": [({"batch": "batch_a"}, 86000.0)]}}
+        lines = [
+            ({"batch": "batch_a", "state": s}, v)
+            for s, v in (("done", done), ("running", 8), ("queued", 16), ("pending", 900 - done))
+        ]
+        return {
+            "metrics": {
+                "weir_batch_lines": lines,
+                "weir_batch_eta_seconds": [({"batch": "batch_a"}, 120.0)],
+                "weir_batch_window_left_seconds": [({"batch": "batch_a"}, 86000.0)],
+            }
+        }
 
     rows = _batches_view("r0", reading(150), reading(100), 2.0)
-    assert rows == [{"router": "r0", "batch": "batch_a", "done": 150, "running": 8, "queued": 16, "pending": 750,
-                     "lines_per_s": 25.0, "eta_s": 120.0, "window_left_s": 86000.0}]
+    assert rows == [
+        {
+            "router": "r0",
+            "batch": "batch_a",
+            "done": 150,
+            "running": 8,
+            "queued": 16,
+            "pending": 750,
+            "lines_per_s": 25.0,
+            "eta_s": 120.0,
+            "window_left_s": 86000.0,
+        }
+    ]
     assert _batches_view("r0", {"error": "down"}, None, 0.0) == []
     from rich.console import Console
 
-    snap = {"time": "now", "interval_s": 2.0, "envoy": {"reachable": False, "error": "x"}, "routers": [],
-            "workers": [], "tenants": [], "batches": rows}
+    snap = {
+        "time": "now",
+        "interval_s": 2.0,
+        "envoy": {"reachable": False, "error": "x"},
+        "routers": [],
+        "workers": [],
+        "tenants": [],
+        "batches": rows,
+    }
     console = Console(width=160, record=True)
     console.print(render(snap, "t"))
     text = console.export_text()

@@ -54,8 +54,10 @@ class _Frozen(MemoryBudgetStore):
 
 def _quota(rpm: int) -> tuple[BudgetLedger, Identity]:
     cfg = msgspec.convert(
-        {"models": [{"name": "m", "engine": "sim"}],
-         "api_keys": [{"key_sha256": digest(KEY), "tenant": "a", "requests_per_minute": rpm}]},
+        {
+            "models": [{"name": "m", "engine": "sim"}],
+            "api_keys": [{"key_sha256": digest(KEY), "tenant": "a", "requests_per_minute": rpm}],
+        },
         Config,
     )
     q = BudgetLedger(cfg, RouterMetrics(), clock=lambda: 0.0, store=_Frozen())

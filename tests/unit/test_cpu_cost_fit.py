@@ -14,11 +14,24 @@ WEIR = {"router": (1.8, 0.064), "envoy": (1.3, 0.033), "worker": (2.0, 0.115)}
 VLLM = {"api_server": (5.2, 0.191)}
 
 
-def _row(server: str, rate: float, output_len: int, streamed: int, roles: dict[str, tuple[float, float]],
-         completed: int = 100, noise: float = 0.0) -> dict:
+def _row(
+    server: str,
+    rate: float,
+    output_len: int,
+    streamed: int,
+    roles: dict[str, tuple[float, float]],
+    completed: int = 100,
+    noise: float = 0.0,
+) -> dict:
     cpu = {role: completed * (fixed + per_token * streamed + noise) / 1e3 for role, (fixed, per_token) in roles.items()}
-    return {"server": server, "rate": rate, "output_len": output_len, "completed": completed,
-            "output_tokens": completed * streamed, "cpu_s": cpu | {"engine": 99.0}}
+    return {
+        "server": server,
+        "rate": rate,
+        "output_len": output_len,
+        "completed": completed,
+        "output_tokens": completed * streamed,
+        "cpu_s": cpu | {"engine": 99.0},
+    }
 
 
 def test_fit_line_recovers_a_line_and_needs_two_xs():

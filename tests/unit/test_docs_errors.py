@@ -28,8 +28,13 @@ def test_every_code_says_when_it_is_given() -> None:
 
 
 def _docs() -> list[Path]:
-    return [REPO / "README.md", REPO / "bench" / "README.md", REPO / "envoy" / "README.md",
-            *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "bench" / "results").glob("*.md"))]
+    return [
+        REPO / "README.md",
+        REPO / "bench" / "README.md",
+        REPO / "envoy" / "README.md",
+        *sorted((REPO / "docs").glob("*.md")),
+        *sorted((REPO / "bench" / "results").glob("*.md")),
+    ]
 
 
 def test_relative_links_in_the_docs_resolve() -> None:

@@ -32,9 +32,7 @@ def test_default_config_renders_and_envoy_accepts_it():
 
 def test_checked_in_envoy_yaml_is_the_rendering_of_the_default_config():
     fresh = render(load(DEFAULT_CONFIG))
-    assert CHECKED_IN.read_text() == fresh, (
-        "envoy/envoy.yaml is stale: run `weir render-envoy -o envoy/envoy.yaml`"
-    )
+    assert CHECKED_IN.read_text() == fresh, "envoy/envoy.yaml is stale: run `weir render-envoy -o envoy/envoy.yaml`"
 
 
 def test_test_config_with_keys_and_options_is_accepted(tmp_path):
@@ -94,9 +92,7 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
     headers = [a["actions"][0]["request_headers"]["header_name"] for a in rl["rate_limits"]]
     assert headers == ["x-weir-rate-limit-key"]  # one bucket per key, whichever header carried it
     assert hcm["http_filters"][0]["name"] == "envoy.filters.http.lua"
-    by_entry = {
-        (e["entries"][0]["key"], e["entries"][0]["value"]): e["token_bucket"] for e in rl["descriptors"]
-    }
+    by_entry = {(e["entries"][0]["key"], e["entries"][0]["value"]): e["token_bucket"] for e in rl["descriptors"]}
     limited = next(k for k in cfg.api_keys if k.rate_limit_burst)
     assert by_entry[("api_key", limited.key)]["max_tokens"] == limited.rate_limit_burst
     assert by_entry[("api_key", limited.key)]["tokens_per_fill"] == limited.rate_limit_rps
@@ -107,8 +103,10 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
     hc = d["static_resources"]["clusters"][0]["health_checks"][0]
     assert hc["http_health_check"]["path"] == "/health/ready"  # readiness, not liveness
     assert hc["interval"] == hc["no_traffic_interval"] == "0.5s"
-    statuses = [m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
-                for m in hcm["local_reply_config"]["mappers"]]
+    statuses = [
+        m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
+        for m in hcm["local_reply_config"]["mappers"]
+    ]
     assert statuses[:5] == [429, 413, 401, 404, 503]  # 401: the Lua filter's malformed key
 
 
@@ -119,12 +117,12 @@ def test_rendered_routes_limits_and_health_check(tmp_path):
         ('[envoy]\nlisten = "127.0.0.1"', "expected HOST:PORT"),
         ('[envoy]\nadmin = "127.0.0.1:70000"', "port in 1..65535"),
         ('[envoy]\nlisten = "127.0.0.1:9901"', "both"),
-        ('[envoy]\nmax_request_bytes = 0', "max_request_bytes = 0: must be > 0"),
-        ('[envoy]\nstream_idle_timeout_s = -1', "stream_idle_timeout_s"),
-        ('[envoy]\nhealth_check_interval_s = 0', "health_check_interval_s"),
-        ('[envoy]\nwatchdog_miss_s = 0', "watchdog_miss_s"),
-        ('[rate_limit]\nper_key_rps = 0', "rate_limit.per_key_rps = 0"),
-        ('[rate_limit]\nmax_keys = -5', "rate_limit.max_keys"),
+        ("[envoy]\nmax_request_bytes = 0", "max_request_bytes = 0: must be > 0"),
+        ("[envoy]\nstream_idle_timeout_s = -1", "stream_idle_timeout_s"),
+        ("[envoy]\nhealth_check_interval_s = 0", "health_check_interval_s"),
+        ("[envoy]\nwatchdog_miss_s = 0", "watchdog_miss_s"),
+        ("[rate_limit]\nper_key_rps = 0", "rate_limit.per_key_rps = 0"),
+        ("[rate_limit]\nmax_keys = -5", "rate_limit.max_keys"),
         ('[router]\nhttp = "127.0.0.1:notaport"', "router.http"),
         ('[[api_keys]]\nkey = "k1"\ntenant = "a"\n[[api_keys]]\nkey = "k1"\ntenant = "b"', "duplicate key"),
         ('[[api_keys]]\nkey = "bad\\nkey"\ntenant = "a"', "printable"),
@@ -147,7 +145,9 @@ def test_weir_render_envoy_cli(tmp_path):
     weir = Path(sys.executable).parent / "weir"
     out = subprocess.run(
         [str(weir), "render-envoy", "--validate", "--config", str(path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == render(load(path))

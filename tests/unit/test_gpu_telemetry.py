@@ -29,8 +29,16 @@ def sched(**kw) -> SchedulerConfig:
 
 
 def reading(temp=60.0, used=10 * GIB, total=80 * GIB, present=True) -> GpuInfo:
-    return GpuInfo(present=present, name="H100", index=0, total_bytes=total, used_bytes=used,
-                   utilization_percent=50.0, temperature_c=temp, power_w=300.0)
+    return GpuInfo(
+        present=present,
+        name="H100",
+        index=0,
+        total_bytes=total,
+        used_bytes=used,
+        utilization_percent=50.0,
+        temperature_c=temp,
+        power_w=300.0,
+    )
 
 
 # ------------------------------------------------------------------ the pure gate
@@ -61,14 +69,33 @@ def test_gate_blocks_exactly_over_a_threshold(temp, frac, tmax, fmax):
 def _policy_with_two_workers(**kw) -> Policy:
     p = Policy(sched(**kw))
     for wid in ("w0", "w1"):
-        p.add_worker(WorkerSpec(worker_id=wid, model="m", pool=Pool.ANY, capacity_tokens=4096, block_size=16,
-                                max_num_seqs=8, max_model_len=2048, gpu_total_bytes=80 * GIB), 0.0)
+        p.add_worker(
+            WorkerSpec(
+                worker_id=wid,
+                model="m",
+                pool=Pool.ANY,
+                capacity_tokens=4096,
+                block_size=16,
+                max_num_seqs=8,
+                max_model_len=2048,
+                gpu_total_bytes=80 * GIB,
+            ),
+            0.0,
+        )
     return p
 
 
 def _job(jid: str, t: float) -> Job:
-    return Job(job_id=jid, model="m", tenant="t", klass="normal", prompt_tokens=100, max_tokens=28,
-               task_type=TaskType.AUTO, arrival=t)
+    return Job(
+        job_id=jid,
+        model="m",
+        tenant="t",
+        klass="normal",
+        prompt_tokens=100,
+        max_tokens=28,
+        task_type=TaskType.AUTO,
+        arrival=t,
+    )
 
 
 def test_policy_sends_no_new_work_to_a_hot_gpu_until_it_cools():
@@ -112,8 +139,9 @@ def test_heartbeat_carries_the_reading_and_older_peers_still_decode():
 
 
 def test_probe_script_reports_no_gpu_as_json():
-    out = subprocess.run([sys.executable, "-m", "engine_worker.gpu", "--probe"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "engine_worker.gpu", "--probe"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     if report["nvml"]:  # a GPU host: each reading is complete

@@ -25,10 +25,16 @@ LEGAL = {(a, b) for a, nexts in TRANSITIONS.items() for b in nexts}
 
 def test_the_lifecycle_edges_are_exactly_these():
     assert LEGAL == {
-        (S.TOKENIZING, S.AWAITING_BUDGET), (S.TOKENIZING, S.QUEUED), (S.TOKENIZING, S.ENDED),
-        (S.AWAITING_BUDGET, S.QUEUED), (S.AWAITING_BUDGET, S.ENDED),
-        (S.QUEUED, S.QUEUED), (S.QUEUED, S.RUNNING), (S.QUEUED, S.ENDED),
-        (S.RUNNING, S.QUEUED), (S.RUNNING, S.ENDED),
+        (S.TOKENIZING, S.AWAITING_BUDGET),
+        (S.TOKENIZING, S.QUEUED),
+        (S.TOKENIZING, S.ENDED),
+        (S.AWAITING_BUDGET, S.QUEUED),
+        (S.AWAITING_BUDGET, S.ENDED),
+        (S.QUEUED, S.QUEUED),
+        (S.QUEUED, S.RUNNING),
+        (S.QUEUED, S.ENDED),
+        (S.RUNNING, S.QUEUED),
+        (S.RUNNING, S.ENDED),
     }
 
 
@@ -70,7 +76,8 @@ def test_a_walk_through_every_legal_path_of_up_to_six_steps_ends_once():
     paths = [[S.TOKENIZING]]
     for _ in range(6):
         paths = [path + [n] for path in paths for n in TRANSITIONS[path[-1]]] + [
-            path for path in paths if path[-1] is S.ENDED]
+            path for path in paths if path[-1] is S.ENDED
+        ]
     for path in paths:
         j = record()
         for s in path[1:]:

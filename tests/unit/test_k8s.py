@@ -54,8 +54,16 @@ def test_checked_in_manifests_are_the_rendering_of_the_default_config(cfg):
 def test_every_object_validates_against_its_schema(cfg, overlay):
     objs = k8s.built(cfg, overlay)
     kinds = {o["kind"] for o in objs}
-    assert {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap", "NetworkPolicy",
-            "CronJob", "ScaledObject"} <= kinds
+    assert {
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "PodDisruptionBudget",
+        "ConfigMap",
+        "NetworkPolicy",
+        "CronJob",
+        "ScaledObject",
+    } <= kinds
     for o in objs:
         _validate(o)
 
@@ -75,8 +83,9 @@ def test_validation_would_catch_a_broken_manifest(cfg):
     with pytest.raises(jsonschema.ValidationError):
         _validate(so)
     so = copy.deepcopy(_by(objs, "ScaledObject")[0])
-    so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"][
-        "stabilizationWindowSeconds"] = 7200
+    so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] = (
+        7200
+    )
     with pytest.raises(jsonschema.ValidationError):
         _validate(so)
 
@@ -123,11 +132,15 @@ def test_worker_statefulsets_probes_drain_and_grace(cfg):
     objs = k8s.built(cfg)
     groups = {g.name: g for g in k8s.worker_groups(cfg)}
     sets = _by(objs, "StatefulSet")
-    assert {s["metadata"]["name"] for s in sets} == set(groups) == {
-        "weir-worker-tiny-llama",
-        "weir-worker-tiny-embed",
-        "weir-worker-sim-tiny",
-    }
+    assert (
+        {s["metadata"]["name"] for s in sets}
+        == set(groups)
+        == {
+            "weir-worker-tiny-llama",
+            "weir-worker-tiny-embed",
+            "weir-worker-sim-tiny",
+        }
+    )
     for s in sets:
         g = groups[s["metadata"]["name"]]
         pod = s["spec"]["template"]["spec"]
@@ -162,7 +175,9 @@ def test_gpu_overlay_gives_each_vllm_worker_a_gpu_and_a_gpu_config(cfg):
     worker_toml = _by(objs, "ConfigMap")[0]["data"]["worker.toml"]
     w = loads(worker_toml).worker("cpu-vllm-0")
     assert w.gpu_index == 0 and w.kv_cache_bytes == 0
-    assert vllm["metadata"]["annotations"][k8s.HASH_ANNOTATION] == k8s.pod_config_sha(cfg, worker_toml)  # a change rolls the pods
+    assert vllm["metadata"]["annotations"][k8s.HASH_ANNOTATION] == k8s.pod_config_sha(
+        cfg, worker_toml
+    )  # a change rolls the pods
     so = _by(objs, "ScaledObject", "weir-worker-tiny-llama")[0]
     assert [t["name"] for t in so["spec"]["triggers"]] == ["demand", "gpu-utilization"]
 
@@ -216,10 +231,10 @@ def test_a_config_of_several_local_routers_renders_the_same_routing(cfg):
     import msgspec
 
     raw = msgspec.to_builtins(cfg)
-    raw["routers"] = [{"http": "127.0.0.1:18001", "frontend": "tcp://127.0.0.1:15555",
-                       "backend": "tcp://127.0.0.1:15556"},
-                      {"http": "127.0.0.1:18002", "frontend": "tcp://127.0.0.1:15557",
-                       "backend": "tcp://127.0.0.1:15558"}]
+    raw["routers"] = [
+        {"http": "127.0.0.1:18001", "frontend": "tcp://127.0.0.1:15555", "backend": "tcp://127.0.0.1:15556"},
+        {"http": "127.0.0.1:18002", "frontend": "tcp://127.0.0.1:15557", "backend": "tcp://127.0.0.1:15558"},
+    ]
     raw["workers"][0]["routers"] = ["tcp://127.0.0.1:15556"]
     several = msgspec.convert(raw, type(cfg))
     data = _by(k8s.built(several), "ConfigMap")[0]["data"]
@@ -306,11 +321,16 @@ def test_a_config_without_api_keys_is_refused_unless_it_allows_anonymous(cfg, tm
     weir = [sys.executable, "-m", "weir"]
     bad = tmp_path / "closed.toml"
     bad.write_text((REPO / "deploy" / "weir.toml").read_text().replace("allow_anonymous = true", ""))
-    out = subprocess.run([*weir, "render-k8s", "--config", str(bad), "-o", str(tmp_path / "a")],
-                         capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [*weir, "render-k8s", "--config", str(bad), "-o", str(tmp_path / "a")], capture_output=True, text=True, cwd=REPO
+    )
     assert out.returncode != 0 and "allow_anonymous" in out.stderr and not (tmp_path / "a").exists()
-    out = subprocess.run([*weir, "render-k8s", "--config", str(REPO / "deploy" / "weir.toml"),
-                          "-o", str(tmp_path / "b")], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [*weir, "render-k8s", "--config", str(REPO / "deploy" / "weir.toml"), "-o", str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 0 and "WARNING: NO API KEYS" in out.stderr
 
 
@@ -322,8 +342,9 @@ def test_router_and_worker_pods_mount_the_admin_token_secret(cfg):
     data = _by(objs, "ConfigMap")[0]["data"]
     for role in ("router.toml", "worker.toml"):
         assert loads(data[role]).router.admin_token_file == sec.ADMIN_TOKEN_FILE
-    pods = [_by(objs, "Deployment", "weir-router")[0]] + [_by(objs, "StatefulSet", g.name)[0]
-                                                          for g in k8s.worker_groups(cfg)]
+    pods = [_by(objs, "Deployment", "weir-router")[0]] + [
+        _by(objs, "StatefulSet", g.name)[0] for g in k8s.worker_groups(cfg)
+    ]
     for o in pods:
         spec = o["spec"]["template"]["spec"]
         vol = next(v for v in spec["volumes"] if v["name"] == "admin")["projected"]["sources"][0]["secret"]
@@ -340,8 +361,11 @@ def test_router_and_worker_pods_mount_the_admin_token_secret(cfg):
 def test_bad_kubernetes_settings_are_refused(cfg):
     import msgspec
 
-    for extra, msg in (({"router_replicas": 1}, "router_replicas"), ({"min_workers": 9}, "min_workers"),
-                       ({"scale_down_window_s": 4000}, "scale_down_window_s")):
+    for extra, msg in (
+        ({"router_replicas": 1}, "router_replicas"),
+        ({"min_workers": 9}, "min_workers"),
+        ({"scale_down_window_s": 4000}, "scale_down_window_s"),
+    ):
         bad = msgspec.structs.replace(cfg, kubernetes=msgspec.structs.replace(cfg.kubernetes, **extra))
         with pytest.raises(ConfigError, match=msg):
             k8s.files(bad)
@@ -364,7 +388,6 @@ def test_containerfile_copies_every_package_the_project_installs():
     copied = set(re.findall(r"^COPY (\S+) \1$", text, re.M))
     assert packages <= copied, f"deploy/Containerfile does not COPY {sorted(packages - copied)}"
     assert 'pip install ".[${ENGINE}]"' in text
-
 
 
 # ------------------------------------------------------------------ CURVE and TLS, rollouts
@@ -436,9 +459,26 @@ def test_the_printed_secret_commands_make_the_secrets_the_pods_mount(tmp_path, c
     from deploy import k8s_security as sec
 
     secure, keys = _secure(tmp_path, cfg)
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=weir",
-                    "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=weir",
+            "-keyout",
+            str(tmp_path / "tls.key"),
+            "-out",
+            str(tmp_path / "tls.crt"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     secrets = {}
     for cmd in sec.secret_commands(secure, k8s.worker_groups(secure)):
         out = subprocess.run([*cmd, "--dry-run=client", "-o", "yaml"], capture_output=True, text=True, check=True)
@@ -482,7 +522,11 @@ def test_rollouts_keep_capacity_and_drain_before_exit(cfg):
     assert router["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pause)]
     envoy = _by(objs, "Deployment", "weir-envoy")[0]["spec"]["template"]["spec"]["containers"][0]
     assert envoy["lifecycle"]["preStop"]["exec"]["command"][3:] == [
-        "envoy-drain", "9901", str(pause), str(int(cfg.router.drain_timeout_s))]
+        "envoy-drain",
+        "9901",
+        str(pause),
+        str(int(cfg.router.drain_timeout_s)),
+    ]
     assert envoy["command"][envoy["command"].index("--drain-time-s") + 1] == str(pause)
 
 

@@ -12,13 +12,28 @@ from shared.protocol import Pool, TaskType
 
 
 def _spec(wid: str, model: str, seqs: int) -> WorkerSpec:
-    return WorkerSpec(worker_id=wid, model=model, pool=Pool.ANY, capacity_tokens=1 << 20, block_size=16,
-                      max_num_seqs=seqs, max_model_len=4096)
+    return WorkerSpec(
+        worker_id=wid,
+        model=model,
+        pool=Pool.ANY,
+        capacity_tokens=1 << 20,
+        block_size=16,
+        max_num_seqs=seqs,
+        max_model_len=4096,
+    )
 
 
 def _job(i: int, model: str, prompt: int, klass: str = "normal") -> Job:
-    return Job(job_id=f"{model}-{i}", model=model, tenant="t", klass=klass, prompt_tokens=prompt, max_tokens=28,
-               task_type=TaskType.AUTO, arrival=0.0)
+    return Job(
+        job_id=f"{model}-{i}",
+        model=model,
+        tenant="t",
+        klass=klass,
+        prompt_tokens=prompt,
+        max_tokens=28,
+        task_type=TaskType.AUTO,
+        arrival=0.0,
+    )
 
 
 def test_queued_by_model_counts_each_model_and_pool_and_drops_what_is_dispatched():

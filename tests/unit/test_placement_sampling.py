@@ -65,8 +65,10 @@ op = st.one_of(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pools=st.lists(st.sampled_from([Pool.ANY, Pool.SHORT, Pool.LONG]), min_size=N, max_size=N),
-       ops=st.lists(op, max_size=200))
+@given(
+    pools=st.lists(st.sampled_from([Pool.ANY, Pool.SHORT, Pool.LONG]), min_size=N, max_size=N),
+    ops=st.lists(op, max_size=200),
+)
 def test_free_sets_track_the_ledger_under_any_interleaving(pools, ops):
     p = Policy(SchedulerConfig(generation_deadline_s=0.0))
     for i in range(N):  # one or two slots each: workers fill and free up all the time
@@ -86,8 +88,9 @@ def test_free_sets_track_the_ledger_under_any_interleaving(pools, ops):
         elif o[0] == "health":
             p.update_worker(f"w{o[1]:03d}", now, healthy=o[2])
         elif o[0] == "others":
-            p.update_worker(f"w{o[1]:03d}", now, healthy=p.is_healthy(f"w{o[1]:03d}"), other_tokens=o[2],
-                            other_seqs=o[3])
+            p.update_worker(
+                f"w{o[1]:03d}", now, healthy=p.is_healthy(f"w{o[1]:03d}"), other_tokens=o[2], other_seqs=o[3]
+            )
         elif o[0] == "remove":
             lost = set(p.remove_worker(f"w{o[1]:03d}", now))
             running = [j for j in running if j not in lost]

@@ -21,19 +21,37 @@ def cfg(**kw) -> SchedulerConfig:
 
 
 def spec(wid="w0", pool=Pool.ANY, cap=4096, block=16, seqs=8, max_len=2048, gpu=0, model="m"):
-    return WorkerSpec(worker_id=wid, model=model, pool=pool, capacity_tokens=cap, block_size=block,
-                      max_num_seqs=seqs, max_model_len=max_len, gpu_total_bytes=gpu)
+    return WorkerSpec(
+        worker_id=wid,
+        model=model,
+        pool=pool,
+        capacity_tokens=cap,
+        block_size=block,
+        max_num_seqs=seqs,
+        max_model_len=max_len,
+        gpu_total_bytes=gpu,
+    )
 
 
 _n = 0
 
 
-def job(prompt=100, max_tokens=28, klass="normal", tenant="t", t=0.0, task=TaskType.AUTO, jid=None,
-        weight=1.0, model="m"):
+def job(
+    prompt=100, max_tokens=28, klass="normal", tenant="t", t=0.0, task=TaskType.AUTO, jid=None, weight=1.0, model="m"
+):
     global _n
     _n += 1
-    return Job(job_id=jid or f"j{_n}", model=model, tenant=tenant, klass=klass, prompt_tokens=prompt,
-               max_tokens=max_tokens, task_type=task, arrival=t, weight=weight)
+    return Job(
+        job_id=jid or f"j{_n}",
+        model=model,
+        tenant=tenant,
+        klass=klass,
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        task_type=task,
+        arrival=t,
+        weight=weight,
+    )
 
 
 def dispatched(actions):

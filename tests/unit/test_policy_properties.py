@@ -34,16 +34,35 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 
 def spec(i: int, pool: Pool, cap: int, seqs: int, block: int = 16, max_len: int = 4096) -> WorkerSpec:
-    return WorkerSpec(worker_id=f"w{i}", model="m", pool=pool, capacity_tokens=cap, block_size=block,
-                      max_num_seqs=seqs, max_model_len=max_len)
+    return WorkerSpec(
+        worker_id=f"w{i}",
+        model="m",
+        pool=pool,
+        capacity_tokens=cap,
+        block_size=block,
+        max_num_seqs=seqs,
+        max_model_len=max_len,
+    )
 
 
 # ------------------------------------------------------------------ ledger / exactly once
 
-submit_op = st.tuples(st.just("submit"), st.integers(0, 4), st.integers(0, 2), st.integers(1, 3000),
-                      st.integers(1, 1200), st.sampled_from(list(TaskType)))
+submit_op = st.tuples(
+    st.just("submit"),
+    st.integers(0, 4),
+    st.integers(0, 2),
+    st.integers(1, 3000),
+    st.integers(1, 1200),
+    st.sampled_from(list(TaskType)),
+)
 op = st.one_of(
-    submit_op, submit_op, submit_op, submit_op, submit_op, submit_op, submit_op,
+    submit_op,
+    submit_op,
+    submit_op,
+    submit_op,
+    submit_op,
+    submit_op,
+    submit_op,
     st.tuples(st.just("schedule")),
     st.tuples(st.just("finish"), st.integers(0, 10_000)),
     st.tuples(st.just("advance"), st.floats(0.0, 20.0)),
@@ -53,8 +72,12 @@ op = st.one_of(
     st.tuples(st.just("correct"), st.integers(0, 10_000), st.floats(0.1, 1.0)),
 )
 
-worker_strategy = st.tuples(st.sampled_from([Pool.ANY, Pool.SHORT, Pool.LONG]),
-                            st.integers(2048, 16384), st.integers(1, 8), st.sampled_from([1, 16, 128]))
+worker_strategy = st.tuples(
+    st.sampled_from([Pool.ANY, Pool.SHORT, Pool.LONG]),
+    st.integers(2048, 16384),
+    st.integers(1, 8),
+    st.sampled_from([1, 16, 128]),
+)
 
 
 @settings(SETTINGS, max_examples=200)
@@ -67,15 +90,21 @@ worker_strategy = st.tuples(st.sampled_from([Pool.ANY, Pool.SHORT, Pool.LONG]),
     workers=st.lists(worker_strategy, min_size=3, max_size=3),
     ops=st.lists(op, min_size=30, max_size=200),
 )
-def test_ledger_bounds_and_exactly_once_release(policy, overcommit, margin, backfill, headroom,
-                                                workers, ops):
-    classes = [ClassConfig(name=n, max_queue=20, queue_deadline_s=15.0 + 5 * i)
-               for i, n in enumerate(CLASSES)]
+def test_ledger_bounds_and_exactly_once_release(policy, overcommit, margin, backfill, headroom, workers, ops):
+    classes = [ClassConfig(name=n, max_queue=20, queue_deadline_s=15.0 + 5 * i) for i, n in enumerate(CLASSES)]
     cfg = msgspec.structs.replace(
-        SchedulerConfig(), policy=policy, classes=classes, overcommit=overcommit,
-        kv_safety_margin=margin, backfill=backfill, priority_headroom=headroom,
-        aging_bound_s=20.0, generation_deadline_s=40.0, max_queue_per_tenant=30,
-        short_threshold_tokens=1024)
+        SchedulerConfig(),
+        policy=policy,
+        classes=classes,
+        overcommit=overcommit,
+        kv_safety_margin=margin,
+        backfill=backfill,
+        priority_headroom=headroom,
+        aging_bound_s=20.0,
+        generation_deadline_s=40.0,
+        max_queue_per_tenant=30,
+        short_threshold_tokens=1024,
+    )
     p = Policy(cfg)
     specs = [spec(i, *w) for i, w in enumerate(workers)]
     registered = set()
@@ -226,21 +255,41 @@ WAIT_CODES = ("queue_wait_exceeded", "tenant_share_exceeded")
     weights=st.lists(st.floats(0.25, 4.0), min_size=3, max_size=3),
     seqs=st.integers(1, 16),
     step=st.one_of(st.none(), st.floats(0.001, 0.5)),
-    ops=st.lists(st.one_of(
-        st.tuples(st.just("submit"), st.integers(0, 1), st.integers(0, 2), st.integers(1, 2000),
-                  st.integers(0, 500)),
-        st.tuples(st.just("submit"), st.integers(0, 1), st.integers(0, 2), st.integers(1, 2000),
-                  st.integers(0, 500)),
-        st.tuples(st.just("finish"), st.integers(0, 10_000)),
-        st.tuples(st.just("advance"), st.floats(0.0, 5.0)),
-        st.tuples(st.just("schedule"))), min_size=20, max_size=250),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("submit"), st.integers(0, 1), st.integers(0, 2), st.integers(1, 2000), st.integers(0, 500)
+            ),
+            st.tuples(
+                st.just("submit"), st.integers(0, 1), st.integers(0, 2), st.integers(1, 2000), st.integers(0, 500)
+            ),
+            st.tuples(st.just("finish"), st.integers(0, 10_000)),
+            st.tuples(st.just("advance"), st.floats(0.0, 5.0)),
+            st.tuples(st.just("schedule")),
+        ),
+        min_size=20,
+        max_size=250,
+    ),
 )
 def test_admission_by_predicted_wait(bounds, weights, seqs, step, ops):
-    classes = [ClassConfig(name="high", queue_deadline_s=bounds[0]),
-               ClassConfig(name="normal", max_predicted_wait_s=bounds[1], queue_deadline_s=1e9)]
+    classes = [
+        ClassConfig(name="high", queue_deadline_s=bounds[0]),
+        ClassConfig(name="normal", max_predicted_wait_s=bounds[1], queue_deadline_s=1e9),
+    ]
     p = Policy(msgspec.structs.replace(SchedulerConfig(), classes=classes, aging_bound_s=1e9))
-    p.add_worker(WorkerSpec(worker_id="w0", model="m", pool=Pool.ANY, capacity_tokens=1 << 16,
-                            block_size=16, max_num_seqs=seqs, max_model_len=4096, step_time_s=step), 0.0)
+    p.add_worker(
+        WorkerSpec(
+            worker_id="w0",
+            model="m",
+            pool=Pool.ANY,
+            capacity_tokens=1 << 16,
+            block_size=16,
+            max_num_seqs=seqs,
+            max_model_len=4096,
+            step_time_s=step,
+        ),
+        0.0,
+    )
     m = p.models["m"]
     now = 0.0
     live: list[str] = []
@@ -249,8 +298,7 @@ def test_admission_by_predicted_wait(bounds, weights, seqs, step, ops):
         if o[0] == "submit":
             _, c, t, prompt, max_tokens = o
             n += 1
-            job = Job(f"j{n}", "m", f"t{t}", classes[c].name, prompt, max_tokens, TaskType.AUTO, now,
-                      weights[t])
+            job = Job(f"j{n}", "m", f"t{t}", classes[c].name, prompt, max_tokens, TaskType.AUTO, now, weights[t])
             probe = Entry(job, c, 0, 0)
             ahead, mine, w_others = p.waits.ahead(m, probe)
             rate = p.waits.drain_rate(m, c, probe.tokens, max_tokens, now)
@@ -290,8 +338,7 @@ def test_admission_by_predicted_wait(bounds, weights, seqs, step, ops):
     bound=st.floats(8.0, 60.0),
     seqs=st.integers(1, 4),
     n_workers=st.integers(1, 2),
-    lower=st.lists(st.tuples(st.integers(1, 4), st.floats(0.0, 30.0), st.integers(16, 1500)),
-                   min_size=1, max_size=12),
+    lower=st.lists(st.tuples(st.integers(1, 4), st.floats(0.0, 30.0), st.integers(16, 1500)), min_size=1, max_size=12),
     job_frac=st.floats(0.05, 1.0),
     crit_tokens=st.integers(16, 2000),
 )
@@ -303,9 +350,13 @@ def test_no_class_waits_past_the_aging_bound(bound, seqs, n_workers, lower, job_
     dt = 0.25
     duration = max(dt, job_frac * bound / (2 * len(CLASSES)) - dt)
     cfg = msgspec.structs.replace(
-        SchedulerConfig(), aging_bound_s=bound,
+        SchedulerConfig(),
+        aging_bound_s=bound,
         classes=[ClassConfig(name=n, max_queue=100_000, queue_deadline_s=1e9) for n in CLASSES],
-        max_queue_per_tenant=100_000, generation_deadline_s=1e9, short_threshold_tokens=1024)
+        max_queue_per_tenant=100_000,
+        generation_deadline_s=1e9,
+        short_threshold_tokens=1024,
+    )
     p = Policy(cfg)
     for i in range(n_workers):
         p.add_worker(spec(i, Pool.ANY, cap=4096, seqs=seqs), 0.0)
@@ -319,8 +370,19 @@ def test_no_class_waits_past_the_aging_bound(bound, seqs, n_workers, lower, job_
         # keep the critical queue over-full: a stream of higher work
         for _ in range(n_workers * seqs + 1):
             n += 1
-            p.submit(Job(f"c{n}", "m", "crit", "critical", crit_tokens // 2, crit_tokens - crit_tokens // 2,
-                         TaskType.AUTO, now), now)
+            p.submit(
+                Job(
+                    f"c{n}",
+                    "m",
+                    "crit",
+                    "critical",
+                    crit_tokens // 2,
+                    crit_tokens - crit_tokens // 2,
+                    TaskType.AUTO,
+                    now,
+                ),
+                now,
+            )
         while arrivals and arrivals[0][0] <= now:
             _, c, tok = arrivals.pop(0)
             n += 1
@@ -357,23 +419,31 @@ def test_no_class_waits_past_the_aging_bound(bound, seqs, n_workers, lower, job_
     other_sizes=st.lists(st.integers(16, 1000), min_size=1, max_size=8),
     quantum=st.integers(64, 2048),
 )
-def test_a_flooding_tenant_gets_at_most_its_weighted_share(w_flood, w_other, flood_sizes,
-                                                           other_sizes, quantum):
+def test_a_flooding_tenant_gets_at_most_its_weighted_share(w_flood, w_other, flood_sizes, other_sizes, quantum):
     cfg = msgspec.structs.replace(
-        SchedulerConfig(), short_threshold_tokens=quantum, max_queue_per_tenant=100_000,
-        classes=[ClassConfig(name="normal", max_queue=100_000, queue_deadline_s=1e9)])
+        SchedulerConfig(),
+        short_threshold_tokens=quantum,
+        max_queue_per_tenant=100_000,
+        classes=[ClassConfig(name="normal", max_queue=100_000, queue_deadline_s=1e9)],
+    )
     p = Policy(cfg)
     p.add_worker(spec(0, Pool.ANY, cap=1 << 20, seqs=1, max_len=1 << 16), 0.0)
     n = 0
     # the flooder queues 10x as many jobs; both stay backlogged throughout
     for i in range(1000):
         n += 1
-        p.submit(Job(f"f{n}", "m", "flood", "normal", flood_sizes[i % len(flood_sizes)], 0,
-                     TaskType.SHORT, 0.0, w_flood), 0.0)
+        p.submit(
+            Job(f"f{n}", "m", "flood", "normal", flood_sizes[i % len(flood_sizes)], 0, TaskType.SHORT, 0.0, w_flood),
+            0.0,
+        )
         if i % 10 == 0:
             n += 1
-            p.submit(Job(f"o{n}", "m", "other", "normal", other_sizes[i % len(other_sizes)], 0,
-                         TaskType.SHORT, 0.0, w_other), 0.0)
+            p.submit(
+                Job(
+                    f"o{n}", "m", "other", "normal", other_sizes[i % len(other_sizes)], 0, TaskType.SHORT, 0.0, w_other
+                ),
+                0.0,
+            )
     served = Counter()
     now = 0.0
     while p.tenant_count.get("other", 0) > 0 and p.tenant_count.get("flood", 0) > 0:

@@ -24,8 +24,16 @@ CHAIN = list(range(101, 121))  # a prompt of 20 blocks (16 tokens each)
 
 
 def spec(i: int, cap: int = 4096, seqs: int = 8) -> WorkerSpec:
-    return WorkerSpec(worker_id=f"w{i}", model="m", pool=Pool.ANY, capacity_tokens=cap, block_size=16,
-                      max_num_seqs=seqs, max_model_len=4096, prefix_hash="sim")
+    return WorkerSpec(
+        worker_id=f"w{i}",
+        model="m",
+        pool=Pool.ANY,
+        capacity_tokens=cap,
+        block_size=16,
+        max_num_seqs=seqs,
+        max_model_len=4096,
+        prefix_hash="sim",
+    )
 
 
 def job(jid: str, prompt: int = 320, max_tokens: int = 16, hashes=CHAIN, now: float = 0.0) -> Job:
@@ -165,15 +173,20 @@ def _score(p: Policy, wid: str, cost: int) -> float:
     weight=st.floats(0.0, 4.0),
 )
 def test_affinity_is_bounded_by_load_and_never_overcommits(loads, cached, prompt, max_tokens, margin, weight):
-    hashes = CHAIN[:prompt // 16]
+    hashes = CHAIN[: prompt // 16]
     results = []
     for affinity in (True, False):
-        cfg = msgspec.structs.replace(SchedulerConfig(), prefix_affinity=affinity, prefix_load_margin=margin,
-                                      prefix_affinity_weight=weight, priority_headroom=0.0)
+        cfg = msgspec.structs.replace(
+            SchedulerConfig(),
+            prefix_affinity=affinity,
+            prefix_load_margin=margin,
+            prefix_affinity_weight=weight,
+            priority_headroom=0.0,
+        )
         p = Policy(cfg)
         for i, (running, reserved) in enumerate(loads):
             p.add_worker(spec(i, cap=4096, seqs=8), 0.0)
-            p.prefix.snapshot(f"w{i}", 0, CHAIN[:cached[i]])
+            p.prefix.snapshot(f"w{i}", 0, CHAIN[: cached[i]])
             w = p.workers[f"w{i}"]
             for r in range(running):  # load it as dispatches would
                 w.running[f"x{i}-{r}"] = 0
@@ -188,8 +201,9 @@ def test_affinity_is_bounded_by_load_and_never_overcommits(loads, cached, prompt
     assert wa.reserved <= wa.budget and len(wa.running) <= wa.slots  # the ledger holds
     cost = wa.running["j"]
     before = {wid: _score(pb, wid, cost) for wid in pb.workers}  # loads as they were (pb without j on base)
-    before[base] = (pb.workers[base].budget - pb.workers[base].reserved) / pb.workers[base].budget + \
-        (pb.workers[base].slots - len(pb.workers[base].running)) / pb.workers[base].slots
+    before[base] = (pb.workers[base].budget - pb.workers[base].reserved) / pb.workers[base].budget + (
+        pb.workers[base].slots - len(pb.workers[base].running)
+    ) / pb.workers[base].slots
     assert before[got] >= before[base] - margin - 1e-9  # within the margin of the least loaded
     if got != base:  # it moved for more of the prompt
         assert min(cached[int(got[1:])], len(hashes)) > min(cached[int(base[1:])], len(hashes))

@@ -52,8 +52,11 @@ def test_eviction_reports_removed_blocks_lru():
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(1, 20), st.booleans()),
-                min_size=1, max_size=30))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(1, 20), st.booleans()), min_size=1, max_size=30
+    )
+)
 def test_cache_events_replay_to_its_contents_and_blocks_balance(reqs):
     core = SimCore(CFG, max_num_seqs=3, max_model_len=1000)
     events = []

@@ -226,11 +226,14 @@ def test_with_tools_a_call_streams_as_it_is_generated():
     assert rs.output_messages([call])[0]["tool_calls"][0]["id"] == call["call_id"]
 
 
-@pytest.mark.parametrize("choice,texts,finish", [
-    ("auto", ["Let me ", "check.<tool", '_call>{"name": "f", "argu', 'ments": {"a": 1}}</tool_call>'], "stop"),
-    ("required", ['[{"name":"f","parameters":{"a":1}},{"na', 'me":"f","parameters":{"a":2}}]'], "stop"),
-    ("required", ['[{"name":"f","parameters":{"a":1}},{"na', 'me":"f","parameters":{"a'], "length"),  # cut
-])
+@pytest.mark.parametrize(
+    "choice,texts,finish",
+    [
+        ("auto", ["Let me ", "check.<tool", '_call>{"name": "f", "argu', 'ments": {"a": 1}}</tool_call>'], "stop"),
+        ("required", ['[{"name":"f","parameters":{"a":1}},{"na', 'me":"f","parameters":{"a":2}}]'], "stop"),
+        ("required", ['[{"name":"f","parameters":{"a":1}},{"na', 'me":"f","parameters":{"a'], "length"),  # cut
+    ],
+)
 def test_with_tools_streamed_items_equal_the_whole_responses(choice, texts, finish):
     """Each item is opened, filled and closed in order (a message's text,
     then each call); the streamed items equal the non-streamed response's."""
@@ -255,8 +258,11 @@ def test_with_tools_streamed_items_equal_the_whole_responses(choice, texts, fini
     assert opened == closed == list(range(len(output)))
     for i, item in enumerate(output):
         if item["type"] == "function_call":
-            deltas = [e["delta"] for e in events
-                      if e["type"] == "response.function_call_arguments.delta" and e["output_index"] == i]
+            deltas = [
+                e["delta"]
+                for e in events
+                if e["type"] == "response.function_call_arguments.delta" and e["output_index"] == i
+            ]
             assert "".join(deltas) == item["arguments"]
     if choice == "auto":
         assert output[0]["content"][0]["text"] == "Let me check." and output[1]["name"] == "f"

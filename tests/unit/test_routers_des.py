@@ -13,8 +13,9 @@ def test_n_routers_over_one_fleet():
     rate, out = routers_des.compare(ns=(1, 2, 4), duration_s=15.0, workers=workers)
     _, one, _ = des.scenario_mixed(duration_s=15.0)
     single = out[1][0]
-    assert [(r.job_id, r.first_token, r.finished) for r in single.records] == \
-           [(r.job_id, r.first_token, r.finished) for r in one.records]
+    assert [(r.job_id, r.first_token, r.finished) for r in single.records] == [
+        (r.job_id, r.first_token, r.finished) for r in one.records
+    ]
     for n, (res, counts) in out.items():
         assert counts["max_overcommit_tokens"] <= 0 and res.preemptions == 0
         assert len(res.done()) == len(single.done()) == len(res.records), (n, res.rejections())

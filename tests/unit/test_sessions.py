@@ -18,13 +18,31 @@ from shared.protocol import Pool, TaskType
 
 
 def spec(i: int, seqs: int = 8) -> WorkerSpec:
-    return WorkerSpec(worker_id=f"w{i}", model="m", pool=Pool.ANY, capacity_tokens=1 << 20, block_size=16,
-                      max_num_seqs=seqs, max_model_len=4096)
+    return WorkerSpec(
+        worker_id=f"w{i}",
+        model="m",
+        pool=Pool.ANY,
+        capacity_tokens=1 << 20,
+        block_size=16,
+        max_num_seqs=seqs,
+        max_model_len=4096,
+    )
 
 
 def job(jid: str, session: str = "", parent: str = "", final: bool = False, tenant: str = "t", now: float = 0.0) -> Job:
-    return Job(jid, "m", tenant, "normal", 64, 8, TaskType.SHORT, now, session=session, parent_session=parent,
-               session_final=final)
+    return Job(
+        jid,
+        "m",
+        tenant,
+        "normal",
+        64,
+        8,
+        TaskType.SHORT,
+        now,
+        session=session,
+        parent_session=parent,
+        session_final=final,
+    )
 
 
 def policy(workers: int = 2, seqs: int = 8, **cfg) -> Policy:
@@ -111,8 +129,7 @@ def test_a_lost_worker_sends_the_session_elsewhere():
 @settings(max_examples=200, deadline=None)
 @given(
     ops=st.lists(
-        st.tuples(st.sampled_from("abcdefgh"), st.sampled_from(["w0", "w1", "w2"]), st.booleans(),
-                  st.floats(0.0, 3.0)),
+        st.tuples(st.sampled_from("abcdefgh"), st.sampled_from(["w0", "w1", "w2"]), st.booleans(), st.floats(0.0, 3.0)),
         max_size=60,
     ),
     cap=st.integers(1, 5),

@@ -157,16 +157,21 @@ def test_max_tokens_capped_to_context():
 
 requests_st = st.lists(
     st.tuples(st.integers(1, 300), st.integers(1, 200), st.integers(-2, 2), st.booleans()),
-    min_size=1, max_size=25,
+    min_size=1,
+    max_size=25,
 )
 
 
 @settings(max_examples=60, deadline=None)
-@given(reqs=requests_st, capacity_blocks=st.integers(32, 96), max_num_seqs=st.integers(1, 8),
-       prefill=st.integers(16, 600), abort_after=st.integers(0, 20))
+@given(
+    reqs=requests_st,
+    capacity_blocks=st.integers(32, 96),
+    max_num_seqs=st.integers(1, 8),
+    prefill=st.integers(16, 600),
+    abort_after=st.integers(0, 20),
+)
 def test_property_kv_bounded_and_all_finish(reqs, capacity_blocks, max_num_seqs, prefill, abort_after):
-    core = make(capacity=capacity_blocks * 16, block=16, max_num_seqs=max_num_seqs, max_model_len=512,
-                prefill=prefill)
+    core = make(capacity=capacity_blocks * 16, block=16, max_num_seqs=max_num_seqs, max_model_len=512, prefill=prefill)
     for i, (prompt, max_tokens, prio, _) in enumerate(reqs):
         core.add(f"r{i}", prompt, max_tokens, prio)
     to_abort = {f"r{i}" for i, r in enumerate(reqs) if r[3]}

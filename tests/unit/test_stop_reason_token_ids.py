@@ -91,16 +91,30 @@ def test_plain_completion_carries_the_stop_string():
 
 def test_accumulated_completion_token_ids_and_stop_reasons_per_choice():
     acc = api.Accumulator(_ctx(stream=False, n=2, ids=True))
-    acc.add([Delta("x1", "a", 1, prompt_tokens=3, token_ids=[10], prompt_token_ids=PROMPT),
-             Delta("x1", "b", 1, token_ids=[20], index=1)])
+    acc.add(
+        [
+            Delta("x1", "a", 1, prompt_tokens=3, token_ids=[10], prompt_token_ids=PROMPT),
+            Delta("x1", "b", 1, token_ids=[20], index=1),
+        ]
+    )
     acc.add([Delta("x1", "c", 1, token_ids=[11], choice_finish="stop", stop_reason="END")])
     acc.add([Delta("x1", "d", 1, token_ids=[21], index=1, finish_reason="length", completion_tokens=4)])
     obj = json.loads(acc.render())
     c0, c1 = obj["choices"]
     assert (c0["text"], c0["token_ids"], c0["prompt_token_ids"], c0["finish_reason"], c0["stop_reason"]) == (
-        "ac", [10, 11], PROMPT, "stop", "END")
+        "ac",
+        [10, 11],
+        PROMPT,
+        "stop",
+        "END",
+    )
     assert (c1["text"], c1["token_ids"], c1["prompt_token_ids"], c1["finish_reason"], c1["stop_reason"]) == (
-        "bd", [20, 21], PROMPT, "length", None)
+        "bd",
+        [20, 21],
+        PROMPT,
+        "length",
+        None,
+    )
     Completion.model_validate(obj)
 
 
@@ -121,12 +135,16 @@ def test_accumulated_chat_puts_the_prompt_ids_on_the_response():
 
 def test_plain_streams_end_with_the_stop_reason():
     r = api.StreamRenderer(_ctx())
-    chunks = _events(r.render([Delta("x1", "Par", 1, prompt_tokens=3)]) + r.render(
-        [Delta("x1", "is", 1, finish_reason="stop", stop_reason="\n", completion_tokens=2)]))
+    chunks = _events(
+        r.render([Delta("x1", "Par", 1, prompt_tokens=3)])
+        + r.render([Delta("x1", "is", 1, finish_reason="stop", stop_reason="\n", completion_tokens=2)])
+    )
     assert [c["choices"][0]["stop_reason"] for c in chunks] == [None, "\n"]  # vLLM: on every completions chunk
     r = api.StreamRenderer(_ctx(RequestKind.CHAT))
-    chunks = _events(r.render([Delta("x1", "Hi", 1, prompt_tokens=3)]) + r.render(
-        [Delta("x1", "", 1, finish_reason="stop", stop_reason=2, completion_tokens=2)]))
+    chunks = _events(
+        r.render([Delta("x1", "Hi", 1, prompt_tokens=3)])
+        + r.render([Delta("x1", "", 1, finish_reason="stop", stop_reason=2, completion_tokens=2)])
+    )
     assert ["stop_reason" in c["choices"][0] for c in chunks] == [False, False, False, True]  # chat: the last
     assert chunks[-1]["choices"][0]["stop_reason"] == 2 and chunks[-1]["choices"][0]["finish_reason"] == "stop"
     for c in chunks:
@@ -148,8 +166,7 @@ def test_streamed_completion_token_ids_add_up():
 def test_streamed_chat_token_ids_and_prompt_ids_on_the_role_chunk():
     r = api.StreamRenderer(_ctx(RequestKind.CHAT, ids=True))
     out = r.render([Delta("x1", "Hi", 1, prompt_tokens=3, token_ids=[7], prompt_token_ids=PROMPT)])
-    out += r.render([Delta("x1", " you", 1, token_ids=[8], finish_reason="stop", stop_reason="!",
-                           completion_tokens=2)])
+    out += r.render([Delta("x1", " you", 1, token_ids=[8], finish_reason="stop", stop_reason="!", completion_tokens=2)])
     chunks = _events(out)
     assert chunks[0]["prompt_token_ids"] == PROMPT and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all("prompt_token_ids" not in c for c in chunks[1:])

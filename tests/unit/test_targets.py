@@ -19,14 +19,38 @@ from shared.protocol import Pool, TaskType
 
 
 def spec(i: int, seqs: int = 2) -> WorkerSpec:
-    return WorkerSpec(worker_id=f"w{i}", model="m", pool=Pool.ANY, capacity_tokens=1 << 20, block_size=16,
-                      max_num_seqs=seqs, max_model_len=8192)
+    return WorkerSpec(
+        worker_id=f"w{i}",
+        model="m",
+        pool=Pool.ANY,
+        capacity_tokens=1 << 20,
+        block_size=16,
+        max_num_seqs=seqs,
+        max_model_len=8192,
+    )
 
 
-def job(jid: str, prompt: int = 100, max_tokens: int = 500, target_ms: float = 0.0, sheddable: bool = False,
-        klass: str = "normal", now: float = 0.0) -> Job:
-    return Job(jid, "m", "t", klass, prompt, max_tokens, TaskType.SHORT, now, ttft_target_s=target_ms / 1000.0,
-               sheddable=sheddable)
+def job(
+    jid: str,
+    prompt: int = 100,
+    max_tokens: int = 500,
+    target_ms: float = 0.0,
+    sheddable: bool = False,
+    klass: str = "normal",
+    now: float = 0.0,
+) -> Job:
+    return Job(
+        jid,
+        "m",
+        "t",
+        klass,
+        prompt,
+        max_tokens,
+        TaskType.SHORT,
+        now,
+        ttft_target_s=target_ms / 1000.0,
+        sheddable=sheddable,
+    )
 
 
 def policy(workers: int = 2, **cfg) -> Policy:
@@ -79,8 +103,10 @@ def test_no_target_no_prediction():
 
 
 def test_class_default_target_and_sheddability():
-    classes = [ClassConfig(name="interactive"),
-               ClassConfig(name="bulk", ttft_target_ms=100.0, sheddable=True, max_predicted_wait_s=0.0)]
+    classes = [
+        ClassConfig(name="interactive"),
+        ClassConfig(name="bulk", ttft_target_ms=100.0, sheddable=True, max_predicted_wait_s=0.0),
+    ]
     p = policy(classes=classes)
     for k in range(24):
         assert p.submit(job(f"bg{k}", max_tokens=2000, klass="interactive"), 0.0) is None

@@ -29,8 +29,13 @@ from shared.protocol import ChatMessage, ChatOptions, Delta, RequestKind, Submit
 
 TOOLS = msgspec.convert(
     [
-        {"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        },
         {"type": "function", "function": {"name": "now"}},
     ],
     list[ChatTool],
@@ -65,13 +70,18 @@ def test_required_schema_is_an_array_of_calls_and_named_the_arguments():
 
 
 def test_whole_text_to_calls_per_choice():
-    content, calls = extract_calls(_spec("required"), '[{"name": "now", "parameters": {}}, '
-                                   '{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    content, calls = extract_calls(
+        _spec("required"),
+        '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]',
+    )
     assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        ("now", {}), ("get_weather", {"city": "Oslo"})]
+        ("now", {}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
     assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in calls)
-    _, calls = extract_calls(_spec("required", parallel=False), '[{"name": "now", "parameters": {}}, '
-                             '{"name": "now", "parameters": {}}]')
+    _, calls = extract_calls(
+        _spec("required", parallel=False), '[{"name": "now", "parameters": {}}, {"name": "now", "parameters": {}}]'
+    )
     assert len(calls) == 1
     content, calls = extract_calls(_spec(NamedToolChoice(function=NamedFunction("now"))), '{"x": 1}')
     assert content is None and calls[0].function.name == "now" and calls[0].function.arguments == '{"x": 1}'
@@ -109,7 +119,7 @@ def _stream(spec, pieces):
 def _cut(text, cuts):
     pieces, i = [], 0
     for c in cuts:
-        pieces.append(text[i:i + c])
+        pieces.append(text[i : i + c])
         i += c
     pieces.append(text[i:])
     return pieces
@@ -134,8 +144,10 @@ REQUIRED_TEXTS = [
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.sampled_from([("auto", t) for t in AUTO_TEXTS] + [("required", t) for t in REQUIRED_TEXTS]),
-       st.lists(st.integers(1, 9), min_size=1, max_size=40))
+@given(
+    st.sampled_from([("auto", t) for t in AUTO_TEXTS] + [("required", t) for t in REQUIRED_TEXTS]),
+    st.lists(st.integers(1, 9), min_size=1, max_size=40),
+)
 def test_streamed_calls_equal_the_whole_responses(case, cuts):
     """However the text is split into engine steps, the streamed calls and
     content equal the whole response's."""
@@ -151,7 +163,9 @@ def test_whole_calls_are_the_generated_text_and_nothing_is_dropped():
     content, calls = extract_calls(_spec("required"), REQUIRED_TEXTS[0])
     assert content is None
     assert [(c.function.name, c.function.arguments) for c in calls] == [
-        ("now", "{}"), ("get_weather", '{"city":"O\\"slo]}"}')]
+        ("now", "{}"),
+        ("get_weather", '{"city":"O\\"slo]}"}'),
+    ]
     _, calls = extract_calls(_spec("auto"), AUTO_TEXTS[5])
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("now", {"q": '}]"{'})]
     # cut by max_tokens: the partial call, as OpenAI returns it
@@ -159,25 +173,36 @@ def test_whole_calls_are_the_generated_text_and_nothing_is_dropped():
     assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"ci')]
     content, calls = extract_calls(_spec("auto"), AUTO_TEXTS[6])
     assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
-        ("get_weather", '{"city": "Os')]
+        ("get_weather", '{"city": "Os')
+    ]
     # no call could be read: the text is content, as vLLM returns it
     assert extract_calls(_spec("required"), REQUIRED_TEXTS[3]) == (REQUIRED_TEXTS[3], [])
     assert extract_calls(_spec("auto"), AUTO_TEXTS[3]) == (AUTO_TEXTS[3], [])
 
 
-@pytest.mark.parametrize("choice,text,name_at", [
-    ("required", '[{"name":"get_weather","parameters":{"city":"Oslo"}}]', len('[{"name":"get_weather"')),
-    ("auto", 'Hi<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
-     len('Hi<tool_call>{"name": "get_weather"')),
-])
+@pytest.mark.parametrize(
+    "choice,text,name_at",
+    [
+        ("required", '[{"name":"get_weather","parameters":{"city":"Oslo"}}]', len('[{"name":"get_weather"')),
+        (
+            "auto",
+            'Hi<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+            len('Hi<tool_call>{"name": "get_weather"'),
+        ),
+    ],
+)
 def test_a_call_streams_as_it_forms(choice, text, name_at):
     """One character per engine step: the call's id, type and name come in
     the step that closes the name, then each step's argument text."""
     _, calls, per_feed = _stream(_spec(choice), list(text))
     first = next(i for i, bodies in enumerate(per_feed) if any("tool_calls" in b for b in bodies))
     assert first == name_at - 1
-    args = [tc["function"]["arguments"] for bodies in per_feed[first + 1:] for b in bodies
-            for tc in b.get("tool_calls", [])]
+    args = [
+        tc["function"]["arguments"]
+        for bodies in per_feed[first + 1 :]
+        for b in bodies
+        for tc in b.get("tool_calls", [])
+    ]
     assert len(args) >= len('{"city":"Oslo"}') and all(len(a) == 1 for a in args)
     assert json.loads(calls[0][1]) == {"city": "Oslo"}
 
@@ -186,8 +211,18 @@ def test_streamed_named_call_sends_its_header_with_the_first_arguments():
     s = ChoiceToolStream(_spec(NamedToolChoice(function=NamedFunction("get_weather"))))
     assert s.feed("  ") == []  # whitespace only: no call yet
     first = chat_deltas(s.feed('{"city"'))
-    assert first == [{"tool_calls": [{"index": 0, "id": s.calls[0].id, "type": "function",
-                                      "function": {"name": "get_weather", "arguments": '  {"city"'}}]}]
+    assert first == [
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": s.calls[0].id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '  {"city"'},
+                }
+            ]
+        }
+    ]
     assert chat_deltas(s.feed(': "Oslo"}')) == [{"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}]
     assert s.finish() == [] and s.called
 
@@ -231,9 +266,13 @@ def test_bad_tool_fields_are_400s_before_anything_else():
 
 
 def _tool_sub(choice: str) -> Submit:
-    return Submit("r", "m", RequestKind.CHAT, messages=[ChatMessage("user", "x")],
-                  chat=ChatOptions(tools=json.dumps([{"type": "function", "function": {"name": "f"}}]),
-                                   tool_choice=choice))
+    return Submit(
+        "r",
+        "m",
+        RequestKind.CHAT,
+        messages=[ChatMessage("user", "x")],
+        chat=ChatOptions(tools=json.dumps([{"type": "function", "function": {"name": "f"}}]), tool_choice=choice),
+    )
 
 
 @pytest.mark.parametrize("choice", ["auto", "required", "named"])
@@ -245,14 +284,17 @@ def test_a_model_without_a_parser_refuses_tool_choices_that_need_one(choice):
     assert ModelPrompts(None).tokenize(_tool_sub("none")).count > 0
 
 
-@pytest.mark.parametrize("opts,param", [
-    (ChatOptions(tools="not json", tool_choice="none"), "tools"),
-    (ChatOptions(tools='{"a": 1}', tool_choice="none"), "tools"),
-    (ChatOptions(tools='["x"]', tool_choice="none"), "tools"),
-    (ChatOptions(template_kwargs="[1]"), "chat_template_kwargs"),
-    (ChatOptions(documents='"doc"'), "documents"),
-    (ChatOptions(tool_choice="sometimes"), "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "opts,param",
+    [
+        (ChatOptions(tools="not json", tool_choice="none"), "tools"),
+        (ChatOptions(tools='{"a": 1}', tool_choice="none"), "tools"),
+        (ChatOptions(tools='["x"]', tool_choice="none"), "tools"),
+        (ChatOptions(template_kwargs="[1]"), "chat_template_kwargs"),
+        (ChatOptions(documents='"doc"'), "documents"),
+        (ChatOptions(tool_choice="sometimes"), "tool_choice"),
+    ],
+)
 def test_chat_options_from_zeromq_are_checked_not_trusted(opts, param):
     """A ZeroMQ client's Submit.chat is whatever it sent: a 400 naming the field, never a crash."""
     sub = Submit("r", "m", RequestKind.CHAT, messages=[ChatMessage("user", "x")], chat=opts)

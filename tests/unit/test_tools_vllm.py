@@ -60,8 +60,13 @@ def vllm_side():
         params = req.build_chat_params(template, "string")
         tools = [t.model_dump() for t in req.tools] if req.tools else None
         return safe_apply_chat_template(
-            cfg, tok, conv, tools=tools, chat_template=params.chat_template or tok.chat_template,
-            tokenize=True, **params.chat_template_kwargs,
+            cfg,
+            tok,
+            conv,
+            tools=tools,
+            chat_template=params.chat_template or tok.chat_template,
+            tokenize=True,
+            **params.chat_template_kwargs,
         )
 
     return render, tok
@@ -77,18 +82,27 @@ def tools_model(tmp_path_factory) -> Path:
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                     "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather now",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
     {"type": "function", "function": {"name": "now", "strict": True}},
 ]
 HISTORY = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Oslo?"},
-    {"role": "assistant", "content": None,
-     "tool_calls": [{"id": "call-1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}},
-                    {"id": "call-2", "type": "function", "function": {"name": "now", "arguments": "not json"}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "call-2", "type": "function", "function": {"name": "now", "arguments": "not json"}},
+        ],
+    },
     {"role": "tool", "tool_call_id": "call-1", "content": "-3 C"},
 ]
 USER = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi! How can"}]
@@ -97,15 +111,21 @@ CASES = {
     "plain": {"messages": USER[:1]},
     "no-generation-prompt": {"messages": USER, "add_generation_prompt": False},
     "continue-final": {"messages": USER, "add_generation_prompt": False, "continue_final_message": True},
-    "continue-final-spaces": {"messages": [USER[0], {"role": "assistant", "content": "Sure  "}],
-                              "add_generation_prompt": False, "continue_final_message": True},
+    "continue-final-spaces": {
+        "messages": [USER[0], {"role": "assistant", "content": "Sure  "}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
     "kwargs-read": {"messages": USER[:1], "chat_template_kwargs": {"enable_thinking": True}},
     "kwargs-unread": {"messages": USER[:1], "chat_template_kwargs": {"nobody_reads_this": 1}},
     "kwargs-generation-prompt": {"messages": USER[:1], "chat_template_kwargs": {"add_generation_prompt": False}},
     "documents": {"messages": USER[:1], "documents": [{"title": "a", "text": "b"}]},
     "reasoning-effort": {"messages": USER[:1], "reasoning_effort": "low"},
-    "reasoning-effort-none": {"messages": USER[:1], "reasoning_effort": "none",
-                              "chat_template_kwargs": {"enable_thinking": True}},
+    "reasoning-effort-none": {
+        "messages": USER[:1],
+        "reasoning_effort": "none",
+        "chat_template_kwargs": {"enable_thinking": True},
+    },
     "tools": {"messages": USER[:1], "tools": TOOLS},
     "tools-none": {"messages": USER[:1], "tools": TOOLS, "tool_choice": "none"},
     "tool-turn": {"messages": HISTORY, "tools": TOOLS},
@@ -162,13 +182,15 @@ def test_parsers_equal_vllms(vllm_side, parser):
     from vllm.tool_parsers import ToolParserManager
 
     _, tok = vllm_side
+
     class LlamaVocab:  # llama3_json insists on Llama 3's tag in the vocabulary, which tiny-llama lacks
         def get_vocab(self) -> dict[str, int]:
             return {"<|python_tag|>": 128010}
 
     theirs_parser = ToolParserManager.get_tool_parser(parser)(LlamaVocab() if parser == "llama3_json" else tok)
-    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                                "tools": TOOLS})
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    )
     for text in OUTPUTS:
         got = theirs_parser.extract_tool_calls(text, req)
         theirs = ([(c.function.name, c.function.arguments) for c in got.tool_calls], got.content)
@@ -177,9 +199,19 @@ def test_parsers_equal_vllms(vllm_side, parser):
 
 
 def test_bad_tool_schema_is_a_400_naming_the_tool():
-    body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-                       "properties": {"a": {"type": "no-such-type"}}}}}]}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+                },
+            }
+        ],
+    }
     sub, _ = parse_chat(json.dumps(body).encode(), RequestMeta(), "r")
     with pytest.raises(BadInput) as e:
         ModelPrompts(str(MODEL), "hermes", True).tokenize(sub)
@@ -202,8 +234,11 @@ def test_constrained_calls_are_compact_json_that_vllm_takes(choice):
 
     from engine_worker.vllm_engine import vllm_params
 
-    weather = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-               "required": ["city"]}
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    }
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": choice}
     sub, _ = parse_chat(json.dumps(body).encode(), RequestMeta(), "r1")
