@@ -162,14 +162,23 @@ def test_a_call_cut_by_max_tokens_comes_back_as_generated(client, choice):
     kw = {"model": VLLM_MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "temperature": 0}
     full = client.chat.completions.create(max_tokens=200, **kw)
     call = full.choices[0].message.tool_calls[0].function
-    for cut_at in range(full.usage.completion_tokens - 1, 0, -1):  # the longest budget that cuts the arguments
-        cut = client.chat.completions.create(max_tokens=cut_at, **kw).choices[0]
-        assert cut.finish_reason == "length"
-        assert cut.message.tool_calls and cut.message.tool_calls[0].function.name == call.name
-        args = cut.message.tool_calls[0].function.arguments
-        assert call.arguments.startswith(args)
-        if len(args) < len(call.arguments):
-            break
+    # The longest budget that cuts the arguments, by bisection (a shorter budget
+    # never generates more of them): a handful of requests, not one per token.
+    lo, hi, found = 1, full.usage.completion_tokens - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        choice_at = client.chat.completions.create(max_tokens=mid, **kw).choices[0]
+        got = choice_at.message.tool_calls
+        if not got or len(got[0].function.arguments) < len(call.arguments):
+            found, lo = (mid, choice_at), mid + 1
+        else:
+            hi = mid - 1
+    assert found is not None
+    cut_at, cut = found
+    assert cut.finish_reason == "length"
+    assert cut.message.tool_calls and cut.message.tool_calls[0].function.name == call.name
+    args = cut.message.tool_calls[0].function.arguments
+    assert call.arguments.startswith(args)
     assert 0 < len(args) < len(call.arguments)
     s = _streamed(client, max_tokens=cut_at, **kw)
     assert s["calls"] == [(call.name, args)] and s["finish"] == "length"
