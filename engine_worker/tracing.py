@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from shared.config import TracingConfig
-from shared.otlp import INTERNAL, SERVER, Span, SpanExporter, WallClock, new_span_id
+from shared.otlp import INTERNAL, SERVER, Span, SpanExporter, SpanSink, WallClock, new_span_id
 from shared.protocol import Delta, GenerateRequest, TraceContext
 
 MAX_LIVE = 100_000  # traced requests held at once; beyond it (ends nobody reported) the oldest are forgotten
-
-
-class Exporter(Protocol):
-    def add(self, spans: list[Span]) -> None: ...
 
 
 class _Traced:
@@ -48,11 +44,11 @@ class WorkerTracer:
         worker_id: str,
         model: str,
         engine: str,
-        exporter: Exporter | None = None,
+        exporter: SpanSink | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         resource = {"weir.worker": worker_id, "weir.engine": engine}
-        self.exporter: Exporter = exporter or SpanExporter(cfg, cfg.worker_service, resource)
+        self.exporter: SpanSink = exporter or SpanExporter(cfg, cfg.worker_service, resource)
         self.worker_id = worker_id
         self.model = model
         self.wall = WallClock()

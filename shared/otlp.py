@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from shared.config import TracingConfig, split_hostport
 from shared.protocol import TraceContext
@@ -89,6 +89,12 @@ class Span(NamedTuple):
     links: tuple[bytes, ...] = ()  # span ids in the same trace (a resumed attempt's earlier one)
     error: str = ""  # non-empty: the span's status is an error, with this message
     state: str = ""  # the trace's tracestate
+
+
+class SpanSink(Protocol):
+    """Where finished spans go: a ``SpanExporter``, or a list in tests."""
+
+    def add(self, spans: list[Span]) -> None: ...
 
 
 class WallClock:

@@ -47,7 +47,7 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class Turn:
+class AgentTurn:
     job_id: str
     session: str
     parent: str
@@ -55,8 +55,8 @@ class Turn:
     tokens: int  # prompt tokens
     max_tokens: int
     think_s: float  # after the previous turn's end (the session's first: its start)
-    next: Turn | None = None  # the session's next turn
-    children: list[Turn] = field(default_factory=list)  # sub-agents' first turns, sent with this one's end
+    next: AgentTurn | None = None  # the session's next turn
+    children: list[AgentTurn] = field(default_factory=list)  # sub-agents' first turns, sent with this one's end
 
 
 @dataclass(frozen=True)
@@ -82,18 +82,18 @@ def _chain(parent: int, salt: int, n: int) -> list[int]:
     return out
 
 
-def sessions(load: AgentLoad) -> list[tuple[float, Turn]]:
+def sessions(load: AgentLoad) -> list[tuple[float, AgentTurn]]:
     """Each session's start time and first turn (the rest linked from it)."""
     rng = random.Random(load.seed)
     system = _chain(1, 0, load.system_tokens // BLOCK)
-    out: list[tuple[float, Turn]] = []
+    out: list[tuple[float, AgentTurn]] = []
     t = 0.0
     n = 0
 
-    def run(sid: str, parent: str, context: list[int], turns: int, salt: int, fan_out: bool) -> Turn:
+    def run(sid: str, parent: str, context: list[int], turns: int, salt: int, fan_out: bool) -> AgentTurn:
         nonlocal n
-        first: Turn | None = None
-        prev: Turn | None = None
+        first: AgentTurn | None = None
+        prev: AgentTurn | None = None
         ctx = list(context)
         fan_at = rng.randrange(turns) if fan_out else -1
         for k in range(turns):
@@ -101,7 +101,7 @@ def sessions(load: AgentLoad) -> list[tuple[float, Turn]]:
             ctx = ctx + _chain(ctx[-1] if ctx else 0, salt * 1000 + k, new // BLOCK)
             out_tokens = rng.randint(*load.output_tokens)
             n += 1
-            turn = Turn(
+            turn = AgentTurn(
                 f"a{n}",
                 sid,
                 parent,
@@ -138,7 +138,7 @@ class _HashingCore:
     """A SimCore that names each prompt's blocks by its turn's hashes (the
     router sends them with the dispatch: GenerateRequest.block_hashes)."""
 
-    def __init__(self, core: SimCore, turns: dict[str, Turn]) -> None:
+    def __init__(self, core: SimCore, turns: dict[str, AgentTurn]) -> None:
         self._core = core
         self._turns = turns
 
@@ -153,9 +153,9 @@ class AgentDriver(Driver):
     """simulation.driver.Driver with turns that follow each other, block
     hashes and the engines' prefix events fed to every router's index."""
 
-    def __init__(self, cfg: SchedulerConfig, workers: list[SimWorker], starts: list[tuple[float, Turn]]) -> None:
+    def __init__(self, cfg: SchedulerConfig, workers: list[SimWorker], starts: list[tuple[float, AgentTurn]]) -> None:
         super().__init__(cfg, workers)
-        self.turns: dict[str, Turn] = {}
+        self.turns: dict[str, AgentTurn] = {}
         stack = [t for _, t in starts]
         while stack:
             t = stack.pop()
@@ -186,7 +186,7 @@ class AgentDriver(Driver):
         turn = self._first.pop(job_id, None) or self.turns[job_id]
         super()._arrive((turn.job_id, data[1], data[2], turn.tokens, turn.max_tokens), now)
 
-    def _submit_job(self, turn: Turn, now: float) -> Job:
+    def _submit_job(self, turn: AgentTurn, now: float) -> Job:
         return Job(
             turn.job_id,
             MODEL,

@@ -30,19 +30,24 @@ from typing import Any, Protocol
 from router.observe.exposition import TextCollector, header, number
 from shared import protocol as p
 from shared.config import TracingConfig
-from shared.otlp import CLIENT, INTERNAL, SERVER, Span, SpanExporter, WallClock, new_span_id, new_trace_id, sampled
+from shared.otlp import (
+    CLIENT,
+    INTERNAL,
+    SERVER,
+    Span,
+    SpanExporter,
+    SpanSink,
+    WallClock,
+    new_span_id,
+    new_trace_id,
+    sampled,
+)
 
 OPERATION = {
     p.RequestKind.COMPLETION: "text_completion",
     p.RequestKind.CHAT: "chat",
     p.RequestKind.EMBEDDING: "embeddings",
 }
-
-
-class Exporter(Protocol):
-    """Where finished spans go (shared.otlp.SpanExporter; a list in tests)."""
-
-    def add(self, spans: list[Span]) -> None: ...
 
 
 class JobTrace:
@@ -82,9 +87,9 @@ class TracedJob(Protocol):
 
 
 class RouterTracer(TextCollector):
-    def __init__(self, cfg: TracingConfig, exporter: Exporter | None = None) -> None:
+    def __init__(self, cfg: TracingConfig, exporter: SpanSink | None = None) -> None:
         self.ratio = cfg.sampling_ratio
-        self.exporter: Exporter = exporter or SpanExporter(cfg, cfg.router_service)
+        self.exporter: SpanSink = exporter or SpanExporter(cfg, cfg.router_service)
         self.wall = WallClock()
         self.started = 0  # traces this router took part in
 
