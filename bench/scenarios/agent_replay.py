@@ -33,13 +33,7 @@ from pathlib import Path
 
 from bench.scenarios import common
 from shared import protocol as p
-
-PLACEMENTS = {
-    "weir": {"sessions": True, "prefix_affinity": True},
-    "prefix_only": {"sessions": False, "prefix_affinity": True},
-    "least_loaded": {"sessions": False, "prefix_affinity": False},
-    "round_robin": {"sessions": False, "prefix_affinity": False, "placement": "round_robin"},
-}
+from simulation.agents_des import PLACEMENTS  # (the same four placements as the simulation compares)
 
 
 @dataclass

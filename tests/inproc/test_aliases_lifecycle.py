@@ -8,7 +8,7 @@ harness: fake workers, fake clock."""
 from __future__ import annotations
 
 import msgspec
-from test_lifecycle import Harness, Sink
+from test_lifecycle import Harness
 
 from router.api.aliases import pick
 from shared import protocol as p
@@ -32,31 +32,6 @@ def _config() -> Config:
     )
 
 
-def _join(h: Harness, worker_id: str, model: str) -> None:
-    h.workers.linked.add(worker_id)
-    h.core.worker_joined(
-        p.Register(
-            worker_id=worker_id,
-            model=model,
-            pool=p.Pool.ANY,
-            max_model_len=4096,
-            kv_capacity_tokens=8192,
-            block_size=16,
-            max_num_seqs=4,
-            engine="sim",
-        )
-    )
-
-
-def _ask(h: Harness, sub: p.Submit) -> tuple[int | p.ErrorInfo, Sink]:
-    sink = Sink()
-    handle = h.core.submit(sub, sink)
-    if isinstance(handle, int):
-        h.sinks[handle] = sink
-        h.settle()
-    return handle, sink
-
-
 def _key_for(model: str) -> str:
     cfg = _config().aliases[0]
     return next(f"trace-{k}" for k in range(1000) if pick(cfg, f"trace-{k}") == model)
@@ -66,9 +41,9 @@ def test_an_alias_runs_on_its_drawn_target_and_names_it() -> None:
     h = Harness(_config())
     try:
         for wid, m in (("a-0", "sim-a"), ("b-0", "sim-b"), ("c-0", "sim-c")):
-            _join(h, wid, m)
+            h.join(wid, model=m)
         for target, worker in (("sim-a", "a-0"), ("sim-b", "b-0")):
-            handle, sink = _ask(h, p.Submit("r", "agent", prompt="hi", max_tokens=2, trace_id=_key_for(target)))
+            handle, sink = h.ask(p.Submit("r", "agent", prompt="hi", max_tokens=2, trace_id=_key_for(target)))
             assert isinstance(handle, int) and h.workers.where("%x" % handle) == worker
             h.tokens(handle, 2, "length")
             assert sink.deltas[0].model == target  # the response names the model that served it
@@ -76,7 +51,7 @@ def test_an_alias_runs_on_its_drawn_target_and_names_it() -> None:
         where = set()
         for k in range(6):
             r = p.Routing(session="s-1")
-            handle, _ = _ask(h, p.Submit("r", "agent", prompt="hi", max_tokens=2, trace_id=f"t{k}", routing=r))
+            handle, _ = h.ask(p.Submit("r", "agent", prompt="hi", max_tokens=2, trace_id=f"t{k}", routing=r))
             assert isinstance(handle, int)
             where.add(h.workers.where("%x" % handle))
             h.tokens(handle, 2, "length")
@@ -89,8 +64,8 @@ def test_an_alias_runs_on_its_drawn_target_and_names_it() -> None:
 def test_a_target_without_workers_falls_back_in_the_aliass_order() -> None:
     h = Harness(_config())
     try:
-        _join(h, "c-0", "sim-c")  # sim-a and sim-b have no worker
-        handle, sink = _ask(h, p.Submit("r", "agent", prompt="hi", max_tokens=2, trace_id=_key_for("sim-b")))
+        h.join("c-0", model="sim-c")  # sim-a and sim-b have no worker
+        handle, sink = h.ask(p.Submit("r", "agent", prompt="hi", max_tokens=2, trace_id=_key_for("sim-b")))
         assert isinstance(handle, int) and h.workers.where("%x" % handle) == "c-0"
         h.tokens(handle, 2, "length")
         assert sink.deltas[0].model == "sim-c"
@@ -100,7 +75,7 @@ def test_a_target_without_workers_falls_back_in_the_aliass_order() -> None:
         h.core.registry.start_unloading("sim-c")
         h.core.registry.start_unloading("sim-a")
         h.core.registry.start_unloading("sim-b")
-        r, _ = _ask(h, p.Submit("r", "agent", prompt="hi", max_tokens=2))
+        r, _ = h.ask(p.Submit("r", "agent", prompt="hi", max_tokens=2))
         assert isinstance(r, p.ErrorInfo) and (r.status, r.code, r.param) == (503, "no_worker", "model")
         assert r.retry_after is not None
     finally:

@@ -10,7 +10,7 @@ tests/e2e/test_faults.py."""
 from __future__ import annotations
 
 import msgspec
-from test_lifecycle import Harness, Sink
+from test_lifecycle import Harness
 
 from shared import protocol as p
 from shared.config import Config
@@ -31,31 +31,6 @@ def _config() -> Config:
     )
 
 
-def _join(h: Harness, worker_id: str, model: str) -> None:
-    h.workers.linked.add(worker_id)
-    h.core.worker_joined(
-        p.Register(
-            worker_id=worker_id,
-            model=model,
-            pool=p.Pool.ANY,
-            max_model_len=4096,
-            kv_capacity_tokens=8192,
-            block_size=16,
-            max_num_seqs=4,
-            engine="sim",
-        )
-    )
-
-
-def _ask(h: Harness, sub: p.Submit) -> tuple[int | p.ErrorInfo, Sink]:
-    sink = Sink()
-    handle = h.core.submit(sub, sink)
-    if isinstance(handle, int):
-        h.sinks[handle] = sink
-        h.settle()
-    return handle, sink
-
-
 def _fallbacks(h: Harness, model: str, fallback: str) -> float:
     return (
         h.core.metrics.registry.get_sample_value("weir_fallbacks_total", {"model": model, "fallback": fallback}) or 0.0
@@ -65,16 +40,16 @@ def _fallbacks(h: Harness, model: str, fallback: str) -> float:
 def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked() -> None:
     h = Harness(_config())
     try:
-        _join(h, "prim-0", PRIMARY)
-        _join(h, "back-0", BACKUP)
+        h.join("prim-0", model=PRIMARY)
+        h.join("back-0", model=BACKUP)
         body = {"model": PRIMARY, "prompt": "hi", "max_tokens": 3}
-        ok, sink = _ask(h, p.Submit("c", **body))
+        ok, sink = h.ask(p.Submit("c", **body))
         assert isinstance(ok, int) and h.workers.where("%x" % ok) == "prim-0"
         h.tokens(ok, 3, "length")
         assert sink.finals and not any(d.model for d in sink.deltas)  # the one asked for: not named
         h.leave("prim-0")
         # Not asked for: the primary's own refusal, as before.
-        r, _ = _ask(h, p.Submit("c", **body))
+        r, _ = h.ask(p.Submit("c", **body))
         assert isinstance(r, p.ErrorInfo) and r.status == 503 and r.code == "no_worker"
         # Asked for (a completion, a chat, a direct client's): the backup answers, and says so.
         asked = [
@@ -90,7 +65,7 @@ def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked()
             p.Submit("c", **body, allow_fallback=True),
         ]
         for sub in asked:
-            handle, sink = _ask(h, sub)
+            handle, sink = h.ask(sub)
             assert isinstance(handle, int) and h.workers.where("%x" % handle) == "back-0"
             h.tokens(handle, 3, "length")
             assert sink.deltas[0].model == BACKUP

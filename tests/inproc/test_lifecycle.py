@@ -41,10 +41,10 @@ def config(**scheduler) -> Config:
     )
 
 
-def register(worker_id: str, seqs: int = 4, kv: int = 8192) -> p.Register:
+def register(worker_id: str, seqs: int = 4, kv: int = 8192, model: str = "sim-m") -> p.Register:
     return p.Register(
         worker_id=worker_id,
-        model="sim-m",
+        model=model,
         pool=p.Pool.ANY,
         max_model_len=4096,
         kv_capacity_tokens=kv,
@@ -86,6 +86,15 @@ class Harness:
         assert isinstance(handle, int), handle
         self.sinks[handle] = sink
         return handle
+
+    def ask(self, sub: p.Submit) -> tuple[int | p.ErrorInfo, Sink]:
+        """Submit ``sub`` as it is: its handle (or the refusal) and its sink, settled."""
+        sink = Sink()
+        handle = self.core.submit(sub, sink)
+        if isinstance(handle, int):
+            self.sinks[handle] = sink
+            self.settle()
+        return handle, sink
 
     def tokens(self, handle: int, n: int = 1, finish: str | None = None, worker: str | None = None, **fields) -> None:
         """Engine news for a job, from the worker it runs on (or ``worker``);
