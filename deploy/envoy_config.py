@@ -12,7 +12,6 @@ rendered file.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from deploy.envoy_tracing import collector_cluster, hcm_tracing
+from deploy.envoy_tracing import collector_cluster, hcm_tracing, is_ip
 from shared.config import Config, ConfigError, split_hostport
 from shared.errors import Code
 from shared.keys import config_digest, well_formed
@@ -106,18 +105,10 @@ def _hostport(field: str, addr: str, *, ip_only: bool) -> tuple[str, int]:
         raise ConfigError(f"{field} = {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:8080") from None
     if not host or not 0 < port < 65536:
         raise ConfigError(f"{field} = {addr!r}: expected HOST:PORT with a port in 1..65535")
-    if ip_only and not _is_ip(host):
+    if ip_only and not is_ip(host):
         # Envoy binds listeners to IP literals only (no name resolution).
         raise ConfigError(f"{field} = {addr!r}: Envoy needs an IP address here, e.g. 127.0.0.1")
     return host, port
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
 
 
 def _positive(field: str, value: float) -> None:
@@ -475,7 +466,7 @@ def _router_cluster(cfg: Config) -> dict[str, Any]:
     interval = _seconds(cfg.envoy.health_check_interval_s)
     cluster: dict[str, Any] = {
         "name": ROUTER_CLUSTER,
-        "type": "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS",
+        "type": "STATIC" if all(is_ip(h) for h, _ in hosts) else "STRICT_DNS",
         "connect_timeout": "1s",
         "load_assignment": {
             "cluster_name": ROUTER_CLUSTER,

@@ -18,7 +18,8 @@ COLLECTOR_CLUSTER = "otel_collector"
 _TYPES = "type.googleapis.com/envoy"
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """An IP literal: Envoy binds only to those, and a collector named by one is a STATIC cluster."""
     try:
         ipaddress.ip_address(host)
         return True
@@ -53,7 +54,7 @@ def collector_cluster(cfg: Config) -> dict[str, Any]:
     host, port = split_hostport(t.endpoint)
     cluster: dict[str, Any] = {
         "name": COLLECTOR_CLUSTER,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "type": "STATIC" if is_ip(host) else "STRICT_DNS",
         "connect_timeout": "1s",
         "load_assignment": {
             "cluster_name": COLLECTOR_CLUSTER,
