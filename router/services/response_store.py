@@ -276,8 +276,8 @@ class RedisResponseStore(_Counters):
     def _redis(self) -> redis.asyncio.Redis:
         if self._client is None:
             import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry  # (the asyncio client's: a synchronous one is converted, warning)
             from redis.backoff import NoBackoff
-            from redis.retry import Retry
 
             self._client = aioredis.from_url(
                 self.url,
