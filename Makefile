@@ -8,7 +8,7 @@ MODEL := models/tiny-llama/config.json
 EMBED_MODEL := models/tiny-embed/config.json
 ADAPTER := models/tiny-lora/adapter_config.json
 
-.PHONY: run test lint setup render-envoy render-k8s redis prometheus tmux
+.PHONY: run test lint setup render-envoy render-k8s redis prometheus tmux bench-client
 
 run: setup
 	$(VENV)/bin/weir up $(if $(CONFIG),--config $(CONFIG))
@@ -82,3 +82,20 @@ render-envoy: setup
 
 render-k8s: setup
 	$(VENV)/bin/weir render-k8s -o deploy/k8s
+
+# The ecosystem benchmark client (`weir bench client`, docs/benchmarks.md): NVIDIA's aiperf from PyPI, in a
+# venv of its own so its dependencies never touch vLLM's and torch's in $(VENV). The stamp names the version:
+# changing the pin reinstalls.
+BENCH_CLIENT_VENV := .venv-bench-client
+BENCH_CLIENT_PKG := aiperf
+BENCH_CLIENT_VERSION := 0.13.0
+BENCH_CLIENT_STAMP := $(BENCH_CLIENT_VENV)/.installed-$(BENCH_CLIENT_PKG)-$(BENCH_CLIENT_VERSION)
+
+bench-client: $(BENCH_CLIENT_STAMP)
+
+$(BENCH_CLIENT_STAMP):
+	$(PY) -m venv $(BENCH_CLIENT_VENV)
+	$(BENCH_CLIENT_VENV)/bin/pip install -q --upgrade pip
+	$(BENCH_CLIENT_VENV)/bin/pip install -q '$(BENCH_CLIENT_PKG)==$(BENCH_CLIENT_VERSION)'
+	rm -f $(BENCH_CLIENT_VENV)/.installed-*
+	touch $@

@@ -7,6 +7,7 @@ Examples::
     weir bench --workload tiny-llama --target openai --url http://127.0.0.1:8000/v1 \\
         --tokenizer models/tiny-llama --rate 20 -n 200
     weir bench --workload short --target zmq --sweep-rates 1000,2000,4000 -n 4000
+    weir bench client    # aiperf's shared-prefix and multi-turn workloads: vllm serve vs weir
 
 Results go to ``--out`` (default ``bench/results/<time>-<label>/``):
 ``result.json`` (meta, summary, every request), ``summary.md``, ``cdf.png``;
@@ -132,6 +133,12 @@ def _save(res: RunResult, out: Path, plots: bool, with_requests: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["client"]:  # an ecosystem client against weir and `vllm serve`: bench/ecosystem.py
+        from .ecosystem import main as client_main
+
+        return client_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         workload = load(args.workload)
