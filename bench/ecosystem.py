@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -121,8 +122,6 @@ def aiperf_argv(url: str, workload: str, artifacts: Path, args: argparse.Namespa
         '{"ignore_eos": true}',  # the tiny model's random weights stop anywhere: generate --osl tokens
         "--random-seed",
         str(args.seed),
-        "--warmup-request-count",
-        str(args.warmup),
         "--workers-max",
         str(args.client_workers),
         "--record-processors",
@@ -135,6 +134,7 @@ def aiperf_argv(url: str, workload: str, artifacts: Path, args: argparse.Namespa
         "summary",
         "--artifact-dir",
         str(artifacts),
+        *(["--warmup-request-count", str(args.warmup)] if args.warmup > 0 else []),  # aiperf refuses 0
         *workload_options(workload, args),
     ]
 
@@ -204,10 +204,17 @@ def run_client(url: str, workload: str, artifacts: Path, args: argparse.Namespac
     env |= {"HF_HUB_DISABLE_TELEMETRY": "1", "NO_COLOR": "1"}
     print(f"[client] {workload}: aiperf against {url}", file=sys.stderr)
     with open(artifacts / "aiperf.log", "wb") as log:
-        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=artifacts, timeout=args.timeout)
+        # Own process group: aiperf runs each of its services as a process; a timeout stops them all.
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=artifacts, process_group=0)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"aiperf ran past {args.timeout:g} s; see {artifacts / 'aiperf.log'}") from None
     export = artifacts / EXPORT
     if not export.exists():
-        raise RuntimeError(f"aiperf exited {rc.returncode} without {EXPORT}; see {artifacts / 'aiperf.log'}")
+        raise RuntimeError(f"aiperf exited {rc} without {EXPORT}; see {artifacts / 'aiperf.log'}")
     return summarize(json.loads(export.read_text()))
 
 

@@ -120,3 +120,9 @@ def test_the_client_reads_the_tokenizer_from_disk_and_streams_chat(tmp_path: Pat
     assert argv[argv.index("--endpoint-type") + 1] == "chat" and "--streaming" in argv
     assert argv[argv.index("--artifact-dir") + 1] == str(tmp_path)
     assert argv[0] == str(ecosystem.VENV / "bin" / "aiperf")
+    assert argv[argv.index("--warmup-request-count") + 1] == "10"
+    # aiperf refuses a warm-up of 0 requests: none is asked for instead
+    no_warmup = ecosystem._parser().parse_args(["--warmup", "0"])
+    assert "--warmup-request-count" not in ecosystem.aiperf_argv(
+        "http://127.0.0.1:8000", "shared-prefix", tmp_path, no_warmup
+    )
