@@ -12,6 +12,9 @@ flat tool shape with ``function_tools``):
 - ``tool_constraint``: for ``required`` and a named tool, the JSON schema the
   output is constrained by (structured output), so the arguments always
   validate against the tool's schema -- vLLM's ``get_json_schema_from_tools``;
+- ``auto_constraint``: for ``auto``, where vLLM 0.32 constrains it (a
+  ``strict`` tool, or one call only), vLLM's structural tag of the parser's
+  call format (``constrain_auto`` sets it once the model's parser is known);
 - ``ChoiceToolStream``: one choice's generated text read as content and
   tool calls while it is generated (required: a JSON array of
   ``{name, parameters}``; named: the arguments themselves; auto: the model's
@@ -37,7 +40,7 @@ import msgspec
 from router.api.errors import invalid
 from router.api.tool_parsers import AutoStream, tag_overlap
 from router.api.tool_scan import CallScan
-from shared.protocol import StructuredOutput
+from shared.protocol import SamplingParams, StructuredOutput, Submit
 
 ToolChoiceKind = Literal["none", "auto", "required", "named"]
 
@@ -194,6 +197,80 @@ def tool_constraint(spec: ToolSpec) -> StructuredOutput | None:
     # compact: free whitespace between JSON tokens would spend the call's
     # tokens on nothing (a random model may never close it)
     return StructuredOutput(json=json.dumps(schema, ensure_ascii=False), disable_any_whitespace=True)
+
+
+# vLLM 0.32's structural tag of each parser's call format (vllm/tool_parsers/
+# structural_tag_registry.py: hermes, xgrammar's builtin llama): the text
+# that triggers a call, and each call's (begin, end) around its arguments.
+_TAG_STYLES: dict[str, tuple[list[str], list[tuple[str, str]], list[str]]] = {
+    "hermes": (
+        ["<tool_call>"],
+        [
+            ('<tool_call>\n{"name": "%s", "arguments": ', "}\n</tool_call>"),
+            ('<tool_call>{"name": "%s", "arguments": ', "}</tool_call>"),
+        ],
+        [],
+    ),
+    "llama3_json": (['{"name": '], [('{"name": "%s", "parameters": ', "}")], ["<think>", "</think>"]),
+}
+
+
+def constrains_auto(spec: ToolSpec) -> bool:
+    """Is this ``auto`` request's output constrained, as vLLM 0.32 decides by
+    default (``--tool-strict-level auto``, ``resolve_tool_strictness``)?  When
+    a tool says ``strict: true``, or ``parallel_tool_calls`` is false (a single
+    call needs the call's envelope in the grammar) -- and the model's parser
+    has a structural tag."""
+    if spec.choice != "auto" or not spec.parses or spec.parser not in _TAG_STYLES:
+        return False
+    return not spec.parallel or any(f.strict is True for f in spec.functions)
+
+
+def auto_constraint(spec: ToolSpec) -> StructuredOutput | None:
+    """For ``auto`` where ``constrains_auto``: vLLM's structural tag -- text is
+    free, but once the model starts a call (the parser's trigger) the call must
+    follow the format, name one of the tools, and a ``strict: true`` tool's
+    arguments its schema (other tools' arguments: any JSON); with
+    ``parallel_tool_calls: false`` the output ends after the first call."""
+    if not constrains_auto(spec):
+        return None
+    triggers, shapes, excludes = _TAG_STYLES[spec.parser or ""]
+    tags = [
+        {
+            "type": "tag",
+            "begin": begin % f.name,
+            "content": {
+                "type": "json_schema",
+                "json_schema": (f.parameters if f.parameters is not None else True) if f.strict is True else True,
+                "style": "json",
+                "any_order": False,
+                "max_whitespace_cnt": None,
+                "excludes": [],
+            },
+            "end": end,
+        }
+        for f in spec.functions
+        for begin, end in shapes
+    ]
+    fmt = {
+        "type": "triggered_tags",
+        "triggers": triggers,
+        "tags": tags,
+        "at_least_one": False,
+        "stop_after_first": not spec.parallel,
+        "excludes": excludes,
+    }
+    return StructuredOutput(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False))
+
+
+def constrain_auto(sub: Submit, spec: ToolSpec) -> None:
+    """Once the model's parser is known (``spec.parser``): an ``auto`` request
+    that vLLM would constrain gets its structural tag, unless it carries its
+    own structured output (``response_format``: that constraint applies)."""
+    so = auto_constraint(spec)
+    if so is None or (sub.params is not None and sub.params.structured is not None):
+        return
+    sub.params = msgspec.structs.replace(sub.params or SamplingParams(), structured=so)
 
 
 # ------------------------------------------------------------ output

@@ -88,6 +88,7 @@ WEATHER = {
     "additionalProperties": False,
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}]
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
 RESP_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # vLLM 0.32 generates a named call of a tool without `strict: true` as a hermes
@@ -198,6 +199,10 @@ CORPUS: list[Case] = [
     _chat("tools-auto-stream", messages=CHAT, tools=TOOLS, max_tokens=16, stream=True, **GREEDY),
     _chat("tools-history", messages=TOOL_HISTORY, tools=TOOLS, max_tokens=16, **GREEDY),
     _chat("tools-none", messages=CHAT, tools=TOOLS, tool_choice="none", max_tokens=16, **GREEDY),
+    # auto with a strict tool, or one call only: constrained by vLLM's structural tag in both
+    _chat("tools-auto-strict", messages=CHAT, tools=STRICT_TOOLS, max_tokens=16, **GREEDY),
+    _chat("tools-auto-strict-stream", messages=CHAT, tools=STRICT_TOOLS, max_tokens=16, stream=True, **GREEDY),
+    _chat("tools-auto-single", messages=CHAT, tools=TOOLS, parallel_tool_calls=False, max_tokens=16, **GREEDY),
     *[
         _chat(
             f"tools-{n}-{budget}{'-stream' if st else ''}",

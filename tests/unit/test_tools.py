@@ -301,3 +301,62 @@ def test_chat_options_from_zeromq_are_checked_not_trusted(opts, param):
     with pytest.raises(BadInput) as e:
         ModelPrompts(None).tokenize(sub)
     assert e.value.param == param
+
+
+def _auto_spec(tools: list[dict], choice=None, parallel=None, parser="hermes", auto=True):
+    spec = tool_spec(msgspec.convert(tools, list[ChatTool]), choice, parallel)
+    assert spec is not None
+    spec.parser, spec.auto_enabled = parser, auto
+    return spec
+
+
+STRICT = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
+LOOSE = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+NOT_STRICT = {"type": "function", "function": {"name": "h", "strict": False}}
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "parallel", "parser", "auto", "constrained"),
+    [
+        ([LOOSE], None, None, "hermes", True, False),  # auto, nothing strict: free (vLLM's default)
+        ([LOOSE, NOT_STRICT], "auto", True, "hermes", True, False),
+        ([LOOSE, STRICT], None, None, "hermes", True, True),  # one strict tool constrains auto
+        ([STRICT], "auto", None, "llama3_json", True, True),
+        ([LOOSE], "auto", False, "hermes", True, True),  # one call only: the envelope is in the grammar
+        ([STRICT], "none", None, "hermes", True, False),
+        ([STRICT], "required", None, "hermes", True, False),  # required / named: tool_constraint's schema
+        ([STRICT], "auto", None, "hermes", False, False),  # auto not enabled: no calls are read
+        ([STRICT], "auto", None, None, True, False),  # no parser
+        ([STRICT], "auto", None, "pythonic", True, False),  # a parser weir has no tag for
+    ],
+)
+def test_auto_is_constrained_where_vllm_constrains_it(tools, choice, parallel, parser, auto, constrained):
+    spec = _auto_spec(tools, choice, parallel, parser, auto)
+    assert api.tools.constrains_auto(spec) is constrained
+    so = api.tools.auto_constraint(spec)
+    assert (so is not None) is constrained
+    sub = Submit("r", "m", kind=RequestKind.CHAT, messages=[ChatMessage("user", "x")])
+    api.constrain_auto(sub, spec)
+    assert (sub.params is not None and sub.params.structured == so) is constrained
+
+
+def test_auto_constraint_pins_strict_tools_only_and_yields_to_response_format():
+    so = api.tools.auto_constraint(_auto_spec([LOOSE, STRICT], parallel=False))
+    assert so is not None and so.kinds() == ["structural_tag"]
+    fmt = json.loads(so.structural_tag or "")["format"]
+    assert fmt["triggers"] == ["<tool_call>"] and fmt["stop_after_first"] is True
+    schemas = {t["begin"]: t["content"]["json_schema"] for t in fmt["tags"]}
+    assert schemas['<tool_call>{"name": "f", "arguments": '] == {"type": "object"}  # strict: its schema
+    assert schemas['<tool_call>{"name": "g", "arguments": '] is True  # not strict: any JSON
+    # a request with its own structured output keeps it (its tools are read, not constrained)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [STRICT],
+        "response_format": {"type": "json_object"},
+    }
+    sub, ctx = api.parse_chat(json.dumps(body).encode(), api.RequestMeta(), "r")
+    assert ctx.tools is not None
+    ctx.tools.parser, ctx.tools.auto_enabled = "hermes", True
+    api.constrain_auto(sub, ctx.tools)
+    assert sub.params is not None and sub.params.structured is not None and sub.params.structured.json_object

@@ -253,3 +253,74 @@ def test_constrained_calls_are_compact_json_that_vllm_takes(choice):
     assert _is_grammar_accept_string(so.grammar, call)
     for loose in (call.replace(":", ": ", 1), call.replace("{", "{\n", 1), call.replace(",", " ,", 1)):
         assert not _is_grammar_accept_string(so.grammar, loose)
+
+
+LOOSE_TOOLS = [TOOLS[0], {"type": "function", "function": {"name": "now"}}]
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, LOOSE_TOOLS[1]]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize(
+    "tools,parallel",
+    [(LOOSE_TOOLS, None), (STRICT_TOOLS, None), (STRICT_TOOLS, False), (LOOSE_TOOLS, False), (LOOSE_TOOLS, True)],
+)
+def test_auto_constraint_is_vllms_structural_tag(vllm_side, parser, tools, parallel):
+    """``auto`` is constrained exactly where vLLM 0.32's default (--tool-strict-level
+    auto) constrains it, by the same structural tag (its parser's adjust_request),
+    and the tag compiles and does what it says: free text, then a strict tool's
+    arguments must follow its schema."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.parser_manager import ParserManager
+    from xgrammar.testing import _is_grammar_accept_string
+
+    _, tok = vllm_side
+
+    class Vocab:  # llama3_json insists on Llama 3's tag in the vocabulary, which tiny-llama lacks
+        def get_vocab(self) -> dict[str, int]:
+            return {"<|python_tag|>": 128010}
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    parser_cls = ParserManager.get_parser(tool_parser_name=parser, enable_auto_tools=True)
+    assert parser_cls is not None
+    theirs = parser_cls(Vocab() if parser == "llama3_json" else tok, None).adjust_request(
+        ChatCompletionRequest.model_validate(body)
+    )
+    theirs_tag = theirs.structured_outputs.structural_tag if theirs.structured_outputs else None
+    spec = tool_spec(msgspec.convert(tools, list[ChatTool]), None, parallel)
+    assert spec is not None
+    spec.parser, spec.auto_enabled = parser, True
+    from router.api.tools import auto_constraint
+
+    so = auto_constraint(spec)
+    mine_tag = so.structural_tag if so is not None else None
+    assert (mine_tag is None) == (theirs_tag is None)
+    if mine_tag is None:
+        return
+    assert json.loads(mine_tag) == json.loads(theirs_tag)
+    # the worker hands it to vLLM, whose own validation takes it
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    from engine_worker.vllm_engine import vllm_params
+    from shared.protocol import SamplingParams
+
+    params = vllm_params(SamplingParams(max_tokens=16, structured=so))
+    assert params.structured_outputs is not None and params.structured_outputs.structural_tag == mine_tag
+    validate_xgrammar_grammar(params)
+    if parser == "hermes":
+        good = 'I will. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+        bad = '<tool_call>{"name": "get_weather", "arguments": {"town": 1}}</tool_call>'
+        loose = '<tool_call>{"name": "now", "arguments": {"anything": [1]}}</tool_call>'
+    else:
+        good = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+        bad = '{"name": "get_weather", "parameters": {"town": 1}}'
+        loose = '{"name": "now", "parameters": {"anything": [1]}}'
+    import xgrammar as xgr
+
+    compiled = str(xgr.Grammar.from_structural_tag(mine_tag))
+    assert _is_grammar_accept_string(compiled, good)
+    assert _is_grammar_accept_string(compiled, loose)  # not strict: any JSON arguments
+    assert _is_grammar_accept_string(compiled, "just text") or not spec.parallel
+    strict = any(t["function"].get("strict") for t in tools)
+    assert _is_grammar_accept_string(compiled, bad) is not strict
