@@ -38,7 +38,8 @@ from typing import Any, Literal
 import msgspec
 
 from router.api.errors import invalid
-from router.api.tool_parsers import AutoStream, tag_overlap
+from router.api.tool_parsers import LLAMA_BOT as _LLAMA_BOT
+from router.api.tool_parsers import tag_overlap
 from router.api.tool_scan import CallScan
 from shared.protocol import SamplingParams, StructuredOutput, Submit
 
@@ -318,8 +319,10 @@ class ChoiceToolStream:
     - auto, hermes: content until ``<tool_call>`` (a partial tag held back),
       then each tag's ``{"name", "arguments"}`` object, as vLLM's hermes
       parser streams it;
-    - auto, llama3_json: content until a call may begin, then the rest parsed
-      whole at the end (router.api.tool_parsers).
+    - auto, llama3_json: an output that begins with a call (``{`` or
+      ``<|python_tag|>``) is read as ``;``-separated ``{"name", "arguments" |
+      "parameters"}`` objects, each streamed as it forms (as vLLM's
+      llama3_json parser streams them); any other output is content.
 
     Nothing is dropped: a call cut short (``max_tokens``) is the call as far
     as it was generated, and text in which no call could be read is content.
@@ -327,7 +330,7 @@ class ChoiceToolStream:
     through the same class (``extract_calls``) equals the streamed one.
     """
 
-    __slots__ = ("spec", "text", "calls", "content", "sent", "scans", "seek", "tagged", "auto", "called")
+    __slots__ = ("spec", "text", "calls", "content", "sent", "scans", "seek", "tagged", "llama", "called")
 
     def __init__(self, spec: ToolSpec) -> None:
         self.spec = spec
@@ -338,15 +341,19 @@ class ChoiceToolStream:
         self.scans: list[CallScan] = []
         if spec.choice == "required":
             self.scans.append(CallScan(0, True, ("parameters",)))
-        self.seek = 0  # hermes: where the next <tool_call> is looked for
+        self.seek = 0  # hermes: where the next <tool_call> is looked for; llama3_json: the next call
         self.tagged = False  # hermes: a tag was seen (no more content)
-        auto = spec.choice == "auto" and spec.parses and spec.parser is not None
-        self.auto = AutoStream(spec.parser) if auto and spec.parser != "hermes" else None  # type: ignore[arg-type]
+        # llama3_json: None until the output shows whether it begins with a call, then "calls" or "content"
+        self.llama: str | None = None
         self.called = False
 
     @property
     def _hermes(self) -> bool:
         return self.spec.choice == "auto" and self.spec.parser == "hermes"
+
+    @property
+    def _llama3_json(self) -> bool:
+        return self.spec.choice == "auto" and self.spec.parser == "llama3_json"
 
     def feed(self, delta: str) -> list[ToolPiece]:
         """The pieces ``delta`` (new text) completes."""
@@ -362,10 +369,11 @@ class ChoiceToolStream:
             else:
                 self._args(out, 0, delta)
             return out
-        if self.auto is not None:
-            self._content(out, self.auto.feed(delta))
-            return out
-        if self._hermes:
+        if self._llama3_json:
+            self._llama3_json_calls(out)
+            if self.llama != "calls":
+                return out
+        elif self._hermes:
             self._hermes_regions(out)
         else:
             self.scans[0].scan(self.text)  # required
@@ -375,13 +383,7 @@ class ChoiceToolStream:
     def finish(self) -> list[ToolPiece]:
         """The pieces still to send when the choice ends."""
         out: list[ToolPiece] = []
-        if self.auto is not None:
-            parsed, rest = self.auto.finish()
-            if rest and (not parsed or rest.strip()):
-                self._content(out, rest)
-            for c in parsed if self.spec.parallel else parsed[:1]:
-                self._announce(out, c.name, c.arguments)
-        elif self.spec.choice != "named":
+        if self.spec.choice != "named":
             self._read_spans(out)
             if not self.calls:  # no call could be read: the text is content (nothing dropped)
                 self._content(out, self.text[self.sent :])
@@ -424,6 +426,37 @@ class ChoiceToolStream:
                     self._content(out, text[self.sent : at])
                     self.tagged = True
                 scan = CallScan(at + len(_TAG), False, ("arguments",))
+                self.scans.append(scan)
+            scan.scan(text)
+            if scan.end is None:
+                return
+            self.seek = scan.end
+
+    def _llama3_json_calls(self, out: list[ToolPiece]) -> None:
+        """llama3_json: content, or (output beginning with a call) a ``CallScan`` per object."""
+        text = self.text
+        if self.llama is None:
+            stripped = text.lstrip()
+            if not stripped or (_LLAMA_BOT.startswith(stripped) and len(stripped) < len(_LLAMA_BOT)):
+                return  # leading whitespace, or maybe the tag: held until it is known
+            if stripped.startswith(_LLAMA_BOT) or stripped.startswith("{"):
+                self.llama = "calls"
+                self.seek = len(text) - len(stripped) + (len(_LLAMA_BOT) if stripped[0] == "<" else 0)
+            else:
+                self.llama = "content"
+        if self.llama == "content":
+            self._content(out, text[self.sent :])
+            return
+        while True:
+            scan = self.scans[-1] if self.scans and self.scans[-1].end is None else None
+            if scan is None:
+                i = self.seek
+                while i < len(text) and (text[i].isspace() or text[i] == ";"):
+                    i += 1  # between calls
+                self.seek = i
+                if i == len(text) or text[i] != "{" or (self.scans and self.scans[-1].cur is not None):
+                    return  # more to come, or text after the calls (not sent, as vLLM), or a broken call
+                scan = CallScan(i, False, ("arguments", "parameters"))
                 self.scans.append(scan)
             scan.scan(text)
             if scan.end is None:

@@ -135,6 +135,17 @@ AUTO_TEXTS = [
     '<tool_call>\n{"arguments": {"q": "}]\\"{"}, "name": "now"}\n</tool_call>',
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Os',  # cut by max_tokens
 ]
+LLAMA_TEXTS = [
+    '{"name": "get_weather", "parameters": {"city": "Ösló"}}',
+    '<|python_tag|>{"name": "now", "arguments": {"x": [1, "}]"]}}; {"name": "get_weather", "parameters": {}}',
+    '  {"parameters": {"q": "{"}, "name": "now"}',  # leading whitespace; the name after the arguments
+    '{"name": "get_weather", "parameters": {"city": "Os',  # cut by max_tokens
+    'Here: {"name": "now", "arguments": {}}',  # not at the start: content (vLLM's streaming parser)
+    '{"foo": 1}',  # no name: content
+    "{not json",
+    "<|python_t",
+    "plain text",
+]
 REQUIRED_TEXTS = [
     '[{"name":"now","parameters":{}},{"name":"get_weather","parameters":{"city":"O\\"slo]}"}}]',
     '[{"name": "get_weather", "parameters": {"city": [1, {"a": null}]}}]',
@@ -145,14 +156,18 @@ REQUIRED_TEXTS = [
 
 @settings(max_examples=80, deadline=None)
 @given(
-    st.sampled_from([("auto", t) for t in AUTO_TEXTS] + [("required", t) for t in REQUIRED_TEXTS]),
+    st.sampled_from(
+        [("auto", "hermes", t) for t in AUTO_TEXTS]
+        + [("auto", "llama3_json", t) for t in LLAMA_TEXTS]
+        + [("required", "hermes", t) for t in REQUIRED_TEXTS]
+    ),
     st.lists(st.integers(1, 9), min_size=1, max_size=40),
 )
 def test_streamed_calls_equal_the_whole_responses(case, cuts):
     """However the text is split into engine steps, the streamed calls and
     content equal the whole response's."""
-    choice, text = case
-    spec = _spec(choice)
+    choice, parser, text = case
+    spec = _spec(choice, parser=parser)
     whole_content, whole_calls = extract_calls(spec, text)
     content, calls, _ = _stream(spec, _cut(text, cuts))
     assert calls == [(c.function.name, c.function.arguments) for c in whole_calls]
@@ -175,26 +190,52 @@ def test_whole_calls_are_the_generated_text_and_nothing_is_dropped():
     assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
         ("get_weather", '{"city": "Os')
     ]
+    # llama3_json: the calls' arguments as generated; a call not at the start is content
+    llama = _spec("auto", parser="llama3_json")
+    content, calls = extract_calls(llama, LLAMA_TEXTS[1])
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("now", '{"x": [1, "}]"]}'),
+        ("get_weather", "{}"),
+    ]
+    assert extract_calls(llama, LLAMA_TEXTS[4]) == (LLAMA_TEXTS[4], [])
     # no call could be read: the text is content, as vLLM returns it
     assert extract_calls(_spec("required"), REQUIRED_TEXTS[3]) == (REQUIRED_TEXTS[3], [])
     assert extract_calls(_spec("auto"), AUTO_TEXTS[3]) == (AUTO_TEXTS[3], [])
 
 
 @pytest.mark.parametrize(
-    "choice,text,name_at",
+    "choice,parser,text,name_at",
     [
-        ("required", '[{"name":"get_weather","parameters":{"city":"Oslo"}}]', len('[{"name":"get_weather"')),
+        (
+            "required",
+            "hermes",
+            '[{"name":"get_weather","parameters":{"city":"Oslo"}}]',
+            len('[{"name":"get_weather"'),
+        ),
         (
             "auto",
+            "hermes",
             'Hi<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
             len('Hi<tool_call>{"name": "get_weather"'),
         ),
+        (
+            "auto",
+            "llama3_json",
+            '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+            len('{"name": "get_weather"'),
+        ),
+        (
+            "auto",
+            "llama3_json",
+            '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+            len('<|python_tag|>{"name": "get_weather"'),
+        ),
     ],
 )
-def test_a_call_streams_as_it_forms(choice, text, name_at):
+def test_a_call_streams_as_it_forms(choice, parser, text, name_at):
     """One character per engine step: the call's id, type and name come in
     the step that closes the name, then each step's argument text."""
-    _, calls, per_feed = _stream(_spec(choice), list(text))
+    _, calls, per_feed = _stream(_spec(choice, parser=parser), list(text))
     first = next(i for i, bodies in enumerate(per_feed) if any("tool_calls" in b for b in bodies))
     assert first == name_at - 1
     args = [

@@ -255,6 +255,86 @@ def test_constrained_calls_are_compact_json_that_vllm_takes(choice):
         assert not _is_grammar_accept_string(so.grammar, loose)
 
 
+LLAMA_STREAMS = [
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Ösló"}}',
+    '{"name": "now", "arguments": {"x": [1, 2]}}; {"name": "get_weather", "parameters": {"city": "Lima"}}',
+    '{"name": "get_weather", "parameters": {"city": "Os',  # cut by max_tokens
+    "plain text, no call",
+    'Here: {"name": "now", "arguments": {}}',  # not at the start: content in vLLM's streaming parser too
+]
+
+
+@pytest.mark.parametrize("text", LLAMA_STREAMS)
+def test_llama3_json_streams_as_vllms_parser(vllm_side, text):
+    """The same text, token by token, through vLLM's llama3_json streaming
+    parser and weir's: the same content, the same calls (arguments as JSON
+    values: vLLM re-serializes them, weir sends them as generated; a cut call's
+    as far as generated), and each call's name in the same engine step."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    from router.api.tools import ChoiceToolStream, chat_deltas
+
+    _, tok = vllm_side
+
+    class LlamaVocab:
+        def get_vocab(self) -> dict[str, int]:
+            return {"<|python_tag|>": 128010}
+
+    theirs_parser = ToolParserManager.get_tool_parser("llama3_json")(LlamaVocab())
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    )
+    # <|python_tag|> is one token of Llama 3 (tiny-llama spells it in characters): one step
+    tag = "<|python_tag|>" if text.startswith("<|python_tag|>") else ""
+    ids = tok.encode(text[len(tag) :], add_special_tokens=False)
+    steps, prev = [tag] if tag else [], ""
+    for k in range(1, len(ids) + 1):  # the engine's detokenized steps (an unfinished character waits)
+        cur = tok.decode(ids[:k])
+        if cur.endswith("\ufffd"):
+            continue
+        steps.append(cur[len(prev) :])
+        prev = cur
+    assert "".join(steps) == text
+
+    def collect(deltas_per_step):
+        content, calls, named_at = "", {}, []
+        for step, deltas in enumerate(deltas_per_step):
+            for d in deltas:
+                content += d.get("content") or ""
+                for tc in d.get("tool_calls") or []:
+                    f = tc.get("function") or {}
+                    slot = calls.setdefault(tc["index"], ["", ""])
+                    if f.get("name"):
+                        slot[0] += f["name"]
+                        named_at.append(step)
+                    slot[1] += f.get("arguments") or ""
+        return content, [slot for _, slot in sorted(calls.items())], named_at
+
+    theirs_steps, prev = [], ""
+    for piece in steps:
+        cur = prev + piece
+        d = theirs_parser.extract_tool_calls_streaming(prev, cur, piece, [], [], [], req)
+        theirs_steps.append([d.model_dump(exclude_none=True)] if d is not None else [])
+        prev = cur
+    spec = tool_spec(msgspec.convert(TOOLS, list[ChatTool]), "auto")
+    assert spec is not None
+    spec.parser, spec.auto_enabled = "llama3_json", True
+    mine = ChoiceToolStream(spec)
+    mine_steps = [chat_deltas(mine.feed(p)) for p in steps]
+    mine_steps[-1] += chat_deltas(mine.finish())
+    t_content, t_calls, t_named = collect(theirs_steps)
+    m_content, m_calls, m_named = collect(mine_steps)
+    assert m_content == t_content and m_named == t_named
+    assert [n for n, _ in m_calls] == [n for n, _ in t_calls]
+    for (_, m_args), (_, t_args) in zip(m_calls, t_calls, strict=True):
+        try:
+            assert json.loads(m_args) == json.loads(t_args)
+        except ValueError:  # a cut call: vLLM sends only the arguments' settled prefix
+            assert m_args.replace(" ", "").startswith(t_args.replace(" ", ""))
+
+
 LOOSE_TOOLS = [TOOLS[0], {"type": "function", "function": {"name": "now"}}]
 STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, LOOSE_TOOLS[1]]
 
