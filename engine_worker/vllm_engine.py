@@ -487,6 +487,7 @@ def vllm_params(p: SamplingParams) -> VllmSamplingParams:
             choice=list(so.choice) or None,
             grammar=grammar,
             json_object=True if so.json_object and grammar is None else None,
+            structural_tag=so.structural_tag,
         )
     return VllmSamplingParams(
         n=p.n,

@@ -137,7 +137,8 @@ BlockHashInt = Annotated[int, Meta(ge=0)]  # vLLM's 64-bit KV block hash (msgpac
 class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A constraint for the engine's structured-output backend (vLLM's
     ``StructuredOutputsParams``): exactly one of ``json`` (a JSON schema, as
-    JSON text), ``json_object``, ``regex``, ``choice``, ``grammar`` (EBNF).
+    JSON text), ``json_object``, ``regex``, ``choice``, ``grammar`` (EBNF),
+    ``structural_tag`` (xgrammar's structural tag, as JSON text).
     The router compiles it before anything is reserved (router.lifecycle.prompts)."""
 
     json: str | None = None
@@ -149,6 +150,8 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # compiles the schema to a grammar that has none; vLLM 0.32 honours it
     # only server-wide)
     disable_any_whitespace: bool = False
+    # vLLM's: free text with tagged sections constrained (tool_choice "auto" with a strict tool)
+    structural_tag: str | None = None
 
     def kinds(self) -> list[str]:
         return [
@@ -159,6 +162,7 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
                 ("regex", self.regex is not None),
                 ("choice", bool(self.choice)),
                 ("grammar", self.grammar is not None),
+                ("structural_tag", self.structural_tag is not None),
             )
             if v
         ]

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import requests
 
 from bench import localconfig
 from bench.localconfig import REPO, SIM_MODEL, TINY_MODEL_DIR, VLLM_MODEL, free_port, sim_worker  # noqa: F401
@@ -46,6 +51,13 @@ TEST_KV_CACHE_BYTES = 16 << 20
 STACK_VLLM_MAX_LEN = 2048
 LONG_STREAM_TOKENS = STACK_VLLM_MAX_LEN - 64
 TOO_LONG_PROMPT = "word " * (STACK_VLLM_MAX_LEN + 500)
+# The embedding stack (tests/e2e/conftest.py's ``embed_stack``): models/tiny-embed on a real vLLM pooling worker.
+EMBED_DIR = REPO / "models" / "tiny-embed"
+EMBED_MODEL = "tiny-embed"
+EMBED_KEY = "sk-test-embed-51c0ffee"
+EMBED_MAX_LEN = 256
+EMBED_MAX_NUM_SEQS = 16
+EMBED_KV_CACHE_BYTES = 8 << 20
 
 
 def vllm_worker(worker_id: str = "vllm-0", **overrides: Any) -> dict:
@@ -67,6 +79,56 @@ def start_stack(cfg_path: os.PathLike, run_dir: os.PathLike | None = None, **kw:
     stack = Stack(cfg_path, run_dir, progress=lambda m: print(f"[stack] {m}", file=sys.stderr), **kw)
     with stack:
         yield stack
+
+
+class VllmServe:
+    """vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
+    on ``model_dir`` served as ``name`` with ``args`` (engine settings), CPU
+    engine env, in its own process group.  ``start`` returns at once (so two
+    servers start side by side), ``wait`` until healthy (its URL), ``stop``
+    always stops the group."""
+
+    def __init__(self, model_dir: os.PathLike, name: str, log_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+        self.cmd += ["--served-model-name", name, *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> VllmServe:
+        env = {**os.environ, **localconfig.CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
+        return self
+
+    def wait(self, timeout_s: float = 180) -> str:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}); log: {self._log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self.url
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not become healthy; log: {self._log()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def _log(self) -> str:
+        return self.log_path.read_text()[-3000:]
 
 
 def _children_map() -> dict[int, list[int]]:

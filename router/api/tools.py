@@ -12,6 +12,9 @@ flat tool shape with ``function_tools``):
 - ``tool_constraint``: for ``required`` and a named tool, the JSON schema the
   output is constrained by (structured output), so the arguments always
   validate against the tool's schema -- vLLM's ``get_json_schema_from_tools``;
+- ``auto_constraint``: for ``auto``, where vLLM 0.32 constrains it (a
+  ``strict`` tool, or one call only), vLLM's structural tag of the parser's
+  call format (``constrain_auto`` sets it once the model's parser is known);
 - ``ChoiceToolStream``: one choice's generated text read as content and
   tool calls while it is generated (required: a JSON array of
   ``{name, parameters}``; named: the arguments themselves; auto: the model's
@@ -35,9 +38,10 @@ from typing import Any, Literal
 import msgspec
 
 from router.api.errors import invalid
-from router.api.tool_parsers import AutoStream, tag_overlap
+from router.api.tool_parsers import LLAMA_BOT as _LLAMA_BOT
+from router.api.tool_parsers import tag_overlap
 from router.api.tool_scan import CallScan
-from shared.protocol import StructuredOutput
+from shared.protocol import SamplingParams, StructuredOutput, Submit
 
 ToolChoiceKind = Literal["none", "auto", "required", "named"]
 
@@ -196,6 +200,80 @@ def tool_constraint(spec: ToolSpec) -> StructuredOutput | None:
     return StructuredOutput(json=json.dumps(schema, ensure_ascii=False), disable_any_whitespace=True)
 
 
+# vLLM 0.32's structural tag of each parser's call format (vllm/tool_parsers/
+# structural_tag_registry.py: hermes, xgrammar's builtin llama): the text
+# that triggers a call, and each call's (begin, end) around its arguments.
+_TAG_STYLES: dict[str, tuple[list[str], list[tuple[str, str]], list[str]]] = {
+    "hermes": (
+        ["<tool_call>"],
+        [
+            ('<tool_call>\n{"name": "%s", "arguments": ', "}\n</tool_call>"),
+            ('<tool_call>{"name": "%s", "arguments": ', "}</tool_call>"),
+        ],
+        [],
+    ),
+    "llama3_json": (['{"name": '], [('{"name": "%s", "parameters": ', "}")], ["<think>", "</think>"]),
+}
+
+
+def constrains_auto(spec: ToolSpec) -> bool:
+    """Is this ``auto`` request's output constrained, as vLLM 0.32 decides by
+    default (``--tool-strict-level auto``, ``resolve_tool_strictness``)?  When
+    a tool says ``strict: true``, or ``parallel_tool_calls`` is false (a single
+    call needs the call's envelope in the grammar) -- and the model's parser
+    has a structural tag."""
+    if spec.choice != "auto" or not spec.parses or spec.parser not in _TAG_STYLES:
+        return False
+    return not spec.parallel or any(f.strict is True for f in spec.functions)
+
+
+def auto_constraint(spec: ToolSpec) -> StructuredOutput | None:
+    """For ``auto`` where ``constrains_auto``: vLLM's structural tag -- text is
+    free, but once the model starts a call (the parser's trigger) the call must
+    follow the format, name one of the tools, and a ``strict: true`` tool's
+    arguments its schema (other tools' arguments: any JSON); with
+    ``parallel_tool_calls: false`` the output ends after the first call."""
+    if not constrains_auto(spec):
+        return None
+    triggers, shapes, excludes = _TAG_STYLES[spec.parser or ""]
+    tags = [
+        {
+            "type": "tag",
+            "begin": begin % f.name,
+            "content": {
+                "type": "json_schema",
+                "json_schema": (f.parameters if f.parameters is not None else True) if f.strict is True else True,
+                "style": "json",
+                "any_order": False,
+                "max_whitespace_cnt": None,
+                "excludes": [],
+            },
+            "end": end,
+        }
+        for f in spec.functions
+        for begin, end in shapes
+    ]
+    fmt = {
+        "type": "triggered_tags",
+        "triggers": triggers,
+        "tags": tags,
+        "at_least_one": False,
+        "stop_after_first": not spec.parallel,
+        "excludes": excludes,
+    }
+    return StructuredOutput(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False))
+
+
+def constrain_auto(sub: Submit, spec: ToolSpec) -> None:
+    """Once the model's parser is known (``spec.parser``): an ``auto`` request
+    that vLLM would constrain gets its structural tag, unless it carries its
+    own structured output (``response_format``: that constraint applies)."""
+    so = auto_constraint(spec)
+    if so is None or (sub.params is not None and sub.params.structured is not None):
+        return
+    sub.params = msgspec.structs.replace(sub.params or SamplingParams(), structured=so)
+
+
 # ------------------------------------------------------------ output
 
 
@@ -241,8 +319,10 @@ class ChoiceToolStream:
     - auto, hermes: content until ``<tool_call>`` (a partial tag held back),
       then each tag's ``{"name", "arguments"}`` object, as vLLM's hermes
       parser streams it;
-    - auto, llama3_json: content until a call may begin, then the rest parsed
-      whole at the end (router.api.tool_parsers).
+    - auto, llama3_json: an output that begins with a call (``{`` or
+      ``<|python_tag|>``) is read as ``;``-separated ``{"name", "arguments" |
+      "parameters"}`` objects, each streamed as it forms (as vLLM's
+      llama3_json parser streams them); any other output is content.
 
     Nothing is dropped: a call cut short (``max_tokens``) is the call as far
     as it was generated, and text in which no call could be read is content.
@@ -250,7 +330,7 @@ class ChoiceToolStream:
     through the same class (``extract_calls``) equals the streamed one.
     """
 
-    __slots__ = ("spec", "text", "calls", "content", "sent", "scans", "seek", "tagged", "auto", "called")
+    __slots__ = ("spec", "text", "calls", "content", "sent", "scans", "seek", "tagged", "llama", "called")
 
     def __init__(self, spec: ToolSpec) -> None:
         self.spec = spec
@@ -261,15 +341,19 @@ class ChoiceToolStream:
         self.scans: list[CallScan] = []
         if spec.choice == "required":
             self.scans.append(CallScan(0, True, ("parameters",)))
-        self.seek = 0  # hermes: where the next <tool_call> is looked for
+        self.seek = 0  # hermes: where the next <tool_call> is looked for; llama3_json: the next call
         self.tagged = False  # hermes: a tag was seen (no more content)
-        auto = spec.choice == "auto" and spec.parses and spec.parser is not None
-        self.auto = AutoStream(spec.parser) if auto and spec.parser != "hermes" else None  # type: ignore[arg-type]
+        # llama3_json: None until the output shows whether it begins with a call, then "calls" or "content"
+        self.llama: str | None = None
         self.called = False
 
     @property
     def _hermes(self) -> bool:
         return self.spec.choice == "auto" and self.spec.parser == "hermes"
+
+    @property
+    def _llama3_json(self) -> bool:
+        return self.spec.choice == "auto" and self.spec.parser == "llama3_json"
 
     def feed(self, delta: str) -> list[ToolPiece]:
         """The pieces ``delta`` (new text) completes."""
@@ -285,10 +369,11 @@ class ChoiceToolStream:
             else:
                 self._args(out, 0, delta)
             return out
-        if self.auto is not None:
-            self._content(out, self.auto.feed(delta))
-            return out
-        if self._hermes:
+        if self._llama3_json:
+            self._llama3_json_calls(out)
+            if self.llama != "calls":
+                return out
+        elif self._hermes:
             self._hermes_regions(out)
         else:
             self.scans[0].scan(self.text)  # required
@@ -298,13 +383,7 @@ class ChoiceToolStream:
     def finish(self) -> list[ToolPiece]:
         """The pieces still to send when the choice ends."""
         out: list[ToolPiece] = []
-        if self.auto is not None:
-            parsed, rest = self.auto.finish()
-            if rest and (not parsed or rest.strip()):
-                self._content(out, rest)
-            for c in parsed if self.spec.parallel else parsed[:1]:
-                self._announce(out, c.name, c.arguments)
-        elif self.spec.choice != "named":
+        if self.spec.choice != "named":
             self._read_spans(out)
             if not self.calls:  # no call could be read: the text is content (nothing dropped)
                 self._content(out, self.text[self.sent :])
@@ -347,6 +426,37 @@ class ChoiceToolStream:
                     self._content(out, text[self.sent : at])
                     self.tagged = True
                 scan = CallScan(at + len(_TAG), False, ("arguments",))
+                self.scans.append(scan)
+            scan.scan(text)
+            if scan.end is None:
+                return
+            self.seek = scan.end
+
+    def _llama3_json_calls(self, out: list[ToolPiece]) -> None:
+        """llama3_json: content, or (output beginning with a call) a ``CallScan`` per object."""
+        text = self.text
+        if self.llama is None:
+            stripped = text.lstrip()
+            if not stripped or (_LLAMA_BOT.startswith(stripped) and len(stripped) < len(_LLAMA_BOT)):
+                return  # leading whitespace, or maybe the tag: held until it is known
+            if stripped.startswith(_LLAMA_BOT) or stripped.startswith("{"):
+                self.llama = "calls"
+                self.seek = len(text) - len(stripped) + (len(_LLAMA_BOT) if stripped[0] == "<" else 0)
+            else:
+                self.llama = "content"
+        if self.llama == "content":
+            self._content(out, text[self.sent :])
+            return
+        while True:
+            scan = self.scans[-1] if self.scans and self.scans[-1].end is None else None
+            if scan is None:
+                i = self.seek
+                while i < len(text) and (text[i].isspace() or text[i] == ";"):
+                    i += 1  # between calls
+                self.seek = i
+                if i == len(text) or text[i] != "{" or (self.scans and self.scans[-1].cur is not None):
+                    return  # more to come, or text after the calls (not sent, as vLLM), or a broken call
+                scan = CallScan(i, False, ("arguments", "parameters"))
                 self.scans.append(scan)
             scan.scan(text)
             if scan.end is None:

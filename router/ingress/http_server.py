@@ -555,6 +555,7 @@ class HttpConnection(asyncio.Protocol):
             ctx.echo = echoes[0]
         if ctx.tools is not None:  # how the model writes tool calls (its config; None: refused by submit)
             ctx.tools.parser, ctx.tools.auto_enabled = core.tool_parser(subs[0].model)
+            api.constrain_auto(subs[0], ctx.tools)  # auto with a strict tool: vLLM's structural tag
         ex = (exchange or Exchange)(self, req, ctx, label)
         self.current = ex
         self.busy = True

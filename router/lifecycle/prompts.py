@@ -73,7 +73,13 @@ class BadInput(ValueError):
 
 
 def _grammar_chars(so: StructuredOutput) -> int:
-    return len(so.json or "") + len(so.regex or "") + len(so.grammar or "") + sum(len(c) for c in so.choice)
+    return (
+        len(so.json or "")
+        + len(so.regex or "")
+        + len(so.grammar or "")
+        + len(so.structural_tag or "")
+        + sum(len(c) for c in so.choice)
+    )
 
 
 def _xgrammar() -> ModuleType:
@@ -92,7 +98,7 @@ def check_structured(so: StructuredOutput) -> None:
     kinds = so.kinds()
     if len(kinds) != 1:
         raise BadInput(
-            "structured output needs exactly one of json, json_object, regex, choice, grammar; "
+            "structured output needs exactly one of json, json_object, regex, choice, grammar, structural_tag; "
             f"got {', '.join(kinds) or 'none'}",
             param="structured_outputs",
         )
@@ -129,6 +135,13 @@ def check_structured(so: StructuredOutput) -> None:
         except Exception as e:
             raise BadInput(
                 f"The grammar does not compile: {_xgr_message(e)}", param="structured_outputs.grammar"
+            ) from None
+    elif so.structural_tag is not None:
+        try:
+            xgr.Grammar.from_structural_tag(so.structural_tag)
+        except Exception as e:
+            raise BadInput(
+                f"The structural tag does not compile: {_xgr_message(e)}", param="structured_outputs.structural_tag"
             ) from None
 
 
@@ -235,7 +248,7 @@ class ModelPrompts:
         so = sub.params.structured if sub.params is not None else None
         if (
             so is not None
-            and (so.json is not None or so.regex is not None or so.grammar is not None)
+            and (so.json is not None or so.regex is not None or so.grammar is not None or so.structural_tag is not None)
             and (_xgr is None or _grammar_chars(so) > INLINE_MAX_GRAMMAR_CHARS)
         ):
             return False  # compiling it imports xgrammar, or takes milliseconds

@@ -14,6 +14,11 @@ up ``KEY_ALPHA``/``KEY_BETA`` rate limits).
 Tests that break their stack on purpose start their own with
 ``stackutil.write_config`` + ``stackutil.start_stack``.
 
+``embed_stack`` (session): Envoy, the router, a real vLLM pooling worker on
+``models/tiny-embed`` and a sim generation model, with one API key
+(``stackutil.EMBED_KEY``, a token budget): the embeddings tests and the
+differential test against ``vllm serve`` share it.
+
 ``redis_url`` (module): a real redis-server for the Redis quota, lease and
 response stores.
 """
@@ -29,6 +34,8 @@ import time
 import pytest
 import stackutil
 from stackutil import free_port
+
+from shared.keys import digest
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +57,36 @@ def stack(tmp_path_factory):
 def sim_stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("sim_stack")
     cfg_path = stackutil.write_config(d, workers=[stackutil.sim_worker("sim-0")])
+    yield from _run(cfg_path, d / "run")
+
+
+@pytest.fixture(scope="session")
+def embed_stack(tmp_path_factory):
+    if not (stackutil.EMBED_DIR / "config.json").exists():
+        pytest.fail(f"embedding model missing: run `weir make-model --embed {stackutil.EMBED_DIR}`")
+    d = tmp_path_factory.mktemp("embed_stack")
+    model = {
+        "name": stackutil.EMBED_MODEL,
+        "engine": "vllm",
+        "task": "embed",
+        "path": str(stackutil.EMBED_DIR),
+        "max_model_len": stackutil.EMBED_MAX_LEN,
+    }
+    cfg_path = stackutil.write_config(
+        d,
+        models=[model, {"name": stackutil.SIM_MODEL, "engine": "sim", "max_model_len": 4096}],
+        workers=[
+            {
+                "id": "embed-0",
+                "model": stackutil.EMBED_MODEL,
+                "max_num_seqs": stackutil.EMBED_MAX_NUM_SEQS,
+                "kv_cache_bytes": stackutil.EMBED_KV_CACHE_BYTES,
+                "env": dict(stackutil.localconfig.CPU_ENGINE_ENV),
+            },
+            stackutil.sim_worker("sim-0"),
+        ],
+        api_keys=[{"key_sha256": digest(stackutil.EMBED_KEY), "tenant": "emb", "tokens_per_minute": 100000}],
+    )
     yield from _run(cfg_path, d / "run")
 
 

@@ -5,7 +5,8 @@ token ids, Matryoshka ``dimensions``; the refusals (other task, too long,
 bad ``dimensions``) with nothing left reserved; budgets charged with the
 prompt tokens the response reports.
 
-One stack for the module (~20 s to start: one vLLM engine)."""
+One stack (``embed_stack``, tests/e2e/conftest.py; ~20 s to start: one vLLM
+engine), shared with the differential test against ``vllm serve``."""
 
 from __future__ import annotations
 
@@ -16,46 +17,22 @@ import numpy as np
 import openai
 import pytest
 import requests
-from stackutil import REPO, SIM_MODEL, localconfig, sim_worker, start_stack, write_config
+from stackutil import EMBED_DIR, EMBED_KEY, EMBED_MODEL, SIM_MODEL
 
 from router.lifecycle.prompts import ModelPrompts
 from shared import protocol as p
-from shared.keys import digest
 
 pytestmark = pytest.mark.vllm
 
-EMBED_DIR = REPO / "models" / "tiny-embed"
-EMBED = "tiny-embed"
-KEY = "sk-test-embed-51c0ffee"
+EMBED = EMBED_MODEL
+KEY = EMBED_KEY
 WIDTH = 128  # the tiny model's hidden size
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello world!", "Paris is the capital of France."]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    if not (EMBED_DIR / "config.json").exists():
-        pytest.fail(f"embedding model missing: run `weir make-model --embed {EMBED_DIR}`")
-    d = tmp_path_factory.mktemp("embed_stack")
-    cfg_path = write_config(
-        d,
-        models=[
-            {"name": EMBED, "engine": "vllm", "task": "embed", "path": str(EMBED_DIR), "max_model_len": 256},
-            {"name": SIM_MODEL, "engine": "sim", "max_model_len": 4096},
-        ],
-        workers=[
-            {
-                "id": "embed-0",
-                "model": EMBED,
-                "max_num_seqs": 16,
-                "kv_cache_bytes": 8 << 20,
-                "env": dict(localconfig.CPU_ENGINE_ENV),
-            },
-            sim_worker("sim-0"),
-        ],
-        api_keys=[{"key_sha256": digest(KEY), "tenant": "emb", "tokens_per_minute": 100000}],
-    )
-    with start_stack(cfg_path, d / "run") as s:
-        yield s
+def stack(embed_stack):
+    return embed_stack
 
 
 @pytest.fixture(scope="module")

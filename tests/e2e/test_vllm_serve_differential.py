@@ -21,22 +21,26 @@ printed side by side -- calls that validate, finish reasons, tokens, call
 chunks and the time to the first), Responses (stored, not stored, streamed,
 with a named tool) and tokenize.  The agreement counts are printed
 (``pytest -s``) for the record; ``WEIR_DIFF_DUMP=path`` writes every answer.
-Embeddings are not covered (the session stack serves no embedding model).
+
+Embeddings are a second leg: ``vllm serve`` of models/tiny-embed (the pooling
+runner, the engine settings of the ``embed_stack`` fixture's worker) against
+weir's ``embed_stack``; ``EMBED_CORPUS`` compared the same way, the vectors
+(float and base64, every byte order, Matryoshka prefixes) within float
+tolerance.
 """
 
 from __future__ import annotations
 
+import base64
 import fnmatch
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import requests
 import stackutil
@@ -84,6 +88,7 @@ WEATHER = {
     "additionalProperties": False,
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}]
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
 RESP_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # vLLM 0.32 generates a named call of a tool without `strict: true` as a hermes
@@ -194,6 +199,10 @@ CORPUS: list[Case] = [
     _chat("tools-auto-stream", messages=CHAT, tools=TOOLS, max_tokens=16, stream=True, **GREEDY),
     _chat("tools-history", messages=TOOL_HISTORY, tools=TOOLS, max_tokens=16, **GREEDY),
     _chat("tools-none", messages=CHAT, tools=TOOLS, tool_choice="none", max_tokens=16, **GREEDY),
+    # auto with a strict tool, or one call only: constrained by vLLM's structural tag in both
+    _chat("tools-auto-strict", messages=CHAT, tools=STRICT_TOOLS, max_tokens=16, **GREEDY),
+    _chat("tools-auto-strict-stream", messages=CHAT, tools=STRICT_TOOLS, max_tokens=16, stream=True, **GREEDY),
+    _chat("tools-auto-single", messages=CHAT, tools=TOOLS, parallel_tool_calls=False, max_tokens=16, **GREEDY),
     *[
         _chat(
             f"tools-{n}-{budget}{'-stream' if st else ''}",
@@ -452,15 +461,41 @@ def _outputs(case: Case, a: Answer) -> Any:
     return choices, (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"])
 
 
+def _served(server: stackutil.VllmServe):
+    try:
+        yield server.wait()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
 @pytest.fixture(scope="module")
-def vllm_serve(tmp_path_factory):
+def embed_server(tmp_path_factory):
+    """vLLM's own server on models/tiny-embed with the engine settings of the
+    ``embed_stack`` fixture's worker: started, not waited for (it starts beside
+    the tiny model's, when both legs run)."""
+    args = [
+        "--runner", "pooling",
+        "--max-model-len", str(stackutil.EMBED_MAX_LEN),
+        "--max-num-seqs", str(stackutil.EMBED_MAX_NUM_SEQS),
+        "--dtype", "bfloat16",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--kv-cache-memory-bytes", str(stackutil.EMBED_KV_CACHE_BYTES),
+    ]  # fmt: skip
+    log_path = tmp_path_factory.mktemp("vllm_serve_embed") / "vllm.log"
+    server = stackutil.VllmServe(stackutil.EMBED_DIR, stackutil.EMBED_MODEL, log_path, *args)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_serve(tmp_path_factory, request):
     """vLLM's own server with the engine settings of the ``stack`` fixture's worker."""
-    port = stackutil.free_port()
-    log_path = tmp_path_factory.mktemp("vllm_serve") / "vllm.log"
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(stackutil.TINY_MODEL_DIR),
-        "--served-model-name", MODEL,
+    if any("vllm_serve_embed" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("embed_server")  # the embeddings leg runs too: its server starts meanwhile
+    args = [
         "--max-model-len", str(stackutil.STACK_VLLM_MAX_LEN),
         "--max-num-seqs", "16",
         "--dtype", "bfloat16",
@@ -469,64 +504,80 @@ def vllm_serve(tmp_path_factory):
         "--kv-cache-memory-bytes", str(stackutil.TEST_KV_CACHE_BYTES),
         "--tool-call-parser", "hermes",  # as the stack's tiny-llama (bench/localconfig.py)
         "--enable-auto-tool-choice",
-        "--host", "127.0.0.1",
-        "--port", str(port),
     ]  # fmt: skip
-    env = {**os.environ, **stackutil.localconfig.CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
-    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("vllm_serve") / "vllm.log"
+    server = stackutil.VllmServe(stackutil.TINY_MODEL_DIR, MODEL, log_path, *args)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited ({proc.returncode}); log: {log_path.read_text()[-3000:]}")
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not become healthy; log: {log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url
+        yield from _served(server.start())
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        server.stop()
 
 
-def test_weir_answers_as_vllm_serve_does(stack, vllm_serve):
-    weir_headers = {"authorization": f"Bearer {stackutil.KEY_ALPHA}"}
-    statuses = shapes = outputs = errors = 0
-    shape_cases = output_cases = error_cases = 0
-    problems: list[str] = []
-    known: list[str] = []
-    answers: dict[str, Any] = {}
-    for case in CORPUS:
-        theirs = _send(vllm_serve, case, {})
-        ours = _send(stack.envoy_url, case, weir_headers)
-        answers[case.name] = {"vllm": theirs.__dict__, "weir": ours.__dict__}
-        want = DELIBERATE_STATUS.get(case.name)
+@pytest.fixture(scope="module")
+def vllm_serve_embed(embed_server):
+    yield from _served(embed_server)
+
+
+@dataclass
+class Agreement:
+    """One leg's counts: what agreed of how many, what did not, what is known to differ."""
+
+    statuses: int = 0
+    shapes: int = 0
+    outputs: int = 0
+    errors: int = 0
+    shape_cases: int = 0
+    output_cases: int = 0
+    error_cases: int = 0
+    cases: int = 0
+    problems: list[str] = field(default_factory=list)
+    known: list[str] = field(default_factory=list)
+    answers: dict[str, Any] = field(default_factory=dict)
+
+    def line(self, leg: str) -> str:
+        return (
+            f"differential vs vllm serve ({leg}): statuses {self.statuses}/{self.cases}, "
+            f"shapes {self.shapes}/{self.shape_cases}, deterministic outputs {self.outputs}/{self.output_cases} "
+            f"(known differences: {self.known or 'none'}), error bodies {self.errors}/{self.error_cases}"
+        )
+
+
+def _differential(
+    corpus: list[Case],
+    theirs_url: str,
+    ours_url: str,
+    headers: dict[str, str],
+    outputs_of: Any,
+    deliberate_status: dict[str, tuple[int, int, str]],
+) -> Agreement:
+    """Each case to both servers; statuses, keys, outputs (``outputs_of(case, answer)``)
+    and error bodies compared."""
+    ag = Agreement(cases=len(corpus))
+    for case in corpus:
+        theirs = _send(theirs_url, case, {})
+        ours = _send(ours_url, case, headers)
+        ag.answers[case.name] = {"vllm": theirs.__dict__, "weir": ours.__dict__}
+        want = deliberate_status.get(case.name)
         if (theirs.status, ours.status) == ((want[0], want[1]) if want else (theirs.status, theirs.status)):
-            statuses += 1
+            ag.statuses += 1
+            if want:
+                ag.known.append(f"{case.name}: status vllm {want[0]} weir {want[1]}: {want[2]}")
         else:
-            problems.append(f"{case.name}: status vllm {theirs.status} weir {ours.status}: {ours.raw[:300]!r}")
+            ag.problems.append(f"{case.name}: status vllm {theirs.status} weir {ours.status}: {ours.raw[:300]!r}")
             continue
         if ours.status != 200:
-            error_cases += 1
+            ag.error_cases += 1
             err = (ours.body or {}).get("error") or {}
-            if set(err) >= {"message", "type", "param", "code"} and "error" in (theirs.body or {}):
-                errors += 1
+            if set(err) >= {"message", "type", "param", "code"} and (want or "error" in (theirs.body or {})):
+                ag.errors += 1
             else:
-                problems.append(f"{case.name}: error bodies vllm {theirs.raw[:200]!r} weir {ours.raw[:200]!r}")
-            if ours.status == 400 and not err.get("param") and case.name != "malformed-json":
-                problems.append(f"{case.name}: weir's 400 names no param: {ours.raw[:200]!r}")
+                ag.problems.append(f"{case.name}: error bodies vllm {theirs.raw[:200]!r} weir {ours.raw[:200]!r}")
+            if ours.status == 400 and not err.get("param") and not case.name.endswith("malformed-json"):
+                ag.problems.append(f"{case.name}: weir's 400 names no param: {ours.raw[:200]!r}")
             continue
-        shape_cases += 1
+        if theirs.status != 200:
+            continue  # a deliberate status difference: weir answers, vLLM refuses
+        ag.shape_cases += 1
         if case.stream:
             mine = set().union(*(_shape(e) for e in ours.events)) if ours.events else set()
             their = set().union(*(_shape(e) for e in theirs.events)) if theirs.events else set()
@@ -537,31 +588,35 @@ def test_weir_answers_as_vllm_serve_does(stack, vllm_serve):
                 {p for p in keys if not fnmatch.fnmatchcase(p, "*.output[]*") and "incomplete_details." not in p}
                 for keys in (mine, their)
             )
-            known.append(f"{case.name}: {case.items_differ}")
+            ag.known.append(f"{case.name}: {case.items_differ}")
         odd = _unexplained(mine, their)
         if odd:
-            problems.append(f"{case.name}: keys only in vllm {sorted(odd & their)}, only in weir {sorted(odd & mine)}")
+            ag.problems.append(
+                f"{case.name}: keys only in vllm {sorted(odd & their)}, only in weir {sorted(odd & mine)}"
+            )
         else:
-            shapes += 1
+            ag.shapes += 1
         if case.exact:
-            output_cases += 1
-            a, b = _outputs(case, theirs), _outputs(case, ours)
+            ag.output_cases += 1
+            a, b = outputs_of(case, theirs), outputs_of(case, ours)
             if a == b:
-                outputs += 1
+                ag.outputs += 1
             elif case.known:
-                known.append(f"{case.name}: {case.known}")
+                ag.known.append(f"{case.name}: {case.known}")
             else:
-                problems.append(f"{case.name}: outputs differ:\n  vllm {a}\n  weir {b}")
+                ag.problems.append(f"{case.name}: outputs differ:\n  vllm {a}\n  weir {b}")
     if dump := os.environ.get("WEIR_DIFF_DUMP"):  # every answer, for a look at the differences
-        with open(dump, "w") as f:
-            json.dump(answers, f, indent=1, default=str)
-    print("\n" + "\n".join(_tool_rows(answers)))
-    print(
-        f"\ndifferential vs vllm serve: statuses {statuses}/{len(CORPUS)}, shapes {shapes}/{shape_cases}, "
-        f"deterministic outputs {outputs}/{output_cases} (known differences: {known or 'none'}), "
-        f"error bodies {errors}/{error_cases}"
-    )
-    assert not problems, "\n".join(problems)
+        with open(dump, "a") as f:
+            json.dump(ag.answers, f, indent=1, default=str)
+    return ag
+
+
+def test_weir_answers_as_vllm_serve_does(stack, vllm_serve):
+    weir_headers = {"authorization": f"Bearer {stackutil.KEY_ALPHA}"}
+    ag = _differential(CORPUS, vllm_serve, stack.envoy_url, weir_headers, _outputs, DELIBERATE_STATUS)
+    print("\n" + "\n".join(_tool_rows(ag.answers)))
+    print("\n" + ag.line("generation"))
+    assert not ag.problems, "\n".join(ag.problems)
 
 
 def _calls(a: Answer) -> tuple[list[tuple[str, str]], str | None, int | None, int]:
@@ -624,3 +679,115 @@ def _tool_rows(answers: dict[str, Any]) -> list[str]:
             cells.append(cell)
         rows.append(f"{case.name} | {cells[0]} | {cells[1]}")
     return rows
+
+
+# --- embeddings: vllm serve of models/tiny-embed against weir's embed_stack
+EMBED = stackutil.EMBED_MODEL
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello world!", "Paris is the capital of France."]
+EMBED_WIDTH = 128  # the tiny embedding model's hidden size
+VECTOR_TOLERANCE = 1e-6  # the same engine on the same tokens: measured equal, bit for bit
+
+
+def _e(name: str, exact: bool = True, **body: Any) -> Case:
+    return Case(name, "/v1/embeddings", {"model": EMBED, **body}, exact)
+
+
+EMBED_CORPUS: list[Case] = [
+    _e("embed-string", input=TEXTS[0]),
+    _e("embed-strings", input=TEXTS),
+    _e("embed-token-ids", input=IDS),
+    _e("embed-token-id-lists", input=[IDS, IDS[:3], [1, 50, 60]]),
+    _e("embed-float", input=TEXTS[1], encoding_format="float"),
+    _e("embed-base64", input=TEXTS, encoding_format="base64"),
+    _e("embed-base64-little", input=TEXTS[2], encoding_format="base64", endianness="little"),
+    _e("embed-base64-big", input=TEXTS[2], encoding_format="base64", endianness="big"),
+    _e("embed-dimensions", input=TEXTS, dimensions=32),
+    _e("embed-dimensions-full", input=TEXTS[0], dimensions=EMBED_WIDTH),
+    _e("embed-user", input=TEXTS[0], user="someone"),
+    _e("embed-special-tokens", input=TEXTS[0], add_special_tokens=True),
+    _e("embed-long", input="word " * 120),  # 242 tokens: within the 256-token context
+    # --- bad input
+    _e("embed-empty-list", input=[]),
+    _e("embed-unknown-model", input="x", model="no-such-model"),
+    _e("embed-no-input"),
+    _e("embed-bad-format", input="x", encoding_format="hex"),
+    _e("embed-dimensions-over-width", input="x", dimensions=EMBED_WIDTH + 1),
+    _e("embed-dimensions-zero", input="x", dimensions=0),
+    _e("embed-over-context", input="word " * 400),
+    _e("embed-id-out-of-vocab", input=[1, 10**6]),
+    _e("embed-negative-id", input=[1, -1]),
+    _e("embed-mixed-list", input=[1, "a"]),
+    _e("embed-bad-endianness", input="x", encoding_format="base64", endianness="middle"),
+    Case("embed-malformed-json", "/v1/embeddings", b'{"model": "tiny-embed", "input": '),
+    # --- vLLM's extensions weir refuses (EMBED_DELIBERATE_STATUS)
+    _e("embed-empty-string", input=""),
+    _e("embed-truncate", input=TEXTS[0], truncate_prompt_tokens=4),
+    _e("embed-float16", input=TEXTS[0], encoding_format="base64", embed_dtype="float16"),
+    _e("embed-no-activation", input=TEXTS[0], use_activation=False),
+    _e("embed-messages", messages=[{"role": "user", "content": "Hello"}]),
+]
+# Statuses that differ on purpose in the embeddings leg: case name -> (vLLM's, weir's, why)
+EMBED_DELIBERATE_STATUS: dict[str, tuple[int, int, str]] = {
+    "embed-truncate": (200, 400, "truncate_prompt_tokens: an input over the context is refused, never cut"),
+    "embed-float16": (200, 400, "embed_dtype: vectors are float32 only"),
+    "embed-no-activation": (200, 400, "use_activation false: vectors are always normalized"),
+    "embed-messages": (200, 400, "chat-style messages are not embedded (input is required)"),
+}
+
+
+def _vectors(body: dict) -> list[tuple[int, np.ndarray]]:
+    """The response's vectors as float32 arrays, base64 ones decoded in the byte order asked for."""
+    out = []
+    for d in body["data"]:
+        e = d["embedding"]
+        if isinstance(e, str):
+            order = ">" if body.get("_endianness") == "big" else "<"
+            out.append((d["index"], np.frombuffer(base64.b64decode(e), dtype=f"{order}f4").astype(np.float32)))
+        else:
+            out.append((d["index"], np.asarray(e, dtype=np.float32)))
+    return out
+
+
+class _Close:
+    """Vectors compared within VECTOR_TOLERANCE (and the largest difference kept, for the record)."""
+
+    largest = 0.0
+
+    def __init__(self, vectors: list[tuple[int, np.ndarray]]) -> None:
+        self.vectors = vectors
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Close) or [i for i, _ in self.vectors] != [i for i, _ in other.vectors]:
+            return False
+        for (_, a), (_, b) in zip(self.vectors, other.vectors, strict=True):
+            if a.shape != b.shape:
+                return False
+            _Close.largest = max(_Close.largest, float(np.abs(a - b).max()) if a.size else 0.0)
+            if not np.allclose(a, b, rtol=0, atol=VECTOR_TOLERANCE):
+                return False
+        return True
+
+    def __repr__(self) -> str:
+        return repr([(i, v.shape, v[:4].tolist()) for i, v in self.vectors])
+
+
+def _embed_outputs(case: Case, a: Answer) -> Any:
+    """What an embeddings answer must agree on: object, model, the vectors (their
+    indexes, widths, values within tolerance, norms) and the usage."""
+    body = dict(a.body)
+    if isinstance(case.body, dict):
+        body["_endianness"] = case.body.get("endianness")
+    vecs = _vectors(body)
+    norms = [round(float(np.linalg.norm(v)), 4) for _, v in vecs]
+    u = body["usage"]
+    return body["object"], body["model"], _Close(vecs), norms, (u["prompt_tokens"], u["total_tokens"])
+
+
+def test_weir_embeds_as_vllm_serve_does(embed_stack, vllm_serve_embed):
+    headers = {"authorization": f"Bearer {stackutil.EMBED_KEY}"}
+    _Close.largest = 0.0
+    ag = _differential(
+        EMBED_CORPUS, vllm_serve_embed, embed_stack.envoy_url, headers, _embed_outputs, EMBED_DELIBERATE_STATUS
+    )
+    print("\n" + ag.line("embeddings") + f"; largest vector difference {_Close.largest:g}")
+    assert not ag.problems, "\n".join(ag.problems)

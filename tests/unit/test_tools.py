@@ -135,6 +135,17 @@ AUTO_TEXTS = [
     '<tool_call>\n{"arguments": {"q": "}]\\"{"}, "name": "now"}\n</tool_call>',
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Os',  # cut by max_tokens
 ]
+LLAMA_TEXTS = [
+    '{"name": "get_weather", "parameters": {"city": "Ösló"}}',
+    '<|python_tag|>{"name": "now", "arguments": {"x": [1, "}]"]}}; {"name": "get_weather", "parameters": {}}',
+    '  {"parameters": {"q": "{"}, "name": "now"}',  # leading whitespace; the name after the arguments
+    '{"name": "get_weather", "parameters": {"city": "Os',  # cut by max_tokens
+    'Here: {"name": "now", "arguments": {}}',  # not at the start: content (vLLM's streaming parser)
+    '{"foo": 1}',  # no name: content
+    "{not json",
+    "<|python_t",
+    "plain text",
+]
 REQUIRED_TEXTS = [
     '[{"name":"now","parameters":{}},{"name":"get_weather","parameters":{"city":"O\\"slo]}"}}]',
     '[{"name": "get_weather", "parameters": {"city": [1, {"a": null}]}}]',
@@ -145,14 +156,18 @@ REQUIRED_TEXTS = [
 
 @settings(max_examples=80, deadline=None)
 @given(
-    st.sampled_from([("auto", t) for t in AUTO_TEXTS] + [("required", t) for t in REQUIRED_TEXTS]),
+    st.sampled_from(
+        [("auto", "hermes", t) for t in AUTO_TEXTS]
+        + [("auto", "llama3_json", t) for t in LLAMA_TEXTS]
+        + [("required", "hermes", t) for t in REQUIRED_TEXTS]
+    ),
     st.lists(st.integers(1, 9), min_size=1, max_size=40),
 )
 def test_streamed_calls_equal_the_whole_responses(case, cuts):
     """However the text is split into engine steps, the streamed calls and
     content equal the whole response's."""
-    choice, text = case
-    spec = _spec(choice)
+    choice, parser, text = case
+    spec = _spec(choice, parser=parser)
     whole_content, whole_calls = extract_calls(spec, text)
     content, calls, _ = _stream(spec, _cut(text, cuts))
     assert calls == [(c.function.name, c.function.arguments) for c in whole_calls]
@@ -175,26 +190,52 @@ def test_whole_calls_are_the_generated_text_and_nothing_is_dropped():
     assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
         ("get_weather", '{"city": "Os')
     ]
+    # llama3_json: the calls' arguments as generated; a call not at the start is content
+    llama = _spec("auto", parser="llama3_json")
+    content, calls = extract_calls(llama, LLAMA_TEXTS[1])
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("now", '{"x": [1, "}]"]}'),
+        ("get_weather", "{}"),
+    ]
+    assert extract_calls(llama, LLAMA_TEXTS[4]) == (LLAMA_TEXTS[4], [])
     # no call could be read: the text is content, as vLLM returns it
     assert extract_calls(_spec("required"), REQUIRED_TEXTS[3]) == (REQUIRED_TEXTS[3], [])
     assert extract_calls(_spec("auto"), AUTO_TEXTS[3]) == (AUTO_TEXTS[3], [])
 
 
 @pytest.mark.parametrize(
-    "choice,text,name_at",
+    "choice,parser,text,name_at",
     [
-        ("required", '[{"name":"get_weather","parameters":{"city":"Oslo"}}]', len('[{"name":"get_weather"')),
+        (
+            "required",
+            "hermes",
+            '[{"name":"get_weather","parameters":{"city":"Oslo"}}]',
+            len('[{"name":"get_weather"'),
+        ),
         (
             "auto",
+            "hermes",
             'Hi<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
             len('Hi<tool_call>{"name": "get_weather"'),
         ),
+        (
+            "auto",
+            "llama3_json",
+            '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+            len('{"name": "get_weather"'),
+        ),
+        (
+            "auto",
+            "llama3_json",
+            '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+            len('<|python_tag|>{"name": "get_weather"'),
+        ),
     ],
 )
-def test_a_call_streams_as_it_forms(choice, text, name_at):
+def test_a_call_streams_as_it_forms(choice, parser, text, name_at):
     """One character per engine step: the call's id, type and name come in
     the step that closes the name, then each step's argument text."""
-    _, calls, per_feed = _stream(_spec(choice), list(text))
+    _, calls, per_feed = _stream(_spec(choice, parser=parser), list(text))
     first = next(i for i, bodies in enumerate(per_feed) if any("tool_calls" in b for b in bodies))
     assert first == name_at - 1
     args = [
@@ -301,3 +342,62 @@ def test_chat_options_from_zeromq_are_checked_not_trusted(opts, param):
     with pytest.raises(BadInput) as e:
         ModelPrompts(None).tokenize(sub)
     assert e.value.param == param
+
+
+def _auto_spec(tools: list[dict], choice=None, parallel=None, parser="hermes", auto=True):
+    spec = tool_spec(msgspec.convert(tools, list[ChatTool]), choice, parallel)
+    assert spec is not None
+    spec.parser, spec.auto_enabled = parser, auto
+    return spec
+
+
+STRICT = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
+LOOSE = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+NOT_STRICT = {"type": "function", "function": {"name": "h", "strict": False}}
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "parallel", "parser", "auto", "constrained"),
+    [
+        ([LOOSE], None, None, "hermes", True, False),  # auto, nothing strict: free (vLLM's default)
+        ([LOOSE, NOT_STRICT], "auto", True, "hermes", True, False),
+        ([LOOSE, STRICT], None, None, "hermes", True, True),  # one strict tool constrains auto
+        ([STRICT], "auto", None, "llama3_json", True, True),
+        ([LOOSE], "auto", False, "hermes", True, True),  # one call only: the envelope is in the grammar
+        ([STRICT], "none", None, "hermes", True, False),
+        ([STRICT], "required", None, "hermes", True, False),  # required / named: tool_constraint's schema
+        ([STRICT], "auto", None, "hermes", False, False),  # auto not enabled: no calls are read
+        ([STRICT], "auto", None, None, True, False),  # no parser
+        ([STRICT], "auto", None, "pythonic", True, False),  # a parser weir has no tag for
+    ],
+)
+def test_auto_is_constrained_where_vllm_constrains_it(tools, choice, parallel, parser, auto, constrained):
+    spec = _auto_spec(tools, choice, parallel, parser, auto)
+    assert api.tools.constrains_auto(spec) is constrained
+    so = api.tools.auto_constraint(spec)
+    assert (so is not None) is constrained
+    sub = Submit("r", "m", kind=RequestKind.CHAT, messages=[ChatMessage("user", "x")])
+    api.constrain_auto(sub, spec)
+    assert (sub.params is not None and sub.params.structured == so) is constrained
+
+
+def test_auto_constraint_pins_strict_tools_only_and_yields_to_response_format():
+    so = api.tools.auto_constraint(_auto_spec([LOOSE, STRICT], parallel=False))
+    assert so is not None and so.kinds() == ["structural_tag"]
+    fmt = json.loads(so.structural_tag or "")["format"]
+    assert fmt["triggers"] == ["<tool_call>"] and fmt["stop_after_first"] is True
+    schemas = {t["begin"]: t["content"]["json_schema"] for t in fmt["tags"]}
+    assert schemas['<tool_call>{"name": "f", "arguments": '] == {"type": "object"}  # strict: its schema
+    assert schemas['<tool_call>{"name": "g", "arguments": '] is True  # not strict: any JSON
+    # a request with its own structured output keeps it (its tools are read, not constrained)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [STRICT],
+        "response_format": {"type": "json_object"},
+    }
+    sub, ctx = api.parse_chat(json.dumps(body).encode(), api.RequestMeta(), "r")
+    assert ctx.tools is not None
+    ctx.tools.parser, ctx.tools.auto_enabled = "hermes", True
+    api.constrain_auto(sub, ctx.tools)
+    assert sub.params is not None and sub.params.structured is not None and sub.params.structured.json_object

@@ -253,3 +253,154 @@ def test_constrained_calls_are_compact_json_that_vllm_takes(choice):
     assert _is_grammar_accept_string(so.grammar, call)
     for loose in (call.replace(":", ": ", 1), call.replace("{", "{\n", 1), call.replace(",", " ,", 1)):
         assert not _is_grammar_accept_string(so.grammar, loose)
+
+
+LLAMA_STREAMS = [
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Ösló"}}',
+    '{"name": "now", "arguments": {"x": [1, 2]}}; {"name": "get_weather", "parameters": {"city": "Lima"}}',
+    '{"name": "get_weather", "parameters": {"city": "Os',  # cut by max_tokens
+    "plain text, no call",
+    'Here: {"name": "now", "arguments": {}}',  # not at the start: content in vLLM's streaming parser too
+]
+
+
+@pytest.mark.parametrize("text", LLAMA_STREAMS)
+def test_llama3_json_streams_as_vllms_parser(vllm_side, text):
+    """The same text, token by token, through vLLM's llama3_json streaming
+    parser and weir's: the same content, the same calls (arguments as JSON
+    values: vLLM re-serializes them, weir sends them as generated; a cut call's
+    as far as generated), and each call's name in the same engine step."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    from router.api.tools import ChoiceToolStream, chat_deltas
+
+    _, tok = vllm_side
+
+    class LlamaVocab:
+        def get_vocab(self) -> dict[str, int]:
+            return {"<|python_tag|>": 128010}
+
+    theirs_parser = ToolParserManager.get_tool_parser("llama3_json")(LlamaVocab())
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    )
+    # <|python_tag|> is one token of Llama 3 (tiny-llama spells it in characters): one step
+    tag = "<|python_tag|>" if text.startswith("<|python_tag|>") else ""
+    ids = tok.encode(text[len(tag) :], add_special_tokens=False)
+    steps, prev = [tag] if tag else [], ""
+    for k in range(1, len(ids) + 1):  # the engine's detokenized steps (an unfinished character waits)
+        cur = tok.decode(ids[:k])
+        if cur.endswith("\ufffd"):
+            continue
+        steps.append(cur[len(prev) :])
+        prev = cur
+    assert "".join(steps) == text
+
+    def collect(deltas_per_step):
+        content, calls, named_at = "", {}, []
+        for step, deltas in enumerate(deltas_per_step):
+            for d in deltas:
+                content += d.get("content") or ""
+                for tc in d.get("tool_calls") or []:
+                    f = tc.get("function") or {}
+                    slot = calls.setdefault(tc["index"], ["", ""])
+                    if f.get("name"):
+                        slot[0] += f["name"]
+                        named_at.append(step)
+                    slot[1] += f.get("arguments") or ""
+        return content, [slot for _, slot in sorted(calls.items())], named_at
+
+    theirs_steps, prev = [], ""
+    for piece in steps:
+        cur = prev + piece
+        d = theirs_parser.extract_tool_calls_streaming(prev, cur, piece, [], [], [], req)
+        theirs_steps.append([d.model_dump(exclude_none=True)] if d is not None else [])
+        prev = cur
+    spec = tool_spec(msgspec.convert(TOOLS, list[ChatTool]), "auto")
+    assert spec is not None
+    spec.parser, spec.auto_enabled = "llama3_json", True
+    mine = ChoiceToolStream(spec)
+    mine_steps = [chat_deltas(mine.feed(p)) for p in steps]
+    mine_steps[-1] += chat_deltas(mine.finish())
+    t_content, t_calls, t_named = collect(theirs_steps)
+    m_content, m_calls, m_named = collect(mine_steps)
+    assert m_content == t_content and m_named == t_named
+    assert [n for n, _ in m_calls] == [n for n, _ in t_calls]
+    for (_, m_args), (_, t_args) in zip(m_calls, t_calls, strict=True):
+        try:
+            assert json.loads(m_args) == json.loads(t_args)
+        except ValueError:  # a cut call: vLLM sends only the arguments' settled prefix
+            assert m_args.replace(" ", "").startswith(t_args.replace(" ", ""))
+
+
+LOOSE_TOOLS = [TOOLS[0], {"type": "function", "function": {"name": "now"}}]
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}, LOOSE_TOOLS[1]]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize(
+    "tools,parallel",
+    [(LOOSE_TOOLS, None), (STRICT_TOOLS, None), (STRICT_TOOLS, False), (LOOSE_TOOLS, False), (LOOSE_TOOLS, True)],
+)
+def test_auto_constraint_is_vllms_structural_tag(vllm_side, parser, tools, parallel):
+    """``auto`` is constrained exactly where vLLM 0.32's default (--tool-strict-level
+    auto) constrains it, by the same structural tag (its parser's adjust_request),
+    and the tag compiles and does what it says: free text, then a strict tool's
+    arguments must follow its schema."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.parser_manager import ParserManager
+    from xgrammar.testing import _is_grammar_accept_string
+
+    _, tok = vllm_side
+
+    class Vocab:  # llama3_json insists on Llama 3's tag in the vocabulary, which tiny-llama lacks
+        def get_vocab(self) -> dict[str, int]:
+            return {"<|python_tag|>": 128010}
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    parser_cls = ParserManager.get_parser(tool_parser_name=parser, enable_auto_tools=True)
+    assert parser_cls is not None
+    theirs = parser_cls(Vocab() if parser == "llama3_json" else tok, None).adjust_request(
+        ChatCompletionRequest.model_validate(body)
+    )
+    theirs_tag = theirs.structured_outputs.structural_tag if theirs.structured_outputs else None
+    spec = tool_spec(msgspec.convert(tools, list[ChatTool]), None, parallel)
+    assert spec is not None
+    spec.parser, spec.auto_enabled = parser, True
+    from router.api.tools import auto_constraint
+
+    so = auto_constraint(spec)
+    mine_tag = so.structural_tag if so is not None else None
+    assert (mine_tag is None) == (theirs_tag is None)
+    if mine_tag is None:
+        return
+    assert json.loads(mine_tag) == json.loads(theirs_tag)
+    # the worker hands it to vLLM, whose own validation takes it
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    from engine_worker.vllm_engine import vllm_params
+    from shared.protocol import SamplingParams
+
+    params = vllm_params(SamplingParams(max_tokens=16, structured=so))
+    assert params.structured_outputs is not None and params.structured_outputs.structural_tag == mine_tag
+    validate_xgrammar_grammar(params)
+    if parser == "hermes":
+        good = 'I will. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+        bad = '<tool_call>{"name": "get_weather", "arguments": {"town": 1}}</tool_call>'
+        loose = '<tool_call>{"name": "now", "arguments": {"anything": [1]}}</tool_call>'
+    else:
+        good = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+        bad = '{"name": "get_weather", "parameters": {"town": 1}}'
+        loose = '{"name": "now", "parameters": {"anything": [1]}}'
+    import xgrammar as xgr
+
+    compiled = str(xgr.Grammar.from_structural_tag(mine_tag))
+    assert _is_grammar_accept_string(compiled, good)
+    assert _is_grammar_accept_string(compiled, loose)  # not strict: any JSON arguments
+    assert _is_grammar_accept_string(compiled, "just text") or not spec.parallel
+    strict = any(t["function"].get("strict") for t in tools)
+    assert _is_grammar_accept_string(compiled, bad) is not strict
