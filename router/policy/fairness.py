@@ -21,6 +21,33 @@ from router.policy.records import WAITING, Entry
 
 EXACT_IDS = 64  # fairness ids with a line of their own, per tenant and queue
 OVERFLOW_LINES = 16  # the lines the ids beyond share
+WAIT_BUCKETS = 64  # the wait model's queued tokens per tenant and class, by hashed id (totals.AdmissionTotals)
+# Where its requests carry fairness ids, a tenant's queued work may reach this
+# many times what the wait bound admits of it without them: room for its
+# other users' requests once one user has filled the tenant's share
+# (router.policy.wait_model).  Served, it still gets only its share.
+TENANT_ROOM = 2.0
+
+
+def wait_bucket(fid: str) -> int:
+    return zlib.crc32(fid.encode("utf-8", "surrogatepass")) % WAIT_BUCKETS
+
+
+def tenant_ahead(own: int, tokens: int, by_id: dict[int, int], fid: str) -> int:
+    """Of its tenant's queued tokens in its class (``own``; ``by_id``: those of
+    requests with a fairness id, by ``wait_bucket``), what is served before a
+    new job of ``tokens`` with fairness id ``fid`` ("": none): its own line's,
+    and of every other line at most what its own line gets meanwhile (DRR,
+    equal shares).  Ids sharing a bucket count as one line: never less."""
+    plain = own - sum(by_id.values())  # the line of the empty id
+    mb = wait_bucket(fid) if fid else -1
+    mine = by_id.get(mb, 0) if fid else plain
+    cap = mine + tokens
+    ahead = mine + (min(plain, cap) if fid else 0)
+    for b, n in by_id.items():
+        if b != mb:
+            ahead += min(n, cap)
+    return ahead
 
 
 def line_of(fid: str, lines: dict[str, deque[Entry]]) -> str:

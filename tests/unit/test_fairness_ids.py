@@ -189,3 +189,64 @@ def test_the_fifo_baseline_ignores_fairness_ids():
     for j in jobs:
         fifo.submit(j, j.arrival)
     assert [serve_one(fifo, 2.0 + 0.01 * i) for i in range(21)] == jobs
+
+
+# ------------------------------------------------------------------ admission (the wait model)
+
+
+def bounded_policy() -> Policy:
+    """A 2 s wait bound on one 8-slot worker: a tenant alone is refused after ~180 jobs."""
+    cfg = msgspec.structs.replace(
+        SchedulerConfig(), classes=[ClassConfig(name="normal", max_predicted_wait_s=2.0, queue_deadline_s=60.0)]
+    )
+    p = Policy(cfg)
+    p.add_worker(WorkerSpec("w0", "m", Pool.ANY, 1 << 20, 16, 8, 1 << 16), 0.0)
+    return p
+
+
+def fill(p: Policy, fids, tenant: str = "platform") -> int:
+    """Submit jobs with the fairness ids ``fids`` yields until one is refused: how many were admitted."""
+    for n, fid in enumerate(fids):
+        refusal = p.submit(job(tenant, fid), 0.0)
+        if refusal is not None:
+            assert refusal.code in ("queue_wait_exceeded", "tenant_share_exceeded"), refusal
+            return n
+    raise AssertionError("never refused")
+
+
+def forever(fid: str):
+    while True:
+        yield fid
+
+
+def test_a_user_is_admitted_beside_another_user_who_filled_the_tenants_share():
+    """One user fills what the wait bound admits of its tenant (as many as
+    without ids: an id gains nothing); another user's requests are still
+    admitted, predicted to wait at most a round, not behind the whole flood."""
+    alone = fill(bounded_policy(), forever(""))
+    p = bounded_policy()
+    assert fill(p, forever("hog")) == alone
+    quiet = job("platform", "quiet")
+    assert p.submit(quiet, 0.0) is None
+    assert p.entries[quiet.job_id].predicted < 0.1 * p.admission.waits.bound[0]
+
+
+@SETTINGS
+@given(users=st.lists(st.integers(1, 300), min_size=1, max_size=12), fresh=st.booleans())
+def test_a_tenants_fairness_ids_hold_its_queue_to_twice_its_share_and_others_are_admitted(users, fresh):
+    """Users fill the tenant's queue one after another (or each request a
+    fresh id): the tenant never queues more than TENANT_ROOM times what it
+    may without ids, and another tenant's request is admitted meanwhile."""
+    from router.policy.fairness import TENANT_ROOM
+
+    alone = fill(bounded_policy(), forever(""))
+    p = bounded_policy()
+    total = 0
+    for u, most in enumerate(users):
+        ids = (f"fresh-{u}-{i}" if fresh else f"user-{u}" for i in range(most))
+        for fid in ids:
+            if p.submit(job("platform", fid), 0.0) is not None:
+                break
+            total += 1
+    assert total <= TENANT_ROOM * alone + 1
+    assert p.submit(job("other"), 0.0) is None
