@@ -67,7 +67,7 @@ class FairLines:
     ``popleft``), ``popleft()`` that entry was served.  Dead entries (that
     left without being served) are skipped lazily, as in the queue."""
 
-    __slots__ = ("quantum", "lines", "active", "deficit", "visited")
+    __slots__ = ("quantum", "lines", "active", "deficit", "visited", "picked")
 
     def __init__(self, quantum: int, plain: deque[Entry]) -> None:
         self.quantum = quantum
@@ -75,6 +75,7 @@ class FairLines:
         self.active: deque[str] = deque()  # round-robin order of lines with work
         self.deficit: dict[str, float] = {}
         self.visited = False  # the front line got its quantum for this visit
+        self.picked: Entry | None = None  # the last pick, while nothing joined or was served since
         if plain:  # what the tenant queued before: the line of the empty id
             self.lines[""] = plain
             self.active.append("")
@@ -82,6 +83,7 @@ class FairLines:
 
     def line_for(self, e: Entry) -> deque[Entry]:
         """The line ``e`` joins (active from now on): the caller inserts it."""
+        self.picked = None  # (a requeued entry may go ahead of the pick in its line)
         lines = self.lines
         k = line_of(e.job.fairness_id, lines)
         dq = lines.get(k)
@@ -106,6 +108,13 @@ class FairLines:
 
     def pick(self) -> Entry | None:
         """The entry served next (advances round state; idempotent until ``popleft``)."""
+        e = self.picked
+        if e is not None and e.state == WAITING:
+            return e  # (the queue asks up to three times per head it serves)
+        self.picked = e = self._pick()
+        return e
+
+    def _pick(self) -> Entry | None:
         active = self.active
         misses = 0
         while active:
@@ -151,6 +160,7 @@ class FairLines:
         e = self.pick()
         if e is None:
             raise IndexError("popleft from an empty FairLines")
+        self.picked = None
         k = self.active[0]
         self.lines[k].popleft()
         self.deficit[k] -= e.tokens

@@ -86,6 +86,8 @@ class TenantQueue:
 
     def _head(self, t: str) -> Entry | None:
         dq = self.tenants[t]
+        if isinstance(dq, FairLines):
+            return dq.pick()
         while dq and dq[0].state != WAITING:
             dq.popleft()
         return dq[0] if dq else None
@@ -104,12 +106,18 @@ class TenantQueue:
         while active:
             t = active[0]
             dq = self.tenants[t]  # (``_head``, inlined: this runs at every head served)
-            while dq and dq[0].state != WAITING:
-                dq.popleft()
-            if not dq:
-                self._deactivate_front()
-                continue
-            head = dq[0]
+            if dq.__class__ is FairLines:
+                head = dq.pick()
+                if head is None:
+                    self._deactivate_front()
+                    continue
+            else:
+                while dq and dq[0].state != WAITING:
+                    dq.popleft()
+                if not dq:
+                    self._deactivate_front()
+                    continue
+                head = dq[0]
             if not self.visited:
                 self.deficit[t] += self.quantum * self.weight[t]
                 self.visited = True
