@@ -250,3 +250,51 @@ def test_a_tenants_fairness_ids_hold_its_queue_to_twice_its_share_and_others_are
             total += 1
     assert total <= TENANT_ROOM * alone + 1
     assert p.submit(job("other"), 0.0) is None
+
+
+@SETTINGS
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["submit", "serve", "cancel", "reprice", "lose"]), st.integers(0, 50)),
+        max_size=120,
+    )
+)
+def test_the_wait_models_tokens_by_fairness_id_match_what_is_queued(ops):
+    """Whatever is submitted, served, cancelled, re-priced or requeued from a
+    lost worker, the wait model's per-id totals are those of the queued
+    entries, and are gone once nothing of a tenant is queued."""
+    from router.policy.fairness import wait_bucket
+    from router.policy.records import WAITING
+
+    p = policy()
+    p.add_worker(WorkerSpec("w1", "m", Pool.ANY, 1 << 24, 16, 2, 1 << 16), 0.0)
+    jobs: list[Job] = []
+    now = 0.0
+    for op, k in ops:
+        now += 0.01
+        if op == "submit":
+            j = job(f"t{k % 2}", ["", "a", "b", f"x{k}"][k % 4], 20 + 7 * k, t=now)
+            if p.submit(j, now) is None:
+                jobs.append(j)
+        elif op == "serve":
+            p.schedule(now)
+        elif op == "cancel" and jobs:
+            p.finish(jobs[k % len(jobs)].job_id, now)
+        elif op == "reprice" and jobs:
+            p.correct_prompt_tokens(jobs[k % len(jobs)].job_id, 1 + 11 * k)
+        elif op == "lose":
+            for jid in p.remove_worker("w1", now):
+                p.submit(
+                    p.entries[jid].job if jid in p.entries else next(j for j in jobs if j.job_id == jid),
+                    now,
+                    requeue=True,
+                )
+            p.add_worker(WorkerSpec("w1", "m", Pool.ANY, 1 << 24, 16, 2, 1 << 16), now)
+        want: dict[tuple[str, int], int] = {}
+        for e in p.entries.values():
+            if e.state == WAITING and e.job.fairness_id:
+                key = (e.job.tenant, wait_bucket(e.job.fairness_id))
+                want[key] = want.get(key, 0) + e.tokens
+        (m,) = p.models.values()
+        got = {(t, b): n for t, buckets in m.totals.by_id[0].items() for b, n in buckets.items()}
+        assert got == want
