@@ -125,6 +125,7 @@ async def serve(config_path: str | None, index: int = 0) -> None:
         "max_upload_bytes": cfg.batch.max_file_bytes if batches is not None else 0,
         "responses": ResponsesApi(core, response_store, lambda: core.keys.by_key),
         "admin_token": admin_token(cfg),
+        "session_headers": cfg.scheduler.session_headers,
     }
     servers = [await start_http_server(core, views, metrics, host, port, **http_options)]
     if cfg.router.admin_http:  # /admin/*, /metrics and /health on a port of their own (NetworkPolicies)

@@ -444,6 +444,10 @@ class SchedulerConfig(_Cfg):
     session_max: int = 100_000
     session_max_per_tenant: int = 10_000  # beyond: that tenant's own oldest session is forgotten
     session_load_bound: float = 0.8
+    # Header names a session id may come in besides the built-in ones
+    # (router/api/agent_headers.py SESSION_HEADERS), read after them in this
+    # order: lower-case HTTP header names, e.g. ["x-my-agent-session"].
+    session_headers: list[str] = []
     # LoRA adapters (router/policy/adapter_placement.py): a job under an adapter
     # prefers a worker holding it, then one with a free adapter slot; a worker
     # takes a job whose adapter it must load only while fewer than this many
@@ -615,6 +619,10 @@ class ConfigError(ValueError):
     pass
 
 
+# Headers that carry a credential: never read as anything else (a session id is kept in tables).
+_CREDENTIAL_HEADERS = frozenset(("authorization", "proxy-authorization", "x-api-key", "cookie"))
+
+
 def _validate(cfg: Config) -> None:
     names = [m.name for m in cfg.models]
     if len(set(names)) != len(names):
@@ -661,6 +669,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("scheduler: session_load_bound must be in (0, 1] and session_ttl_s > 0")
     if min(sc.session_max, sc.session_max_per_tenant) < 1:
         raise ConfigError("scheduler: session_max and session_max_per_tenant must be >= 1")
+    for name in sc.session_headers:
+        # an HTTP token, lower-case (as the router matches them); never a credential
+        if not re.fullmatch(r"[a-z0-9!#$%&'*+.^_`|~-]+", name) or name in _CREDENTIAL_HEADERS:
+            raise ConfigError(
+                f"scheduler.session_headers: {name!r} must be a lower-case HTTP header name, not a credential's"
+            )
     if any(c.ttft_target_ms < 0 for c in sc.classes):
         raise ConfigError("scheduler.classes: ttft_target_ms must be >= 0 (0: none)")
     for k in cfg.api_keys:

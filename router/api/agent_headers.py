@@ -1,7 +1,8 @@
 """The headers agents and other gateways send, in weir's terms (``Routing``).
 
 One table per concern, in order of precedence (the first header present
-wins); docs/api.md#agent-and-gateway-headers lists them.  Pure: the ingress
+wins; a deployment may add session headers, read after the built-in ones:
+``AgentHeaders``); docs/api.md#agent-and-gateway-headers lists them.  Pure: the ingress
 hands over the request's headers, a bad value is a 400 naming its header.
 
 Priorities run in opposite directions by vendor; each becomes a
@@ -13,7 +14,7 @@ request states can only lower its key's class: the least urgent one wins.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -129,9 +130,27 @@ def vllm_priority(n: int) -> PriorityHint:
     return PriorityHint(TOP, max(-64, min(64, n)))
 
 
-def routing_from_headers(headers: Mapping[bytes, bytes]) -> Routing | None:
+class AgentHeaders:
+    """The headers read, a deployment's own session headers
+    (``scheduler.session_headers``) after the built-in ones."""
+
+    __slots__ = ("session", "names")
+
+    def __init__(self, extra_session: Sequence[str] = ()) -> None:
+        extra = tuple(dict.fromkeys(b for n in extra_session if (b := n.encode("ascii")) not in SESSION_HEADERS))
+        self.session = SESSION_HEADERS + extra
+        self.names = HEADERS | frozenset(extra)  # what the ingress keeps of a request's headers
+
+    def routing(self, headers: Mapping[bytes, bytes]) -> Routing | None:
+        return routing_from_headers(headers, self)
+
+
+BUILT_IN = AgentHeaders()
+
+
+def routing_from_headers(headers: Mapping[bytes, bytes], agent: AgentHeaders = BUILT_IN) -> Routing | None:
     """The request's ``Routing`` from its (lower-case) headers; None without any."""
-    if HEADERS.isdisjoint(headers):
+    if agent.names.isdisjoint(headers):
         return None  # the common case: one set lookup per header the request has
     hints: list[PriorityHint] = []
     dyn = headers.get(DYNAMO_PRIORITY)
@@ -146,7 +165,7 @@ def routing_from_headers(headers: Mapping[bytes, bytes]) -> Routing | None:
             )
         hints.append(level)
     return Routing(
-        session=_id(headers, SESSION_HEADERS),
+        session=_id(headers, agent.session),
         parent_session=_id(headers, PARENT_HEADERS),
         session_final=_flag(headers, FINAL_HEADERS),
         hints=hints,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from router import api
+from router.api.agent_headers import AgentHeaders
 from router.lifecycle.models import ServedModel
 from router.lifecycle.ports import RequestSink
 from router.observe.metrics import RouterMetrics
@@ -64,7 +65,7 @@ class Generation(Protocol):
     def token_text(self, model: str) -> Any: ...
     def tool_parser(self, model: str) -> tuple[str | None, bool]: ...
 
-    def served_model(self, model: str) -> ServedModel | None: ...
+    def served_model(self, model: str, key: str = "") -> ServedModel | None: ...  # key: an alias's draw
 
     def identify(self, api_key: str | None) -> Identity | ErrorInfo: ...
 
@@ -117,6 +118,9 @@ class Server(Protocol):
 
     @property
     def max_buffered_bytes(self) -> int: ...  # a stream's unsent output beyond this, client not reading: dropped
+
+    @property
+    def agent(self) -> AgentHeaders: ...  # the agent and gateway headers it reads
 
     def flush_later(self, stream: Flushable) -> None: ...
 

@@ -31,7 +31,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import httptools
@@ -169,8 +169,11 @@ class _Ingress:
         responses: ResponsesApi | None = None,
         admin_token: str | None = None,
         admin_plane: bool = False,
+        session_headers: Sequence[str] = (),
     ):
         self.core = core
+        self.agent = agent_headers.AgentHeaders(session_headers)  # with scheduler.session_headers
+        self.wanted = _WANTED_HEADERS | self.agent.names  # what a connection keeps of the headers
         self.admin_token = admin_token  # /admin/*: router.ingress.routes.admin_allowed
         self.admin_plane = admin_plane  # router.admin_http: ADMIN_PLANE_PATHS only
         self.connections = connections  # open ones: what a drain waits on (``written_out``)
@@ -238,6 +241,7 @@ class HttpConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._body_limit = ingress.max_body_bytes
+        self._wanted = ingress.wanted
         self._streamed: _Request | None = None  # the request whose body goes to its sink as it arrives
         self._keep_alive = True
         self._http11 = True
@@ -352,7 +356,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        if name in _WANTED_HEADERS:
+        if name in self._wanted:
             held = self._headers.get(name)
             if held is not None and name in _KEY_HEADERS:  # sent twice: ", "-joined as Envoy's Lua reads it
                 value = held + b", " + value
@@ -495,8 +499,7 @@ class HttpConnection(asyncio.Protocol):
         else:
             self.run(req, label, *got)
 
-    @staticmethod
-    def meta(req: Request) -> api.RequestMeta:
+    def meta(self, req: Request) -> api.RequestMeta:
         """The headers a generation reads; a bad agent header raises api.RequestError."""
         meta = api.meta_from_headers(
             req.header(b"authorization"),
@@ -505,7 +508,7 @@ class HttpConnection(asyncio.Protocol):
             req.header(b"x-weir-task-type"),
             req.header(b"x-weir-allow-fallback"),
         )
-        meta.routing = agent_headers.routing_from_headers(req.headers)
+        meta.routing = self.ingress.agent.routing(req.headers)
         return meta
 
     def refuse(self, req: Request, info: ErrorInfo, label: str) -> None:
@@ -769,6 +772,7 @@ async def start_http_server(
     responses: ResponsesApi | None = None,
     admin_token: str | None = None,
     admin_plane: bool = False,
+    session_headers: Sequence[str] = (),
 ) -> asyncio.AbstractServer:
     """Serve the OpenAI-compatible API (``core``), health, metrics and admin
     views (``views``) and, given an ``operator``, the admin actions.
@@ -779,6 +783,7 @@ async def start_http_server(
     ``max_prompts``: a completion's most prompts (a longer list: 400).
     ``admin_token``: what /admin/* asks of a peer other than loopback (None: loopback only).
     ``admin_plane``: serve only /admin/*, /metrics and /health (router.admin_http's listener).
+    ``session_headers``: more headers a session id comes in (scheduler.session_headers).
     """
     conns = connections if connections is not None else set()
     ingress = _Ingress(
@@ -795,6 +800,7 @@ async def start_http_server(
         responses,
         admin_token,
         admin_plane,
+        session_headers,
     )
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: HttpConnection(ingress), host, port, reuse_address=True, backlog=2048)

@@ -44,13 +44,19 @@ def _answer(conn: Connection, req: Request, label: str, body: Callable[[], bytes
 def _tokenizer(conn: Connection, req: Request, model: str, label: str) -> tuple[ServedModel, Identity] | None:
     """The model's tokenizer and the caller, or None after answering why not.
     Where API keys are configured a valid one is needed, as for generation
-    (vLLM's --api-key guards only /v1/)."""
+    (vLLM's --api-key guards only /v1/).  An alias is resolved as generation
+    resolves it ([[aliases]]), drawn by the request's session header if any."""
     meta = api.meta_from_headers(req.header(b"authorization"), req.header(b"x-api-key"), None, None, None)
     who = conn.ingress.core.identify(meta.api_key)
     if not isinstance(who, Identity):
         conn.respond_error(req, who, label)
         return None
-    served = conn.ingress.core.served_model(model)
+    try:  # an alias: the model its session's requests go to first (without one, its first target)
+        routing = conn.ingress.agent.routing(req.headers)
+    except api.RequestError as e:
+        conn.respond_error(req, e.info, label)
+        return None
+    served = conn.ingress.core.served_model(model, routing.session if routing is not None else "")
     if served is None:
         conn.respond_error(
             req, error(Code.MODEL_NOT_FOUND, f"The model `{model}` does not exist.", param="model"), label

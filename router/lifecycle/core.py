@@ -195,8 +195,12 @@ class RouterCore:
             return None, False
         return served.config.tool_call_parser, served.config.enable_auto_tool_choice
 
-    def served_model(self, model: str) -> ServedModel | None:
-        """A model's config and tokenizer (/tokenize, echo of token ids); None: unknown."""
+    def served_model(self, model: str, key: str = "") -> ServedModel | None:
+        """A model's config and tokenizer (/tokenize, echo of token ids); None: unknown.
+        An alias: the model a request drawn by ``key`` (its session) is sent to first."""
+        chain = self.aliases.resolve(model, key, self.registry.serves)
+        if chain:
+            model = chain[0]
         return self.registry.get_or_base(model)  # (an adapter: its base's)
 
     def identify(self, api_key: str | None) -> Identity | p.ErrorInfo:

@@ -1,6 +1,7 @@
 """A request's ``Routing`` (shared.protocol: what agents and gateways said)
-onto the policy's ``Job``: its session for placement (router.policy.sessions)
-and its latency target for admission (router.policy.targets)."""
+onto the policy's ``Job``: its session for placement (router.policy.sessions),
+its latency target for admission (router.policy.targets) and its fairness
+id for the order inside its tenant (router.policy.fairness)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from shared.protocol import Routing
 
 
 def with_routing(job: Job, routing: Routing) -> Job:
-    """``job`` with what ``routing`` says of its session and its TTFT target."""
+    """``job`` with what ``routing`` says of its session, TTFT target and fairness id."""
     return replace(
         job,
         session=routing.session,
@@ -19,4 +20,5 @@ def with_routing(job: Job, routing: Routing) -> Job:
         session_final=routing.session_final,
         ttft_target_s=routing.ttft_target_ms / 1000.0,
         sheddable=routing.sheddable,
+        fairness_id=routing.fairness_id,
     )

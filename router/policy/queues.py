@@ -17,6 +17,7 @@ from bisect import bisect_right
 from collections import deque
 from operator import attrgetter
 
+from router.policy.fairness import FairLines
 from router.policy.records import WAITING, Entry
 from router.policy.types import LONG, SHORT
 from shared.config import SchedulerConfig
@@ -26,7 +27,8 @@ QueueKey = tuple[int, int]  # (class rank, size)
 
 class TenantQueue:
     """One (model, class, size) queue: FIFO per tenant, deficit round robin
-    by tokens across tenants.  Entries that left (finish) are skipped lazily."""
+    by tokens across tenants (and inside a tenant across its fairness ids:
+    fairness.FairLines).  Entries that left (finish) are skipped lazily."""
 
     __slots__ = (
         "rank",
@@ -48,7 +50,8 @@ class TenantQueue:
         self.size = size
         self.quantum = max(1, quantum)
         self.by_tenant = by_tenant  # False: one FIFO for everyone (FifoOrder)
-        self.tenants: dict[str, deque[Entry]] = {}
+        # a tenant's entries: a deque, or by fairness id once one is sent (fairness.FairLines)
+        self.tenants: dict[str, deque[Entry] | FairLines] = {}
         self.active: deque[str] = deque()  # round-robin order of tenants with work
         self.deficit: dict[str, float] = {}
         self.weight: dict[str, float] = {}
@@ -63,13 +66,14 @@ class TenantQueue:
         dq = self.tenants.get(t)
         if dq is None:
             dq = self.tenants[t] = deque()
-        if not dq:
-            if t not in self.deficit:
-                self.active.append(t)
-                self.deficit[t] = 0.0
+        if job.fairness_id and self.by_tenant and not isinstance(dq, FairLines):
+            dq = self.tenants[t] = FairLines(self.quantum, dq)  # its users share its turn from now on
+        if t not in self.deficit:  # (a tenant with entries is active: only an empty one is not)
+            self.active.append(t)
+            self.deficit[t] = 0.0
         w = job.weight
         self.weight[t] = w if w > 1e-3 else 1e-3  # max(1e-3, w), without the call
-        insert_by_arrival(dq, e)
+        insert_by_arrival(dq.line_for(e) if isinstance(dq, FairLines) else dq, e)
         e.queue = self
         self.count += 1
         self.tokens += e.tokens
@@ -82,6 +86,8 @@ class TenantQueue:
 
     def _head(self, t: str) -> Entry | None:
         dq = self.tenants[t]
+        if isinstance(dq, FairLines):
+            return dq.pick()
         while dq and dq[0].state != WAITING:
             dq.popleft()
         return dq[0] if dq else None
@@ -100,12 +106,18 @@ class TenantQueue:
         while active:
             t = active[0]
             dq = self.tenants[t]  # (``_head``, inlined: this runs at every head served)
-            while dq and dq[0].state != WAITING:
-                dq.popleft()
-            if not dq:
-                self._deactivate_front()
-                continue
-            head = dq[0]
+            if dq.__class__ is FairLines:
+                head = dq.pick()
+                if head is None:
+                    self._deactivate_front()
+                    continue
+            else:
+                while dq and dq[0].state != WAITING:
+                    dq.popleft()
+                if not dq:
+                    self._deactivate_front()
+                    continue
+                head = dq[0]
             if not self.visited:
                 self.deficit[t] += self.quantum * self.weight[t]
                 self.visited = True

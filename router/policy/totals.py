@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from router.policy.fairness import wait_bucket
 from router.policy.records import Entry
 from router.policy.types import PRIOR_JOBS, PRIOR_S, RATE_TAU_S
 
@@ -99,6 +100,7 @@ class AdmissionTotals:
         "decode",
         "tenants",
         "wsum",
+        "by_id",
         "fronts",
         "fronts_cap",
         "inflow",
@@ -113,6 +115,8 @@ class AdmissionTotals:
         # per class: tenant -> [queued tokens, queued entries, weight]; wsum: their weights' sum
         self.tenants: list[dict[str, list[float]]] = [{} for _ in range(n_classes)]
         self.wsum = [0.0] * n_classes
+        # per class: tenant -> queued tokens of its requests with a fairness id, by fairness.wait_bucket
+        self.by_id: list[dict[str, dict[int, int]]] = [{} for _ in range(n_classes)]
         # (class, tenant) -> when the work of everyone refused so far (and told
         # when to come back) will have drained: Retry-After spreads retries
         self.fronts: dict[tuple[int, str], float] = {}
@@ -159,8 +163,24 @@ class AdmissionTotals:
                 if row[1] <= 0:
                     del tab[t]
                     self.wsum[r] = self.wsum[r] - row[2] if tab else 0.0
+        if job.fairness_id:
+            self._by_id(r, t, job.fairness_id, tokens * sign)
         if now is not None and (queued > 0) != self.meter.busy:
             self.meter.set_busy(now, queued > 0)
+
+    def _by_id(self, r: int, tenant: str, fid: str, tokens: int) -> None:
+        tab = self.by_id[r]
+        buckets = tab.get(tenant)
+        if buckets is None:
+            buckets = tab[tenant] = {}
+        b = wait_bucket(fid)
+        n = buckets.get(b, 0) + tokens
+        if n > 0:
+            buckets[b] = n
+        else:
+            buckets.pop(b, None)
+            if not buckets:
+                del tab[tenant]
 
     def remeasure(self, now: float) -> None:
         """The fleet changed: what was measured no longer says what it drains;

@@ -101,6 +101,7 @@ class Job:
     ttft_target_s: float = 0.0
     sheddable: bool = False
     lora_id: int = 0  # the LoRA adapter it runs under (0: none): router.policy.adapter_placement
+    fairness_id: str = ""  # its end user inside its tenant (router.policy.fairness); "": none
 
 
 class DispatchJob(NamedTuple):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from router.policy import fairness
 from router.policy.model import ModelState
 from router.policy.queues import QueueOrder
 from router.policy.records import Entry
@@ -70,7 +71,7 @@ class WaitModel:
         # per class: how many classes, from the top, its jobs wait behind (a list: read per admission)
         self.classes_ahead = [order.classes_ahead(r) for r in range(len(classes))]
         # Ranked: tenants and classes ahead of it; a FIFO: everything queued.
-        self.ahead = self._ahead_ranked if order.ranked else self._ahead_all
+        self.ahead_parts = self._ahead_ranked if order.ranked else self._ahead_all
 
     # The work a new job waits for, in reserved tokens: all that is queued in
     # higher classes, plus -- in its own class, where tenants share by
@@ -83,28 +84,50 @@ class WaitModel:
     # higher classes fill the bound), a flooder is refused once the whole
     # class is full, and a tenant alone may fill all of it.  Over the drain
     # rate (drain_rate) that is seconds.  O(classes): no scan of the queue.
+    # Where the tenant's requests carry fairness ids, "own" is what its
+    # tenant is served before it (fairness.tenant_ahead: its own id's queued
+    # tokens, and of each other id's at most as much), so one user flooding
+    # its tenant's share does not make another user's request predicted late;
+    # the tenant's whole queue ("own" as without ids) is still held to
+    # fairness.TENANT_ROOM times the bound.
 
-    def _ahead_ranked(self, m: ModelState, e: Entry) -> tuple[float, float, float]:
+    def _ahead_ranked(self, m: ModelState, e: Entry) -> tuple[float, float, float, float]:
         """(tokens ahead of ``e``, its tenant's queued tokens + its own, the
-        other tenants' summed weight in its class)."""
+        other tenants' summed weight in its class, the tokens ahead of it
+        were its tenant's fairness ids ignored)."""
         rank = e.rank
         t = m.totals
-        row = t.tenants[rank].get(e.job.tenant)
+        job = e.job
+        row = t.tenants[rank].get(job.tenant)
         own = row[0] if row is not None else 0
         w_others = max(0.0, t.wsum[rank] - (row[2] if row is not None else 0.0))
         others = t.tokens[rank] - own
-        w = max(1e-3, e.job.weight)
-        ahead = sum(t.tokens[:rank]) + own + min(others, (own + e.tokens) * w_others / w)
-        return float(ahead), float(own + e.tokens), w_others
+        w = max(1e-3, job.weight)
+        higher = sum(t.tokens[:rank])
+        whole = higher + own + min(others, (own + e.tokens) * w_others / w)
+        by_id = t.by_id[rank].get(job.tenant)
+        if by_id is None and not job.fairness_id:
+            return float(whole), float(own + e.tokens), w_others, float(whole)
+        # of its tenant's, what is served before it: by fairness id (fairness.py)
+        mine = fairness.tenant_ahead(int(own), e.tokens, by_id or {}, job.fairness_id)
+        ahead = higher + mine + min(others, (mine + e.tokens) * w_others / w)
+        return float(ahead), float(own + e.tokens), w_others, float(whole)
 
-    def _ahead_all(self, m: ModelState, e: Entry) -> tuple[float, float, float]:
-        return float(sum(m.totals.tokens)), float(e.tokens), 0.0
+    def ahead(self, m: ModelState, e: Entry) -> tuple[float, float, float]:
+        """(tokens ahead of ``e``, its tenant's queued tokens + its own, the
+        other tenants' summed weight in its class)."""
+        ahead, mine, w_others, _ = self.ahead_parts(m, e)
+        return ahead, mine, w_others
+
+    def _ahead_all(self, m: ModelState, e: Entry) -> tuple[float, float, float, float]:
+        ahead = float(sum(m.totals.tokens))
+        return ahead, float(e.tokens), 0.0, ahead
 
     def admit(self, m: ModelState, e: Entry, bound: float, now: float) -> Refusal | None:
         """Admit ``e`` (recording its predicted wait) or refuse it with a Retry-After."""
         job = e.job
         t = m.totals
-        ahead, mine, w_others = self.ahead(m, e)
+        ahead, mine, w_others, whole = self.ahead_parts(m, e)
         rate = self.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
         if rate <= 0.0:
             return None  # nothing to predict from (no capacity known): the deadline still bounds
@@ -115,9 +138,10 @@ class WaitModel:
             inflow = sum(f.rate(now) for f in t.inflow[: e.rank])
             rate = max(0.05 * rate, rate - inflow)
         wait = ahead / rate
-        if wait <= bound:
+        if wait <= bound and whole <= fairness.TENANT_ROOM * bound * rate:
             e.predicted = wait
             return None
+        wait = max(wait, whole / rate / fairness.TENANT_ROOM)  # (refused for its tenant's whole queue)
         # Refused.  Retry-After: when this job's place in line -- behind what
         # is queued and behind everyone of its tenant and class refused before
         # it, each booked at its tenant's share of the drain rate -- will be

@@ -13,6 +13,9 @@ because its session sent it back to the same worker:
   it moved;
 * a sheddable request that cannot meet its TTFT target is refused with
   llm-d's dropped reason;
+* a session header of the config's own list passes Envoy and keeps a
+  session on its worker as the built-in ones do;
+* /tokenize resolves an alias;
 * aliases: listed in /v1/models, split by weight (a session's requests to
   one target), an absent target's requests answered by its fallback, and
   every response names the model that served it.
@@ -28,6 +31,7 @@ import stackutil
 from test_e2e_api import metric
 
 MODEL = "sim-tiny"
+CUSTOM_SESSION = "x-my-agent-session"  # [scheduler] session_headers
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +51,14 @@ def agent_stack(tmp_path_factory):
         aliases=[
             {"name": "agent", "targets": [{"model": MODEL, "weight": 1}, {"model": "sim-b", "weight": 1}]},
             {"name": "backup", "targets": [{"model": "sim-none"}], "fallbacks": [MODEL]},
+            {"name": "tok", "targets": [{"model": stackutil.VLLM_MODEL}]},  # (no worker: its tokenizer only)
         ],
-        scheduler={"placement": "round_robin", "prefix_affinity": False, "session_load_bound": 0.5},
+        scheduler={
+            "placement": "round_robin",
+            "prefix_affinity": False,
+            "session_load_bound": 0.5,
+            "session_headers": [CUSTOM_SESSION],
+        },
     )
     with stackutil.start_stack(cfg, d / "run") as s:
         yield s
@@ -110,6 +120,22 @@ def test_a_sessions_turns_stay_on_one_worker(agent_stack):
     for k in range(2, 6):
         assert _cached(_turn(s, _context("agent", k), hdr)) > 0, f"turn {k}"
     assert metric(s, "weir_policy_decisions_total", decision="session_sticky") == sticky + 4
+
+
+def test_a_configured_session_header_passes_envoy_and_tokenize_resolves_an_alias(agent_stack):
+    s = agent_stack
+    sticky = metric(s, "weir_policy_decisions_total", decision="session_sticky")
+    hdr = {CUSTOM_SESSION: "e2e-session-3"}
+    _turn(s, _context("own-header", 1), hdr)
+    for k in range(2, 4):
+        assert _cached(_turn(s, _context("own-header", k), hdr)) > 0, f"turn {k}"
+    assert metric(s, "weir_policy_decisions_total", decision="session_sticky") == sticky + 2
+    body = {"prompt": "Hello there"}
+    direct = requests.post(s.envoy_url + "/tokenize", json={"model": stackutil.VLLM_MODEL, **body}, timeout=10)
+    assert direct.status_code == 200, direct.text
+    via = requests.post(s.envoy_url + "/tokenize", json={"model": "tok", **body}, timeout=10)
+    assert via.status_code == 200, via.text
+    assert via.json() == direct.json()
 
 
 def test_a_session_moves_when_its_worker_is_saturated(agent_stack):

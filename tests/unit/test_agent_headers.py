@@ -176,3 +176,35 @@ def test_a_direct_client_sends_routing():
     r = p.Routing(session="s", parent_session="root", ttft_target_ms=200.0)
     sub = _submit("id", "m", "hi", None, 4, None, None, None, routing=r)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(sub), type=p.Submit).routing == r
+
+
+# ------------------------------------------------------------------ a deployment's own session headers
+
+
+def test_configured_session_headers_are_read_after_the_built_in_ones():
+    from router.api.agent_headers import AgentHeaders
+
+    agent = AgentHeaders(["x-my-agent-session", "x-session-id", "x-other"])  # a built-in one listed again: kept once
+    assert agent.session == (*SESSION_HEADERS, b"x-my-agent-session", b"x-other")
+    assert {b"x-my-agent-session", b"x-other"} <= agent.names and HEADERS <= agent.names
+    r = agent.routing({b"x-my-agent-session": b"s-1"})
+    assert r is not None and r.session == "s-1"
+    r = agent.routing({b"x-other": b"s-2", b"x-my-agent-session": b"s-1"})  # in the configured order
+    assert r is not None and r.session == "s-1"
+    r = agent.routing({b"x-my-agent-session": b"s-1", b"x-claude-code-session-id": b"cc"})  # a built-in wins
+    assert r is not None and r.session == "cc"
+    assert routing_from_headers({b"x-my-agent-session": b"s-1"}) is None  # not configured: not read
+    with pytest.raises(api.RequestError) as e:  # held to the same rules as the built-in ones
+        agent.routing({b"x-my-agent-session": b"x" * 300})
+    assert e.value.info.param == "x-my-agent-session"
+
+
+@pytest.mark.parametrize("name", ["X-Session", "x session", "x-api-key", "authorization", "cookie", ""])
+def test_a_configured_session_header_must_be_a_lower_case_name_and_no_credential(name):
+    from shared.config import ConfigError, loads
+
+    assert loads('[scheduler]\nsession_headers = ["x-my-agent-session"]\n').scheduler.session_headers == [
+        "x-my-agent-session"
+    ]
+    with pytest.raises(ConfigError, match="session_headers"):
+        loads(f"[scheduler]\nsession_headers = [{json.dumps(name)}]\n")
