@@ -153,6 +153,9 @@ class Dispatcher:
             self.placement.placed(m, worker_id)
         if job.lora_id:
             self.placement.adapters.dispatched(worker_id, job.lora_id, now)
+        targets = self.placement.targets
+        if targets is not None and targets.decoding:
+            targets.dispatched(job.job_id, w)
         if job.session and self.placement.sessions is not None:
             self.placement.sessions.placed(job, worker_id, now)
         if self.cfg.generation_deadline_s > 0:

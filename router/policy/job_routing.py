@@ -11,7 +11,7 @@ from shared.protocol import Routing
 
 
 def with_routing(job: Job, routing: Routing) -> Job:
-    """``job`` with what ``routing`` says of its session and its TTFT target."""
+    """``job`` with what ``routing`` says of its session and its latency targets."""
     return replace(
         job,
         session=routing.session,
@@ -19,4 +19,5 @@ def with_routing(job: Job, routing: Routing) -> Job:
         session_final=routing.session_final,
         ttft_target_s=routing.ttft_target_ms / 1000.0,
         sheddable=routing.sheddable,
+        tpot_target_s=routing.tpot_target_ms / 1000.0,
     )

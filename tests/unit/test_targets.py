@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from router.api.dropped import dropped_header
 from router.policy import DispatchJob, Job, Policy, WorkerSpec
+from router.policy.targets import FREE
 from shared.config import ClassConfig, SchedulerConfig
 from shared.errors import Code, Refusal
 from shared.protocol import Pool, TaskType
@@ -121,7 +122,7 @@ def test_first_tokens_count_attainment_calibrate_and_report_the_error():
     for k in range(60):
         jid = f"j{k}"
         assert p.submit(job(jid, target_ms=50), float(k)) is None
-        predicted, raw, _ = p.targets.pending[jid]
+        predicted, raw, *_ = p.targets.pending[jid]
         [a] = [a for a in p.schedule(float(k)) if isinstance(a, DispatchJob)]
         actual = 4.0 * raw  # the engine is 4x slower than the capacity model says
         p.first_token(jid, "m", actual)
@@ -129,7 +130,7 @@ def test_first_tokens_count_attainment_calibrate_and_report_the_error():
         ttft_observed.append(abs(actual - predicted) / actual)
     assert p.counters["ttft_target_met"] + p.counters["ttft_target_missed"] == 60
     assert ttft_observed[-1] < 0.1 < ttft_observed[0]  # learnt: the factor approaches 4
-    assert 3.5 < p.targets.factor["m"] <= 4.0
+    assert 3.5 < p.targets.factor[("m", FREE)] <= 4.0
     mape = p.snapshot(100.0)["ttft_prediction_mape"]
     assert mape is not None and 0.0 < mape < ttft_observed[0]
 
