@@ -31,7 +31,7 @@ import msgspec
 
 from shared.config import ClassConfig, SchedulerConfig, SimEngineConfig
 from simulation import des
-from simulation.des import Workload
+from simulation.des import Workload, occurred
 from simulation.driver import Driver, Kind, Record, SimWorker
 
 TARGET_S = 0.2
@@ -67,11 +67,25 @@ class Outcome:
     records: list[Record]
     counters: dict[str, int]
     mape_gauge: float | None  # the policy's own gauge (its last 1,000 predictions)
+    tpot_mape_gauge: float | None  # likewise, TPOT
     duration_s: float
     wall_s: float
 
     def _kind(self, name: str) -> list[Record]:
         return [r for r in self.records if r.kind == name]
+
+    def tpot_stats(self, tpot_target_s: float) -> dict[str, Any]:
+        """Of the interactive requests that completed: the share within ``tpot_target_s``."""
+        done = [r for r in self._kind("interactive") if r.outcome == "ok" and r.max_tokens > 1]
+        tpots = [(occurred(r.finished) - occurred(r.first_token)) / (r.max_tokens - 1) for r in done]
+        met = sum(1 for x in tpots if x <= tpot_target_s)
+        return {
+            "done": len(done),
+            "met": met,
+            "attainment": met / len(done) if done else math.nan,
+            "tpot_p50_s": des.percentile(sorted(tpots), 50),
+            "shed": self.counters.get("tpot_target_shed", 0),
+        }
 
     def target_stats(self, target_s: float = TARGET_S) -> dict[str, Any]:
         recs = self._kind("interactive")
@@ -144,7 +158,8 @@ def run_one(
     d.run(des.arrivals(workload), workload.duration_s + 600.0)
     p = d.routers[0]
     wall = time.perf_counter() - wall0
-    return Outcome(name, list(d.records.values()), dict(p.counters), p.targets.mape(), workload.duration_s, wall)
+    t = p.targets
+    return Outcome(name, list(d.records.values()), dict(p.counters), t.mape(), t.tpot_mape(), workload.duration_s, wall)
 
 
 def compare(
@@ -198,6 +213,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['goodput_rps']:.2f} | {b['tokens_per_s']:.0f} | {mape} | {o.wall_s:.1f} |",
             flush=True,
         )
+    if args.tpot_target_ms > 0:
+        print(f"\nTPOT target {args.tpot_target_ms:g} ms on the interactive half (of those completed)")
+        print("| policy | completed | TPOT shed | met TPOT target | TPOT p50 ms | TPOT MAPE (policy's gauge) |")
+        print("|---|---|---|---|---|---|")
+        for name, o in out.items():
+            t = o.tpot_stats(args.tpot_target_ms / 1e3)
+            g = "-" if o.tpot_mape_gauge is None else f"{o.tpot_mape_gauge * 100:.1f} %"
+            print(
+                f"| {name} | {t['done']} | {t['shed']} | {t['attainment'] * 100:.1f} % | "
+                f"{t['tpot_p50_s'] * 1e3:.2f} | {g} |"
+            )
     return 0
 
 

@@ -20,8 +20,9 @@ model and regime, where
   a step or two, a full fleet's is the wait for a release).
 
 TPOT predicted on a worker = one engine step at its decode load once the
-job joins (min(slots, running + other routers' + 1) sequences: the step
-time it registered, split into a fixed part and a part per sequence) x a
+job joins (min(slots, running + other routers' + 1) sequences; the step
+time it registered for a full batch, split into a fixed part and a part
+per sequence as the sim engine's calibration splits it) x a
 per-model factor calibrated by the TPOT observed when a job ends.
 
 The prediction errors of the last ``SAMPLES`` (|observed - predicted| /
@@ -61,11 +62,13 @@ TTFT_MET, TTFT_MISSED, TTFT_SHED, TPOT_MET, TPOT_MISSED, TPOT_SHED, GOODPUT = ra
 
 
 def step_parts(w: WorkerState) -> tuple[float, float]:
-    """(fixed, per sequence) seconds of one engine step on ``w``: its
-    registered full-batch step time split as the sim calibration splits it."""
+    """(fixed, per sequence) seconds of one engine step on ``w``: the sim
+    calibration's parts, scaled so that a full batch takes the step time it
+    registered (a slower engine is slower in both)."""
     spec = w.spec
     if spec.step_time_s is not None and spec.step_time_s > 0:
-        return DEFAULT_STEP_FIXED_S, max(0.0, spec.step_time_s - DEFAULT_STEP_FIXED_S) / max(1, spec.max_num_seqs)
+        scale = spec.step_time_s / (DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S * max(1, spec.max_num_seqs))
+        return DEFAULT_STEP_FIXED_S * scale, DEFAULT_STEP_PER_SEQ_S * scale
     return DEFAULT_STEP_FIXED_S, DEFAULT_STEP_PER_SEQ_S
 
 
