@@ -79,6 +79,7 @@ class Record:
     attempts: int = 0
     first_refusal: str = ""  # code of the first attempt's refusal, if it was refused
     predicted_ttft: float | None = None  # TTFT the policy predicted at admission (a job with a target)
+    ttft_regime: int = -1  # the prediction's regime (router.policy.targets: FREE, FULL)
 
 
 class Engine:
@@ -95,6 +96,10 @@ class Engine:
             max_num_seqs=w.max_num_seqs,
             max_model_len=w.max_model_len,
         )
+        c, default = w.engine, SimEngineConfig()
+        if (c.step_fixed_ms, c.decode_token_us) != (default.step_fixed_ms, default.decode_token_us):
+            # a slower (or faster) engine registers its full batch's step, as engine_worker.sim_engine does
+            self.spec.step_time_s = (c.step_fixed_ms * 1e3 + c.decode_token_us * w.max_num_seqs) / 1e6
         self.busy = False
         self.pending: StepResult | None = None
 
@@ -248,7 +253,7 @@ class Driver:
             rec.predicted = predicted if predicted >= 0.0 else None
         pending = p.targets.pending.get(job_id)
         if pending is not None:
-            rec.predicted_ttft = pending[0]
+            rec.predicted_ttft, rec.ttft_regime = pending[0], pending[3]
         self.owner[job_id] = r
         self.in_flight[r] += 1
         self._live += 1

@@ -13,8 +13,10 @@ model and regime, where
   work, the prefill of the prompt's uncached part (the prefix index's
   blocks there) and one engine step at its load (running sequences + 1);
   regime "full": every slot is taken: the mean time between slot releases
-  (the drain meter's released jobs over its seconds of backlog) plus its
-  own prefill and one step at a full batch;
+  (the drain meter's released jobs over its seconds of backlog; for a job
+  with a TPOT target, over the share of workers that meet it at a full
+  batch, since it waits for one of those) plus its own prefill and one
+  step at a full batch;
 * calibration: the observed / predicted ratio's moving average, per model
   and regime (the two err in opposite directions: a free slot's start is
   a step or two, a full fleet's is the wait for a release).
@@ -110,7 +112,8 @@ class Targets:
         self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
         # job id -> (predicted, raw, target, regime, its counts) TTFT: until its first token
         self.pending: dict[str, tuple[float, float, float, int, list[int]]] = {}
-        # job id -> [predicted, raw, target, TTFT missed (0/1), its counts] TPOT: until it ends
+        # job id -> [predicted, raw, target, TTFT missed (0/1), its counts, a worker meets it at a full
+        # batch] TPOT: until it ends
         self.decoding: dict[str, list[Any]] = {}
         # (model, class) -> counts by OUTCOMES: attainment and goodput (a job
         # that met every target it had: counted when the last is judged)
@@ -173,6 +176,10 @@ class Targets:
             else:  # (a cold fleet: one job's worth of the drain rate)
                 rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
                 gap = e.tokens / rate if rate > 0.0 else 0.0
+            if tpot_target > 0.0:  # it waits for a release on a worker that meets its TPOT target
+                share = self._full_meets(m, tpot_target)
+                if share > 0.0:
+                    gap /= share
             service = gap + self._floor(m, job)
         raw = wait + service
         return raw * self.factor.get((job.model, regime), 1.0), raw, regime
@@ -210,8 +217,22 @@ class Targets:
             if len(self.pending) < 1_000_000:  # (bounded: entries leave at first token or at the end)
                 self.pending[job.job_id] = (predicted, raw, target, regime, counts)
         if tpot_target > 0.0 and len(self.decoding) < 1_000_000:
-            self.decoding[job.job_id] = [tpot, tpot_raw_best, tpot_target, 0, counts]
+            # (and whether some worker meets it even at a full batch: then it waits for one that does)
+            meets = self._full_meets(m, tpot_target) > 0.0
+            self.decoding[job.job_id] = [tpot, tpot_raw_best, tpot_target, 0, counts, meets]
         return None
+
+    def _full_meets(self, m: ModelState, tpot_target: float) -> float:
+        """The share of usable workers that meet ``tpot_target`` even with a full batch."""
+        f = self.tpot_factor.get(m.name, 1.0)
+        n = meets = 0
+        for w in m.workers.values():
+            if w.healthy and w.gpu_block is None:
+                n += 1
+                fixed, per_seq = step_parts(w)
+                if (fixed + per_seq * w.slots) * f <= tpot_target:
+                    meets += 1
+        return meets / n if n else 0.0
 
     def dispatched(self, job_id: str, w: WorkerState) -> None:
         """A job with a TPOT target was placed on ``w``: predicted there (what its end is judged by)."""
@@ -239,15 +260,22 @@ class Targets:
 
     # ------------------------------------------------------------ placement
 
-    def place(self, job_id: str, cands: list[Candidate], now: float, arrival: float) -> list[float] | None:
+    def place(self, job_id: str, cands: list[Candidate], now: float, arrival: float, due: bool) -> list[float] | None:
         """A load scorer for a job with a target (None: it has none): each
         candidate's headroom to its targets, the smaller of TTFT's and
         TPOT's, as a fraction of the target (higher: more to spare); where
-        some candidates meet every target, the others score 4 less."""
+        some candidates meet every target, the others score 4 less.  An
+        empty list: none of them meets its TPOT target but a worker of its
+        model does even with a full batch, so it waits for one (unless it
+        is due: aging bounds that wait)."""
         t = self.pending.get(job_id)
         d = self.decoding.get(job_id)
         if t is None and d is None:
             return None
+        if d is not None and d[5] and not due:
+            target = d[2]
+            if all(self.tpot_s(w.spec.model, w) > target for w, _, _, _ in cands):
+                return []
         ttft_left = t[2] - (now - arrival) if t is not None else 0.0
         scores = []
         meets = False
@@ -291,7 +319,7 @@ class Targets:
         got = self.decoding.pop(job_id, None)
         if got is None or tpot <= 0.0:
             return
-        predicted, raw, target, ttft_missed, counts = got
+        predicted, raw, target, ttft_missed, counts, _ = got
         met = tpot <= target
         self.counters["tpot_target_met" if met else "tpot_target_missed"] += 1
         counts[TPOT_MET if met else TPOT_MISSED] += 1

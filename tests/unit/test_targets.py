@@ -278,3 +278,20 @@ def test_attainment_and_goodput_are_counted_per_model_and_class_and_exposed():
     assert 'weir_target_requests_total{klass="normal",model="m",outcome="missed",target="ttft"} 1.0' in text
     assert 'weir_target_goodput_requests_total{klass="normal",model="m"} 2.0' in text
     assert "weir_tpot_prediction_error_ratio" in text
+
+
+def test_a_job_waits_for_a_worker_that_meets_its_tpot_target_rather_than_run_slowly():
+    p = _mixed_fleet()
+    for k in range(8):  # fill the fast worker (w1): plain jobs go to the least loaded, w0 first
+        assert p.submit(job(f"bg{k}"), 0.0) is None
+    p.schedule(0.0)
+    for k in range(8, 16):
+        assert p.submit(job(f"bg{k}"), 0.0) is None
+    p.schedule(0.0)
+    on_fast = [j for j in p.running_on("w1")]
+    assert len(on_fast) == 8 and len(p.running_on("w0")) == 8
+    p.finish(p.running_on("w0")[0], 0.1)  # a slot frees on the slow worker only
+    assert p.submit(_tpot_job("t", 20.0, sheddable=True), 0.1) is None  # w1 meets it even full: admitted
+    assert not [a for a in p.schedule(0.1) if isinstance(a, DispatchJob)]  # not run at w0's 100 ms a token
+    p.finish(on_fast[0], 0.2)
+    assert _placed(p, 0.2) == "w1"

@@ -188,8 +188,10 @@ class ScoredPlacement:
         targets = self.targets
         if cands and targets is not None and (targets.pending or targets.decoding):
             # a job with a target: where it is met with the most headroom
-            headroom = targets.place(job.job_id, cands, now, job.arrival)
+            headroom = targets.place(job.job_id, cands, now, job.arrival, due)
             if headroom is not None:
+                if not headroom:
+                    return None  # it waits for a worker that meets its TPOT target
                 load = (*load, lambda _ask, _cands: headroom)
         if cands:
             w, cost, _, _ = pick(ask, cands, load, self.affinity_scorers, self.margin)
