@@ -146,15 +146,22 @@ def test_an_ended_job_leaves_no_pending_prediction():
 @given(
     queued=st.integers(0, 30),
     target=st.floats(1.0, 10_000.0),
+    tpot=st.one_of(st.just(0.0), st.floats(0.1, 100.0)),
     sheddable=st.booleans(),
 )
-def test_only_sheddable_work_is_ever_shed(queued, target, sheddable):
+def test_only_sheddable_work_is_ever_shed(queued, target, tpot, sheddable):
     p = policy()
     busy(p, queued)
-    got = p.submit(job("x", target_ms=target, sheddable=sheddable), 0.0)
-    if got is not None:
+    x = job("x", target_ms=target, sheddable=sheddable)
+    x.tpot_target_s = tpot / 1000.0
+    got = p.submit(x, 0.0)
+    if got is not None:  # refused only if sheddable and a target is predicted missed
         assert sheddable and got.kind is Code.TARGET_UNATTAINABLE
-        assert p.targets.predict(p.models["m"], _entry(p), 0.0)[0] > target / 1000.0
+        ttft_late = p.targets.predict(p.models["m"], _entry(p), 0.0, tpot / 1000.0)[0] > target / 1000.0
+        tpot_late = tpot > 0.0 and p.targets.best_tpot(p.models["m"])[0] > tpot / 1000.0
+        assert ttft_late or tpot_late
+    else:
+        assert "x" in p.entries
 
 
 def _entry(p: Policy):
