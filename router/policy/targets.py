@@ -170,10 +170,8 @@ class Targets:
         regime = FREE
         if service is None:  # every slot taken: it waits for the next one to be released too
             regime = FULL
-            _, jobs, window = m.totals.meter._decay(now)
-            if jobs >= MIN_RELEASES and window > 0.0:
-                gap = window / jobs  # seconds of backlog per release
-            else:  # (a cold fleet: one job's worth of the drain rate)
+            gap = m.totals.meter.release_gap(now, MIN_RELEASES)
+            if gap is None:  # (a cold fleet: one job's worth of the drain rate)
                 rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
                 gap = e.tokens / rate if rate > 0.0 else 0.0
             if tpot_target > 0.0:  # it waits for a release on a worker that meets its TPOT target
@@ -243,15 +241,15 @@ class Targets:
 
     @staticmethod
     def _refuse(klass: str, what: str, target: float, predicted: float) -> Refusal:
-        unit, scale = ("ms", 1000.0)
+        """429 for a sheddable job predicted to miss its ``what`` ("TTFT", "TPOT") target (seconds)."""
         retry = max(MIN_RETRY_S, round(predicted - target, 1))
         return Refusal(
             Code.TARGET_UNATTAINABLE,
             retry,
             {
                 "message": (
-                    f"No worker can serve this request within its {what} target of {target * scale:g} {unit} "
-                    f"(predicted {predicted * scale:.0f} {unit}, class `{klass}`); it is sheddable, so it is "
+                    f"No worker can serve this request within its {what} target of {target * 1000:g} ms "
+                    f"(predicted {predicted * 1000:.1f} ms, class `{klass}`); it is sheddable, so it is "
                     f"refused now rather than served late. Retry later, or send it without "
                     f"x-weir-sheddable to have it served anyway."
                 )
