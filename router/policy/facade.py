@@ -173,14 +173,14 @@ class Policy:
         Releases exactly once; True iff this call released or removed something.
         ``tpot_s``: its tokens after the first came this far apart (0: unknown),
         which judges its TPOT target (router.policy.targets)."""
+        targets = self.targets
+        if targets.pending or targets.decoding:  # (also where the policy released it already: expired, aborted)
+            if tpot_s > 0.0 and targets.decoding:
+                targets.ended(job_id, tpot_s)
+            targets.forget(job_id)
         e = self.entries.get(job_id)
         if e is None:
             return False
-        targets = self.targets
-        if targets.pending or targets.decoding:
-            if tpot_s > 0.0 and targets.decoding:
-                targets.ended(job_id, e.job.model, tpot_s)
-            targets.forget(job_id)
         if e.state == WAITING:
             self.table.drop_queued(self.models.get(e.job.model), e, now)
             return True

@@ -113,7 +113,7 @@ class Targets:
         # job id -> (predicted, raw, target, regime, its counts) TTFT: until its first token
         self.pending: dict[str, tuple[float, float, float, int, list[int]]] = {}
         # job id -> [predicted, raw, target, TTFT missed (0/1), its counts, a worker meets it at a full
-        # batch] TPOT: until it ends
+        # batch, its model] TPOT: until it ends
         self.decoding: dict[str, list[Any]] = {}
         # (model, class) -> counts by OUTCOMES: attainment and goodput (a job
         # that met every target it had: counted when the last is judged)
@@ -217,7 +217,7 @@ class Targets:
         if tpot_target > 0.0 and len(self.decoding) < 1_000_000:
             # (and whether some worker meets it even at a full batch: then it waits for one that does)
             meets = self._full_meets(m, tpot_target) > 0.0
-            self.decoding[job.job_id] = [tpot, tpot_raw_best, tpot_target, 0, counts, meets]
+            self.decoding[job.job_id] = [tpot, tpot_raw_best, tpot_target, 0, counts, meets, m.name]
         return None
 
     def _full_meets(self, m: ModelState, tpot_target: float) -> float:
@@ -312,12 +312,12 @@ class Targets:
             key = (model, regime)
             self.factor[key] = _learn(self.factor.get(key, 1.0), ttft / raw)
 
-    def ended(self, job_id: str, model: str, tpot: float) -> None:
+    def ended(self, job_id: str, tpot: float) -> None:
         """The job ended, its tokens after the first ``tpot`` seconds apart (0: unknown)."""
         got = self.decoding.pop(job_id, None)
         if got is None or tpot <= 0.0:
             return
-        predicted, raw, target, ttft_missed, counts, _ = got
+        predicted, raw, target, ttft_missed, counts, _, model = got
         met = tpot <= target
         self.counters["tpot_target_met" if met else "tpot_target_missed"] += 1
         counts[TPOT_MET if met else TPOT_MISSED] += 1

@@ -302,3 +302,28 @@ def test_a_job_waits_for_a_worker_that_meets_its_tpot_target_rather_than_run_slo
     assert not [a for a in p.schedule(0.1) if isinstance(a, DispatchJob)]  # not run at w0's 100 ms a token
     p.finish(on_fast[0], 0.2)
     assert _placed(p, 0.2) == "w1"
+
+
+def test_a_job_the_policy_ended_itself_leaves_no_prediction_behind_once_the_router_finishes_it():
+    """Expired in the queue or aborted at its generation deadline, the policy
+    has released it before the router's ``finish``: that call still drops
+    its predictions (they would stay for good), and judges its TPOT."""
+    classes = [ClassConfig(name="normal", queue_deadline_s=1.0, max_predicted_wait_s=0.0)]
+    p = policy(classes=classes, generation_deadline_s=5.0)
+    for k in range(4):  # every slot taken
+        assert p.submit(job(f"bg{k}", max_tokens=2000, klass="normal"), 0.0) is None
+    p.schedule(0.0)
+    assert p.submit(_tpot_job("waits", 50.0, ttft_ms=200.0), 0.0) is None
+    assert "waits" in p.targets.pending and "waits" in p.targets.decoding
+    assert any(getattr(a, "job_id", "") == "waits" for a in p.schedule(2.0))  # past its queue deadline: refused
+    p.finish("waits", 2.0)
+    assert "waits" not in p.targets.pending and "waits" not in p.targets.decoding
+    p.finish("bg0", 2.0)
+    runs = _tpot_job("runs", 50.0)
+    runs.arrival = 2.0
+    assert p.submit(runs, 2.0) is None
+    p.schedule(2.0)
+    p.first_token("runs", "m", 0.01)
+    assert any(getattr(a, "job_id", "") == "runs" for a in p.schedule(8.0))  # aborted at its generation deadline
+    p.finish("runs", 8.0, tpot_s=0.02)
+    assert not p.targets.decoding and p.counters["tpot_target_met"] == 1
