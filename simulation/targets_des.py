@@ -38,19 +38,28 @@ from simulation.driver import Driver, Kind, Record, SimWorker
 TARGET_S = 0.2
 
 
-def mix(target_s: float = TARGET_S, tpot_target_s: float = 0.0) -> tuple[Kind, Kind]:
-    """(interactive, batch): half each, two tenants of one class."""
+def mix(target_s: float = TARGET_S, tpot_target_s: float = 0.0, classes: bool = False) -> tuple[Kind, Kind]:
+    """(interactive, batch): half each, two tenants of one class (``classes``:
+    the interactive half in class ``high``, the batch half in ``batch``)."""
     interactive = Kind(
         "interactive",
         0.5,
         prompt=(128, 1024),
         max_tokens=(16, 128),
+        klass="high" if classes else "normal",
         tenants=("app",),
         ttft_target_s=target_s,
         tpot_target_s=tpot_target_s,
         sheddable=True,
     )
-    batch = Kind("batch", 0.5, prompt=(256, 2048), max_tokens=(256, 1024), tenants=("bulk",))
+    batch = Kind(
+        "batch",
+        0.5,
+        prompt=(256, 2048),
+        max_tokens=(256, 1024),
+        klass="batch" if classes else "normal",
+        tenants=("bulk",),
+    )
     return interactive, batch
 
 
@@ -189,12 +198,13 @@ def compare(
     policies: tuple[str, ...] = tuple(POLICIES),
     max_num_seqs: int = 32,
     slow: int = 0,
+    classes: bool = False,
 ) -> tuple[float, float, dict[str, Outcome]]:
     """(capacity jobs/s, offered jobs/s, {policy: Outcome}) on the same arrivals."""
     workers = fleet(n_workers, max_num_seqs, slow=slow)
-    kinds = mix(target_s, tpot_target_s)
+    kinds = mix(target_s, tpot_target_s, classes)
     # (the probe's requests carry no target: FIFO would shed the sheddable half)
-    capacity = des.saturation_rate(workers, mix(0.0), probe_rate=100.0 * n_workers)
+    capacity = des.saturation_rate(workers, mix(0.0, 0.0, classes), probe_rate=100.0 * n_workers)
     rate = load * capacity
     wl = Workload(kinds, rate, duration_s, seed)
     return capacity, rate, {name: run_one(name, workers, wl) for name in policies}
@@ -209,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tpot-target-ms", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--slow", type=int, default=0, help="this many of the workers step twice as slowly")
+    ap.add_argument(
+        "--classes", action="store_true", help="the interactive half in class high, the batch half in class batch"
+    )
     args = ap.parse_args(argv)
     cap, rate, out = compare(
         args.workers,
@@ -218,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         args.target_ms / 1e3,
         args.tpot_target_ms / 1e3,
         slow=args.slow,
+        classes=args.classes,
     )
     slow = f" ({args.slow} of them twice as slow)" if args.slow else ""
+    slow += "; interactive in class high, batch in class batch" if args.classes else ""
     print(
         f"{args.workers} sim workers x 32 seqs{slow}; capacity {cap:.1f} jobs/s (FIFO, backlogged); "
         f"offered {rate:.1f} jobs/s ({args.load:g}x) for {args.duration:g} s; "
