@@ -145,6 +145,9 @@ class Dispatcher:
         self.table.unqueue(m, e, now)
         if e.predicted >= 0.0:
             self.wait_samples[e.rank].append((e.predicted, now - job.arrival))
+        targets = self.placement.targets
+        if targets is not None and targets.decoding:
+            targets.dispatched(job.job_id, w)  # (its TPOT there, before it joins the count)
         self.reservations.reserve(m, e, w, cost)
         worker_id = w.spec.worker_id
         if job.block_hashes and self.affinity:
@@ -153,9 +156,6 @@ class Dispatcher:
             self.placement.placed(m, worker_id)
         if job.lora_id:
             self.placement.adapters.dispatched(worker_id, job.lora_id, now)
-        targets = self.placement.targets
-        if targets is not None and targets.decoding:
-            targets.dispatched(job.job_id, w)
         if job.session and self.placement.sessions is not None:
             self.placement.sessions.placed(job, worker_id, now)
         if self.cfg.generation_deadline_s > 0:
