@@ -381,6 +381,7 @@ class ClassConfig(_Cfg):
     # latency_target_unattainable) rather than served late.
     ttft_target_ms: float = 0.0
     sheddable: bool = False
+    tpot_target_ms: float = 0.0  # the class's time-per-output-token target (0: none)
 
 
 class SchedulerConfig(_Cfg):
@@ -677,6 +678,8 @@ def _validate(cfg: Config) -> None:
             )
     if any(c.ttft_target_ms < 0 for c in sc.classes):
         raise ConfigError("scheduler.classes: ttft_target_ms must be >= 0 (0: none)")
+    if any(c.tpot_target_ms < 0 for c in sc.classes):
+        raise ConfigError("scheduler.classes: tpot_target_ms must be >= 0 (0: none)")
     for k in cfg.api_keys:
         where = f"api key of tenant {k.tenant!r}"
         if k.tier not in classes:

@@ -42,7 +42,7 @@ class Code(enum.Enum):
     TENANT_QUEUE_FULL = (429, _RATE, "tenant_queue_full")
     QUEUE_WAIT_EXCEEDED = (429, _RATE, "queue_wait_exceeded")  # predicted wait over the class's bound
     TENANT_SHARE_EXCEEDED = (429, _RATE, "tenant_share_exceeded")  # ... and the tenant over its share
-    TARGET_UNATTAINABLE = (429, _RATE, "latency_target_unattainable")  # sheddable, TTFT target predicted missed
+    TARGET_UNATTAINABLE = (429, _RATE, "latency_target_unattainable")  # sheddable, TTFT/TPOT target predicted missed
     # Budgets (router/tenancy/budgets.py): OpenAI's own shape, code rate_limit_exceeded
     # and ``type`` naming the budget ("requests" or "tokens").
     REQUESTS_BUDGET = (429, "requests", "rate_limit_exceeded")
@@ -234,8 +234,9 @@ WHEN: dict[Code, str] = {
     Code.TENANT_QUEUE_FULL: "the tenant has `max_queue_per_tenant` requests queued (memory bound)",
     Code.QUEUE_WAIT_EXCEEDED: "the predicted queue wait is over the class's bound",
     Code.TENANT_SHARE_EXCEEDED: "the predicted wait is over the bound and this tenant alone is over its share",
-    Code.TARGET_UNATTAINABLE: "a sheddable request's TTFT target (`x-llm-d-slo-ttft-ms`, or its class's "
-    "`ttft_target_ms`) is predicted to be missed on every worker",
+    Code.TARGET_UNATTAINABLE: "a sheddable request's TTFT or TPOT target (`x-llm-d-slo-ttft-ms`, "
+    "`x-llm-d-slo-tpot-ms`, or its class's `ttft_target_ms`, `tpot_target_ms`) is predicted to be missed on "
+    "every worker",
     Code.REQUESTS_BUDGET: "a `requests_per_minute` budget is empty",
     Code.TOKENS_BUDGET: "a token budget cannot hold prompt + n × `max_tokens` now",
     Code.BUDGET_TOO_SMALL: "the request is larger than a token budget, or has more prompts or inputs than a "

@@ -42,6 +42,10 @@ class Kind:
     klass: str = "normal"
     tenants: tuple[str, ...] = ("t0",)
     task_type: TaskType = TaskType.AUTO
+    # latency targets its requests carry (router.policy.targets; 0: none)
+    ttft_target_s: float = 0.0
+    tpot_target_s: float = 0.0
+    sheddable: bool = False
 
 
 # (time, kind, tenant, prompt tokens, max_tokens)
@@ -74,6 +78,8 @@ class Record:
     submitted: float | None = None  # its last (admitted or refused) submission
     attempts: int = 0
     first_refusal: str = ""  # code of the first attempt's refusal, if it was refused
+    predicted_ttft: float | None = None  # TTFT the policy predicted at admission (a job with a target)
+    ttft_regime: int = -1  # the prediction's regime (router.policy.targets: FREE, FULL)
 
 
 class Engine:
@@ -90,6 +96,10 @@ class Engine:
             max_num_seqs=w.max_num_seqs,
             max_model_len=w.max_model_len,
         )
+        c, default = w.engine, SimEngineConfig()
+        if (c.step_fixed_ms, c.decode_token_us) != (default.step_fixed_ms, default.decode_token_us):
+            # a slower (or faster) engine registers its full batch's step, as engine_worker.sim_engine does
+            self.spec.step_time_s = (c.step_fixed_ms * 1e3 + c.decode_token_us * w.max_num_seqs) / 1e6
         self.busy = False
         self.pending: StepResult | None = None
 
@@ -111,7 +121,9 @@ class Driver:
     admitted job's predicted queue wait goes into its record.
     ``pass_each_instant``: a policy pass after every instant, not only after
     a router's state changed: a pass with nothing new can still place a job
-    (placement samples candidates in a large fleet).
+    (placement samples candidates in a large fleet).  ``targets``: jobs
+    carry their kind's latency targets (else they are sent without them); a
+    first token is reported to the policy as router.lifecycle.core reports it.
     """
 
     def __init__(
@@ -126,6 +138,7 @@ class Driver:
         retries: int = 0,
         record_predicted: bool = False,
         pass_each_instant: bool = False,
+        targets: bool = True,
     ) -> None:
         self.routers = [Policy(cfg) for _ in range(n_routers)]
         self.engines = {w.worker_id: Engine(w) for w in workers}
@@ -143,6 +156,7 @@ class Driver:
         self.retries = retries
         self.record_predicted = record_predicted
         self.pass_each_instant = pass_each_instant
+        self.targets = targets
         self.records: dict[str, Record] = {}
         self.owner: dict[str, int] = {}  # job id -> the router that admitted it
         self.in_flight = [0] * n_routers
@@ -221,7 +235,10 @@ class Driver:
         rec.attempts += 1
         rec.submitted = now
         p = self.routers[r]
-        err = p.submit(Job(job_id, MODEL, tenant, k.klass, prompt, max_tokens, k.task_type, now), now)
+        job = Job(job_id, MODEL, tenant, k.klass, prompt, max_tokens, k.task_type, now)
+        if self.targets and (k.ttft_target_s or k.tpot_target_s):
+            job.ttft_target_s, job.tpot_target_s, job.sheddable = k.ttft_target_s, k.tpot_target_s, k.sheddable
+        err = p.submit(job, now)
         if err is not None:
             rec.outcome = err.code or str(err.status)
             if rec.attempts == 1:
@@ -234,6 +251,9 @@ class Driver:
         if self.record_predicted:
             predicted = p.entries[job_id].predicted
             rec.predicted = predicted if predicted >= 0.0 else None
+        pending = p.targets.pending.get(job_id)
+        if pending is not None:
+            rec.predicted_ttft, rec.ttft_regime = pending[0], pending[3]
         self.owner[job_id] = r
         self.in_flight[r] += 1
         self._live += 1
@@ -247,12 +267,18 @@ class Driver:
             rec = self.records[rid]
             if rec.first_token is None:
                 rec.first_token = now
+                r = self.owner[rid]
+                if self.routers[r].targets.pending:  # (router.lifecycle.core: from its last submission)
+                    self.routers[r].first_token(rid, MODEL, now - (rec.submitted or rec.arrival))
             if fin is not None:
                 rec.finished, rec.outcome = now, "ok"
                 r = self.owner.pop(rid)
                 if self.ledgers is not None:
                     self.ledgers[worker_id].release(r, rid)
-                self.routers[r].finish(rid, now)
+                first = rec.first_token
+                tokens = min(rec.max_tokens, self.engines[worker_id].core.max_model_len - rec.prompt)
+                tpot = (now - first) / (tokens - 1) if tokens > 1 and now > first else 0.0
+                self.routers[r].finish(rid, now, tpot)
                 self.in_flight[r] -= 1
                 self._dirty.add(r)
                 self._live -= 1

@@ -44,6 +44,7 @@ SLOW = (
     "unit/test_k8s.py::test_kustomize_builds_what_the_renderer_validated",
     "unit/test_key_rule.py::test_envoy_and_router_agree_on_every_header_value",
     "unit/test_agents_des.py::test_weir_beats_the_baselines_on_agent_traffic",
+    "unit/test_targets_des.py",
     "inproc/test_batch_drain.py::test_a_drain_while_the_disk_is_full_hands_on_only_what_was_written",
     "inproc/test_tokenize_calls.py::test_another_tenants_prompt_and_call_go_before_a_backlog_of_long_calls",
 )

@@ -286,7 +286,9 @@ class RouterCore:
         del self.jobs[j.job_id]
         now = self.clock()
         if queued:
-            self.policy.finish(j.job_id, now)  # a no-op where the policy released it already
+            # (its TPOT so far judges a TPOT target: router.policy.targets)
+            tpot = (now - j.first_token_at) / (j.completion_tokens - 1) if j.completion_tokens > 1 else 0.0
+            self.policy.finish(j.job_id, now, tpot)  # a no-op where the policy released it already
         if abort_worker is not None:
             self.workers.abort(abort_worker, j.job_id)
         # usage counted, the unused part of its reservation returned: once (a

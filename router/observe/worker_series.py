@@ -150,3 +150,22 @@ def _queues(snap: dict[str, Any]) -> Iterator[str]:
         family = "weir_ttft_prediction_error_ratio"
         yield header(family, "Mean |observed - predicted| / observed TTFT of the last 1,000 predictions", "gauge")
         yield f"{family} {number(mape)}\n"
+    mape = snap.get("tpot_prediction_mape")
+    if mape is not None:  # (once a request with a TPOT target ended)
+        family = "weir_tpot_prediction_error_ratio"
+        yield header(family, "Mean |observed - predicted| / observed TPOT of the last 1,000 predictions", "gauge")
+        yield f"{family} {number(mape)}\n"
+    rows = snap.get("targets") or []
+    if rows:  # (router.policy.targets: per model and class, once a request with a target came)
+        family = "weir_target_requests_total"
+        yield header(family, "Requests with a latency target, by target and outcome (met, missed, shed)", "counter")
+        names = ["model", "klass", "target", "outcome"]
+        for row in rows:
+            for target in ("ttft", "tpot"):
+                for outcome in ("met", "missed", "shed"):
+                    labels = label_text(names, [row["model"], row["klass"], target, outcome])
+                    yield f"{family}{labels} {number(row[f'{target}_{outcome}'])}\n"
+        family = "weir_target_goodput_requests_total"
+        yield header(family, "Requests that met every latency target they had (its rate: goodput)", "counter")
+        for row in rows:
+            yield f"{family}{label_text(['model', 'klass'], [row['model'], row['klass']])} {number(row['goodput'])}\n"

@@ -127,8 +127,9 @@ class Admission:
         if targets is not None and not requeue:
             c = self.classes[rank]
             target = job.ttft_target_s or c.ttft_target_ms / 1000.0
-            if target > 0.0:
-                refusal = targets.admit(m, e, now, target, job.sheddable or c.sheddable, c.name)
+            tpot = job.tpot_target_s or c.tpot_target_ms / 1000.0
+            if target > 0.0 or tpot > 0.0:
+                refusal = targets.admit(m, e, now, target, tpot, job.sheddable or c.sheddable, c.name)
                 if refusal is not None:
                     return refusal
         key = self.keys[rank][size]

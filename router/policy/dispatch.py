@@ -145,6 +145,9 @@ class Dispatcher:
         self.table.unqueue(m, e, now)
         if e.predicted >= 0.0:
             self.wait_samples[e.rank].append((e.predicted, now - job.arrival))
+        targets = self.placement.targets
+        if targets is not None and targets.decoding:
+            targets.dispatched(job.job_id, w)  # (its TPOT there, before it joins the count)
         self.reservations.reserve(m, e, w, cost)
         worker_id = w.spec.worker_id
         if job.block_hashes and self.affinity:

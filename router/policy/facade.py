@@ -68,6 +68,7 @@ class Policy:
         )
         self.targets = Targets(self.waits, self.prefix, self.counters)
         self.admission.targets = self.targets
+        self.placement.targets = self.targets
         self.dispatcher = Dispatcher(
             cfg,
             self.classes,
@@ -167,14 +168,19 @@ class Policy:
         """When ``schedule`` has something to do next without news (None: nothing)."""
         return self.dispatcher.next_wakeup(now)
 
-    def finish(self, job_id: str, now: float) -> bool:
+    def finish(self, job_id: str, now: float, tpot_s: float = 0.0) -> bool:
         """A job ended (done, aborted, errored, cancelled; queued or running).
-        Releases exactly once; True iff this call released or removed something."""
+        Releases exactly once; True iff this call released or removed something.
+        ``tpot_s``: its tokens after the first came this far apart (0: unknown),
+        which judges its TPOT target (router.policy.targets)."""
+        targets = self.targets
+        if targets.pending or targets.decoding:  # (also where the policy released it already: expired, aborted)
+            if tpot_s > 0.0 and targets.decoding:
+                targets.ended(job_id, tpot_s)
+            targets.forget(job_id)
         e = self.entries.get(job_id)
         if e is None:
             return False
-        if self.targets.pending:
-            self.targets.forget(job_id)
         if e.state == WAITING:
             self.table.drop_queued(self.models.get(e.job.model), e, now)
             return True
@@ -313,6 +319,8 @@ class Policy:
             "counters": dict(self.counters),
             "policy": self.cfg.policy,
             "ttft_prediction_mape": self.targets.mape(),
+            "tpot_prediction_mape": self.targets.tpot_mape(),
+            "targets": self.targets.view(),
             "sessions": len(self.sessions),
         }
 

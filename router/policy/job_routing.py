@@ -12,7 +12,7 @@ from shared.protocol import Routing
 
 
 def with_routing(job: Job, routing: Routing) -> Job:
-    """``job`` with what ``routing`` says of its session, TTFT target and fairness id."""
+    """``job`` with what ``routing`` says of its session, its latency targets and its fairness id."""
     return replace(
         job,
         session=routing.session,
@@ -21,4 +21,5 @@ def with_routing(job: Job, routing: Routing) -> Job:
         ttft_target_s=routing.ttft_target_ms / 1000.0,
         sheddable=routing.sheddable,
         fairness_id=routing.fairness_id,
+        tpot_target_s=routing.tpot_target_ms / 1000.0,
     )

@@ -1,29 +1,41 @@
-"""Per-request latency targets: predict a job's time to first token at
-admission, refuse a sheddable one at once when no worker is predicted to
-meet its target, and learn from what is observed.
+"""Per-request latency targets: predict a job's time to first token (TTFT)
+and time per output token (TPOT) at admission, refuse a sheddable one at
+once when no worker is predicted to meet them, place it where they are met
+with the most headroom, and learn from what is observed.
 
-TTFT predicted = (queue wait + the best worker's service start) x a
-per-model calibration factor, where
+TTFT predicted = (queue wait + service start) x a calibration factor per
+model and regime, where
 
 * queue wait: what is queued ahead of it over the measured drain rate
-  (router.policy.wait_model), plus one job's drain when no worker has a free
-  slot;
-* service start, per worker with a free slot: its per-request engine work,
-  the prefill of the prompt's uncached part (the prefix index's blocks
-  there), and one engine step at its load (running sequences + 1);
-* calibration: the observed / predicted ratio's moving average, per model,
-  so what the capacity model misses (a slower engine, a loaded host) is
-  learnt from the requests that carry a target.
+  (router.policy.wait_model);
+* service start -- regime "free": a worker has a free slot (and, for a job
+  with a TPOT target, meets it): the soonest of its per-request engine
+  work, the prefill of the prompt's uncached part (the prefix index's
+  blocks there) and one engine step at its load (running sequences + 1);
+  regime "full": every slot is taken: the mean time between slot releases
+  (the drain meter's released jobs over its seconds of backlog; for a job
+  with a TPOT target, over the share of workers that meet it at a full
+  batch, since it waits for one of those) plus its own prefill and one
+  step at a full batch;
+* calibration: the observed / predicted ratio's moving average, per model
+  and regime (the two err in opposite directions: a free slot's start is
+  a step or two, a full fleet's is the wait for a release).
 
-The prediction error of the last ``SAMPLES`` (|observed - predicted| /
-observed) is kept: ``mape`` (reported in the policy's snapshot).  Only jobs
-with a target are predicted (the rest pay nothing).  Pure: no I/O.
+TPOT predicted on a worker = one engine step at its decode load once the
+job joins (min(slots, running + other routers' + 1) sequences; the step
+time it registered for a full batch, split into a fixed part and a part
+per sequence as the sim engine's calibration splits it) x a
+per-model factor calibrated by the TPOT observed when a job ends.
+
+The prediction errors of the last ``SAMPLES`` (|observed - predicted| /
+observed) are kept: ``mape`` and ``tpot_mape`` (the policy's snapshot).
+Only jobs with a target are predicted (the rest pay nothing).  Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from router.policy.types import (
     DEFAULT_PREFILL_TOKEN_S,
@@ -37,71 +49,138 @@ from shared.errors import Code, Refusal
 if TYPE_CHECKING:
     from router.fleet.prefix_index import PrefixIndex
     from router.policy.model import ModelState
-    from router.policy.records import Entry
+    from router.policy.placement.ask import Candidate
+    from router.policy.records import Entry, WorkerState
     from router.policy.wait_model import WaitModel
 
 SAMPLES = 1000
-ALPHA = 0.1  # weight of one observation in the calibration factor
+ALPHA = 0.1  # weight of one observation in a calibration factor
 MIN_FACTOR, MAX_FACTOR = 0.2, 5.0
+FREE, FULL = 0, 1  # TTFT regimes: a worker has a free slot / every slot is taken
+MIN_RELEASES = 8.0  # releases the drain meter must have seen before its mean gap is used
+# per (model, class) counts (``Targets.by_class``): the names, in their order
+OUTCOMES = ("ttft_met", "ttft_missed", "ttft_shed", "tpot_met", "tpot_missed", "tpot_shed", "goodput")
+TTFT_MET, TTFT_MISSED, TTFT_SHED, TPOT_MET, TPOT_MISSED, TPOT_SHED, GOODPUT = range(7)
+
+
+def step_parts(w: WorkerState) -> tuple[float, float]:
+    """(fixed, per sequence) seconds of one engine step on ``w``: the sim
+    calibration's parts, scaled so that a full batch takes the step time it
+    registered (a slower engine is slower in both)."""
+    spec = w.spec
+    if spec.step_time_s is not None and spec.step_time_s > 0:
+        scale = spec.step_time_s / (DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S * max(1, spec.max_num_seqs))
+        return DEFAULT_STEP_FIXED_S * scale, DEFAULT_STEP_PER_SEQ_S * scale
+    return DEFAULT_STEP_FIXED_S, DEFAULT_STEP_PER_SEQ_S
+
+
+def tpot_raw(w: WorkerState) -> float:
+    """Uncalibrated TPOT of a job joining ``w`` now: a step at its decode load with it."""
+    fixed, per_seq = step_parts(w)
+    n = len(w.running) + w.other_seqs + 1
+    return fixed + per_seq * (n if n < w.slots else w.slots)
 
 
 class Targets:
-    __slots__ = ("waits", "prefix", "counters", "factor", "pending", "errors")
+    __slots__ = (
+        "waits",
+        "prefix",
+        "counters",
+        "factor",
+        "tpot_factor",
+        "pending",
+        "decoding",
+        "errors",
+        "tpot_errors",
+        "by_class",
+    )
 
     def __init__(self, waits: WaitModel, prefix: PrefixIndex, counters: dict[str, int]) -> None:
         self.waits = waits
         self.prefix = prefix
         self.counters = counters
-        for k in ("ttft_target_shed", "ttft_target_met", "ttft_target_missed"):
+        for k in (
+            "ttft_target_shed",
+            "ttft_target_met",
+            "ttft_target_missed",
+            "tpot_target_shed",
+            "tpot_target_met",
+            "tpot_target_missed",
+        ):
             counters.setdefault(k, 0)
-        self.factor: dict[str, float] = {}  # per model: observed / raw predicted TTFT
-        self.pending: dict[str, tuple[float, float, float]] = {}  # job id -> (predicted, raw, target)
+        self.factor: dict[tuple[str, int], float] = {}  # (model, regime): observed / raw predicted TTFT
+        self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
+        # job id -> (predicted, raw, target, regime, its counts) TTFT: until its first token
+        self.pending: dict[str, tuple[float, float, float, int, list[int]]] = {}
+        # job id -> [predicted, raw, target, TTFT missed (0/1), its counts, a worker meets it at a full
+        # batch, its model] TPOT: until it ends
+        self.decoding: dict[str, list[Any]] = {}
+        # (model, class) -> counts by OUTCOMES: attainment and goodput (a job
+        # that met every target it had: counted when the last is judged)
+        self.by_class: dict[tuple[str, str], list[int]] = {}
         self.errors: deque[float] = deque(maxlen=SAMPLES)
+        self.tpot_errors: deque[float] = deque(maxlen=SAMPLES)
 
     # ------------------------------------------------------------ prediction
 
-    def service_s(self, m: ModelState, job: Job, now: float) -> float | None:
-        """The soonest a worker with a free slot starts ``job``'s first token
-        (None: none has one)."""
+    def tpot_s(self, model: str, w: WorkerState) -> float:
+        """Calibrated TPOT of a job joining ``w`` now."""
+        return tpot_raw(w) * self.tpot_factor.get(model, 1.0)
+
+    def best_tpot(self, m: ModelState) -> tuple[float, float]:
+        """(calibrated, raw) TPOT on the usable worker with the lightest decode
+        load (inf: none usable)."""
+        raw = min(
+            (tpot_raw(w) for w in m.workers.values() if w.healthy and w.gpu_block is None),
+            default=float("inf"),
+        )
+        return raw * self.tpot_factor.get(m.name, 1.0), raw
+
+    def service_s(self, m: ModelState, job: Job, now: float, tpot_target: float = 0.0) -> float | None:
+        """The soonest a worker with a free slot (and, given ``tpot_target``,
+        predicted to meet it) starts ``job``'s first token (None: none)."""
         hits = self.prefix.match(job.model, job.block_hashes, now) if job.block_hashes else None
         best: float | None = None
         prompt = max(1, job.prompt_tokens)
+        tf = self.tpot_factor.get(m.name, 1.0)
         for w in m.workers.values():
             n = len(w.running) + w.other_seqs
             if not w.healthy or w.gpu_block is not None or n >= w.slots:
                 continue
+            if tpot_target > 0.0 and tpot_raw(w) * tf > tpot_target:
+                continue
             spec = w.spec
             cached = hits.get(spec.worker_id, 0) * spec.block_size if hits else 0
-            per_seq = DEFAULT_STEP_PER_SEQ_S
-            if spec.step_time_s is not None and spec.step_time_s > 0:
-                per_seq = max(0.0, spec.step_time_s - DEFAULT_STEP_FIXED_S) / max(1, spec.max_num_seqs)
-            s = (
-                spec.request_s()
-                + max(0, prompt - cached) * DEFAULT_PREFILL_TOKEN_S
-                + DEFAULT_STEP_FIXED_S
-                + per_seq * (n + 1)
-            )
+            fixed, per_seq = step_parts(w)
+            s = spec.request_s() + max(0, prompt - cached) * DEFAULT_PREFILL_TOKEN_S + fixed + per_seq * (n + 1)
             if best is None or s < best:
                 best = s
         return best
 
-    def predict(self, m: ModelState, e: Entry, now: float) -> tuple[float, float]:
-        """(calibrated, raw) predicted TTFT of ``e`` on model ``m``, in seconds."""
+    def predict(self, m: ModelState, e: Entry, now: float, tpot_target: float = 0.0) -> tuple[float, float, int]:
+        """(calibrated, raw, regime) predicted TTFT of ``e`` on model ``m``, in seconds."""
         job = e.job
         wait = 0.0
-        rate = 0.0
         if m.totals.queued:
             ahead, _, _ = self.waits.ahead(m, e)
             rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
             if rate > 0.0:
                 wait = ahead / rate
-        service = self.service_s(m, job, now)
-        if service is None:  # every slot taken: it waits for one job's worth to drain too
-            if rate <= 0.0:
+        service = self.service_s(m, job, now, tpot_target)
+        regime = FREE
+        if service is None:  # every slot taken: it waits for the next one to be released too
+            regime = FULL
+            gap = m.totals.meter.release_gap(now, MIN_RELEASES)
+            if gap is None:  # (a cold fleet: one job's worth of the drain rate)
                 rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
-            service = (e.tokens / rate if rate > 0.0 else 0.0) + self._floor(m, job)
+                gap = e.tokens / rate if rate > 0.0 else 0.0
+            if tpot_target > 0.0:  # it waits for a release on a worker that meets its TPOT target
+                share = self._full_meets(m, tpot_target)
+                if share > 0.0:
+                    gap /= share
+            service = gap + self._floor(m, job)
         raw = wait + service
-        return raw * self.factor.get(job.model, 1.0), raw
+        return raw * self.factor.get((job.model, regime), 1.0), raw, regime
 
     @staticmethod
     def _floor(m: ModelState, job: Job) -> float:
@@ -111,29 +190,106 @@ class Targets:
 
     # ------------------------------------------------------------ admission
 
-    def admit(self, m: ModelState, e: Entry, now: float, target: float, sheddable: bool, klass: str) -> Refusal | None:
-        """Record ``e``'s prediction against its ``target`` (seconds); a
-        sheddable job predicted to miss it: refused."""
+    def admit(
+        self, m: ModelState, e: Entry, now: float, target: float, tpot_target: float, sheddable: bool, klass: str
+    ) -> Refusal | None:
+        """Record ``e``'s predictions against its targets (seconds, 0: none);
+        a sheddable job predicted to miss one: refused."""
         job = e.job
-        predicted, raw = self.predict(m, e, now)
-        if predicted > target and sheddable:
-            self.counters["ttft_target_shed"] += 1
-            retry = max(MIN_RETRY_S, round(predicted - target, 1))
-            return Refusal(
-                Code.TARGET_UNATTAINABLE,
-                retry,
-                {
-                    "message": (
-                        f"No worker can start this request within its TTFT target of {target * 1000:g} ms "
-                        f"(predicted {predicted * 1000:.0f} ms, class `{klass}`); it is sheddable, so it is "
-                        f"refused now rather than served late. Retry later, or send it without "
-                        f"x-weir-sheddable to have it served anyway."
-                    )
-                },
-            )
-        if len(self.pending) < 1_000_000:  # (bounded: entries leave at first token or at the end)
-            self.pending[job.job_id] = (predicted, raw, target)
+        counts = self.by_class.get((m.name, klass))
+        if counts is None:  # (bounded: models x configured classes)
+            counts = self.by_class[(m.name, klass)] = [0] * len(OUTCOMES)
+        tpot = tpot_raw_best = 0.0
+        if tpot_target > 0.0:
+            tpot, tpot_raw_best = self.best_tpot(m)
+            if tpot > tpot_target and sheddable:
+                self.counters["tpot_target_shed"] += 1
+                counts[TPOT_SHED] += 1
+                return self._refuse(klass, "TPOT", tpot_target, tpot)
+        if target > 0.0:
+            predicted, raw, regime = self.predict(m, e, now, tpot_target)
+            if predicted > target and sheddable:
+                self.counters["ttft_target_shed"] += 1
+                counts[TTFT_SHED] += 1
+                return self._refuse(klass, "TTFT", target, predicted)
+            if len(self.pending) < 1_000_000:  # (bounded: entries leave at first token or at the end)
+                self.pending[job.job_id] = (predicted, raw, target, regime, counts)
+        if tpot_target > 0.0 and len(self.decoding) < 1_000_000:
+            # (and whether some worker meets it even at a full batch: then it waits for one that does)
+            meets = self._full_meets(m, tpot_target) > 0.0
+            self.decoding[job.job_id] = [tpot, tpot_raw_best, tpot_target, 0, counts, meets, m.name]
         return None
+
+    def _full_meets(self, m: ModelState, tpot_target: float) -> float:
+        """The share of usable workers that meet ``tpot_target`` even with a full batch."""
+        f = self.tpot_factor.get(m.name, 1.0)
+        n = meets = 0
+        for w in m.workers.values():
+            if w.healthy and w.gpu_block is None:
+                n += 1
+                fixed, per_seq = step_parts(w)
+                if (fixed + per_seq * w.slots) * f <= tpot_target:
+                    meets += 1
+        return meets / n if n else 0.0
+
+    def dispatched(self, job_id: str, w: WorkerState) -> None:
+        """A job with a TPOT target was placed on ``w``: predicted there (what its end is judged by)."""
+        d = self.decoding.get(job_id)
+        if d is not None:
+            raw = tpot_raw(w)
+            d[0], d[1] = raw * self.tpot_factor.get(w.spec.model, 1.0), raw
+
+    @staticmethod
+    def _refuse(klass: str, what: str, target: float, predicted: float) -> Refusal:
+        """429 for a sheddable job predicted to miss its ``what`` ("TTFT", "TPOT") target (seconds)."""
+        retry = max(MIN_RETRY_S, round(predicted - target, 1))
+        return Refusal(
+            Code.TARGET_UNATTAINABLE,
+            retry,
+            {
+                "message": (
+                    f"No worker can serve this request within its {what} target of {target * 1000:g} ms "
+                    f"(predicted {predicted * 1000:.1f} ms, class `{klass}`); it is sheddable, so it is "
+                    f"refused now rather than served late. Retry later, or send it without "
+                    f"x-weir-sheddable to have it served anyway."
+                )
+            },
+        )
+
+    # ------------------------------------------------------------ placement
+
+    def place(self, job_id: str, cands: list[Candidate], now: float, arrival: float, due: bool) -> list[float] | None:
+        """A load scorer for a job with a target (None: it has none): each
+        candidate's headroom to its targets, the smaller of TTFT's and
+        TPOT's, as a fraction of the target (higher: more to spare); where
+        some candidates meet every target, the others score 4 less.  An
+        empty list: none of them meets its TPOT target but a worker of its
+        model does even with a full batch, so it waits for one (unless it
+        is due: aging bounds that wait)."""
+        t = self.pending.get(job_id)
+        d = self.decoding.get(job_id)
+        if t is None and d is None:
+            return None
+        if d is not None and d[5] and not due:
+            target = d[2]
+            if all(self.tpot_s(w.spec.model, w) > target for w, _, _, _ in cands):
+                return []
+        ttft_left = t[2] - (now - arrival) if t is not None else 0.0
+        scores = []
+        meets = False
+        for w, _, _, n in cands:
+            h = 1.0
+            if d is not None:
+                h = (d[2] - self.tpot_s(w.spec.model, w)) / d[2]
+            if t is not None:
+                fixed, per_seq = step_parts(w)
+                start = w.spec.request_s() + fixed + per_seq * (n + 1)
+                h = min(h, (ttft_left - start) / t[2])
+            meets = meets or h >= 0.0
+            scores.append(h)
+        if meets:  # (least_loaded scores 0..3: one that misses never wins over one that meets)
+            return [h if h >= 0.0 else h - 4.0 for h in scores]
+        return scores
 
     # ------------------------------------------------------------ observation
 
@@ -142,19 +298,55 @@ class Targets:
         got = self.pending.pop(job_id, None)
         if got is None or ttft <= 0.0:
             return
-        predicted, raw, target = got
-        self.counters["ttft_target_met" if ttft <= target else "ttft_target_missed"] += 1
+        predicted, raw, target, regime, counts = got
+        met = ttft <= target
+        self.counters["ttft_target_met" if met else "ttft_target_missed"] += 1
+        counts[TTFT_MET if met else TTFT_MISSED] += 1
+        d = self.decoding.get(job_id)
+        if d is not None:
+            d[3] = 0 if met else 1  # judged with its TPOT at its end
+        elif met:
+            counts[GOODPUT] += 1
         self.errors.append(abs(ttft - predicted) / ttft)
         if raw > 0.0:
-            f = self.factor.get(model, 1.0)
-            ratio = min(MAX_FACTOR, max(MIN_FACTOR, ttft / raw))
-            self.factor[model] = min(MAX_FACTOR, max(MIN_FACTOR, (1.0 - ALPHA) * f + ALPHA * ratio))
+            key = (model, regime)
+            self.factor[key] = _learn(self.factor.get(key, 1.0), ttft / raw)
+
+    def ended(self, job_id: str, tpot: float) -> None:
+        """The job ended, its tokens after the first ``tpot`` seconds apart (0: unknown)."""
+        got = self.decoding.pop(job_id, None)
+        if got is None or tpot <= 0.0:
+            return
+        predicted, raw, target, ttft_missed, counts, _, model = got
+        met = tpot <= target
+        self.counters["tpot_target_met" if met else "tpot_target_missed"] += 1
+        counts[TPOT_MET if met else TPOT_MISSED] += 1
+        if met and not ttft_missed:
+            counts[GOODPUT] += 1
+        self.tpot_errors.append(abs(tpot - predicted) / tpot)
+        if raw > 0.0:
+            self.tpot_factor[model] = _learn(self.tpot_factor.get(model, 1.0), tpot / raw)
 
     def forget(self, job_id: str) -> None:
         self.pending.pop(job_id, None)
+        self.decoding.pop(job_id, None)
+
+    def view(self) -> list[dict[str, object]]:
+        """Attainment and goodput per (model, class), for /metrics."""
+        return [
+            {"model": model, "klass": klass, **dict(zip(OUTCOMES, counts, strict=True))}
+            for (model, klass), counts in sorted(self.by_class.items())
+        ]
 
     def mape(self) -> float | None:
-        """Mean absolute percentage error of the last predictions (None: none yet)."""
-        if not self.errors:
-            return None
-        return sum(self.errors) / len(self.errors)
+        """Mean absolute percentage error of the last TTFT predictions (None: none yet)."""
+        return sum(self.errors) / len(self.errors) if self.errors else None
+
+    def tpot_mape(self) -> float | None:
+        """Mean absolute percentage error of the last TPOT predictions (None: none yet)."""
+        return sum(self.tpot_errors) / len(self.tpot_errors) if self.tpot_errors else None
+
+
+def _learn(f: float, ratio: float) -> float:
+    ratio = min(MAX_FACTOR, max(MIN_FACTOR, ratio))
+    return min(MAX_FACTOR, max(MIN_FACTOR, (1.0 - ALPHA) * f + ALPHA * ratio))

@@ -59,6 +59,13 @@ class RateMeter:
             self.tokens += tokens
             self.jobs += 1.0
 
+    def release_gap(self, now: float, min_jobs: float) -> float | None:
+        """Mean seconds of backlog between releases (None: fewer than
+        ``min_jobs`` releases seen): how long a job waits for a slot once
+        every slot is taken (router.policy.targets)."""
+        _, jobs, window = self._decay(now)
+        return window / jobs if jobs >= min_jobs and window > 0.0 else None
+
     def rate(self, now: float, prior: float) -> float:
         tokens, jobs, window = self._decay(now)
         weight = PRIOR_S * PRIOR_JOBS / (PRIOR_JOBS + jobs)

@@ -97,9 +97,11 @@ class Job:
     session: str = ""
     parent_session: str = ""
     session_final: bool = False
-    # Latency target (router.policy.targets): its TTFT in seconds (0: none); refused at once if unmet
+    # Latency targets (router.policy.targets): its TTFT and TPOT in seconds (0: none); a
+    # sheddable job no worker is predicted to meet them on is refused at once
     ttft_target_s: float = 0.0
     sheddable: bool = False
+    tpot_target_s: float = 0.0
     lora_id: int = 0  # the LoRA adapter it runs under (0: none): router.policy.adapter_placement
     fairness_id: str = ""  # its end user inside its tenant (router.policy.fairness); "": none
 

@@ -12,7 +12,8 @@ because its session sent it back to the same worker:
 * a session moves when its worker is over the load bound, and stays where
   it moved;
 * a sheddable request that cannot meet its TTFT target is refused with
-  llm-d's dropped reason;
+  llm-d's dropped reason; so is one whose TPOT target no worker meets, and
+  attainment and goodput are counted per model and class;
 * a session header of the config's own list passes Envoy and keeps a
   session on its worker as the built-in ones do;
 * /tokenize resolves an alias;
@@ -203,6 +204,34 @@ def test_a_sheddable_request_that_cannot_meet_its_target_is_refused_with_llm_ds_
     )
     assert r.status_code == 200 and metric(s, "weir_policy_decisions_total", decision="ttft_target_met") >= 1
     assert metric(s, "weir_ttft_prediction_error_ratio") > 0.0  # its prediction checked against what came
+
+
+def test_a_tpot_target_is_judged_shed_and_counted_through_envoy(agent_stack):
+    s = agent_stack
+    body = {"model": MODEL, "prompt": "y" * 200, "max_tokens": 8}
+    # no engine steps in 10 microseconds: a sheddable request is refused at once, naming TPOT
+    r = requests.post(
+        s.envoy_url + "/v1/completions",
+        json=body,
+        timeout=10,
+        headers={"x-llm-d-slo-tpot-ms": "0.01", "x-weir-sheddable": "true"},
+    )
+    assert r.status_code == 429, r.text
+    assert r.headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
+    assert r.json()["error"]["code"] == "latency_target_unattainable" and "TPOT" in r.json()["error"]["message"]
+    labels = {"model": MODEL, "target": "tpot"}
+    assert metric(s, "weir_target_requests_total", outcome="shed", **labels) >= 1
+    # not sheddable: served, and its end judged against the target (missed)
+    missed = metric(s, "weir_target_requests_total", outcome="missed", **labels)
+    r = requests.post(s.envoy_url + "/v1/completions", json=body, timeout=10, headers={"x-slo-tpot-ms": "0.01"})
+    assert r.status_code == 200, r.text
+    assert metric(s, "weir_target_requests_total", outcome="missed", **labels) == missed + 1
+    # a target it meets: counted met, in goodput, and the prediction's error reported
+    good = metric(s, "weir_target_goodput_requests_total", model=MODEL)
+    r = requests.post(s.envoy_url + "/v1/completions", json=body, timeout=10, headers={"x-llm-d-slo-tpot-ms": "1000"})
+    assert r.status_code == 200, r.text
+    assert metric(s, "weir_target_goodput_requests_total", model=MODEL) == good + 1
+    assert metric(s, "weir_tpot_prediction_error_ratio") > 0.0
 
 
 def test_aliases_split_fall_back_and_name_the_model_that_served(agent_stack):

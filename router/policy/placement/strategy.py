@@ -12,6 +12,7 @@ load.  The lists are chosen once, at construction."""
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from router.fleet.prefix_index import PrefixIndex
 from router.policy.adapter_placement import AdapterPlacement
@@ -38,6 +39,9 @@ from router.policy.types import LONG, PLACE_SCAN_ALL, POOL_ANY, POOL_LONG, POOL_
 from shared.config import SchedulerConfig
 from shared.protocol import Pool
 
+if TYPE_CHECKING:
+    from router.policy.targets import Targets
+
 # (worker, its KV cost there)
 Placed = tuple[WorkerState, int]
 
@@ -45,6 +49,7 @@ Placed = tuple[WorkerState, int]
 class ScoredPlacement:
     remembers = False  # does ``placed`` keep state (else it is not called)?
     sessions: SessionTable | None = None  # session affinity (set by the Policy; None: off)
+    targets: Targets | None = None  # latency targets (set by the Policy)
 
     def __init__(self, cfg: SchedulerConfig, order: QueueOrder, n_classes: int, prefix: PrefixIndex) -> None:
         self.cfg = cfg
@@ -180,6 +185,14 @@ class ScoredPlacement:
             if not cands:
                 break
             cands = keep_c(ask, cands)
+        targets = self.targets
+        if cands and targets is not None and (targets.pending or targets.decoding):
+            # a job with a target: where it is met with the most headroom
+            headroom = targets.place(job.job_id, cands, now, job.arrival, due)
+            if headroom is not None:
+                if not headroom:
+                    return None  # it waits for a worker that meets its TPOT target
+                load = (*load, lambda _ask, _cands: headroom)
         if cands:
             w, cost, _, _ = pick(ask, cands, load, self.affinity_scorers, self.margin)
             return w, cost
