@@ -30,7 +30,7 @@ from router.lifecycle.jobs import AWAITING_BUDGET, ENDED, QUEUED, JobMetrics, Jo
 from router.lifecycle.models import HashedPrompt, tokenize_hashed
 from router.lifecycle.parts import CoreParts
 from router.lifecycle.ports import RequestSink
-from router.lifecycle.tokenizer_queue import PROMPT, TokenizerQueue
+from router.lifecycle.tokenizer_queue import PROMPT, SHORT, TokenizerQueue
 from router.observe.tracing import RouterTracer
 from router.policy import Job
 from router.policy.job_routing import with_routing
@@ -179,7 +179,8 @@ class Intake:
                 err = self.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
         alive = functools.partial(self._live, j.job_id)  # (a job cancelled meanwhile is not tokenized)
-        fut = self.tokenizer.run(PROMPT, who.tenant, tokenize_hashed, model.prompts, sub, hasher, j.lora, alive=alive)
+        kind = SHORT if model.prompts.short(sub) else PROMPT  # (short ones never wait for long ones)
+        fut = self.tokenizer.run(kind, who.tenant, tokenize_hashed, model.prompts, sub, hasher, j.lora, alive=alive)
         assert fut is not None  # (prompts are never refused there)
         fut.add_done_callback(functools.partial(self.tokenized, j.job_id))
         return handle
