@@ -10,10 +10,10 @@ prompts of 220 KB are ~11 s of two cores.
 
 ``FairQueue`` (pure, no I/O, tested by hypothesis) decides:
 
-  * the pool has ``threads + 1`` threads; long prompts and calls (the heavy
-    kinds) run on at most ``threads`` of them, so one is always free of
-    heavy work and a short prompt never waits for a long one or a call to
-    finish -- only for the short prompts ahead of it;
+  * long prompts and calls (the heavy kinds) run on ``threads`` threads;
+    short prompts have ``spare`` threads of their own (one) and may use a
+    free heavy one, so a short prompt never waits for a long one or a call
+    to finish -- only for the short prompts ahead of it;
   * a short prompt goes first whenever a thread is free (it costs
     milliseconds: it delays a long prompt by as little);
   * calls run on at most ``call_threads`` (fewer than ``threads``), so a
@@ -28,7 +28,12 @@ prompts of 220 KB are ~11 s of two cores.
 
 ``threads`` is ``[router] tokenize_threads``, by default the cores this
 process may run on (``pool_threads``): ``tokenizers`` releases the GIL while
-it encodes, so long prompts are tokenized on every core at once.
+it encodes, so long prompts are tokenized on every core at once.  So that
+this never starves the event loop, the short prompts' thread or the other
+processes of the host (Envoy, workers) of CPU, the heavy threads run at a
+lower scheduling priority (nice ``HEAVY_NICE``, Linux: per thread): they
+take every cycle nothing else wants, and yield the core whenever the loop
+wakes (measured: bench/results/2026-12-05-long-prompts.md).
 
 ``TokenizerQueue`` is the thin handoff: it keeps the queue on the event loop
 (no locks) and hands the next item to the pool whenever a thread is free.
@@ -38,7 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
+import sys
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from functools import partial
@@ -51,6 +59,8 @@ PROMPT: Kind = "prompt"  # a longer one
 CALL: Kind = "call"
 KINDS: tuple[Kind, ...] = (SHORT, PROMPT, CALL)
 MIN_THREADS = 2  # calls on one at most: one is always left to long prompts
+SPARE_THREADS = 1  # short prompts' own
+HEAVY_NICE = 10  # a nice-0 thread (the loop) gets ~9x the CPU of one at nice 10 when both want it
 
 
 def cores() -> int:
@@ -72,14 +82,17 @@ def pool_threads(configured: int) -> tuple[int, int]:
 class FairQueue(Generic[T]):
     """Per-kind, per-tenant FIFOs, served short prompts first, tenants round robin."""
 
-    def __init__(self, threads: int, call_threads: int, calls_per_tenant: int, calls_total: int) -> None:
-        assert 1 <= call_threads <= threads
-        self.threads, self.call_threads = threads, call_threads  # heavy ones; the pool has threads + 1
+    def __init__(
+        self, threads: int, call_threads: int, calls_per_tenant: int, calls_total: int, spare: int = SPARE_THREADS
+    ) -> None:
+        assert 1 <= call_threads <= threads and spare >= 1
+        self.threads, self.call_threads, self.spare = threads, call_threads, spare
         self.calls_per_tenant, self.calls_total = calls_per_tenant, calls_total
         # tenant -> its FIFO; the dict's order is the round robin's (served: to the back)
         self._queues: dict[Kind, OrderedDict[str, deque[T]]] = {k: OrderedDict() for k in KINDS}
         self.running: dict[Kind, int] = dict.fromkeys(KINDS, 0)
         self.queued: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+        self.on_spare = 0  # short prompts running on the spare threads (the rest on heavy ones)
 
     def push(self, kind: Kind, tenant: str, item: T) -> bool:
         """Queue ``item``; False (nothing queued) for a call over a bound."""
@@ -95,17 +108,18 @@ class FairQueue(Generic[T]):
         self.queued[kind] += 1
         return True
 
-    def pop(self) -> tuple[Kind, T] | None:
-        """The next item to run now (it counts as running until ``done``), or None."""
+    def pop(self) -> tuple[Kind, T, bool] | None:
+        """The next item to run now, and whether on a spare thread (it counts
+        as running there until ``done``), or None."""
         running = self.running
-        heavy = running[PROMPT] + running[CALL]
-        if heavy + running[SHORT] > self.threads:  # all threads + 1 busy
-            return None
+        busy = running[PROMPT] + running[CALL] + running[SHORT] - self.on_spare  # heavy threads in use
         queues = self._queues
-        if queues[SHORT]:
+        spare = False
+        if queues[SHORT] and (self.on_spare < self.spare or busy < self.threads):
             kind: Kind = SHORT  # milliseconds each: ahead of everything, on any free thread
-        elif heavy >= self.threads:
-            return None  # the last thread stays free for short prompts
+            spare = self.on_spare < self.spare
+        elif busy >= self.threads:
+            return None
         elif queues[CALL] and running[CALL] < self.call_threads:
             # calls take a thread whenever one of theirs is free (never more:
             # the rest stay the prompts'), so neither kind starves
@@ -121,10 +135,12 @@ class FairQueue(Generic[T]):
             q[tenant] = fifo  # to the back of the round
         self.queued[kind] -= 1
         running[kind] += 1
-        return kind, item
+        self.on_spare += spare
+        return kind, item, spare
 
-    def done(self, kind: Kind) -> None:
+    def done(self, kind: Kind, spare: bool = False) -> None:
         self.running[kind] -= 1
+        self.on_spare -= spare
 
     def waiting(self, kind: Kind, tenant: str) -> int:
         fifo = self._queues[kind].get(tenant)
@@ -150,8 +166,8 @@ class TokenizerQueue:
         self.loop = loop
         heavy, calls = pool_threads(threads)
         self.queue: FairQueue[_Work] = FairQueue(heavy, calls, calls_per_tenant, calls_total)
-        # one more than the heavy kinds may use: short prompts' (FairQueue)
-        self.pool = concurrent.futures.ThreadPoolExecutor(heavy + 1, thread_name_prefix="tokenize")
+        self.pool = concurrent.futures.ThreadPoolExecutor(heavy, "tokenize", initializer=_lower_priority)
+        self.spare = concurrent.futures.ThreadPoolExecutor(SPARE_THREADS, "tokenize-short")
 
     def run(
         self, kind: Kind, tenant: str, fn: Callable[..., Any], *args: Any, alive: Callable[[], bool] | None = None
@@ -167,16 +183,16 @@ class TokenizerQueue:
 
     def _pump(self) -> None:
         while (got := self.queue.pop()) is not None:
-            kind, w = got
+            kind, w, spare = got
             if w.fut.cancelled() or (w.alive is not None and not w.alive()):
-                self.queue.done(kind)
+                self.queue.done(kind, spare)
                 w.fut.cancel()
                 continue
-            ran = self.loop.run_in_executor(self.pool, w.fn, *w.args)
-            ran.add_done_callback(partial(self._finished, kind, w))
+            ran = self.loop.run_in_executor(self.spare if spare else self.pool, w.fn, *w.args)
+            ran.add_done_callback(partial(self._finished, kind, spare, w))
 
-    def _finished(self, kind: Kind, w: _Work, ran: asyncio.Future[Any]) -> None:
-        self.queue.done(kind)
+    def _finished(self, kind: Kind, spare: bool, w: _Work, ran: asyncio.Future[Any]) -> None:
+        self.queue.done(kind, spare)
         if not w.fut.cancelled():
             if ran.cancelled():
                 w.fut.cancel()
@@ -188,3 +204,11 @@ class TokenizerQueue:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.spare.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_priority() -> None:
+    """A heavy tokenizer thread's start: nice ``HEAVY_NICE`` (Linux sets it per thread)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):  # (never fatal: it only yields less)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HEAVY_NICE)

@@ -1,10 +1,13 @@
 """The tokenizer threads' lanes with real threads: a short prompt is tokenized
-and dispatched while long prompts hold every heavy thread and more wait, and
-the pool's size follows ``[router] tokenize_threads``."""
+and dispatched while long prompts hold every heavy thread and more wait, the
+heavy threads yield the CPU (nice) and the short prompts' does not, and the
+pool's size follows ``[router] tokenize_threads``."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +18,7 @@ import uvloop
 from fakes import FakeSink, FakeWorkers
 
 from router.lifecycle.core import RouterCore
-from router.lifecycle.tokenizer_queue import PROMPT, SHORT, TokenizerQueue, cores
+from router.lifecycle.tokenizer_queue import HEAVY_NICE, PROMPT, SHORT, TokenizerQueue, cores
 from shared import protocol as p
 from shared.config import Config
 
@@ -31,12 +34,21 @@ def test_long_prompts_run_on_the_configured_threads_and_a_short_one_on_the_spare
     release = threading.Event()
     lock = threading.Lock()
     started: list[int] = []
+    nice: dict[str, set[int]] = {"long": set(), "short": set()}
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def long_prompt(i: int) -> int:
         with lock:
             started.append(i)
+            nice["long"].add(priority())
         assert release.wait(30)
         return i
+
+    def short_prompt() -> str:
+        nice["short"].add(priority())
+        return "short"
 
     async def scenario() -> None:
         longs = [tq.run(PROMPT, "a", long_prompt, i) for i in range(10)]
@@ -44,12 +56,15 @@ def test_long_prompts_run_on_the_configured_threads_and_a_short_one_on_the_spare
         while len(started) < 3:
             assert time.monotonic() < deadline, started
             await asyncio.sleep(0.005)
-        short = tq.run(SHORT, "a", lambda: "short")
+        short = tq.run(SHORT, "a", short_prompt)
         assert short is not None
         assert await asyncio.wait_for(short, 10) == "short"  # FIFO: after the ten long ones (never, here)
         assert sorted(started) == [0, 1, 2] and not any(f is not None and f.done() for f in longs)
         release.set()
         assert await asyncio.gather(*[f for f in longs if f is not None]) == list(range(10))
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        if sys.platform == "linux":  # (elsewhere a thread's priority is its process's)
+            assert nice == {"long": {min(19, base + HEAVY_NICE)}, "short": {base}}
 
     try:
         loop.run_until_complete(scenario())
@@ -137,7 +152,8 @@ def test_the_pool_follows_the_config():
         for configured, heavy in ((3, 3), (0, max(2, cores()))):
             core = RouterCore(_config(tokenize_threads=configured), loop, FakeWorkers())
             assert core.tokenizer.queue.threads == heavy
-            assert core.tokenizer.pool._max_workers == heavy + 1  # one more: short prompts'
+            assert core.tokenizer.pool._max_workers == heavy
+            assert core.tokenizer.spare._max_workers == 1  # short prompts' own
             core.close()
     finally:
         loop.close()

@@ -24,13 +24,13 @@ def test_a_prompt_goes_before_another_tenants_backlog_of_calls():
         assert q.push(CALL, "a", f"a{i}")
     assert q.push(PROMPT, "b", "b-prompt")
     assert q.push(CALL, "c", "c-call")
-    assert q.pop() == (CALL, "a0")
-    assert q.pop() == (PROMPT, "b-prompt")  # the other thread: a prompt never waits behind a call
+    assert q.pop() == (CALL, "a0", False)
+    assert q.pop() == (PROMPT, "b-prompt", False)  # the other thread: a prompt never waits behind a call
     assert q.pop() is None  # both threads busy
     q.done(CALL)
-    assert q.pop() == (CALL, "c-call")  # round robin: c's one call before a's second
+    assert q.pop() == (CALL, "c-call", False)  # round robin: c's one call before a's second
     q.done(CALL)
-    assert q.pop() == (CALL, "a1")
+    assert q.pop() == (CALL, "a1", False)
 
 
 def test_a_short_prompt_never_waits_behind_a_burst_of_long_ones():
@@ -39,16 +39,22 @@ def test_a_short_prompt_never_waits_behind_a_burst_of_long_ones():
     for i in range(150):
         assert q.push(PROMPT, "a", f"long{i}")
     assert q.push(CALL, "b", "call")
-    assert [q.pop(), q.pop()] == [(CALL, "call"), (PROMPT, "long0")]
-    assert q.pop() is None  # the third thread stays free: heavy work has its two
+    assert [q.pop(), q.pop()] == [(CALL, "call", False), (PROMPT, "long0", False)]
+    assert q.pop() is None  # the spare thread stays free: heavy work has its two
     assert q.push(SHORT, "a", "short")
-    assert q.pop() == (SHORT, "short")  # at once, on the free thread, not after 149 long ones
-    assert q.pop() is None
-    q.done(SHORT)
+    assert q.pop() == (SHORT, "short", True)  # at once, on the spare thread, not after 149 long ones
+    assert q.push(SHORT, "a", "short2")
+    assert q.pop() is None  # (it waits for the short one, only)
+    q.done(SHORT, True)
+    assert q.pop() == (SHORT, "short2", True)
+    q.done(SHORT, True)
     q.done(PROMPT)
-    assert q.push(SHORT, "c", "short-c")
-    assert q.pop() == (SHORT, "short-c")  # ahead of the long ones queued before it
-    assert q.pop() == (PROMPT, "long1")
+    assert q.push(SHORT, "c", "short-c") and q.push(SHORT, "c", "short-c2")
+    assert q.pop() == (SHORT, "short-c", True)  # ahead of the long ones queued before it
+    assert q.pop() == (SHORT, "short-c2", False)  # on a free heavy thread
+    assert q.pop() is None
+    q.done(SHORT, False)
+    assert q.pop() == (PROMPT, "long1", False)
 
 
 def test_the_pool_follows_the_config_and_the_cores():
@@ -66,7 +72,7 @@ def test_calls_are_bounded_per_tenant_and_in_all_prompts_never():
     assert q.push(CALL, "b", 4)
     assert not q.push(CALL, "c", 5)  # the total
     assert all(q.push(PROMPT, "a", i) for i in range(100))
-    assert q.pop() == (CALL, 1)  # running: no longer queued, so a has room again
+    assert q.pop() == (CALL, 1, False)  # running: no longer queued, so a has room again
     assert q.push(CALL, "c", 6)
 
 
@@ -81,13 +87,19 @@ ops = st.lists(
 
 
 @settings(max_examples=400)
-@given(ops=ops, threads=st.integers(1, 4), per_tenant=st.integers(1, 4), total=st.integers(1, 8))
-def test_fifo_round_robin_bounded_short_first_and_prompts_keep_a_thread(ops, threads, per_tenant, total):
+@given(
+    ops=ops,
+    threads=st.integers(1, 4),
+    spare=st.integers(1, 2),
+    per_tenant=st.integers(1, 4),
+    total=st.integers(1, 8),
+)
+def test_fifo_round_robin_bounded_short_first_and_prompts_keep_a_thread(ops, threads, spare, per_tenant, total):
     call_threads = max(1, threads - 1)
-    q: FairQueue[tuple[str, str, int]] = FairQueue(threads, call_threads, per_tenant, total)
+    q: FairQueue[tuple[str, str, int]] = FairQueue(threads, call_threads, per_tenant, total, spare)
     waiting = {k: {t: deque() for t in TENANTS} for k in KINDS}
     served_while_waiting = {k: {t: Counter() for t in TENANTS} for k in KINDS}
-    running: list[str] = []
+    running: list[tuple[str, bool]] = []  # (kind, on a spare thread)
     n = 0
     for op in ops:
         if op[0] == "push":
@@ -101,16 +113,15 @@ def test_fifo_round_robin_bounded_short_first_and_prompts_keep_a_thread(ops, thr
                     served_while_waiting[kind][tenant].clear()
                 waiting[kind][tenant].append((kind, tenant, n))
         elif op[0] == "pop":
-            heavy = running.count(PROMPT) + running.count(CALL)
+            on_heavy = [k for k, sp in running if not sp]
             got = q.pop()
             if got is None:
-                if any(waiting[SHORT].values()):  # a short prompt waits only for a short one
-                    assert len(running) == threads + 1 and running.count(SHORT) >= 1
-                heavy_free = heavy < threads and len(running) <= threads
-                calls_may = any(waiting[CALL].values()) and running.count(CALL) < call_threads
-                assert not heavy_free or (not any(waiting[PROMPT].values()) and not calls_may)
+                if any(waiting[SHORT].values()):  # a short prompt waits only for short ones
+                    assert [k for k, sp in running if sp] == [SHORT] * spare and len(on_heavy) == threads
+                calls_may = any(waiting[CALL].values()) and on_heavy.count(CALL) < call_threads
+                assert len(on_heavy) >= threads or (not any(waiting[PROMPT].values()) and not calls_may)
                 continue
-            kind, item = got
+            kind, item, on_spare = got
             _, tenant, _ = item
             if kind != SHORT:
                 assert not any(waiting[SHORT].values())  # short prompts go first
@@ -120,14 +131,18 @@ def test_fifo_round_robin_bounded_short_first_and_prompts_keep_a_thread(ops, thr
                     served_while_waiting[kind][other][tenant] += 1
                     assert served_while_waiting[kind][other][tenant] <= 1
             served_while_waiting[kind][tenant].clear()
-            running.append(kind)
-            heavy = running.count(PROMPT) + running.count(CALL)
-            assert len(running) <= threads + 1 and heavy <= threads  # a thread always free of heavy work
-            assert running.count(CALL) <= call_threads
+            if on_spare:
+                assert kind == SHORT  # the spare threads are short prompts' alone
+            else:
+                assert kind != SHORT or all(sp for k, sp in running if sp) and sum(sp for _, sp in running) == spare
+            running.append((kind, on_spare))
+            on_heavy = [k for k, sp in running if not sp]
+            assert len(on_heavy) <= threads and sum(sp for _, sp in running) <= spare  # each pool's size
+            assert on_heavy.count(CALL) <= call_threads
             if threads > 1:
-                assert running.count(CALL) < threads  # a thread is always left to long prompts
+                assert on_heavy.count(CALL) < threads  # a thread is always left to long prompts
         elif running:
-            kind = running.pop(op[1] % len(running))
-            q.done(kind)
+            kind, on_spare = running.pop(op[1] % len(running))
+            q.done(kind, on_spare)
         for k in KINDS:
             assert q.queued[k] == sum(len(d) for d in waiting[k].values())
