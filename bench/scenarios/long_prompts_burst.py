@@ -59,16 +59,33 @@ def _q(xs: list[float], f: float) -> float:
     return s[min(len(s) - 1, int(len(s) * f))]
 
 
-def tokenize_alone(texts: list[str], threads: int) -> tuple[float, int]:
-    """(seconds, mean tokens) for ``texts`` tokenized by ``threads`` threads, as the router does."""
+def cpu_by_thread(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads so far, by thread name (``tokenize_1`` -> ``tokenize``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # (a thread that just ended)
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        key = "loop" if tid == str(pid) else name.rstrip("0123456789").rstrip("_")
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def tokenize_alone(texts: list[str], threads: int) -> tuple[float, int, float]:
+    """(seconds, mean tokens, CPU seconds) for ``texts`` tokenized by ``threads`` threads, as the router does."""
     from router.lifecycle.prompts import ModelPrompts
 
     mp = ModelPrompts(str(common.TINY_MODEL_DIR))
     mp.encode("warm up", True)
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         counts = [len(ids) for ids in pool.map(lambda t: mp.encode(t, True), texts)]
-        return time.perf_counter() - t0, sum(counts) // len(counts)
+        return time.perf_counter() - t0, sum(counts) // len(counts), time.process_time() - c0
 
 
 def main(argv=None) -> int:
@@ -80,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=float, default=0.05, help="seconds between short requests")
     ap.add_argument("--alone", type=float, default=4.0, help="seconds of the short stream alone")
     ap.add_argument("--profile", type=float, default=0, help="py-spy the router for this many s of the burst")
+    ap.add_argument("--py-spy", default="py-spy", help="the py-spy binary (--profile)")
     ap.add_argument("--pythonpath", help="PYTHONPATH for the stack's processes (another checkout)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -91,8 +109,7 @@ def main(argv=None) -> int:
     out = args.out or common.results_dir("long-prompts-burst")
     texts = prompts(args.prompts, args.kb)
     threads = pool_threads(0)[0]
-    alone_s, mean_tokens = tokenize_alone(texts, threads)
-    alone_rate = len(texts) / alone_s
+    alone_s, mean_tokens, alone_cpu = tokenize_alone(texts, threads)
     print(f"tokenizing alone: {len(texts)} prompts (~{mean_tokens} tokens) on {threads} threads in {alone_s:.2f} s")
     cfg = common.write_config(
         out / "stack",
@@ -119,10 +136,16 @@ def main(argv=None) -> int:
     with common.stack(cfg, out / "stack" / "run") as st:
         profile = None
         if args.profile:  # py-spy's collapsed stacks of the router's threads (idle ones left out)
-            argv = [str(common.REPO / ".venv" / "bin" / "py-spy"), "record", "--pid", str(st.components["router"].pid)]
+            argv = [args.py_spy, "record", "--pid", str(st.components["router"].pid)]
             argv += ["--threads", "--format", "raw", "--rate", "200", "--duration", str(int(args.profile))]
             profile = (argv, out / "router-py-spy.txt")
-        res = asyncio.run(_run(st.zmq_frontend, texts, args, AsyncClient, profile))
+        pids = {"router": st.components["router"].pid, "worker": st.components["worker:sim-long-0"].pid}
+        pids["bench"] = os.getpid()
+        res = asyncio.run(_run(st.zmq_frontend, texts, args, AsyncClient, profile, pids))
+    # the same again once the stack is gone (the host is shared: its load moves)
+    alone_s2, _, alone_cpu2 = tokenize_alone(texts, threads)
+    print(f"tokenizing alone again: {alone_s2:.2f} s")
+    alone_rate = 2 * len(texts) / (alone_s + alone_s2)
     b0, b1 = res["burst"]
     weir_rate = len(texts) / (b1 - b0)
     alone_ms = [(e - s) * 1e3 for s, e, _ in res["alone"]]
@@ -139,7 +162,9 @@ def main(argv=None) -> int:
     lines = [
         f"{len(texts)} prompts of {args.kb} KB (~{mean_tokens} tokens of tiny-llama each); "
         f"tokenizer threads: {threads} (+1 for short prompts); {os.cpu_count()} CPUs",
-        f"(a) tokenizing alone, {threads} threads: {alone_s:.2f} s, {alone_rate:.2f} prompts/s",
+        f"(a) tokenizing alone, {threads} threads: {alone_s:.2f} s before the stack, {alone_s2:.2f} s after: "
+        f"{alone_rate:.2f} prompts/s; CPU {alone_cpu / len(texts) * 1e3:.0f} / {alone_cpu2 / len(texts) * 1e3:.0f} "
+        "ms a prompt",
         f"(b) weir, send to the last first token: {b1 - b0:.2f} s, {weir_rate:.2f} prompts/s",
         f"    b / a = {100 * weir_rate / alone_rate:.1f} % (goal >= 90 %)",
         f"(c) short stream TTFT alone: n={len(alone_ms)} p50 {statistics.median(alone_ms):.1f} ms, "
@@ -149,6 +174,8 @@ def main(argv=None) -> int:
         f"    the router's phases p50 / p99 ms, alone: {phases(res['alone'])}",
         f"    during the burst: {phases(during)}",
         f"    long prompts' first token after the send: p50 {long_p50:.2f} s",
+        "CPU during the burst, ms a long prompt, by process/thread: "
+        + ", ".join(f"{k} {v / len(texts) * 1e3:.1f}" for k, v in sorted(res["cpu"].items(), key=lambda kv: -kv[1])),
     ]
     print("\n".join(lines))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
@@ -158,7 +185,9 @@ def main(argv=None) -> int:
         {
             "threads": threads,
             "tokens": mean_tokens,
-            "tokenize_alone_s": alone_s,
+            "tokenize_alone_s": [alone_s, alone_s2],
+            "tokenize_alone_cpu_s": [alone_cpu, alone_cpu2],
+            "cpu_during_burst_s": res["cpu"],
             "weir_s": b1 - b0,
             "alone_ms": alone_ms,
             "during_ms": during_ms,
@@ -170,7 +199,7 @@ def main(argv=None) -> int:
     return 0
 
 
-async def _run(frontend: str, texts: list[str], args: argparse.Namespace, client_cls, profile) -> dict:
+async def _run(frontend: str, texts: list[str], args: argparse.Namespace, client_cls, profile, pids) -> dict:
     async with client_cls(frontend) as c:
 
         async def ttft(prompt: str, max_tokens: int) -> tuple[float, float, tuple[float, float, float]]:
@@ -209,13 +238,22 @@ async def _run(frontend: str, texts: list[str], args: argparse.Namespace, client
             spy = await asyncio.create_subprocess_exec(
                 *profile[0], "-o", str(profile[1]), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
             )
+        cpu0 = {name: cpu_by_thread(pid) for name, pid in pids.items()}
         b0 = time.perf_counter()
         long_times = await asyncio.gather(*(ttft(t, 4) for t in texts))
+        cpu1 = {name: cpu_by_thread(pid) for name, pid in pids.items()}
+        cpu = {
+            f"{name}/{t}": cpu1[name][t] - cpu0[name].get(t, 0.0)
+            for name in pids
+            for t in cpu1[name]
+            if cpu1[name][t] - cpu0[name].get(t, 0.0) >= 0.05
+        }
         over.set()
         during = await stream
         if profile is not None:
             await spy.wait()
-        return {"alone": alone, "burst": (b0, max(e for _, e, _ in long_times)), "long": long_times, "during": during}
+        b1 = max(e for _, e, _ in long_times)
+        return {"alone": alone, "burst": (b0, b1), "long": long_times, "during": during, "cpu": cpu}
 
 
 if __name__ == "__main__":

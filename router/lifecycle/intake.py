@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 import msgspec
 
@@ -289,7 +290,9 @@ class Intake:
         """The policy queued ``j`` for ``model``: what its worker gets, and the record's attempt."""
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
-        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=j.trace, lora=j.lora)
+        # (a long prompt's ids come encoded from the tokenizer thread: msgpack writes them as they are)
+        ids = tokens.ids if tokens.wire is None else cast("list[int]", tokens.wire)
+        j.request = p.GenerateRequest(j.job_id, ids, tokens.count, params, trace_id=j.trace, lora=j.lora)
         if j.sub.kind == p.RequestKind.EMBEDDING:  # prefill only (max_tokens 0); the vector comes back
             j.request.embed, j.request.dimensions = True, j.sub.dimensions or 0
         if tokens.hashes and not tokens.ids:  # the simulated engine names its cached blocks by them

@@ -18,6 +18,8 @@ import uvloop
 from fakes import FakeSink, FakeWorkers
 
 from router.lifecycle.core import RouterCore
+from router.lifecycle.jobs import job_id_of
+from router.lifecycle.prompts import ModelPrompts
 from router.lifecycle.tokenizer_queue import HEAVY_NICE, PROMPT, SHORT, TokenizerQueue, cores
 from shared import protocol as p
 from shared.config import Config
@@ -120,14 +122,17 @@ def test_a_short_prompt_is_dispatched_while_a_burst_of_long_ones_is_tokenized():
         sink = FakeSink()
         long_text = "alpha beta gamma delta " * 9_600  # 220 KB
 
-        def submit_all() -> None:
+        def submit_all() -> list[int]:
+            handles = []
             for i in range(12):
                 got = core.submit(p.Submit(f"long{i}", MODEL, prompt=f"{i} {long_text}", max_tokens=2), sink)
                 assert isinstance(got, int), got
+                handles.append(got)
             got = core.submit(p.Submit("short", MODEL, prompt="tell me more " * 320, max_tokens=2), sink)
             assert isinstance(got, int), got
+            return handles
 
-        on_loop(submit_all)
+        handles = on_loop(submit_all)
         deadline = time.monotonic() + 60
         while True:
             sent = on_loop(lambda: [r.prompt_tokens for r in workers.dispatched.get("w0", [])])
@@ -140,6 +145,12 @@ def test_a_short_prompt_is_dispatched_while_a_burst_of_long_ones_is_tokenized():
         while on_loop(lambda: len(workers.dispatched.get("w0", []))) < 13:  # and they all go on
             assert time.monotonic() < deadline, "the long prompts were not all dispatched"
             time.sleep(0.01)
+        # a long prompt's ids were encoded on the tokenizer thread: the worker decodes the same ids
+        req = next(r for r in on_loop(lambda: list(workers.dispatched["w0"])) if r.request_id == job_id_of(handles[3]))
+        assert isinstance(req.prompt_token_ids, msgspec.Raw)  # (encoded once, not on the loop)
+        sent = p.to_worker_decoder.decode(p.encoder.encode(p.Dispatch(requests=[req], epoch=1)))
+        assert isinstance(sent, p.Dispatch)
+        assert sent.requests[0].prompt_token_ids == ModelPrompts(str(TINY)).encode(f"3 {long_text}", True)
     finally:
         loop.call_soon_threadsafe(core.close)
         loop.call_soon_threadsafe(loop.stop)
