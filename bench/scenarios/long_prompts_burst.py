@@ -135,9 +135,10 @@ def main(argv=None) -> int:
 
     with common.stack(cfg, out / "stack" / "run") as st:
         profile = None
-        if args.profile:  # py-spy's collapsed stacks of the router's threads (idle ones left out)
+        if args.profile:  # py-spy: the router's threads where they hold the GIL (sampled without pausing it)
             argv = [args.py_spy, "record", "--pid", str(st.components["router"].pid)]
-            argv += ["--threads", "--format", "raw", "--rate", "200", "--duration", str(int(args.profile))]
+            argv += ["--threads", "--gil", "--nonblocking", "--format", "raw", "--rate", "200"]
+            argv += ["--duration", str(int(args.profile))]
             profile = (argv, out / "router-py-spy.txt")
         pids = {"router": st.components["router"].pid, "worker": st.components["worker:sim-long-0"].pid}
         pids["bench"] = os.getpid()
