@@ -124,7 +124,7 @@ class RouterConfig(_Cfg):
     # Threads tokenizing long prompts and calls at once (``tokenizers``
     # releases the GIL: they scale with cores), plus one kept for short
     # prompts; calls use at most half.  0: one per core this process may run
-    # on (its CPU affinity), at least 2.
+    # on (its CPU affinity, capped by its cgroup's CPU quota), at least 2.
     tokenize_threads: int = 0
 
 

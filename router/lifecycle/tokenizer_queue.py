@@ -63,12 +63,22 @@ SPARE_THREADS = 1  # short prompts' own
 HEAVY_NICE = 10  # a nice-0 thread (the loop) gets ~9x the CPU of one at nice 10 when both want it
 
 
-def cores() -> int:
-    """The cores this process may run on (its affinity mask, as a container's cpuset limits it)."""
+def cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may run on: its affinity mask (a container's
+    cpuset), and no more than its cgroup's CPU quota (``docker --cpus``, a
+    Kubernetes CPU limit), rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (not on Linux)
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):  # no cgroup v2 here, or unreadable: the affinity alone
+        pass
+    return n
 
 
 def pool_threads(configured: int) -> tuple[int, int]:

@@ -62,7 +62,20 @@ def test_the_pool_follows_the_config_and_the_cores():
     assert pool_threads(3) == (3, 1)
     assert pool_threads(1) == (MIN_THREADS, 1)  # calls on one at most, one left to long prompts
     assert pool_threads(0) == (max(MIN_THREADS, cores()), max(MIN_THREADS, cores()) // 2)
-    assert cores() == len(os.sched_getaffinity(0))
+    assert cores("/nonexistent") == len(os.sched_getaffinity(0))
+
+
+def test_the_cores_are_capped_by_the_cgroups_cpu_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("max 100000\n")  # no quota
+    assert cores(str(cpu_max)) == affinity
+    cpu_max.write_text("150000 100000\n")  # --cpus 1.5: two threads' worth
+    assert cores(str(cpu_max)) == min(affinity, 2)
+    cpu_max.write_text("20000 100000\n")
+    assert cores(str(cpu_max)) == 1
+    cpu_max.write_text("garbage\n")
+    assert cores(str(cpu_max)) == affinity
 
 
 def test_calls_are_bounded_per_tenant_and_in_all_prompts_never():
