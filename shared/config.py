@@ -121,6 +121,11 @@ class RouterConfig(_Cfg):
     # per tenant and in all; more are refused (503 tokenizer_busy, Retry-After).
     tokenize_queue_per_tenant: int = 32
     tokenize_queue_max: int = 256
+    # Threads tokenizing long prompts and calls at once (``tokenizers``
+    # releases the GIL: they scale with cores), plus one kept for short
+    # prompts; calls use at most half.  0: one per core this process may run
+    # on (its CPU affinity, capped by its cgroup's CPU quota), at least 2.
+    tokenize_threads: int = 0
 
 
 class LoggingConfig(_Cfg):
@@ -635,6 +640,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("router.max_prompts_per_request must be at least 1")
     if cfg.router.tokenize_queue_per_tenant < 1 or cfg.router.tokenize_queue_max < 1:
         raise ConfigError("router.tokenize_queue_per_tenant and tokenize_queue_max must be at least 1")
+    if cfg.router.tokenize_threads < 0:
+        raise ConfigError("router.tokenize_threads must be 0 (one per core) or more")
     classes = {c.name for c in cfg.scheduler.classes}
     for m in cfg.models:
         # A simulated engine must never answer under a real model's name.

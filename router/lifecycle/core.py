@@ -98,8 +98,10 @@ class RouterCore:
         self.quota = BudgetLedger(cfg, self.metrics, clock)
         self.registry = ModelRegistry(cfg, prompts)
         # Long prompts and /tokenize calls, off the loop with the GIL released:
-        # fair between tenants, calls bounded and never ahead of a prompt (router.lifecycle.tokenizer_queue).
-        self.tokenizer = TokenizerQueue(loop, cfg.router.tokenize_queue_per_tenant, cfg.router.tokenize_queue_max)
+        # one thread per core, short prompts never behind long ones, fair between
+        # tenants, calls bounded and never ahead of a prompt (router.lifecycle.tokenizer_queue).
+        r = cfg.router
+        self.tokenizer = TokenizerQueue(loop, r.tokenize_queue_per_tenant, r.tokenize_queue_max, r.tokenize_threads)
         self.jobs: dict[str, JobRecord] = {}
         self._policy_pending = False
         self._wakeup: asyncio.TimerHandle | None = None

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 import msgspec
 
@@ -30,7 +31,7 @@ from router.lifecycle.jobs import AWAITING_BUDGET, ENDED, QUEUED, JobMetrics, Jo
 from router.lifecycle.models import HashedPrompt, tokenize_hashed
 from router.lifecycle.parts import CoreParts
 from router.lifecycle.ports import RequestSink
-from router.lifecycle.tokenizer_queue import PROMPT, TokenizerQueue
+from router.lifecycle.tokenizer_queue import PROMPT, SHORT, TokenizerQueue
 from router.observe.tracing import RouterTracer
 from router.policy import Job
 from router.policy.job_routing import with_routing
@@ -179,7 +180,8 @@ class Intake:
                 err = self.admit(j, tokens, now)
             return handle if err is None else self._refused_at_submit(j, err)
         alive = functools.partial(self._live, j.job_id)  # (a job cancelled meanwhile is not tokenized)
-        fut = self.tokenizer.run(PROMPT, who.tenant, tokenize_hashed, model.prompts, sub, hasher, j.lora, alive=alive)
+        kind = SHORT if model.prompts.short(sub) else PROMPT  # (short ones never wait for long ones)
+        fut = self.tokenizer.run(kind, who.tenant, tokenize_hashed, model.prompts, sub, hasher, j.lora, alive=alive)
         assert fut is not None  # (prompts are never refused there)
         fut.add_done_callback(functools.partial(self.tokenized, j.job_id))
         return handle
@@ -288,7 +290,9 @@ class Intake:
         """The policy queued ``j`` for ``model``: what its worker gets, and the record's attempt."""
         # The client's message is left as it came; the worker gets the resolution.
         params = msgspec.structs.replace(j.sub.params or _DEFAULT_PARAMS, max_tokens=max_tokens)
-        j.request = p.GenerateRequest(j.job_id, tokens.ids, tokens.count, params, trace_id=j.trace, lora=j.lora)
+        # (a long prompt's ids come encoded from the tokenizer thread: msgpack writes them as they are)
+        ids = tokens.ids if tokens.wire is None else cast("list[int]", tokens.wire)
+        j.request = p.GenerateRequest(j.job_id, ids, tokens.count, params, trace_id=j.trace, lora=j.lora)
         if j.sub.kind == p.RequestKind.EMBEDDING:  # prefill only (max_tokens 0); the vector comes back
             j.request.embed, j.request.dimensions = True, j.sub.dimensions or 0
         if tokens.hashes and not tokens.ids:  # the simulated engine names its cached blocks by them

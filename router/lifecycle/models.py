@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import msgspec
+
 from router.fleet.block_hash import SIM, BlockHasher, lora_extra
 from router.lifecycle.adapters import Adapters
 from router.lifecycle.prompts import ModelPrompts
@@ -33,6 +35,14 @@ class HashedPrompt(NamedTuple):
     ids: list[int]  # exact token ids; empty when the model has no tokenizer
     count: int  # type: ignore[assignment]  # len(ids), or the estimate (shadows tuple.count, as in router.lifecycle.prompts)
     hashes: Sequence[int] = ()  # its full blocks as its model's engines hash them (router.fleet.block_hash)
+    # ``ids`` already encoded for the worker (a long prompt's: ``WIRE_MIN_IDS``), else None
+    wire: msgspec.Raw | None = None
+
+
+# From this many token ids on (~0.1 ms of msgpack) a prompt's ids are encoded
+# where it is tokenized, on the tokenizer thread: a 150k-token prompt's take
+# ~0.8 ms, which the loop would spend on each dispatch.
+WIRE_MIN_IDS = 16_384
 
 
 def tokenize_hashed(
@@ -43,17 +53,18 @@ def tokenize_hashed(
     in the same place, on the tokenizing thread for long prompts, so hashing
     never stalls the loop either."""
     ids, count = prompts.tokenize(sub)
+    wire = msgspec.Raw(msgspec.msgpack.encode(ids)) if len(ids) >= WIRE_MIN_IDS else None
     if hasher is None:
-        return HashedPrompt(ids, count)
+        return HashedPrompt(ids, count, (), wire)
     if hasher.algo == SIM:  # the simulated engine's blocks: the text it was counted by
         text = (
             sub.prompt
             if sub.kind != p.RequestKind.CHAT
             else "".join(m.role + "\n" + m.content + "\n" for m in sub.messages)
         )
-        return HashedPrompt(ids, count, hasher.text_hashes(text, count))
+        return HashedPrompt(ids, count, hasher.text_hashes(text, count), wire)
     every = lora_extra(lora.name, lora.path) if lora is not None else None
-    return HashedPrompt(ids, count, hasher.hashes(ids, every_extra=every) if ids else ())
+    return HashedPrompt(ids, count, hasher.hashes(ids, every_extra=every) if ids else (), wire)
 
 
 @dataclass(slots=True, eq=False)

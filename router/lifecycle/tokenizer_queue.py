@@ -1,22 +1,39 @@
-"""The tokenizer threads and who goes next on them: fair between tenants.
+"""The tokenizer threads and who goes next on them: short prompts first, fair between tenants.
 
-Two kinds of work need a model's tokenizer off the event loop: generation
-prompts longer than router.lifecycle.prompts ``INLINE_MAX_CHARS`` (``PROMPT``) and
-long /tokenize and /detokenize calls (``CALL``, router.ingress.tokenize).  A
-tenant's 1 MiB tokenize calls take ~1 s of a thread each; in one FIFO they
-would delay every tenant's prompts by as many seconds as were queued.
+Three kinds of work need a model's tokenizer off the event loop: generation
+prompts longer than router.lifecycle.prompts ``INLINE_MAX_CHARS``, split by
+size into ``SHORT`` (at most ``SHORT_MAX_CHARS``: a few ms each) and
+``PROMPT`` (up to ~150 ms for a 220 KB prompt), and long /tokenize and
+/detokenize calls (``CALL``, router.ingress.tokenize: ~1 s for 1 MiB).  In
+one FIFO a short prompt would wait behind every long one queued: 150 agent
+prompts of 220 KB are ~11 s of two cores.
 
 ``FairQueue`` (pure, no I/O, tested by hypothesis) decides:
 
-  * each tenant has a FIFO per kind; tenants with work are served round
-    robin, so one tenant's backlog delays another's next item by at most one
-    item of each tenant with work;
-  * calls run on at most ``call_threads`` threads (one) of ``threads`` (two),
-    so a prompt never waits behind a call: a thread is always left to prompts;
+  * long prompts and calls (the heavy kinds) run on ``threads`` threads;
+    short prompts have ``spare`` threads of their own (one) and may use a
+    free heavy one, so a short prompt never waits for a long one or a call
+    to finish -- only for the short prompts ahead of it;
+  * a short prompt goes first whenever a thread is free (it costs
+    milliseconds: it delays a long prompt by as little);
+  * calls run on at most ``call_threads`` (fewer than ``threads``), so a
+    long prompt never waits behind calls: a heavy thread is always left to prompts;
+  * within a kind, each tenant has a FIFO and tenants with work are served
+    round robin, so one tenant's backlog delays another's next item by at
+    most one item of each tenant with work;
   * calls queued are bounded, per tenant and in all: beyond, ``push`` says no
     and the caller answers 503 ``tokenizer_busy``.  Prompts are not refused
     here (admission bounds them once tokenized; refusing them would fail
     batch lines), they only take their turn.
+
+``threads`` is ``[router] tokenize_threads``, by default the cores this
+process may run on (``pool_threads``): ``tokenizers`` releases the GIL while
+it encodes, so long prompts are tokenized on every core at once.  So that
+this never starves the event loop, the short prompts' thread or the other
+processes of the host (Envoy, workers) of CPU, the heavy threads run at a
+lower scheduling priority (nice ``HEAVY_NICE``, Linux: per thread): they
+take every cycle nothing else wants, and yield the core whenever the loop
+wakes (measured: bench/results/2026-12-05-long-prompts.md).
 
 ``TokenizerQueue`` is the thin handoff: it keeps the queue on the event loop
 (no locks) and hands the next item to the pool whenever a thread is free.
@@ -26,30 +43,66 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
+import sys
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, Literal, TypeVar
 
 T = TypeVar("T")
-Kind = Literal["prompt", "call"]
-PROMPT: Kind = "prompt"
+Kind = Literal["short", "prompt", "call"]
+SHORT: Kind = "short"  # a prompt of at most router.lifecycle.prompts.SHORT_MAX_CHARS
+PROMPT: Kind = "prompt"  # a longer one
 CALL: Kind = "call"
-THREADS = 2  # one is always left to prompts (CALL_THREADS = 1)
-CALL_THREADS = 1
+KINDS: tuple[Kind, ...] = (SHORT, PROMPT, CALL)
+MIN_THREADS = 2  # calls on one at most: one is always left to long prompts
+SPARE_THREADS = 1  # short prompts' own
+HEAVY_NICE = 10  # a nice-0 thread (the loop) gets ~9x the CPU of one at nice 10 when both want it
+
+
+def cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may run on: its affinity mask (a container's
+    cpuset), and no more than its cgroup's CPU quota (``docker --cpus``, a
+    Kubernetes CPU limit), rounded up."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not on Linux)
+        n = os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):  # no cgroup v2 here, or unreadable: the affinity alone
+        pass
+    return n
+
+
+def pool_threads(configured: int) -> tuple[int, int]:
+    """(threads for heavy work, of which for calls) for ``[router] tokenize_threads``
+    (0: one per core, at least ``MIN_THREADS``).  Calls get half, at least one
+    and always fewer than all."""
+    threads = max(MIN_THREADS, configured or cores())
+    return threads, max(1, threads // 2)
 
 
 class FairQueue(Generic[T]):
-    """Per-tenant FIFOs of prompts and calls, served round robin by tenant."""
+    """Per-kind, per-tenant FIFOs, served short prompts first, tenants round robin."""
 
-    def __init__(self, threads: int, call_threads: int, calls_per_tenant: int, calls_total: int) -> None:
-        assert 1 <= call_threads <= threads
-        self.threads, self.call_threads = threads, call_threads
+    def __init__(
+        self, threads: int, call_threads: int, calls_per_tenant: int, calls_total: int, spare: int = SPARE_THREADS
+    ) -> None:
+        assert 1 <= call_threads <= threads and spare >= 1
+        self.threads, self.call_threads, self.spare = threads, call_threads, spare
         self.calls_per_tenant, self.calls_total = calls_per_tenant, calls_total
         # tenant -> its FIFO; the dict's order is the round robin's (served: to the back)
-        self._queues: dict[Kind, OrderedDict[str, deque[T]]] = {PROMPT: OrderedDict(), CALL: OrderedDict()}
-        self.running: dict[Kind, int] = {PROMPT: 0, CALL: 0}
-        self.queued: dict[Kind, int] = {PROMPT: 0, CALL: 0}
+        self._queues: dict[Kind, OrderedDict[str, deque[T]]] = {k: OrderedDict() for k in KINDS}
+        self.running: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+        self.queued: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+        self.on_spare = 0  # short prompts running on the spare threads (the rest on heavy ones)
 
     def push(self, kind: Kind, tenant: str, item: T) -> bool:
         """Queue ``item``; False (nothing queued) for a call over a bound."""
@@ -65,29 +118,39 @@ class FairQueue(Generic[T]):
         self.queued[kind] += 1
         return True
 
-    def pop(self) -> tuple[Kind, T] | None:
-        """The next item to run now (it counts as running until ``done``), or None."""
-        if self.running[PROMPT] + self.running[CALL] >= self.threads:
+    def pop(self) -> tuple[Kind, T, bool] | None:
+        """The next item to run now, and whether on a spare thread (it counts
+        as running there until ``done``), or None."""
+        running = self.running
+        busy = running[PROMPT] + running[CALL] + running[SHORT] - self.on_spare  # heavy threads in use
+        queues = self._queues
+        spare = False
+        if queues[SHORT] and (self.on_spare < self.spare or busy < self.threads):
+            kind: Kind = SHORT  # milliseconds each: ahead of everything, on any free thread
+            spare = self.on_spare < self.spare
+        elif busy >= self.threads:
             return None
-        if self._queues[CALL] and self.running[CALL] < self.call_threads:
+        elif queues[CALL] and running[CALL] < self.call_threads:
             # calls take a thread whenever one of theirs is free (never more:
             # the rest stay the prompts'), so neither kind starves
-            kind: Kind = CALL
-        elif self._queues[PROMPT]:
+            kind = CALL
+        elif queues[PROMPT]:
             kind = PROMPT
         else:
             return None
-        q = self._queues[kind]
+        q = queues[kind]
         tenant, fifo = q.popitem(last=False)
         item = fifo.popleft()
         if fifo:
             q[tenant] = fifo  # to the back of the round
         self.queued[kind] -= 1
-        self.running[kind] += 1
-        return kind, item
+        running[kind] += 1
+        self.on_spare += spare
+        return kind, item, spare
 
-    def done(self, kind: Kind) -> None:
+    def done(self, kind: Kind, spare: bool = False) -> None:
         self.running[kind] -= 1
+        self.on_spare -= spare
 
     def waiting(self, kind: Kind, tenant: str) -> int:
         fifo = self._queues[kind].get(tenant)
@@ -106,10 +169,15 @@ class _Work:
 class TokenizerQueue:
     """The tokenizer threads behind a ``FairQueue``; used on the event loop only."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, calls_per_tenant: int, calls_total: int) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, calls_per_tenant: int, calls_total: int, threads: int = 0
+    ) -> None:
+        """``threads``: ``[router] tokenize_threads`` (0: one per core, ``pool_threads``)."""
         self.loop = loop
-        self.queue: FairQueue[_Work] = FairQueue(THREADS, CALL_THREADS, calls_per_tenant, calls_total)
-        self.pool = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="tokenize")
+        heavy, calls = pool_threads(threads)
+        self.queue: FairQueue[_Work] = FairQueue(heavy, calls, calls_per_tenant, calls_total)
+        self.pool = concurrent.futures.ThreadPoolExecutor(heavy, "tokenize", initializer=_lower_priority)
+        self.spare = concurrent.futures.ThreadPoolExecutor(SPARE_THREADS, "tokenize-short")
 
     def run(
         self, kind: Kind, tenant: str, fn: Callable[..., Any], *args: Any, alive: Callable[[], bool] | None = None
@@ -125,16 +193,16 @@ class TokenizerQueue:
 
     def _pump(self) -> None:
         while (got := self.queue.pop()) is not None:
-            kind, w = got
+            kind, w, spare = got
             if w.fut.cancelled() or (w.alive is not None and not w.alive()):
-                self.queue.done(kind)
+                self.queue.done(kind, spare)
                 w.fut.cancel()
                 continue
-            ran = self.loop.run_in_executor(self.pool, w.fn, *w.args)
-            ran.add_done_callback(partial(self._finished, kind, w))
+            ran = self.loop.run_in_executor(self.spare if spare else self.pool, w.fn, *w.args)
+            ran.add_done_callback(partial(self._finished, kind, spare, w))
 
-    def _finished(self, kind: Kind, w: _Work, ran: asyncio.Future[Any]) -> None:
-        self.queue.done(kind)
+    def _finished(self, kind: Kind, spare: bool, w: _Work, ran: asyncio.Future[Any]) -> None:
+        self.queue.done(kind, spare)
         if not w.fut.cancelled():
             if ran.cancelled():
                 w.fut.cancel()
@@ -146,3 +214,11 @@ class TokenizerQueue:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.spare.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_priority() -> None:
+    """A heavy tokenizer thread's start: nice ``HEAVY_NICE`` (Linux sets it per thread)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):  # (never fatal: it only yields less)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HEAVY_NICE)

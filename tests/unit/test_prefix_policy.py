@@ -109,6 +109,21 @@ def test_index_speculation_expires_and_blind_workers_get_none():
     assert ix.match("m", CHAIN, 12.5) == {}
 
 
+def test_a_prompt_speculated_again_lives_until_its_last_expiry_then_leaves_nothing():
+    ix = PrefixIndex(speculative_ttl_s=2.0)
+    for w in ("a", "b"):
+        ix.add_worker(w, "m", "sim", 16)
+        ix.snapshot(w, 0, [])
+    ix.speculate("a", CHAIN, 10.0)
+    ix.speculate("b", CHAIN[:5], 10.5)
+    ix.speculate("a", CHAIN[:8], 11.0)  # its first 8 blocks again, later
+    assert ix.match("m", CHAIN, 12.2) == {"a": 8, "b": 5}  # the first expired, not the second
+    assert ix.match("m", CHAIN, 12.7) == {"a": 8}
+    assert ix.match("m", CHAIN, 13.1) == {}
+    mi = ix.models["m"]
+    assert not mi.spec and not mi.spec_queue  # every entry went with its expiry
+
+
 def test_index_refuses_other_schemes_and_reuses_bits():
     ix = PrefixIndex()
     assert ix.add_worker("a", "m", "sha256", 128)

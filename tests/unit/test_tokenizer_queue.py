@@ -1,16 +1,19 @@
 """router.lifecycle.tokenizer_queue.FairQueue: who runs next on the tokenizer threads.
-Per tenant FIFO, tenants round robin, calls bounded and on at most their own
-threads (a prompt never waits behind a call), under any sequence of pushes,
-pops and ends (hypothesis)."""
+Short prompts first and never waiting for a long prompt or a call (a thread
+is always free of those), per tenant FIFO, tenants round robin, calls bounded
+and on at most their own threads (a long prompt never waits behind a call),
+under any sequence of pushes, pops and ends (hypothesis); and the pool's size
+from the config."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter, deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.lifecycle.tokenizer_queue import CALL, PROMPT, FairQueue
+from router.lifecycle.tokenizer_queue import CALL, KINDS, MIN_THREADS, PROMPT, SHORT, FairQueue, cores, pool_threads
 
 TENANTS = ["a", "b", "c"]
 
@@ -21,13 +24,58 @@ def test_a_prompt_goes_before_another_tenants_backlog_of_calls():
         assert q.push(CALL, "a", f"a{i}")
     assert q.push(PROMPT, "b", "b-prompt")
     assert q.push(CALL, "c", "c-call")
-    assert q.pop() == (CALL, "a0")
-    assert q.pop() == (PROMPT, "b-prompt")  # the other thread: a prompt never waits behind a call
+    assert q.pop() == (CALL, "a0", False)
+    assert q.pop() == (PROMPT, "b-prompt", False)  # the other thread: a prompt never waits behind a call
     assert q.pop() is None  # both threads busy
     q.done(CALL)
-    assert q.pop() == (CALL, "c-call")  # round robin: c's one call before a's second
+    assert q.pop() == (CALL, "c-call", False)  # round robin: c's one call before a's second
     q.done(CALL)
-    assert q.pop() == (CALL, "a1")
+    assert q.pop() == (CALL, "a1", False)
+
+
+def test_a_short_prompt_never_waits_behind_a_burst_of_long_ones():
+    # 150 agent prompts of 220 KB from one tenant (~150 ms each), then its 2 KB prompt
+    q: FairQueue[str] = FairQueue(threads=2, call_threads=1, calls_per_tenant=32, calls_total=256)
+    for i in range(150):
+        assert q.push(PROMPT, "a", f"long{i}")
+    assert q.push(CALL, "b", "call")
+    assert [q.pop(), q.pop()] == [(CALL, "call", False), (PROMPT, "long0", False)]
+    assert q.pop() is None  # the spare thread stays free: heavy work has its two
+    assert q.push(SHORT, "a", "short")
+    assert q.pop() == (SHORT, "short", True)  # at once, on the spare thread, not after 149 long ones
+    assert q.push(SHORT, "a", "short2")
+    assert q.pop() is None  # (it waits for the short one, only)
+    q.done(SHORT, True)
+    assert q.pop() == (SHORT, "short2", True)
+    q.done(SHORT, True)
+    q.done(PROMPT)
+    assert q.push(SHORT, "c", "short-c") and q.push(SHORT, "c", "short-c2")
+    assert q.pop() == (SHORT, "short-c", True)  # ahead of the long ones queued before it
+    assert q.pop() == (SHORT, "short-c2", False)  # on a free heavy thread
+    assert q.pop() is None
+    q.done(SHORT, False)
+    assert q.pop() == (PROMPT, "long1", False)
+
+
+def test_the_pool_follows_the_config_and_the_cores():
+    assert pool_threads(8) == (8, 4)
+    assert pool_threads(3) == (3, 1)
+    assert pool_threads(1) == (MIN_THREADS, 1)  # calls on one at most, one left to long prompts
+    assert pool_threads(0) == (max(MIN_THREADS, cores()), max(MIN_THREADS, cores()) // 2)
+    assert cores("/nonexistent") == len(os.sched_getaffinity(0))
+
+
+def test_the_cores_are_capped_by_the_cgroups_cpu_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("max 100000\n")  # no quota
+    assert cores(str(cpu_max)) == affinity
+    cpu_max.write_text("150000 100000\n")  # --cpus 1.5: two threads' worth
+    assert cores(str(cpu_max)) == min(affinity, 2)
+    cpu_max.write_text("20000 100000\n")
+    assert cores(str(cpu_max)) == 1
+    cpu_max.write_text("garbage\n")
+    assert cores(str(cpu_max)) == affinity
 
 
 def test_calls_are_bounded_per_tenant_and_in_all_prompts_never():
@@ -37,13 +85,13 @@ def test_calls_are_bounded_per_tenant_and_in_all_prompts_never():
     assert q.push(CALL, "b", 4)
     assert not q.push(CALL, "c", 5)  # the total
     assert all(q.push(PROMPT, "a", i) for i in range(100))
-    assert q.pop() == (CALL, 1)  # running: no longer queued, so a has room again
+    assert q.pop() == (CALL, 1, False)  # running: no longer queued, so a has room again
     assert q.push(CALL, "c", 6)
 
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("push"), st.sampled_from([PROMPT, CALL]), st.sampled_from(TENANTS)),
+        st.tuples(st.just("push"), st.sampled_from(KINDS), st.sampled_from(TENANTS)),
         st.tuples(st.just("pop")),
         st.tuples(st.just("done"), st.integers(0, 10)),
     ),
@@ -51,14 +99,20 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=300)
-@given(ops=ops, threads=st.integers(1, 3), per_tenant=st.integers(1, 4), total=st.integers(1, 8))
-def test_fifo_round_robin_bounded_and_prompts_keep_a_thread(ops, threads, per_tenant, total):
+@settings(max_examples=400)
+@given(
+    ops=ops,
+    threads=st.integers(1, 4),
+    spare=st.integers(1, 2),
+    per_tenant=st.integers(1, 4),
+    total=st.integers(1, 8),
+)
+def test_fifo_round_robin_bounded_short_first_and_prompts_keep_a_thread(ops, threads, spare, per_tenant, total):
     call_threads = max(1, threads - 1)
-    q: FairQueue[tuple[str, str, int]] = FairQueue(threads, call_threads, per_tenant, total)
-    waiting = {PROMPT: {t: deque() for t in TENANTS}, CALL: {t: deque() for t in TENANTS}}
-    served_while_waiting = {PROMPT: {t: Counter() for t in TENANTS}, CALL: {t: Counter() for t in TENANTS}}
-    running: list[str] = []
+    q: FairQueue[tuple[str, str, int]] = FairQueue(threads, call_threads, per_tenant, total, spare)
+    waiting = {k: {t: deque() for t in TENANTS} for k in KINDS}
+    served_while_waiting = {k: {t: Counter() for t in TENANTS} for k in KINDS}
+    running: list[tuple[str, bool]] = []  # (kind, on a spare thread)
     n = 0
     for op in ops:
         if op[0] == "push":
@@ -72,26 +126,36 @@ def test_fifo_round_robin_bounded_and_prompts_keep_a_thread(ops, threads, per_te
                     served_while_waiting[kind][tenant].clear()
                 waiting[kind][tenant].append((kind, tenant, n))
         elif op[0] == "pop":
+            on_heavy = [k for k, sp in running if not sp]
             got = q.pop()
             if got is None:
-                free = len(running) < threads
-                calls_may = any(waiting[CALL].values()) and running.count(CALL) < call_threads
-                assert not free or (not any(waiting[PROMPT].values()) and not calls_may)
+                if any(waiting[SHORT].values()):  # a short prompt waits only for short ones
+                    assert [k for k, sp in running if sp] == [SHORT] * spare and len(on_heavy) == threads
+                calls_may = any(waiting[CALL].values()) and on_heavy.count(CALL) < call_threads
+                assert len(on_heavy) >= threads or (not any(waiting[PROMPT].values()) and not calls_may)
                 continue
-            kind, item = got
+            kind, item, on_spare = got
             _, tenant, _ = item
+            if kind != SHORT:
+                assert not any(waiting[SHORT].values())  # short prompts go first
             assert waiting[kind][tenant].popleft() == item  # FIFO within a tenant and kind
             for other in TENANTS:  # round robin: while one waits, no other tenant is served twice
                 if other != tenant and waiting[kind][other]:
                     served_while_waiting[kind][other][tenant] += 1
                     assert served_while_waiting[kind][other][tenant] <= 1
             served_while_waiting[kind][tenant].clear()
-            running.append(kind)
-            assert len(running) <= threads and running.count(CALL) <= call_threads
+            if on_spare:
+                assert kind == SHORT  # the spare threads are short prompts' alone
+            else:
+                assert kind != SHORT or all(sp for k, sp in running if sp) and sum(sp for _, sp in running) == spare
+            running.append((kind, on_spare))
+            on_heavy = [k for k, sp in running if not sp]
+            assert len(on_heavy) <= threads and sum(sp for _, sp in running) <= spare  # each pool's size
+            assert on_heavy.count(CALL) <= call_threads
             if threads > 1:
-                assert running.count(CALL) < threads  # a thread is always left to prompts
+                assert on_heavy.count(CALL) < threads  # a thread is always left to long prompts
         elif running:
-            kind = running.pop(op[1] % len(running))
-            q.done(kind)
-        assert q.queued[CALL] == sum(len(d) for d in waiting[CALL].values())
-        assert q.queued[PROMPT] == sum(len(d) for d in waiting[PROMPT].values())
+            kind, on_spare = running.pop(op[1] % len(running))
+            q.done(kind, on_spare)
+        for k in KINDS:
+            assert q.queued[k] == sum(len(d) for d in waiting[k].values())
