@@ -348,3 +348,39 @@ def test_adapters_answer_as_vllm_serve_does(lora_stack, vllm_serve_lora):
     assert not problems, "\n".join(problems)
     for path, stream in cases:  # the adapters are applied: each answers unlike the base and the others
         assert len({ours[m, path, stream] for m in models}) == len(models), (path, stream)
+
+
+def test_the_supervisor_tells_a_restarted_router_of_the_adapters_added_at_run_time(tmp_path):
+    # (tiny-llama runs LoRA but no worker: adapters are checked and listed, none served; a sim worker)
+    a = build_adapter(str(tmp_path / "lora-a"), str(stackutil.TINY_MODEL_DIR), seed=1)
+    b = build_adapter(str(tmp_path / "lora-b"), str(stackutil.TINY_MODEL_DIR), seed=2)
+    models = stackutil.localconfig.models()
+    models[0]["lora"] = LORA_BOUNDS
+    cfg = stackutil.write_config(tmp_path, models=models, workers=[stackutil.sim_worker("sim-0")])
+    with stackutil.start_stack(cfg, tmp_path / "run", supervise=True) as s:
+
+        def listed() -> set[str]:
+            return {x["name"] for x in requests.get(s.router_url + "/admin/adapters", timeout=5).json()}
+
+        for name, path in ((LORA_A, a), (LORA_B, b)):
+            body = {"adapter": {"name": name, "base": BASE, "path": str(path)}}
+            assert requests.post(s.router_url + "/admin/adapters", json=body, timeout=10).status_code == 200
+        assert requests.post(s.router_url + f"/admin/adapters/{LORA_B}/remove", json={}, timeout=10).ok
+        assert listed() == {LORA_A}
+        time.sleep(3.0)  # (the supervisor's passes, every 0.5 s, see them: a added, b removed)
+        router = s.components["router"]
+        old_pid = router.pid
+        router.signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        got: set[str] = set()
+        while time.monotonic() < deadline:
+            try:
+                if router.pid != old_pid and (got := listed()) == {LORA_A}:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        assert s.restarts == {"router": 1}
+        assert got == {LORA_A}  # told again of a; b, removed before, stays removed
+        time.sleep(1.0)
+        assert listed() == {LORA_A}
