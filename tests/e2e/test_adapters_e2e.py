@@ -39,11 +39,19 @@ ADMIN_TOKEN = "weir-admin-test-token"
 
 
 @pytest.fixture(scope="module")
-def lora_stack(tmp_path_factory):
+def lora_dir(tmp_path_factory):
+    """The three adapters (lora-a, lora-b, lora-e) and the stack's files."""
     d = tmp_path_factory.mktemp("lora_stack")
-    a = build_adapter(str(d / "lora-a"), str(stackutil.TINY_MODEL_DIR), seed=1)
-    b = build_adapter(str(d / "lora-b"), str(stackutil.TINY_MODEL_DIR), seed=2)
-    e = build_adapter(str(d / "lora-e"), str(stackutil.TINY_MODEL_DIR), seed=5)
+    for sub, seed in (("lora-a", 1), ("lora-b", 2), ("lora-e", 5)):
+        build_adapter(str(d / sub), str(stackutil.TINY_MODEL_DIR), seed=seed)
+    return d
+
+
+@pytest.fixture(scope="module")
+def lora_stack(lora_dir, vllm_serve_started):
+    # (vllm serve, the reference of test_adapters_answer_as_vllm_serve_does, starts meanwhile:
+    # two vLLM starts side by side take ~5 s longer than one, not twice as long)
+    d = lora_dir
     models = stackutil.localconfig.models()
     models[0]["lora"] = LORA_BOUNDS
     models.append({"name": PLAIN, "engine": "vllm", "path": str(stackutil.TINY_MODEL_DIR), "max_model_len": 512})
@@ -53,7 +61,10 @@ def lora_stack(tmp_path_factory):
         d,
         router={"admin_http": f"127.0.0.1:{admin_port}", "admin_token_file": str(d / "admin.token")},
         models=models,
-        adapters=[{"name": n, "base": BASE, "path": str(p)} for n, p in ((LORA_A, a), (LORA_B, b), (LORA_E, e))],
+        adapters=[
+            {"name": n, "base": BASE, "path": str(d / sub)}
+            for n, sub in ((LORA_A, "lora-a"), (LORA_B, "lora-b"), (LORA_E, "lora-e"))
+        ],
         workers=[stackutil.vllm_worker("vllm-lora")],
     )
     with stackutil.start_stack(cfg, d / "run") as s:
@@ -246,13 +257,12 @@ def test_prompt_logprobs_on_a_cpu_lora_worker_are_refused_and_the_engine_lives(l
 
 
 @pytest.fixture(scope="module")
-def vllm_serve_lora(lora_stack):
-    """vLLM's own server with the LoRA worker's engine settings and the stack's three adapters."""
+def vllm_serve_started(lora_dir):
+    """vLLM's own server with the LoRA worker's engine settings and the three adapters, started
+    (not yet healthy: ``vllm_serve_lora`` waits for it): (process, url, log)."""
     port = stackutil.free_port()
-    log_path = lora_stack.lora_dir / "vllm-serve.log"
-    adapters = [
-        f"{n}={lora_stack.lora_dir / d}" for n, d in ((LORA_A, "lora-a"), (LORA_B, "lora-b"), (LORA_E, "lora-e"))
-    ]
+    log_path = lora_dir / "vllm-serve.log"
+    adapters = [f"{n}={lora_dir / d}" for n, d in ((LORA_A, "lora-a"), (LORA_B, "lora-b"), (LORA_E, "lora-e"))]
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(stackutil.TINY_MODEL_DIR),
@@ -274,21 +284,8 @@ def vllm_serve_lora(lora_stack):
     env = {**os.environ, **stackutil.localconfig.CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited ({proc.returncode}); log: {log_path.read_text()[-3000:]}")
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not become healthy; log: {log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url
+        yield proc, f"http://127.0.0.1:{port}", log_path
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -296,6 +293,24 @@ def vllm_serve_lora(lora_stack):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def vllm_serve_lora(vllm_serve_started):
+    """``vllm_serve_started``'s URL, once it answers /health."""
+    proc, url, log_path = vllm_serve_started
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited ({proc.returncode}); log: {log_path.read_text()[-3000:]}")
+        try:
+            if requests.get(url + "/health", timeout=1).status_code == 200:
+                return url
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"vllm serve did not become healthy; log: {log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
 
 
 def _greedy(base_url: str, path: str, model: str, stream: bool) -> tuple[str, Any]:
