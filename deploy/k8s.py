@@ -9,7 +9,7 @@ rendering of deploy/weir.toml, as envoy/envoy.yaml is kept.
                        StatefulSet per (model, pool) of [[workers]]; KEDA
                        ScaledObjects; pre-scaling CronJobs; NetworkPolicies;
                        the config as a ConfigMap (each role's view of it)
-    overlays/cpu-demo  models built in the pod (deploy/make_model.py), small CPU requests
+    overlays/cpu-demo  models and adapters built in the pod (deploy/make_model.py, make_adapter.py), small CPU requests
     overlays/gpu       nvidia.com/gpu per vLLM worker, GPU worker config, GPU-utilisation trigger
 
 The ConfigMap holds what each role reads: ``router.toml`` (binds every
@@ -122,6 +122,10 @@ def _make_model_init(cfg: Config, image: str) -> dict[str, Any]:
         for m in cfg.models
         if m.engine == "vllm"
     )
+    for a in cfg.adapters:  # the tiny adapter, as `make setup` builds it
+        paths += (
+            f" && python -m deploy.make_adapter {MODELS_DIR}/{dns_name(a.name)} --base {MODELS_DIR}/{dns_name(a.base)}"
+        )
     return {
         "name": "make-model",
         "image": image,

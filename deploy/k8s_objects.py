@@ -146,6 +146,8 @@ def _role_config(cfg: Config, role: str, gpu: bool = False) -> dict[str, Any]:
     for m in raw["models"]:
         if m.get("path"):
             m["path"] = f"{MODELS_DIR}/{dns_name(m['name'])}"
+    for a in raw.get("adapters") or []:  # (LoRA adapters: in the same volume, beside the models)
+        a["path"] = f"{MODELS_DIR}/{dns_name(a['name'])}"
     if role == "router":  # (kubernetes.batch_claim's mount; the other roles never read it)
         raw["batch"]["directory"] = BATCH_DIR
     if cfg.security.curve:  # the keys as the pods mount them (deploy/k8s_security.py)

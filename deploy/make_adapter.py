@@ -1,6 +1,6 @@
 """Build a tiny LoRA adapter for the tiny model (``models/tiny-llama``), in PEFT's format.
 
-``python -m deploy.make_adapter OUT_DIR [--base models/tiny-llama] [--seed N] [--rank R]``
+``python -m deploy.make_adapter OUT_DIR [--base models/tiny-llama] [--seed N] [--rank R] [--count K]``
 
 No adapter can be downloaded here, so we make one, as the model is made
 (deploy/make_model.py): ``adapter_config.json`` plus ``adapter_model.safetensors``
@@ -10,6 +10,8 @@ a few KB, well under a second.  Unlike a freshly initialised PEFT adapter
 (whose B is zeros) both factors are random and scaled so that the adapter
 moves the tiny model's greedy output: a request naming it answers
 differently from the base model, and two seeds differ from each other.
+``--count K`` builds K adapters, OUT_DIR (seed N), OUT_DIR-2 (seed N+1), ...
+(``build_set``): `make setup` builds tiny-lora, tiny-lora-2 and tiny-lora-3.
 """
 
 from __future__ import annotations
@@ -73,12 +75,18 @@ def build(out_dir: str, base: str = "models/tiny-llama", *, seed: int = 1, rank:
     return out
 
 
+def build_set(out_dir: str, base: str = "models/tiny-llama", *, count: int, seed: int = 1, rank: int = 8) -> list[Path]:
+    """``count`` distinct adapters: ``out_dir`` (seed ``seed``), ``out_dir``-2 (seed + 1), ..."""
+    return [build(out_dir if i == 0 else f"{out_dir}-{i + 1}", base, seed=seed + i, rank=rank) for i in range(count)]
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m deploy.make_adapter", description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default="models/tiny-lora")
     ap.add_argument("--base", default="models/tiny-llama")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--count", type=int, default=1, help="adapters to build: OUT, OUT-2, ... (seeds N, N+1, ...)")
     args = ap.parse_args()
-    path = build(args.out, args.base, seed=args.seed, rank=args.rank)
-    print(f"tiny LoRA adapter (rank {args.rank}, seed {args.seed}) written to {path}")
+    for i, path in enumerate(build_set(args.out, args.base, count=args.count, seed=args.seed, rank=args.rank)):
+        print(f"tiny LoRA adapter (rank {args.rank}, seed {args.seed + i}) written to {path}")

@@ -15,7 +15,10 @@ reads the router's ``GET /admin/models`` and makes the processes match:
   exits; they are not restarted, and once the last has gone the router
   forgets the model (requests for it are then 404);
 * a router that restarted (it knows only its config file) is told again of
-  the models added at run time that this supervisor still runs.
+  the models added at run time that this supervisor still runs, and of the
+  LoRA adapters added at run time that it served before (``GET
+  /admin/adapters``, each pass; a restart: the router's ``/health`` uptime
+  went back), after the models (an adapter's base may be one of them).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class ModelReconciler:
         self.stopping: set[str] = set()  # worker ids told to drain and exit
         self.runtime_cfg = stack.run_dir / RUNTIME_CONFIG
         self.admin = admin_headers(stack.cfg)  # (loopback needs none; sent where configured)
+        self.adapters: dict[str, dict[str, Any]] = {}  # adapters added at run time, as last listed: name -> config
+        self.uptime_s: float | None = None  # the router's at the last pass that reached it
 
     def step(self) -> list[str]:
         """One pass; what it did, in words.  The router unreachable: nothing."""
@@ -108,6 +113,35 @@ class ModelReconciler:
                     headers=self.admin,
                 )
                 said.append(f"router told again of model {name} ({code})")
+        return said + self._adapters()
+
+    def _adapters(self) -> list[str]:
+        """Remember the adapters added at run time; after a router restart, add them again."""
+        stack = self.stack
+        try:
+            _, health = _call(stack.router_url + "/health")
+            _, listed = _call(stack.router_url + "/admin/adapters", headers=self.admin)
+        except (OSError, ValueError):
+            return []
+        if not isinstance(listed, list) or not isinstance(health, dict):
+            return []
+        uptime = float(health.get("uptime_s") or 0.0)
+        restarted = self.uptime_s is not None and uptime < self.uptime_s
+        self.uptime_s = uptime
+        in_config = {a.name for a in stack.cfg.adapters}
+        served = {a["name"] for a in listed}
+        said: list[str] = []
+        if restarted:
+            for name, spec in self.adapters.items():
+                if name not in served:
+                    code, _ = _call(stack.router_url + "/admin/adapters", {"adapter": spec}, headers=self.admin)
+                    said.append(f"router told again of adapter {name} ({code})")
+            return said
+        self.adapters = {  # (one removed through the admin API is no longer listed: forgotten)
+            a["name"]: {"name": a["name"], "base": a["base"], "path": a["path"]}
+            for a in listed
+            if a["name"] not in in_config and a.get("path")
+        }
         return said
 
     def _start_workers(self, name: str, m: dict[str, Any]) -> list[str]:

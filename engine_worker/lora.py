@@ -30,6 +30,22 @@ def engine_args(lora: LoraConfig | None) -> dict[str, Any]:
     }
 
 
+class PromptLogprobsRefused(ValueError):
+    parameter = "logprobs"  # (the request's 400 names it: completions' echo with logprobs asks for them)
+
+
+def refuse_prompt_logprobs(prompt_logprobs: object, lora_on_cpu: bool) -> None:
+    """A PromptLogprobsRefused (the request's 400) for prompt logprobs on a CPU engine with LoRA on:
+    vLLM's CPU LoRA kernels (punica_cpu's add_lora_logits) index the logits rows by the sampled
+    tokens, not the prompt's, so that engine step raises and the whole engine dies (vLLM 0.32,
+    as ``vllm serve --enable-lora`` on CPU does)."""
+    if prompt_logprobs is not None and lora_on_cpu:
+        raise PromptLogprobsRefused(
+            "prompt logprobs (echo with logprobs) are not served by this model's workers: "
+            "vLLM's CPU LoRA kernels cannot compute them"
+        )
+
+
 def lora_request(ref: LoraRef | None, enabled: bool) -> LoRARequest | None:
     """vLLM's request for ``ref``; a ValueError (the request's 400) when this worker runs no LoRA."""
     if ref is None:

@@ -30,6 +30,7 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.envs import enable_envs_cache
 from vllm.exceptions import VLLMClientError, VLLMValidationError
+from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -40,7 +41,7 @@ from shared.protocol import ErrorInfo, GenerateRequest, SamplingParams, WorkerSt
 
 from .base import EngineBase, EngineInfo, Live, bad_request, engine_error
 from .lora import engine_args as lora_args
-from .lora import lora_request
+from .lora import lora_request, refuse_prompt_logprobs
 from .lora_cache import LoraCache
 from .vllm_direct import DirectAsyncLLM, Hooks
 
@@ -124,6 +125,7 @@ class VllmEngine(EngineBase):
         super().__init__()
         self.lora = lora
         self.lora_cache = LoraCache(lora.max_loras, lora.max_cpu_loras) if lora is not None else None
+        self._lora_on_cpu = lora is not None and current_platform.is_cpu()
         # Prefix caching on, and its KV events on per-worker ipc sockets that
         # this worker consumes (engine_worker.vllm_events): nothing to open
         # beyond the host, no port to pick per engine.
@@ -351,6 +353,7 @@ class VllmEngine(EngineBase):
         from DirectAsyncLLM's handler, once per engine step."""
         rid = req.request_id
         try:
+            refuse_prompt_logprobs(req.params.prompt_logprobs, self._lora_on_cpu)
             engine, engine_input = await self._render(req)
             if not self._is_live(rid, live):
                 return  # aborted meanwhile

@@ -35,6 +35,8 @@ class Views(Protocol):
 
     def adapters_for(self, api_key: str | None) -> list[tuple[str, str, int, int, str]]: ...
 
+    def adapter_paths(self) -> dict[str, str]: ...
+
     def admin_models(self) -> list[dict[str, Any]]: ...
 
     def health(self) -> dict[str, Any]: ...
@@ -280,9 +282,11 @@ LORA_ADMIN_PATHS = (b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter")
 
 
 def _admin_adapters(views: Views) -> Answer:
-    """GET /admin/adapters: every LoRA adapter served, its base, its base's state and ready workers."""
-    rows = views.adapters()
-    return _json(200, [{"name": a, "base": b, "state": s, "ready_workers": r} for a, b, _, r, s in rows])
+    """GET /admin/adapters: every LoRA adapter served, its base, its directory, its base's state and ready workers."""
+    rows, paths = views.adapters(), views.adapter_paths()
+    return _json(
+        200, [{"name": a, "base": b, "path": paths.get(a), "state": s, "ready_workers": r} for a, b, _, r, s in rows]
+    )
 
 
 def _adapter_routes(views: Views, operator: Operator) -> dict[bytes, Route]:

@@ -31,6 +31,10 @@ class RouterCoreReads:
         """(name, base model) of each LoRA adapter served now."""
         return [(a.name, a.base) for a in self.core.registry.adapters.all()]
 
+    def adapter_paths(self) -> dict[str, str]:
+        """name -> directory of each LoRA adapter served now (the admin listing's)."""
+        return {a.name: a.path for a in self.core.registry.adapters.all()}
+
     def allowed_adapters(self, api_key: str | None) -> frozenset[str] | None:
         """The adapters a caller may use (None: every one; a key that is not one: none)."""
         who = self.core.identify(api_key)

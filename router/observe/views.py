@@ -39,6 +39,8 @@ class CoreReads(Protocol):
 
     def served_adapters(self) -> list[tuple[str, str]]: ...
 
+    def adapter_paths(self) -> dict[str, str]: ...
+
     def allowed_adapters(self, api_key: str | None) -> frozenset[str] | None: ...
 
     def runtime_workers_of(self, name: str) -> list[WorkerConfig] | None: ...
@@ -95,6 +97,10 @@ class RouterViews:
         its base model's figures (the adapter runs on its base's workers)."""
         rows = {name: (max_len, ready, state) for name, max_len, ready, state in self.models()}
         return [(name, base, *rows[base]) for name, base in self.core.served_adapters() if base in rows]
+
+    def adapter_paths(self) -> dict[str, str]:
+        """name -> directory of each adapter served (the admin listing: what the supervisor replays)."""
+        return self.core.adapter_paths()
 
     def adapters_for(self, api_key: str | None) -> list[tuple[str, str, int, int, str]]:
         """``adapters`` less those the caller's key or tenant may not use (/v1/models)."""

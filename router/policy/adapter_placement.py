@@ -19,7 +19,9 @@ while fewer than ``max_loads`` such loads are in flight there: a load counts
 from its dispatch until a heartbeat reports the adapter held (or
 ``LOAD_TIMEOUT_S`` passed).  A job whose adapter no worker of its model
 holds or is loading has one load (``load_s``) added to its predicted wait
-(router.policy.admission).  Pure: no I/O, the caller's clock.
+(router.policy.admission).  In a large fleet, where placement scores a sample
+of workers, the workers holding or loading the job's adapter (``holders``,
+at most ``HOLDERS_SAMPLED``) are scored too.  Pure: no I/O, the caller's clock.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ if TYPE_CHECKING:
     from router.policy.placement.scorers import Scorer
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from shared.protocol import LoraHeld
@@ -40,6 +44,7 @@ HELD_SLOT = 1.0
 HELD_CACHE = 0.6
 FREE_SLOT = 0.3
 LOAD_TIMEOUT_S = 30.0  # a load never confirmed stops counting (a lost heartbeat, an engine that failed it)
+HOLDERS_SAMPLED = 4  # holders added to a large fleet's placement sample (as many as it draws)
 
 
 @dataclass(slots=True)
@@ -56,6 +61,7 @@ class AdapterPlacement:
         self.load_s = load_s  # what one load from disk adds to a job's wait (scheduler.adapter_load_s)
         self.enabled = enabled
         self._workers: dict[str, _Worker] = {}
+        self._holders: dict[int, set[str]] = {}  # adapter id -> workers holding it (slot, cache) or loading it
         self.loads = 0  # dispatches that needed a load (not held where they went)
         self.new_loads: list[int] = []  # their adapters since the caller last took them (metrics)
 
@@ -67,18 +73,42 @@ class AdapterPlacement:
             if w is None:
                 return []
             gone = sorted(w.slot | w.cache)
+            had = w.slot | w.cache | w.loading.keys()
             w.slot = w.cache = frozenset()
             self._expire(w, now)
+            self._reindex(worker_id, had, w)
             return gone
         if w is None:
             w = self._workers[worker_id] = _Worker()
         before = w.slot | w.cache
+        had = before | w.loading.keys()
         w.slot, w.cache, w.slots = frozenset(held.slot), frozenset(held.cache), held.slots
         gone = sorted(before - w.slot - w.cache)
         for lora in [x for x in w.loading if x in w.slot or x in w.cache]:
             del w.loading[lora]  # loaded
         self._expire(w, now)
+        self._reindex(worker_id, had, w)
         return gone
+
+    def _reindex(self, worker_id: str, had: AbstractSet[int], w: _Worker | None) -> None:
+        """``_holders`` after ``worker_id``'s adapters went from ``had`` to ``w``'s (None: gone)."""
+        has: AbstractSet[int] = (w.slot | w.cache | w.loading.keys()) if w is not None else frozenset()
+        holders = self._holders
+        for lora in had - has:
+            s = holders.get(lora)
+            if s is not None:
+                s.discard(worker_id)
+                if not s:
+                    del holders[lora]
+        for lora in has - had:
+            holders.setdefault(lora, set()).add(worker_id)
+
+    def holders(self, lora: int) -> list[str]:
+        """Up to HOLDERS_SAMPLED workers holding adapter ``lora`` or loading it (for a placement sample)."""
+        s = self._holders.get(lora)
+        if not s:
+            return []
+        return list(s) if len(s) <= HOLDERS_SAMPLED else list(islice(s, HOLDERS_SAMPLED))
 
     def take_loads(self) -> list[int]:
         """The adapters of the loads dispatched since the last call (for metrics)."""
@@ -139,11 +169,14 @@ class AdapterPlacement:
         if lora in w.slot or lora in w.cache or lora in w.loading:
             return
         w.loading[lora] = now
+        self._holders.setdefault(lora, set()).add(worker_id)
         self.loads += 1
         self.new_loads.append(lora)
 
     def remove_worker(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._reindex(worker_id, w.slot | w.cache | w.loading.keys(), None)
 
     def view(self, worker_id: str) -> dict[str, Any]:
         """A worker's adapters for /admin/workers ({}: it never reported any)."""

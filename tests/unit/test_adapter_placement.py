@@ -9,7 +9,7 @@ import random
 import msgspec
 
 from engine_worker.lora_cache import LoraCache
-from router.policy import DispatchJob, Job, Policy, WorkerSpec
+from router.policy import PLACE_SCAN_ALL, DispatchJob, Job, Policy, WorkerSpec
 from router.policy.adapter_placement import FREE_SLOT, HELD_CACHE, HELD_SLOT, LOAD_TIMEOUT_S, AdapterPlacement
 from shared.config import SchedulerConfig
 from shared.protocol import LoraHeld, Pool, TaskType, WorkerStats
@@ -116,12 +116,42 @@ def test_heartbeat_field_is_left_out_when_nothing_is_held():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(held), type=WorkerStats).loras == held.loras
 
 
+LOAD_ROUNDS = 2.0  # a load from disk before a job's first token (a job runs 8-24 rounds)
+ACTIVATE_ROUNDS = 0.25  # a copy from the host-memory cache into a slot
+
+
+def test_a_sampled_placement_scores_the_workers_holding_the_adapter():
+    # beyond PLACE_SCAN_ALL workers placement scores a sample of 4: the one worker holding the
+    # job's adapter is added to it (else a load elsewhere ~96 % of the time)
+    p = Policy(_cfg())
+    n = PLACE_SCAN_ALL * 4
+    for i in range(n):
+        p.add_worker(_spec(f"w{i:03d}", seqs=4), 0.0)
+    for i in range(n):  # every worker reports its adapters: w017 holds 7 in a slot, the rest other ones
+        p.placement.adapters.report(f"w{i:03d}", LoraHeld(slot=[7 if i == 17 else 100 + i], slots=1), 0.0)
+    placed = []
+    for t in range(1, 21):
+        j = _job(7, float(t))
+        placed.append(_placed(p, j, float(t)))
+        p.finish(j.job_id, float(t))
+    assert placed == ["w017"] * 20
+    assert p.placement.adapters.holders(7) == ["w017"]
+    p.placement.adapters.report("w017", LoraHeld(slot=[8], slots=1), 30.0)  # evicted: no holder left
+    assert p.placement.adapters.holders(7) == []
+    p.placement.adapters.dispatched("w003", 7, 31.0)  # on its way there: a holder too
+    assert p.placement.adapters.holders(7) == ["w003"]
+    p.placement.adapters.remove_worker("w003")
+    assert p.placement.adapters.holders(7) == []
+
+
 def _churn(placement: str, affinity: bool, *, workers=8, adapters=32, slots=4, requests=4000, seed=1):
     """Requests under Zipf-popular adapters through the real policy onto workers whose
     engines hold ``slots`` adapters (their LoraCache, reported back as heartbeats do);
     each job runs a few scheduling rounds.  Loads: a job whose worker held its adapter
     neither in a slot nor in its cache when it started there (a load from disk);
-    activations: not in a slot (a copy from the cache, or a load)."""
+    activations: not in a slot (a copy from the cache, or a load).  TTFT (in rounds,
+    one request arrives per round): its wait in the queue, plus LOAD_ROUNDS for a load
+    or ACTIVATE_ROUNDS for an activation (its run, and its seq on the worker, start after)."""
     rng = random.Random(seed)
     weights = [1.0 / (k + 1) for k in range(adapters)]  # Zipf, s = 1
     p = Policy(_cfg(placement=placement, adapter_affinity=affinity, adapter_loads_in_flight=2))
@@ -130,6 +160,8 @@ def _churn(placement: str, affinity: bool, *, workers=8, adapters=32, slots=4, r
         p.add_worker(_spec(wid, seqs=4), 0.0)
     running: list[tuple[float, str]] = []  # (ends at, job id)
     lora_of: dict[str, int] = {}
+    submitted: dict[str, float] = {}
+    ttfts: list[float] = []
     loads = activations = 0
     t = 0.0
     for _ in range(requests):
@@ -139,25 +171,31 @@ def _churn(placement: str, affinity: bool, *, workers=8, adapters=32, slots=4, r
             running.remove((end, jid))
         j = _job(1 + rng.choices(range(adapters), weights)[0], t)
         lora_of[j.job_id] = j.lora_id
+        submitted[j.job_id] = t
         p.submit(j, t)
         for a in p.schedule(t):
             if isinstance(a, DispatchJob):
                 cache = caches[a.worker_id]
                 held = cache.held()
                 lora = lora_of[a.job_id]
+                first = t
                 if held is None or lora not in held.slot:
                     activations += 1
+                    first += ACTIVATE_ROUNDS
                     if held is None or lora not in held.cache:
                         loads += 1
+                        first += LOAD_ROUNDS - ACTIVATE_ROUNDS
                 cache.touch(lora_of[a.job_id])
-                running.append((t + rng.uniform(8.0, 24.0), a.job_id))
+                ttfts.append(first - submitted[a.job_id])
+                running.append((first + rng.uniform(8.0, 24.0), a.job_id))
         for wid, cache in caches.items():  # heartbeats
             p.placement.adapters.report(wid, cache.held(), t)
-    return 1000.0 * loads / requests, 1000.0 * activations / requests
+    p90 = sorted(ttfts)[int(0.9 * len(ttfts))]
+    return 1000.0 * loads / requests, 1000.0 * activations / requests, p90
 
 
 def test_adapter_aware_placement_loads_far_less_than_round_robin_and_least_loaded():
-    (aware, aware_act), (least, least_act), (rr, rr_act) = (
+    (aware, aware_act, aware_p90), (least, least_act, least_p90), (rr, rr_act, rr_p90) = (
         _churn("least_loaded", True),
         _churn("least_loaded", False),
         _churn("round_robin", False),
@@ -165,10 +203,12 @@ def test_adapter_aware_placement_loads_far_less_than_round_robin_and_least_loade
     print(
         f"\nper 1,000 requests (32 adapters, Zipf; 8 workers, 4 slots, 8 cached): loads from disk: adapter-aware"
         f" {aware:.0f}, least loaded {least:.0f}, round robin {rr:.0f}; slot activations: {aware_act:.0f},"
-        f" {least_act:.0f}, {rr_act:.0f}"
+        f" {least_act:.0f}, {rr_act:.0f}; p90 TTFT (rounds; a load {LOAD_ROUNDS:g}, an activation"
+        f" {ACTIVATE_ROUNDS:g}): {aware_p90:.2f}, {least_p90:.2f}, {rr_p90:.2f}"
     )
     assert aware * 5 <= rr and aware * 5 <= least
     assert aware_act * 3 <= rr_act and aware_act * 3 <= least_act
+    assert aware_p90 < least_p90 and aware_p90 < rr_p90
 
 
 def test_predicted_wait_counts_a_load_when_no_worker_holds_the_adapter():

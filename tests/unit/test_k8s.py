@@ -194,6 +194,18 @@ def test_configmap_views_load_and_point_at_the_routers(cfg):
     envoy_config.validate(data["envoy.yaml"])  # the real Envoy accepts it
 
 
+def test_adapters_live_beside_the_models_and_the_cpu_demo_builds_them(cfg):
+    data = _by(k8s.built(cfg), "ConfigMap")[0]["data"]
+    for view in ("router.toml", "worker.toml"):
+        assert [(a.name, a.base, a.path) for a in loads(data[view]).adapters] == [
+            ("tiny-lora", "tiny-llama", "/models/tiny-lora")
+        ]
+    demo = k8s.cpu_demo_patches(cfg)
+    for part in ("router.yaml", "weir-worker-tiny-llama.yaml"):
+        (init,) = demo[part]["spec"]["template"]["spec"]["initContainers"]
+        assert "python -m deploy.make_adapter /models/tiny-lora --base /models/tiny-llama" in init["command"][-1]
+
+
 def _router_volumes(objs: list[dict]) -> tuple[dict, dict]:
     spec = _by(objs, "Deployment", "weir-router")[0]["spec"]["template"]["spec"]
     mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}

@@ -154,6 +154,10 @@ class ScoredPlacement:
         if hits and not complete:  # a sample: the workers holding the prefix are scored too
             workers = m.workers
             ws = [*ws, *(workers[wid] for wid in hits if wid in workers)]
+        lora = job.lora_id if self.adapters.enabled else 0
+        if lora and not complete:  # a sample: the workers holding (or loading) its adapter are scored too
+            workers = m.workers
+            ws = [*ws, *(workers[wid] for wid in self.adapters.holders(lora) if wid in workers)]
         load = self.load
         sessions = self.sessions
         if sessions is not None and job.session:
@@ -177,7 +181,6 @@ class ScoredPlacement:
                 break
             found = keep(ask, found)
         cands: list[Candidate] = fits(ask, found) if found else []
-        lora = job.lora_id if self.adapters.enabled else 0
         if lora and cands:  # its adapter held, cached or a free slot ahead; none where loads in flight are at the bound
             cands = self.adapters.admissible(cands, lora)
             load = (*load, self.adapters.scorer(lora))
