@@ -149,6 +149,7 @@ class Dispatcher:
         if targets is not None and targets.decoding:
             targets.dispatched(job.job_id, w)  # (its TPOT there, before it joins the count)
         self.reservations.reserve(m, e, w, cost)
+        e.placed_step = w.steps
         worker_id = w.spec.worker_id
         if job.block_hashes and self.affinity:
             self.prefix.speculate(worker_id, job.block_hashes, now)

@@ -34,6 +34,7 @@ Only jobs with a target are predicted (the rest pay nothing).  Pure: no I/O.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,7 @@ from router.policy.types import (
     DEFAULT_STEP_FIXED_S,
     DEFAULT_STEP_PER_SEQ_S,
     MIN_RETRY_S,
+    SHORT,
     Job,
 )
 from shared.errors import Code, Refusal
@@ -58,6 +60,10 @@ ALPHA = 0.1  # weight of one observation in a calibration factor
 MIN_FACTOR, MAX_FACTOR = 0.2, 5.0
 FREE, FULL = 0, 1  # TTFT regimes: a worker has a free slot / every slot is taken
 MIN_RELEASES = 8.0  # releases the drain meter must have seen before its mean gap is used
+MAX_SCAN = 4096  # running jobs whose ends a prediction looks at (a larger fleet: its first workers')
+END_TAU = 200.0  # jobs' worth of weight in the observed / bound ratio of job durations
+STEP_ALPHA = 0.05  # weight of one step in a worker's mean time between steps
+IDLE_STEPS = 4.0  # a gap between steps longer than this many mean steps: the engine was idle
 # per (model, class) counts (``Targets.by_class``): the names, in their order
 OUTCOMES = ("ttft_met", "ttft_missed", "ttft_shed", "tpot_met", "tpot_missed", "tpot_shed", "goodput")
 TTFT_MET, TTFT_MISSED, TTFT_SHED, TPOT_MET, TPOT_MISSED, TPOT_SHED, GOODPUT = range(7)
@@ -72,6 +78,36 @@ def step_parts(w: WorkerState) -> tuple[float, float]:
         scale = spec.step_time_s / (DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S * max(1, spec.max_num_seqs))
         return DEFAULT_STEP_FIXED_S * scale, DEFAULT_STEP_PER_SEQ_S * scale
     return DEFAULT_STEP_FIXED_S, DEFAULT_STEP_PER_SEQ_S
+
+
+def expected_end(placed_step: int, max_tokens: int, ratio: float, w: WorkerState) -> float:
+    """When a job placed on ``w`` at its step ``placed_step`` is expected to
+    end: a step per output token from there (an upper bound where EOS can
+    stop it early) times ``ratio`` (observed / bound, learned), counted on
+    ``w``'s step clock from its last step at its mean time between steps;
+    one overdue ends at the next step."""
+    left = placed_step + (max_tokens if max_tokens > 1 else 1) * ratio - w.steps
+    return w.stepped_at + (left if left > 1.0 else 1.0) * w.step_gap
+
+
+def kth_release(ends: list[float], q: float, now: float, gap: float) -> float:
+    """When the job with ``q`` (>= 0, fractional: interpolated) served before
+    it gets a slot, the slots' holders ending at ``ends`` (not empty): the
+    (q+1)-th soonest of them (any overdue: now); past the last, ``gap``
+    seconds per release more."""
+    k = int(q)
+    frac = q - k
+    n = len(ends)
+    soonest = heapq.nsmallest(k + 2, ends) if k + 2 < n else sorted(ends)
+
+    def at(i: int) -> float:  # the (i+1)-th release
+        if i < n:
+            t = soonest[i]
+            return t if t > now else now
+        last = soonest[-1] if soonest[-1] > now else now
+        return last + (i - n + 1) * gap
+
+    return at(k) + frac * (at(k + 1) - at(k))
 
 
 def tpot_raw(w: WorkerState) -> float:
@@ -93,10 +129,17 @@ class Targets:
         "errors",
         "tpot_errors",
         "by_class",
+        "entries",
+        "ends",
     )
 
-    def __init__(self, waits: WaitModel, prefix: PrefixIndex, counters: dict[str, int]) -> None:
+    def __init__(
+        self, waits: WaitModel, prefix: PrefixIndex, counters: dict[str, int], entries: dict[str, Entry] | None = None
+    ) -> None:
         self.waits = waits
+        self.entries: dict[str, Entry] = entries if entries is not None else {}  # the policy's, by job id
+        # per model: [observed, bound] seconds of the jobs that ended, decayed (``end_ratio``)
+        self.ends: dict[str, list[float]] = {}
         self.prefix = prefix
         self.counters = counters
         for k in (
@@ -160,27 +203,107 @@ class Targets:
     def predict(self, m: ModelState, e: Entry, now: float, tpot_target: float = 0.0) -> tuple[float, float, int]:
         """(calibrated, raw, regime) predicted TTFT of ``e`` on model ``m``, in seconds."""
         job = e.job
-        wait = 0.0
+        ahead = 0.0
         if m.totals.queued:
             ahead, _, _ = self.waits.ahead(m, e)
-            rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
-            if rate > 0.0:
-                wait = ahead / rate
         service = self.service_s(m, job, now, tpot_target)
         regime = FREE
-        if service is None:  # every slot taken: it waits for the next one to be released too
+        if service is None:  # every slot taken: it waits for a slot to be released
             regime = FULL
-            gap = m.totals.meter.release_gap(now, MIN_RELEASES)
-            if gap is None:  # (a cold fleet: one job's worth of the drain rate)
+            raw = self._slot_wait(m, e, ahead, now, tpot_target) + self._floor(m, job)
+        else:
+            wait = 0.0
+            if ahead:
+                rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
+                if rate > 0.0:
+                    wait = ahead / rate
+            raw = wait + service
+        return raw * self.factor.get((job.model, regime), 1.0), raw, regime
+
+    def _slot_wait(self, m: ModelState, e: Entry, ahead: float, now: float, tpot_target: float) -> float:
+        """Seconds until a slot is free for ``e`` when every slot is taken:
+        the (q+1)-th soonest expected end (``expected_end``) of the jobs
+        running on the workers it may run on (q: the jobs served before it,
+        its ``ahead`` tokens over the mean job the drain meter saw released),
+        interpolated for a fractional q.  Without running jobs to go by: q+1
+        mean gaps between releases."""
+        job = e.job
+        tokens, jobs, window = m.totals.meter.snapshot(now)
+        q = self.jobs_ahead(m, e) if ahead > 0.0 else 0.0
+        if q is None:  # (one FIFO: the jobs in its tokens ahead)
+            mean_job = tokens / jobs if jobs >= MIN_RELEASES and tokens > 0.0 else float(e.tokens)
+            q = ahead / mean_job if mean_job > 0.0 else 0.0
+        ends: list[float] = []
+        scanned = usable = 0
+        ratio = self.end_ratio(m.name)
+        f = self.tpot_factor.get(m.name, 1.0)
+        entries = self.entries
+        for w in m.workers.values():
+            if not w.healthy or w.gpu_block is not None:
+                continue
+            usable += 1
+            if tpot_target > 0.0:
+                fixed, per_seq = step_parts(w)
+                if (fixed + per_seq * w.slots) * f > tpot_target:
+                    continue  # (it waits for a release on a worker that meets its TPOT target)
+            if len(ends) >= MAX_SCAN or w.stepped_at < 0.0:
+                continue
+            scanned += 1
+            for jid in w.running:
+                r = entries.get(jid)
+                if r is not None and r.placed_step >= 0:
+                    ends.append(expected_end(r.placed_step, r.job.max_tokens, ratio, w))
+        if scanned < usable:
+            # of the releases it waits for, the share on the workers looked at: those that meet its TPOT
+            # target (the jobs ahead take the others'), in a large fleet the first of them
+            q *= scanned / usable
+        gap = window / jobs if jobs >= MIN_RELEASES and window > 0.0 else 0.0
+        if not ends:
+            if gap <= 0.0:  # (a cold fleet: one job's worth of the drain rate)
                 rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
                 gap = e.tokens / rate if rate > 0.0 else 0.0
-            if tpot_target > 0.0:  # it waits for a release on a worker that meets its TPOT target
-                share = self._full_meets(m, tpot_target)
-                if share > 0.0:
-                    gap /= share
-            service = gap + self._floor(m, job)
-        raw = wait + service
-        return raw * self.factor.get((job.model, regime), 1.0), raw, regime
+            return (q + 1.0) * gap
+        return max(0.0, kth_release(ends, q, now, gap) - now)
+
+    def jobs_ahead(self, m: ModelState, e: Entry) -> float | None:
+        """How many queued jobs are served before ``e`` (not yet queued), in
+        the order the queues serve them (None: one FIFO): every job queued
+        in a higher class; in its own (class, size) queue, its tenant's
+        jobs and what deficit round robin serves the other tenants
+        meanwhile (their tokens in proportion to their weights, in their
+        mean job); and of the class's other size, the tokens its short :
+        long share gives it meanwhile, in its mean job.  O(classes)."""
+        order = self.waits.order
+        if not order.ranked:
+            return None
+        mq = m.queues
+        rank = e.rank
+        job = e.job
+        n = float(sum(mq.class_count[:rank]))
+        q = mq.by_key.get(order.key(rank, e.size))
+        served = float(e.tokens)  # tokens its queue dispatches until it is served
+        if q is not None and q.count:
+            row = m.totals.tenants[rank].get(job.tenant)
+            own_tokens = min(float(row[0]) if row is not None else 0.0, float(q.tokens))
+            line = q.tenants.get(job.tenant)
+            # (by fairness id: its lines' jobs in its tokens)
+            own = min(q.count, len(line)) if isinstance(line, deque) else own_tokens / e.tokens
+            n += own
+            served += own_tokens
+            others, others_tokens = q.count - own, q.tokens - own_tokens
+            if others > 0 and others_tokens > 0.0:
+                w = max(1e-3, job.weight)
+                w_others = max(0.0, sum(q.weight.values()) - q.weight.get(job.tenant, 0.0))
+                theirs = min(others_tokens, served * w_others / w)
+                n += theirs * others / others_tokens
+                served += theirs
+        other = mq.by_key.get(order.key(rank, 1 - e.size))
+        if other is not None and other.count and other.tokens > 0:
+            cfg = order.cfg
+            share = cfg.long_share / cfg.short_share if e.size == SHORT else cfg.short_share / cfg.long_share
+            theirs = min(float(other.tokens), served * share)
+            n += theirs * other.count / other.tokens
+        return n
 
     @staticmethod
     def _floor(m: ModelState, job: Job) -> float:
@@ -326,6 +449,39 @@ class Targets:
         self.tpot_errors.append(abs(tpot - predicted) / tpot)
         if raw > 0.0:
             self.tpot_factor[model] = _learn(self.tpot_factor.get(model, 1.0), tpot / raw)
+
+    def released(self, e: Entry, w: WorkerState) -> None:
+        """``e``, placed on ``w``, ended (at ``w``'s last step): a sample of
+        how many steps jobs run against their bound (``expected_end``), per
+        model."""
+        if e.placed_step < 0:
+            return
+        row = self.ends.get(e.job.model)
+        if row is None:
+            row = self.ends[e.job.model] = [0.0, 0.0]
+        keep = 1.0 - 1.0 / END_TAU
+        mt = e.job.max_tokens
+        row[0] = row[0] * keep + (w.steps - e.placed_step)
+        row[1] = row[1] * keep + (mt if mt > 1 else 1)
+
+    @staticmethod
+    def stepped(w: WorkerState, now: float) -> None:
+        """``w``'s engine ended a step (its output message came): its step
+        clock, and the mean time between steps while it is busy (a gap over
+        IDLE_STEPS steps is idle time, not a step)."""
+        if w.stepped_at >= 0.0:
+            dt = now - w.stepped_at
+            if 0.0 < dt < IDLE_STEPS * w.step_gap:
+                w.step_gap += STEP_ALPHA * (dt - w.step_gap)
+        w.steps += 1
+        w.stepped_at = now
+
+    def end_ratio(self, model: str) -> float:
+        """Observed / bound duration of the model's jobs (1.0 until some ended)."""
+        row = self.ends.get(model)
+        if row is None or row[1] <= 0.0:
+            return 1.0
+        return min(MAX_FACTOR, max(MIN_FACTOR, row[0] / row[1]))
 
     def forget(self, job_id: str) -> None:
         self.pending.pop(job_id, None)
