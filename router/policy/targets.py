@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 SAMPLES = 1000
 ALPHA = 0.1  # weight of one observation in a calibration factor
+FACTOR_KEEP = 1.0 - 1.0 / 100  # what a TTFT factor's sums keep of the past at each observation
 MIN_FACTOR, MAX_FACTOR = 0.2, 5.0
 FREE, FULL = 0, 1  # TTFT regimes: a worker has a free slot / every slot is taken
 MIN_RELEASES = 8.0  # releases the drain meter must have seen before its mean gap is used
@@ -129,6 +130,7 @@ class Targets:
         "errors",
         "tpot_errors",
         "by_class",
+        "factor_sums",
         "entries",
         "ends",
     )
@@ -151,10 +153,12 @@ class Targets:
             "tpot_target_missed",
         ):
             counters.setdefault(k, 0)
-        self.factor: dict[tuple[str, int], float] = {}  # (model, regime): observed / raw predicted TTFT
+        # (model, regime, size): observed / raw predicted TTFT
+        self.factor: dict[tuple[str, int, int], float] = {}
+        self.factor_sums: dict[tuple[str, int, int], list[float]] = {}  # [observed, raw] TTFT, decayed
         self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
-        # job id -> (predicted, raw, target, regime, its counts) TTFT: until its first token
-        self.pending: dict[str, tuple[float, float, float, int, list[int]]] = {}
+        # job id -> (predicted, raw, target, regime, its counts, its size) TTFT: until its first token
+        self.pending: dict[str, tuple[float, float, float, int, list[int], int]] = {}
         # job id -> [predicted, raw, target, TTFT missed (0/1), its counts, a worker meets it at a full
         # batch, its model] TPOT: until it ends
         self.decoding: dict[str, list[Any]] = {}
@@ -218,7 +222,7 @@ class Targets:
                 if rate > 0.0:
                     wait = ahead / rate
             raw = wait + service
-        return raw * self.factor.get((job.model, regime), 1.0), raw, regime
+        return raw * self.factor.get((job.model, regime, e.size), 1.0), raw, regime
 
     def _slot_wait(self, m: ModelState, e: Entry, ahead: float, now: float, tpot_target: float) -> float:
         """Seconds until a slot is free for ``e`` when every slot is taken:
@@ -336,7 +340,7 @@ class Targets:
                 counts[TTFT_SHED] += 1
                 return self._refuse(klass, "TTFT", target, predicted)
             if len(self.pending) < 1_000_000:  # (bounded: entries leave at first token or at the end)
-                self.pending[job.job_id] = (predicted, raw, target, regime, counts)
+                self.pending[job.job_id] = (predicted, raw, target, regime, counts, e.size)
         if tpot_target > 0.0 and len(self.decoding) < 1_000_000:
             # (and whether some worker meets it even at a full batch: then it waits for one that does)
             meets = self._full_meets(m, tpot_target) > 0.0
@@ -421,7 +425,7 @@ class Targets:
         got = self.pending.pop(job_id, None)
         if got is None or ttft <= 0.0:
             return
-        predicted, raw, target, regime, counts = got
+        predicted, raw, target, regime, counts, size = got
         met = ttft <= target
         self.counters["ttft_target_met" if met else "ttft_target_missed"] += 1
         counts[TTFT_MET if met else TTFT_MISSED] += 1
@@ -432,8 +436,14 @@ class Targets:
             counts[GOODPUT] += 1
         self.errors.append(abs(ttft - predicted) / ttft)
         if raw > 0.0:
-            key = (model, regime)
-            self.factor[key] = _learn(self.factor.get(key, 1.0), ttft / raw)
+            # (a ratio of sums, not a mean of ratios: a short raw prediction's large ratio would pull it up)
+            key = (model, regime, size)
+            sums = self.factor_sums.get(key)
+            if sums is None:
+                sums = self.factor_sums[key] = [0.0, 0.0]
+            sums[0] = sums[0] * FACTOR_KEEP + ttft
+            sums[1] = sums[1] * FACTOR_KEEP + raw
+            self.factor[key] = min(MAX_FACTOR, max(MIN_FACTOR, sums[0] / sums[1]))
 
     def ended(self, job_id: str, tpot: float) -> None:
         """The job ended, its tokens after the first ``tpot`` seconds apart (0: unknown)."""
