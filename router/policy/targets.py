@@ -477,12 +477,14 @@ class Targets:
     @staticmethod
     def stepped(w: WorkerState, now: float) -> None:
         """``w``'s engine ended a step (its output message came): its step
-        clock, and the mean time between steps while it is busy (a gap over
-        IDLE_STEPS steps is idle time, not a step)."""
+        clock, and the mean time between steps (a gap is counted as at most
+        IDLE_STEPS mean steps: an idle engine's gap is not a step, but an
+        engine slower than it registered still teaches its step time)."""
         if w.stepped_at >= 0.0:
             dt = now - w.stepped_at
-            if 0.0 < dt < IDLE_STEPS * w.step_gap:
-                w.step_gap += STEP_ALPHA * (dt - w.step_gap)
+            if dt > 0.0:
+                cap = IDLE_STEPS * w.step_gap
+                w.step_gap += STEP_ALPHA * ((dt if dt < cap else cap) - w.step_gap)
         w.steps += 1
         w.stepped_at = now
 
