@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 SAMPLES = 1000
 ALPHA = 0.1  # weight of one observation in a calibration factor
+SELF_PART = 0.0
 FACTOR_KEEP = 1.0 - 1.0 / 100  # what a TTFT factor's sums keep of the past at each observation
 MIN_FACTOR, MAX_FACTOR = 0.2, 5.0
 FREE, FULL = 0, 1  # TTFT regimes: a worker has a free slot / every slot is taken
@@ -132,6 +133,9 @@ class Targets:
         "by_class",
         "factor_sums",
         "entries",
+        "last_q",
+        "ahead_at",
+        "ahead_err",
         "ends",
     )
 
@@ -156,6 +160,12 @@ class Targets:
         # (model, regime, size): observed / raw predicted TTFT
         self.factor: dict[tuple[str, int, int], float] = {}
         self.factor_sums: dict[tuple[str, int, int], list[float]] = {}  # [observed, raw] TTFT, decayed
+        self.last_q = 0.0  # the jobs ahead counted by the last prediction with every slot taken
+        # job id -> (the policy's dispatches at its admission, the jobs ahead counted, model, size):
+        # admitted with a TTFT target while every slot was taken, until it is dispatched
+        self.ahead_at: dict[str, tuple[int, float, str, int]] = {}
+        # (model, size) -> [dispatched ahead - counted, jobs] of the jobs counted more than 0 ahead, decayed
+        self.ahead_err: dict[tuple[str, int], list[float]] = {}
         self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
         # job id -> (predicted, raw, target, regime, its counts, its size) TTFT: until its first token
         self.pending: dict[str, tuple[float, float, float, int, list[int], int]] = {}
@@ -237,6 +247,11 @@ class Targets:
         if q is None:  # (one FIFO: the jobs in its tokens ahead)
             mean_job = tokens / jobs if jobs >= MIN_RELEASES and tokens > 0.0 else float(e.tokens)
             q = ahead / mean_job if mean_job > 0.0 else 0.0
+        self.last_q = q
+        if q > 0.0:  # (what the count misses on average: arrivals served first, round-robin credit)
+            row = self.ahead_err.get((m.name, e.size))
+            if row is not None and row[1] > 0.0:
+                q = max(0.0, q + row[0] / row[1])
         ends: list[float] = []
         scanned = usable = 0
         ratio = self.end_ratio(m.name)
@@ -303,10 +318,17 @@ class Targets:
                 served += theirs
         other = mq.by_key.get(order.key(rank, 1 - e.size))
         if other is not None and other.count and other.tokens > 0:
+            # weighted round robin by tokens: the other size dispatches until its tokens over its share
+            # catch up with this one's at this job (from where its credit stands: mq.wrr)
             cfg = order.cfg
-            share = cfg.long_share / cfg.short_share if e.size == SHORT else cfg.short_share / cfg.long_share
-            theirs = min(float(other.tokens), served * share)
-            n += theirs * other.count / other.tokens
+            mine_share, other_share = (
+                (cfg.short_share, cfg.long_share) if e.size == SHORT else (cfg.long_share, cfg.short_share)
+            )
+            wrr = mq.wrr[rank]
+            at = (wrr[e.size] + served - e.tokens) / max(1, mine_share)
+            theirs = (at - wrr[1 - e.size] / max(1, other_share)) * other_share
+            if theirs > 0.0:
+                n += min(float(other.tokens), theirs) * other.count / other.tokens
         return n
 
     @staticmethod
@@ -341,6 +363,8 @@ class Targets:
                 return self._refuse(klass, "TTFT", target, predicted)
             if len(self.pending) < 1_000_000:  # (bounded: entries leave at first token or at the end)
                 self.pending[job.job_id] = (predicted, raw, target, regime, counts, e.size)
+                if regime == FULL and self.last_q > 0.0:
+                    self.ahead_at[job.job_id] = (self.counters["dispatched"], self.last_q, m.name, e.size)
         if tpot_target > 0.0 and len(self.decoding) < 1_000_000:
             # (and whether some worker meets it even at a full batch: then it waits for one that does)
             meets = self._full_meets(m, tpot_target) > 0.0
@@ -495,7 +519,22 @@ class Targets:
             return 1.0
         return min(MAX_FACTOR, max(MIN_FACTOR, row[0] / row[1]))
 
+    def dispatching(self, job_id: str) -> None:
+        """A job is dispatched (before it counts): if it was admitted with
+        every slot taken, how many were dispatched before it against how
+        many it counted ahead (``jobs_ahead``: learnt per model and size)."""
+        got = self.ahead_at.pop(job_id, None)
+        if got is None:
+            return
+        at, q, model, size = got
+        row = self.ahead_err.get((model, size))
+        if row is None:
+            row = self.ahead_err[(model, size)] = [0.0, 0.0]
+        row[0] = row[0] * FACTOR_KEEP + (self.counters["dispatched"] - at - q)
+        row[1] = row[1] * FACTOR_KEEP + 1.0
+
     def forget(self, job_id: str) -> None:
+        self.ahead_at.pop(job_id, None)
         self.pending.pop(job_id, None)
         self.decoding.pop(job_id, None)
 

@@ -152,3 +152,24 @@ def test_requests_without_a_target_record_no_step_sample_of_job_lengths():
     step_all(p, 100, 0.0, 0.01)
     assert p.finish("bg0", 1.0)
     assert p.targets.end_ratio("m") == 1.0 and not p.targets.ends
+
+
+def test_what_the_count_of_jobs_ahead_misses_on_average_is_learnt_from_the_dispatches_before_each():
+    p = full_policy()
+    t = p.targets
+    now = step_all(p, 90, 0.0, 0.01)
+    for k in range(300):  # each counted one job ahead, and two were dispatched before it
+        t.ahead_at[f"j{k}"] = (p.counters["dispatched"], 1.0, "m", SHORT)
+        p.counters["dispatched"] += 2
+        t.dispatching(f"j{k}")
+    sums = t.ahead_err[("m", SHORT)]
+    assert abs(sums[0] / sums[1] - 1.0) < 1e-9 and not t.ahead_at
+    assert p.submit(job("a", target_ms=1000), now) is None  # nothing ahead: nothing to correct
+    assert p.submit(job("b", target_ms=1000), now) is None  # one ahead, counted as two: the third release
+    floor = t._floor(p.models["m"], job("x"))
+    gap = p.workers["w0"].step_gap
+    assert abs(t.pending["a"][1] - floor - 10 * gap) < 1e-6
+    assert abs(t.pending["b"][1] - floor - 210 * gap) < 1e-6
+    assert "b" in t.ahead_at and "a" not in t.ahead_at  # b's count is checked at its dispatch
+    p.finish("b", now)
+    assert "b" not in t.ahead_at  # (cancelled while queued: nothing left behind)
