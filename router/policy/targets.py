@@ -3,23 +3,28 @@ and time per output token (TPOT) at admission, refuse a sheddable one at
 once when no worker is predicted to meet them, place it where they are met
 with the most headroom, and learn from what is observed.
 
-TTFT predicted = (queue wait + service start) x a calibration factor per
-model and regime, where
+TTFT predicted = raw x a calibration factor per model, regime and size
+(short / long queue), where raw is, in regime
 
-* queue wait: what is queued ahead of it over the measured drain rate
-  (router.policy.wait_model);
-* service start -- regime "free": a worker has a free slot (and, for a job
-  with a TPOT target, meets it): the soonest of its per-request engine
-  work, the prefill of the prompt's uncached part (the prefix index's
-  blocks there) and one engine step at its load (running sequences + 1);
-  regime "full": every slot is taken: the mean time between slot releases
-  (the drain meter's released jobs over its seconds of backlog; for a job
-  with a TPOT target, over the share of workers that meet it at a full
-  batch, since it waits for one of those) plus its own prefill and one
-  step at a full batch;
-* calibration: the observed / predicted ratio's moving average, per model
-  and regime (the two err in opposite directions: a free slot's start is
-  a step or two, a full fleet's is the wait for a release).
+* "free" (a worker has a free slot and, for a job with a TPOT target,
+  meets it): what is queued ahead of it over the measured drain rate
+  (router.policy.wait_model), plus the soonest of those workers' start:
+  per-request engine work, the prefill of the prompt's uncached part (the
+  prefix index's blocks there) and one engine step at its load;
+* "full" (every slot taken): the wait for the slot it will get -- the
+  (q+1)-th soonest expected end of the jobs running on the workers it may
+  run on (``kth_release``), q the jobs the queues serve before it
+  (``jobs_ahead``: higher classes, its tenant's, the other tenants' share
+  of deficit round robin, the other size's share of the short : long
+  round robin from its credit; plus what that count missed on average,
+  learnt from how many were dispatched before each such job) -- plus its
+  own prefill and a step.  A job's expected end (``expected_end``) is
+  counted on its worker's step clock: the worker's engine steps (one
+  output message each: ``stepped``) since it was placed, against a step
+  per max_tokens x the learnt ratio of steps run to that bound (EOS ends
+  jobs early on real engines), at the worker's mean time between steps;
+* calibration: observed over raw, a ratio of decayed sums (a mean of
+  ratios is pulled up by the short raw predictions).
 
 TPOT predicted on a worker = one engine step at its decode load once the
 job joins (min(slots, running + other routers' + 1) sequences; the step
