@@ -263,6 +263,9 @@ class Driver:
         eng = self.engines[worker_id]
         eng.busy = False
         assert eng.pending is not None
+        if eng.pending.outputs:  # (router.lifecycle.core: a worker's output message, one per step)
+            for p in self.routers:
+                p.stepped(worker_id, now)
         for rid, _, fin in eng.pending.outputs:
             rec = self.records[rid]
             if rec.first_token is None:

@@ -541,6 +541,7 @@ class RouterCore:
     def on_outputs(self, worker_id: str, deltas: list[p.Delta]) -> None:
         """One worker message: every request's news from one engine step."""
         now = self.clock()
+        self.policy.stepped(worker_id, now)  # (its step clock: router.policy.targets)
         if len(deltas) == 1:  # the usual message at low load: one request, one step
             self._job_news(worker_id, deltas[0].request_id, deltas, now)
             return

@@ -146,9 +146,13 @@ class Dispatcher:
         if e.predicted >= 0.0:
             self.wait_samples[e.rank].append((e.predicted, now - job.arrival))
         targets = self.placement.targets
-        if targets is not None and targets.decoding:
-            targets.dispatched(job.job_id, w)  # (its TPOT there, before it joins the count)
+        if targets is not None:
+            if targets.decoding:
+                targets.dispatched(job.job_id, w)  # (its TPOT there, before it joins the count)
+            if targets.ahead_at:
+                targets.dispatching(job.job_id)  # (how many went before it: before this one counts)
         self.reservations.reserve(m, e, w, cost)
+        e.placed_step = w.steps
         worker_id = w.spec.worker_id
         if job.block_hashes and self.affinity:
             self.prefix.speculate(worker_id, job.block_hashes, now)

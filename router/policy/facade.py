@@ -66,7 +66,7 @@ class Policy:
         self.admission = Admission(
             cfg, self.classes, self.table, self.reservations, self.order, self.placement, self.waits, self.counters
         )
-        self.targets = Targets(self.waits, self.prefix, self.counters)
+        self.targets = Targets(self.waits, self.prefix, self.counters, self.table.entries)
         self.admission.targets = self.targets
         self.placement.targets = self.targets
         self.dispatcher = Dispatcher(
@@ -184,9 +184,20 @@ class Policy:
         if e.state == WAITING:
             self.table.drop_queued(self.models.get(e.job.model), e, now)
             return True
+        if targets.pending and e.worker is not None:  # (while jobs with a TTFT target wait: what predicts them)
+            w = self.workers.get(e.worker)
+            if w is not None:
+                targets.released(e, w)
         self.reservations.release(e, now, count_rate=True)
         self.counters["finished"] += 1
         return True
+
+    def stepped(self, worker_id: str, now: float) -> None:
+        """One engine step of the worker ended (its output message came):
+        the step clock latency targets predict slot releases by."""
+        w = self.workers.get(worker_id)
+        if w is not None:
+            Targets.stepped(w, now)
 
     def first_token(self, job_id: str, model: str, ttft: float) -> None:
         """A job's first token, ``ttft`` seconds after its arrival: checks its

@@ -30,7 +30,7 @@ class Entry:
     copy: it may be the caller's object until a re-pricing, which replaces it
     with a copy instead of writing to the caller's."""
 
-    __slots__ = ("job", "rank", "size", "tokens", "state", "worker", "cost", "seq", "queue", "predicted")
+    __slots__ = ("job", "rank", "size", "tokens", "state", "worker", "cost", "seq", "queue", "predicted", "placed_step")
 
     def __init__(self, job: Job, rank: int, size: int, seq: int) -> None:
         self.job = job
@@ -44,6 +44,7 @@ class Entry:
         self.seq = seq
         self.queue: EntryQueue | None = None
         self.predicted = -1.0  # queue wait predicted at admission (s); -1: none (no bound)
+        self.placed_step = -1  # self.worker's step count when it was placed there (router.policy.targets)
 
 
 class WorkerState:
@@ -63,6 +64,9 @@ class WorkerState:
         "free_at",
         "free_key",
         "pool",
+        "steps",
+        "stepped_at",
+        "step_gap",
     )
 
     def __init__(self, spec: WorkerSpec, cfg: SchedulerConfig) -> None:
@@ -81,6 +85,11 @@ class WorkerState:
         self.free_at = -1  # its index in its model's free set of its pool (-1: full or unhealthy)
         self.free_key = -1  # the sequences it held when last placed in that set's order (-1: not there)
         self.pool = int(spec.pool)  # (a plain int: int() of the enum costs more than the rest of ``touch``)
+        # Its engine's steps (one output message each): how many, when the last ended, and the mean
+        # time between two while it is busy (router.policy.targets: when its running jobs end)
+        self.steps = 0
+        self.stepped_at = -1.0
+        self.step_gap = spec.step_s()
 
 
 class FreeSlots(dict[int, list[WorkerState]]):

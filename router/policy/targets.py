@@ -3,23 +3,28 @@ and time per output token (TPOT) at admission, refuse a sheddable one at
 once when no worker is predicted to meet them, place it where they are met
 with the most headroom, and learn from what is observed.
 
-TTFT predicted = (queue wait + service start) x a calibration factor per
-model and regime, where
+TTFT predicted = raw x a calibration factor per model, regime and size
+(short / long queue), where raw is, in regime
 
-* queue wait: what is queued ahead of it over the measured drain rate
-  (router.policy.wait_model);
-* service start -- regime "free": a worker has a free slot (and, for a job
-  with a TPOT target, meets it): the soonest of its per-request engine
-  work, the prefill of the prompt's uncached part (the prefix index's
-  blocks there) and one engine step at its load (running sequences + 1);
-  regime "full": every slot is taken: the mean time between slot releases
-  (the drain meter's released jobs over its seconds of backlog; for a job
-  with a TPOT target, over the share of workers that meet it at a full
-  batch, since it waits for one of those) plus its own prefill and one
-  step at a full batch;
-* calibration: the observed / predicted ratio's moving average, per model
-  and regime (the two err in opposite directions: a free slot's start is
-  a step or two, a full fleet's is the wait for a release).
+* "free" (a worker has a free slot and, for a job with a TPOT target,
+  meets it): what is queued ahead of it over the measured drain rate
+  (router.policy.wait_model), plus the soonest of those workers' start:
+  per-request engine work, the prefill of the prompt's uncached part (the
+  prefix index's blocks there) and one engine step at its load;
+* "full" (every slot taken): the wait for the slot it will get -- the
+  (q+1)-th soonest expected end of the jobs running on the workers it may
+  run on (``kth_release``), q the jobs the queues serve before it
+  (``jobs_ahead``: higher classes, its tenant's, the other tenants' share
+  of deficit round robin, the other size's share of the short : long
+  round robin from its credit; plus what that count missed on average,
+  learnt from how many were dispatched before each such job) -- plus its
+  own prefill and a step.  A job's expected end (``expected_end``) is
+  counted on its worker's step clock: the worker's engine steps (one
+  output message each: ``stepped``) since it was placed, against a step
+  per max_tokens x the learnt ratio of steps run to that bound (EOS ends
+  jobs early on real engines), at the worker's mean time between steps;
+* calibration: observed over raw, a ratio of decayed sums (a mean of
+  ratios is pulled up by the short raw predictions).
 
 TPOT predicted on a worker = one engine step at its decode load once the
 job joins (min(slots, running + other routers' + 1) sequences; the step
@@ -34,6 +39,7 @@ Only jobs with a target are predicted (the rest pay nothing).  Pure: no I/O.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +48,7 @@ from router.policy.types import (
     DEFAULT_STEP_FIXED_S,
     DEFAULT_STEP_PER_SEQ_S,
     MIN_RETRY_S,
+    SHORT,
     Job,
 )
 from shared.errors import Code, Refusal
@@ -55,9 +62,15 @@ if TYPE_CHECKING:
 
 SAMPLES = 1000
 ALPHA = 0.1  # weight of one observation in a calibration factor
+SELF_PART = 0.0
+FACTOR_KEEP = 1.0 - 1.0 / 100  # what a TTFT factor's sums keep of the past at each observation
 MIN_FACTOR, MAX_FACTOR = 0.2, 5.0
 FREE, FULL = 0, 1  # TTFT regimes: a worker has a free slot / every slot is taken
 MIN_RELEASES = 8.0  # releases the drain meter must have seen before its mean gap is used
+MAX_SCAN = 4096  # running jobs whose ends a prediction looks at (a larger fleet: its first workers')
+END_TAU = 200.0  # jobs' worth of weight in the observed / bound ratio of job durations
+STEP_ALPHA = 0.05  # weight of one step in a worker's mean time between steps
+IDLE_STEPS = 4.0  # a gap between steps longer than this many mean steps: the engine was idle
 # per (model, class) counts (``Targets.by_class``): the names, in their order
 OUTCOMES = ("ttft_met", "ttft_missed", "ttft_shed", "tpot_met", "tpot_missed", "tpot_shed", "goodput")
 TTFT_MET, TTFT_MISSED, TTFT_SHED, TPOT_MET, TPOT_MISSED, TPOT_SHED, GOODPUT = range(7)
@@ -72,6 +85,36 @@ def step_parts(w: WorkerState) -> tuple[float, float]:
         scale = spec.step_time_s / (DEFAULT_STEP_FIXED_S + DEFAULT_STEP_PER_SEQ_S * max(1, spec.max_num_seqs))
         return DEFAULT_STEP_FIXED_S * scale, DEFAULT_STEP_PER_SEQ_S * scale
     return DEFAULT_STEP_FIXED_S, DEFAULT_STEP_PER_SEQ_S
+
+
+def expected_end(placed_step: int, max_tokens: int, ratio: float, w: WorkerState) -> float:
+    """When a job placed on ``w`` at its step ``placed_step`` is expected to
+    end: a step per output token from there (an upper bound where EOS can
+    stop it early) times ``ratio`` (observed / bound, learned), counted on
+    ``w``'s step clock from its last step at its mean time between steps;
+    one overdue ends at the next step."""
+    left = placed_step + (max_tokens if max_tokens > 1 else 1) * ratio - w.steps
+    return w.stepped_at + (left if left > 1.0 else 1.0) * w.step_gap
+
+
+def kth_release(ends: list[float], q: float, now: float, gap: float) -> float:
+    """When the job with ``q`` (>= 0, fractional: interpolated) served before
+    it gets a slot, the slots' holders ending at ``ends`` (not empty): the
+    (q+1)-th soonest of them (any overdue: now); past the last, ``gap``
+    seconds per release more."""
+    k = int(q)
+    frac = q - k
+    n = len(ends)
+    soonest = heapq.nsmallest(k + 2, ends) if k + 2 < n else sorted(ends)
+
+    def at(i: int) -> float:  # the (i+1)-th release
+        if i < n:
+            t = soonest[i]
+            return t if t > now else now
+        last = soonest[-1] if soonest[-1] > now else now
+        return last + (i - n + 1) * gap
+
+    return at(k) + frac * (at(k + 1) - at(k))
 
 
 def tpot_raw(w: WorkerState) -> float:
@@ -93,10 +136,21 @@ class Targets:
         "errors",
         "tpot_errors",
         "by_class",
+        "factor_sums",
+        "entries",
+        "last_q",
+        "ahead_at",
+        "ahead_err",
+        "ends",
     )
 
-    def __init__(self, waits: WaitModel, prefix: PrefixIndex, counters: dict[str, int]) -> None:
+    def __init__(
+        self, waits: WaitModel, prefix: PrefixIndex, counters: dict[str, int], entries: dict[str, Entry] | None = None
+    ) -> None:
         self.waits = waits
+        self.entries: dict[str, Entry] = entries if entries is not None else {}  # the policy's, by job id
+        # per model: [observed, bound] seconds of the jobs that ended, decayed (``end_ratio``)
+        self.ends: dict[str, list[float]] = {}
         self.prefix = prefix
         self.counters = counters
         for k in (
@@ -108,10 +162,18 @@ class Targets:
             "tpot_target_missed",
         ):
             counters.setdefault(k, 0)
-        self.factor: dict[tuple[str, int], float] = {}  # (model, regime): observed / raw predicted TTFT
+        # (model, regime, size): observed / raw predicted TTFT
+        self.factor: dict[tuple[str, int, int], float] = {}
+        self.factor_sums: dict[tuple[str, int, int], list[float]] = {}  # [observed, raw] TTFT, decayed
+        self.last_q = 0.0  # the jobs ahead counted by the last prediction with every slot taken
+        # job id -> (the policy's dispatches at its admission, the jobs ahead counted, model, size):
+        # admitted with a TTFT target while every slot was taken, until it is dispatched
+        self.ahead_at: dict[str, tuple[int, float, str, int]] = {}
+        # (model, size) -> [dispatched ahead - counted, jobs] of the jobs counted more than 0 ahead, decayed
+        self.ahead_err: dict[tuple[str, int], list[float]] = {}
         self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
-        # job id -> (predicted, raw, target, regime, its counts) TTFT: until its first token
-        self.pending: dict[str, tuple[float, float, float, int, list[int]]] = {}
+        # job id -> (predicted, raw, target, regime, its counts, its size) TTFT: until its first token
+        self.pending: dict[str, tuple[float, float, float, int, list[int], int]] = {}
         # job id -> [predicted, raw, target, TTFT missed (0/1), its counts, a worker meets it at a full
         # batch, its model] TPOT: until it ends
         self.decoding: dict[str, list[Any]] = {}
@@ -160,27 +222,119 @@ class Targets:
     def predict(self, m: ModelState, e: Entry, now: float, tpot_target: float = 0.0) -> tuple[float, float, int]:
         """(calibrated, raw, regime) predicted TTFT of ``e`` on model ``m``, in seconds."""
         job = e.job
-        wait = 0.0
+        ahead = 0.0
         if m.totals.queued:
             ahead, _, _ = self.waits.ahead(m, e)
-            rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
-            if rate > 0.0:
-                wait = ahead / rate
         service = self.service_s(m, job, now, tpot_target)
         regime = FREE
-        if service is None:  # every slot taken: it waits for the next one to be released too
+        if service is None:  # every slot taken: it waits for a slot to be released
             regime = FULL
-            gap = m.totals.meter.release_gap(now, MIN_RELEASES)
-            if gap is None:  # (a cold fleet: one job's worth of the drain rate)
+            raw = self._slot_wait(m, e, ahead, now, tpot_target) + self._floor(m, job)
+        else:
+            wait = 0.0
+            if ahead:
+                rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
+                if rate > 0.0:
+                    wait = ahead / rate
+            raw = wait + service
+        return raw * self.factor.get((job.model, regime, e.size), 1.0), raw, regime
+
+    def _slot_wait(self, m: ModelState, e: Entry, ahead: float, now: float, tpot_target: float) -> float:
+        """Seconds until a slot is free for ``e`` when every slot is taken:
+        the (q+1)-th soonest expected end (``expected_end``) of the jobs
+        running on the workers it may run on (q: the jobs served before it,
+        its ``ahead`` tokens over the mean job the drain meter saw released),
+        interpolated for a fractional q.  Without running jobs to go by: q+1
+        mean gaps between releases."""
+        job = e.job
+        tokens, jobs, window = m.totals.meter.snapshot(now)
+        q = self.jobs_ahead(m, e) if ahead > 0.0 else 0.0
+        if q is None:  # (one FIFO: the jobs in its tokens ahead)
+            mean_job = tokens / jobs if jobs >= MIN_RELEASES and tokens > 0.0 else float(e.tokens)
+            q = ahead / mean_job if mean_job > 0.0 else 0.0
+        self.last_q = q
+        if q > 0.0:  # (what the count misses on average: arrivals served first, round-robin credit)
+            row = self.ahead_err.get((m.name, e.size))
+            if row is not None and row[1] > 0.0:
+                q = max(0.0, q + row[0] / row[1])
+        ends: list[float] = []
+        scanned = usable = 0
+        ratio = self.end_ratio(m.name)
+        f = self.tpot_factor.get(m.name, 1.0)
+        entries = self.entries
+        for w in m.workers.values():
+            if not w.healthy or w.gpu_block is not None:
+                continue
+            usable += 1
+            if tpot_target > 0.0:
+                fixed, per_seq = step_parts(w)
+                if (fixed + per_seq * w.slots) * f > tpot_target:
+                    continue  # (it waits for a release on a worker that meets its TPOT target)
+            if len(ends) >= MAX_SCAN or w.stepped_at < 0.0:
+                continue
+            scanned += 1
+            for jid in w.running:
+                r = entries.get(jid)
+                if r is not None and r.placed_step >= 0:
+                    ends.append(expected_end(r.placed_step, r.job.max_tokens, ratio, w))
+        if scanned < usable:
+            # of the releases it waits for, the share on the workers looked at: those that meet its TPOT
+            # target (the jobs ahead take the others'), in a large fleet the first of them
+            q *= scanned / usable
+        gap = window / jobs if jobs >= MIN_RELEASES and window > 0.0 else 0.0
+        if not ends:
+            if gap <= 0.0:  # (a cold fleet: one job's worth of the drain rate)
                 rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
                 gap = e.tokens / rate if rate > 0.0 else 0.0
-            if tpot_target > 0.0:  # it waits for a release on a worker that meets its TPOT target
-                share = self._full_meets(m, tpot_target)
-                if share > 0.0:
-                    gap /= share
-            service = gap + self._floor(m, job)
-        raw = wait + service
-        return raw * self.factor.get((job.model, regime), 1.0), raw, regime
+            return (q + 1.0) * gap
+        return max(0.0, kth_release(ends, q, now, gap) - now)
+
+    def jobs_ahead(self, m: ModelState, e: Entry) -> float | None:
+        """How many queued jobs are served before ``e`` (not yet queued), in
+        the order the queues serve them (None: one FIFO): every job queued
+        in a higher class; in its own (class, size) queue, its tenant's
+        jobs and what deficit round robin serves the other tenants
+        meanwhile (their tokens in proportion to their weights, in their
+        mean job); and of the class's other size, the tokens its short :
+        long share gives it meanwhile, in its mean job.  O(classes)."""
+        order = self.waits.order
+        if not order.ranked:
+            return None
+        mq = m.queues
+        rank = e.rank
+        job = e.job
+        n = float(sum(mq.class_count[:rank]))
+        q = mq.by_key.get(order.key(rank, e.size))
+        served = float(e.tokens)  # tokens its queue dispatches until it is served
+        if q is not None and q.count:
+            row = m.totals.tenants[rank].get(job.tenant)
+            own_tokens = min(float(row[0]) if row is not None else 0.0, float(q.tokens))
+            line = q.tenants.get(job.tenant)
+            # (by fairness id: its lines' jobs in its tokens)
+            own = min(q.count, len(line)) if isinstance(line, deque) else own_tokens / e.tokens
+            n += own
+            served += own_tokens
+            others, others_tokens = q.count - own, q.tokens - own_tokens
+            if others > 0 and others_tokens > 0.0:
+                w = max(1e-3, job.weight)
+                w_others = max(0.0, sum(q.weight.values()) - q.weight.get(job.tenant, 0.0))
+                theirs = min(others_tokens, served * w_others / w)
+                n += theirs * others / others_tokens
+                served += theirs
+        other = mq.by_key.get(order.key(rank, 1 - e.size))
+        if other is not None and other.count and other.tokens > 0:
+            # weighted round robin by tokens: the other size dispatches until its tokens over its share
+            # catch up with this one's at this job (from where its credit stands: mq.wrr)
+            cfg = order.cfg
+            mine_share, other_share = (
+                (cfg.short_share, cfg.long_share) if e.size == SHORT else (cfg.long_share, cfg.short_share)
+            )
+            wrr = mq.wrr[rank]
+            at = (wrr[e.size] + served - e.tokens) / max(1, mine_share)
+            theirs = (at - wrr[1 - e.size] / max(1, other_share)) * other_share
+            if theirs > 0.0:
+                n += min(float(other.tokens), theirs) * other.count / other.tokens
+        return n
 
     @staticmethod
     def _floor(m: ModelState, job: Job) -> float:
@@ -213,7 +367,9 @@ class Targets:
                 counts[TTFT_SHED] += 1
                 return self._refuse(klass, "TTFT", target, predicted)
             if len(self.pending) < 1_000_000:  # (bounded: entries leave at first token or at the end)
-                self.pending[job.job_id] = (predicted, raw, target, regime, counts)
+                self.pending[job.job_id] = (predicted, raw, target, regime, counts, e.size)
+                if regime == FULL and self.last_q > 0.0:
+                    self.ahead_at[job.job_id] = (self.counters["dispatched"], self.last_q, m.name, e.size)
         if tpot_target > 0.0 and len(self.decoding) < 1_000_000:
             # (and whether some worker meets it even at a full batch: then it waits for one that does)
             meets = self._full_meets(m, tpot_target) > 0.0
@@ -298,7 +454,7 @@ class Targets:
         got = self.pending.pop(job_id, None)
         if got is None or ttft <= 0.0:
             return
-        predicted, raw, target, regime, counts = got
+        predicted, raw, target, regime, counts, size = got
         met = ttft <= target
         self.counters["ttft_target_met" if met else "ttft_target_missed"] += 1
         counts[TTFT_MET if met else TTFT_MISSED] += 1
@@ -309,8 +465,14 @@ class Targets:
             counts[GOODPUT] += 1
         self.errors.append(abs(ttft - predicted) / ttft)
         if raw > 0.0:
-            key = (model, regime)
-            self.factor[key] = _learn(self.factor.get(key, 1.0), ttft / raw)
+            # (a ratio of sums, not a mean of ratios: a short raw prediction's large ratio would pull it up)
+            key = (model, regime, size)
+            sums = self.factor_sums.get(key)
+            if sums is None:
+                sums = self.factor_sums[key] = [0.0, 0.0]
+            sums[0] = sums[0] * FACTOR_KEEP + ttft
+            sums[1] = sums[1] * FACTOR_KEEP + raw
+            self.factor[key] = min(MAX_FACTOR, max(MIN_FACTOR, sums[0] / sums[1]))
 
     def ended(self, job_id: str, tpot: float) -> None:
         """The job ended, its tokens after the first ``tpot`` seconds apart (0: unknown)."""
@@ -327,7 +489,57 @@ class Targets:
         if raw > 0.0:
             self.tpot_factor[model] = _learn(self.tpot_factor.get(model, 1.0), tpot / raw)
 
+    def released(self, e: Entry, w: WorkerState) -> None:
+        """``e``, placed on ``w``, ended (at ``w``'s last step): a sample of
+        how many steps jobs run against their bound (``expected_end``), per
+        model."""
+        if e.placed_step < 0:
+            return
+        row = self.ends.get(e.job.model)
+        if row is None:
+            row = self.ends[e.job.model] = [0.0, 0.0]
+        keep = 1.0 - 1.0 / END_TAU
+        mt = e.job.max_tokens
+        row[0] = row[0] * keep + (w.steps - e.placed_step)
+        row[1] = row[1] * keep + (mt if mt > 1 else 1)
+
+    @staticmethod
+    def stepped(w: WorkerState, now: float) -> None:
+        """``w``'s engine ended a step (its output message came): its step
+        clock, and the mean time between steps (a gap is counted as at most
+        IDLE_STEPS mean steps: an idle engine's gap is not a step, but an
+        engine slower than it registered still teaches its step time)."""
+        if w.stepped_at >= 0.0:
+            dt = now - w.stepped_at
+            if dt > 0.0:
+                cap = IDLE_STEPS * w.step_gap
+                w.step_gap += STEP_ALPHA * ((dt if dt < cap else cap) - w.step_gap)
+        w.steps += 1
+        w.stepped_at = now
+
+    def end_ratio(self, model: str) -> float:
+        """Observed / bound duration of the model's jobs (1.0 until some ended)."""
+        row = self.ends.get(model)
+        if row is None or row[1] <= 0.0:
+            return 1.0
+        return min(MAX_FACTOR, max(MIN_FACTOR, row[0] / row[1]))
+
+    def dispatching(self, job_id: str) -> None:
+        """A job is dispatched (before it counts): if it was admitted with
+        every slot taken, how many were dispatched before it against how
+        many it counted ahead (``jobs_ahead``: learnt per model and size)."""
+        got = self.ahead_at.pop(job_id, None)
+        if got is None:
+            return
+        at, q, model, size = got
+        row = self.ahead_err.get((model, size))
+        if row is None:
+            row = self.ahead_err[(model, size)] = [0.0, 0.0]
+        row[0] = row[0] * FACTOR_KEEP + (self.counters["dispatched"] - at - q)
+        row[1] = row[1] * FACTOR_KEEP + 1.0
+
     def forget(self, job_id: str) -> None:
+        self.ahead_at.pop(job_id, None)
         self.pending.pop(job_id, None)
         self.decoding.pop(job_id, None)
 

@@ -59,6 +59,10 @@ class RateMeter:
             self.tokens += tokens
             self.jobs += 1.0
 
+    def snapshot(self, now: float) -> tuple[float, float, float]:
+        """(tokens released, releases, seconds of backlog), decayed to ``now``."""
+        return self._decay(now)
+
     def release_gap(self, now: float, min_jobs: float) -> float | None:
         """Mean seconds of backlog between releases (None: fewer than
         ``min_jobs`` releases seen): how long a job waits for a slot once

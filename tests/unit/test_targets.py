@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from router.api.dropped import dropped_header
 from router.policy import DispatchJob, Job, Policy, WorkerSpec
 from router.policy.targets import FREE
+from router.policy.types import SHORT
 from shared.config import ClassConfig, SchedulerConfig
 from shared.errors import Code, Refusal
 from shared.protocol import Pool, TaskType
@@ -130,7 +131,7 @@ def test_first_tokens_count_attainment_calibrate_and_report_the_error():
         ttft_observed.append(abs(actual - predicted) / actual)
     assert p.counters["ttft_target_met"] + p.counters["ttft_target_missed"] == 60
     assert ttft_observed[-1] < 0.1 < ttft_observed[0]  # learnt: the factor approaches 4
-    assert 3.5 < p.targets.factor[("m", FREE)] <= 4.0
+    assert 3.5 < p.targets.factor[("m", FREE, SHORT)] <= 4.0
     mape = p.snapshot(100.0)["ttft_prediction_mape"]
     assert mape is not None and 0.0 < mape < ttft_observed[0]
 
