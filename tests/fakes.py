@@ -4,7 +4,12 @@ in-process tests of router.lifecycle.core: no sockets, no processes, time moved 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shared import protocol as p
+
+if TYPE_CHECKING:
+    from router.policy import WorkerSpec
 
 
 class FakeWorkers:
@@ -61,3 +66,18 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def worker_spec(i: int, *, seqs: int = 8, max_len: int = 4096, cap: int = 1 << 20, model: str = "m") -> WorkerSpec:
+    """Worker ``w{i}`` of model ``model`` as the policy knows it (router.policy.WorkerSpec), any pool."""
+    from router.policy import WorkerSpec
+
+    return WorkerSpec(
+        worker_id=f"w{i}",
+        model=model,
+        pool=p.Pool.ANY,
+        capacity_tokens=cap,
+        block_size=16,
+        max_num_seqs=seqs,
+        max_model_len=max_len,
+    )

@@ -3,6 +3,7 @@ stack, a results directory, and a synchronous way to run one benchmark."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -63,6 +64,19 @@ def stack(cfg_path: Path, run_dir: Path) -> Iterator[Any]:
     s = Stack(cfg_path, run_dir, progress=lambda m: print(f"[stack] {m}", file=sys.stderr))
     with s:
         yield s
+
+
+def checkout_options(ap: argparse.ArgumentParser) -> None:
+    """``--pythonpath`` (the stack's processes from another checkout, e.g. a ``git worktree`` of an older
+    commit, for a before/after comparison) and ``--out``."""
+    ap.add_argument("--pythonpath", help="PYTHONPATH for the stack's processes (another checkout)")
+    ap.add_argument("--out", type=Path)
+
+
+def use_checkout(args: argparse.Namespace) -> None:
+    """Point the stack's children (only: this process has imported already) at ``--pythonpath``."""
+    if args.pythonpath:
+        os.environ["PYTHONPATH"] = args.pythonpath
 
 
 def results_dir(name: str) -> Path:

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
-from pathlib import Path
 
 from bench.scenarios import common
 
@@ -33,11 +31,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scenarios.long_prompt", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=32_000, help="approximate prompt tokens")
-    ap.add_argument("--pythonpath", help="PYTHONPATH for the stack's processes (another checkout)")
-    ap.add_argument("--out", type=Path)
+    common.checkout_options(ap)
     args = ap.parse_args(argv)
-    if args.pythonpath:
-        os.environ["PYTHONPATH"] = args.pythonpath  # inherited by the stack's children only
+    common.use_checkout(args)
     from tokenizers import Tokenizer
 
     from shared.client import AsyncClient

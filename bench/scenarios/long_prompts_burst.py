@@ -32,7 +32,6 @@ import os
 import random
 import statistics
 import time
-from pathlib import Path
 
 from bench.scenarios import common
 
@@ -98,11 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--alone", type=float, default=4.0, help="seconds of the short stream alone")
     ap.add_argument("--profile", type=float, default=0, help="py-spy the router for this many s of the burst")
     ap.add_argument("--py-spy", default="py-spy", help="the py-spy binary (--profile)")
-    ap.add_argument("--pythonpath", help="PYTHONPATH for the stack's processes (another checkout)")
-    ap.add_argument("--out", type=Path)
+    common.checkout_options(ap)
     args = ap.parse_args(argv)
-    if args.pythonpath:
-        os.environ["PYTHONPATH"] = args.pythonpath  # inherited by the stack's children only
+    common.use_checkout(args)
     from router.lifecycle.tokenizer_queue import pool_threads
     from shared.client import AsyncClient
 

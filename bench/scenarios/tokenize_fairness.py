@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from bench.scenarios import common
 from shared.keys import digest
@@ -114,11 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8000, help="approximate prompt tokens")
     ap.add_argument("--calls", type=int, default=32, help="noisy tenant's /tokenize calls in flight")
     ap.add_argument("--call-bytes", type=int, default=1_000_000, help="each call's text (Envoy's limit: 1 MiB)")
-    ap.add_argument("--pythonpath", help="PYTHONPATH for the stack's processes (another checkout)")
-    ap.add_argument("--out", type=Path)
+    common.checkout_options(ap)
     args = ap.parse_args(argv)
-    if args.pythonpath:
-        os.environ["PYTHONPATH"] = args.pythonpath  # inherited by the stack's children only
+    common.use_checkout(args)
     import uvloop
 
     out = args.out or common.results_dir("tokenize-fairness")

@@ -123,31 +123,28 @@ def check_structured(so: StructuredOutput) -> None:
             raise BadInput(f"The JSON schema is not valid JSON: {e}", param="response_format") from None
         if not isinstance(schema, (dict, bool)):
             raise BadInput("The JSON schema must be an object", param="response_format")
-        try:
-            xgr.Grammar.from_json_schema(so.json)
-        except Exception as e:
-            raise BadInput(f"The JSON schema does not compile: {_xgr_message(e)}", param="response_format") from None
+        _compile(xgr.Grammar.from_json_schema, so.json, "The JSON schema", "response_format")
     elif so.regex is not None:
         if "\x00" in so.regex:
             raise BadInput("The regex must not contain a NUL character", param="structured_outputs.regex")
-        try:
-            xgr.Grammar.from_regex(so.regex)
-        except Exception as e:
-            raise BadInput(f"The regex does not compile: {_xgr_message(e)}", param="structured_outputs.regex") from None
+        _compile(xgr.Grammar.from_regex, so.regex, "The regex", "structured_outputs.regex")
     elif so.grammar is not None:
-        try:
-            xgr.Grammar.from_ebnf(so.grammar)
-        except Exception as e:
-            raise BadInput(
-                f"The grammar does not compile: {_xgr_message(e)}", param="structured_outputs.grammar"
-            ) from None
+        _compile(xgr.Grammar.from_ebnf, so.grammar, "The grammar", "structured_outputs.grammar")
     elif so.structural_tag is not None:
-        try:
-            xgr.Grammar.from_structural_tag(so.structural_tag)
-        except Exception as e:
-            raise BadInput(
-                f"The structural tag does not compile: {_xgr_message(e)}", param="structured_outputs.structural_tag"
-            ) from None
+        _compile(
+            xgr.Grammar.from_structural_tag,
+            so.structural_tag,
+            "The structural tag",
+            "structured_outputs.structural_tag",
+        )
+
+
+def _compile(build: Callable[[str], object], source: str, what: str, param: str) -> None:
+    """xgrammar's compile of ``source``; its failure is the request's 400 naming ``param``."""
+    try:
+        build(source)
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own kinds
+        raise BadInput(f"{what} does not compile: {_xgr_message(e)}", param=param) from None
 
 
 def _xgr_message(e: Exception) -> str:

@@ -14,19 +14,12 @@ from hypothesis import strategies as st
 from router.policy import DispatchJob, Job, Policy, WorkerSpec
 from router.policy.sessions import SessionTable
 from shared.config import SchedulerConfig
-from shared.protocol import Pool, TaskType
+from shared.protocol import TaskType
+from tests.fakes import worker_spec
 
 
 def spec(i: int, seqs: int = 8) -> WorkerSpec:
-    return WorkerSpec(
-        worker_id=f"w{i}",
-        model="m",
-        pool=Pool.ANY,
-        capacity_tokens=1 << 20,
-        block_size=16,
-        max_num_seqs=seqs,
-        max_model_len=4096,
-    )
+    return worker_spec(i, seqs=seqs, max_len=4096)
 
 
 def job(jid: str, session: str = "", parent: str = "", final: bool = False, tenant: str = "t", now: float = 0.0) -> Job:

@@ -18,18 +18,11 @@ from router.policy.types import SHORT
 from shared.config import ClassConfig, SchedulerConfig
 from shared.errors import Code, Refusal
 from shared.protocol import Pool, TaskType
+from tests.fakes import worker_spec
 
 
 def spec(i: int, seqs: int = 2) -> WorkerSpec:
-    return WorkerSpec(
-        worker_id=f"w{i}",
-        model="m",
-        pool=Pool.ANY,
-        capacity_tokens=1 << 20,
-        block_size=16,
-        max_num_seqs=seqs,
-        max_model_len=8192,
-    )
+    return worker_spec(i, seqs=seqs, max_len=8192)
 
 
 def job(

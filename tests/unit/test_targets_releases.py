@@ -13,19 +13,12 @@ from router.policy.records import Entry, WorkerState
 from router.policy.targets import FULL, Targets, expected_end, kth_release
 from router.policy.types import SHORT
 from shared.config import SchedulerConfig
-from shared.protocol import Pool, TaskType
+from shared.protocol import TaskType
+from tests.fakes import worker_spec
 
 
 def spec(i: int, seqs: int = 2) -> WorkerSpec:
-    return WorkerSpec(
-        worker_id=f"w{i}",
-        model="m",
-        pool=Pool.ANY,
-        capacity_tokens=1 << 20,
-        block_size=16,
-        max_num_seqs=seqs,
-        max_model_len=8192,
-    )
+    return worker_spec(i, seqs=seqs, max_len=8192)
 
 
 def job(jid: str, max_tokens: int = 500, target_ms: float = 0.0, tenant: str = "t", now: float = 0.0) -> Job:
