@@ -33,7 +33,7 @@ class Views(Protocol):
 
     def adapters(self) -> list[tuple[str, str, int, int, str]]: ...
 
-    def adapters_for(self, api_key: str | None) -> list[tuple[str, str, int, int, str]]: ...
+    def adapters_for(self, api_key: str | None) -> list[tuple[str, str, int, int, str]] | ErrorInfo: ...
 
     def adapter_paths(self) -> dict[str, str]: ...
 
@@ -219,19 +219,28 @@ class Routes(NamedTuple):
 def routes(views: Views, operator: Operator | None, created: int) -> Routes:
     """The table; without ``operator`` the routes that change state are absent (404)."""
 
-    def listed(req: Request) -> list[dict[str, Any]]:
-        """The models, then the LoRA adapters the caller may use (with their base model as ``parent``)."""
-        out = [model_object(r, created) for r in views.models()]
+    def listed(req: Request) -> list[dict[str, Any]] | ErrorReply:
+        """The models, then the LoRA adapters the caller may use (with their base
+        model as ``parent``); with API keys configured, only to a valid key: a
+        missing, wrong or malformed one is refused as a generation's is."""
         key = key_from_headers(req.header(b"x-api-key"), req.header(b"authorization"))
-        out += [model_object((a[0], *a[2:]), created, a[1]) for a in views.adapters_for(key)]
+        adapters = views.adapters_for(key)
+        if isinstance(adapters, ErrorInfo):
+            return ErrorReply(adapters)
+        out = [model_object(r, created) for r in views.models()]
+        out += [model_object((a[0], *a[2:]), created, a[1]) for a in adapters]
         return out
 
     def models(req: Request) -> Answer:
-        return _json(200, {"object": "list", "data": listed(req)})
+        out = listed(req)
+        return out if isinstance(out, ErrorReply) else _json(200, {"object": "list", "data": out})
 
     def model(req: Request) -> Answer:
         name = _name(req, b"/v1/models/")
-        for obj in listed(req):
+        out = listed(req)
+        if isinstance(out, ErrorReply):
+            return out
+        for obj in out:
             if obj["id"] == name:
                 return _json(200, obj)
         return ErrorReply(error(Code.MODEL_NOT_FOUND, f"The model {name!r} does not exist", param="model"))

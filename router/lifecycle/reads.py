@@ -11,6 +11,7 @@ from typing import Any
 from router.lifecycle.core import RouterCore
 from router.tenancy.identity import Identity
 from shared.config import AliasConfig, ModelConfig, WorkerConfig
+from shared.protocol import ErrorInfo
 
 
 class RouterCoreReads:
@@ -35,10 +36,11 @@ class RouterCoreReads:
         """name -> directory of each LoRA adapter served now (the admin listing's)."""
         return {a.name: a.path for a in self.core.registry.adapters.all()}
 
-    def allowed_adapters(self, api_key: str | None) -> frozenset[str] | None:
-        """The adapters a caller may use (None: every one; a key that is not one: none)."""
+    def allowed_adapters(self, api_key: str | None) -> frozenset[str] | None | ErrorInfo:
+        """The adapters a caller may use (None: every one), or why its key is
+        refused: the key check of a generation (a missing, wrong or malformed key)."""
         who = self.core.identify(api_key)
-        return who.adapters if isinstance(who, Identity) else frozenset()
+        return who.adapters if isinstance(who, Identity) else who
 
     def model_aliases(self) -> list[AliasConfig]:
         """[[aliases]] as last loaded (router.api.aliases)."""

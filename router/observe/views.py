@@ -19,7 +19,7 @@ from router.observe.ops_metrics import OpsCollector
 from router.observe.worker_report import WorkerReport
 from router.observe.worker_series import WorkerSeries
 from shared.config import AliasConfig, ModelConfig, WorkerConfig
-from shared.protocol import GpuInfo
+from shared.protocol import ErrorInfo, GpuInfo
 
 # (name, max_model_len, workers ready, state): one row of /v1/models
 ModelRow = tuple[str, int, int, str]
@@ -41,7 +41,7 @@ class CoreReads(Protocol):
 
     def adapter_paths(self) -> dict[str, str]: ...
 
-    def allowed_adapters(self, api_key: str | None) -> frozenset[str] | None: ...
+    def allowed_adapters(self, api_key: str | None) -> frozenset[str] | None | ErrorInfo: ...
 
     def runtime_workers_of(self, name: str) -> list[WorkerConfig] | None: ...
 
@@ -102,9 +102,12 @@ class RouterViews:
         """name -> directory of each adapter served (the admin listing: what the supervisor replays)."""
         return self.core.adapter_paths()
 
-    def adapters_for(self, api_key: str | None) -> list[tuple[str, str, int, int, str]]:
-        """``adapters`` less those the caller's key or tenant may not use (/v1/models)."""
+    def adapters_for(self, api_key: str | None) -> list[tuple[str, str, int, int, str]] | ErrorInfo:
+        """``adapters`` less those the caller's key or tenant may not use
+        (/v1/models), or the refusal of a key that is not one (as a generation's)."""
         allowed = self.core.allowed_adapters(api_key)
+        if isinstance(allowed, ErrorInfo):
+            return allowed
         return [a for a in self.adapters() if allowed is None or a[0] in allowed]
 
     def admin_models(self) -> list[dict[str, Any]]:

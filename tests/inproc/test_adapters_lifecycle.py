@@ -173,6 +173,9 @@ def test_models_list_shows_a_key_only_the_adapters_it_may_use(core):
             return []
 
     views = RouterViews(RouterCoreReads(core), NoLink(), RouterMetrics())
-    names = {key: [a[0] for a in views.adapters_for(key)] for key in (KEY_A, KEY_B, KEY_ALL, "sk-unknown", None)}
-    assert names == {KEY_A: ["lora-a"], KEY_B: ["lora-b"], KEY_ALL: ["lora-a", "lora-b"], "sk-unknown": [], None: []}
+    names = {key: [a[0] for a in views.adapters_for(key)] for key in (KEY_A, KEY_B, KEY_ALL)}
+    assert names == {KEY_A: ["lora-a"], KEY_B: ["lora-b"], KEY_ALL: ["lora-a", "lora-b"]}
+    for key in ("sk-unknown", None, "sk bad"):  # refused as a generation is: no list at all
+        refused = views.adapters_for(key)
+        assert isinstance(refused, p.ErrorInfo) and refused.code == "invalid_api_key", key
     assert [a[0] for a in views.adapters()] == ["lora-a", "lora-b"]  # the operator's view: all
