@@ -61,6 +61,34 @@ def test_models_lists_configured_models(stack):
     assert {VLLM_MODEL, SIM_MODEL} <= ids
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"authorization": "Bearer sk-wrong"}, {"x-api-key": "sk-bad key"}],
+    ids=["no-key", "wrong-key", "malformed-key"],
+)
+def test_models_need_a_valid_key_as_a_completion_does(stack, headers):
+    """The served models and aliases are shown to a valid key only: without
+    one, /v1/models and /v1/models/{id} answer what a completion answers
+    (through Envoy and at the router itself)."""
+    for base in (stack.envoy_url, stack.router_url):
+        completion = requests.post(
+            base + "/v1/completions", json={"model": VLLM_MODEL, "prompt": "hi"}, headers=headers, timeout=30
+        )
+        assert completion.status_code == 401, completion.text
+        expected = completion.json()["error"]
+        expected.pop("request_id")  # each request's own
+        for path in ("/v1/models", f"/v1/models/{VLLM_MODEL}"):
+            r = requests.get(base + path, headers=headers, timeout=10)
+            assert r.status_code == 401, (base, path, r.text)
+            err = r.json()["error"]
+            err.pop("request_id", None)
+            assert err == expected and err["code"] == "invalid_api_key", (base, path)
+            assert VLLM_MODEL not in r.text and SIM_MODEL not in r.text
+    with pytest.raises(openai.AuthenticationError):
+        sdk(stack, key="sk-wrong").models.retrieve(VLLM_MODEL)
+    assert sdk(stack, key=KEY_BETA).models.retrieve(SIM_MODEL).id == SIM_MODEL
+
+
 def test_frequency_penalty_reaches_vllm(stack):
     # Greedy decoding of the random tiny model repeats one token; a strong
     # frequency penalty (applied by vLLM, not the router) must break that up.
