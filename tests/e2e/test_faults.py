@@ -262,24 +262,24 @@ def _get_ok(url: str) -> bool:
         return False
 
 
-def _reference_then_a_stream_cut(stack, c, killer, came_back=None):
-    """A greedy 1,500-token run on the one vLLM worker, then the same run
-    streamed with ``killer(worker)()`` fired at its 20th token; returns the
-    reference, the stream's text and its last Delta.  ``came_back()``: the
-    worker serves again (default: the supervisor restarted it and it registered).
+LONG_GREEDY = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
+
+
+def _a_stream_cut(stack, c, killer, came_back):
+    """``LONG_GREEDY`` streamed on the one vLLM worker with ``killer(worker)()``
+    fired at its 20th token; waits until ``came_back(attempt)`` (the worker
+    serves again) and returns the stream's text and its last Delta.
 
     A loaded CI client has read too few tokens when the worker had sent them
     all (at 400 tokens killed at 60, then at 1,500): the stream then ends
     unharmed and proves nothing.  So the router's resume counter says whether
-    the kill cut the stream; if not, wait out the restart and try again (each
-    try costs one worker restart, ~20-30 s)."""
-    args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
-    reference = c.complete(stackutil.VLLM_MODEL, **args)
-    assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
+    the kill cut the stream; if not, wait out the recovery and try again (each
+    try costs one engine or worker restart, ~20-30 s)."""
+    resumed_before = _resumed(stack)
     for attempt in range(1, 4):
         kill = killer(stack.components["worker:vllm-0"])
         text, n, last, killed = [], 0, None, False
-        for d in c.stream(stackutil.VLLM_MODEL, **args):
+        for d in c.stream(stackutil.VLLM_MODEL, **LONG_GREEDY):
             text.append(d.text)
             n += d.num_tokens
             last = d
@@ -287,20 +287,31 @@ def _reference_then_a_stream_cut(stack, c, killer, came_back=None):
                 kill()
                 killed = True
         assert killed
-        back = came_back or (lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack))
-        assert _wait(back, timeout=120), "the killed worker did not come back"
-        if _resumed(stack) >= 1:
-            return reference, "".join(text), last
+        assert _wait(lambda k=attempt: came_back(k), timeout=120), "the killed worker did not come back"
+        if _resumed(stack) > resumed_before:
+            return "".join(text), last
     pytest.fail("three streams ended before the kill reached them")
 
 
 @pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
 @pytest.mark.vllm
-def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupted_run(tmp_path):
-    """Greedy decoding on vLLM: a stream whose only worker is SIGKILLed waits
-    (its model has no worker), the supervisor restarts the worker, and the
-    stream continues there from the tokens it had -- the client's text is
-    the text of a run that was never interrupted."""
+def test_real_model_engine_core_death_then_the_last_worker_killed_each_resumed_equals_an_uninterrupted_run(tmp_path):
+    """Greedy decoding on the model's only vLLM worker (supervised), two faults
+    in turn, each mid-stream; after each the client's text is that of a run
+    never interrupted, and the router holds nothing.
+
+    1. vLLM's EngineCore (the worker's child process) is SIGKILLed: the
+       worker's output handler sees the engine dead, the worker says Drain
+       and reports the stream Lost, the router resumes it (its model has no
+       other worker, so it waits), the worker starts its engine again in its
+       own process (no supervisor restart) and registers anew, and the
+       stream continues there.
+    2. The worker itself is SIGKILLed: the stream waits (its model has no
+       worker), the supervisor restarts the worker, and the stream continues
+       there from the tokens it had.
+
+    (One stack and one reference for both faults: each vLLM stack start and
+    each 1,500-token reference costs tens of seconds of CI time.)"""
     from shared.client import Client
 
     cfg = write_config(
@@ -308,11 +319,35 @@ def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupte
         models=stackutil.localconfig.models(vllm_max_model_len=2048),
         workers=[stackutil.vllm_worker("vllm-0")],
     )
-    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        with Client(stack.zmq_frontend) as c:
-            reference, text, last = _reference_then_a_stream_cut(
-                stack, c, lambda victim: lambda: victim.signal_group(signal.SIGKILL)
+    with start_stack(cfg, tmp_path / "run", supervise=True) as stack, Client(stack.zmq_frontend) as c:
+        reference = c.complete(stackutil.VLLM_MODEL, **LONG_GREEDY)
+        assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
+
+        victim = stack.components["worker:vllm-0"]
+        killed = []
+
+        def engine_core_of(worker):
+            core = _engine_core(worker.pid)
+            killed.append(core.pid)
+            return core.kill
+
+        def engine_back(_attempt):
+            return (
+                _core_pids(victim.pid) not in ([], killed[-1:])
+                and _workers(stack).get("vllm-0", {}).get("state") == "ready"
             )
+
+        text, last = _a_stream_cut(stack, c, engine_core_of, engine_back)
+        assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
+        assert last.prompt_tokens == reference.prompt_tokens
+        assert text == reference.text
+        assert victim.exited() is None and stack.restarts == {}  # the same process, its engine started again
+        assert _drained(stack)
+
+        def worker_back(attempt):
+            return stack.restarts.get("worker:vllm-0") == attempt and "vllm-0" in _workers(stack)
+
+        text, last = _a_stream_cut(stack, c, lambda w: lambda: w.signal_group(signal.SIGKILL), worker_back)
         assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
         assert last.prompt_tokens == reference.prompt_tokens
         assert text == reference.text
@@ -390,45 +425,6 @@ def test_a_rolling_restart_of_every_worker_under_load_loses_no_stream(tmp_path):
         assert [s.split()[:3] for s in said] == [["worker", "sim-a", "restarted"], ["worker", "sim-b", "restarted"]]
         assert stack.restarts == {"worker:sim-a": 1, "worker:sim-b": 1}
         assert _drained(stack) and set(_workers(stack)) == {"sim-a", "sim-b"}
-
-
-@pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
-@pytest.mark.vllm
-def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninterrupted_run(tmp_path):
-    """vLLM's EngineCore (the worker's child process) is SIGKILLed mid-stream:
-    the worker's output handler sees the engine dead, the worker says Drain
-    and reports the stream Lost, the router resumes it (its model has no other
-    worker, so it waits), the worker starts its engine again in its own
-    process and registers anew, the stream continues there, and the client's
-    text is that of a run that was never interrupted; the router holds nothing."""
-    from shared.client import Client
-
-    cfg = write_config(
-        tmp_path,
-        models=stackutil.localconfig.models(vllm_max_model_len=2048),
-        workers=[stackutil.vllm_worker("vllm-0")],
-    )
-    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        victim = stack.components["worker:vllm-0"]
-        killed = []
-
-        def engine_core_of(worker):
-            core = _engine_core(worker.pid)
-            killed.append(core.pid)
-            return core.kill
-
-        def came_back():
-            return (
-                _core_pids(victim.pid) not in ([], killed[-1:])
-                and _workers(stack).get("vllm-0", {}).get("state") == "ready"
-            )
-
-        with Client(stack.zmq_frontend) as c:
-            reference, text, last = _reference_then_a_stream_cut(stack, c, engine_core_of, came_back)
-            assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
-            assert text == reference.text
-            assert victim.exited() is None and stack.restarts == {}  # the same process, its engine started again
-        assert _drained(stack)
 
 
 def _engine_core(worker_pid: int):
