@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
 from bench import localconfig
@@ -120,6 +121,17 @@ def start_stack_beside(
     finally:
         done.set()
         holder.join()
+
+
+def start_if_selected(request: pytest.FixtureRequest, name: str) -> None:
+    """Set up the fixture ``name`` now if a selected test asks for it: a
+    ``start_stack_beside`` ``meanwhile``.  Its error is kept (pytest caches
+    it) for the tests that ask for it; the caller's tests run on."""
+    if any(name in item.fixturenames for item in request.session.items):
+        try:
+            request.getfixturevalue(name)
+        except (Exception, pytest.fail.Exception):
+            pass
 
 
 class VllmServe:

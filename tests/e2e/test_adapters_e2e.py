@@ -68,15 +68,7 @@ def lora_stack(lora_dir, vllm_serve_started, request):
         ],
         workers=[stackutil.vllm_worker("vllm-lora")],
     )
-
-    def session_stack() -> None:
-        if any("stack" in item.fixturenames for item in request.session.items):
-            try:
-                request.getfixturevalue("stack")
-            except (Exception, pytest.fail.Exception):
-                pass  # (kept: each test that asks for it gets the error, these tests run on)
-
-    with stackutil.start_stack_beside(cfg, d / "run", session_stack) as s:
+    with stackutil.start_stack_beside(cfg, d / "run", lambda: stackutil.start_if_selected(request, "stack")) as s:
         s.lora_admin = f"http://127.0.0.1:{admin_port}"  # (the router's admin listener)
         s.lora_dir = d
         yield s
