@@ -12,11 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
 from bench import localconfig
@@ -79,6 +81,57 @@ def start_stack(cfg_path: os.PathLike, run_dir: os.PathLike | None = None, **kw:
     stack = Stack(cfg_path, run_dir, progress=lambda m: print(f"[stack] {m}", file=sys.stderr), **kw)
     with stack:
         yield stack
+
+
+@contextlib.contextmanager
+def start_stack_beside(
+    cfg_path: os.PathLike, run_dir: os.PathLike | None, meanwhile: Callable[[], object], **kw: Any
+) -> Iterator[Stack]:
+    """``start_stack`` that runs ``meanwhile()`` (another fixture's start, say) in
+    this thread while the stack starts in another: two vLLM starts side by side
+    take a few seconds longer than one, not twice as long.  That thread holds
+    the stack until it is stopped: each component dies with the thread that
+    spawned it (PR_SET_PDEATHSIG is per thread).  Always stopped, also when
+    ``meanwhile()`` raises."""
+    stack = Stack(cfg_path, run_dir, progress=lambda m: print(f"[stack] {m}", file=sys.stderr), **kw)
+    started, done = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            stack.start()  # (stops what it started before it raises)
+        except BaseException as e:
+            failed.append(e)
+            return
+        finally:
+            started.set()
+        try:
+            done.wait()
+        finally:
+            stack.stop()
+
+    holder = threading.Thread(target=hold, name="stack-holder", daemon=True)
+    holder.start()
+    try:
+        meanwhile()
+        started.wait()
+        if failed:
+            raise failed[0]
+        yield stack
+    finally:
+        done.set()
+        holder.join()
+
+
+def start_if_selected(request: pytest.FixtureRequest, name: str) -> None:
+    """Set up the fixture ``name`` now if a selected test asks for it: a
+    ``start_stack_beside`` ``meanwhile``.  Its error is kept (pytest caches
+    it) for the tests that ask for it; the caller's tests run on."""
+    if any(name in item.fixturenames for item in request.session.items):
+        try:
+            request.getfixturevalue(name)
+        except (Exception, pytest.fail.Exception):
+            pass
 
 
 class VllmServe:

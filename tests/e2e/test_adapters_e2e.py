@@ -48,9 +48,10 @@ def lora_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_stack(lora_dir, vllm_serve_started):
-    # (vllm serve, the reference of test_adapters_answer_as_vllm_serve_does, starts meanwhile:
-    # two vLLM starts side by side take ~5 s longer than one, not twice as long)
+def lora_stack(lora_dir, vllm_serve_started, request):
+    # (vllm serve, the reference of test_adapters_answer_as_vllm_serve_does, starts meanwhile,
+    # and the session ``stack`` (the base model's reference) too when a selected test needs it
+    # and it is not up yet: vLLM starts side by side take seconds longer than one, not twice as long)
     d = lora_dir
     models = stackutil.localconfig.models()
     models[0]["lora"] = LORA_BOUNDS
@@ -67,7 +68,7 @@ def lora_stack(lora_dir, vllm_serve_started):
         ],
         workers=[stackutil.vllm_worker("vllm-lora")],
     )
-    with stackutil.start_stack(cfg, d / "run") as s:
+    with stackutil.start_stack_beside(cfg, d / "run", lambda: stackutil.start_if_selected(request, "stack")) as s:
         s.lora_admin = f"http://127.0.0.1:{admin_port}"  # (the router's admin listener)
         s.lora_dir = d
         yield s

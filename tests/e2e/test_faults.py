@@ -9,6 +9,7 @@ must be back to zero.
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import time
 
@@ -262,63 +263,6 @@ def _get_ok(url: str) -> bool:
         return False
 
 
-def _reference_then_a_stream_cut(stack, c, killer, came_back=None):
-    """A greedy 1,500-token run on the one vLLM worker, then the same run
-    streamed with ``killer(worker)()`` fired at its 20th token; returns the
-    reference, the stream's text and its last Delta.  ``came_back()``: the
-    worker serves again (default: the supervisor restarted it and it registered).
-
-    A loaded CI client has read too few tokens when the worker had sent them
-    all (at 400 tokens killed at 60, then at 1,500): the stream then ends
-    unharmed and proves nothing.  So the router's resume counter says whether
-    the kill cut the stream; if not, wait out the restart and try again (each
-    try costs one worker restart, ~20-30 s)."""
-    args = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
-    reference = c.complete(stackutil.VLLM_MODEL, **args)
-    assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
-    for attempt in range(1, 4):
-        kill = killer(stack.components["worker:vllm-0"])
-        text, n, last, killed = [], 0, None, False
-        for d in c.stream(stackutil.VLLM_MODEL, **args):
-            text.append(d.text)
-            n += d.num_tokens
-            last = d
-            if n >= 20 and not killed:
-                kill()
-                killed = True
-        assert killed
-        back = came_back or (lambda k=attempt: stack.restarts.get("worker:vllm-0") == k and "vllm-0" in _workers(stack))
-        assert _wait(back, timeout=120), "the killed worker did not come back"
-        if _resumed(stack) >= 1:
-            return reference, "".join(text), last
-    pytest.fail("three streams ended before the kill reached them")
-
-
-@pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
-@pytest.mark.vllm
-def test_real_model_resume_after_the_last_worker_restarts_equals_an_uninterrupted_run(tmp_path):
-    """Greedy decoding on vLLM: a stream whose only worker is SIGKILLed waits
-    (its model has no worker), the supervisor restarts the worker, and the
-    stream continues there from the tokens it had -- the client's text is
-    the text of a run that was never interrupted."""
-    from shared.client import Client
-
-    cfg = write_config(
-        tmp_path,
-        models=stackutil.localconfig.models(vllm_max_model_len=2048),
-        workers=[stackutil.vllm_worker("vllm-0")],
-    )
-    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        with Client(stack.zmq_frontend) as c:
-            reference, text, last = _reference_then_a_stream_cut(
-                stack, c, lambda victim: lambda: victim.signal_group(signal.SIGKILL)
-            )
-        assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
-        assert last.prompt_tokens == reference.prompt_tokens
-        assert text == reference.text
-        assert _drained(stack)
-
-
 def test_a_fallback_model_answers_when_the_primary_has_no_worker_only_if_asked(tmp_path):
     models = [
         {"name": "sim-primary", "engine": "sim", "max_model_len": 4096, "fallbacks": ["sim-backup"]},
@@ -392,45 +336,6 @@ def test_a_rolling_restart_of_every_worker_under_load_loses_no_stream(tmp_path):
         assert _drained(stack) and set(_workers(stack)) == {"sim-a", "sim-b"}
 
 
-@pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
-@pytest.mark.vllm
-def test_real_model_engine_core_death_mid_stream_is_resumed_and_equals_an_uninterrupted_run(tmp_path):
-    """vLLM's EngineCore (the worker's child process) is SIGKILLed mid-stream:
-    the worker's output handler sees the engine dead, the worker says Drain
-    and reports the stream Lost, the router resumes it (its model has no other
-    worker, so it waits), the worker starts its engine again in its own
-    process and registers anew, the stream continues there, and the client's
-    text is that of a run that was never interrupted; the router holds nothing."""
-    from shared.client import Client
-
-    cfg = write_config(
-        tmp_path,
-        models=stackutil.localconfig.models(vllm_max_model_len=2048),
-        workers=[stackutil.vllm_worker("vllm-0")],
-    )
-    with start_stack(cfg, tmp_path / "run", supervise=True) as stack:
-        victim = stack.components["worker:vllm-0"]
-        killed = []
-
-        def engine_core_of(worker):
-            core = _engine_core(worker.pid)
-            killed.append(core.pid)
-            return core.kill
-
-        def came_back():
-            return (
-                _core_pids(victim.pid) not in ([], killed[-1:])
-                and _workers(stack).get("vllm-0", {}).get("state") == "ready"
-            )
-
-        with Client(stack.zmq_frontend) as c:
-            reference, text, last = _reference_then_a_stream_cut(stack, c, engine_core_of, came_back)
-            assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
-            assert text == reference.text
-            assert victim.exited() is None and stack.restarts == {}  # the same process, its engine started again
-        assert _drained(stack)
-
-
 def _engine_core(worker_pid: int):
     """The worker's vLLM EngineCore: its one child process titled VLLM::EngineCore
     (looked up among that worker's children, never by name machine-wide)."""
@@ -485,9 +390,130 @@ async def _greedy_streams(url: str, prompts: list[str], max_tokens: int, on_star
         return await asyncio.gather(*tasks)
 
 
+# The real-model tests' own stacks (each breaks its stack on purpose; one test
+# each), started side by side: two vLLM starts take seconds longer than one.
+VLLM_MAX_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def two_vllm_stack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("two_vllm")
+    cfg = write_config(
+        d,
+        models=stackutil.localconfig.models(vllm_max_model_len=VLLM_MAX_LEN),
+        workers=[stackutil.vllm_worker("vllm-0"), stackutil.vllm_worker("vllm-1")],
+    )
+    with start_stack(cfg, d / "run") as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def one_vllm_stack(tmp_path_factory, request):
+    """The only worker of its model, supervised; ``two_vllm_stack`` starts meanwhile when selected."""
+    d = tmp_path_factory.mktemp("one_vllm")
+    cfg = write_config(
+        d,
+        models=stackutil.localconfig.models(vllm_max_model_len=VLLM_MAX_LEN),
+        workers=[stackutil.vllm_worker("vllm-0")],
+    )
+    the_other = functools.partial(stackutil.start_if_selected, request, "two_vllm_stack")
+    with stackutil.start_stack_beside(cfg, d / "run", the_other, supervise=True) as stack:
+        yield stack
+
+
+LONG_GREEDY = dict(prompt="The history of the river begins", max_tokens=1500, temperature=0.0, ignore_eos=True)
+
+
+def _a_stream_cut(stack, c, killer, came_back):
+    """``LONG_GREEDY`` streamed on the one vLLM worker with ``killer(worker)()``
+    fired at its 20th token; waits until ``came_back(attempt)`` (the worker
+    serves again) and returns the stream's text and its last Delta.
+
+    A loaded CI client has read too few tokens when the worker had sent them
+    all (at 400 tokens killed at 60, then at 1,500): the stream then ends
+    unharmed and proves nothing.  So the router's resume counter says whether
+    the kill cut the stream; if not, wait out the recovery and try again (each
+    try costs one engine or worker restart, ~20-30 s)."""
+    resumed_before = _resumed(stack)
+    for attempt in range(1, 4):
+        kill = killer(stack.components["worker:vllm-0"])
+        text, n, last, killed = [], 0, None, False
+        for d in c.stream(stackutil.VLLM_MODEL, **LONG_GREEDY):
+            text.append(d.text)
+            n += d.num_tokens
+            last = d
+            if n >= 20 and not killed:
+                kill()
+                killed = True
+        assert killed
+        assert _wait(lambda k=attempt: came_back(k), timeout=120), "the killed worker did not come back"
+        if _resumed(stack) > resumed_before:
+            return "".join(text), last
+    pytest.fail("three streams ended before the kill reached them")
+
+
 @pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
 @pytest.mark.vllm
-def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_stream_whole(tmp_path):
+def test_real_model_engine_core_death_then_the_last_worker_killed_each_resumed_equals_an_uninterrupted_run(
+    one_vllm_stack,
+):
+    """Greedy decoding on the model's only vLLM worker (supervised), two faults
+    in turn, each mid-stream; after each the client's text is that of a run
+    never interrupted, and the router holds nothing.
+
+    1. vLLM's EngineCore (the worker's child process) is SIGKILLed: the
+       worker's output handler sees the engine dead, the worker says Drain
+       and reports the stream Lost, the router resumes it (its model has no
+       other worker, so it waits), the worker starts its engine again in its
+       own process (no supervisor restart) and registers anew, and the
+       stream continues there.
+    2. The worker itself is SIGKILLed: the stream waits (its model has no
+       worker), the supervisor restarts the worker, and the stream continues
+       there from the tokens it had.
+
+    (One stack and one reference for both faults: each vLLM stack start and
+    each 1,500-token reference costs tens of seconds of CI time.)"""
+    from shared.client import Client
+
+    stack = one_vllm_stack
+    with Client(stack.zmq_frontend) as c:
+        reference = c.complete(stackutil.VLLM_MODEL, **LONG_GREEDY)
+        assert _resumed(stack) == 0, "a 1,500-token run without a fault was resumed: the worker's loop starved?"
+
+        victim = stack.components["worker:vllm-0"]
+        killed = []
+
+        def engine_core_of(worker):
+            core = _engine_core(worker.pid)
+            killed.append(core.pid)
+            return core.kill
+
+        def engine_back(_attempt):
+            return (
+                _core_pids(victim.pid) not in ([], killed[-1:])
+                and _workers(stack).get("vllm-0", {}).get("state") == "ready"
+            )
+
+        text, last = _a_stream_cut(stack, c, engine_core_of, engine_back)
+        assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
+        assert last.prompt_tokens == reference.prompt_tokens
+        assert text == reference.text
+        assert victim.exited() is None and stack.restarts == {}  # the same process, its engine started again
+        assert _drained(stack)
+
+        def worker_back(attempt):
+            return stack.restarts.get("worker:vllm-0") == attempt and "vllm-0" in _workers(stack)
+
+        text, last = _a_stream_cut(stack, c, lambda w: lambda: w.signal_group(signal.SIGKILL), worker_back)
+        assert (last.finish_reason, last.completion_tokens) == ("length", 1500)
+        assert last.prompt_tokens == reference.prompt_tokens
+        assert text == reference.text
+        assert _drained(stack)
+
+
+@pytest.mark.skipif(not (stackutil.TINY_MODEL_DIR / "config.json").exists(), reason="models/tiny-llama not built")
+@pytest.mark.vllm
+def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_stream_whole(two_vllm_stack):
     """Four greedy streams over two vLLM workers; the EngineCore of the worker
     running most of them is SIGKILLed mid-stream, and four more streams start
     in the next 0.4 s.  That worker reports its streams lost (and any sent to it
@@ -496,11 +522,6 @@ def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_str
     worker starts its engine again in its own process, registers anew and serves."""
     from shared.client import Client
 
-    cfg = write_config(
-        tmp_path,
-        models=stackutil.localconfig.models(vllm_max_model_len=2048),
-        workers=[stackutil.vllm_worker("vllm-0"), stackutil.vllm_worker("vllm-1")],
-    )
     prompts = [
         "The history of the river begins",
         "Once upon a time in a small village",
@@ -508,57 +529,57 @@ def test_real_model_engine_core_death_under_one_of_two_workers_resumes_every_str
         "In the winter of that year",
     ]
     max_tokens = 600
-    with start_stack(cfg, tmp_path / "run") as stack:
-        with Client(stack.zmq_frontend) as c:
-            reference = [
-                c.complete(stackutil.VLLM_MODEL, prompt=q, max_tokens=max_tokens, temperature=0.0, ignore_eos=True).text
-                for q in prompts
-            ]
-        assert _resumed(stack) == 0
-        killed = {}  # this attempt's victim
+    stack = two_vllm_stack
+    with Client(stack.zmq_frontend) as c:
+        reference = [
+            c.complete(stackutil.VLLM_MODEL, prompt=q, max_tokens=max_tokens, temperature=0.0, ignore_eos=True).text
+            for q in prompts
+        ]
+    assert _resumed(stack) == 0
+    killed = {}  # this attempt's victim
 
-        def kill():
-            running = {wid: w["running"] for wid, w in _workers(stack).items()}
-            victim = max(sorted(running), key=running.get)
-            pid = stack.components[f"worker:{victim}"].pid
-            core = _engine_core(pid)
-            killed.update(victim=victim, pid=pid, core=core.pid, running=running[victim])
-            core.kill()
+    def kill():
+        running = {wid: w["running"] for wid, w in _workers(stack).items()}
+        victim = max(sorted(running), key=running.get)
+        pid = stack.components[f"worker:{victim}"].pid
+        core = _engine_core(pid)
+        killed.update(victim=victim, pid=pid, core=core.pid, running=running[victim])
+        core.kill()
 
-        for _ in range(3):
-            killed.clear()
-            results = asyncio.run(_greedy_streams(stack.zmq_frontend, prompts, max_tokens, kill))
-            whole = sum(
-                1
-                for (text, finish, n, err), ref in zip(results, reference * 2)
-                if (finish, n, err, text) == ("length", max_tokens, None, ref)
-            )
-            errors = [r[3] for r in results if r[3] is not None]
-            print(
-                f"\nEngineCore SIGKILL under {killed['victim']} ({killed['running']} of {len(prompts)} streams "
-                f"there, {len(prompts)} more started in the 0.4 s after): {whole}/{len(results)} streams whole, "
-                f"{len(errors)} ended with an error {errors}, {_resumed(stack):.0f} resumed"
-            )
-            for (text, finish, n, err), ref in zip(results, reference * 2):
-                assert (finish, n, err) == ("length", max_tokens, None)
-                assert text == ref
-            victim = stack.components[f"worker:{killed['victim']}"]
-            # The same process starts its engine again and registers anew (no supervisor here).
-            assert _wait(
-                lambda: (
-                    _core_pids(killed["pid"]) not in ([], [killed["core"]])
-                    and _workers(stack).get(killed["victim"], {}).get("state") == "ready"
-                ),
-                timeout=180,
-            ), "the engine was not started again"
-            assert victim.exited() is None and victim.pid == killed["pid"]
-            if _resumed(stack) >= 1:
-                break
-        else:
-            pytest.fail("three kills came after the streams had ended")
-        other = next(w for w in _workers(stack) if w != killed["victim"])
-        assert requests.post(stack.router_url + f"/admin/workers/{other}/drain", timeout=5).status_code == 200
-        with Client(stack.zmq_frontend) as c:  # the restarted engine serves (the other takes nothing new)
-            out = c.complete(stackutil.VLLM_MODEL, prompt=prompts[0], max_tokens=8, temperature=0.0, ignore_eos=True)
-        assert out.completion_tokens == 8 and reference[0].startswith(out.text)
-        assert _drained(stack)
+    for _ in range(3):
+        killed.clear()
+        results = asyncio.run(_greedy_streams(stack.zmq_frontend, prompts, max_tokens, kill))
+        whole = sum(
+            1
+            for (text, finish, n, err), ref in zip(results, reference * 2)
+            if (finish, n, err, text) == ("length", max_tokens, None, ref)
+        )
+        errors = [r[3] for r in results if r[3] is not None]
+        print(
+            f"\nEngineCore SIGKILL under {killed['victim']} ({killed['running']} of {len(prompts)} streams "
+            f"there, {len(prompts)} more started in the 0.4 s after): {whole}/{len(results)} streams whole, "
+            f"{len(errors)} ended with an error {errors}, {_resumed(stack):.0f} resumed"
+        )
+        for (text, finish, n, err), ref in zip(results, reference * 2):
+            assert (finish, n, err) == ("length", max_tokens, None)
+            assert text == ref
+        victim = stack.components[f"worker:{killed['victim']}"]
+        # The same process starts its engine again and registers anew (no supervisor here).
+        assert _wait(
+            lambda: (
+                _core_pids(killed["pid"]) not in ([], [killed["core"]])
+                and _workers(stack).get(killed["victim"], {}).get("state") == "ready"
+            ),
+            timeout=180,
+        ), "the engine was not started again"
+        assert victim.exited() is None and victim.pid == killed["pid"]
+        if _resumed(stack) >= 1:
+            break
+    else:
+        pytest.fail("three kills came after the streams had ended")
+    other = next(w for w in _workers(stack) if w != killed["victim"])
+    assert requests.post(stack.router_url + f"/admin/workers/{other}/drain", timeout=5).status_code == 200
+    with Client(stack.zmq_frontend) as c:  # the restarted engine serves (the other takes nothing new)
+        out = c.complete(stackutil.VLLM_MODEL, prompt=prompts[0], max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert out.completion_tokens == 8 and reference[0].startswith(out.text)
+    assert _drained(stack)
