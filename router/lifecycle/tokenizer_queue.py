@@ -11,11 +11,12 @@ prompts of 220 KB are ~11 s of two cores.
 ``FairQueue`` (pure, no I/O, tested by hypothesis) decides:
 
   * long prompts and calls (the heavy kinds) run on ``threads`` threads;
-    short prompts have ``spare`` threads of their own (one) and may use a
-    free heavy one, so a short prompt never waits for a long one or a call
-    to finish -- only for the short prompts ahead of it;
-  * a short prompt goes first whenever a thread is free (it costs
-    milliseconds: it delays a long prompt by as little);
+    short prompts have ``spare`` threads of their own (one), so a short
+    prompt never waits for a long one or a call to finish -- only for the
+    short prompts ahead of it (milliseconds each);
+  * a short prompt takes a heavy thread only when no heavy work waits for
+    it: a tenant's stream of short prompts never holds back any tenant's
+    long prompts or calls;
   * calls run on at most ``call_threads`` (fewer than ``threads``), so a
     long prompt never waits behind calls: a heavy thread is always left to prompts;
   * within a kind, each tenant has a FIFO and tenants with work are served
@@ -125,9 +126,9 @@ class FairQueue(Generic[T]):
         busy = running[PROMPT] + running[CALL] + running[SHORT] - self.on_spare  # heavy threads in use
         queues = self._queues
         spare = False
-        if queues[SHORT] and (self.on_spare < self.spare or busy < self.threads):
-            kind: Kind = SHORT  # milliseconds each: ahead of everything, on any free thread
-            spare = self.on_spare < self.spare
+        if queues[SHORT] and self.on_spare < self.spare:
+            kind: Kind = SHORT  # milliseconds each: first, on their own thread
+            spare = True
         elif busy >= self.threads:
             return None
         elif queues[CALL] and running[CALL] < self.call_threads:
@@ -136,6 +137,10 @@ class FairQueue(Generic[T]):
             kind = CALL
         elif queues[PROMPT]:
             kind = PROMPT
+        elif queues[SHORT]:
+            # a heavy thread no heavy work waits for: never ahead of it, or one tenant's
+            # stream of short prompts would keep every tenant's long ones waiting
+            kind = SHORT
         else:
             return None
         q = queues[kind]

@@ -51,10 +51,26 @@ def test_a_short_prompt_never_waits_behind_a_burst_of_long_ones():
     q.done(PROMPT)
     assert q.push(SHORT, "c", "short-c") and q.push(SHORT, "c", "short-c2")
     assert q.pop() == (SHORT, "short-c", True)  # ahead of the long ones queued before it
-    assert q.pop() == (SHORT, "short-c2", False)  # on a free heavy thread
-    assert q.pop() is None
+    assert q.pop() == (PROMPT, "long1", False)  # the free heavy thread: long work waits for it
+    assert q.pop() is None  # short-c2 waits for the short thread only
+    q.done(SHORT, True)
+    assert q.pop() == (SHORT, "short-c2", True)
+
+
+def test_a_stream_of_short_prompts_never_holds_back_long_ones():
+    # tenant a keeps short prompts queued; tenant b's long prompt still gets a heavy thread at once
+    q: FairQueue[str] = FairQueue(threads=2, call_threads=1, calls_per_tenant=32, calls_total=256)
+    for i in range(20):
+        assert q.push(SHORT, "a", f"short{i}")
+    assert q.pop() == (SHORT, "short0", True)
+    assert q.pop() == (SHORT, "short1", False)  # no heavy work waits: a free heavy thread is used
+    assert q.push(PROMPT, "b", "long")
+    assert q.push(CALL, "c", "call")
+    assert [q.pop(), q.pop()] == [(CALL, "call", False), None]  # both heavy threads taken
     q.done(SHORT, False)
-    assert q.pop() == (PROMPT, "long1", False)
+    assert q.pop() == (PROMPT, "long", False)  # not a's next short prompt
+    q.done(SHORT, True)
+    assert q.pop() == (SHORT, "short2", True)
 
 
 def test_the_pool_follows_the_config_and_the_cores():
@@ -136,8 +152,9 @@ def test_fifo_round_robin_bounded_short_first_and_prompts_keep_a_thread(ops, thr
                 continue
             kind, item, on_spare = got
             _, tenant, _ = item
-            if kind != SHORT:
-                assert not any(waiting[SHORT].values())  # short prompts go first
+            spare_full = sum(sp for _, sp in running) == spare
+            if kind != SHORT:  # short prompts go first: they wait only while their threads are full
+                assert not any(waiting[SHORT].values()) or spare_full
             assert waiting[kind][tenant].popleft() == item  # FIFO within a tenant and kind
             for other in TENANTS:  # round robin: while one waits, no other tenant is served twice
                 if other != tenant and waiting[kind][other]:
@@ -146,8 +163,9 @@ def test_fifo_round_robin_bounded_short_first_and_prompts_keep_a_thread(ops, thr
             served_while_waiting[kind][tenant].clear()
             if on_spare:
                 assert kind == SHORT  # the spare threads are short prompts' alone
-            else:
-                assert kind != SHORT or all(sp for k, sp in running if sp) and sum(sp for _, sp in running) == spare
+            elif kind == SHORT:  # on a heavy thread: only with its own threads full and no heavy work waiting
+                calls_may = any(waiting[CALL].values()) and on_heavy.count(CALL) < call_threads
+                assert spare_full and not any(waiting[PROMPT].values()) and not calls_may
             running.append((kind, on_spare))
             on_heavy = [k for k, sp in running if not sp]
             assert len(on_heavy) <= threads and sum(sp for _, sp in running) <= spare  # each pool's size
