@@ -151,6 +151,8 @@ class Dispatcher:
                 targets.dispatched(job.job_id, w)  # (its TPOT there, before it joins the count)
             if targets.ahead_at:
                 targets.dispatching(job.job_id)  # (how many went before it: before this one counts)
+            md = targets.model_dispatched
+            md[m.name] = md.get(m.name, 0) + 1
         self.reservations.reserve(m, e, w, cost)
         e.placed_step = w.steps
         worker_id = w.spec.worker_id

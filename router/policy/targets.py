@@ -43,6 +43,7 @@ import heapq
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from router.policy import fairness
 from router.policy.types import (
     DEFAULT_PREFILL_TOKEN_S,
     DEFAULT_STEP_FIXED_S,
@@ -140,6 +141,7 @@ class Targets:
         "entries",
         "last_q",
         "ahead_at",
+        "model_dispatched",
         "ahead_err",
         "ends",
     )
@@ -166,9 +168,11 @@ class Targets:
         self.factor: dict[tuple[str, int, int], float] = {}
         self.factor_sums: dict[tuple[str, int, int], list[float]] = {}  # [observed, raw] TTFT, decayed
         self.last_q = 0.0  # the jobs ahead counted by the last prediction with every slot taken
-        # job id -> (the policy's dispatches at its admission, the jobs ahead counted, model, size):
+        # job id -> (its model's dispatches at its admission, the jobs ahead counted, model, size):
         # admitted with a TTFT target while every slot was taken, until it is dispatched
         self.ahead_at: dict[str, tuple[int, float, str, int]] = {}
+        # model -> jobs dispatched (per model: another model's dispatches do not go before a job)
+        self.model_dispatched: dict[str, int] = {}
         # (model, size) -> [dispatched ahead - counted, jobs] of the jobs counted more than 0 ahead, decayed
         self.ahead_err: dict[tuple[str, int], list[float]] = {}
         self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
@@ -310,10 +314,20 @@ class Targets:
             row = m.totals.tenants[rank].get(job.tenant)
             own_tokens = min(float(row[0]) if row is not None else 0.0, float(q.tokens))
             line = q.tenants.get(job.tenant)
-            # (by fairness id: its lines' jobs in its tokens)
-            own = min(q.count, len(line)) if isinstance(line, deque) else own_tokens / e.tokens
-            n += own
-            served += own_tokens
+            if isinstance(line, deque):
+                own = mine = float(min(q.count, len(line)))
+                mine_tokens = own_tokens
+            else:
+                # by fairness id: of its tenant's, its own line's and a round of the other lines'
+                # (fairness.tenant_ahead, as admission counts them), in its tenant's mean queued job
+                by_id = m.totals.by_id[rank].get(job.tenant)
+                ahead = fairness.tenant_ahead(int(own_tokens), e.tokens, by_id or {}, job.fairness_id)
+                mine_tokens = min(own_tokens, float(ahead))
+                mean = float(row[0]) / row[1] if row is not None and row[1] > 0 else float(e.tokens)
+                own = own_tokens / max(1.0, mean)
+                mine = mine_tokens / max(1.0, mean)
+            n += mine
+            served += mine_tokens
             others, others_tokens = q.count - own, q.tokens - own_tokens
             if others > 0 and others_tokens > 0.0:
                 w = max(1e-3, job.weight)
@@ -369,7 +383,7 @@ class Targets:
             if len(self.pending) < 1_000_000:  # (bounded: entries leave at first token or at the end)
                 self.pending[job.job_id] = (predicted, raw, target, regime, counts, e.size)
                 if regime == FULL and self.last_q > 0.0:
-                    self.ahead_at[job.job_id] = (self.counters["dispatched"], self.last_q, m.name, e.size)
+                    self.ahead_at[job.job_id] = (self.model_dispatched.get(m.name, 0), self.last_q, m.name, e.size)
         if tpot_target > 0.0 and len(self.decoding) < 1_000_000:
             # (and whether some worker meets it even at a full batch: then it waits for one that does)
             meets = self._full_meets(m, tpot_target) > 0.0
@@ -535,7 +549,7 @@ class Targets:
         row = self.ahead_err.get((model, size))
         if row is None:
             row = self.ahead_err[(model, size)] = [0.0, 0.0]
-        row[0] = row[0] * FACTOR_KEEP + (self.counters["dispatched"] - at - q)
+        row[0] = row[0] * FACTOR_KEEP + (self.model_dispatched.get(model, 0) - at - q)
         row[1] = row[1] * FACTOR_KEEP + 1.0
 
     def forget(self, job_id: str) -> None:

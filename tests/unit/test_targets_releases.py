@@ -5,6 +5,8 @@ calibration of job lengths against their max_tokens bound."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -152,8 +154,8 @@ def test_what_the_count_of_jobs_ahead_misses_on_average_is_learnt_from_the_dispa
     t = p.targets
     now = step_all(p, 90, 0.0, 0.01)
     for k in range(300):  # each counted one job ahead, and two were dispatched before it
-        t.ahead_at[f"j{k}"] = (p.counters["dispatched"], 1.0, "m", SHORT)
-        p.counters["dispatched"] += 2
+        t.ahead_at[f"j{k}"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT)
+        t.model_dispatched["m"] = t.model_dispatched.get("m", 0) + 2
         t.dispatching(f"j{k}")
     sums = t.ahead_err[("m", SHORT)]
     assert abs(sums[0] / sums[1] - 1.0) < 1e-9 and not t.ahead_at
@@ -166,3 +168,30 @@ def test_what_the_count_of_jobs_ahead_misses_on_average_is_learnt_from_the_dispa
     assert "b" in t.ahead_at and "a" not in t.ahead_at  # b's count is checked at its dispatch
     p.finish("b", now)
     assert "b" not in t.ahead_at  # (cancelled while queued: nothing left behind)
+
+
+def test_only_its_own_models_dispatches_count_as_gone_before_a_job():
+    p = full_policy()
+    t = p.targets
+    t.ahead_at["j"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT)  # counted one ahead on model m
+    p.add_worker(worker_spec(9, seqs=64, model="n"), 0.0)
+    for k in range(50):  # another model's jobs, dispatched meanwhile
+        assert p.submit(replace(job(f"n{k}"), model="n"), 0.0) is None
+    assert len([a for a in p.schedule(0.0) if isinstance(a, DispatchJob)]) == 50
+    t.dispatching("j")
+    sums = t.ahead_err[("m", SHORT)]
+    assert sums[0] / sums[1] == -1.0  # none of m's went before it (not 49: n's are not ahead of it)
+
+
+def test_jobs_ahead_by_fairness_id_counts_its_own_line_and_a_round_of_the_others_not_the_whole_tenant():
+    p = full_policy()
+    for k in range(50):  # one end user of tenant t floods its queue
+        assert p.submit(replace(job(f"f{k}", max_tokens=100), fairness_id="flood"), 0.0) is None
+    m = p.models["m"]
+    f0 = p.entries["f0"]
+    quiet = Entry(replace(job("x", max_tokens=100), fairness_id="quiet"), f0.rank, f0.size, 99)
+    got = p.targets.jobs_ahead(m, quiet)
+    assert got is not None and got <= 1.0  # a round of the flood's line: one job, not its fifty
+    flood = Entry(replace(job("y", max_tokens=100), fairness_id="flood"), f0.rank, f0.size, 99)
+    got = p.targets.jobs_ahead(m, flood)
+    assert got is not None and got >= 50.0  # the flooder's next waits behind its own line
