@@ -314,7 +314,9 @@ class Targets:
             row = m.totals.tenants[rank].get(job.tenant)
             own_tokens = min(float(row[0]) if row is not None else 0.0, float(q.tokens))
             line = q.tenants.get(job.tenant)
-            if isinstance(line, deque):
+            if line is None:  # its tenant has none in this queue (its class's tokens are the other size's)
+                own = mine = own_tokens = mine_tokens = 0.0
+            elif isinstance(line, deque):
                 own = mine = float(min(q.count, len(line)))
                 mine_tokens = own_tokens
             else:

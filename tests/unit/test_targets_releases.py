@@ -195,3 +195,18 @@ def test_jobs_ahead_by_fairness_id_counts_its_own_line_and_a_round_of_the_others
     flood = Entry(replace(job("y", max_tokens=100), fairness_id="flood"), f0.rank, f0.size, 99)
     got = p.targets.jobs_ahead(m, flood)
     assert got is not None and got >= 50.0  # the flooder's next waits behind its own line
+
+
+def test_jobs_ahead_counts_nothing_of_its_own_tenant_where_it_has_none_in_that_queue():
+    p = full_policy()
+    for k in range(3):  # another tenant's three short jobs
+        assert p.submit(job(f"u{k}", max_tokens=100, tenant="u"), 0.0) is None
+    assert p.submit(replace(job("long", max_tokens=5000), task_type=TaskType.LONG), 0.0) is None  # its own: a long one
+    m = p.models["m"]
+    u0 = p.entries["u0"]
+    assert p.entries["long"].size != u0.size
+    e = Entry(job("x", max_tokens=100), u0.rank, u0.size, 99)
+    got = p.targets.jobs_ahead(m, e)
+    # u's next (round robin, equal weights) and the long queue's share meanwhile: not its tenant's
+    # long job's tokens counted as three short jobs of its own ahead of it
+    assert got is not None and got < 2.5
