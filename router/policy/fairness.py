@@ -8,8 +8,9 @@ fairness ids.  Requests without one share the line of the empty id.
 
 Bounded whatever a tenant sends: at most ``EXACT_IDS`` ids have a line of
 their own at once in a queue; ids beyond share ``OVERFLOW_LINES`` lines by
-a stable hash.  A line goes when it is empty, so a tenant's queue holds at
-most EXACT_IDS + OVERFLOW_LINES lines, and only while it has work queued."""
+a stable hash (requests without an id keep their line).  A line goes when
+it is empty, so a tenant's queue holds at most EXACT_IDS + OVERFLOW_LINES + 1
+lines, and only while it has work queued."""
 
 from __future__ import annotations
 
@@ -52,9 +53,9 @@ def tenant_ahead(own: int, tokens: int, by_id: dict[int, int], fid: str) -> int:
 
 def line_of(fid: str, lines: dict[str, deque[Entry]]) -> str:
     """The line ``fid`` queues in: its own while fewer than EXACT_IDS lines
-    are held (or it has one), else an overflow line by a stable hash (ids are
+    are held (or it has one, or it is the empty id), else an overflow line by a stable hash (ids are
     printable ASCII, so a name with a NUL is never an id's own)."""
-    if fid in lines or len(lines) < EXACT_IDS:
+    if not fid or fid in lines or len(lines) < EXACT_IDS:  # (no id: always the empty id's own line)
         return fid
     return "\x00%d" % (zlib.crc32(fid.encode("utf-8", "surrogatepass")) % OVERFLOW_LINES)
 

@@ -159,7 +159,8 @@ def test_a_tenant_sending_endless_ids_holds_a_bounded_number_of_lines_and_loses_
     (q,) = [q for m in p.models.values() for q in m.queues.by_key.values()]
     lines = q.tenants["hostile"]
     assert isinstance(lines, FairLines)
-    assert len(lines.lines) <= EXACT_IDS + OVERFLOW_LINES
+    assert len(lines.lines) <= EXACT_IDS + OVERFLOW_LINES + 1
+    assert len(lines.lines[""]) == 100  # those without an id keep their own line, even past the bound
     assert len(lines.active) == len(lines.deficit) == len(lines.lines)
     seen = [serve_one(p, 2.0 + 0.0001 * i) for i in range(len(jobs))]
     assert sorted(j.job_id for j in seen) == sorted(j.job_id for j in jobs)  # each once
