@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,13 @@ SIM_EMBED_MODEL = "sim-embed"  # a simulated embedding model (task = "embed"): s
 # same): one OpenMP thread the kernel may move, not one pinned to a core the
 # router and Envoy also need.  bench/README.md has the measurements.
 CPU_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def vllm_serve_argv(model_dir: str | os.PathLike[str], name: str, port: int, *engine_args: str) -> list[str]:
+    """``vllm serve`` (vLLM's OpenAI server module, this interpreter) on ``model_dir`` served as ``name``,
+    on loopback ``port``, with ``engine_args``: the one command the benchmarks and tests compare weir with."""
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    return [*server, "--served-model-name", name, *engine_args, "--host", "127.0.0.1", "--port", str(port)]
 
 
 def free_ports(n: int) -> list[int]:

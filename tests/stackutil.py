@@ -145,8 +145,7 @@ class VllmServe:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-        self.cmd += ["--served-model-name", name, *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.cmd = localconfig.vllm_serve_argv(model_dir, name, self.port, *args)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> VllmServe:

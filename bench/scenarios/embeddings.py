@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,43 +27,11 @@ import httpx
 import numpy as np
 
 from bench.scenarios import common
-from bench.scenarios.versus_vllm import stop_group, wait_ready
+from bench.scenarios.versus_vllm import start_vllm_server, stop_group, wait_ready
 
 EMBED_DIR = common.REPO / "models" / "tiny-embed"
 MODEL = "tiny-embed"
 SERVERS = ("vllm", "weir")
-
-
-def start_vllm_server(port: int, args, log: Path) -> subprocess.Popen:
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(EMBED_DIR),
-        "--served-model-name",
-        MODEL,
-        "--runner",
-        "pooling",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--kv-cache-memory-bytes",
-        str(args.kv_cache_bytes),
-        "--dtype",
-        "bfloat16",
-        "--enforce-eager",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **common.CPU_ENGINE_ENV}
-    with open(log, "wb") as f:
-        return subprocess.Popen(
-            argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=common.REPO, process_group=0
-        )  # as weir's components: bench/results/2026-12-02-autogroup.md
 
 
 def _inputs(batch: int, seq: int) -> list[str]:
@@ -147,7 +114,7 @@ def main(argv=None) -> int:
     vllm_url = f"http://127.0.0.1:{port}/v1"
     log = out / "vllm-server.log"
     results: dict[str, dict] = {}
-    proc = start_vllm_server(port, args, log)
+    proc = start_vllm_server(port, args, log, EMBED_DIR, MODEL, ("--runner", "pooling"), common.CPU_ENGINE_ENV)
     try:
         with common.stack(cfg, out / "stack" / "run") as st:
             wait_ready(proc, vllm_url, log)

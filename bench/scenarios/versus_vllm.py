@@ -38,30 +38,29 @@ from bench.scenarios import common
 SERVERS = ("vllm", "weir")
 
 
-def start_vllm_server(port: int, args, log: Path) -> subprocess.Popen:
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(common.TINY_MODEL_DIR),
-        "--served-model-name",
-        common.VLLM_MODEL,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--kv-cache-memory-bytes",
-        str(args.kv_cache_bytes),
-        "--dtype",
-        "bfloat16",
+def start_vllm_server(
+    port: int,
+    args,
+    log: Path,
+    model_dir: Path = common.TINY_MODEL_DIR,
+    name: str = common.VLLM_MODEL,
+    extra: tuple[str, ...] = (),
+    engine_env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """``vllm serve`` with the engine settings weir's worker gets in these benchmarks (``args``)."""
+    argv = common.localconfig.vllm_serve_argv(
+        model_dir,
+        name,
+        port,
+        "--max-model-len", "512",
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
+        "--dtype", "bfloat16",
         "--enforce-eager",
-    ]  # stats stay on, vLLM's default: weir's worker computes them too (heartbeats)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **args.engine_env}
+        *extra,
+    )  # fmt: skip
+    # (stats stay on, vLLM's default: weir's worker computes them too, for heartbeats)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(args.engine_env if engine_env is None else engine_env)}
     with open(log, "wb") as f:
         # Own process group: vLLM spawns an EngineCore (and more); stop them all.
         # The launcher's session, as weir's components (deploy/processes.py), so
