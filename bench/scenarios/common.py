@@ -66,6 +66,19 @@ def stack(cfg_path: Path, run_dir: Path) -> Iterator[Any]:
         yield s
 
 
+LONG_MODEL = "sim-long"  # the long-prompt scenarios': tiny-llama's tokenizer, a 200k-token context, simulated
+
+
+def write_long_context_config(directory: Path, max_num_seqs: int, sim: dict[str, Any], **overrides: Any) -> Path:
+    """A stack of one simulated worker of ``LONG_MODEL`` (``sim``: its engine's settings), written to ``directory``."""
+    return write_config(
+        directory,
+        models=[{"name": LONG_MODEL, "engine": "sim", "path": str(TINY_MODEL_DIR), "max_model_len": 200_000}],
+        workers=[localconfig.sim_worker("sim-long-0", model=LONG_MODEL, max_num_seqs=max_num_seqs, sim=sim)],
+        **overrides,
+    )
+
+
 def checkout_options(ap: argparse.ArgumentParser) -> None:
     """``--pythonpath`` (the stack's processes from another checkout, e.g. a ``git worktree`` of an older
     commit, for a before/after comparison) and ``--out``."""

@@ -23,7 +23,7 @@ import time
 
 from bench.scenarios import common
 
-MODEL = "sim-long"
+MODEL = common.LONG_MODEL
 WORD = "word "  # two tokens of tiny-llama
 
 
@@ -44,17 +44,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     n_tokens = len(tok.encode(text).ids)
     tokenize_ms = (time.perf_counter() - t0) * 1e3
-    cfg = common.write_config(
+    cfg = common.write_long_context_config(
         out / "stack",
-        models=[{"name": MODEL, "engine": "sim", "path": str(common.TINY_MODEL_DIR), "max_model_len": 200_000}],
-        workers=[
-            common.localconfig.sim_worker(
-                "sim-long-0",
-                model=MODEL,
-                max_num_seqs=8,
-                sim={"kv_capacity_tokens": 1_000_000, "prefill_token_us": 0.2, "max_prefill_tokens": 8192},
-            )
-        ],
+        8,
+        {"kv_capacity_tokens": 1_000_000, "prefill_token_us": 0.2, "max_prefill_tokens": 8192},
     )
 
     async def scenario(frontend: str) -> tuple[list[float], list[tuple[float, float]]]:

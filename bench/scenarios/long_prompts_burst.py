@@ -35,7 +35,7 @@ import time
 
 from bench.scenarios import common
 
-MODEL = "sim-long"
+MODEL = common.LONG_MODEL
 WORDS = (
     "the agent reads a file calls a tool and writes code def return import class self value list dict "
     "error test router worker token prompt session cache block queue thread loop request response model"
@@ -108,26 +108,19 @@ def main(argv=None) -> int:
     threads = pool_threads(0)[0]
     alone_s, mean_tokens, alone_cpu = tokenize_alone(texts, threads)
     print(f"tokenizing alone: {len(texts)} prompts (~{mean_tokens} tokens) on {threads} threads in {alone_s:.2f} s")
-    cfg = common.write_config(
+    cfg = common.write_long_context_config(
         out / "stack",
-        models=[{"name": MODEL, "engine": "sim", "path": str(common.TINY_MODEL_DIR), "max_model_len": 200_000}],
-        workers=[
-            common.localconfig.sim_worker(
-                "sim-long-0",
-                model=MODEL,
-                max_num_seqs=256,
-                # the simulated engine is never the limit: ~3 ms of prefill per prompt, room for all of them
-                sim={
-                    "kv_capacity_tokens": 40_000_000,
-                    "prefill_token_us": 0.02,
-                    "max_prefill_tokens": 1_000_000,
-                    "step_fixed_ms": 1.0,
-                    "decode_token_us": 5.0,
-                    "admit_request_us": 50.0,
-                    "prefix_caching": True,
-                },
-            )
-        ],
+        256,
+        # the simulated engine is never the limit: ~3 ms of prefill per prompt, room for all of them
+        {
+            "kv_capacity_tokens": 40_000_000,
+            "prefill_token_us": 0.02,
+            "max_prefill_tokens": 1_000_000,
+            "step_fixed_ms": 1.0,
+            "decode_token_us": 5.0,
+            "admit_request_us": 50.0,
+            "prefix_caching": True,
+        },
     )
 
     with common.stack(cfg, out / "stack" / "run") as st:

@@ -28,7 +28,7 @@ import time
 from bench.scenarios import common
 from shared.keys import digest
 
-MODEL = "sim-long"
+MODEL = common.LONG_MODEL
 WORD = "word "  # two tokens of tiny-llama
 KEY_QUIET, KEY_NOISY = "sk-bench-quiet-tok-00000000", "sk-bench-noisy-tok-11111111"
 
@@ -120,17 +120,10 @@ def main(argv=None) -> int:
     out = args.out or common.results_dir("tokenize-fairness")
     text = WORD * (args.tokens // 2)
     big = WORD * (args.call_bytes // len(WORD))
-    cfg = common.write_config(
+    cfg = common.write_long_context_config(
         out / "stack",
-        models=[{"name": MODEL, "engine": "sim", "path": str(common.TINY_MODEL_DIR), "max_model_len": 200_000}],
-        workers=[
-            common.localconfig.sim_worker(
-                "sim-long-0",
-                model=MODEL,
-                max_num_seqs=16,
-                sim={"kv_capacity_tokens": 1_000_000, "max_prefill_tokens": 8192},
-            )
-        ],
+        16,
+        {"kv_capacity_tokens": 1_000_000, "max_prefill_tokens": 8192},
         api_keys=[
             {"key_sha256": digest(KEY_QUIET), "tenant": "quiet"},
             {"key_sha256": digest(KEY_NOISY), "tenant": "noisy"},
