@@ -14,14 +14,24 @@ import subprocess
 from pathlib import Path
 
 
+class StackInterrupted(Exception):
+    """A stop was asked for (``Stack.stop_requested``) while the stack was
+    starting or restarting something; the caller stops the stack."""
+
+
 class StackError(RuntimeError):
     """A component failed to start or become ready (message names it and
     carries the tail of its log)."""
 
 
-def _set_parent_death_signal() -> None:
-    # Runs in the child before exec: if the launcher dies without stopping
-    # us (SIGKILL, a crashed test run), the kernel sends SIGTERM.  Linux only.
+def _prepare_child() -> None:
+    # Runs in the child before exec.  A blocked signal stays blocked across
+    # exec: spawned from a thread that blocks SIGINT/SIGTERM, a router or
+    # worker would never see the stop it is sent (and be SIGKILLed after the
+    # grace period, its drain lost) -- so every component starts unblocked.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    # If the launcher dies without stopping us (SIGKILL, a crashed test run),
+    # the kernel sends SIGTERM.  Linux only.
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -74,7 +84,7 @@ class Component:
                 # engine) -- runqueue waits of ~50 ms: TTFT p99 ~100 ms at 5 req/s
                 # on 2 CPUs, 12 ms with one group (bench/results/2026-12-02-autogroup.md).
                 process_group=0,
-                preexec_fn=_set_parent_death_signal,
+                preexec_fn=_prepare_child,
             )
 
     @property

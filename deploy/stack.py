@@ -37,6 +37,7 @@ from pathlib import Path
 from deploy import envoy_config
 from deploy.processes import Component, group_members
 from deploy.processes import StackError as StackError  # raised from here: callers import it with Stack
+from deploy.processes import StackInterrupted as StackInterrupted
 from deploy.runtime_models import RECONCILE_S, ModelReconciler
 from shared.config import DEFAULT_CONFIG, Config, client_host, load, split_hostport, zmq_connect_addr
 
@@ -128,6 +129,11 @@ class Stack:
         self._down_since: dict[str, float] = {}
         self._lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
+        # Set (to the signal's name) by a launcher's signal handler: every wait
+        # below ends at its next poll with StackInterrupted.  A flag, not only the
+        # handler's exception: an exception raised while the main thread runs a
+        # finalizer is printed and dropped, and the stack would come up anyway.
+        self.stop_requested: str | None = None
 
     # -------------------------------------------------------------- start
 
@@ -238,7 +244,7 @@ class Stack:
                 if time.monotonic() > deadlines[wid]:
                     raise comp.failure(f"did not register with the router in {self._worker_timeout(wid):.0f} s")
             if pending:
-                time.sleep(POLL_S * 2)
+                self._poll(POLL_S * 2)
 
     def _worker_timeout(self, wid: str) -> float:
         if self.worker_ready_s is not None:
@@ -258,7 +264,13 @@ class Stack:
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 raise comp.failure(f"{what} after {timeout_s:.0f} s")
-            time.sleep(POLL_S)
+            self._poll(POLL_S)
+
+    def _poll(self, seconds: float) -> None:
+        """Sleep between two checks of a wait; end the wait if a stop was asked for."""
+        time.sleep(seconds)
+        if self.stop_requested:
+            raise StackInterrupted(self.stop_requested)
 
     def _envoy_live(self) -> bool:
         status, body = _get(self.admin_url + "/ready")
@@ -303,7 +315,7 @@ class Stack:
             comp.signal_group(signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and not (comp.pid != old and wid in self._registered_workers()):
-                time.sleep(POLL_S)
+                self._poll(POLL_S)
             ok = comp.pid != old and wid in self._registered_workers()
             said.append(f"worker {wid} {'restarted' if ok else 'NOT back'} (pid {old} -> {comp.pid})")
             self.progress(said[-1])

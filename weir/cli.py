@@ -36,10 +36,6 @@ class _Shutdown(Exception):
     pass
 
 
-def _raise_shutdown(signum: int, _frame: FrameType | None) -> NoReturn:
-    raise _Shutdown(signal.Signals(signum).name)
-
-
 def _banner(stack: Stack) -> str:
     cfg = stack.cfg
     served: dict[str, list[str]] = {}
@@ -79,16 +75,24 @@ Ctrl-C (or SIGTERM) stops everything.
 def cmd_up(args: argparse.Namespace) -> int:
     from deploy import restart
     from deploy.envoy_config import EnvoyValidationError
-    from deploy.stack import Stack, StackError
+    from deploy.stack import Stack, StackError, StackInterrupted
 
     def say(msg: str) -> None:
         print(f"[weir] {msg}", flush=True)
 
     stack = Stack(args.config, args.run_dir, progress=say, supervise=True)
+
+    def on_stop(signum: int, _frame: FrameType | None) -> NoReturn:
+        stack.stop_requested = signal.Signals(signum).name  # (if the exception is lost, the next poll sees this)
+        raise _Shutdown(stack.stop_requested)
+
     # Ctrl-C / SIGTERM interrupt whatever we are doing (start-up included);
     # Stack.start and the finally below stop every child.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_shutdown)
+        signal.signal(sig, on_stop)
+    # A signal blocked by whoever started us stays blocked across exec and
+    # would never reach these handlers.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1})
     rolling = threading.Event()  # SIGHUP: restart every worker, one by one, losing no request
     signal.signal(signal.SIGHUP, lambda *_: rolling.set())
     restart_asked = threading.Event()  # SIGUSR1: `weir restart` left a request in the run dir
@@ -103,7 +107,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(_banner(stack), flush=True)
         # The supervisor restarts whatever exits (it says so); a crash loop of
         # Envoy or of every router ends the stack, a worker's leaves it down.
-        while True:
+        while not stack.stop_requested:
             time.sleep(0.5)
             if rolling.is_set():
                 rolling.clear()
@@ -121,14 +125,16 @@ def cmd_up(args: argparse.Namespace) -> int:
                 say(f"error: {', '.join(sorted(down))} in a crash loop: stopping")
                 rc = 1
                 break
-    except _Shutdown as sig:
-        say(f"{sig}: stopping")
+    except (_Shutdown, StackInterrupted):
+        pass
     except (StackError, EnvoyValidationError) as e:
         say(f"error: {e}")
         rc = 1
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        if stack.stop_requested:
+            say(f"{stack.stop_requested}: stopping")
         restart.forget(stack.cfg_path)
         stack.stop()
         say("stopped")

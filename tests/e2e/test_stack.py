@@ -17,7 +17,7 @@ import pytest
 import requests
 from stackutil import SIM_MODEL, alive, sim_worker, start_stack, write_config
 
-from deploy.stack import Stack, StackError, group_members
+from deploy.stack import Stack, StackError, StackInterrupted, group_members
 from shared.config import load
 
 
@@ -59,15 +59,29 @@ class _Lines:
             self.seen.append(line)
 
 
-def _weir_up(cfg_path: Path, run_dir: Path) -> subprocess.Popen:
-    """``weir up`` as a user runs it (the installed console script), output piped."""
+def _weir_up(cfg_path: Path, run_dir: Path, blocked: frozenset[signal.Signals] = frozenset()) -> subprocess.Popen:
+    """``weir up`` as a user runs it (the installed console script), output
+    piped; started with ``blocked`` in its signal mask, as a launcher that
+    blocks them leaves it."""
     weir = Path(sys.executable).parent / "weir"
-    return subprocess.Popen(
-        [str(weir), "up", "--config", str(cfg_path), "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        return subprocess.Popen(
+            [str(weir), "up", "--config", str(cfg_path), "--run-dir", str(run_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _blocked_signals(pid: int) -> int:
+    """The process's blocked-signal mask (/proc/PID/status SigBlk)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no SigBlk for {pid}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
@@ -184,13 +198,19 @@ def test_worker_that_dies_at_start_is_reported(tmp_path):
     assert not any(group_members(pgid) for pgid in stack.process_groups())
 
 
-def test_weir_up_interrupted_while_starting_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("blocked", [False, True], ids=["", "launched-with-stop-signals-blocked"])
+def test_weir_up_interrupted_while_starting_leaves_nothing(tmp_path, blocked):
+    # A launcher may leave SIGINT/SIGTERM blocked (the mask survives exec):
+    # weir up unblocks its own and starts every component with none blocked.
     cfg_path = write_config(tmp_path)
-    proc = _weir_up(cfg_path, tmp_path / "run")
+    stop_signals = frozenset({signal.SIGINT, signal.SIGTERM}) if blocked else frozenset()
+    proc = _weir_up(cfg_path, tmp_path / "run", blocked=stop_signals)
     try:
         out = _Lines(proc.stdout)
         out.wait_for("started router (pid ", 30)
         router_pid = int(out.seen[-1].split("(pid ")[1].split(")")[0])
+        if blocked:
+            assert _blocked_signals(router_pid) == 0
         proc.send_signal(signal.SIGINT)  # before the stack is ready
         assert proc.wait(timeout=30) == 0
         out.wait_for("[weir] stopped", 5)
@@ -203,3 +223,17 @@ def test_weir_up_interrupted_while_starting_leaves_nothing(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stop_asked_for_while_starting_ends_the_start_and_leaves_nothing(tmp_path):
+    # The launcher's flag, for when its signal handler's exception is lost
+    # (raised inside a finalizer, Python prints and drops it): the start's
+    # next poll sees it.
+    stack = Stack(write_config(tmp_path), tmp_path / "run")
+    stack.stop_requested = "SIGINT"
+    t0 = time.monotonic()
+    with pytest.raises(StackInterrupted, match="SIGINT"):
+        stack.start()
+    assert time.monotonic() - t0 < 10  # (the router's first poll, not its 30 s readiness timeout)
+    assert "router" in stack.components
+    assert not any(group_members(pgid) for pgid in stack.process_groups())
