@@ -395,7 +395,7 @@ class RouterCore:
                 action.worker_id,
                 extra={"request_id": j.trace},
             )
-            self.policy.finish(j.job_id, now)
+            self.policy.taken_off(j.job_id, now)
             self._recovery.requeue(j, now)
             return
         advance(j, RUNNING, action.worker_id)
@@ -513,7 +513,7 @@ class RouterCore:
             j = self.jobs.get(job_id)
             if j is None or j.worker != worker_id:
                 continue  # ended or moved meanwhile: not this worker's to give up
-            self.policy.finish(job_id, now)
+            self.policy.taken_off(job_id, now)
             moved.append(job_id)
         self._recovery.after_loss(moved, why, now)
         self._schedule_policy()

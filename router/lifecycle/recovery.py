@@ -153,6 +153,6 @@ class Recovery:
             return
         self.parts.workers.abort(j.worker, job_id)
         now = self.parts.clock()
-        self.parts.policy.finish(job_id, now)
+        self.parts.policy.taken_off(job_id, now)
         self.after_loss([job_id], why, now)
         self.parts.workers.flush()

@@ -47,6 +47,7 @@ class Policy:
             "expired_queue_deadline": 0,
             "aborted_generation_deadline": 0,
             "lost_with_worker": 0,
+            "taken_off": 0,
             "backfilled": 0,
             "aged_dispatches": 0,
             "refused_by_worker": 0,
@@ -190,6 +191,20 @@ class Policy:
                 targets.released(e, w)
         self.reservations.release(e, now, count_rate=True)
         self.counters["finished"] += 1
+        return True
+
+    def taken_off(self, job_id: str, now: float) -> bool:
+        """A running job taken off its worker to run again elsewhere (its
+        engine died, it stalled, a drain timed out, its worker is unlinked):
+        released, but not as an end -- no drain-rate sample, no sample of how
+        long jobs run (``Targets.released``: it was cut), and its latency
+        targets are judged where it runs next (the caller queues it again:
+        ``submit(requeue=True)``).  True iff it held a place here."""
+        e = self.entries.get(job_id)
+        if e is None or e.state != PLACED:
+            return False
+        self.reservations.release(e, now, count_rate=False)
+        self.counters["taken_off"] += 1
         return True
 
     def stepped(self, worker_id: str, now: float) -> None:

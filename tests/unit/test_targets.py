@@ -321,3 +321,28 @@ def test_a_job_the_policy_ended_itself_leaves_no_prediction_behind_once_the_rout
     assert any(getattr(a, "job_id", "") == "runs" for a in p.schedule(8.0))  # aborted at its generation deadline
     p.finish("runs", 8.0, tpot_s=0.02)
     assert not p.targets.decoding and p.counters["tpot_target_met"] == 1
+
+
+def test_a_job_taken_off_its_worker_is_judged_where_it_runs_next_and_teaches_nothing_of_how_long_jobs_run():
+    """Its engine died (or it stalled, or a drain timed out) before its first
+    token: it is queued again and runs elsewhere.  Its TTFT target is judged
+    there against what was predicted at admission, and its cut run is not a
+    sample of how long jobs run against their bound, nor of the drain rate."""
+    p = policy()
+    assert p.submit(job("other", target_ms=200), 0.0) is None  # (a prediction pending: ends are sampled)
+    assert p.submit(job("a", target_ms=200), 0.0) is None
+    placed = {a.job_id: a.worker_id for a in p.schedule(0.0) if isinstance(a, DispatchJob)}
+    first = placed["a"]
+    for k in range(3):
+        p.stepped(first, 0.01 * k)
+    meter = p.models["m"].totals.meter
+    before = meter.snapshot(0.05)
+    assert p.taken_off("a", 0.05)
+    assert not p.taken_off("a", 0.05)  # (released once)
+    assert "a" in p.targets.pending  # judged where it runs next
+    assert not p.targets.ends  # a cut run: no sample of how long jobs run
+    assert meter.snapshot(0.05) == before  # nor of the drain rate
+    assert p.submit(job("a", target_ms=200), 0.05, requeue=True) is None
+    assert "a" in {a.job_id for a in p.schedule(0.05) if isinstance(a, DispatchJob)}
+    p.first_token("a", "m", 0.06)
+    assert p.counters["ttft_target_met"] == 1 and "a" not in p.targets.pending
