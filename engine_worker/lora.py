@@ -31,7 +31,9 @@ def engine_args(lora: LoraConfig | None) -> dict[str, Any]:
 
 
 class PromptLogprobsRefused(ValueError):
-    parameter = "logprobs"  # (the request's 400 names it: completions' echo with logprobs asks for them)
+    # the request's 400 names the field that asked for them (SamplingParams'); an HTTP completion
+    # asks with echo and logprobs, and the router names echo there (router.api.echo_param)
+    parameter = "prompt_logprobs"
 
 
 def refuse_prompt_logprobs(prompt_logprobs: object, lora_on_cpu: bool) -> None:
@@ -41,7 +43,7 @@ def refuse_prompt_logprobs(prompt_logprobs: object, lora_on_cpu: bool) -> None:
     as ``vllm serve --enable-lora`` on CPU does)."""
     if prompt_logprobs is not None and lora_on_cpu:
         raise PromptLogprobsRefused(
-            "prompt logprobs (echo with logprobs) are not served by this model's workers: "
+            "prompt logprobs (prompt_logprobs, or echo with logprobs) are not served by this model's workers: "
             "vLLM's CPU LoRA kernels cannot compute them"
         )
 

@@ -58,6 +58,7 @@ from router.api.completions import (
     CompletionLogprobs,
     CompletionRequest,
     TextCompletion,
+    echo_param,
     parse_completion,
     parse_completions,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "chat_logprobs",
     "completion_logprobs",
     "constrain_auto",
+    "echo_param",
     "encode",
     "error_body",
     "invalid",

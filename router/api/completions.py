@@ -14,7 +14,7 @@ from router.api.request import RequestMeta, check_submit_shape, decode_body
 from router.api.sampling import SamplingFields, common_fields
 from router.api.usage import Usage
 from shared.errors import Code
-from shared.protocol import RequestKind, SamplingParams, Submit, TopLogprobs
+from shared.protocol import ErrorInfo, RequestKind, SamplingParams, Submit, TopLogprobs
 
 # OpenAI's documented default for the legacy completions endpoint (vLLM uses
 # it too); chat leaves max_tokens unset = the rest of the model's context.
@@ -106,6 +106,15 @@ def parse_completion(body: bytes, meta: RequestMeta, request_id: str) -> tuple[S
     if len(jobs.subs) != 1:
         raise invalid("expected one prompt", param="prompt")
     return jobs.subs[0], jobs.ctx
+
+
+def echo_param(ctx: ResponseContext, err: ErrorInfo) -> ErrorInfo:
+    """A job's error as its HTTP completion's client sees it: a worker refusing prompt logprobs
+    names ``prompt_logprobs`` (SamplingParams'), which an HTTP client cannot send (refused above);
+    with echo and logprobs, ``echo`` asked for them (logprobs alone are served)."""
+    if ctx.echo_logprobs and err.param == "prompt_logprobs":
+        return msgspec.structs.replace(err, param="echo")
+    return err
 
 
 # ------------------------------------------------------------ response shapes

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import msgspec
+
 from router import api
 from router.ingress.connection import Connection, Request
 from router.ingress.headers import ratelimit_headers, response_head
@@ -91,6 +93,9 @@ class Exchange:
     def on_deltas(self, deltas: list[Delta]) -> None:
         if self.done or self.conn.closed or not deltas:
             return
+        last = deltas[-1]
+        if last.error is not None and self.ctx.echo_logprobs:
+            deltas = [*deltas[:-1], msgspec.structs.replace(last, error=api.echo_param(self.ctx, last.error))]
         if deltas[0].model and not self.started:
             self._answered_by(deltas[0].model)
         if deltas[0].ratelimit is not None:

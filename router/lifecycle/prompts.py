@@ -304,6 +304,14 @@ class ModelPrompts:
             except BadInput as e:
                 if sub.chat is not None and sub.chat.tool_choice in ("required", "named"):
                     raise BadInput(f"{e} (the tools' parameters schema)", param="tools") from None
+                if (
+                    params.structured.structural_tag is not None
+                    and sub.chat is not None
+                    and sub.chat.tool_choice == "auto"
+                ):
+                    # the router's tag for auto (router.api.tools.auto_constraint), built from the
+                    # tools: an HTTP client cannot send a structural tag
+                    raise BadInput(f"{e} (the tag of the tools' call format)", param="tools") from None
                 raise
 
     def check_tools(self, sub: Submit) -> None:

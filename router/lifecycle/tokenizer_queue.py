@@ -64,22 +64,85 @@ SPARE_THREADS = 1  # short prompts' own
 HEAVY_NICE = 10  # a nice-0 thread (the loop) gets ~9x the CPU of one at nice 10 when both want it
 
 
-def cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def cores(read: Callable[[str], str | None] | None = None) -> int:
     """The cores this process may run on: its affinity mask (a container's
     cpuset), and no more than its cgroup's CPU quota (``docker --cpus``, a
-    Kubernetes CPU limit), rounded up."""
+    Kubernetes CPU limit), rounded up.  ``read``: a file's text (tests)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (not on Linux)
         n = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(read or _read_text)
+    return n if quota is None else min(n, quota)
+
+
+def cgroup_cpu_quota(read: Callable[[str], str | None], root: str = CGROUP_ROOT) -> int | None:
+    """The CPU quota, in whole cores rounded up, of this process's cgroup: the smallest of its own
+    and its ancestors' (each caps its children), found from /proc/self/cgroup -- cgroup v2's
+    ``0::/path`` (``cpu.max``) and cgroup v1's ``cpu`` controller line (``cpu.cfs_quota_us`` and
+    ``cpu.cfs_period_us`` under the controller's mount, ``cpu,cpuacct`` where they share one).
+    Walking up to the root also finds a container's own quota where /proc/self/cgroup names the
+    host's path.  None: no quota (or nothing readable).  ``read``: a file's text, None when it
+    cannot be read (pure: no I/O of its own)."""
+    lines = (read("/proc/self/cgroup") or "0::/").splitlines()
+    found: list[int] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:  # v2
+            for d in _up(root, path):
+                found += _quota(_v2_limit(read(d + "/cpu.max")))
+        elif "cpu" in controllers.split(","):  # v1
+            for mount in dict.fromkeys((controllers, "cpu,cpuacct", "cpu")):
+                for d in _up(f"{root}/{mount}", path):
+                    found += _quota(_v1_limit(read(d + "/cpu.cfs_quota_us"), read(d + "/cpu.cfs_period_us")))
+    return min(found) if found else None
+
+
+def _up(base: str, path: str) -> list[str]:
+    """``base`` + the cgroup's ``path``, then each ancestor's up to ``base`` itself."""
+    parts = [p for p in path.strip().split("/") if p and p != ".."]
+    return [base + "".join("/" + p for p in parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _v2_limit(cpu_max: str | None) -> tuple[int, int] | None:
+    """cgroup v2 ``cpu.max`` ("<quota> <period>", quota "max": none) -> (quota, period)."""
+    fields = (cpu_max or "").split()
+    if len(fields) < 2 or fields[0] == "max":
+        return None
+    return _ints(fields[0], fields[1])
+
+
+def _v1_limit(quota: str | None, period: str | None) -> tuple[int, int] | None:
+    """cgroup v1 ``cpu.cfs_quota_us`` (-1: none) and ``cpu.cfs_period_us`` -> (quota, period)."""
+    if quota is None or period is None:
+        return None
+    return _ints(quota.strip(), period.strip())
+
+
+def _ints(quota: str, period: str) -> tuple[int, int] | None:
     try:
-        with open(cpu_max) as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):  # no cgroup v2 here, or unreadable: the affinity alone
-        pass
-    return n
+        return int(quota), int(period)
+    except ValueError:
+        return None
+
+
+def _quota(limit: tuple[int, int] | None) -> list[int]:
+    """A (quota, period) as whole cores rounded up ([]: none, or not a limit: v1's -1)."""
+    if limit is None or limit[0] <= 0 or limit[1] <= 0:
+        return []
+    return [max(1, -(-limit[0] // limit[1]))]
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # no such cgroup file here, or unreadable
+        return None
 
 
 def pool_threads(configured: int) -> tuple[int, int]:

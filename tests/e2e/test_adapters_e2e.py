@@ -250,7 +250,7 @@ def test_prompt_logprobs_on_a_cpu_lora_worker_are_refused_and_the_engine_lives(l
         )
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == "logprobs" and "prompt logprobs" in err["message"], err
+        assert err["param"] == "echo" and "prompt logprobs" in err["message"], err
     text = _text(lora_stack, LORA_A)  # the engine still serves, the adapter still applied
     assert text != _text(lora_stack, BASE)
     workers = requests.get(lora_stack.router_url + "/admin/workers", timeout=5).json()

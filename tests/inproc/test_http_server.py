@@ -53,6 +53,7 @@ class ScriptedCore:
       refuse:<status>     submit() refuses at once (retry_after 1.5 on 429/503)
       queued-error        two idle loop turns, then a final Delta carrying a 503
       midstream-error     two text deltas, then a Delta carrying an error
+      lora-cpu            a final Delta with the 400 a CPU LoRA worker refuses prompt logprobs with
       forever             a token every 5 ms until cancelled
       never               no output at all until cancelled (queued)
       big                 64 KiB deltas, one per loop turn, until cancelled
@@ -117,6 +118,10 @@ class ScriptedCore:
             sink.on_deltas([Delta(rid, "b", 1, completion_tokens=2)])
             await asyncio.sleep(0.01)
             sink.on_deltas([Delta(rid, error=ErrorInfo(503, "worker lost", type="server_error", code="worker_lost"))])
+        elif text == "lora-cpu":  # as engine_worker.lora.refuse_prompt_logprobs, via the worker's _failed
+            await asyncio.sleep(0)
+            refused = ErrorInfo(400, "prompt logprobs are not served by this model's workers", param="prompt_logprobs")
+            sink.on_deltas([Delta(rid, error=refused)])
         elif text == "forever":
             i = 0
             while True:
@@ -153,6 +158,9 @@ class ScriptedCore:
                 sink.on_deltas(batch)
                 await asyncio.sleep(0)
         self.tasks.pop(handle, None)
+
+    def token_text(self, model):
+        return None  # logprobs' tokens shown as ids
 
     def models(self):
         return [("tiny", 512, 1, "ready"), ("sim-tiny", 2048, 0, "loading")]
@@ -459,6 +467,22 @@ def test_stream_error_after_start_is_sse_error_event(server):
     events = sse_events(r.body)
     assert r.status == 200 and events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "worker_lost"
     s.close()
+
+
+def test_worker_refusing_prompt_logprobs_names_echo_the_field_the_client_sent(server):
+    # the worker names SamplingParams' prompt_logprobs; an HTTP client asked for them with echo and
+    # logprobs (its own prompt_logprobs field is refused before any job), so echo is what to drop
+    for extra in ({"prompt": "lora-cpu"}, {"prompt": "lora-cpu", "stream": True}, {"prompt": ["lora-cpu", "x"]}):
+        r = requests.post(
+            server.url + "/v1/completions",
+            json={"model": "tiny", "echo": True, "logprobs": 1, "max_tokens": 2, **extra},
+            timeout=10,
+        )
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == "echo", (extra, r.text)
+    # without echo the prompt logprobs came from elsewhere: the worker's name stands
+    r = requests.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "lora-cpu"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
 
 # ------------------------------------------------------------ HTTP/1.1 behaviour

@@ -141,3 +141,16 @@ def test_block_hashes_under_an_adapter_agree_with_vllms():
             got[lora and lora.lora_name] = ours.hashes(ids, every_extra=extra)
             assert got[lora and lora.lora_name] == want and len(want) == 4
         assert len({tuple(h) for h in got.values()}) == 3  # no block shared between base, a and b
+
+
+def test_a_cpu_lora_worker_refuses_prompt_logprobs_naming_the_field_that_asks_for_them():
+    """The worker's 400 (its ``_failed``: ``bad_request(message, e.parameter)``) names
+    SamplingParams' ``prompt_logprobs``, the field a ZeroMQ client sets; the HTTP router
+    names ``echo`` for a completion that asked with echo and logprobs (tests/inproc)."""
+    from engine_worker.lora import PromptLogprobsRefused, refuse_prompt_logprobs
+
+    refuse_prompt_logprobs(None, lora_on_cpu=True)
+    refuse_prompt_logprobs(2, lora_on_cpu=False)  # a GPU's LoRA kernels compute them
+    with pytest.raises(PromptLogprobsRefused) as e:
+        refuse_prompt_logprobs(0, lora_on_cpu=True)
+    assert getattr(e.value, "parameter", None) == "prompt_logprobs" and "prompt logprobs" in str(e.value)

@@ -295,6 +295,24 @@ class _Run:
         self.ends.append(("refused", err.code))
 
 
+def test_a_completions_lines_prompt_logprobs_refusal_names_echo():
+    # a CPU LoRA worker refuses prompt logprobs naming SamplingParams' prompt_logprobs; the
+    # line's client asked for them with echo and logprobs, as over HTTP (router.api.echo_param)
+    from router.services.batch.lines import LineSink
+
+    class Run:
+        def line_refused(self, sink, err):
+            self.err = err
+
+    url = "/v1/completions"
+    refused = p.ErrorInfo(400, "prompt logprobs are not served", param="prompt_logprobs")
+    for body, param in (({"echo": True, "logprobs": 1}, "echo"), ({"logprobs": 1}, "prompt_logprobs")):
+        jobs = to_jobs(_line(url, model="m", prompt="hi", max_tokens=2, **body), url, 1 << 20, "rid")
+        run = Run()
+        LineSink(run, 0, b"", "a", jobs.ctx).on_deltas([p.Delta("rid", error=refused)])
+        assert run.err.param == param and run.err.status == 400, body
+
+
 class _Core:
     def __init__(self, refuse_at=None):
         self.sinks, self.cancelled, self.refuse_at = [], [], refuse_at

@@ -10,10 +10,21 @@ from __future__ import annotations
 import os
 from collections import Counter, deque
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.lifecycle.tokenizer_queue import CALL, KINDS, MIN_THREADS, PROMPT, SHORT, FairQueue, cores, pool_threads
+from router.lifecycle.tokenizer_queue import (
+    CALL,
+    KINDS,
+    MIN_THREADS,
+    PROMPT,
+    SHORT,
+    FairQueue,
+    cgroup_cpu_quota,
+    cores,
+    pool_threads,
+)
 
 TENANTS = ["a", "b", "c"]
 
@@ -78,20 +89,81 @@ def test_the_pool_follows_the_config_and_the_cores():
     assert pool_threads(3) == (3, 1)
     assert pool_threads(1) == (MIN_THREADS, 1)  # calls on one at most, one left to long prompts
     assert pool_threads(0) == (max(MIN_THREADS, cores()), max(MIN_THREADS, cores()) // 2)
-    assert cores("/nonexistent") == len(os.sched_getaffinity(0))
+    assert cores(lambda path: None) == len(os.sched_getaffinity(0))
 
 
-def test_the_cores_are_capped_by_the_cgroups_cpu_quota(tmp_path):
+def _files(**texts: str):
+    """A ``read`` over fixture files: /proc/self/cgroup as ``proc``, the rest by path under /sys/fs/cgroup."""
+    paths = {("/proc/self/cgroup" if k == "proc" else k): v for k, v in texts.items()}
+    return paths.get
+
+
+V2 = "0::/kubepods/pod1/c1\n"
+V1 = "12:cpu,cpuacct:/docker/abc\n11:memory:/docker/abc\n0::/\n"
+Q1 = "/sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us"
+P1 = "/sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us"
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        # cgroup v2, the process at the root (a container with its own cgroup namespace)
+        ({"proc": "0::/\n", "/sys/fs/cgroup/cpu.max": "150000 100000\n"}, 2),  # --cpus 1.5: rounded up
+        ({"proc": "0::/\n", "/sys/fs/cgroup/cpu.max": "20000 100000\n"}, 1),
+        ({"proc": "0::/\n", "/sys/fs/cgroup/cpu.max": "max 100000\n"}, None),
+        # v2, nested: the smallest quota on the way up, the process's own cgroup's or an ancestor's
+        (
+            {
+                "proc": V2,
+                "/sys/fs/cgroup/cpu.max": "max 100000",
+                "/sys/fs/cgroup/kubepods/cpu.max": "400000 100000",
+                "/sys/fs/cgroup/kubepods/pod1/cpu.max": "250000 100000",
+                "/sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "max 100000",
+            },
+            3,
+        ),
+        ({"proc": V2, "/sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "100000 50000"}, 2),
+        ({"proc": V2, "/sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "max 100000"}, None),
+        # v1: the cpu controller's line and its mount (cpu,cpuacct or cpu)
+        ({"proc": V1, Q1: "50000\n", P1: "100000\n"}, 1),
+        ({"proc": V1, Q1: "300000\n", P1: "100000\n"}, 3),
+        ({"proc": V1, Q1: "-1\n", P1: "100000\n"}, None),  # unlimited
+        (
+            {
+                "proc": "4:cpu:/x\n3:cpuacct:/x\n",
+                "/sys/fs/cgroup/cpu/x/cpu.cfs_quota_us": "200000",
+                "/sys/fs/cgroup/cpu/x/cpu.cfs_period_us": "100000",
+            },
+            2,
+        ),
+        # v1 in a container: /proc/self/cgroup names the host's path, the mount is the container's own
+        (
+            {
+                "proc": V1,
+                "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "200000",
+                "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000",
+            },
+            2,
+        ),
+        # missing or unreadable files: no quota; no /proc/self/cgroup: the root's cpu.max
+        ({"proc": V2}, None),
+        ({"proc": V1, Q1: "50000"}, None),  # the period missing
+        ({}, None),
+        ({"/sys/fs/cgroup/cpu.max": "300000 100000"}, 3),
+        ({"proc": "0::/\n", "/sys/fs/cgroup/cpu.max": "garbage\n"}, None),
+        ({"proc": V1, Q1: "x", P1: "100000"}, None),
+    ],
+)
+def test_the_cgroup_cpu_quota_is_the_smallest_on_the_process_cgroups_path(files, quota):
+    assert cgroup_cpu_quota(_files(**files)) == quota
+
+
+def test_the_cores_are_capped_by_the_cgroups_cpu_quota():
     affinity = len(os.sched_getaffinity(0))
-    cpu_max = tmp_path / "cpu.max"
-    cpu_max.write_text("max 100000\n")  # no quota
-    assert cores(str(cpu_max)) == affinity
-    cpu_max.write_text("150000 100000\n")  # --cpus 1.5: two threads' worth
-    assert cores(str(cpu_max)) == min(affinity, 2)
-    cpu_max.write_text("20000 100000\n")
-    assert cores(str(cpu_max)) == 1
-    cpu_max.write_text("garbage\n")
-    assert cores(str(cpu_max)) == affinity
+    nested = _files(proc=V2, **{"/sys/fs/cgroup/kubepods/pod1/cpu.max": "150000 100000"})
+    assert cores(nested) == min(affinity, 2)
+    assert cores(_files(proc=V1, **{Q1: "20000", P1: "100000"})) == 1
+    assert cores(_files(proc=V2)) == affinity  # no quota: the affinity alone
 
 
 def test_calls_are_bounded_per_tenant_and_in_all_prompts_never():

@@ -381,6 +381,34 @@ def test_auto_is_constrained_where_vllm_constrains_it(tools, choice, parallel, p
     assert (sub.params is not None and sub.params.structured == so) is constrained
 
 
+def test_an_auto_tag_that_does_not_compile_names_tools_the_field_the_client_sent():
+    """auto with a strict tool or parallel_tool_calls false is constrained by the structural tag the
+    router builds from the tools; its compile error names ``tools`` (the client never sent a tag).
+    ``check`` alone: ``tokenize`` compiles each tool's schema first (naming the tool)."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}, "strict": True}}
+    prompts = ModelPrompts(None, "hermes", True)
+    for extra in ({}, {"parallel_tool_calls": False, "tool_choice": "auto"}):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [bad, LOOSE], **extra}
+        sub, ctx = api.parse_chat(json.dumps(body).encode(), api.RequestMeta(), "r")
+        assert ctx.tools is not None
+        ctx.tools.parser, ctx.tools.auto_enabled = "hermes", True
+        api.constrain_auto(sub, ctx.tools)
+        assert sub.params is not None and sub.params.structured is not None
+        assert sub.params.structured.structural_tag is not None
+        with pytest.raises(BadInput) as e:
+            prompts.check(sub)
+        assert e.value.param == "tools" and "does not compile" in str(e.value), extra
+        with pytest.raises(BadInput) as e:
+            prompts.tokenize(sub)
+        assert e.value.param == "tools[0].function.parameters"
+    # a ZeroMQ client's own tag, without tools: its own field
+    assert sub.params is not None
+    own = Submit("r", "m", RequestKind.COMPLETION, prompt="x", params=sub.params)
+    with pytest.raises(BadInput) as e:
+        prompts.check(own)
+    assert e.value.param == "structured_outputs.structural_tag"
+
+
 def test_auto_constraint_pins_strict_tools_only_and_yields_to_response_format():
     so = api.tools.auto_constraint(_auto_spec([LOOSE, STRICT], parallel=False))
     assert so is not None and so.kinds() == ["structural_tag"]

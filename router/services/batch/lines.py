@@ -94,7 +94,7 @@ class LineSink:
         last = deltas[-1]
         if last.error is not None:
             self.muted = True
-            self.run.line_refused(self, last.error)
+            self.run.line_refused(self, api.echo_param(self.ctx, last.error))
         elif last.finish_reason is not None:
             self.muted = True
             if isinstance(counts, api.Accumulator):
