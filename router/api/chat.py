@@ -9,7 +9,7 @@ from typing import Any, Literal
 import msgspec
 
 from router.api.context import ResponseContext, response_context
-from router.api.errors import invalid
+from router.api.errors import invalid, nesting_bounded
 from router.api.request import RequestMeta, check_submit_shape, decode_body
 from router.api.sampling import SamplingFields, common_fields
 from router.api.tools import ChatTool, ToolCall, ToolChoice, ToolSpec, template_tools, tool_constraint, tool_spec
@@ -185,6 +185,7 @@ def chat_options(req: ChatRequest, spec: ToolSpec | None) -> ChatOptions | None:
 _DEFAULT_OPTIONS = ChatOptions()
 
 
+@nesting_bounded
 def parse_chat(body: bytes, meta: RequestMeta, request_id: str) -> tuple[Submit, ResponseContext]:
     req = decode_body(_chat_decoder, body)
     _refuse_unsupported_extras(req)

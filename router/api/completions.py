@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from router.api.context import ResponseContext, response_context
-from router.api.errors import invalid
+from router.api.errors import invalid, nesting_bounded
 from router.api.prompt_forms import DEFAULT_MAX_PROMPTS, split_prompt
 from router.api.request import RequestMeta, check_submit_shape, decode_body
 from router.api.sampling import SamplingFields, common_fields
@@ -47,6 +47,7 @@ class CompletionJobs(NamedTuple):
     echoes: list[str | None]
 
 
+@nesting_bounded
 def parse_completions(
     body: bytes, meta: RequestMeta, request_id: str, max_prompts: int = DEFAULT_MAX_PROMPTS
 ) -> CompletionJobs:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from router.api.errors import invalid
+from router.api.errors import invalid, nesting_bounded
 from router.api.tool_parsers import LLAMA_BOT as _LLAMA_BOT
 from router.api.tool_parsers import tag_overlap
 from router.api.tool_scan import CallScan
@@ -264,6 +264,7 @@ def auto_constraint(spec: ToolSpec) -> StructuredOutput | None:
     return StructuredOutput(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False))
 
 
+@nesting_bounded
 def constrain_auto(sub: Submit, spec: ToolSpec) -> None:
     """Once the model's parser is known (``spec.parser``): an ``auto`` request
     that vLLM would constrain gets its structural tag, unless it carries its

@@ -429,3 +429,46 @@ def test_auto_constraint_pins_strict_tools_only_and_yields_to_response_format():
     ctx.tools.parser, ctx.tools.auto_enabled = "hermes", True
     api.constrain_auto(sub, ctx.tools)
     assert sub.params is not None and sub.params.structured is not None and sub.params.structured.json_object
+
+
+def _nested(depth: int) -> str:
+    return '{"a":' * depth + "{}" + "}" * depth
+
+
+@pytest.mark.parametrize("where", ["tool", "strict-auto", "call-arguments"])
+def test_json_nested_near_the_decoders_limit_is_a_400_never_a_recursion_error(where):
+    """The body decoder takes ~990 levels (fewer with more frames above it); the parsers re-encode tool schemas
+    and call arguments with json.dumps, whose limit is lower by the frames
+    above it.  At every depth up to the decoder's: parsed, or a 400."""
+    top = 1
+    while True:  # the decoder's limit from here (it depends on the frames above)
+        try:
+            msgspec.json.decode(_nested(top + 10).encode())
+        except RecursionError:
+            break
+        top += 10
+    refused = 0
+    for depth in range(top - 40, top + 10):
+        if where == "call-arguments":
+            call = '{"id":"c","type":"function","function":{"name":"f","arguments":' + _nested(depth) + "}}"
+            body = (
+                '{"model":"m","messages":[{"role":"user","content":"x"},'
+                '{"role":"assistant","tool_calls":[' + call + "]}]}"
+            )
+        else:
+            strict = "true" if where == "strict-auto" else "false"
+            fn = '{"name":"f","strict":' + strict + ',"parameters":' + _nested(depth) + "}"
+            body = (
+                '{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":'
+                + fn
+                + "}]}"
+            )
+        try:
+            sub, ctx = api.parse_chat(body.encode(), api.RequestMeta(), "r")
+            if ctx.tools is not None:
+                ctx.tools.parser, ctx.tools.auto_enabled = "hermes", True
+                api.constrain_auto(sub, ctx.tools)
+        except api.RequestError as e:
+            assert e.info.status == 400, depth
+            refused += 1
+    assert refused  # (the range reaches past what can be re-encoded)
