@@ -33,16 +33,17 @@ own at first, up to one TTL more per later speculation that comes while it is
 fresh (a prefix speculated again every second stays on every worker that got
 it).  Safe: a stale-speculative entry as above gives affinity, never
 capacity, and the worker did get the prompt.  (A dict of its own per block,
-{bit: expiry}, cost the loop 2x as much in a burst, where ~500k speculative
-blocks live at once.)
+{bit: expiry}, cost 2-3x as much to speculate and to expire in a burst,
+where ~500k speculative blocks live at once.)
 
 Bound: at most ``max_blocks`` entries per model; the least recently stored
 or matched goes first (1/64 of the cap at a time).  Measured here
 (bench/README.md, Prefix): ~80 B per entry (42 B of dict slot + the 64-bit
 hash's int), 80 MB per million blocks; storing ~2 us a block; matching a
 256-block (32k-token) prompt ~0.9 ms on the loop, a 16-block one ~50 us;
-a 150k-token prompt's ~9.7k blocks of 16: speculating ~1.5 ms, matching
-them all (a full hit) ~2.4 ms.
+a 141k-token prompt's ~8.8k blocks of 16 (bench.scenarios.long_prompt_costs):
+speculating ~0.5 ms, matching them all (a full hit) ~1.5 ms; with 150 such
+prompts speculative, speculating ~2 ms and expiring one ~0.9 ms.
 """
 
 from __future__ import annotations
@@ -81,8 +82,7 @@ class _ModelIndex:
     # ~17x faster to list than an OrderedDict here, which a sweep does)
     blocks: dict[int, int] = field(default_factory=dict)
     # hash -> (OR of the bits that speculated it, the latest expiry of any of them): one
-    # flat entry a block, the tuple shared by the blocks new to a speculation (a dict of
-    # its own per block, {bit: expiry}, cost a burst's loop 2x as much)
+    # flat entry a block, the tuple shared by the blocks new to a speculation
     spec: dict[int, tuple[int, float]] = field(default_factory=dict)
     # (expiry, a prompt's hashes), by expiry: one entry per prompt speculated
     # (one per block cost a 150k-token prompt's ~10k blocks 2x the loop time)
