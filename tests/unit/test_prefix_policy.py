@@ -6,7 +6,9 @@ never over-commits the ledger, and only picks a worker whose load score is
 within ``prefix_load_margin`` of the least loaded one's; where it departs
 from least-loaded it is for a worker holding more of the prompt.  And the
 index: gaps blind a worker until its snapshot, a lost worker's entries go,
-the cap holds, speculation expires.
+the cap holds, speculation expires (a block speculated again keeps every
+speculating worker's bit until its latest expiry), retired bits never count,
+and match agrees with a reference model of all that.
 """
 
 from __future__ import annotations
