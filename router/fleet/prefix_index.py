@@ -25,15 +25,25 @@ Speculation: a job just dispatched will put its prompt's blocks in that
 worker's cache before the engine says so (~17 ms for a 255-token prompt on
 the tiny CPU model, vLLM-kv-events notes); for ``speculative_ttl_s`` (2 s,
 llm-d's figure for the same gap) those blocks count as there, so a burst of
-requests sharing a prefix follows the first instead of scattering.
+requests sharing a prefix follows the first instead of scattering.  A block
+has one speculative entry: the bits of the workers that speculated it and the
+latest expiry of any of them.  So a worker's speculative bit on a block lasts
+until the block's latest speculation by any worker expires: a TTL after its
+own at first, up to one TTL more per later speculation that comes while it is
+fresh (a prefix speculated again every second stays on every worker that got
+it).  Safe: a stale-speculative entry as above gives affinity, never
+capacity, and the worker did get the prompt.  (A dict of its own per block,
+{bit: expiry}, cost 2-3x as much to speculate and to expire in a burst,
+where ~500k speculative blocks live at once.)
 
 Bound: at most ``max_blocks`` entries per model; the least recently stored
 or matched goes first (1/64 of the cap at a time).  Measured here
 (bench/README.md, Prefix): ~80 B per entry (42 B of dict slot + the 64-bit
 hash's int), 80 MB per million blocks; storing ~2 us a block; matching a
 256-block (32k-token) prompt ~0.9 ms on the loop, a 16-block one ~50 us;
-a 150k-token prompt's ~9.7k blocks of 16: speculating ~1.5 ms, matching
-them all (a full hit) ~2.4 ms.
+a 141k-token prompt's ~8.8k blocks of 16 (bench.scenarios.long_prompt_costs):
+speculating ~0.5 ms, matching them all (a full hit) ~1.5 ms; with 150 such
+prompts speculative, speculating ~2 ms and expiring one ~0.9 ms.
 """
 
 from __future__ import annotations
@@ -71,16 +81,19 @@ class _ModelIndex:
     # hash -> mask, least recently used first (a plain dict: insertion order, and
     # ~17x faster to list than an OrderedDict here, which a sweep does)
     blocks: dict[int, int] = field(default_factory=dict)
-    spec: dict[int, dict[int, float]] = field(default_factory=dict)  # hash -> {bit: expiry}
-    # (expiry, a prompt's hashes, bit), by expiry: one entry per prompt speculated
+    # hash -> (OR of the bits that speculated it, the latest expiry of any of them): one
+    # flat entry a block, the tuple shared by the blocks new to a speculation
+    spec: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # (expiry, a prompt's hashes), by expiry: one entry per prompt speculated
     # (one per block cost a 150k-token prompt's ~10k blocks 2x the loop time)
-    spec_queue: deque[tuple[float, tuple[int, ...], int]] = field(default_factory=deque)
+    spec_queue: deque[tuple[float, tuple[int, ...]]] = field(default_factory=deque)
     live: int = 0  # bits of trusted workers
     by_bit: dict[int, _WorkerState] = field(default_factory=dict)  # bit -> _WorkerState
     retired: set[int] = field(default_factory=set)
     free_bits: list[int] = field(default_factory=list)
-    # (keys to visit, next index, the retired bits it frees)
-    sweeping: tuple[list[int], int, list[int]] | None = None
+    # (keys to visit: the blocks' then the speculative ones', how many are blocks',
+    # next index, the retired bits it frees)
+    sweeping: tuple[list[int], int, int, list[int]] | None = None
     next_bit: int = 0
     evicted: int = 0
 
@@ -221,10 +234,8 @@ class PrefixIndex:
             if m:
                 blocks[h] = m  # most recently used
             s = spec.get(h)
-            if s:
-                for b, exp in s.items():
-                    if exp > now:
-                        m |= b
+            if s is not None and s[1] > now:
+                m |= s[0]
             m &= alive
             dropped = alive & ~m
             if dropped:
@@ -245,19 +256,17 @@ class PrefixIndex:
         if w is None or not w.trusted or not hashes or self.ttl <= 0:
             return
         mi = self.models[w.model]
+        if mi.spec_queue and mi.spec_queue[0][0] <= now:
+            self._expire(mi, now)  # first: an expired entry's bits must not join this one's
         exp = now + self.ttl
         bit = w.bit
+        new = (bit, exp)  # (one tuple for all the blocks new here)
         spec = mi.spec
         get = spec.get
         for h in hashes:
             s = get(h)
-            if s is None:
-                spec[h] = {bit: exp}
-            else:
-                s[bit] = exp
-        mi.spec_queue.append((exp, tuple(hashes), bit))
-        if mi.spec_queue[0][0] <= now:
-            self._expire(mi, now)
+            spec[h] = new if s is None else (s[0] | bit, exp)
+        mi.spec_queue.append((exp, tuple(hashes)))
 
     # ------------------------------------------------------------ views
 
@@ -337,37 +346,40 @@ class PrefixIndex:
         mi.by_bit.pop(bit, None)
         mi.retired.add(bit)
         w.blocks = 0
-        if len(mi.blocks) <= _EAGER_SWEEP_MAX and mi.sweeping is None:
+        if len(mi.blocks) + len(mi.spec) <= _EAGER_SWEEP_MAX and mi.sweeping is None:
             self._sweep(mi, _EAGER_SWEEP_MAX)
 
     def _sweep(self, mi: _ModelIndex, budget: int) -> None:
-        """Strip retired bits from up to ``budget`` entries; once every entry
-        that existed when the sweep began was visited, the bits are reused."""
+        """Strip retired bits from up to ``budget`` entries, confirmed then
+        speculative (a burst's can be ~500k); once every entry that existed
+        when the sweep began was visited, the bits are reused.  (Entries
+        made since hold only bits live then: a retired bit is given to no one
+        until it is freed here.)"""
         if mi.sweeping is None:
             if not mi.retired:
                 return
-            mi.sweeping = (list(mi.blocks), 0, list(mi.retired))
+            mi.sweeping = ([*mi.blocks, *mi.spec], len(mi.blocks), 0, list(mi.retired))
             mi.retired = set()
-        keys, i, bits = mi.sweeping
-        blocks, live = mi.blocks, mi.live
+        keys, n_blocks, i, bits = mi.sweeping
+        blocks, spec, live = mi.blocks, mi.spec, mi.live
         end = min(len(keys), i + budget)
-        for h in keys[i:end]:
+        for h in keys[i : min(end, n_blocks)]:
             m = blocks.get(h)
             if m is not None and m & ~live:
                 if m & live:
                     blocks[h] = m & live  # (an existing key keeps its place)
                 else:
                     del blocks[h]
+        for h in keys[max(i, n_blocks) : end]:
+            s = spec.get(h)
+            if s is not None and s[0] & ~live:
+                if s[0] & live:
+                    spec[h] = (s[0] & live, s[1])
+                else:
+                    del spec[h]  # (its queue entry finds it gone)
         if end < len(keys):
-            mi.sweeping = (keys, end, bits)
+            mi.sweeping = (keys, n_blocks, end, bits)
             return
-        for h in list(mi.spec):  # (speculation is short-lived: small)
-            left = {b: e for b, e in mi.spec[h].items() if b & live}
-            if left:
-                mi.spec[h] = left
-            else:
-                del mi.spec[h]
-        mi.spec_queue = deque(x for x in mi.spec_queue if x[2] & live)
         mi.free_bits.extend(bits)
         mi.sweeping = None
 
@@ -379,15 +391,15 @@ class PrefixIndex:
         return bit
 
     def _expire(self, mi: _ModelIndex, now: float) -> None:
+        """Drop the blocks of the prompts whose speculation expired, each only if no
+        later speculation of it (by any worker) is still fresh."""
         q, spec = mi.spec_queue, mi.spec
+        get = spec.get
         while q and q[0][0] <= now:
-            _, hashes, bit = q.popleft()
-            for h in hashes:
-                s = spec.get(h)
-                if s is not None and s.get(bit, now + 1) <= now:
-                    del s[bit]
-                    if not s:
-                        del spec[h]
+            for h in q.popleft()[1]:
+                s = get(h)
+                if s is not None and s[1] <= now:
+                    del spec[h]
 
 
 def _bits(mask: int) -> Iterator[int]:

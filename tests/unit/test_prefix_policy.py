@@ -6,15 +6,20 @@ never over-commits the ledger, and only picks a worker whose load score is
 within ``prefix_load_margin`` of the least loaded one's; where it departs
 from least-loaded it is for a worker holding more of the prompt.  And the
 index: gaps blind a worker until its snapshot, a lost worker's entries go,
-the cap holds, speculation expires.
+the cap holds, speculation expires (a block speculated again keeps every
+speculating worker's bit until its latest expiry), retired bits never count,
+and match agrees with a reference model of all that.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.fleet import prefix_index
 from router.fleet.prefix_index import PrefixIndex
 from router.policy import DispatchJob, Job, Policy, WorkerSpec
 from shared.config import SchedulerConfig
@@ -109,7 +114,7 @@ def test_index_speculation_expires_and_blind_workers_get_none():
     assert ix.match("m", CHAIN, 12.5) == {}
 
 
-def test_a_prompt_speculated_again_lives_until_its_last_expiry_then_leaves_nothing():
+def test_a_block_speculated_again_lives_until_its_last_expiry_with_every_bit_then_leaves_nothing():
     ix = PrefixIndex(speculative_ttl_s=2.0)
     for w in ("a", "b"):
         ix.add_worker(w, "m", "sim", 16)
@@ -118,10 +123,102 @@ def test_a_prompt_speculated_again_lives_until_its_last_expiry_then_leaves_nothi
     ix.speculate("b", CHAIN[:5], 10.5)
     ix.speculate("a", CHAIN[:8], 11.0)  # its first 8 blocks again, later
     assert ix.match("m", CHAIN, 12.2) == {"a": 8, "b": 5}  # the first expired, not the second
-    assert ix.match("m", CHAIN, 12.7) == {"a": 8}
-    assert ix.match("m", CHAIN, 13.1) == {}
+    # b's own speculation expired at 12.5, but its 5 blocks were speculated again (by a) until 13.0
+    assert ix.match("m", CHAIN, 12.7) == {"a": 8, "b": 5}
+    assert ix.match("m", CHAIN, 13.0) == {}
     mi = ix.models["m"]
     assert not mi.spec and not mi.spec_queue  # every entry went with its expiry
+
+
+def test_another_workers_speculation_keeps_a_block_and_an_expired_one_is_not_revived():
+    ix = PrefixIndex(speculative_ttl_s=2.0)
+    for w in ("a", "b", "c"):
+        ix.add_worker(w, "m", "sim", 16)
+        ix.snapshot(w, 0, [])
+    ix.speculate("a", CHAIN, 10.0)
+    assert ix.match("m", CHAIN, 11.99) == {"a": 20} and ix.match("m", CHAIN, 12.0) == {}  # its TTL, exactly
+    ix.speculate("a", CHAIN, 20.0)
+    ix.speculate("b", CHAIN[:10], 21.0)  # while a's is fresh: a's bit on those blocks lives on with it
+    assert ix.match("m", CHAIN, 22.5) == {"a": 10, "b": 10}
+    assert ix.match("m", CHAIN, 23.0) == {}
+    ix.speculate("a", CHAIN, 30.0)
+    ix.speculate("c", CHAIN, 32.5)  # after a's expired, with nothing in between to expire it: a's is not revived
+    assert ix.match("m", CHAIN, 33.0) == {"c": 20}
+
+
+def settle(ix: PrefixIndex, by: str) -> None:
+    """PrefixEvents from ``by`` until the retired bits are swept (and free)."""
+    mi = ix.models["m"]
+    while mi.sweeping is not None or mi.retired:
+        assert ix.events(by, ix.workers[by].seq + 1, [], [])
+
+
+def bit_of(ix: PrefixIndex, worker: str) -> int:
+    return ix.workers[worker].bit
+
+
+def test_a_retired_workers_speculation_never_counts_also_when_its_bit_is_reused():
+    for confirmed in (0, 20_000):  # the retired bits stripped at once, or by sweeps a slice per PrefixEvents
+        ix = PrefixIndex(speculative_ttl_s=2.0)
+        for w in ("a", "x", "b"):
+            ix.add_worker(w, "m", "sim", 16)
+            ix.snapshot(w, 0, range(1_000_000, 1_000_000 + confirmed) if w == "b" else [])
+        ix.speculate("a", CHAIN, 10.0)
+        ix.speculate("x", CHAIN[:8], 10.2)
+        ix.speculate("b", CHAIN[:5], 10.5)  # keeps the first 5 blocks, a's and x's bits on them included
+        retired = {bit_of(ix, "a"), bit_of(ix, "x")}
+        ix.remove_worker("a")
+        ix.remove_worker("x")
+        assert ix.match("m", CHAIN, 11.0) == {"b": 5}
+        settle(ix, "b")
+        ix.add_worker("c", "m", "sim", 16)
+        ix.snapshot("c", 0, [])
+        assert bit_of(ix, "c") in retired  # reused
+        assert ix.match("m", CHAIN, 11.0) == {"b": 5}
+        ix.speculate("c", CHAIN[:2], 11.0)
+        assert ix.match("m", CHAIN, 11.0) == {"b": 5, "c": 2}
+
+
+def test_a_bit_retired_while_its_blocks_are_only_speculative_is_reused_after_the_sweep_of_them():
+    ix = PrefixIndex(speculative_ttl_s=2.0)
+    for w in ("a", "b"):
+        ix.add_worker(w, "m", "sim", 16)
+        ix.snapshot(w, 0, [])
+    big = range(30_000)  # a burst's speculative blocks: more than are swept at once, none confirmed
+    ix.speculate("a", big, 10.0)
+    ix.speculate("b", big, 10.5)
+    a_bit = bit_of(ix, "a")
+    ix.remove_worker("a")
+    ix.add_worker("c", "m", "sim", 16)
+    ix.snapshot("c", 0, [])
+    assert bit_of(ix, "c") != a_bit  # not reused before the sweep visited the speculative blocks
+    assert ix.match("m", big, 11.0) == {"b": 30_000}
+    c_bit = bit_of(ix, "c")
+    ix.remove_worker("c")
+    settle(ix, "b")
+    ix.add_worker("d", "m", "sim", 16)
+    ix.snapshot("d", 0, [])
+    assert bit_of(ix, "d") in (a_bit, c_bit)
+    assert ix.match("m", big, 11.0) == {"b": 30_000}
+
+
+def test_speculation_of_many_prompts_expires_in_order_and_leaves_nothing():
+    ix = PrefixIndex(speculative_ttl_s=2.0)
+    for w in ("a", "b", "c"):
+        ix.add_worker(w, "m", "sim", 16)
+        ix.snapshot(w, 0, [])
+    shared = list(range(10))  # every prompt's first 10 blocks; then 50 of its own
+    prompts = [shared + list(range(1000 * (i + 1), 1000 * (i + 1) + 50)) for i in range(300)]
+    for i, hs in enumerate(prompts):  # one every 1/64 s (exact in binary) over ~4.7 s: 128 live at a time
+        ix.speculate("abc"[i % 3], hs, 10.0 + i / 64)
+    now = 10.0 + 299 / 64  # prompts 0..171 have expired
+    for i in (0, 171, 172, 299):
+        # the shared blocks live on with every bit; a prompt's own, for its TTL
+        assert ix.match("m", prompts[i], now) == {"a": 10, "b": 10, "c": 10, **({"abc"[i % 3]: 60} if i > 171 else {})}
+    mi = ix.models["m"]
+    assert len(mi.spec_queue) == 128 and len(mi.spec) == 10 + 128 * 50
+    assert ix.match("m", shared, now + 2.0) == {}
+    assert not mi.spec and not mi.spec_queue
 
 
 def test_index_refuses_other_schemes_and_reuses_bits():
@@ -134,6 +231,95 @@ def test_index_refuses_other_schemes_and_reuses_bits():
         ix.snapshot("a", 0, [i, i + 1])
     assert ix.match("m", [99, 100], 0.0) == {"a": 2} and ix.size("m") == 2
     assert ix.models["m"].next_bit < 40
+
+
+class RefIndex:
+    """The index's meaning, spelt out: a worker holds a block if it said so (since its last
+    snapshot) or speculated it (since then too) and the block has been speculated, by any
+    worker, within each TTL since (a block whose latest speculation expired starts afresh)."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self.trusted: dict[str, bool] = {}
+        self.epoch: dict[str, int] = {}  # a worker's bit changes: its older speculation never counts
+        self.confirmed: dict[str, set[int]] = {}
+        self.spec: dict[int, tuple[set[tuple[str, int]], float]] = {}  # hash -> ({(worker, epoch)}, expiry)
+
+    def reset(self, w: str, trusted: bool, confirmed: set[int]) -> None:
+        self.trusted[w], self.confirmed[w] = trusted, confirmed
+        self.epoch[w] = self.epoch.get(w, 0) + 1
+
+    def speculate(self, w: str, hashes: list[int], now: float) -> None:
+        if self.trusted[w]:
+            for h in hashes:
+                who, exp = self.spec.get(h, (set(), now))
+                self.spec[h] = ((who if exp > now else set()) | {(w, self.epoch[w])}, now + self.ttl)
+
+    def match(self, hashes: list[int], now: float) -> dict[str, int]:
+        got = {}
+        for w in (w for w, t in self.trusted.items() if t):
+            n = 0
+            for h in hashes:
+                who, exp = self.spec.get(h, (set(), now))
+                if h not in self.confirmed[w] and not (exp > now and (w, self.epoch[w]) in who):
+                    break
+                n += 1
+            if n:
+                got[w] = n
+        return got
+
+
+WORKERS = ("a", "b", "c")
+POOL = list(range(1, 13))  # block hashes; a prompt is a slice of them
+_slice = st.tuples(st.integers(0, 8), st.integers(1, 6)).map(lambda t: POOL[t[0] : t[0] + t[1]])
+_speculate = st.tuples(st.just("speculate"), st.sampled_from(WORKERS), _slice)
+_op = st.one_of(
+    _speculate,
+    _speculate,
+    st.tuples(st.just("snapshot"), st.sampled_from(WORKERS), st.sets(st.sampled_from(POOL), max_size=4)),
+    st.tuples(st.just("events"), st.sampled_from(WORKERS), _slice, st.sets(st.sampled_from(POOL), max_size=3)),
+    st.tuples(st.just("blind"), st.sampled_from(WORKERS)),
+    st.tuples(st.just("re-register"), st.sampled_from(WORKERS)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(st.tuples(_op, st.sampled_from([0.0, 0.25, 1.0, 1.5, 2.0, 2.5])), min_size=5, max_size=40),
+    lazy=st.booleans(),
+)
+def test_match_agrees_with_the_reference_under_speculation_snapshots_and_retired_bits(ops, lazy):
+    # lazy: every retired bit is swept a few entries per PrefixEvents, so bits are retired mid-sweep
+    with (
+        mock.patch.object(prefix_index, "_EAGER_SWEEP_MAX", 0 if lazy else 10_000),
+        mock.patch.object(prefix_index, "_SWEEP_STEP", 3 if lazy else 1024),
+    ):
+        ix, ref = PrefixIndex(speculative_ttl_s=2.0), RefIndex(2.0)
+        for w in WORKERS:
+            ix.add_worker(w, "m", "sim", 16)
+            ix.snapshot(w, 0, [])
+            ref.reset(w, True, set())
+        now = 10.0
+        for op, dt in ops:
+            now += dt
+            kind, w = op[0], op[1]
+            if kind == "speculate":
+                ix.speculate(w, op[2], now)
+                ref.speculate(w, op[2], now)
+            elif kind == "snapshot":
+                ix.snapshot(w, ix.workers[w].seq + 1, op[2])
+                ref.reset(w, True, set(op[2]))
+            elif kind == "events" and ref.trusted[w]:
+                assert ix.events(w, ix.workers[w].seq + 1, op[2], sorted(op[3]))
+                ref.confirmed[w] = (ref.confirmed[w] - op[3]) | set(op[2])
+            elif kind == "blind" and ref.trusted[w]:
+                assert ix.heard_seq(w, ix.workers[w].seq + 1)
+                ref.reset(w, False, set())
+            elif kind == "re-register":
+                ix.add_worker(w, "m", "sim", 16)
+                ref.reset(w, False, set())
+            for i in range(0, len(POOL), 2):  # prompts starting anywhere
+                assert ix.match("m", POOL[i:], now) == ref.match(POOL[i:], now)
 
 
 # ------------------------------------------------------------------ placement
