@@ -16,8 +16,10 @@ TTFT predicted = raw x a calibration factor per model, regime and size
   run on (``kth_release``), q the jobs the queues serve before it
   (``jobs_ahead``: higher classes, its tenant's, the other tenants' share
   of deficit round robin, the other size's share of the short : long
-  round robin from its credit; plus what that count missed on average,
-  learnt from how many were dispatched before each such job) -- plus its
+  round robin from its credit, in whole jobs; plus what that count missed,
+  learnt from how many were dispatched before each such job: for a short
+  job a constant, for a long one jobs per second of the wait its count
+  predicts -- the short arrivals served first while it waits) -- plus its
   own prefill and a step.  A job's expected end (``expected_end``) is
   counted on its worker's step clock: the worker's engine steps (one
   output message each: ``stepped``) since it was placed, against a step
@@ -40,6 +42,7 @@ Only jobs with a target are predicted (the rest pay nothing).  Pure: no I/O.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +143,7 @@ class Targets:
         "factor_sums",
         "entries",
         "last_q",
+        "last_w0",
         "ahead_at",
         "model_dispatched",
         "ahead_err",
@@ -168,12 +172,14 @@ class Targets:
         self.factor: dict[tuple[str, int, int], float] = {}
         self.factor_sums: dict[tuple[str, int, int], list[float]] = {}  # [observed, raw] TTFT, decayed
         self.last_q = 0.0  # the jobs ahead counted by the last prediction with every slot taken
-        # job id -> (its model's dispatches at its admission, the jobs ahead counted, model, size):
+        self.last_w0 = 0.0  # a long job's wait predicted from that count alone (0: not corrected by it)
+        # job id -> (its model's dispatches at its admission, the jobs ahead counted, model, size, that wait):
         # admitted with a TTFT target while every slot was taken, until it is dispatched
-        self.ahead_at: dict[str, tuple[int, float, str, int]] = {}
+        self.ahead_at: dict[str, tuple[int, float, str, int, float]] = {}
         # model -> jobs dispatched (per model: another model's dispatches do not go before a job)
         self.model_dispatched: dict[str, int] = {}
-        # (model, size) -> [dispatched ahead - counted, jobs] of the jobs counted more than 0 ahead, decayed
+        # (model, size) -> [dispatched ahead - counted, jobs, seconds of wait predicted from the count]
+        # of the jobs counted more than 0 ahead, decayed
         self.ahead_err: dict[tuple[str, int], list[float]] = {}
         self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
         # job id -> (predicted, raw, target, regime, its counts, its size) TTFT: until its first token
@@ -257,10 +263,7 @@ class Targets:
             mean_job = tokens / jobs if jobs >= MIN_RELEASES and tokens > 0.0 else float(e.tokens)
             q = ahead / mean_job if mean_job > 0.0 else 0.0
         self.last_q = q
-        if q > 0.0:  # (what the count misses on average: arrivals served first, round-robin credit)
-            row = self.ahead_err.get((m.name, e.size))
-            if row is not None and row[1] > 0.0:
-                q = max(0.0, q + row[0] / row[1])
+        self.last_w0 = 0.0
         ends: list[float] = []
         scanned = usable = 0
         ratio = self.end_ratio(m.name)
@@ -281,11 +284,19 @@ class Targets:
                 r = entries.get(jid)
                 if r is not None and r.placed_step >= 0:
                     ends.append(expected_end(r.placed_step, r.job.max_tokens, ratio, w))
-        if scanned < usable:
-            # of the releases it waits for, the share on the workers looked at: those that meet its TPOT
-            # target (the jobs ahead take the others'), in a large fleet the first of them
-            q *= scanned / usable
+        # of the releases it waits for, the share on the workers looked at: those that meet its TPOT
+        # target (the jobs ahead take the others'), in a large fleet the first of them
+        share = scanned / usable if scanned < usable else 1.0
         gap = window / jobs if jobs >= MIN_RELEASES and window > 0.0 else 0.0
+        row = self.ahead_err.get((m.name, e.size)) if q > 0.0 else None
+        if row is not None and row[1] > 0.0:  # what the count misses (learnt: ``dispatching``)
+            if e.size == SHORT or not ends:  # round-robin granularity: a constant
+                q = max(0.0, q + row[0] / row[1])
+            elif row[2] > 0.0:  # the short arrivals served first meanwhile: per second of its wait
+                w0 = max(0.0, kth_release(ends, q * share, now, gap) - now)
+                self.last_w0 = w0
+                q = max(0.0, q + row[0] / row[2] * w0)
+        q *= share
         if not ends:
             if gap <= 0.0:  # (a cold fleet: one job's worth of the drain rate)
                 rate = self.waits.drain_rate(m, e.rank, e.tokens, max(0, job.max_tokens), now)
@@ -300,7 +311,8 @@ class Targets:
         jobs and what deficit round robin serves the other tenants
         meanwhile (their tokens in proportion to their weights, in their
         mean job); and of the class's other size, the tokens its short :
-        long share gives it meanwhile, in its mean job.  O(classes)."""
+        long share gives it meanwhile, in whole jobs of its mean size (it is
+        served a job at a time once its credit is behind).  O(classes)."""
         order = self.waits.order
         if not order.ranked:
             return None
@@ -349,7 +361,9 @@ class Targets:
             at = (wrr[e.size] + served - e.tokens) / max(1, mine_share)
             theirs = (at - wrr[1 - e.size] / max(1, other_share)) * other_share
             if theirs > 0.0:
-                n += min(float(other.tokens), theirs) * other.count / other.tokens
+                # whole jobs: the other size is served until its credit catches up, so a deficit of
+                # any size costs at least one of its jobs (a fraction under-counted ~0.3 jobs a short one)
+                n += min(float(other.count), math.ceil(theirs * other.count / other.tokens))
         return n
 
     @staticmethod
@@ -385,7 +399,8 @@ class Targets:
             if len(self.pending) < 1_000_000:  # (bounded: entries leave at first token or at the end)
                 self.pending[job.job_id] = (predicted, raw, target, regime, counts, e.size)
                 if regime == FULL and self.last_q > 0.0:
-                    self.ahead_at[job.job_id] = (self.model_dispatched.get(m.name, 0), self.last_q, m.name, e.size)
+                    at = self.model_dispatched.get(m.name, 0)
+                    self.ahead_at[job.job_id] = (at, self.last_q, m.name, e.size, self.last_w0)
         if tpot_target > 0.0 and len(self.decoding) < 1_000_000:
             # (and whether some worker meets it even at a full batch: then it waits for one that does)
             meets = self._full_meets(m, tpot_target) > 0.0
@@ -547,12 +562,13 @@ class Targets:
         got = self.ahead_at.pop(job_id, None)
         if got is None:
             return
-        at, q, model, size = got
+        at, q, model, size, w0 = got
         row = self.ahead_err.get((model, size))
         if row is None:
-            row = self.ahead_err[(model, size)] = [0.0, 0.0]
+            row = self.ahead_err[(model, size)] = [0.0, 0.0, 0.0]
         row[0] = row[0] * FACTOR_KEEP + (self.model_dispatched.get(model, 0) - at - q)
         row[1] = row[1] * FACTOR_KEEP + 1.0
+        row[2] = row[2] * FACTOR_KEEP + w0
 
     def forget(self, job_id: str) -> None:
         self.ahead_at.pop(job_id, None)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from router.policy import DispatchJob, Job, Policy, WorkerSpec
 from router.policy.records import Entry, WorkerState
 from router.policy.targets import FULL, Targets, expected_end, kth_release
-from router.policy.types import SHORT
+from router.policy.types import LONG, SHORT
 from shared.config import SchedulerConfig
 from shared.protocol import TaskType
 from tests.fakes import worker_spec
@@ -154,7 +154,7 @@ def test_what_the_count_of_jobs_ahead_misses_on_average_is_learnt_from_the_dispa
     t = p.targets
     now = step_all(p, 90, 0.0, 0.01)
     for k in range(300):  # each counted one job ahead, and two were dispatched before it
-        t.ahead_at[f"j{k}"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT)
+        t.ahead_at[f"j{k}"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT, 0.0)
         t.model_dispatched["m"] = t.model_dispatched.get("m", 0) + 2
         t.dispatching(f"j{k}")
     sums = t.ahead_err[("m", SHORT)]
@@ -173,7 +173,7 @@ def test_what_the_count_of_jobs_ahead_misses_on_average_is_learnt_from_the_dispa
 def test_only_its_own_models_dispatches_count_as_gone_before_a_job():
     p = full_policy()
     t = p.targets
-    t.ahead_at["j"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT)  # counted one ahead on model m
+    t.ahead_at["j"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT, 0.0)  # counted one ahead on model m
     p.add_worker(worker_spec(9, seqs=64, model="n"), 0.0)
     for k in range(50):  # another model's jobs, dispatched meanwhile
         assert p.submit(replace(job(f"n{k}"), model="n"), 0.0) is None
@@ -210,3 +210,47 @@ def test_jobs_ahead_counts_nothing_of_its_own_tenant_where_it_has_none_in_that_q
     # u's next (round robin, equal weights) and the long queue's share meanwhile: not its tenant's
     # long job's tokens counted as three short jobs of its own ahead of it
     assert got is not None and got < 2.5
+
+
+def test_jobs_ahead_counts_whole_jobs_of_the_other_size_as_round_robin_serves_them():
+    """Short : long round robin by tokens serves the long queue as soon as the
+    short one's credit is ahead, a whole long job at a time: a short job with
+    three of its tenant's ahead waits for one long job too, not a fraction of one."""
+    p = full_policy()
+    for k in range(3):
+        assert p.submit(job(f"own{k}", max_tokens=100), 0.0) is None
+    assert p.submit(replace(job("long", max_tokens=5000, tenant="u"), task_type=TaskType.LONG), 0.0) is None
+    m = p.models["m"]
+    own = p.entries["own0"]
+    assert p.entries["long"].size == LONG and own.size == SHORT
+    e = Entry(job("x", max_tokens=100), own.rank, own.size, 99)
+    assert p.targets.jobs_ahead(m, e) == 4.0
+    # what the queues then do: room for everyone at once, dispatched in their order
+    assert p.submit(job("x", max_tokens=100), 0.0) is None
+    p.add_worker(replace(spec(5, seqs=8), worker_id="big"), 0.0)
+    order = [a.job_id for a in p.schedule(0.0) if isinstance(a, DispatchJob)]
+    assert order.index("x") == 4 and order.index("long") < 4, order
+
+
+def test_a_long_jobs_miss_is_learnt_per_second_of_its_wait_and_corrects_the_next_by_its_own_wait():
+    """Short jobs that arrive while a long one waits are served first (round
+    robin): what its count misses grows with how long it waits.  Learnt as
+    jobs missed per second of the wait predicted from the count; a short
+    job's miss (round-robin granularity) stays a constant."""
+    learnt, fresh = full_policy(), full_policy()
+    t = learnt.targets
+    for k in range(300):  # each counted two ahead with a 0.5 s wait from that count; four went before it
+        t.ahead_at[f"j{k}"] = (t.model_dispatched.get("m", 0), 2.0, "m", LONG, 0.5)
+        t.model_dispatched["m"] = t.model_dispatched.get("m", 0) + 4
+        t.dispatching(f"j{k}")
+    sums = t.ahead_err[("m", LONG)]
+    assert abs(sums[0] / sums[2] - 4.0) < 1e-9  # jobs missed per second of the predicted wait
+    now = 0.0
+    for p in (learnt, fresh):
+        now = step_all(p, 50, 0.0, 0.01)
+        for k in range(2):
+            assert p.submit(replace(job(f"l{k}", max_tokens=5000), task_type=TaskType.LONG), now) is None
+        assert p.submit(replace(job("a", max_tokens=5000, target_ms=60_000), task_type=TaskType.LONG), now) is None
+    w0 = t.ahead_at["a"][4]  # its wait from its count alone, recorded to learn from at its dispatch
+    assert w0 > 0.0 and fresh.targets.ahead_at["a"][4] == 0.0  # (nothing learnt: no correction, none recorded)
+    assert learnt.targets.pending["a"][1] > fresh.targets.pending["a"][1]  # q + 4 x w0 releases away
