@@ -144,6 +144,7 @@ class Targets:
         "entries",
         "last_q",
         "last_w0",
+        "moved",
         "ahead_at",
         "model_dispatched",
         "ahead_err",
@@ -178,8 +179,9 @@ class Targets:
         self.ahead_at: dict[str, tuple[int, float, str, int, float]] = {}
         # model -> jobs dispatched (per model: another model's dispatches do not go before a job)
         self.model_dispatched: dict[str, int] = {}
-        # (model, size) -> [dispatched ahead - counted, jobs, seconds of wait predicted from the count]
-        # of the jobs counted more than 0 ahead, decayed
+        # (model, size) -> [dispatched ahead - counted, jobs; the same of the long jobs predicted with
+        # running jobs to go by, seconds of wait their counts predicted] of the jobs counted more than
+        # 0 ahead, decayed
         self.ahead_err: dict[tuple[str, int], list[float]] = {}
         self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
         # job id -> (predicted, raw, target, regime, its counts, its size) TTFT: until its first token
@@ -190,6 +192,9 @@ class Targets:
         # (model, class) -> counts by OUTCOMES: attainment and goodput (a job
         # that met every target it had: counted when the last is judged)
         self.by_class: dict[tuple[str, str], list[int]] = {}
+        # jobs taken off a worker to run again elsewhere while a prediction of theirs is open: still
+        # judged against their targets, but their TTFT / TPOT (the outage in it) teach no calibration
+        self.moved: set[str] = set()
         self.errors: deque[float] = deque(maxlen=SAMPLES)
         self.tpot_errors: deque[float] = deque(maxlen=SAMPLES)
 
@@ -288,14 +293,17 @@ class Targets:
         # target (the jobs ahead take the others'), in a large fleet the first of them
         share = scanned / usable if scanned < usable else 1.0
         gap = window / jobs if jobs >= MIN_RELEASES and window > 0.0 else 0.0
-        row = self.ahead_err.get((m.name, e.size)) if q > 0.0 else None
-        if row is not None and row[1] > 0.0:  # what the count misses (learnt: ``dispatching``)
-            if e.size == SHORT or not ends:  # round-robin granularity: a constant
+        if q > 0.0:  # what the count misses (learnt: ``dispatching``)
+            row = self.ahead_err.get((m.name, e.size))
+            if e.size != SHORT and ends:
+                # the short arrivals served first while it waits: per second of the wait its count predicts
+                w0 = self.last_w0 = max(0.0, kth_release(ends, q * share, now, gap) - now)
+                if row is not None and row[3] > 0.0:
+                    q = max(0.0, q + row[2] / row[3] * w0)
+                elif row is not None and row[1] > 0.0:
+                    q = max(0.0, q + row[0] / row[1])
+            elif row is not None and row[1] > 0.0:  # round-robin granularity: a constant
                 q = max(0.0, q + row[0] / row[1])
-            elif row[2] > 0.0:  # the short arrivals served first meanwhile: per second of its wait
-                w0 = max(0.0, kth_release(ends, q * share, now, gap) - now)
-                self.last_w0 = w0
-                q = max(0.0, q + row[0] / row[2] * w0)
         q *= share
         if not ends:
             if gap <= 0.0:  # (a cold fleet: one job's worth of the drain rate)
@@ -362,7 +370,7 @@ class Targets:
             theirs = (at - wrr[1 - e.size] / max(1, other_share)) * other_share
             if theirs > 0.0:
                 # whole jobs: the other size is served until its credit catches up, so a deficit of
-                # any size costs at least one of its jobs (a fraction under-counted ~0.3 jobs a short one)
+                # any size costs at least one of its jobs (counted as a fraction: ~0.3 jobs too few a short one)
                 n += min(float(other.count), math.ceil(theirs * other.count / other.tokens))
         return n
 
@@ -484,6 +492,8 @@ class Targets:
         """The job's first token came ``ttft`` seconds after its arrival."""
         got = self.pending.pop(job_id, None)
         if got is None or ttft <= 0.0:
+            if self.moved and job_id not in self.decoding:
+                self.moved.discard(job_id)
             return
         predicted, raw, target, regime, counts, size = got
         met = ttft <= target
@@ -494,6 +504,10 @@ class Targets:
             d[3] = 0 if met else 1  # judged with its TPOT at its end
         elif met:
             counts[GOODPUT] += 1
+        if self.moved and job_id in self.moved:
+            if d is None:
+                self.moved.discard(job_id)
+            return
         self.errors.append(abs(ttft - predicted) / ttft)
         if raw > 0.0:
             # (a ratio of sums, not a mean of ratios: a short raw prediction's large ratio would pull it up)
@@ -509,6 +523,7 @@ class Targets:
         """The job ended, its tokens after the first ``tpot`` seconds apart (0: unknown)."""
         got = self.decoding.pop(job_id, None)
         if got is None or tpot <= 0.0:
+            self.moved.discard(job_id)
             return
         predicted, raw, target, ttft_missed, counts, _, model = got
         met = tpot <= target
@@ -516,6 +531,9 @@ class Targets:
         counts[TPOT_MET if met else TPOT_MISSED] += 1
         if met and not ttft_missed:
             counts[GOODPUT] += 1
+        if self.moved and job_id in self.moved:
+            self.moved.discard(job_id)
+            return
         self.tpot_errors.append(abs(tpot - predicted) / tpot)
         if raw > 0.0:
             self.tpot_factor[model] = _learn(self.tpot_factor.get(model, 1.0), tpot / raw)
@@ -565,15 +583,26 @@ class Targets:
         at, q, model, size, w0 = got
         row = self.ahead_err.get((model, size))
         if row is None:
-            row = self.ahead_err[(model, size)] = [0.0, 0.0, 0.0]
-        row[0] = row[0] * FACTOR_KEEP + (self.model_dispatched.get(model, 0) - at - q)
+            row = self.ahead_err[(model, size)] = [0.0, 0.0, 0.0, 0.0]
+        miss = self.model_dispatched.get(model, 0) - at - q
+        row[0] = row[0] * FACTOR_KEEP + miss
         row[1] = row[1] * FACTOR_KEEP + 1.0
-        row[2] = row[2] * FACTOR_KEEP + w0
+        if w0 > 0.0:  # (a long job's: its miss per second of the wait its count predicted)
+            row[2] = row[2] * FACTOR_KEEP + miss
+            row[3] = row[3] * FACTOR_KEEP + w0
+
+    def taken_off(self, job_id: str) -> None:
+        """The job was taken off its worker to run again elsewhere: judged
+        where it runs next against what was predicted at its admission, but
+        what it then observes (its outage included) is no calibration sample."""
+        if job_id in self.pending or job_id in self.decoding:
+            self.moved.add(job_id)
 
     def forget(self, job_id: str) -> None:
         self.ahead_at.pop(job_id, None)
         self.pending.pop(job_id, None)
         self.decoding.pop(job_id, None)
+        self.moved.discard(job_id)
 
     def view(self) -> list[dict[str, object]]:
         """Attainment and goodput per (model, class), for /metrics."""

@@ -244,7 +244,7 @@ def test_a_long_jobs_miss_is_learnt_per_second_of_its_wait_and_corrects_the_next
         t.model_dispatched["m"] = t.model_dispatched.get("m", 0) + 4
         t.dispatching(f"j{k}")
     sums = t.ahead_err[("m", LONG)]
-    assert abs(sums[0] / sums[2] - 4.0) < 1e-9  # jobs missed per second of the predicted wait
+    assert abs(sums[2] / sums[3] - 4.0) < 1e-9  # jobs missed per second of the predicted wait
     now = 0.0
     for p in (learnt, fresh):
         now = step_all(p, 50, 0.0, 0.01)
@@ -252,5 +252,11 @@ def test_a_long_jobs_miss_is_learnt_per_second_of_its_wait_and_corrects_the_next
             assert p.submit(replace(job(f"l{k}", max_tokens=5000), task_type=TaskType.LONG), now) is None
         assert p.submit(replace(job("a", max_tokens=5000, target_ms=60_000), task_type=TaskType.LONG), now) is None
     w0 = t.ahead_at["a"][4]  # its wait from its count alone, recorded to learn from at its dispatch
-    assert w0 > 0.0 and fresh.targets.ahead_at["a"][4] == 0.0  # (nothing learnt: no correction, none recorded)
+    assert w0 > 0.0 and fresh.targets.ahead_at["a"][4] == w0
     assert learnt.targets.pending["a"][1] > fresh.targets.pending["a"][1]  # q + 4 x w0 releases away
+    # and learnt from what happens, not only from the rows above: fresh dispatches it
+    for k in range(4):
+        fresh.finish(f"bg{k}", now)
+    fresh.schedule(now)
+    row = fresh.targets.ahead_err[("m", LONG)]
+    assert "a" not in fresh.targets.ahead_at and row[3] > 0.0 and row[2] == row[0]
