@@ -140,7 +140,11 @@ class Policy:
         """Forget a worker; the ids of the jobs that ran there, released."""
         self.prefix.remove_worker(worker_id)
         self.placement.adapters.remove_worker(worker_id)
-        return self.reservations.remove_worker(worker_id, now)
+        lost = self.reservations.remove_worker(worker_id, now)
+        if self.targets.pending or self.targets.decoding:
+            for job_id in lost:  # (moved on by the caller: judged where they run next)
+                self.targets.taken_off(job_id)
+        return lost
 
     # ------------------------------------------------------------ jobs
 
@@ -175,7 +179,7 @@ class Policy:
         ``tpot_s``: its tokens after the first came this far apart (0: unknown),
         which judges its TPOT target (router.policy.targets)."""
         targets = self.targets
-        if targets.pending or targets.decoding:  # (also where the policy released it already: expired, aborted)
+        if targets.pending or targets.decoding or targets.moved:  # (also where the policy released it already)
             if tpot_s > 0.0 and targets.decoding:
                 targets.ended(job_id, tpot_s)
             targets.forget(job_id)
@@ -204,6 +208,7 @@ class Policy:
         if e is None or e.state != PLACED:
             return False
         self.reservations.release(e, now, count_rate=False)
+        self.targets.taken_off(job_id)
         self.counters["taken_off"] += 1
         return True
 

@@ -346,3 +346,33 @@ def test_a_job_taken_off_its_worker_is_judged_where_it_runs_next_and_teaches_not
     assert "a" in {a.job_id for a in p.schedule(0.05) if isinstance(a, DispatchJob)}
     p.first_token("a", "m", 0.06)
     assert p.counters["ttft_target_met"] == 1 and "a" not in p.targets.pending
+
+
+def test_a_job_moved_off_its_worker_is_judged_but_its_outage_teaches_no_calibration():
+    """Taken off (a stall, a drain's timeout) or its worker lost: its first
+    token elsewhere comes late by the outage.  That counts as a miss against
+    its target, but is no sample of how long requests take to start: the
+    calibration factor and the error gauge stay as the others made them."""
+    p = policy()
+    for k in range(20):  # some ordinary samples first
+        assert p.submit(job(f"n{k}", target_ms=200), float(k)) is None
+        p.schedule(float(k))
+        p.first_token(f"n{k}", "m", 0.004)
+        p.finish(f"n{k}", float(k) + 0.5)
+    factors, errors = dict(p.targets.factor), len(p.targets.errors)
+    assert p.submit(job("slow", target_ms=200), 30.0) is None
+    assert p.submit(job("lost", target_ms=200), 30.0) is None
+    placed = {a.job_id: a.worker_id for a in p.schedule(30.0) if isinstance(a, DispatchJob)}
+    assert p.taken_off("slow", 40.0)  # stalled 10 s
+    assert placed["lost"] != placed["slow"]
+    assert p.remove_worker(placed["lost"], 40.0) == ["lost"]
+    for jid in ("slow", "lost"):
+        assert p.submit(job(jid, target_ms=200, now=30.0), 40.0, requeue=True) is None
+    p.schedule(40.0)
+    p.first_token("slow", "m", 10.01)
+    p.first_token("lost", "m", 10.02)
+    assert p.counters["ttft_target_missed"] == 2  # judged
+    assert p.targets.factor == factors and len(p.targets.errors) == errors  # taught nothing
+    p.finish("slow", 41.0)
+    p.finish("lost", 41.0)
+    assert not p.targets.moved and not p.targets.pending
