@@ -16,7 +16,7 @@ import msgspec
 from router.api.chat import ChatRequest, Message, chat_options
 from router.api.chat import _chat_message as chat_message
 from router.api.encoding import encode
-from router.api.errors import invalid
+from router.api.errors import invalid, nesting_bounded
 from router.api.request import decode_body
 from router.api.tools import ChatTool, ToolSpec
 from shared.protocol import NonNegativeInt, RequestKind, Submit
@@ -82,6 +82,7 @@ def _model(model: str | None) -> str:
     return model
 
 
+@nesting_bounded
 def parse_tokenize(body: bytes) -> TokenizeJob:
     req = decode_body(_tokenize_decoder, body)
     model = _model(req.model)

@@ -558,7 +558,10 @@ class HttpConnection(asyncio.Protocol):
             ctx.echo = echoes[0]
         if ctx.tools is not None:  # how the model writes tool calls (its config; None: refused by submit)
             ctx.tools.parser, ctx.tools.auto_enabled = core.tool_parser(subs[0].model)
-            api.constrain_auto(subs[0], ctx.tools)  # auto with a strict tool: vLLM's structural tag
+            try:
+                api.constrain_auto(subs[0], ctx.tools)  # auto with a strict tool: vLLM's structural tag
+            except api.RequestError as e:  # (tools nested too deeply to write the tag)
+                return self.refuse(req, e.info, label)
         ex = (exchange or Exchange)(self, req, ctx, label)
         self.current = ex
         self.busy = True

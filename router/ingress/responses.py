@@ -153,7 +153,10 @@ class ResponsesApi:
         """Answer at once with the queued object; the turn runs on, its end stored."""
         if ctx.tools is not None:  # as HttpConnection.run does
             ctx.tools.parser, ctx.tools.auto_enabled = self.core.tool_parser(sub.model)
-            api.constrain_auto(sub, ctx.tools)
+            try:
+                api.constrain_auto(sub, ctx.tools)
+            except api.RequestError as e:
+                return conn.refuse(req, e.info, label)
         sink = BackgroundTurn(self, ctx, turn, caller)
         sub.trace_id = turn.id
         result = self.core.submit(sub, sink)

@@ -90,6 +90,9 @@ class ScriptedCore:
         self.tasks[handle] = asyncio.get_running_loop().create_task(self._run(handle, sub, text, sink))
         return handle
 
+    def tool_parser(self, model: str) -> tuple[str | None, bool]:
+        return "hermes", True  # (how the served model writes tool calls, as its config says)
+
     def cancel(self, handle: int) -> None:
         self.cancels.append(handle)
         task = self.tasks.pop(handle, None)
@@ -486,6 +489,24 @@ def test_worker_refusing_prompt_logprobs_names_echo_the_field_the_client_sent(se
 
 
 # ------------------------------------------------------------ HTTP/1.1 behaviour
+
+
+def test_tools_nested_too_deeply_to_write_their_constraint_are_a_400_never_a_500(server):
+    """auto with a strict tool: the router writes vLLM's structural tag from the
+    tool's schema, which nests it a few levels deeper than the body did.  At
+    every depth up to the body decoder's limit: served, or a 400."""
+    statuses = []
+    for depth in range(900, 1000, 2):
+        schema = '{"a":' * depth + "{}" + "}" * depth
+        body = (
+            '{"model":"tiny","messages":[{"role":"user","content":"x"}],"max_tokens":1,'
+            '"tools":[{"type":"function","function":{"name":"f","strict":true,"parameters":' + schema + "}}]}"
+        )
+        r = requests.post(server.url + "/v1/chat/completions", data=body, timeout=10)
+        statuses.append(r.status_code)
+        if r.status_code == 400:
+            assert r.json()["error"]["type"] == "invalid_request_error"
+    assert set(statuses) <= {200, 400} and 400 in statuses, statuses
 
 
 def test_keep_alive_reuses_one_connection(server):

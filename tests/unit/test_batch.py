@@ -357,3 +357,11 @@ def test_an_embeddings_line_ends_once_with_every_vector_in_order_or_with_the_fir
     line = EmbeddingLine(_Run(), 0, b"", "a", jobs.ctx)
     got = line.submit(AsOwner(core, None), jobs.subs)
     assert got is not None and got.code == "queue_full" and core.cancelled == [1, 2] and line.handles == []
+
+
+def test_a_line_nested_past_the_decoders_depth_is_an_invalid_line_not_a_failed_batch(tmp_path):
+    ok = {"custom_id": "c0", "url": "/v1/completions", "body": {}}
+    deep = b'{"custom_id":"c1","url":"/v1/completions","body":' + b'{"a":' * 5000 + b"{}" + b"}" * 5000 + b"}"
+    got = check_file(_write(tmp_path / "deep.jsonl", [ok, deep, ok]))
+    assert [(e.code, e.line) for e in got.errors] == [("invalid_json_line", 2), ("duplicate_custom_id", 3)]
+    assert decode_line(deep) is None  # (fed anyway, it is a bad line's error entry, not an exception)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router import api
+from router.api.tokenize import parse_tokenize
 from router.api.tools import (
     ChatTool,
     ChoiceToolStream,
@@ -435,7 +436,7 @@ def _nested(depth: int) -> str:
     return '{"a":' * depth + "{}" + "}" * depth
 
 
-@pytest.mark.parametrize("where", ["tool", "strict-auto", "call-arguments"])
+@pytest.mark.parametrize("where", ["tool", "strict-auto", "call-arguments", "tokenize"])
 def test_json_nested_near_the_decoders_limit_is_a_400_never_a_recursion_error(where):
     """The body decoder takes ~990 levels (fewer with more frames above it); the parsers re-encode tool schemas
     and call arguments with json.dumps, whose limit is lower by the frames
@@ -464,6 +465,9 @@ def test_json_nested_near_the_decoders_limit_is_a_400_never_a_recursion_error(wh
                 + "}]}"
             )
         try:
+            if where == "tokenize":  # (/tokenize with messages and tools: the chat template's inputs)
+                parse_tokenize(body.encode())
+                continue
             sub, ctx = api.parse_chat(body.encode(), api.RequestMeta(), "r")
             if ctx.tools is not None:
                 ctx.tools.parser, ctx.tools.auto_enabled = "hermes", True

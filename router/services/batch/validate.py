@@ -108,7 +108,7 @@ def check_file(path: Path) -> FileCheck:
                 if len(errors) < MAX_FILE_ERRORS:
                     errors.append(BatchError("invalid_request", f"custom_id: {e}", line=lines, param="custom_id"))
                 continue
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):  # (nested past the decoder's depth: not JSON to us)
                 if len(errors) < MAX_FILE_ERRORS:
                     errors.append(BatchError("invalid_json_line", "This line is not valid JSON.", line=lines))
                 continue
@@ -136,7 +136,7 @@ def _duplicates(path: Path, dup: set[int]) -> list[BatchError]:
         for n, raw in enumerate(f, 1):
             try:
                 k = _key(_head.decode(raw).custom_id)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 continue
             if k in dup:
                 if k in seen and len(out) < MAX_FILE_ERRORS:
@@ -153,7 +153,7 @@ def decode_line(raw: bytes) -> BatchLine | None:
     """None: a line the file check already refused (it never gets here in a validated batch)."""
     try:
         return _line.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
 
 
