@@ -30,6 +30,8 @@ def _prepare_child() -> None:
     # worker would never see the stop it is sent (and be SIGKILLed after the
     # grace period, its drain lost) -- so every component starts unblocked.
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (nor ignored: an ignored signal stays so across exec too)
+        signal.signal(sig, signal.SIG_DFL)
     # If the launcher dies without stopping us (SIGKILL, a crashed test run),
     # the kernel sends SIGTERM.  Linux only.
     try:

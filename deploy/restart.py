@@ -68,7 +68,9 @@ def _get_json(url: str) -> Any:
     return json.loads(body) if status == 200 else None
 
 
-def _wait(pred: Callable[[], bool], timeout_s: float) -> bool:
+def _wait(pred: Callable[[], bool], timeout_s: float, poll: Callable[[float], None] = time.sleep) -> bool:
+    """Until ``pred()`` or ``timeout_s``; ``poll`` sleeps between checks (a
+    Stack's ``poll`` also ends the wait when a stop is asked for)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -76,7 +78,7 @@ def _wait(pred: Callable[[], bool], timeout_s: float) -> bool:
                 return True
         except (OSError, ValueError, urllib.error.URLError):
             pass  # not answering yet
-        time.sleep(POLL_S)
+        poll(POLL_S)
     return False
 
 
@@ -96,8 +98,8 @@ def restart_routers(stack: Any, say: Callable[[str], None]) -> bool:
         old = comp.pid
         t0 = time.monotonic()
         comp.signal_group(signal.SIGTERM)
-        back = _wait(restarted(comp, url, old), timeout)
-        back = back and _wait(lambda: stack.envoy_healthy_routers() == len(stack.router_urls), timeout)
+        back = _wait(restarted(comp, url, old), timeout, stack.poll)
+        back = back and _wait(lambda: stack.envoy_healthy_routers() == len(stack.router_urls), timeout, stack.poll)
         say(
             f"{name} {'drained and back' if back else 'NOT back'} in {time.monotonic() - t0:.1f} s "
             f"(pid {old} -> {comp.pid})"
@@ -131,7 +133,7 @@ def _active_requests(admin_url: str) -> int:
     return int(stats["stats"][0]["value"]) if stats and stats.get("stats") else 0
 
 
-def drain_envoy(comp: Component, admin_url: str, timeout_s: float) -> bool:
+def drain_envoy(comp: Component, admin_url: str, timeout_s: float, poll: Callable[[float], None] = time.sleep) -> bool:
     """Stop an Envoy gracefully: listeners drained (clients told to close, no
     new connection after its drain time), in-flight requests to their end
     (up to ``timeout_s``), then SIGTERM.  True if nothing was cut."""
@@ -139,7 +141,7 @@ def drain_envoy(comp: Component, admin_url: str, timeout_s: float) -> bool:
 
     _post(admin_url + "/drain_listeners?graceful")
     time.sleep(ENVOY_DRAIN_S)
-    clean = _wait(lambda: _active_requests(admin_url) == 0, timeout_s)
+    clean = _wait(lambda: _active_requests(admin_url) == 0, timeout_s, poll)
     comp.signal_group(signal.SIGTERM)
     if comp.proc is not None:
         comp.proc.wait(timeout=10)
@@ -167,20 +169,20 @@ def restart_envoy(stack: Any, say: Callable[[str], None]) -> bool:
     )
     standin.start()
     try:
-        if not _wait(lambda: _envoy_ready(standin_admin, routers), timeout):
+        if not _wait(lambda: _envoy_ready(standin_admin, routers), timeout, stack.poll):
             say(f"envoy stand-in not ready: {standin.tail()}")
             return False
         envoy: Component = stack.components["envoy"]
         with stack._lock:
             envoy.stopping = True  # the supervisor leaves it to us
-        clean = drain_envoy(envoy, stack.admin_url, timeout)
+        clean = drain_envoy(envoy, stack.admin_url, timeout, stack.poll)
         envoy.start()
         with stack._lock:
             envoy.stopping = False
-        if not _wait(lambda: _envoy_ready(stack.admin_url, routers), timeout):
+        if not _wait(lambda: _envoy_ready(stack.admin_url, routers), timeout, stack.poll):
             say(f"envoy not ready again: {envoy.tail()}")
             return False
-        clean = drain_envoy(standin, standin_admin, timeout) and clean
+        clean = drain_envoy(standin, standin_admin, timeout, stack.poll) and clean
     finally:
         standin.signal_group(signal.SIGKILL)  # (a no-op once it stopped)
         if standin.proc is not None:
@@ -245,8 +247,11 @@ def serve_request(stack: Any, say: Callable[[str], None]) -> None:
         with open(answer, "a") as f:
             f.write(msg + "\n")
 
-    ok = restart(stack, req["what"], tell)
-    tell(f"DONE {'ok' if ok else 'failed'}")
+    ok = False
+    try:
+        ok = restart(stack, req["what"], tell)
+    finally:  # (also when a stop interrupts it: the asker is told)
+        tell(f"DONE {'ok' if ok else 'failed'}")
 
 
 def ask(cfg_path: Path, what: str, run_dir: Path | None, timeout_s: float, out: Callable[[str], None]) -> int:

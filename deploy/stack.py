@@ -244,7 +244,7 @@ class Stack:
                 if time.monotonic() > deadlines[wid]:
                     raise comp.failure(f"did not register with the router in {self._worker_timeout(wid):.0f} s")
             if pending:
-                self._poll(POLL_S * 2)
+                self.poll(POLL_S * 2)
 
     def _worker_timeout(self, wid: str) -> float:
         if self.worker_ready_s is not None:
@@ -264,9 +264,9 @@ class Stack:
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 raise comp.failure(f"{what} after {timeout_s:.0f} s")
-            self._poll(POLL_S)
+            self.poll(POLL_S)
 
-    def _poll(self, seconds: float) -> None:
+    def poll(self, seconds: float) -> None:
         """Sleep between two checks of a wait; end the wait if a stop was asked for."""
         time.sleep(seconds)
         if self.stop_requested:
@@ -315,7 +315,7 @@ class Stack:
             comp.signal_group(signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and not (comp.pid != old and wid in self._registered_workers()):
-                self._poll(POLL_S)
+                self.poll(POLL_S)
             ok = comp.pid != old and wid in self._registered_workers()
             said.append(f"worker {wid} {'restarted' if ok else 'NOT back'} (pid {old} -> {comp.pid})")
             self.progress(said[-1])

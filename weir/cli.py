@@ -90,9 +90,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Stack.start and the finally below stop every child.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_stop)
-    # A signal blocked by whoever started us stays blocked across exec and
-    # would never reach these handlers.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1})
     rolling = threading.Event()  # SIGHUP: restart every worker, one by one, losing no request
     signal.signal(signal.SIGHUP, lambda *_: rolling.set())
     restart_asked = threading.Event()  # SIGUSR1: `weir restart` left a request in the run dir
@@ -101,6 +98,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     say(f"config {stack.cfg_path}; run dir {stack.run_dir}")
     rc = 0
     try:
+        # A signal blocked by whoever started us stays blocked across exec and
+        # would never reach the handlers above (unblocked once they are all in,
+        # here: one already pending is then handled as any other).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1})
         stack.start()
         say(f"everything ready in {time.monotonic() - t0:.1f} s")
         restart.announce(stack.cfg_path, stack.run_dir)

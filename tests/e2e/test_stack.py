@@ -198,7 +198,7 @@ def test_worker_that_dies_at_start_is_reported(tmp_path):
     assert not any(group_members(pgid) for pgid in stack.process_groups())
 
 
-@pytest.mark.parametrize("blocked", [False, True], ids=["", "launched-with-stop-signals-blocked"])
+@pytest.mark.parametrize("blocked", [False, True], ids=["default", "launched-with-stop-signals-blocked"])
 def test_weir_up_interrupted_while_starting_leaves_nothing(tmp_path, blocked):
     # A launcher may leave SIGINT/SIGTERM blocked (the mask survives exec):
     # weir up unblocks its own and starts every component with none blocked.
