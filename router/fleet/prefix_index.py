@@ -32,8 +32,8 @@ until the block's latest speculation by any worker expires: a TTL after its
 own at first, up to one TTL more per later speculation that comes while it is
 fresh (a prefix speculated again every second stays on every worker that got
 it).  Safe: a stale-speculative entry as above gives affinity, never
-capacity, and the worker did get the prompt.  (A dict of its own per block,
-{bit: expiry}, cost 2-3x as much to speculate and to expire in a burst,
+capacity, and the worker did get the prompt.  (Why flat: a dict per block,
+{bit: expiry}, costs 2-3x as much to speculate and to expire in a burst,
 where ~500k speculative blocks live at once.)
 
 Bound: at most ``max_blocks`` entries per model; the least recently stored
