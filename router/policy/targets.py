@@ -18,8 +18,8 @@ TTFT predicted = raw x a calibration factor per model, regime and size
   of deficit round robin, the other size's share of the short : long
   round robin from its credit, in whole jobs; plus what that count missed,
   learnt from how many were dispatched before each such job: for a short
-  job a constant, for a long one jobs per second of the wait its count
-  predicts -- the short arrivals served first while it waits) -- plus its
+  job a constant, for a long one a line in the wait its count predicts --
+  the short arrivals served first while it waits: ``miss_line``) -- plus its
   own prefill and a step.  A job's expected end (``expected_end``) is
   counted on its worker's step clock: the worker's engine steps (one
   output message each: ``stepped``) since it was placed, against a step
@@ -121,6 +121,26 @@ def kth_release(ends: list[float], q: float, now: float, gap: float) -> float:
     return at(k) + frac * (at(k + 1) - at(k))
 
 
+MIN_LINE_JOBS = 16.0  # long jobs (decayed) before their miss's line in the wait is used
+MIN_LINE_SPREAD_S = 0.01  # nor before their waits spread this much (s.d., seconds): else the constant
+
+
+def miss_line(row: list[float]) -> tuple[float, float] | None:
+    """(a, b): a long job's count misses a + b x its predicted wait (b >= 0:
+    the short arrivals served first meanwhile), least squares over the
+    decayed sums of ``Targets.ahead_err``'s row; None until enough jobs
+    with waits spread enough (a slope from a few nearly equal waits, or a
+    single tiny one, would be noise scaled up)."""
+    n, sw, sww, sm, swm = row[2], row[3], row[4], row[5], row[6]
+    if n < MIN_LINE_JOBS:
+        return None
+    var = sww / n - (sw / n) ** 2
+    if var < MIN_LINE_SPREAD_S * MIN_LINE_SPREAD_S:
+        return None
+    b = max(0.0, (swm / n - (sw / n) * (sm / n)) / var)
+    return sm / n - b * sw / n, b
+
+
 def tpot_raw(w: WorkerState) -> float:
     """Uncalibrated TPOT of a job joining ``w`` now: a step at its decode load with it."""
     fixed, per_seq = step_parts(w)
@@ -173,15 +193,15 @@ class Targets:
         self.factor: dict[tuple[str, int, int], float] = {}
         self.factor_sums: dict[tuple[str, int, int], list[float]] = {}  # [observed, raw] TTFT, decayed
         self.last_q = 0.0  # the jobs ahead counted by the last prediction with every slot taken
-        self.last_w0 = 0.0  # a long job's wait predicted from that count alone (0: not corrected by it)
+        self.last_w0 = -1.0  # a long job's wait predicted from that count alone (-1: none worked out)
         # job id -> (its model's dispatches at its admission, the jobs ahead counted, model, size, that wait):
         # admitted with a TTFT target while every slot was taken, until it is dispatched
         self.ahead_at: dict[str, tuple[int, float, str, int, float]] = {}
         # model -> jobs dispatched (per model: another model's dispatches do not go before a job)
         self.model_dispatched: dict[str, int] = {}
-        # (model, size) -> [dispatched ahead - counted, jobs; the same of the long jobs predicted with
-        # running jobs to go by, seconds of wait their counts predicted] of the jobs counted more than
-        # 0 ahead, decayed
+        # (model, size) -> [sum of (dispatched ahead - counted), jobs; of the long jobs predicted with
+        # running jobs to go by, with w the wait their counts predicted and m that miss: n, sum w,
+        # sum w^2, sum m, sum w*m] of the jobs counted more than 0 ahead, decayed (``miss_line``)
         self.ahead_err: dict[tuple[str, int], list[float]] = {}
         self.tpot_factor: dict[str, float] = {}  # per model: observed / raw predicted TPOT
         # job id -> (predicted, raw, target, regime, its counts, its size) TTFT: until its first token
@@ -268,7 +288,7 @@ class Targets:
             mean_job = tokens / jobs if jobs >= MIN_RELEASES and tokens > 0.0 else float(e.tokens)
             q = ahead / mean_job if mean_job > 0.0 else 0.0
         self.last_q = q
-        self.last_w0 = 0.0
+        self.last_w0 = -1.0
         ends: list[float] = []
         scanned = usable = 0
         ratio = self.end_ratio(m.name)
@@ -296,10 +316,11 @@ class Targets:
         if q > 0.0:  # what the count misses (learnt: ``dispatching``)
             row = self.ahead_err.get((m.name, e.size))
             if e.size != SHORT and ends:
-                # the short arrivals served first while it waits: per second of the wait its count predicts
+                # the short arrivals served first while it waits: a line in the wait its count predicts
                 w0 = self.last_w0 = max(0.0, kth_release(ends, q * share, now, gap) - now)
-                if row is not None and row[3] > 0.0:
-                    q = max(0.0, q + row[2] / row[3] * w0)
+                fit = miss_line(row) if row is not None else None
+                if fit is not None:
+                    q = max(0.0, q + fit[0] + fit[1] * w0)
                 elif row is not None and row[1] > 0.0:
                     q = max(0.0, q + row[0] / row[1])
             elif row is not None and row[1] > 0.0:  # round-robin granularity: a constant
@@ -583,13 +604,17 @@ class Targets:
         at, q, model, size, w0 = got
         row = self.ahead_err.get((model, size))
         if row is None:
-            row = self.ahead_err[(model, size)] = [0.0, 0.0, 0.0, 0.0]
+            row = self.ahead_err[(model, size)] = [0.0] * 7
         miss = self.model_dispatched.get(model, 0) - at - q
-        row[0] = row[0] * FACTOR_KEEP + miss
-        row[1] = row[1] * FACTOR_KEEP + 1.0
-        if w0 > 0.0:  # (a long job's: its miss per second of the wait its count predicted)
-            row[2] = row[2] * FACTOR_KEEP + miss
-            row[3] = row[3] * FACTOR_KEEP + w0
+        k = FACTOR_KEEP
+        row[0] = row[0] * k + miss
+        row[1] = row[1] * k + 1.0
+        if w0 >= 0.0:  # (a long job predicted with running jobs: its miss against its wait, for the line)
+            row[2] = row[2] * k + 1.0
+            row[3] = row[3] * k + w0
+            row[4] = row[4] * k + w0 * w0
+            row[5] = row[5] * k + miss
+            row[6] = row[6] * k + w0 * miss
 
     def taken_off(self, job_id: str) -> None:
         """The job was taken off its worker to run again elsewhere: judged

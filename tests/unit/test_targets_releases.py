@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.policy import DispatchJob, Job, Policy, WorkerSpec
 from router.policy.records import Entry, WorkerState
-from router.policy.targets import FULL, Targets, expected_end, kth_release
+from router.policy.targets import FULL, Targets, expected_end, kth_release, miss_line
 from router.policy.types import LONG, SHORT
 from shared.config import SchedulerConfig
 from shared.protocol import TaskType
@@ -154,7 +154,7 @@ def test_what_the_count_of_jobs_ahead_misses_on_average_is_learnt_from_the_dispa
     t = p.targets
     now = step_all(p, 90, 0.0, 0.01)
     for k in range(300):  # each counted one job ahead, and two were dispatched before it
-        t.ahead_at[f"j{k}"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT, 0.0)
+        t.ahead_at[f"j{k}"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT, -1.0)
         t.model_dispatched["m"] = t.model_dispatched.get("m", 0) + 2
         t.dispatching(f"j{k}")
     sums = t.ahead_err[("m", SHORT)]
@@ -173,7 +173,7 @@ def test_what_the_count_of_jobs_ahead_misses_on_average_is_learnt_from_the_dispa
 def test_only_its_own_models_dispatches_count_as_gone_before_a_job():
     p = full_policy()
     t = p.targets
-    t.ahead_at["j"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT, 0.0)  # counted one ahead on model m
+    t.ahead_at["j"] = (t.model_dispatched.get("m", 0), 1.0, "m", SHORT, -1.0)  # counted one ahead on model m
     p.add_worker(worker_spec(9, seqs=64, model="n"), 0.0)
     for k in range(50):  # another model's jobs, dispatched meanwhile
         assert p.submit(replace(job(f"n{k}"), model="n"), 0.0) is None
@@ -232,19 +232,20 @@ def test_jobs_ahead_counts_whole_jobs_of_the_other_size_as_round_robin_serves_th
     assert order.index("x") == 4 and order.index("long") < 4, order
 
 
-def test_a_long_jobs_miss_is_learnt_per_second_of_its_wait_and_corrects_the_next_by_its_own_wait():
+def test_a_long_jobs_miss_is_learnt_as_a_line_in_its_wait_and_corrects_the_next_by_its_own_wait():
     """Short jobs that arrive while a long one waits are served first (round
-    robin): what its count misses grows with how long it waits.  Learnt as
-    jobs missed per second of the wait predicted from the count; a short
-    job's miss (round-robin granularity) stays a constant."""
+    robin): what its count misses grows with how long it waits.  Learnt as a
+    line in the wait predicted from the count (least squares); a short job's
+    miss (round-robin granularity) stays a constant."""
     learnt, fresh = full_policy(), full_policy()
     t = learnt.targets
-    for k in range(300):  # each counted two ahead with a 0.5 s wait from that count; four went before it
-        t.ahead_at[f"j{k}"] = (t.model_dispatched.get("m", 0), 2.0, "m", LONG, 0.5)
-        t.model_dispatched["m"] = t.model_dispatched.get("m", 0) + 4
+    for k in range(300):  # counted two ahead with waits of 0.25-1 s; 1 + 4 x wait more went before each
+        w = 0.25 * (1 + k % 4)
+        t.ahead_at[f"j{k}"] = (t.model_dispatched.get("m", 0), 2.0, "m", LONG, w)
+        t.model_dispatched["m"] = t.model_dispatched.get("m", 0) + 2 + int(1 + 4 * w)
         t.dispatching(f"j{k}")
-    sums = t.ahead_err[("m", LONG)]
-    assert abs(sums[2] / sums[3] - 4.0) < 1e-9  # jobs missed per second of the predicted wait
+    a, b = miss_line(t.ahead_err[("m", LONG)]) or (0.0, 0.0)
+    assert abs(a - 1.0) < 1e-6 and abs(b - 4.0) < 1e-6
     now = 0.0
     for p in (learnt, fresh):
         now = step_all(p, 50, 0.0, 0.01)
@@ -253,10 +254,32 @@ def test_a_long_jobs_miss_is_learnt_per_second_of_its_wait_and_corrects_the_next
         assert p.submit(replace(job("a", max_tokens=5000, target_ms=60_000), task_type=TaskType.LONG), now) is None
     w0 = t.ahead_at["a"][4]  # its wait from its count alone, recorded to learn from at its dispatch
     assert w0 > 0.0 and fresh.targets.ahead_at["a"][4] == w0
-    assert learnt.targets.pending["a"][1] > fresh.targets.pending["a"][1]  # q + 4 x w0 releases away
+    assert learnt.targets.pending["a"][1] > fresh.targets.pending["a"][1]  # q + 1 + 4 x w0 releases away
     # and learnt from what happens, not only from the rows above: fresh dispatches it
     for k in range(4):
         fresh.finish(f"bg{k}", now)
     fresh.schedule(now)
     row = fresh.targets.ahead_err[("m", LONG)]
-    assert "a" not in fresh.targets.ahead_at and row[3] > 0.0 and row[2] == row[0]
+    assert "a" not in fresh.targets.ahead_at and row[2] == 1.0 and row[3] == w0
+
+
+def test_the_miss_line_waits_for_enough_jobs_with_spread_waits_and_never_slopes_down():
+    """A single long job with a tiny wait (or many with the same wait) would
+    give a slope of noise scaled up: the constant miss is used until 16 jobs
+    with waits spread over 10 ms have been seen."""
+
+    def row(samples):
+        r = [0.0] * 7
+        for w, m in samples:
+            r[0] += m
+            r[1] += 1
+            r[2:] = [r[2] + 1, r[3] + w, r[4] + w * w, r[5] + m, r[6] + w * m]
+        return r
+
+    assert miss_line(row([(0.001, 1.0)])) is None  # one job, 1 ms: not 1,000 jobs a second
+    assert miss_line(row([(0.5, 3.0)] * 100)) is None  # no spread: no slope to learn
+    assert miss_line(row([(0.1 * (k % 5), 2.0) for k in range(15)])) is None  # too few
+    got = miss_line(row([(0.1 * (k % 5), 2.0 + 3.0 * 0.1 * (k % 5)) for k in range(40)]))
+    assert got is not None and abs(got[0] - 2.0) < 1e-9 and abs(got[1] - 3.0) < 1e-9
+    got = miss_line(row([(0.1 * (k % 5), 5.0 - 0.1 * (k % 5)) for k in range(40)]))
+    assert got is not None and got[1] == 0.0 and abs(got[0] - 4.8) < 1e-9  # (no fewer arrivals for a longer wait)
