@@ -86,18 +86,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.stop_requested = signal.Signals(signum).name  # (if the exception is lost, the next poll sees this)
         raise _Shutdown(stack.stop_requested)
 
-    # Ctrl-C / SIGTERM interrupt whatever we are doing (start-up included);
-    # Stack.start and the finally below stop every child.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_stop)
     rolling = threading.Event()  # SIGHUP: restart every worker, one by one, losing no request
-    signal.signal(signal.SIGHUP, lambda *_: rolling.set())
     restart_asked = threading.Event()  # SIGUSR1: `weir restart` left a request in the run dir
-    signal.signal(signal.SIGUSR1, lambda *_: restart_asked.set())
     t0 = time.monotonic()
-    say(f"config {stack.cfg_path}; run dir {stack.run_dir}")
     rc = 0
     try:
+        # Ctrl-C / SIGTERM interrupt whatever we are doing (start-up included);
+        # Stack.start and the finally below stop every child.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_stop)
+        signal.signal(signal.SIGHUP, lambda *_: rolling.set())
+        signal.signal(signal.SIGUSR1, lambda *_: restart_asked.set())
+        say(f"config {stack.cfg_path}; run dir {stack.run_dir}")
         # A signal blocked by whoever started us stays blocked across exec and
         # would never reach the handlers above (unblocked once they are all in,
         # here: one already pending is then handled as any other).
