@@ -12,7 +12,7 @@ from router import api
 from router.services.batch import rules as m
 from router.services.batch.lease import FileLease
 from router.services.batch.store import BatchStore, ResultLog, is_done, result_id
-from router.services.batch.validate import BatchLine, check_file, decode_line, to_jobs
+from router.services.batch.validate import BatchLine, check_file, decode_line, to_jobs, with_model_tools
 from shared import protocol as p
 from shared.errors import Code
 
@@ -365,3 +365,29 @@ def test_a_line_nested_past_the_decoders_depth_is_an_invalid_line_not_a_failed_b
     got = check_file(_write(tmp_path / "deep.jsonl", [ok, deep, ok]))
     assert [(e.code, e.line) for e in got.errors] == [("invalid_json_line", 2), ("duplicate_custom_id", 3)]
     assert decode_line(deep) is None  # (fed anyway, it is a bad line's error entry, not an exception)
+
+
+def test_a_chat_lines_tools_are_read_with_its_models_parser_as_a_live_requests_are():
+    """auto parses the model's calls only once its tool-call parser is known,
+    and is constrained by vLLM's structural tag for a strict tool: a batch
+    line gets both, as the live ingress gives them (without, its calls came
+    back as plain text)."""
+    chat = "/v1/chat/completions"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
+    jobs = to_jobs(
+        _line(chat, model="m", messages=[{"role": "user", "content": "x"}], tools=[tool], tool_choice="auto"),
+        chat,
+        1 << 20,
+        "rid",
+    )
+    with_model_tools(jobs, lambda model: ("hermes", True))
+    (sub,), ctx = jobs.subs, jobs.ctx
+    assert isinstance(ctx, api.ResponseContext) and ctx.tools is not None and ctx.tools.parses
+    assert sub.params is not None and sub.params.structured is not None and sub.params.structured.structural_tag
+    acc = api.Accumulator(ctx)
+    acc.add([p.Delta("rid", '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', 9, "stop", 3, 9)])
+    (choice,) = json.loads(acc.render())["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
+    ] == [("f", {"a": 1})]

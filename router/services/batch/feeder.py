@@ -38,7 +38,7 @@ from router.lifecycle.jobs import RUNNING, job_id_of
 from router.services.batch import rules as m
 from router.services.batch.lines import AsOwner, EmbeddingLine, InFlightLine, LineSink
 from router.services.batch.store import BatchRecord, result_id
-from router.services.batch.validate import LineJobs, decode_line, to_jobs
+from router.services.batch.validate import LineJobs, decode_line, to_jobs, with_model_tools
 from router.tenancy.identity import Identity
 from shared import protocol as p
 from shared.errors import Code, error
@@ -181,6 +181,7 @@ class LineFeeder:
         rid = result_id(rec.id, line)
         try:
             jobs = to_jobs(decoded, rec.endpoint, self.max_body, rid, self.max_prompts)
+            with_model_tools(jobs, self.core.tool_parser)
         except api.RequestError as e:
             self._error_entry(line, decoded.custom_id, e.info)
             return 0

@@ -178,3 +178,14 @@ def to_jobs(
     if isinstance(jobs.ctx, api.ResponseContext) and jobs.ctx.stream:
         raise api.invalid("stream is not supported in a batch", param="stream")
     return jobs
+
+
+def with_model_tools(jobs: LineJobs, tool_parser: Callable[[str], tuple[str | None, bool]]) -> None:
+    """As the live ingress does once the model is known: its tool-call parser
+    on a chat line's tools (``auto`` parses calls only with one) and ``auto``'s
+    structural tag where vLLM constrains it.  RequestError: tools nested too
+    deeply to write the tag."""
+    ctx = jobs.ctx
+    if isinstance(ctx, api.ResponseContext) and ctx.tools is not None:
+        ctx.tools.parser, ctx.tools.auto_enabled = tool_parser(jobs.subs[0].model)
+        api.constrain_auto(jobs.subs[0], ctx.tools)
