@@ -68,6 +68,28 @@ class FakeClock:
         return self.t
 
 
+def registration(
+    worker_id: str,
+    model: str,
+    *,
+    max_model_len: int = 4096,
+    kv: int = 8192,
+    seqs: int = 4,
+    engine: str = "sim",
+) -> p.Register:
+    """A worker's Register as the in-process tests join one: any pool, 16-token blocks."""
+    return p.Register(
+        worker_id=worker_id,
+        model=model,
+        pool=p.Pool.ANY,
+        max_model_len=max_model_len,
+        kv_capacity_tokens=kv,
+        block_size=16,
+        max_num_seqs=seqs,
+        engine=engine,
+    )
+
+
 def worker_spec(i: int, *, seqs: int = 8, max_len: int = 4096, cap: int = 1 << 20, model: str = "m") -> WorkerSpec:
     """Worker ``w{i}`` of model ``model`` as the policy knows it (router.policy.WorkerSpec), any pool."""
     from router.policy import WorkerSpec

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fakes import FakeClock, FakeSink, FakeWorkers
+from fakes import FakeClock, FakeSink, FakeWorkers, registration
 
 from deploy.make_adapter import build
 from router.lifecycle.core import RouterCore
@@ -48,18 +48,7 @@ def core(tmp_path):
     c.settle = lambda: [loop.run_until_complete(asyncio.sleep(0)) for _ in range(3)]  # type: ignore[attr-defined]
     for wid in ("w0", "w1"):
         workers.linked.add(wid)
-        c.worker_joined(
-            p.Register(
-                worker_id=wid,
-                model="tiny",
-                pool=p.Pool.ANY,
-                max_model_len=512,
-                kv_capacity_tokens=8192,
-                block_size=16,
-                max_num_seqs=4,
-                engine="vllm",
-            )
-        )
+        c.worker_joined(registration(wid, "tiny", max_model_len=512, engine="vllm"))
     yield c
     c.close()
     loop.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from fakes import registration
 from test_lifecycle import Harness, Sink
 
 from router import api
@@ -63,16 +64,7 @@ def h(prompts: ModelPrompts):
     harness = Harness(cfg, prompts={MODEL: prompts})
     harness.workers.linked.add("vllm-0")
     harness.core.worker_joined(
-        p.Register(
-            worker_id="vllm-0",
-            model=MODEL,
-            pool=p.Pool.ANY,
-            max_model_len=MAX_MODEL_LEN,
-            kv_capacity_tokens=KV_TOKENS,
-            block_size=16,
-            max_num_seqs=8,
-            engine="vllm",
-        )
+        registration("vllm-0", MODEL, max_model_len=MAX_MODEL_LEN, kv=KV_TOKENS, seqs=8, engine="vllm")
     )
     yield harness
     harness.close()

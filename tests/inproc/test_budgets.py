@@ -10,6 +10,7 @@ import asyncio
 
 import msgspec
 import pytest
+from fakes import registration
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -377,18 +378,7 @@ def test_embeddings_inputs_over_the_requests_budget_are_400_and_take_nothing(fh)
     conn, _ = embed_inputs(fh, 10)  # fits, but no worker serves sim-e: refused, all 10 units back
     assert conn.answers[0][1].code == "no_worker" and fh.level("requests_per_minute") == 10
     fh.workers.linked.add("we")
-    fh.core.worker_joined(
-        p.Register(
-            worker_id="we",
-            model="sim-e",
-            pool=p.Pool.ANY,
-            max_model_len=4096,
-            kv_capacity_tokens=10**6,
-            block_size=16,
-            max_num_seqs=64,
-            engine="sim",
-        )
-    )
+    fh.core.worker_joined(registration("we", "sim-e", kv=10**6, seqs=64))
     conn, batch = embed_inputs(fh, 10)  # the whole budget is still there for a request that fits
     assert not conn.answers and len(batch.handles) == 10
     assert fh.level("requests_per_minute") == 0

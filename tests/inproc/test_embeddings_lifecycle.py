@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from fakes import registration
 from test_lifecycle import Harness, Sink
 
 from router.policy.estimate import kv_cost
@@ -33,25 +34,12 @@ def config() -> Config:
     )
 
 
-def register(worker_id: str, model: str) -> p.Register:
-    return p.Register(
-        worker_id=worker_id,
-        model=model,
-        pool=p.Pool.ANY,
-        max_model_len=4096,
-        kv_capacity_tokens=8192,
-        block_size=16,
-        max_num_seqs=4,
-        engine="sim",
-    )
-
-
 @pytest.fixture
 def h():
     harness = Harness(config())
     for wid, model in (("wm", "sim-m"), ("we", "sim-e")):
         harness.workers.linked.add(wid)
-        harness.core.worker_joined(register(wid, model))
+        harness.core.worker_joined(registration(wid, model))
     yield harness
     harness.close()
 
@@ -93,7 +81,7 @@ def test_a_lost_worker_dispatches_an_embedding_again(h):
     a = embed(h)
     h.settle()
     h.workers.linked.add("we2")
-    h.core.worker_joined(register("we2", "sim-e"))
+    h.core.worker_joined(registration("we2", "sim-e"))
     h.workers.linked.discard("we")
     h.core.worker_left("we", "heartbeat_timeout")
     h.settle()

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from fakes import FakeClock as Clock
 from fakes import FakeSink as Sink
-from fakes import FakeWorkers
+from fakes import FakeWorkers, registration
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -42,16 +42,7 @@ def config(**scheduler) -> Config:
 
 
 def register(worker_id: str, seqs: int = 4, kv: int = 8192, model: str = "sim-m") -> p.Register:
-    return p.Register(
-        worker_id=worker_id,
-        model=model,
-        pool=p.Pool.ANY,
-        max_model_len=4096,
-        kv_capacity_tokens=kv,
-        block_size=16,
-        max_num_seqs=seqs,
-        engine="sim",
-    )
+    return registration(worker_id, model, kv=kv, seqs=seqs)
 
 
 class Harness:

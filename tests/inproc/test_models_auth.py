@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import requests
 import uvloop
+from fakes import registration
 from test_views import FakeLink
 
 from router.ingress.http_server import start_http_server
@@ -21,7 +22,6 @@ from router.lifecycle.core import RouterCore
 from router.lifecycle.reads import RouterCoreReads
 from router.observe.metrics import RouterMetrics
 from router.observe.views import RouterViews
-from shared import protocol as p
 from shared.config import Config
 from shared.keys import digest
 
@@ -50,18 +50,7 @@ class Router:
             metrics = RouterMetrics()
             core = RouterCore(cfg, self.loop, link, metrics=metrics)
             link.models["w0"] = MODEL
-            core.worker_joined(
-                p.Register(
-                    worker_id="w0",
-                    model=MODEL,
-                    pool=p.Pool.ANY,
-                    max_model_len=4096,
-                    kv_capacity_tokens=8192,
-                    block_size=16,
-                    max_num_seqs=4,
-                    engine="sim",
-                )
-            )
+            core.worker_joined(registration("w0", MODEL))
             views = RouterViews(RouterCoreReads(core), link, metrics)
             return core, await start_http_server(core, views, metrics, "127.0.0.1", 0)
 

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import requests
 import uvloop
-from fakes import FakeClock, FakeSink, FakeWorkers
+from fakes import FakeClock, FakeSink, FakeWorkers, registration
 
 from router.ingress.http_server import start_http_server
 from router.lifecycle.core import RouterCore
@@ -60,18 +60,7 @@ class Router:
         async def start():
             core = RouterCore(cfg, self.loop, self.workers, clock=self.clock)
             self.workers.linked.add("w0")
-            core.worker_joined(
-                p.Register(
-                    worker_id="w0",
-                    model=MODEL,
-                    pool=p.Pool.ANY,
-                    max_model_len=200_000,
-                    kv_capacity_tokens=10**7,
-                    block_size=16,
-                    max_num_seqs=64,
-                    engine="sim",
-                )
-            )
+            core.worker_joined(registration("w0", MODEL, max_model_len=200_000, kv=10**7, seqs=64))
             srv = await start_http_server(core, core, core.metrics, "127.0.0.1", 0, max_body_bytes=4 << 20)
             return core, srv
 

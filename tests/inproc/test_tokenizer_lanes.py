@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import uvloop
-from fakes import FakeSink, FakeWorkers
+from fakes import FakeSink, FakeWorkers, registration
 
 from router.lifecycle.core import RouterCore
 from router.lifecycle.jobs import job_id_of
@@ -97,18 +97,7 @@ def test_a_short_prompt_is_dispatched_while_a_burst_of_long_ones_is_tokenized():
     async def start() -> RouterCore:
         core = RouterCore(_config(tokenize_threads=2), loop, workers)
         workers.linked.add("w0")
-        core.worker_joined(
-            p.Register(
-                worker_id="w0",
-                model=MODEL,
-                pool=p.Pool.ANY,
-                max_model_len=200_000,
-                kv_capacity_tokens=10**8,
-                block_size=16,
-                max_num_seqs=64,
-                engine="sim",
-            )
-        )
+        core.worker_joined(registration("w0", MODEL, max_model_len=200_000, kv=10**8, seqs=64))
         return core
 
     def on_loop(fn):

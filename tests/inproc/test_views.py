@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
+from fakes import registration
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.ingress.routes import ErrorReply, Reply, Routes, routes
@@ -108,18 +109,7 @@ class Router:
 
     def join(self, worker_id: str, model: str = "sim-m") -> None:
         self.link.models[worker_id] = model
-        self.core.worker_joined(
-            p.Register(
-                worker_id=worker_id,
-                model=model,
-                pool=p.Pool.ANY,
-                max_model_len=4096,
-                kv_capacity_tokens=8192,
-                block_size=16,
-                max_num_seqs=4,
-                engine="sim",
-            )
-        )
+        self.core.worker_joined(registration(worker_id, model))
 
     def call(self, method: str, path: str, body: object = None) -> tuple[int, object]:
         req = Req(method.encode(), path.encode(), b"" if body is None else json.dumps(body).encode())

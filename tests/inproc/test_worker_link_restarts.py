@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
-from fakes import FakeSink
+from fakes import FakeSink, registration
 
 from engine_worker.sim_engine import SimEngine
 from engine_worker.worker import Worker
@@ -92,20 +92,7 @@ def _stand_in(ctx: zmq.Context, port: int, worker_id: str) -> zmq.Socket:
     d.setsockopt(zmq.IDENTITY, worker_id.encode())
     d.setsockopt(zmq.LINGER, 0)
     d.connect(f"tcp://127.0.0.1:{port}")
-    d.send(
-        p.encoder.encode(
-            p.Register(
-                worker_id=worker_id,
-                model="sim-m",
-                pool=p.Pool.ANY,
-                max_model_len=4096,
-                kv_capacity_tokens=1 << 20,
-                block_size=16,
-                max_num_seqs=64,
-                engine="sim",
-            )
-        )
-    )
+    d.send(p.encoder.encode(registration(worker_id, "sim-m", kv=1 << 20, seqs=64)))
     return d
 
 
