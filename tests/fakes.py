@@ -4,12 +4,48 @@ in-process tests of router.lifecycle.core: no sockets, no processes, time moved 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import uvloop
 
 from shared import protocol as p
 
 if TYPE_CHECKING:
     from router.policy import WorkerSpec
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """A uvloop event loop on a thread of its own, as the router runs one, for
+    tests that talk to a RouterCore (and its HTTP server) from theirs."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run ``coro`` on the loop; its result, here."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
+        """``fn()`` on the loop (the core's state has one owner: its loop)."""
+
+        async def on_loop() -> T:
+            return fn()
+
+        return self.run(on_loop(), timeout)
+
+    def stop(self, *closers: Callable[[], object]) -> None:
+        """``closers`` on the loop, in order, then the loop ends."""
+        for close in closers:
+            self.loop.call_soon_threadsafe(close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 class FakeWorkers:

@@ -6,15 +6,12 @@ adapters it may use.  Without keys they stay open (the anonymous tenant)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 import requests
-import uvloop
-from fakes import registration
+from fakes import LoopThread, registration
 from test_views import FakeLink
 
 from router.ingress.http_server import start_http_server
@@ -41,9 +38,8 @@ class Router:
             },
             Config,
         )
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.lt = LoopThread()
+        self.loop = self.lt.loop
         link = FakeLink()
 
         async def start():
@@ -54,14 +50,11 @@ class Router:
             views = RouterViews(RouterCoreReads(core), link, metrics)
             return core, await start_http_server(core, views, metrics, "127.0.0.1", 0)
 
-        self.core, self.srv = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        self.core, self.srv = self.lt.run(start())
         self.url = f"http://127.0.0.1:{self.srv.sockets[0].getsockname()[1]}"
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.srv.close)
-        self.loop.call_soon_threadsafe(self.core.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.lt.stop(self.srv.close, self.core.close)
 
 
 @pytest.fixture

@@ -8,15 +8,12 @@ shows which one tokenized."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from pathlib import Path
 
 import msgspec
 import pytest
 import requests
-import uvloop
-from fakes import FakeClock, FakeWorkers
+from fakes import FakeClock, FakeWorkers, LoopThread
 
 from router.api.aliases import pick
 from router.ingress.http_server import start_http_server
@@ -43,23 +40,18 @@ def router():
         },
         Config,
     )
-    loop = uvloop.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    lt = LoopThread()
 
     async def start():
-        core = RouterCore(cfg, loop, FakeWorkers(), clock=FakeClock())
+        core = RouterCore(cfg, lt.loop, FakeWorkers(), clock=FakeClock())
         srv = await start_http_server(
             core, core, core.metrics, "127.0.0.1", 0, session_headers=cfg.scheduler.session_headers
         )
         return core, srv
 
-    core, srv = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    core, srv = lt.run(start())
     yield cfg, f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-    loop.call_soon_threadsafe(srv.close)
-    loop.call_soon_threadsafe(core.close)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    lt.stop(srv.close, core.close)
 
 
 def _tokenize(url: str, model: str, headers: dict[str, str] | None = None) -> requests.Response:

@@ -7,7 +7,6 @@ tenant's long prompt nor another tenant's call."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import time
@@ -16,8 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import requests
-import uvloop
-from fakes import FakeClock, FakeSink, FakeWorkers, registration
+from fakes import FakeClock, FakeSink, FakeWorkers, LoopThread, registration
 
 from router.ingress.http_server import start_http_server
 from router.lifecycle.core import RouterCore
@@ -51,9 +49,8 @@ class Router:
             },
             Config,
         )
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.lt = LoopThread()
+        self.loop = self.lt.loop
         self.workers = FakeWorkers()
         self.clock = FakeClock()  # budgets never refill during a test
 
@@ -64,14 +61,11 @@ class Router:
             srv = await start_http_server(core, core, core.metrics, "127.0.0.1", 0, max_body_bytes=4 << 20)
             return core, srv
 
-        self.core, self.srv = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
+        self.core, self.srv = self.lt.run(start())
         self.url = f"http://127.0.0.1:{self.srv.sockets[0].getsockname()[1]}"
 
     def on_loop(self, fn):
-        async def call():
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
+        return self.lt.call(fn)
 
     def tokenize(self, key: str, prompt: str) -> requests.Response:
         return requests.post(
@@ -82,10 +76,7 @@ class Router:
         )
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.srv.close)
-        self.loop.call_soon_threadsafe(self.core.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.lt.stop(self.srv.close, self.core.close)
 
 
 @pytest.fixture

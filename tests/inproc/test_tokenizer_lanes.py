@@ -14,8 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import uvloop
-from fakes import FakeSink, FakeWorkers, registration
+from fakes import FakeSink, FakeWorkers, LoopThread, registration
 
 from router.lifecycle.core import RouterCore
 from router.lifecycle.jobs import job_id_of
@@ -89,24 +88,17 @@ def test_a_short_prompt_is_dispatched_while_a_burst_of_long_ones_is_tokenized():
     each), then one of 4 KB (over the inline limit): the short one is
     tokenized on the spare thread and dispatched before the long ones are
     all through (in one FIFO it came after all twelve)."""
-    loop = uvloop.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    lt = LoopThread()
+    on_loop = lt.call
     workers = FakeWorkers()
 
     async def start() -> RouterCore:
-        core = RouterCore(_config(tokenize_threads=2), loop, workers)
+        core = RouterCore(_config(tokenize_threads=2), lt.loop, workers)
         workers.linked.add("w0")
         core.worker_joined(registration("w0", MODEL, max_model_len=200_000, kv=10**8, seqs=64))
         return core
 
-    def on_loop(fn):
-        async def call():
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
-
-    core = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    core = lt.run(start())
     try:
         sink = FakeSink()
         long_text = "alpha beta gamma delta " * 9_600  # 220 KB
@@ -141,9 +133,7 @@ def test_a_short_prompt_is_dispatched_while_a_burst_of_long_ones_is_tokenized():
         assert isinstance(sent, p.Dispatch)
         assert sent.requests[0].prompt_token_ids == ModelPrompts(str(TINY)).encode(f"3 {long_text}", True)
     finally:
-        loop.call_soon_threadsafe(core.close)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        lt.stop(core.close)
 
 
 def test_the_pool_follows_the_config():
