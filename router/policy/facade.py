@@ -204,12 +204,18 @@ class Policy:
         long jobs run (``Targets.released``: it was cut), and its latency
         targets are judged where it runs next (the caller queues it again:
         ``submit(requeue=True)``).  True iff it held a place here."""
+        if not self._take_back(job_id, now, "taken_off"):
+            return False
+        self.targets.taken_off(job_id)
+        return True
+
+    def _take_back(self, job_id: str, now: float, counter: str) -> bool:
+        """Release a placed job that did not end (no drain-rate sample): it is queued again."""
         e = self.entries.get(job_id)
         if e is None or e.state != PLACED:
             return False
         self.reservations.release(e, now, count_rate=False)
-        self.targets.taken_off(job_id)
-        self.counters["taken_off"] += 1
+        self.counters[counter] += 1
         return True
 
     def stepped(self, worker_id: str, now: float) -> None:
@@ -230,12 +236,7 @@ class Policy:
         other routers hold the room): release without counting a completion
         (no drain-rate sample); the caller queues it again
         (``submit(requeue=True)``)."""
-        e = self.entries.get(job_id)
-        if e is None or e.state != PLACED:
-            return False
-        self.reservations.release(e, now, count_rate=False)
-        self.counters["refused_by_worker"] += 1
-        return True
+        return self._take_back(job_id, now, "refused_by_worker")
 
     def correct_prompt_tokens(self, job_id: str, actual: int) -> None:
         """The engine's exact prompt count: re-price the policy's copy of the
