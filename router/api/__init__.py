@@ -78,7 +78,7 @@ from router.api.render import Accumulator, render_completion, render_models
 from router.api.request import RequestMeta, meta_from_headers
 from router.api.sampling import JsonSchemaFormat, ResponseFormat, StreamOptions, StructuredOutputsBody
 from router.api.streaming import SSE_DONE, StreamRenderer
-from router.api.tools import constrain_auto
+from router.api.tools import constrain_auto, read_with_model
 from router.api.usage import PromptTokensDetails, TokenCounts, Usage
 
 __all__ = [
@@ -122,6 +122,7 @@ __all__ = [
     "chat_logprobs",
     "completion_logprobs",
     "constrain_auto",
+    "read_with_model",
     "echo_param",
     "encode",
     "error_body",

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -273,6 +274,15 @@ def constrain_auto(sub: Submit, spec: ToolSpec) -> None:
     if so is None or (sub.params is not None and sub.params.structured is not None):
         return
     sub.params = msgspec.structs.replace(sub.params or SamplingParams(), structured=so)
+
+
+def read_with_model(sub: Submit, spec: ToolSpec, tool_parser: Callable[[str], tuple[str | None, bool]]) -> None:
+    """Once the request's model is known (``tool_parser``: its configured tool-call
+    parser and whether ``auto`` parses calls): set them on ``spec`` and constrain
+    ``auto`` as vLLM would (``constrain_auto``); the live ingress and a batch line
+    alike.  RequestError: tools nested too deeply to write the tag."""
+    spec.parser, spec.auto_enabled = tool_parser(sub.model)
+    constrain_auto(sub, spec)
 
 
 # ------------------------------------------------------------ output

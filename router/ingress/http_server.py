@@ -557,9 +557,8 @@ class HttpConnection(asyncio.Protocol):
         if len(subs) == 1 and echoes:
             ctx.echo = echoes[0]
         if ctx.tools is not None:  # how the model writes tool calls (its config; None: refused by submit)
-            ctx.tools.parser, ctx.tools.auto_enabled = core.tool_parser(subs[0].model)
-            try:
-                api.constrain_auto(subs[0], ctx.tools)  # auto with a strict tool: vLLM's structural tag
+            try:  # (and auto with a strict tool: vLLM's structural tag)
+                api.read_with_model(subs[0], ctx.tools, core.tool_parser)
             except api.RequestError as e:  # (tools nested too deeply to write the tag)
                 return self.refuse(req, e.info, label)
         ex = (exchange or Exchange)(self, req, ctx, label)

@@ -152,9 +152,8 @@ class ResponsesApi:
     ) -> None:
         """Answer at once with the queued object; the turn runs on, its end stored."""
         if ctx.tools is not None:  # as HttpConnection.run does
-            ctx.tools.parser, ctx.tools.auto_enabled = self.core.tool_parser(sub.model)
             try:
-                api.constrain_auto(sub, ctx.tools)
+                api.read_with_model(sub, ctx.tools, self.core.tool_parser)
             except api.RequestError as e:
                 return conn.refuse(req, e.info, label)
         sink = BackgroundTurn(self, ctx, turn, caller)

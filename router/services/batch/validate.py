@@ -187,5 +187,4 @@ def with_model_tools(jobs: LineJobs, tool_parser: Callable[[str], tuple[str | No
     deeply to write the tag."""
     ctx = jobs.ctx
     if isinstance(ctx, api.ResponseContext) and ctx.tools is not None:
-        ctx.tools.parser, ctx.tools.auto_enabled = tool_parser(jobs.subs[0].model)
-        api.constrain_auto(jobs.subs[0], ctx.tools)
+        api.read_with_model(jobs.subs[0], ctx.tools, tool_parser)
